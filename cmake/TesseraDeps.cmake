@@ -1,0 +1,44 @@
+# Third-party dependencies, all from Debian packages (scripts/setup installs them).
+#
+# The binaries must run on a GPU machine that has none of these installed, so:
+#  - Cap'n Proto / kj are linked from Debian's static archives;
+#  - spdlog and fmt are used header-only (Debian ships no static archive for them);
+#  - Boost.Asio/Beast, CLI11 and nlohmann-json are header-only anyway.
+find_package(Threads REQUIRED)
+
+find_program(CAPNP_EXECUTABLE capnp REQUIRED)
+find_program(CAPNPC_CXX_EXECUTABLE capnpc-c++ REQUIRED)
+find_path(CAPNP_INCLUDE_DIR capnp/rpc.h REQUIRED)
+
+foreach(lib capnp-rpc capnp kj-async kj)
+  string(REPLACE "-" "_" var "TESSERA_LIB_${lib}")
+  find_library(${var} NAMES lib${lib}.a REQUIRED)
+endforeach()
+add_library(tessera_capnp INTERFACE)
+target_include_directories(tessera_capnp SYSTEM INTERFACE ${CAPNP_INCLUDE_DIR})
+target_link_libraries(tessera_capnp INTERFACE
+  ${TESSERA_LIB_capnp_rpc} ${TESSERA_LIB_capnp} ${TESSERA_LIB_kj_async} ${TESSERA_LIB_kj}
+  Threads::Threads)
+
+find_path(SPDLOG_INCLUDE_DIR spdlog/spdlog.h REQUIRED)
+find_path(FMT_INCLUDE_DIR fmt/format.h REQUIRED)
+add_library(tessera_spdlog INTERFACE)
+target_include_directories(tessera_spdlog SYSTEM INTERFACE ${SPDLOG_INCLUDE_DIR} ${FMT_INCLUDE_DIR})
+target_compile_definitions(tessera_spdlog INTERFACE SPDLOG_HEADER_ONLY FMT_HEADER_ONLY
+  SPDLOG_FMT_EXTERNAL)
+
+find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
+add_library(tessera_cli11 INTERFACE)
+target_include_directories(tessera_cli11 SYSTEM INTERFACE ${CLI11_INCLUDE_DIR})
+
+find_path(NLOHMANN_JSON_INCLUDE_DIR nlohmann/json.hpp REQUIRED)
+add_library(tessera_json INTERFACE)
+target_include_directories(tessera_json SYSTEM INTERFACE ${NLOHMANN_JSON_INCLUDE_DIR})
+
+find_path(BOOST_ASIO_INCLUDE_DIR boost/asio.hpp REQUIRED)
+add_library(tessera_asio INTERFACE)
+target_include_directories(tessera_asio SYSTEM INTERFACE ${BOOST_ASIO_INCLUDE_DIR})
+
+if(TESSERA_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()

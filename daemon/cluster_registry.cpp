@@ -1,0 +1,277 @@
+#include "daemon/cluster_registry.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+
+#include "protocol/rpc.h"
+
+namespace tessera {
+
+namespace {
+
+uint64_t wall_ms() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+}  // namespace
+
+struct ClusterRegistry::Member {
+  kj::Own<capnp::MallocMessageBuilder> message = kj::heap<capnp::MallocMessageBuilder>();
+  proto::NodeInfo::Builder info{nullptr};
+  proto::Node::Client node{nullptr};
+  bool alive = true;
+  bool local = false;         // the head's own node: no session, no heartbeats
+  uint64_t session = 0;       // generation of the registration that is current
+  kj::TimePoint last_beat = kj::origin<kj::TimePoint>();
+};
+
+// A node's membership. Released when the node's connection drops.
+class SessionImpl final : public proto::NodeSession::Server {
+ public:
+  SessionImpl(ClusterRegistry& registry, std::weak_ptr<int> registry_alive, std::string node_id,
+              uint64_t session)
+      : registry_(registry),
+        registry_alive_(std::move(registry_alive)),
+        node_id_(std::move(node_id)),
+        session_(session) {}
+  ~SessionImpl() noexcept(false) {
+    if (!registry_alive_.expired()) {
+      registry_.mark_dead(node_id_, session_, "its connection to the head was lost");
+    }
+  }
+
+ protected:
+  kj::Promise<void> heartbeat(HeartbeatContext context) override {
+    registry_.heartbeat(node_id_, session_, context.getParams().getUsage());
+    return kj::READY_NOW;
+  }
+  kj::Promise<void> leave(LeaveContext context) override {
+    std::string reason = context.getParams().getReason().cStr();
+    registry_.mark_dead(node_id_, session_, reason.empty() ? "it left the cluster" : reason);
+    return kj::READY_NOW;
+  }
+
+ private:
+  ClusterRegistry& registry_;
+  std::weak_ptr<int> registry_alive_;
+  std::string node_id_;
+  uint64_t session_;
+};
+
+class SubscriptionImpl final : public proto::Subscription::Server {
+ public:
+  SubscriptionImpl(ClusterRegistry& registry, std::weak_ptr<int> alive, uint64_t id)
+      : registry_(registry), alive_(std::move(alive)), id_(id) {}
+  ~SubscriptionImpl() noexcept(false) {
+    if (!alive_.expired()) registry_.unsubscribe(id_);
+  }
+
+ private:
+  ClusterRegistry& registry_;
+  std::weak_ptr<int> alive_;
+  uint64_t id_;
+};
+
+class ClusterImpl final : public proto::Cluster::Server {
+ public:
+  ClusterImpl(ClusterRegistry& registry, std::weak_ptr<int> alive)
+      : registry_(registry), alive_(std::move(alive)) {}
+
+ protected:
+  kj::Promise<void> registerNode(RegisterNodeContext context) override {
+    auto p = context.getParams();
+    auto reg = registry_.register_node(p.getInfo(), p.getNode());
+    auto r = context.getResults();
+    r.setNodeId(reg.node_id);
+    r.setSession(kj::mv(reg.session));
+    r.setHeartbeatMs(registry_.config().heartbeat_ms);
+    r.setMissedBeats(registry_.config().missed_beats);
+    return kj::READY_NOW;
+  }
+  kj::Promise<void> listNodes(ListNodesContext context) override {
+    registry_.fill_nodes(context.getParams().getIncludeDead(), context.getResults());
+    return kj::READY_NOW;
+  }
+  kj::Promise<void> subscribe(SubscribeContext context) override {
+    uint64_t id = registry_.subscribe(context.getParams().getListener());
+    context.getResults().setSubscription(kj::heap<SubscriptionImpl>(registry_, alive_, id));
+    return kj::READY_NOW;
+  }
+
+ private:
+  ClusterRegistry& registry_;
+  std::weak_ptr<int> alive_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+ClusterRegistry::ClusterRegistry(kj::AsyncIoContext& io, RegistryConfig config)
+    : io_(io), config_(config), tasks_(*this) {
+  tasks_.add(check_loop());
+}
+
+ClusterRegistry::~ClusterRegistry() { alive_.reset(); }
+
+void ClusterRegistry::taskFailed(kj::Exception&& exception) {
+  spdlog::warn("cluster registry task failed: {}", exception.getDescription().cStr());
+}
+
+proto::Cluster::Client ClusterRegistry::client() {
+  return kj::heap<ClusterImpl>(*this, alive_);
+}
+
+void ClusterRegistry::add_local_node(proto::NodeInfo::Reader info, proto::Node::Client node) {
+  auto m = std::make_unique<Member>();
+  m->message->setRoot(info);
+  m->info = m->message->getRoot<proto::NodeInfo>();
+  m->info.setAlive(true);
+  m->node = kj::mv(node);
+  m->local = true;
+  m->last_beat = io_.provider->getTimer().now();
+  std::string id = info.getNodeId().cStr();
+  members_[id] = std::move(m);
+  spdlog::info("head node {} is a member of its own cluster", id);
+}
+
+ClusterRegistry::Registered ClusterRegistry::register_node(proto::NodeInfo::Reader info,
+                                                           proto::Node::Client node) {
+  std::string id = info.getNodeId().cStr();
+  if (id.empty()) rpc::throw_status(invalid_argument("registerNode: empty nodeId"));
+  auto& slot = members_[id];
+  if (slot && slot->local) {
+    rpc::throw_status(Status(Code::kAlreadyExists, "node id " + id + " is the head's own"));
+  }
+  bool again = slot != nullptr;
+  auto m = std::make_unique<Member>();
+  m->message->setRoot(info);
+  m->info = m->message->getRoot<proto::NodeInfo>();
+  m->info.setAlive(true);
+  m->info.setDeathReason("");
+  m->info.setLastHeartbeatMs(wall_ms());
+  m->node = kj::mv(node);
+  m->session = next_id_++;
+  m->last_beat = io_.provider->getTimer().now();
+  uint64_t session = m->session;
+  slot = std::move(m);
+  auto res = info.getResources();
+  spdlog::info("node {} ({}) {}registered from {}: {} CPUs, {} GPU(s)", id,
+               info.getName().cStr(), again ? "re-" : "", info.getAddress().cStr(),
+               res.getCpus(), res.getGpus().size());
+  notify(true, *slot);
+  return {id, kj::heap<SessionImpl>(*this, alive_, id, session)};
+}
+
+void ClusterRegistry::heartbeat(const std::string& node_id, uint64_t session,
+                                proto::NodeUsage::Reader usage) {
+  auto it = members_.find(node_id);
+  if (it == members_.end() || it->second->session != session) {
+    rpc::throw_status(failed_precondition("node " + node_id +
+                                          " has a newer registration; this session is stale"));
+  }
+  Member& m = *it->second;
+  if (!m.alive) {
+    rpc::throw_status(failed_precondition("node " + node_id + " was marked dead (" +
+                                          std::string(m.info.getDeathReason().cStr()) +
+                                          "); register again"));
+  }
+  m.last_beat = io_.provider->getTimer().now();
+  m.info.setLastHeartbeatMs(wall_ms());
+  auto res = m.info.getResources();
+  res.setMemoryAvailable(usage.getMemoryAvailable());
+  auto used = usage.getGpuMemoryUsed();
+  auto gpus = res.getGpus();
+  for (unsigned i = 0; i < used.size() && i < gpus.size(); ++i) gpus[i].setMemoryUsed(used[i]);
+}
+
+void ClusterRegistry::mark_dead(const std::string& node_id, uint64_t session,
+                                const std::string& reason) {
+  auto it = members_.find(node_id);
+  if (it == members_.end() || it->second->session != session || !it->second->alive) return;
+  Member& m = *it->second;
+  m.alive = false;
+  m.info.setAlive(false);
+  m.info.setDeathReason(reason);
+  m.node = nullptr;  // let go of the connection
+  spdlog::warn("node {} ({}) is dead: {}", node_id, m.info.getName().cStr(), reason);
+  notify(false, m);
+}
+
+void ClusterRegistry::fill_nodes(bool include_dead,
+                                 proto::Cluster::ListNodesResults::Builder out) {
+  std::vector<Member*> chosen;
+  // The head first, then the others by registration.
+  for (auto& [id, m] : members_) {
+    if (m->local) chosen.insert(chosen.begin(), m.get());
+    else if (m->alive || include_dead) chosen.push_back(m.get());
+  }
+  auto list = out.initNodes(static_cast<unsigned>(chosen.size()));
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    auto e = list[static_cast<unsigned>(i)];
+    e.setInfo(chosen[i]->info.asReader());
+    if (chosen[i]->alive) e.setNode(chosen[i]->node);
+  }
+}
+
+uint64_t ClusterRegistry::subscribe(proto::ClusterListener::Client listener) {
+  uint64_t id = next_id_++;
+  listeners_.emplace(id, kj::mv(listener));
+  return id;
+}
+
+void ClusterRegistry::unsubscribe(uint64_t id) { listeners_.erase(id); }
+
+size_t ClusterRegistry::alive_count() const {
+  size_t n = 0;
+  for (auto& [id, m] : members_) n += m->alive ? 1 : 0;
+  return n;
+}
+
+void ClusterRegistry::notify(bool added, const Member& member) {
+  for (auto& [id, listener] : listeners_) {
+    uint64_t lid = id;
+    kj::Promise<void> sent = nullptr;
+    if (added) {
+      auto req = listener.nodeAddedRequest();
+      req.setNode(member.info.asReader());
+      sent = req.send().ignoreResult();
+    } else {
+      auto req = listener.nodeDeadRequest();
+      req.setNode(member.info.asReader());
+      sent = req.send().ignoreResult();
+    }
+    tasks_.add(sent.catch_([this, lid](kj::Exception&& e) {
+      spdlog::info("dropping cluster subscriber {}: {}", lid, e.getDescription().cStr());
+      listeners_.erase(lid);
+    }));
+  }
+}
+
+kj::Promise<void> ClusterRegistry::check_loop() {
+  auto& timer = io_.provider->getTimer();
+  return timer.afterDelay(config_.heartbeat_ms * kj::MILLISECONDS).then([this]() {
+    auto now = io_.provider->getTimer().now();
+    auto limit = config_.heartbeat_ms * config_.missed_beats * kj::MILLISECONDS;
+    std::vector<std::pair<std::string, uint64_t>> late;
+    for (auto& [id, m] : members_) {
+      if (m->alive && !m->local && now - m->last_beat > limit) late.emplace_back(id, m->session);
+    }
+    for (auto& [id, session] : late) {
+      auto since = (now - members_[id]->last_beat) / kj::MILLISECONDS;
+      mark_dead(id, session,
+                "missed " + std::to_string(config_.missed_beats) + " heartbeats (none for " +
+                    std::to_string(since) + " ms)");
+    }
+    // Forget dead members beyond the last 100.
+    size_t dead = 0;
+    for (auto it = members_.begin(); it != members_.end();) {
+      if (!it->second->alive && ++dead > 100) it = members_.erase(it);
+      else ++it;
+    }
+    return check_loop();
+  });
+}
+
+}  // namespace tessera

@@ -1,0 +1,73 @@
+// The head's cluster registry: which nodes are members, their last heartbeat, and who wants
+// to hear about changes.
+//
+// A node registers with its NodeInfo and its Node capability and gets a NodeSession back. It is
+// marked dead when it leaves, when its connection drops (the session capability is released),
+// or when it misses `missed_beats` heartbeats in a row; subscribers hear nodeAdded / nodeDead.
+// A dead node's session refuses further heartbeats, so the node registers again.
+//
+// Single-threaded: lives on the head daemon's kj event loop.
+#pragma once
+
+#include <capnp/message.h>
+#include <kj/async-io.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "protocol/cluster.capnp.h"
+
+namespace tessera {
+
+struct RegistryConfig {
+  uint32_t heartbeat_ms = 1000;  // nodes beat this often
+  uint32_t missed_beats = 5;     // a node that misses this many in a row is dead
+};
+
+class ClusterRegistry final : private kj::TaskSet::ErrorHandler {
+ public:
+  ClusterRegistry(kj::AsyncIoContext& io, RegistryConfig config);
+  ~ClusterRegistry();
+  ClusterRegistry(const ClusterRegistry&) = delete;
+  ClusterRegistry& operator=(const ClusterRegistry&) = delete;
+
+  // A new capability to the registry.
+  proto::Cluster::Client client();
+
+  // Registers the head's own node (no session: it lives as long as the registry).
+  void add_local_node(proto::NodeInfo::Reader info, proto::Node::Client node);
+
+  // Implementation of the RPC methods (used by the server objects).
+  struct Registered {
+    std::string node_id;
+    proto::NodeSession::Client session;
+  };
+  Registered register_node(proto::NodeInfo::Reader info, proto::Node::Client node);
+  void heartbeat(const std::string& node_id, uint64_t session, proto::NodeUsage::Reader usage);
+  void mark_dead(const std::string& node_id, uint64_t session, const std::string& reason);
+  void fill_nodes(bool include_dead, proto::Cluster::ListNodesResults::Builder out);
+  uint64_t subscribe(proto::ClusterListener::Client listener);
+  void unsubscribe(uint64_t id);
+
+  const RegistryConfig& config() const { return config_; }
+  size_t alive_count() const;
+
+ private:
+  struct Member;
+  kj::Promise<void> check_loop();
+  void notify(bool added, const Member& member);
+  void taskFailed(kj::Exception&& exception) override;
+
+  kj::AsyncIoContext& io_;
+  RegistryConfig config_;
+  std::map<std::string, std::unique_ptr<Member>> members_;
+  std::map<uint64_t, proto::ClusterListener::Client> listeners_;
+  uint64_t next_id_ = 1;
+  // Expires with the registry: sessions and subscriptions released later must not call back.
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);
+  kj::TaskSet tasks_;
+};
+
+}  // namespace tessera

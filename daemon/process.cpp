@@ -1,0 +1,191 @@
+#include "daemon/process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+extern char** environ;
+
+namespace tessera {
+
+namespace {
+
+void close_fd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+// Child side after fork: only async-signal-safe calls until execve.
+[[noreturn]] void exec_child(const ProcessSpec& spec, char* const* argv, char* const* envp,
+                             int ready_write, int error_write, pid_t parent) {
+  auto fail = [&](int err) {
+    ssize_t ignored = ::write(error_write, &err, sizeof(err));
+    (void)ignored;
+    _exit(127);
+  };
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) _exit(126);  // the daemon died before prctl took effect
+  // The daemon's event loop blocks the signals it captures; the actor must start clean.
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGPIPE, SIGCHLD, SIGUSR1, SIGUSR2}) {
+    ::signal(sig, SIG_DFL);
+  }
+  int null_fd = ::open("/dev/null", O_RDONLY);
+  if (null_fd < 0) fail(errno);
+  int log_fd = ::open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (log_fd < 0) fail(errno);
+  // Move the ready pipe to fd 3 first (it may currently sit on 0..2).
+  int ready_tmp = ::fcntl(ready_write, F_DUPFD, 10);
+  if (ready_tmp < 0) fail(errno);
+  if (::dup2(null_fd, 0) < 0 || ::dup2(log_fd, 1) < 0 || ::dup2(log_fd, 2) < 0 ||
+      ::dup2(ready_tmp, kReadyFd) < 0) {
+    fail(errno);
+  }
+  ::close(ready_tmp);
+  if (null_fd > 2) ::close(null_fd);
+  if (log_fd > 2) ::close(log_fd);
+  ::execve(spec.binary.c_str(), argv, envp);
+  fail(errno);
+  _exit(127);
+}
+
+}  // namespace
+
+Expected<SpawnedProcess> spawn_process(const ProcessSpec& spec) {
+  std::vector<std::string> argv_store;
+  argv_store.push_back(spec.binary);
+  argv_store.insert(argv_store.end(), spec.args.begin(), spec.args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_store) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_store;
+  for (const auto& [name, value] : spec.env) env_store.push_back(name + "=" + value);
+  std::vector<char*> envp;
+  for (auto& e : env_store) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  int ready[2];
+  int error[2];
+  if (::pipe2(ready, O_CLOEXEC) != 0) {
+    return internal_error(std::string("pipe: ") + std::strerror(errno));
+  }
+  if (::pipe2(error, O_CLOEXEC) != 0) {
+    ::close(ready[0]);
+    ::close(ready[1]);
+    return internal_error(std::string("pipe: ") + std::strerror(errno));
+  }
+  pid_t parent = ::getpid();
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    int err = errno;
+    for (int fd : {ready[0], ready[1], error[0], error[1]}) ::close(fd);
+    return resource_exhausted(std::string("cannot fork to start ") + spec.binary + ": " +
+                              std::strerror(err));
+  }
+  if (pid == 0) exec_child(spec, argv.data(), envp.data(), ready[1], error[1], parent);
+
+  ::close(ready[1]);
+  ::close(error[1]);
+  int child_errno = 0;
+  ssize_t n;
+  do {
+    n = ::read(error[0], &child_errno, sizeof(child_errno));
+  } while (n < 0 && errno == EINTR);
+  ::close(error[0]);
+  if (n > 0) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ::close(ready[0]);
+    std::string why = std::strerror(child_errno);
+    if (child_errno == ENOENT) return not_found("cannot start " + spec.binary + ": " + why);
+    if (child_errno == EACCES) {
+      return Status(Code::kPermissionDenied, "cannot start " + spec.binary + ": " + why);
+    }
+    return internal_error("cannot start " + spec.binary + " (log " + spec.log_path + "): " + why);
+  }
+  return SpawnedProcess{pid, ready[0]};
+}
+
+Expected<std::string> resolve_binary(const std::string& name, const std::string& bin_dir) {
+  if (name.empty()) return invalid_argument("empty actor binary name");
+  std::string path;
+  if (name.front() == '/') {
+    path = name;
+  } else if (name.find('/') != std::string::npos) {
+    return invalid_argument("actor binary '" + name +
+                            "' must be a bare name (looked up in " + bin_dir +
+                            ") or an absolute path");
+  } else {
+    path = bin_dir + "/" + name;
+  }
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return not_found("unknown actor binary '" + name + "': no file " + path);
+  }
+  if ((st.st_mode & 0111) == 0 || ::access(path.c_str(), X_OK) != 0) {
+    return Status(Code::kPermissionDenied,
+                  "actor binary '" + name + "' (" + path + ") is not executable");
+  }
+  return path;
+}
+
+std::string describe_wait_status(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    const char* abbrev = sigabbrev_np(sig);
+    std::string out = "killed by signal " + std::to_string(sig);
+    if (abbrev != nullptr) out += std::string(" (SIG") + abbrev + ")";
+    if (WCOREDUMP(status)) out += ", core dumped";
+    return out;
+  }
+  return "ended with wait status " + std::to_string(status);
+}
+
+int wait_exit_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : -1; }
+int wait_term_signal(int status) { return WIFSIGNALED(status) ? WTERMSIG(status) : 0; }
+
+std::string tail_file(const std::string& path, size_t max_bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "";
+  in.seekg(0, std::ios::end);
+  auto size = static_cast<size_t>(in.tellg());
+  size_t start = size > max_bytes ? size - max_bytes : 0;
+  in.seekg(static_cast<std::streamoff>(start));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string self_exe_dir() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  std::string path(buf, static_cast<size_t>(n));
+  auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+std::vector<std::pair<std::string, std::string>> current_environment() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    std::string entry(*e);
+    auto eq = entry.find('=');
+    if (eq == std::string::npos) continue;
+    out.emplace_back(entry.substr(0, eq), entry.substr(eq + 1));
+  }
+  return out;
+}
+
+}  // namespace tessera

@@ -1,0 +1,112 @@
+// tessera: the command line. Thin: each subcommand parses flags and calls a library.
+//
+//   tessera start --head [--port 6380] [--block]     start a cluster's head daemon here
+//   tessera start --address HEAD:PORT [--block]      join a cluster with this machine
+//   tessera status [--address HEAD:PORT] [--json]    nodes, GPUs, links, actors
+//   tessera stop                                     stop the daemons started here
+//
+// Exit codes (decided here only): 0 success, 1 the operation failed, 2 bad usage.
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <string>
+
+#include "common/logging.h"
+#include "daemon/session.h"
+#include "daemon/start.h"
+#include "driver/status.h"
+#include "protocol/rpc.h"
+
+namespace {
+
+int status_command(const std::string& address_flag, const std::string& temp_dir, bool json) {
+  std::string address = address_flag;
+  if (address.empty()) {
+    auto found = tessera::read_head_address(tessera::temp_root(temp_dir));
+    if (!found) {
+      std::cerr << "tessera status: " << found.status().message() << "\n";
+      return 1;
+    }
+    address = *found;
+  }
+  tessera::EventLoop loop;
+  auto status = tessera::collect_status(loop, address);
+  if (!status) {
+    std::cerr << "tessera status: " << status.status().message() << "\n";
+    return 1;
+  }
+  std::cout << (json ? tessera::render_status_json(*status) : tessera::render_status(*status));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Tessera: distributed LLM inference runtime"};
+  app.require_subcommand(1);
+  std::string log_level;
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error")
+      ->envname("TESSERA_LOG_LEVEL");
+
+  tessera::StartOptions start;
+  auto* start_cmd = app.add_subcommand("start", "Start a node daemon on this machine");
+  start_cmd->add_flag("--head", start.head, "Start a new cluster with this node as its head");
+  start_cmd->add_option("--address", start.address, "Join the cluster whose head is HOST:PORT");
+  start_cmd->add_option("--port", start.port, "RPC port (head default 6380, members any free)")
+      ->check(CLI::Range(0, 65535));
+  start_cmd->add_flag("--block", start.block, "Stay in the foreground and log to stderr");
+  start_cmd->add_option("--temp-dir", start.temp_dir,
+                        "Root for session logs and records (default $TESSERA_TMPDIR or "
+                        "/tmp/tessera)");
+  start_cmd->add_option("--node-ip", start.node_ip, "Address other nodes reach this one at");
+  start_cmd->add_option("--node-name", start.node_name, "Name shown in status (default hostname)");
+  start_cmd->add_option("--bind", start.bind_host, "Interface to listen on (default 0.0.0.0)");
+  start_cmd->add_option("--object-store-memory", start.object_store_memory,
+                        "Bytes of shared memory the object store may hold (default 2 GiB)");
+  start_cmd->add_option("--heartbeat-ms", start.heartbeat_ms, "Heartbeat period (default 1000)")
+      ->check(CLI::Range(10u, 600000u));
+  start_cmd->add_option("--missed-heartbeats", start.missed_beats,
+                        "Missed beats before a node is dead (default 5)")
+      ->check(CLI::Range(1u, 1000u));
+  start_cmd->add_option("--nvml-library", start.nvml_library,
+                        "Path of libnvidia-ml.so.1 (default: the system's)");
+  start_cmd->add_option("--actor-bin-dir", start.bin_dir,
+                        "Where tessera-actor lives (default: next to tessera)");
+
+  tessera::StopOptions stop;
+  auto* stop_cmd = app.add_subcommand("stop", "Stop the daemons started on this machine");
+  stop_cmd->add_option("--temp-dir", stop.temp_dir, "The root they were started with");
+  stop_cmd->add_option("--timeout", stop.timeout_s, "Seconds before SIGKILL (default 10)");
+
+  std::string status_address, status_temp;
+  bool status_json = false;
+  auto* status_cmd = app.add_subcommand("status", "Show the cluster: nodes, GPUs, actors");
+  status_cmd->add_option("--address", status_address,
+                         "Head HOST:PORT (default: the head started on this machine)");
+  status_cmd->add_option("--temp-dir", status_temp, "The root the head was started with");
+  status_cmd->add_flag("--json", status_json, "Print JSON");
+
+  auto* version_cmd = app.add_subcommand("version", "Print the version and protocol version");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  if (*start_cmd) {
+    start.log_level = log_level;
+    return tessera::start_command(start);
+  }
+  if (auto st = tessera::init_logging({"cli", "", log_level.empty() ? "warn" : log_level}); !st) {
+    std::cerr << "tessera: " << st.message() << "\n";
+    return 2;
+  }
+  if (*stop_cmd) return tessera::stop_command(stop);
+  if (*status_cmd) return status_command(status_address, status_temp, status_json);
+  if (*version_cmd) {
+    std::cout << "tessera " << TESSERA_VERSION << " (protocol v" << tessera::rpc::kProtocolVersion
+              << ")\n";
+    return 0;
+  }
+  return 2;
+}

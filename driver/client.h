@@ -1,0 +1,230 @@
+// The driver's client library: blocking calls into a Tessera cluster from one thread.
+//
+//   tessera::EventLoop loop;
+//   auto cluster = tessera::ClusterClient::connect(loop, "10.0.0.1:6380");
+//   for (auto& node : cluster->nodes()) ...
+//   auto lease = node.open_lease("my-driver", /*ttl_ms=*/0);
+//   auto actor = lease->spawn({.gpus = {0}});
+//   auto handle = tessera::ActorHandle::connect(loop, actor->address);
+//   auto health = handle->health();
+//
+// Every call returns Expected/Status: no exception leaves this library. Calls block the calling
+// thread while running the loop, so asynchronous events (actor deaths, cluster events, lease
+// renewals) are processed during any call, or by loop.run_for(). Everything here belongs to
+// the thread that made the EventLoop.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/node_resources.h"
+#include "common/status.h"
+#include "protocol/rpc.h"
+
+namespace tessera {
+
+class EventLoop {
+ public:
+  EventLoop();
+  ~EventLoop();
+  EventLoop(const EventLoop&) = delete;
+  EventLoop& operator=(const EventLoop&) = delete;
+
+  kj::AsyncIoContext& io();
+  kj::WaitScope& wait_scope();
+  // Processes events for `duration` (or until `done` returns true, checked after each event).
+  void run_for(std::chrono::milliseconds duration, const std::function<bool()>& done = nullptr);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct NodeView {
+  std::string node_id;
+  std::string name;
+  std::string address;
+  bool is_head = false;
+  bool alive = false;
+  std::string death_reason;
+  uint64_t started_at_ms = 0;
+  uint64_t last_heartbeat_ms = 0;
+  std::string session_dir;
+  int pid = 0;
+  NodeResources resources;
+};
+
+struct ActorView {
+  std::string actor_id;
+  std::string node_id;
+  std::string owner;
+  std::string name;
+  int pid = -1;
+  std::vector<uint32_t> gpus;
+  std::string state;  // "starting", "ready", "dead"
+  std::string address;
+  std::string binary;
+  std::string log_path;
+  int exit_code = -1;
+  int term_signal = 0;
+  std::string death_reason;
+};
+
+struct SegmentView {
+  std::string name;
+  std::string kind;  // "object" or "ring"
+  std::string id;
+  uint64_t bytes = 0;
+  uint32_t refs = 0;
+  bool sealed = false;
+  std::string owner;
+};
+
+struct ObjectStoreView {
+  uint64_t capacity = 0;
+  uint64_t used = 0;
+  uint32_t objects = 0;
+  std::vector<SegmentView> segments;
+};
+
+struct SpawnOptions {
+  std::string binary;  // "" = tessera-actor
+  std::vector<std::string> args;
+  std::vector<uint32_t> gpus;
+  std::vector<std::pair<std::string, std::string>> env;
+  std::string name;
+  uint32_t ready_timeout_ms = 0;
+};
+
+class LeaseHandle;
+
+// A node daemon, reached directly or through the head.
+class NodeHandle {
+ public:
+  NodeHandle(EventLoop& loop, proto::Node::Client node);
+
+  Expected<NodeView> info();
+  Expected<std::vector<ActorView>> actors();
+  Expected<ObjectStoreView> object_store();
+  // ttl_ms = 0: the lease lives as long as this process's connection. With a TTL, the handle
+  // renews it every ttl/3 while the loop runs.
+  Expected<std::unique_ptr<LeaseHandle>> open_lease(const std::string& owner, uint32_t ttl_ms = 0);
+  Status shutdown();
+
+  proto::Node::Client& capability() { return node_; }
+
+ private:
+  EventLoop& loop_;
+  proto::Node::Client node_;
+};
+
+// An owner's hold on a node: what it spawns dies with it.
+class LeaseHandle {
+ public:
+  struct State;
+  LeaseHandle(EventLoop& loop, proto::Lease::Client lease, uint32_t ttl_ms,
+              std::shared_ptr<State> state);
+  ~LeaseHandle();
+
+  Expected<ActorView> spawn(const SpawnOptions& options);
+  Status kill(const std::string& actor_id, bool force = false);
+  Expected<std::vector<ActorView>> actors();
+  Status renew();
+
+  Expected<std::string> create_object(const std::string& id, uint64_t size);
+  Status seal_object(const std::string& id);
+  Expected<std::pair<std::string, uint64_t>> get_object(const std::string& id,
+                                                        uint32_t timeout_ms = 0);
+  Status release_object(const std::string& id);
+  Status delete_object(const std::string& id);
+  Expected<std::string> create_ring(const std::string& name, uint32_t slot_bytes, uint32_t slots,
+                                    uint32_t readers);
+
+  // Deaths of this lease's actors reported so far (oldest first).
+  const std::vector<ActorView>& deaths() const;
+  // Runs the loop until `actor_id` is reported dead or `timeout` passes.
+  Expected<ActorView> wait_for_death(const std::string& actor_id,
+                                     std::chrono::milliseconds timeout);
+  // Stops renewing (a TTL lease then lapses) and lets the lease go when this handle dies.
+  void stop_renewing();
+
+ private:
+  EventLoop& loop_;
+  proto::Lease::Client lease_;
+  std::shared_ptr<State> state_;
+  kj::Promise<void> renewing_{nullptr};
+};
+
+// The cluster, through its head.
+class ClusterClient {
+ public:
+  // Connects and says hello. Fails when nothing answers, the peer is not a head, or it speaks
+  // another protocol version.
+  static Expected<std::unique_ptr<ClusterClient>> connect(
+      EventLoop& loop, const std::string& address,
+      std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+  Expected<std::vector<NodeView>> nodes(bool include_dead = false);
+  // A handle to a live node by id (calls go through the head).
+  Expected<NodeHandle> node(const std::string& node_id);
+  // The head's own node.
+  NodeHandle head_node();
+
+  // Calls `on_added` / `on_dead` as nodes join or die, while the loop runs; the subscription
+  // ends when the returned object is destroyed.
+  struct Subscription;
+  Expected<std::unique_ptr<Subscription>> subscribe(std::function<void(const NodeView&)> on_added,
+                                                    std::function<void(const NodeView&)> on_dead);
+
+  const std::string& address() const { return conn_->address; }
+  const std::string& head_id() const { return conn_->server_id; }
+
+  ClusterClient(EventLoop& loop, kj::Own<rpc::Connection> conn);
+  ~ClusterClient();
+
+ private:
+  EventLoop& loop_;
+  kj::Own<rpc::Connection> conn_;
+};
+
+struct ClusterClient::Subscription {
+  proto::Subscription::Client handle{nullptr};
+};
+
+struct ActorHealthView {
+  std::string actor_id;
+  int pid = 0;
+  uint64_t uptime_ms = 0;
+  std::string backend;
+  std::string visible_devices;
+  std::vector<GpuDevice> devices;
+  std::string nccl_version;
+  std::string note;
+};
+
+// A direct connection to an actor process.
+class ActorHandle {
+ public:
+  static Expected<std::unique_ptr<ActorHandle>> connect(
+      EventLoop& loop, const std::string& address,
+      std::chrono::milliseconds timeout = std::chrono::seconds(10));
+  Expected<ActorHealthView> health();
+  Status shutdown();
+
+  ActorHandle(EventLoop& loop, kj::Own<rpc::Connection> conn);
+  ~ActorHandle();
+
+ private:
+  EventLoop& loop_;
+  kj::Own<rpc::Connection> conn_;
+};
+
+// Conversions from the wire (also used by the CLI).
+NodeView node_view(proto::NodeInfo::Reader info);
+ActorView actor_view(proto::ActorInfo::Reader info);
+
+}  // namespace tessera

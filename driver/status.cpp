@@ -1,0 +1,176 @@
+#include "driver/status.h"
+
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace tessera {
+
+Expected<ClusterStatus> collect_status(EventLoop& loop, const std::string& head_address) {
+  auto cluster = ClusterClient::connect(loop, head_address);
+  if (!cluster) return cluster.status();
+  auto nodes = (*cluster)->nodes(/*include_dead=*/true);
+  if (!nodes) return nodes.status();
+  ClusterStatus out;
+  out.head_address = head_address;
+  out.head_id = (*cluster)->head_id();
+  std::vector<NodeStatus> dead;
+  for (auto& n : *nodes) {
+    NodeStatus ns;
+    ns.node = n;
+    if (n.alive) {
+      auto handle = (*cluster)->node(n.node_id);
+      if (!handle) {
+        ns.error = handle.status().message();
+      } else {
+        if (auto info = handle->info()) ns.node = *info;  // fresh GPU memory readings
+        if (auto actors = handle->actors()) {
+          ns.actors = *actors;
+        } else {
+          ns.error = actors.status().message();
+        }
+        if (auto store = handle->object_store()) ns.object_store = *store;
+      }
+      out.nodes.push_back(std::move(ns));
+    } else {
+      dead.push_back(std::move(ns));
+    }
+  }
+  for (auto& d : dead) out.nodes.push_back(std::move(d));
+  return out;
+}
+
+namespace {
+
+std::string gib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", static_cast<double>(bytes) / (1ull << 30));
+  return buf;
+}
+
+std::string join(const std::vector<uint32_t>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? "," : "") + std::to_string(v[i]);
+  return out.empty() ? "-" : out;
+}
+
+std::string pad(std::string s, size_t width) {
+  if (s.size() < width) s.append(width - s.size(), ' ');
+  return s;
+}
+
+}  // namespace
+
+std::string render_status(const ClusterStatus& status) {
+  std::ostringstream o;
+  size_t alive = 0;
+  for (const auto& n : status.nodes) alive += n.node.alive ? 1 : 0;
+  o << "Cluster at " << status.head_address << " (head " << status.head_id << "): " << alive
+    << " node(s) alive";
+  if (alive != status.nodes.size()) o << ", " << status.nodes.size() - alive << " dead";
+  o << "\n";
+  for (const auto& ns : status.nodes) {
+    const NodeView& n = ns.node;
+    const NodeResources& r = n.resources;
+    o << "\nNode " << n.node_id << " (" << n.name << ")" << (n.is_head ? " [head]" : "") << "  "
+      << n.address << "  " << (n.alive ? "alive" : "DEAD") << "  pid " << n.pid << "\n";
+    if (!n.alive) {
+      o << "  died: " << n.death_reason << "\n";
+      continue;
+    }
+    o << "  CPUs " << r.cpus << ", memory " << gib(r.memory_available) << " GiB free of "
+      << gib(r.memory_total) << " GiB\n";
+    if (r.gpus.empty()) {
+      o << "  GPUs: none" << (r.gpu_note.empty() ? "" : " (" + r.gpu_note + ")") << "\n";
+    } else {
+      o << "  GPUs: " << r.gpus.size() << " (driver " << r.driver_version << ")\n";
+      for (const auto& g : r.gpus) {
+        o << "    GPU" << g.index << "  " << pad(g.name, 22) << gib(g.memory_used) << " / "
+          << gib(g.memory_total) << " GiB used   " << g.pci_bus_id << "  " << g.uuid << "\n";
+      }
+      o << "  GPU links:\n";
+      std::istringstream matrix(format_link_matrix(r));
+      for (std::string line; std::getline(matrix, line);) o << "    " << line << "\n";
+    }
+    if (ns.object_store.capacity > 0) {
+      o << "  object store: " << ns.object_store.objects << " object(s), "
+        << gib(ns.object_store.used) << " of " << gib(ns.object_store.capacity) << " GiB\n";
+    }
+    if (!ns.error.empty()) o << "  (could not read actors: " << ns.error << ")\n";
+    if (ns.actors.empty()) {
+      o << "  actors: none\n";
+      continue;
+    }
+    o << "  actors:\n    " << pad("ACTOR", 12) << pad("OWNER", 16) << pad("PID", 9)
+      << pad("GPU", 6) << pad("STATE", 8) << "ADDRESS / EXIT\n";
+    for (const auto& a : ns.actors) {
+      std::string tail = a.state == "dead" ? a.death_reason : a.address;
+      o << "    " << pad(a.actor_id, 12) << pad(a.owner, 16) << pad(std::to_string(a.pid), 9)
+        << pad(join(a.gpus), 6) << pad(a.state, 8) << tail << "\n";
+    }
+  }
+  return o.str();
+}
+
+std::string render_status_json(const ClusterStatus& status) {
+  using nlohmann::json;
+  json nodes = json::array();
+  for (const auto& ns : status.nodes) {
+    const NodeView& n = ns.node;
+    json gpus = json::array();
+    for (const auto& g : n.resources.gpus) {
+      gpus.push_back({{"index", g.index},
+                      {"name", g.name},
+                      {"uuid", g.uuid},
+                      {"pci_bus_id", g.pci_bus_id},
+                      {"memory_total", g.memory_total},
+                      {"memory_used", g.memory_used}});
+    }
+    json links = json::array();
+    size_t count = n.resources.gpus.size();
+    for (size_t i = 0; i < count; ++i) {
+      json row = json::array();
+      for (size_t j = 0; j < count && i * count + j < n.resources.links.size(); ++j) {
+        row.push_back(link_name(n.resources.links[i * count + j]));
+      }
+      links.push_back(row);
+    }
+    json actors = json::array();
+    for (const auto& a : ns.actors) {
+      actors.push_back({{"actor_id", a.actor_id},   {"owner", a.owner},
+                        {"name", a.name},           {"pid", a.pid},
+                        {"gpus", a.gpus},           {"state", a.state},
+                        {"address", a.address},     {"log_path", a.log_path},
+                        {"exit_code", a.exit_code}, {"term_signal", a.term_signal},
+                        {"death_reason", a.death_reason}});
+    }
+    nodes.push_back({{"node_id", n.node_id},
+                     {"name", n.name},
+                     {"address", n.address},
+                     {"is_head", n.is_head},
+                     {"alive", n.alive},
+                     {"death_reason", n.death_reason},
+                     {"pid", n.pid},
+                     {"session_dir", n.session_dir},
+                     {"cpus", n.resources.cpus},
+                     {"memory_total", n.resources.memory_total},
+                     {"memory_available", n.resources.memory_available},
+                     {"driver_version", n.resources.driver_version},
+                     {"gpu_note", n.resources.gpu_note},
+                     {"gpus", gpus},
+                     {"links", links},
+                     {"object_store",
+                      {{"capacity", ns.object_store.capacity},
+                       {"used", ns.object_store.used},
+                       {"objects", ns.object_store.objects}}},
+                     {"actors", actors},
+                     {"error", ns.error}});
+  }
+  json out = {{"head_address", status.head_address},
+              {"head_id", status.head_id},
+              {"nodes", nodes}};
+  return out.dump(2) + "\n";
+}
+
+}  // namespace tessera

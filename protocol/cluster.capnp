@@ -1,0 +1,39 @@
+@0xf702ddf64399aa4c;
+# Cluster membership, kept by the head daemon.
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("tessera::proto");
+
+using N = import "node.capnp";
+
+struct NodeUsage {
+  memoryAvailable @0 :UInt64;
+  gpuMemoryUsed @1 :List(UInt64);  # per GPU, bytes
+  actors @2 :UInt32;               # live actors
+}
+
+interface NodeSession {
+  # A registered node's membership; dropping it (disconnecting) marks the node dead.
+  heartbeat @0 (usage :NodeUsage) -> ();
+  # Fails once the head has marked the node dead: the node must register again.
+  leave @1 (reason :Text) -> ();
+}
+
+interface ClusterListener {
+  nodeAdded @0 (node :N.NodeInfo) -> ();
+  nodeDead @1 (node :N.NodeInfo) -> ();
+}
+
+interface Subscription {}
+# Dropping it stops the events.
+
+struct NodeEntry {
+  info @0 :N.NodeInfo;
+  node @1 :N.Node;  # calls on it go through the head to the node's daemon
+}
+
+interface Cluster {
+  registerNode @0 (info :N.NodeInfo, node :N.Node)
+      -> (nodeId :Text, session :NodeSession, heartbeatMs :UInt32, missedBeats :UInt32);
+  listNodes @1 (includeDead :Bool) -> (nodes :List(NodeEntry));
+  subscribe @2 (listener :ClusterListener) -> (subscription :Subscription);
+}

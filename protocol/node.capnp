@@ -1,0 +1,128 @@
+@0xadafcf768bd8e52d;
+# The node daemon: spawns and watches actors, owns the node's shared memory.
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("tessera::proto");
+
+using Res = import "resources.capnp";
+using A = import "actor.capnp";
+
+struct NodeInfo {
+  nodeId @0 :Text;            # unique per daemon run ("n-3f2a9c0d1e")
+  name @1 :Text;              # --node-name, default the hostname
+  address @2 :Text;           # "host:port" the daemon serves RPC on
+  isHead @3 :Bool;
+  resources @4 :Res.NodeResources;
+  startedAtMs @5 :UInt64;     # unix epoch milliseconds
+  alive @6 :Bool;             # as the head sees it
+  deathReason @7 :Text;       # why the head marked it dead
+  lastHeartbeatMs @8 :UInt64; # unix epoch milliseconds of the last beat the head saw
+  sessionDir @9 :Text;        # where this daemon writes its logs
+  pid @10 :Int32;             # the daemon's PID
+}
+
+enum ActorState {
+  starting @0;  # spawned, not yet answered hello
+  ready @1;     # serving
+  dead @2;      # exited; see exitCode / termSignal
+}
+
+struct ActorInfo {
+  actorId @0 :Text;
+  nodeId @1 :Text;
+  owner @2 :Text;              # the lease owner's name
+  pid @3 :Int32;
+  gpus @4 :List(UInt32);       # node GPU indices given to it (CUDA_VISIBLE_DEVICES)
+  state @5 :ActorState;
+  address @6 :Text;            # "host:port" the actor serves RPC on (direct calls)
+  binary @7 :Text;             # absolute path of the executable
+  logPath @8 :Text;            # its stdout + stderr
+  exitCode @9 :Int32;          # when dead by exit, else -1
+  termSignal @10 :Int32;       # when dead by a signal, else 0
+  deathReason @11 :Text;       # "exited with code 3", "killed by signal 9 (SIGKILL)", ...
+  name @12 :Text;              # the owner's label for it
+}
+
+struct EnvVar {
+  name @0 :Text;
+  value @1 :Text;
+}
+
+struct SpawnSpec {
+  binary @0 :Text;             # executable name in the daemon's bin dir or absolute path;
+                               # empty = tessera-actor
+  args @1 :List(Text);         # extra arguments
+  gpus @2 :List(UInt32);       # node GPU indices; empty = a CPU actor (CUDA_VISIBLE_DEVICES="")
+  env @3 :List(EnvVar);        # the job's variables, added to NCCL_*/TESSERA_* passed through
+  name @4 :Text;               # label shown by `tessera status`
+  readyTimeoutMs @5 :UInt32;   # how long the actor may take to serve; 0 = 30 s
+}
+
+interface ActorWatcher {
+  actorDied @0 (actor :ActorInfo) -> ();
+  # Called by the daemon once for each of the lease's actors that dies, however it dies.
+}
+
+enum SegmentKind {
+  object @0;
+  ring @1;
+}
+
+struct ShmSegmentInfo {
+  name @0 :Text;         # POSIX shm name ("/tessera-s1a2b-obj-weights0")
+  kind @1 :SegmentKind;
+  id @2 :Text;           # object id or ring name
+  bytes @3 :UInt64;
+  refs @4 :UInt32;       # objects: readers holding it
+  sealed @5 :Bool;       # objects: readable
+  owner @6 :Text;        # the lease that created it
+}
+
+struct ObjectStoreStats {
+  capacity @0 :UInt64;
+  used @1 :UInt64;
+  objects @2 :UInt32;
+}
+
+interface Lease {
+  # An owner's hold on a node. Everything made through a lease (actors, ring segments, object
+  # references) belongs to it: when the owner disconnects, drops the lease, or lets a lease with
+  # a TTL lapse, the daemon kills its actors, unlinks its rings and releases its references.
+
+  spawnActor @0 (spec :SpawnSpec) -> (info :ActorInfo);
+  # Starts an actor and returns once it serves (state ready) or fails with its log's tail.
+
+  killActor @1 (actorId :Text, force :Bool) -> ();
+  # SIGTERM (or SIGKILL with force); the death is reported to the watcher like any other.
+
+  renew @2 () -> (ttlMs :UInt32);
+  # Keeps a lease with a TTL alive.
+
+  listActors @3 () -> (actors :List(ActorInfo));
+
+  createObject @4 (id :Text, size :UInt64) -> (segment :Text);
+  # A new object of `size` bytes in its own shm segment; map it, write it, then seal it.
+  sealObject @5 (id :Text) -> ();
+  getObject @6 (id :Text, timeoutMs :UInt32) -> (segment :Text, size :UInt64);
+  # Waits up to timeoutMs for the object to be sealed, then takes a reference for this lease.
+  releaseObject @7 (id :Text) -> ();
+  deleteObject @8 (id :Text) -> ();
+  # Fails while references are held.
+
+  createRing @9 (name :Text, slotBytes :UInt32, slots :UInt32, readers :UInt32)
+      -> (segment :Text);
+  # A single-writer multi-reader broadcast ring (see common/shm_ring.h).
+}
+
+interface Node {
+  info @0 () -> (info :NodeInfo);
+  # Identity and fresh resource readings (GPU memory used).
+
+  openLease @1 (owner :Text, ttlMs :UInt32, watcher :ActorWatcher) -> (lease :Lease);
+  # ttlMs = 0: the lease lives as long as the owner's connection.
+
+  listActors @2 () -> (actors :List(ActorInfo));
+  shmSegments @3 () -> (segments :List(ShmSegmentInfo), stats :ObjectStoreStats);
+
+  shutdown @4 () -> ();
+  # Kills every actor, unlinks every segment, leaves the cluster and exits.
+}

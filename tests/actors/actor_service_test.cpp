@@ -1,0 +1,61 @@
+// The actor's RPC face in-process: hello, health, shutdown, version check.
+#include "actors/actor_service.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <memory>
+
+#include "protocol/rpc.h"
+
+namespace tessera {
+namespace {
+
+struct Env {
+  kj::AsyncIoContext io = kj::setupAsyncIo();
+  kj::Own<rpc::RpcServer> server;
+};
+
+TEST(ActorServiceTest, ServesHealthAndShutsDownOnRequest) {
+  auto env = std::make_unique<Env>();
+  CudaProbe probe;
+  probe.note = "no GPU in this test";
+  ActorService service({"a-test", "n-test"}, probe);
+  auto server = rpc::RpcServer::listen(env->io, "127.0.0.1:0", service.gateway(), "actor");
+  ASSERT_TRUE(server) << server.status().to_string();
+  env->server = kj::mv(*server);
+  std::string address = "127.0.0.1:" + std::to_string(env->server->port());
+
+  auto conn = rpc::connect(env->io, address, "test").wait(env->io.waitScope);
+  ASSERT_TRUE(conn) << conn.status().to_string();
+  EXPECT_EQ((*conn)->role, proto::Role::ACTOR);
+  EXPECT_EQ((*conn)->server_id, "a-test");
+  auto health = (*conn)->actor.healthRequest().send().wait(env->io.waitScope);
+  EXPECT_EQ(std::string(health.getHealth().getActorId().cStr()), "a-test");
+  EXPECT_EQ(health.getHealth().getPid(), ::getpid());
+  EXPECT_EQ(std::string(health.getHealth().getBackend().cStr()), "cpu");
+  EXPECT_EQ(std::string(health.getHealth().getNote().cStr()), "no GPU in this test");
+
+  auto done = service.on_shutdown();
+  EXPECT_FALSE(done.poll(env->io.waitScope));
+  (*conn)->actor.shutdownRequest().send().wait(env->io.waitScope);
+  EXPECT_TRUE(done.poll(env->io.waitScope));
+
+  auto old = rpc::connect(env->io, address, "old", 5 * kj::SECONDS, rpc::kProtocolVersion + 1)
+                 .wait(env->io.waitScope);
+  ASSERT_FALSE(old);
+  EXPECT_NE(old.status().message().find("this actor speaks v"), std::string::npos)
+      << old.status().message();
+}
+
+TEST(ActorServiceTest, CudaProbeNeverFails) {
+  CudaProbe probe = probe_cuda();
+  if (!probe.available) {
+    EXPECT_FALSE(probe.note.empty());  // it says why there is no GPU
+  } else {
+    EXPECT_FALSE(probe.devices.empty());
+  }
+}
+
+}  // namespace
+}  // namespace tessera

@@ -1,0 +1,87 @@
+#include "daemon/process.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+namespace tessera {
+namespace {
+
+std::string temp_file(const std::string& name) {
+  return std::filesystem::temp_directory_path() / (name + std::to_string(::getpid()));
+}
+
+TEST(ProcessTest, SpawnSetsEnvironmentLogAndReadyPipe) {
+  std::string log = temp_file("tessera-process-log");
+  std::filesystem::remove(log);
+  ProcessSpec spec;
+  spec.binary = "/bin/sh";
+  spec.args = {"-c", "echo \"job=$TESSERA_JOB home=${HOME:-unset}\"; echo oops >&2; "
+                     "printf 'READY 4242\\n' >&3"};
+  spec.env = {{"TESSERA_JOB", "e2e"}, {"PATH", "/usr/bin:/bin"}};
+  spec.log_path = log;
+  auto p = spawn_process(spec);
+  ASSERT_TRUE(p) << p.status().to_string();
+  char buf[64] = {0};
+  ssize_t n = ::read(p->ready_fd, buf, sizeof(buf) - 1);
+  EXPECT_EQ(std::string(buf, n > 0 ? static_cast<size_t>(n) : 0), "READY 4242\n");
+  ::close(p->ready_fd);
+  int status = 0;
+  ASSERT_EQ(::waitpid(p->pid, &status, 0), p->pid);
+  EXPECT_EQ(describe_wait_status(status), "exited with code 0");
+  std::string content = tail_file(log);
+  EXPECT_NE(content.find("job=e2e home=unset"), std::string::npos) << content;
+  EXPECT_NE(content.find("oops"), std::string::npos) << content;
+  std::filesystem::remove(log);
+}
+
+TEST(ProcessTest, MissingBinaryFailsSynchronously) {
+  ProcessSpec spec;
+  spec.binary = "/nonexistent/tessera-actor";
+  spec.log_path = temp_file("tessera-process-missing");
+  auto p = spawn_process(spec);
+  ASSERT_FALSE(p);
+  EXPECT_EQ(p.status().code(), Code::kNotFound);
+  EXPECT_NE(p.status().message().find("/nonexistent/tessera-actor"), std::string::npos);
+  std::filesystem::remove(spec.log_path);
+}
+
+TEST(ProcessTest, ResolveBinaryLooksInBinDir) {
+  auto sh = resolve_binary("sh", "/bin");
+  ASSERT_TRUE(sh) << sh.status().to_string();
+  EXPECT_EQ(*sh, "/bin/sh");
+  auto missing = resolve_binary("no-such-actor", "/bin");
+  ASSERT_FALSE(missing);
+  EXPECT_EQ(missing.status().code(), Code::kNotFound);
+  EXPECT_NE(missing.status().message().find("unknown actor binary 'no-such-actor'"),
+            std::string::npos);
+  EXPECT_EQ(resolve_binary("../bin/sh", "/bin").status().code(), Code::kInvalidArgument);
+  std::string plain = temp_file("tessera-not-executable");
+  { std::ofstream(plain) << "data"; }
+  std::filesystem::permissions(plain, std::filesystem::perms::owner_read |
+                                          std::filesystem::perms::owner_write);
+  EXPECT_EQ(resolve_binary(plain, "/bin").status().code(), Code::kPermissionDenied);
+  std::filesystem::remove(plain);
+}
+
+TEST(ProcessTest, DescribesSignalDeaths) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::pause();
+    _exit(0);
+  }
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_EQ(describe_wait_status(status), "killed by signal 9 (SIGKILL)");
+  EXPECT_EQ(wait_term_signal(status), SIGKILL);
+  EXPECT_EQ(wait_exit_code(status), -1);
+}
+
+}  // namespace
+}  // namespace tessera

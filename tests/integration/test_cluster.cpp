@@ -1,0 +1,152 @@
+#include "tests/integration/test_cluster.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+namespace tessera::testing {
+
+namespace fs = std::filesystem;
+
+CommandResult run_command(const std::vector<std::string>& argv, std::chrono::milliseconds timeout) {
+  CommandResult r;
+  int out_pipe[2], err_pipe[2];
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) return r;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out_pipe[1], 1);
+    ::dup2(err_pipe[1], 2);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+  ::close(out_pipe[1]);
+  ::close(err_pipe[1]);
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
+  int open_fds = 2;
+  char buf[4096];
+  while (open_fds > 0) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      r.timed_out = true;
+      ::kill(pid, SIGKILL);
+      break;
+    }
+    int n = ::poll(fds, 2, static_cast<int>(left.count()));
+    if (n < 0 && errno == EINTR) continue;
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      ssize_t got = ::read(fds[i].fd, buf, sizeof(buf));
+      if (got <= 0) {
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_fds;
+      } else {
+        (i == 0 ? r.out : r.err).append(buf, static_cast<size_t>(got));
+      }
+    }
+  }
+  for (auto& f : fds) {
+    if (f.fd >= 0) ::close(f.fd);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string bin(const std::string& name) {
+  const char* dir = std::getenv("TESSERA_BIN_DIR");
+  return std::string(dir != nullptr ? dir : "build/bin") + "/" + name;
+}
+
+bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    if (pred()) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return pred();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+bool process_alive(int pid) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) != 0) return false;
+  // A zombie is not alive: check /proc state.
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  auto close_paren = content.rfind(')');
+  if (close_paren != std::string::npos && close_paren + 2 < content.size()) {
+    return content[close_paren + 2] != 'Z';
+  }
+  return true;
+}
+
+TestCluster::TestCluster() {
+  char tmpl[] = "/tmp/tessera-test-XXXXXX";
+  root_ = ::mkdtemp(tmpl);
+}
+
+TestCluster::~TestCluster() {
+  tessera({"stop", "--temp-dir", root_, "--timeout", "5"});
+  // Anything the records missed (a daemon we SIGSTOPped and never resumed, say).
+  std::error_code ec;
+  fs::remove_all(root_, ec);
+}
+
+CommandResult TestCluster::tessera(std::vector<std::string> args,
+                                   std::chrono::milliseconds timeout) {
+  args.insert(args.begin(), bin("tessera"));
+  last_ = run_command(args, timeout);
+  return last_;
+}
+
+std::string TestCluster::start_head(const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {"start", "--head", "--port", "0", "--temp-dir", root_,
+                                   "--heartbeat-ms", "100", "--missed-heartbeats", "5"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto r = tessera(args);
+  if (r.exit_code != 0) return "";
+  std::ifstream in(root_ + "/head_address");
+  std::getline(in, head_address_);
+  return head_address_;
+}
+
+std::string TestCluster::start_member(const std::string& name,
+                                      const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {"start", "--address", head_address_, "--temp-dir", root_,
+                                   "--node-name", name};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto r = tessera(args);
+  if (r.exit_code != 0) return "";
+  // "Started node n-xxxx at ..."
+  auto pos = r.out.find("Started node ");
+  if (pos == std::string::npos) return "";
+  auto start = pos + std::string("Started node ").size();
+  return r.out.substr(start, r.out.find(' ', start) - start);
+}
+
+int TestCluster::daemon_pid(const std::string& node_id) const {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root_ + "/daemons", ec)) {
+    std::ifstream in(e.path());
+    auto j = nlohmann::json::parse(in, nullptr, false);
+    if (!j.is_discarded() && j.value("node_id", "") == node_id) return j.value("pid", -1);
+  }
+  return -1;
+}
+
+}  // namespace tessera::testing

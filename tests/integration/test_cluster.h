@@ -1,0 +1,57 @@
+// Test support: run the real `tessera` binary, and a throwaway cluster of real daemons in its own
+// temp root.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace tessera::testing {
+
+struct CommandResult {
+  int exit_code = -1;  // -1 when killed by a signal or timed out
+  std::string out;
+  std::string err;
+  bool timed_out = false;
+};
+
+// Runs argv with a deadline, capturing stdout and stderr.
+CommandResult run_command(const std::vector<std::string>& argv,
+                          std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// $TESSERA_BIN_DIR (set by ctest) + "/" + name.
+std::string bin(const std::string& name);
+
+// Polls `pred` every 10 ms until it holds or `timeout` passes; returns its last value.
+bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout);
+
+bool process_alive(int pid);
+
+// A cluster on this machine, in a fresh temp root. Stops every daemon it started on destruction.
+class TestCluster {
+ public:
+  TestCluster();
+  ~TestCluster();
+
+  // `tessera start --head` with fast heartbeats; returns the head's address ("" on failure,
+  // with the command's output in last()).
+  std::string start_head(const std::vector<std::string>& extra = {});
+  // `tessera start --address <head>`; returns the member's node id ("" on failure).
+  std::string start_member(const std::string& name, const std::vector<std::string>& extra = {});
+  CommandResult tessera(std::vector<std::string> args,
+                        std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+  const std::string& root() const { return root_; }
+  const std::string& head_address() const { return head_address_; }
+  // PID of the daemon with this node id (from its record), or -1.
+  int daemon_pid(const std::string& node_id) const;
+  const CommandResult& last() const { return last_; }
+
+ private:
+  std::string root_;
+  std::string head_address_;
+  CommandResult last_;
+};
+
+}  // namespace tessera::testing
