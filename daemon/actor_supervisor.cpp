@@ -139,7 +139,7 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
         auto it = live_.find(id);
         if (!address) {
           if (it != live_.end()) {
-            kill(id, /*force=*/true);
+            (void)kill(id, /*force=*/true);
             return Result(address.status());
           }
           return Result(address.status());
@@ -156,7 +156,7 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
                 return Result(unavailable("actor " + id + " died while starting"));
               }
               if (!conn) {
-                kill(id, /*force=*/true);
+                (void)kill(id, /*force=*/true);
                 return Result(conn.status().with_context("actor " + id + " does not answer"));
               }
               it->second->control = kj::mv(*conn);

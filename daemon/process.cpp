@@ -18,11 +18,6 @@ namespace tessera {
 
 namespace {
 
-void close_fd(int& fd) {
-  if (fd >= 0) ::close(fd);
-  fd = -1;
-}
-
 // Child side after fork: only async-signal-safe calls until execve.
 [[noreturn]] void exec_child(const ProcessSpec& spec, char* const* argv, char* const* envp,
                              int ready_write, int error_write, pid_t parent) {

@@ -64,7 +64,7 @@ TEST_F(RpcTest, VersionMismatchIsAnErrorNamingBothVersions) {
                   .wait(io_.waitScope);
   ASSERT_FALSE(conn);
   EXPECT_EQ(conn.status().code(), Code::kFailedPrecondition);
-  const std::string& m = conn.status().message();
+  std::string m = conn.status().message();
   EXPECT_NE(m.find("old driver speaks Tessera protocol v" + std::to_string(kProtocolVersion + 1)),
             std::string::npos) << m;
   EXPECT_NE(m.find("this node daemon speaks v" + std::to_string(kProtocolVersion)),
