@@ -5,6 +5,8 @@
 
 #include <dlfcn.h>
 #include <gtest/gtest.h>
+
+#include <cstdlib>
 #include <stdlib.h>
 
 #include <cstdio>
@@ -22,7 +24,17 @@
 namespace tessera {
 namespace {
 
-constexpr const char* kFake = TESSERA_FAKE_NVML_PATH;
+// The build's path, unless $TESSERA_TEST_DIR says where the test binaries were copied (as
+// scripts/gpu-check does on the GPU machine).
+const std::string& fake_path() {
+  static const std::string path = [] {
+    const char* dir = std::getenv("TESSERA_TEST_DIR");
+    return dir != nullptr ? std::string(dir) + "/libtessera_fake_nvml.so"
+                          : std::string(TESSERA_FAKE_NVML_PATH);
+  }();
+  return path;
+}
+const char* const kFake = fake_path().c_str();
 constexpr uint64_t kMiB = 1024 * 1024;
 
 // Sets environment variables for one test and restores what was there before. Starts by
