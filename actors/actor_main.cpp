@@ -8,8 +8,8 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
 #include <kj/async-unix.h>
+#include <CLI/CLI.hpp>
 #include <string>
 
 #include "actors/actor_service.h"

@@ -28,8 +28,8 @@ CudaProbe probe_cuda() {
   p.built_with_cuda = true;
   int nccl = 0;
   if (ncclGetVersion(&nccl) == ncclSuccess) {
-    p.nccl_version = std::to_string(nccl / 10000) + "." + std::to_string((nccl / 100) % 100) +
-                     "." + std::to_string(nccl % 100);
+    p.nccl_version = std::to_string(nccl / 10000) + "." + std::to_string((nccl / 100) % 100) + "." +
+                     std::to_string(nccl % 100);
   }
   cudaRuntimeGetVersion(&p.runtime_version);
   cudaDriverGetVersion(&p.driver_version);
@@ -59,7 +59,8 @@ CudaProbe probe_cuda() {
     d.sm_minor = prop.minor;
     d.multiprocessors = prop.multiProcessorCount;
     size_t free_bytes = 0, total_bytes = 0;
-    if (cudaSetDevice(i) == cudaSuccess && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    if (cudaSetDevice(i) == cudaSuccess &&
+        cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
       d.memory_total = total_bytes;
       d.memory_free = free_bytes;
     } else {

@@ -10,12 +10,12 @@
 namespace tessera {
 
 struct CudaDevice {
-  int ordinal = 0;           // CUDA ordinal within this process
-  std::string name;          // "NVIDIA H200"
-  std::string uuid;          // "GPU-5f1c..."
-  std::string pci_bus_id;    // "0000:18:00.0"
-  uint64_t memory_total = 0; // bytes
-  uint64_t memory_free = 0;  // bytes
+  int ordinal = 0;            // CUDA ordinal within this process
+  std::string name;           // "NVIDIA H200"
+  std::string uuid;           // "GPU-5f1c..."
+  std::string pci_bus_id;     // "0000:18:00.0"
+  uint64_t memory_total = 0;  // bytes
+  uint64_t memory_free = 0;   // bytes
   int sm_major = 0;
   int sm_minor = 0;
   int multiprocessors = 0;
@@ -23,11 +23,11 @@ struct CudaDevice {
 
 struct CudaProbe {
   bool built_with_cuda = false;
-  bool available = false;          // at least one device is usable
-  std::string note;                // why not, when not available
-  int runtime_version = 0;         // 13000 for CUDA 13.0
+  bool available = false;   // at least one device is usable
+  std::string note;         // why not, when not available
+  int runtime_version = 0;  // 13000 for CUDA 13.0
   int driver_version = 0;
-  std::string nccl_version;        // "2.28.9"
+  std::string nccl_version;  // "2.28.9"
   std::vector<CudaDevice> devices;
 };
 

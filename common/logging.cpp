@@ -22,8 +22,8 @@ Status init_logging(const LogOptions& options) {
   std::shared_ptr<spdlog::logger> logger;
   try {
     if (options.file.empty()) {
-      logger = std::make_shared<spdlog::logger>(
-          options.component, std::make_shared<spdlog::sinks::stderr_sink_mt>());
+      logger = std::make_shared<spdlog::logger>(options.component,
+                                                std::make_shared<spdlog::sinks::stderr_sink_mt>());
     } else {
       logger = std::make_shared<spdlog::logger>(
           options.component,

@@ -16,14 +16,22 @@ const GpuLink& gpu_link(const NodeResources& r, size_t a, size_t b) {
 
 std::string link_name(const GpuLink& link) {
   switch (link.kind) {
-    case LinkKind::kSelf: return "X";
-    case LinkKind::kNvlink: return "NV" + std::to_string(link.nvlinks);
-    case LinkKind::kPix: return "PIX";
-    case LinkKind::kPxb: return "PXB";
-    case LinkKind::kPhb: return "PHB";
-    case LinkKind::kNode: return "NODE";
-    case LinkKind::kSys: return "SYS";
-    case LinkKind::kUnknown: break;
+    case LinkKind::kSelf:
+      return "X";
+    case LinkKind::kNvlink:
+      return "NV" + std::to_string(link.nvlinks);
+    case LinkKind::kPix:
+      return "PIX";
+    case LinkKind::kPxb:
+      return "PXB";
+    case LinkKind::kPhb:
+      return "PHB";
+    case LinkKind::kNode:
+      return "NODE";
+    case LinkKind::kSys:
+      return "SYS";
+    case LinkKind::kUnknown:
+      break;
   }
   return "N/A";
 }

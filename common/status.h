@@ -16,15 +16,15 @@ namespace tessera {
 
 enum class Code {
   kOk = 0,
-  kInvalidArgument,   // caller's input is malformed (bad flag, bad request field)
-  kNotFound,          // a named thing (actor, object, binary, node) does not exist
-  kAlreadyExists,     // a name is taken
-  kUnavailable,       // a peer cannot be reached or went away; retrying may help
-  kDeadlineExceeded,  // a wait ran past its timeout
-  kResourceExhausted, // a capacity limit (shared memory, GPU memory) was hit
-  kFailedPrecondition,// the system is not in a state that allows this (e.g. version mismatch)
-  kPermissionDenied,  // the caller does not own the thing it asked for
-  kInternal,          // a bug or an unexpected system error
+  kInvalidArgument,     // caller's input is malformed (bad flag, bad request field)
+  kNotFound,            // a named thing (actor, object, binary, node) does not exist
+  kAlreadyExists,       // a name is taken
+  kUnavailable,         // a peer cannot be reached or went away; retrying may help
+  kDeadlineExceeded,    // a wait ran past its timeout
+  kResourceExhausted,   // a capacity limit (shared memory, GPU memory) was hit
+  kFailedPrecondition,  // the system is not in a state that allows this (e.g. version mismatch)
+  kPermissionDenied,    // the caller does not own the thing it asked for
+  kInternal,            // a bug or an unexpected system error
 };
 
 // Name of a code, e.g. "UNAVAILABLE".
@@ -64,7 +64,7 @@ inline Status internal_error(std::string m) { return {Code::kInternal, std::move
 template <typename T>
 class [[nodiscard]] Expected {
  public:
-  Expected(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Expected(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
   Expected(Status status) : v_(std::move(status)) {  // NOLINT: implicit by design
     if (std::get<Status>(v_).is_ok()) {
       v_ = Status(Code::kInternal, "Expected constructed from an OK status without a value");
@@ -93,16 +93,16 @@ class [[nodiscard]] Expected {
 }  // namespace tessera
 
 // An invariant of this program: failure is a bug here, never a user's mistake.
-#define TESSERA_CHECK(cond, ...)                                                  \
-  do {                                                                            \
+#define TESSERA_CHECK(cond, ...)                                                     \
+  do {                                                                               \
     if (!(cond)) ::tessera::check_failed(#cond, __FILE__, __LINE__, "" __VA_ARGS__); \
   } while (0)
 
 // Propagates a failed Status from an expression returning Status.
-#define TESSERA_RETURN_IF_ERROR(expr)             \
-  do {                                            \
-    ::tessera::Status _st = (expr);               \
-    if (!_st.is_ok()) return _st;                 \
+#define TESSERA_RETURN_IF_ERROR(expr) \
+  do {                                \
+    ::tessera::Status _st = (expr);   \
+    if (!_st.is_ok()) return _st;     \
   } while (0)
 
 #define TESSERA_CONCAT_INNER(a, b) a##b

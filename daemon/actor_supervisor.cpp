@@ -13,9 +13,12 @@ namespace tessera {
 
 const char* actor_state_name(ActorState state) {
   switch (state) {
-    case ActorState::kStarting: return "starting";
-    case ActorState::kReady: return "ready";
-    case ActorState::kDead: return "dead";
+    case ActorState::kStarting:
+      return "starting";
+    case ActorState::kReady:
+      return "ready";
+    case ActorState::kDead:
+      return "dead";
   }
   return "unknown";
 }
@@ -30,8 +33,8 @@ std::string random_id(const std::string& prefix, size_t hex_digits) {
 
 struct ActorSupervisor::Entry {
   ActorRecord record;
-  kj::Maybe<pid_t> pid;               // nulled by kj once the child is reaped
-  kj::Own<rpc::Connection> control;   // the daemon's own connection to the actor
+  kj::Maybe<pid_t> pid;              // nulled by kj once the child is reaped
+  kj::Own<rpc::Connection> control;  // the daemon's own connection to the actor
   bool term_sent = false;
 };
 
@@ -95,20 +98,22 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
   using Result = Expected<ActorRecord>;
   for (uint32_t gpu : request.gpus) {
     if (gpu >= config_.gpu_count) {
-      return Result(invalid_argument(
-          "GPU " + std::to_string(gpu) + " requested but node " + config_.node_id + " has " +
-          std::to_string(config_.gpu_count) + " GPU(s)"));
+      return Result(invalid_argument("GPU " + std::to_string(gpu) + " requested but node " +
+                                     config_.node_id + " has " + std::to_string(config_.gpu_count) +
+                                     " GPU(s)"));
     }
   }
-  auto binary = resolve_binary(request.binary.empty() ? "tessera-actor" : request.binary,
-                               config_.bin_dir);
+  auto binary =
+      resolve_binary(request.binary.empty() ? "tessera-actor" : request.binary, config_.bin_dir);
   if (!binary) return Result(binary.status());
 
   std::string id = random_id("a-");
   ProcessSpec spec;
   spec.binary = *binary;
-  spec.args = {"--actor-id", id, "--node-id", config_.node_id, "--listen",
-               config_.listen_host + ":0", "--ready-fd", std::to_string(kReadyFd)};
+  spec.args = {"--actor-id", id,
+               "--node-id",  config_.node_id,
+               "--listen",   config_.listen_host + ":0",
+               "--ready-fd", std::to_string(kReadyFd)};
   spec.args.insert(spec.args.end(), request.args.begin(), request.args.end());
   spec.env = actor_environment(id, request);
   spec.log_path = config_.log_dir + "/actor-" + id + ".log";
@@ -170,8 +175,8 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
 kj::Promise<Expected<std::string>> ActorSupervisor::wait_ready(std::string id, int ready_fd,
                                                                uint32_t timeout_ms) {
   using Result = Expected<std::string>;
-  auto stream = io_.lowLevelProvider->wrapInputFd(
-      ready_fd, kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP);
+  auto stream =
+      io_.lowLevelProvider->wrapInputFd(ready_fd, kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP);
   auto buffer = kj::heap<std::string>();
   auto chunk = kj::heapArray<char>(256);
   // Reads until a newline or EOF (the actor died or closed the pipe without saying READY).
@@ -217,8 +222,7 @@ kj::Promise<Expected<std::string>> ActorSupervisor::wait_ready(std::string id, i
                   if (it != live_.end()) log = it->second->record.log_path;
                   std::string tail = tail_file(log, 1500);
                   return unavailable("actor " + id + " " + how + " before serving; log " + log +
-                                     (tail.empty() ? std::string(" is empty")
-                                                   : ":\n" + tail));
+                                     (tail.empty() ? std::string(" is empty") : ":\n" + tail));
                 });
           },
           [this, id, timeout_ms](kj::Exception&&) -> kj::Promise<Result> {
@@ -226,8 +230,8 @@ kj::Promise<Expected<std::string>> ActorSupervisor::wait_ready(std::string id, i
             auto it = live_.find(id);
             if (it != live_.end()) log = it->second->record.log_path;
             return Result(deadline_exceeded("actor " + id + " did not serve within " +
-                                            std::to_string(timeout_ms) + " ms; log " + log +
-                                            ":\n" + tail_file(log, 1500)));
+                                            std::to_string(timeout_ms) + " ms; log " + log + ":\n" +
+                                            tail_file(log, 1500)));
           })
       .attach(kj::mv(stream), kj::mv(buffer), kj::mv(chunk));
 }
@@ -269,7 +273,7 @@ Status ActorSupervisor::kill(const std::string& id, bool force, const std::strin
     return Status(Code::kPermissionDenied,
                   "actor " + id + " belongs to " + e.record.owner_name + ", not this lease");
   }
-  KJ_IF_MAYBE(pid, e.pid) {
+  KJ_IF_MAYBE (pid, e.pid) {
     int sig = force ? SIGKILL : SIGTERM;
     ::kill(-*pid, sig);  // its process group: the actor and anything it started
     ::kill(*pid, sig);
@@ -310,7 +314,7 @@ void ActorSupervisor::kill_all_now() {
     for (auto it = live_.begin(); it != live_.end();) {
       int status = SIGKILL;  // what we sent; the real status when we reap it ourselves
       bool reaped = false;
-      KJ_IF_MAYBE(p, it->second->pid) {
+      KJ_IF_MAYBE (p, it->second->pid) {
         reaped = ::waitpid(*p, &status, WNOHANG) == *p;
         if (reaped) it->second->pid = nullptr;
       } else {

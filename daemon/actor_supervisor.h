@@ -26,12 +26,12 @@ const char* actor_state_name(ActorState state);
 
 struct ActorRecord {
   std::string id;
-  std::string owner;      // lease key of the owner
-  std::string owner_name; // the owner's own name, for display
-  std::string name;       // the owner's label
-  std::string binary;     // absolute path
+  std::string owner;       // lease key of the owner
+  std::string owner_name;  // the owner's own name, for display
+  std::string name;        // the owner's label
+  std::string binary;      // absolute path
   std::string log_path;
-  std::string address;    // "host:port" once ready
+  std::string address;  // "host:port" once ready
   std::vector<uint32_t> gpus;
   pid_t pid = -1;
   ActorState state = ActorState::kStarting;
@@ -51,15 +51,15 @@ struct ActorSpawnRequest {
 
 struct SupervisorConfig {
   std::string node_id;
-  std::string bin_dir;       // where bare binary names are looked up
-  std::string log_dir;       // actor-<id>.log files go here
-  std::string listen_host;   // the host actors bind and advertise
-  uint32_t gpu_count = 0;    // GPUs on this node: requests for others are refused
+  std::string bin_dir;            // where bare binary names are looked up
+  std::string log_dir;            // actor-<id>.log files go here
+  std::string listen_host;        // the host actors bind and advertise
+  uint32_t gpu_count = 0;         // GPUs on this node: requests for others are refused
   uint32_t kill_grace_ms = 3000;  // SIGTERM → SIGKILL delay
   // Environment variables passed from the daemon to every actor, by exact name or prefix "X*".
   std::vector<std::string> passthrough = {
-      "PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "LD_LIBRARY_PATH", "NCCL_*",
-      "CUDA_*", "TESSERA_*", "NVIDIA_*", "OMP_NUM_THREADS"};
+      "PATH",   "HOME",   "USER",      "LANG",     "LC_ALL",         "TMPDIR", "LD_LIBRARY_PATH",
+      "NCCL_*", "CUDA_*", "TESSERA_*", "NVIDIA_*", "OMP_NUM_THREADS"};
 };
 
 class ActorSupervisor final : private kj::TaskSet::ErrorHandler {

@@ -23,8 +23,8 @@ struct ClusterRegistry::Member {
   proto::NodeInfo::Builder info{nullptr};
   proto::Node::Client node{nullptr};
   bool alive = true;
-  bool local = false;         // the head's own node: no session, no heartbeats
-  uint64_t session = 0;       // generation of the registration that is current
+  bool local = false;    // the head's own node: no session, no heartbeats
+  uint64_t session = 0;  // generation of the registration that is current
   kj::TimePoint last_beat = kj::origin<kj::TimePoint>();
 };
 
@@ -119,9 +119,7 @@ void ClusterRegistry::taskFailed(kj::Exception&& exception) {
   spdlog::warn("cluster registry task failed: {}", exception.getDescription().cStr());
 }
 
-proto::Cluster::Client ClusterRegistry::client() {
-  return kj::heap<ClusterImpl>(*this, alive_);
-}
+proto::Cluster::Client ClusterRegistry::client() { return kj::heap<ClusterImpl>(*this, alive_); }
 
 void ClusterRegistry::add_local_node(proto::NodeInfo::Reader info, proto::Node::Client node) {
   auto m = std::make_unique<Member>();
@@ -157,9 +155,8 @@ ClusterRegistry::Registered ClusterRegistry::register_node(proto::NodeInfo::Read
   uint64_t session = m->session;
   slot = std::move(m);
   auto res = info.getResources();
-  spdlog::info("node {} ({}) {}registered from {}: {} CPUs, {} GPU(s)", id,
-               info.getName().cStr(), again ? "re-" : "", info.getAddress().cStr(),
-               res.getCpus(), res.getGpus().size());
+  spdlog::info("node {} ({}) {}registered from {}: {} CPUs, {} GPU(s)", id, info.getName().cStr(),
+               again ? "re-" : "", info.getAddress().cStr(), res.getCpus(), res.getGpus().size());
   notify(true, *slot);
   return {id, kj::heap<SessionImpl>(*this, alive_, id, session)};
 }
@@ -199,13 +196,14 @@ void ClusterRegistry::mark_dead(const std::string& node_id, uint64_t session,
   notify(false, m);
 }
 
-void ClusterRegistry::fill_nodes(bool include_dead,
-                                 proto::Cluster::ListNodesResults::Builder out) {
+void ClusterRegistry::fill_nodes(bool include_dead, proto::Cluster::ListNodesResults::Builder out) {
   std::vector<Member*> chosen;
   // The head first, then the others by registration.
   for (auto& [id, m] : members_) {
-    if (m->local) chosen.insert(chosen.begin(), m.get());
-    else if (m->alive || include_dead) chosen.push_back(m.get());
+    if (m->local)
+      chosen.insert(chosen.begin(), m.get());
+    else if (m->alive || include_dead)
+      chosen.push_back(m.get());
   }
   auto list = out.initNodes(static_cast<unsigned>(chosen.size()));
   for (size_t i = 0; i < chosen.size(); ++i) {
@@ -267,8 +265,10 @@ kj::Promise<void> ClusterRegistry::check_loop() {
     // Forget dead members beyond the last 100.
     size_t dead = 0;
     for (auto it = members_.begin(); it != members_.end();) {
-      if (!it->second->alive && ++dead > 100) it = members_.erase(it);
-      else ++it;
+      if (!it->second->alive && ++dead > 100)
+        it = members_.erase(it);
+      else
+        ++it;
     }
     return check_loop();
   });

@@ -109,8 +109,8 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
       return invalid_argument("a member daemon needs --address HEAD:PORT");
     }
     // Join first: the address the head sees us on is the one other nodes can reach.
-    d.head_link = std::make_unique<HeadLink>(io, c.head_address,
-                                             "node daemon " + d.identity.node_id);
+    d.head_link =
+        std::make_unique<HeadLink>(io, c.head_address, "node daemon " + d.identity.node_id);
     Status st = d.head_link->connect(c.join_timeout_ms * kj::MILLISECONDS).wait(io.waitScope);
     if (!st) return st;
     if (node_ip.empty()) node_ip = d.head_link->local_ip();
@@ -141,16 +141,15 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
   d.shutdown_promise = paf.promise.fork();
 
   auto server = rpc::RpcServer::listen(io, c.bind_host + ":" + std::to_string(c.port),
-                                       kj::heap<GatewayImpl>(d),
-                                       c.head ? "head" : "node daemon");
+                                       kj::heap<GatewayImpl>(d), c.head ? "head" : "node daemon");
   if (!server) return server.status();
   d.server = kj::mv(*server);
   d.identity.address = node_ip + ":" + std::to_string(d.server->port());
   d.node->set_address(d.identity.address);
 
   if (c.head) {
-    d.registry = std::make_unique<ClusterRegistry>(
-        io, RegistryConfig{c.heartbeat_ms, c.missed_beats});
+    d.registry =
+        std::make_unique<ClusterRegistry>(io, RegistryConfig{c.heartbeat_ms, c.missed_beats});
     capnp::MallocMessageBuilder msg;
     auto info = msg.initRoot<proto::NodeInfo>();
     d.node->fill_info(info);
@@ -174,27 +173,26 @@ void Daemon::shutdown(const std::string& why) {
 
 kj::Promise<void> Daemon::run() {
   Impl& d = *impl_;
-  auto on_signal = [](const char* name) {
-    return [name](siginfo_t) { return std::string(name); };
-  };
+  auto on_signal = [](const char* name) { return [name](siginfo_t) { return std::string(name); }; };
   kj::Promise<std::string> stop = KJ_ASSERT_NONNULL(d.shutdown_promise).addBranch();
   stop = stop.exclusiveJoin(d.io.unixEventPort.onSignal(SIGTERM).then(on_signal("SIGTERM")))
              .exclusiveJoin(d.io.unixEventPort.onSignal(SIGINT).then(on_signal("SIGINT")));
-  return stop.then([&d](std::string why) -> kj::Promise<std::string> {
-    // Let the reply to a shutdown RPC leave before connections are torn down.
-    return d.io.provider->getTimer().afterDelay(50 * kj::MILLISECONDS).then([why]() {
-      return why;
-    });
-  }).then([&d](std::string why) -> kj::Promise<void> {
-    spdlog::info("shutting down ({}): {} actor(s), {} lease(s)", why, d.actors->live_count(),
-                 d.node->lease_count());
-    if (d.head_link) {
-      return d.head_link->leave("its daemon was stopped (" + why + ")", 2 * kj::SECONDS);
-    }
-    return kj::READY_NOW;
-  }).then([&d]() {
-    d.actors->kill_all_now();
-  });
+  return stop
+      .then([&d](std::string why) -> kj::Promise<std::string> {
+        // Let the reply to a shutdown RPC leave before connections are torn down.
+        return d.io.provider->getTimer().afterDelay(50 * kj::MILLISECONDS).then([why]() {
+          return why;
+        });
+      })
+      .then([&d](std::string why) -> kj::Promise<void> {
+        spdlog::info("shutting down ({}): {} actor(s), {} lease(s)", why, d.actors->live_count(),
+                     d.node->lease_count());
+        if (d.head_link) {
+          return d.head_link->leave("its daemon was stopped (" + why + ")", 2 * kj::SECONDS);
+        }
+        return kj::READY_NOW;
+      })
+      .then([&d]() { d.actors->kill_all_now(); });
 }
 
 }  // namespace tessera

@@ -15,20 +15,20 @@ namespace tessera {
 
 struct DaemonConfig {
   bool head = false;
-  std::string node_id;           // "" = a fresh random id ("n-3f2a9c0d1e")
-  std::string head_address;      // members: the head's "host:port"
+  std::string node_id;       // "" = a fresh random id ("n-3f2a9c0d1e")
+  std::string head_address;  // members: the head's "host:port"
   std::string bind_host = "0.0.0.0";
-  uint16_t port = 0;             // 0 = any free port
-  std::string node_ip;           // advertised address; "" = detect
-  std::string node_name;         // "" = hostname
-  std::string temp_root;         // see session.h
-  std::string session_dir;       // created by the caller (logs/ inside)
-  std::string bin_dir;           // where tessera-actor lives; "" = next to this executable
+  uint16_t port = 0;        // 0 = any free port
+  std::string node_ip;      // advertised address; "" = detect
+  std::string node_name;    // "" = hostname
+  std::string temp_root;    // see session.h
+  std::string session_dir;  // created by the caller (logs/ inside)
+  std::string bin_dir;      // where tessera-actor lives; "" = next to this executable
   uint64_t object_store_bytes = 2ull << 30;
   uint32_t heartbeat_ms = 1000;
   uint32_t missed_beats = 5;
   uint32_t kill_grace_ms = 3000;
-  std::string nvml_library;      // "" = libnvidia-ml.so.1 (or $TESSERA_NVML_LIBRARY)
+  std::string nvml_library;  // "" = libnvidia-ml.so.1 (or $TESSERA_NVML_LIBRARY)
   uint32_t join_timeout_ms = 10000;
 };
 

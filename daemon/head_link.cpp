@@ -32,8 +32,7 @@ kj::Promise<Status> HeadLink::connect(kj::Duration timeout) {
         (*conn)->stream->getsockname(reinterpret_cast<sockaddr*>(&addr), &len);
         char host[INET6_ADDRSTRLEN] = {0};
         if (addr.ss_family == AF_INET) {
-          inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&addr)->sin_addr, host,
-                    sizeof(host));
+          inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&addr)->sin_addr, host, sizeof(host));
         } else if (addr.ss_family == AF_INET6) {
           inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr, host,
                     sizeof(host));
@@ -84,16 +83,15 @@ kj::Promise<void> HeadLink::beat_loop() {
           used.set(static_cast<unsigned>(i), res.gpus[i].memory_used);
         }
         usage.setActors(static_cast<uint32_t>(node_->actors().live_count()));
-        return req.send().then(
-            [this](auto&&) { return beat_loop(); },
-            [this](kj::Exception&& e) -> kj::Promise<void> {
-              if (leaving_) return kj::READY_NOW;
-              Status st = rpc::to_status(e);
-              spdlog::warn("heartbeat to head {} failed: {}; reconnecting", head_address_,
-                           st.message());
-              registered_ = false;
-              return reconnect_loop(0);
-            });
+        return req.send().then([this](auto&&) { return beat_loop(); },
+                               [this](kj::Exception&& e) -> kj::Promise<void> {
+                                 if (leaving_) return kj::READY_NOW;
+                                 Status st = rpc::to_status(e);
+                                 spdlog::warn("heartbeat to head {} failed: {}; reconnecting",
+                                              head_address_, st.message());
+                                 registered_ = false;
+                                 return reconnect_loop(0);
+                               });
       });
 }
 
@@ -109,8 +107,7 @@ kj::Promise<void> HeadLink::reconnect_loop(uint32_t attempt) {
       .then([this, attempt](Status st) -> kj::Promise<void> {
         if (leaving_) return kj::READY_NOW;
         if (!st) {
-          spdlog::warn("rejoining the cluster failed (attempt {}): {}", attempt + 1,
-                       st.message());
+          spdlog::warn("rejoining the cluster failed (attempt {}): {}", attempt + 1, st.message());
           return reconnect_loop(attempt + 1);
         }
         spdlog::info("rejoined the cluster at {}", head_address_);
@@ -126,8 +123,7 @@ kj::Promise<void> HeadLink::leave(const std::string& reason, kj::Duration timeou
   return io_.provider->getTimer()
       .timeoutAfter(timeout, req.send().ignoreResult())
       .catch_([](kj::Exception&& e) {
-        spdlog::warn("could not tell the head this node is leaving: {}",
-                     e.getDescription().cStr());
+        spdlog::warn("could not tell the head this node is leaving: {}", e.getDescription().cStr());
       });
 }
 

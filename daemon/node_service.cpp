@@ -192,11 +192,12 @@ class LeaseImpl final : public proto::Lease::Server {
     auto p = context.getParams();
     std::string name = p.getName().cStr();
     if (!valid_ring_name(name)) {
-      rpc::throw_status(invalid_argument("ring name '" + name +
-                                         "' must be 1-48 characters of [A-Za-z0-9._-]"));
+      rpc::throw_status(
+          invalid_argument("ring name '" + name + "' must be 1-48 characters of [A-Za-z0-9._-]"));
     }
     if (rings_.count(name)) {
-      rpc::throw_status(Status(Code::kAlreadyExists, "this lease already has a ring '" + name + "'"));
+      rpc::throw_status(
+          Status(Code::kAlreadyExists, "this lease already has a ring '" + name + "'"));
     }
     auto bytes = BroadcastRing::layout_bytes(p.getSlotBytes(), p.getSlots(), p.getReaders());
     if (!bytes) rpc::throw_status(bytes.status());

@@ -26,11 +26,11 @@ namespace tessera {
 struct NodeIdentity {
   std::string node_id;
   std::string name;
-  std::string address;      // "host:port" served
+  std::string address;  // "host:port" served
   bool is_head = false;
   uint64_t started_at_ms = 0;
   std::string session_dir;
-  std::string shm_prefix;   // "/tessera-<session>-": every segment of this daemon starts so
+  std::string shm_prefix;  // "/tessera-<session>-": every segment of this daemon starts so
 };
 
 class LeaseImpl;

@@ -71,15 +71,22 @@ std::string describe(const char* (*error_string)(nvmlReturn_t), nvmlReturn_t rc)
 
 Code map_code(nvmlReturn_t rc) {
   switch (rc) {
-    case NVML_ERROR_NOT_FOUND: return Code::kNotFound;
-    case NVML_ERROR_NO_PERMISSION: return Code::kPermissionDenied;
-    case NVML_ERROR_INVALID_ARGUMENT: return Code::kInvalidArgument;
-    case NVML_ERROR_NOT_SUPPORTED: return Code::kFailedPrecondition;
+    case NVML_ERROR_NOT_FOUND:
+      return Code::kNotFound;
+    case NVML_ERROR_NO_PERMISSION:
+      return Code::kPermissionDenied;
+    case NVML_ERROR_INVALID_ARGUMENT:
+      return Code::kInvalidArgument;
+    case NVML_ERROR_NOT_SUPPORTED:
+      return Code::kFailedPrecondition;
     case NVML_ERROR_DRIVER_NOT_LOADED:
     case NVML_ERROR_GPU_IS_LOST:
-    case NVML_ERROR_TIMEOUT: return Code::kUnavailable;
-    case NVML_ERROR_MEMORY: return Code::kResourceExhausted;
-    default: return Code::kInternal;
+    case NVML_ERROR_TIMEOUT:
+      return Code::kUnavailable;
+    case NVML_ERROR_MEMORY:
+      return Code::kResourceExhausted;
+    default:
+      return Code::kInternal;
   }
 }
 
@@ -314,10 +321,14 @@ Expected<NvlinkRemote> Nvml::nvlink_remote_type(NvmlDevice device, uint32_t link
     return fn_->error("nvmlDeviceGetNvLinkRemoteDeviceType", rc);
   }
   switch (type) {
-    case NVML_NVLINK_DEVICE_TYPE_GPU: return NvlinkRemote::kGpu;
-    case NVML_NVLINK_DEVICE_TYPE_IBMNPU: return NvlinkRemote::kIbmNpu;
-    case NVML_NVLINK_DEVICE_TYPE_SWITCH: return NvlinkRemote::kSwitch;
-    default: return NvlinkRemote::kUnknown;
+    case NVML_NVLINK_DEVICE_TYPE_GPU:
+      return NvlinkRemote::kGpu;
+    case NVML_NVLINK_DEVICE_TYPE_IBMNPU:
+      return NvlinkRemote::kIbmNpu;
+    case NVML_NVLINK_DEVICE_TYPE_SWITCH:
+      return NvlinkRemote::kSwitch;
+    default:
+      return NvlinkRemote::kUnknown;
   }
 }
 

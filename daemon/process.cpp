@@ -118,13 +118,12 @@ Expected<std::string> resolve_binary(const std::string& name, const std::string&
   if (name.front() == '/') {
     path = name;
   } else if (name.find('/') != std::string::npos) {
-    return invalid_argument("actor binary '" + name +
-                            "' must be a bare name (looked up in " + bin_dir +
-                            ") or an absolute path");
+    return invalid_argument("actor binary '" + name + "' must be a bare name (looked up in " +
+                            bin_dir + ") or an absolute path");
   } else {
     path = bin_dir + "/" + name;
   }
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
     return not_found("unknown actor binary '" + name + "': no file " + path);
   }

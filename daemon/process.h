@@ -18,10 +18,10 @@
 namespace tessera {
 
 struct ProcessSpec {
-  std::string binary;                                     // absolute path
-  std::vector<std::string> args;                          // argv[1..]
-  std::vector<std::pair<std::string, std::string>> env;   // the whole environment
-  std::string log_path;                                   // stdout + stderr, appended
+  std::string binary;                                    // absolute path
+  std::vector<std::string> args;                         // argv[1..]
+  std::vector<std::pair<std::string, std::string>> env;  // the whole environment
+  std::string log_path;                                  // stdout + stderr, appended
 };
 
 struct SpawnedProcess {

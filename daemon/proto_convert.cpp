@@ -6,14 +6,22 @@ namespace {
 
 proto::LinkKind to_proto(LinkKind kind) {
   switch (kind) {
-    case LinkKind::kSelf: return proto::LinkKind::SELF;
-    case LinkKind::kNvlink: return proto::LinkKind::NVLINK;
-    case LinkKind::kPix: return proto::LinkKind::PIX;
-    case LinkKind::kPxb: return proto::LinkKind::PXB;
-    case LinkKind::kPhb: return proto::LinkKind::PHB;
-    case LinkKind::kNode: return proto::LinkKind::NODE;
-    case LinkKind::kSys: return proto::LinkKind::SYS;
-    case LinkKind::kUnknown: return proto::LinkKind::UNKNOWN;
+    case LinkKind::kSelf:
+      return proto::LinkKind::SELF;
+    case LinkKind::kNvlink:
+      return proto::LinkKind::NVLINK;
+    case LinkKind::kPix:
+      return proto::LinkKind::PIX;
+    case LinkKind::kPxb:
+      return proto::LinkKind::PXB;
+    case LinkKind::kPhb:
+      return proto::LinkKind::PHB;
+    case LinkKind::kNode:
+      return proto::LinkKind::NODE;
+    case LinkKind::kSys:
+      return proto::LinkKind::SYS;
+    case LinkKind::kUnknown:
+      return proto::LinkKind::UNKNOWN;
   }
   return proto::LinkKind::UNKNOWN;
 }
@@ -47,9 +55,12 @@ void to_proto(const NodeResources& in, proto::NodeResources::Builder out) {
 
 proto::ActorState to_proto(ActorState state) {
   switch (state) {
-    case ActorState::kStarting: return proto::ActorState::STARTING;
-    case ActorState::kReady: return proto::ActorState::READY;
-    case ActorState::kDead: return proto::ActorState::DEAD;
+    case ActorState::kStarting:
+      return proto::ActorState::STARTING;
+    case ActorState::kReady:
+      return proto::ActorState::READY;
+    case ActorState::kDead:
+      return proto::ActorState::DEAD;
   }
   return proto::ActorState::DEAD;
 }

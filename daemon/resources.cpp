@@ -88,11 +88,16 @@ std::optional<uint64_t> pci_key(const NvmlPciInfo& pci) {
 LinkKind kind_of(NvmlTopologyLevel level) {
   switch (level) {
     case NvmlTopologyLevel::kInternal:  // two GPUs on one board: no more than one bridge apart
-    case NvmlTopologyLevel::kSingle: return LinkKind::kPix;
-    case NvmlTopologyLevel::kMultiple: return LinkKind::kPxb;
-    case NvmlTopologyLevel::kHostBridge: return LinkKind::kPhb;
-    case NvmlTopologyLevel::kNode: return LinkKind::kNode;
-    case NvmlTopologyLevel::kSystem: return LinkKind::kSys;
+    case NvmlTopologyLevel::kSingle:
+      return LinkKind::kPix;
+    case NvmlTopologyLevel::kMultiple:
+      return LinkKind::kPxb;
+    case NvmlTopologyLevel::kHostBridge:
+      return LinkKind::kPhb;
+    case NvmlTopologyLevel::kNode:
+      return LinkKind::kNode;
+    case NvmlTopologyLevel::kSystem:
+      return LinkKind::kSys;
   }
   return LinkKind::kUnknown;
 }

@@ -17,8 +17,8 @@
 #include <string_view>
 #include <vector>
 
-#include "common/status.h"
 #include "common/node_resources.h"
+#include "common/status.h"
 #include "daemon/nvml.h"
 
 namespace tessera {

@@ -1,7 +1,7 @@
 #include "daemon/session.h"
 
-#include <ifaddrs.h>
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -63,9 +63,8 @@ Expected<std::string> create_session_dir(const std::string& root) {
 namespace {
 
 nlohmann::json to_json(const DaemonRecord& r) {
-  return {{"pid", r.pid},         {"address", r.address},
-          {"role", r.role},       {"node_id", r.node_id},
-          {"session_dir", r.session_dir}, {"head_address", r.head_address}};
+  return {{"pid", r.pid},         {"address", r.address},         {"role", r.role},
+          {"node_id", r.node_id}, {"session_dir", r.session_dir}, {"head_address", r.head_address}};
 }
 
 Status write_file_atomically(const std::string& path, const std::string& content) {
@@ -148,8 +147,7 @@ std::string detect_node_ip() {
     if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
     if ((a->ifa_flags & IFF_UP) == 0 || (a->ifa_flags & IFF_LOOPBACK) != 0) continue;
     char host[INET_ADDRSTRLEN] = {0};
-    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, host,
-              sizeof(host));
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, host, sizeof(host));
     found = host;
     break;
   }

@@ -22,11 +22,11 @@ Expected<std::string> create_session_dir(const std::string& root);
 
 struct DaemonRecord {
   int pid = 0;
-  std::string address;      // "host:port"
-  std::string role;         // "head" or "node"
+  std::string address;  // "host:port"
+  std::string role;     // "head" or "node"
   std::string node_id;
   std::string session_dir;
-  std::string head_address; // the head this daemon joined (equal to address for a head)
+  std::string head_address;  // the head this daemon joined (equal to address for a head)
 };
 
 Status write_daemon_record(const std::string& root, const DaemonRecord& record);

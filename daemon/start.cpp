@@ -6,11 +6,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <kj/async-unix.h>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
-#include <kj/async-unix.h>
 #include <thread>
 
 #include "common/logging.h"
@@ -195,8 +195,8 @@ int stop_command(const StopOptions& o) {
   for (const auto& r : records) {
     if (::kill(r.pid, SIGTERM) != 0) {
       if (errno == ESRCH) continue;
-      std::cerr << "tessera stop: cannot signal " << r.role << " " << r.node_id << " (pid "
-                << r.pid << "): " << std::strerror(errno) << "\n";
+      std::cerr << "tessera stop: cannot signal " << r.role << " " << r.node_id << " (pid " << r.pid
+                << "): " << std::strerror(errno) << "\n";
       ++failures;
       continue;
     }

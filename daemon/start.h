@@ -9,10 +9,10 @@ namespace tessera {
 
 struct StartOptions {
   bool head = false;
-  std::string address;         // the head to join ("host:port"); exclusive with head
-  int port = -1;               // -1 = 6380 for a head, any free port for a member
-  bool block = false;          // stay in the foreground, log to stderr
-  std::string temp_dir;        // see session.h
+  std::string address;   // the head to join ("host:port"); exclusive with head
+  int port = -1;         // -1 = 6380 for a head, any free port for a member
+  bool block = false;    // stay in the foreground, log to stderr
+  std::string temp_dir;  // see session.h
   std::string node_ip;
   std::string node_name;
   std::string bind_host = "0.0.0.0";

@@ -38,7 +38,8 @@ Expected<T> await(EventLoop& loop, kj::Promise<T>&& promise, const char* what,
                   kj::Duration timeout = kCallTimeout) {
   std::optional<T> result;
   auto bounded = loop.io().provider->getTimer().timeoutAfter(timeout, kj::mv(promise));
-  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() { result.emplace(bounded.wait(loop.wait_scope())); })) {
+  KJ_IF_MAYBE (e, kj::runCatchingExceptions(
+                      [&]() { result.emplace(bounded.wait(loop.wait_scope())); })) {
     Status st = rpc::to_status(*e);
     if (st.message().find("operation timed out") != std::string::npos) {
       return deadline_exceeded(std::string(what) + ": no answer within " +
@@ -57,14 +58,22 @@ Status await_void(EventLoop& loop, kj::Promise<void>&& promise, const char* what
 
 LinkKind link_kind(proto::LinkKind k) {
   switch (k) {
-    case proto::LinkKind::SELF: return LinkKind::kSelf;
-    case proto::LinkKind::NVLINK: return LinkKind::kNvlink;
-    case proto::LinkKind::PIX: return LinkKind::kPix;
-    case proto::LinkKind::PXB: return LinkKind::kPxb;
-    case proto::LinkKind::PHB: return LinkKind::kPhb;
-    case proto::LinkKind::NODE: return LinkKind::kNode;
-    case proto::LinkKind::SYS: return LinkKind::kSys;
-    case proto::LinkKind::UNKNOWN: return LinkKind::kUnknown;
+    case proto::LinkKind::SELF:
+      return LinkKind::kSelf;
+    case proto::LinkKind::NVLINK:
+      return LinkKind::kNvlink;
+    case proto::LinkKind::PIX:
+      return LinkKind::kPix;
+    case proto::LinkKind::PXB:
+      return LinkKind::kPxb;
+    case proto::LinkKind::PHB:
+      return LinkKind::kPhb;
+    case proto::LinkKind::NODE:
+      return LinkKind::kNode;
+    case proto::LinkKind::SYS:
+      return LinkKind::kSys;
+    case proto::LinkKind::UNKNOWN:
+      return LinkKind::kUnknown;
   }
   return LinkKind::kUnknown;
 }
@@ -82,9 +91,12 @@ GpuDevice gpu_device(proto::GpuInfo::Reader g) {
 
 const char* state_name(proto::ActorState s) {
   switch (s) {
-    case proto::ActorState::STARTING: return "starting";
-    case proto::ActorState::READY: return "ready";
-    case proto::ActorState::DEAD: return "dead";
+    case proto::ActorState::STARTING:
+      return "starting";
+    case proto::ActorState::READY:
+      return "ready";
+    case proto::ActorState::DEAD:
+      return "dead";
   }
   return "unknown";
 }
@@ -139,9 +151,9 @@ NodeHandle::NodeHandle(EventLoop& loop, proto::Node::Client node)
     : loop_(loop), node_(kj::mv(node)) {}
 
 Expected<NodeView> NodeHandle::info() {
-  auto r = await(loop_, node_.infoRequest().send().then([](auto&& resp) {
-    return node_view(resp.getInfo());
-  }), "node info");
+  auto r = await(
+      loop_, node_.infoRequest().send().then([](auto&& resp) { return node_view(resp.getInfo()); }),
+      "node info");
   return r;
 }
 
@@ -150,7 +162,8 @@ Expected<std::vector<ActorView>> NodeHandle::actors() {
     std::vector<ActorView> out;
     for (auto a : resp.getActors()) out.push_back(actor_view(a));
     return out;
-  }), "list actors");
+  }),
+               "list actors");
 }
 
 Expected<ObjectStoreView> NodeHandle::object_store() {
@@ -171,7 +184,8 @@ Expected<ObjectStoreView> NodeHandle::object_store() {
       v.segments.push_back(sv);
     }
     return v;
-  }), "list shared memory");
+  }),
+               "list shared memory");
 }
 
 Status NodeHandle::shutdown() {
@@ -223,8 +237,8 @@ Expected<std::unique_ptr<LeaseHandle>> NodeHandle::open_lease(const std::string&
   req.setOwner(owner);
   req.setTtlMs(ttl_ms);
   req.setWatcher(kj::heap<WatcherImpl>(state));
-  auto lease = await(loop_, req.send().then([](auto&& resp) { return resp.getLease(); }),
-                     "open lease");
+  auto lease =
+      await(loop_, req.send().then([](auto&& resp) { return resp.getLease(); }), "open lease");
   if (!lease) return lease.status();
   auto handle = std::make_unique<LeaseHandle>(loop_, kj::mv(*lease), ttl_ms, std::move(state));
   return handle;
@@ -260,8 +274,8 @@ Expected<ActorView> LeaseHandle::spawn(const SpawnOptions& o) {
   }
   spec.setName(o.name);
   spec.setReadyTimeoutMs(o.ready_timeout_ms);
-  kj::Duration timeout = (o.ready_timeout_ms ? o.ready_timeout_ms : 30000) * kj::MILLISECONDS +
-                         30 * kj::SECONDS;
+  kj::Duration timeout =
+      (o.ready_timeout_ms ? o.ready_timeout_ms : 30000) * kj::MILLISECONDS + 30 * kj::SECONDS;
   return await(loop_, req.send().then([](auto&& resp) { return actor_view(resp.getInfo()); }),
                "spawn actor", timeout);
 }
@@ -278,7 +292,8 @@ Expected<std::vector<ActorView>> LeaseHandle::actors() {
     std::vector<ActorView> out;
     for (auto a : resp.getActors()) out.push_back(actor_view(a));
     return out;
-  }), "list lease actors");
+  }),
+               "list lease actors");
 }
 
 Status LeaseHandle::renew() {
@@ -306,7 +321,8 @@ Expected<std::pair<std::string, uint64_t>> LeaseHandle::get_object(const std::st
   req.setTimeoutMs(timeout_ms);
   return await(loop_, req.send().then([](auto&& r) {
     return std::make_pair(std::string(r.getSegment().cStr()), r.getSize());
-  }), "get object", timeout_ms * kj::MILLISECONDS + kCallTimeout);
+  }),
+               "get object", timeout_ms * kj::MILLISECONDS + kCallTimeout);
 }
 
 Status LeaseHandle::release_object(const std::string& id) {
@@ -374,21 +390,26 @@ Expected<std::vector<NodeView>> ClusterClient::nodes(bool include_dead) {
     std::vector<NodeView> out;
     for (auto e : resp.getNodes()) out.push_back(node_view(e.getInfo()));
     return out;
-  }), "list nodes");
+  }),
+               "list nodes");
 }
 
 Expected<NodeHandle> ClusterClient::node(const std::string& node_id) {
   auto req = conn_->cluster.listNodesRequest();
-  auto found = await(loop_, req.send().then([node_id](auto&& resp) -> kj::Maybe<proto::Node::Client> {
-    for (auto e : resp.getNodes()) {
-      if (node_id == e.getInfo().getNodeId().cStr() && e.getInfo().getAlive()) {
-        return e.getNode();
-      }
-    }
-    return nullptr;
-  }), "find node");
+  auto found =
+      await(loop_, req.send().then([node_id](auto&& resp) -> kj::Maybe<proto::Node::Client> {
+        for (auto e : resp.getNodes()) {
+          if (node_id == e.getInfo().getNodeId().cStr() && e.getInfo().getAlive()) {
+            return e.getNode();
+          }
+        }
+        return nullptr;
+      }),
+            "find node");
   if (!found) return found.status();
-  KJ_IF_MAYBE(n, *found) { return NodeHandle(loop_, *n); }
+  KJ_IF_MAYBE (n, *found) {
+    return NodeHandle(loop_, *n);
+  }
   return not_found("no live node " + node_id + " in the cluster at " + conn_->address);
 }
 
@@ -398,7 +419,8 @@ namespace {
 
 class ListenerImpl final : public proto::ClusterListener::Server {
  public:
-  ListenerImpl(std::function<void(const NodeView&)> added, std::function<void(const NodeView&)> dead)
+  ListenerImpl(std::function<void(const NodeView&)> added,
+               std::function<void(const NodeView&)> dead)
       : added_(std::move(added)), dead_(std::move(dead)) {}
 
  protected:
@@ -422,8 +444,8 @@ Expected<std::unique_ptr<ClusterClient::Subscription>> ClusterClient::subscribe(
     std::function<void(const NodeView&)> on_added, std::function<void(const NodeView&)> on_dead) {
   auto req = conn_->cluster.subscribeRequest();
   req.setListener(kj::heap<ListenerImpl>(std::move(on_added), std::move(on_dead)));
-  auto sub = await(loop_, req.send().then([](auto&& r) { return r.getSubscription(); }),
-                   "subscribe");
+  auto sub =
+      await(loop_, req.send().then([](auto&& r) { return r.getSubscription(); }), "subscribe");
   if (!sub) return sub.status();
   auto out = std::make_unique<Subscription>();
   out->handle = kj::mv(*sub);
@@ -462,7 +484,8 @@ Expected<ActorHealthView> ActorHandle::health() {
     v.nccl_version = h.getNcclVersion().cStr();
     v.note = h.getNote().cStr();
     return v;
-  }), "actor health");
+  }),
+               "actor health");
 }
 
 Status ActorHandle::shutdown() {

@@ -102,8 +102,8 @@ std::string render_status(const ClusterStatus& status) {
       o << "  actors: none\n";
       continue;
     }
-    o << "  actors:\n    " << pad("ACTOR", 12) << pad("OWNER", 16) << pad("PID", 9)
-      << pad("GPU", 6) << pad("STATE", 8) << "ADDRESS / EXIT\n";
+    o << "  actors:\n    " << pad("ACTOR", 12) << pad("OWNER", 16) << pad("PID", 9) << pad("GPU", 6)
+      << pad("STATE", 8) << "ADDRESS / EXIT\n";
     for (const auto& a : ns.actors) {
       std::string tail = a.state == "dead" ? a.death_reason : a.address;
       o << "    " << pad(a.actor_id, 12) << pad(a.owner, 16) << pad(std::to_string(a.pid), 9)
@@ -138,11 +138,16 @@ std::string render_status_json(const ClusterStatus& status) {
     }
     json actors = json::array();
     for (const auto& a : ns.actors) {
-      actors.push_back({{"actor_id", a.actor_id},   {"owner", a.owner},
-                        {"name", a.name},           {"pid", a.pid},
-                        {"gpus", a.gpus},           {"state", a.state},
-                        {"address", a.address},     {"log_path", a.log_path},
-                        {"exit_code", a.exit_code}, {"term_signal", a.term_signal},
+      actors.push_back({{"actor_id", a.actor_id},
+                        {"owner", a.owner},
+                        {"name", a.name},
+                        {"pid", a.pid},
+                        {"gpus", a.gpus},
+                        {"state", a.state},
+                        {"address", a.address},
+                        {"log_path", a.log_path},
+                        {"exit_code", a.exit_code},
+                        {"term_signal", a.term_signal},
                         {"death_reason", a.death_reason}});
     }
     nodes.push_back({{"node_id", n.node_id},
@@ -167,9 +172,7 @@ std::string render_status_json(const ClusterStatus& status) {
                      {"actors", actors},
                      {"error", ns.error}});
   }
-  json out = {{"head_address", status.head_address},
-              {"head_id", status.head_id},
-              {"nodes", nodes}};
+  json out = {{"head_address", status.head_address}, {"head_id", status.head_id}, {"nodes", nodes}};
   return out.dump(2) + "\n";
 }
 

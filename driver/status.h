@@ -12,7 +12,7 @@ struct NodeStatus {
   NodeView node;
   std::vector<ActorView> actors;  // live and recently dead
   ObjectStoreView object_store;
-  std::string error;              // why actors/object store could not be read, else empty
+  std::string error;  // why actors/object store could not be read, else empty
 };
 
 struct ClusterStatus {

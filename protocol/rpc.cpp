@@ -11,9 +11,12 @@ namespace tessera::rpc {
 
 const char* role_name(proto::Role role) {
   switch (role) {
-    case proto::Role::HEAD: return "head";
-    case proto::Role::NODE: return "node daemon";
-    case proto::Role::ACTOR: return "actor";
+    case proto::Role::HEAD:
+      return "head";
+    case proto::Role::NODE:
+      return "node daemon";
+    case proto::Role::ACTOR:
+      return "actor";
   }
   return "peer";
 }
@@ -22,8 +25,8 @@ void throw_status(const Status& status) {
   kj::Exception::Type type = kj::Exception::Type::FAILED;
   if (status.code() == Code::kUnavailable) type = kj::Exception::Type::DISCONNECTED;
   if (status.code() == Code::kResourceExhausted) type = kj::Exception::Type::OVERLOADED;
-  kj::throwFatalException(kj::Exception(type, __FILE__, __LINE__,
-                                        kj::str(status.to_string().c_str())));
+  kj::throwFatalException(
+      kj::Exception(type, __FILE__, __LINE__, kj::str(status.to_string().c_str())));
 }
 
 Status to_status(const kj::Exception& e) {
@@ -38,9 +41,12 @@ Status to_status(const kj::Exception& e) {
     if (text.rfind(name, 0) == 0) return Status(code, text.substr(name.size()));
   }
   switch (e.getType()) {
-    case kj::Exception::Type::DISCONNECTED: return unavailable(text);
-    case kj::Exception::Type::OVERLOADED: return resource_exhausted(text);
-    default: return internal_error(text);
+    case kj::Exception::Type::DISCONNECTED:
+      return unavailable(text);
+    case kj::Exception::Type::OVERLOADED:
+      return resource_exhausted(text);
+    default:
+      return internal_error(text);
   }
 }
 
@@ -55,11 +61,10 @@ void require_version(uint32_t peer_version, kj::StringPtr peer, proto::Role our_
 Status check_server_version(uint32_t server_version, proto::Role server_role,
                             const std::string& address) {
   if (server_version == kProtocolVersion) return Status::ok();
-  return failed_precondition("protocol version mismatch: the " +
-                             std::string(role_name(server_role)) + " at " + address +
-                             " speaks Tessera protocol v" + std::to_string(server_version) +
-                             ", this program speaks v" + std::to_string(kProtocolVersion) +
-                             "; run the same Tessera release everywhere");
+  return failed_precondition(
+      "protocol version mismatch: the " + std::string(role_name(server_role)) + " at " + address +
+      " speaks Tessera protocol v" + std::to_string(server_version) + ", this program speaks v" +
+      std::to_string(kProtocolVersion) + "; run the same Tessera release everywhere");
 }
 
 Expected<std::pair<std::string, uint16_t>> split_host_port(const std::string& address) {
@@ -131,17 +136,16 @@ RpcServer::RpcServer(kj::Own<kj::ConnectionReceiver> listener, proto::Gateway::C
 RpcServer::~RpcServer() = default;
 
 Expected<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const std::string& address,
-                                               proto::Gateway::Client gateway,
-                                               std::string label) {
+                                               proto::Gateway::Client gateway, std::string label) {
   auto parsed = split_host_port(address);
   if (!parsed) return parsed.status();
   kj::Own<kj::ConnectionReceiver> listener;
-  KJ_IF_MAYBE(e, kj::runCatchingExceptions([&]() {
-                auto addr = io.provider->getNetwork()
-                                .parseAddress(kj::StringPtr(address.c_str()))
-                                .wait(io.waitScope);
-                listener = addr->listen();
-              })) {
+  KJ_IF_MAYBE (e, kj::runCatchingExceptions([&]() {
+                 auto addr = io.provider->getNetwork()
+                                 .parseAddress(kj::StringPtr(address.c_str()))
+                                 .wait(io.waitScope);
+                 listener = addr->listen();
+               })) {
     std::string why = e->getDescription().cStr();
     if (why.find("EADDRINUSE") != std::string::npos ||
         why.find("ddress already in use") != std::string::npos) {
@@ -161,16 +165,17 @@ kj::Promise<void> RpcServer::accept_loop() {
     auto conn = kj::heap<ServerConnection>(kj::mv(stream), gateway_);
     ++connections_;
     auto done = conn->network.onDisconnect();
-    tasks_.add(done.attach(kj::mv(conn)).then(
-        [this, peer]() {
-          --connections_;
-          spdlog::debug("{}: {} disconnected", label_, peer);
-        },
-        [this, peer](kj::Exception&& e) {
-          --connections_;
-          spdlog::warn("{}: dropped connection from {}: {}", label_, peer,
-                       e.getDescription().cStr());
-        }));
+    tasks_.add(done.attach(kj::mv(conn))
+                   .then(
+                       [this, peer]() {
+                         --connections_;
+                         spdlog::debug("{}: {} disconnected", label_, peer);
+                       },
+                       [this, peer](kj::Exception&& e) {
+                         --connections_;
+                         spdlog::warn("{}: dropped connection from {}: {}", label_, peer,
+                                      e.getDescription().cStr());
+                       }));
     return accept_loop();
   });
 }
@@ -181,8 +186,8 @@ void RpcServer::taskFailed(kj::Exception&& exception) {
 
 kj::Promise<Expected<kj::Own<Connection>>> connect(kj::AsyncIoContext& io,
                                                    const std::string& address,
-                                                   const std::string& peer,
-                                                   kj::Duration timeout, uint32_t version) {
+                                                   const std::string& peer, kj::Duration timeout,
+                                                   uint32_t version) {
   using Result = Expected<kj::Own<Connection>>;
   auto parsed = split_host_port(address);
   if (!parsed) return Result(parsed.status());

@@ -46,8 +46,7 @@ class RpcServer final : private kj::TaskSet::ErrorHandler {
   // Binds `address` ("0.0.0.0:6380", "127.0.0.1:0"). Fails with UNAVAILABLE naming the address
   // when the port is in use or the host is not local.
   static Expected<kj::Own<RpcServer>> listen(kj::AsyncIoContext& io, const std::string& address,
-                                             proto::Gateway::Client gateway,
-                                             std::string label);
+                                             proto::Gateway::Client gateway, std::string label);
   ~RpcServer();
 
   // The bound port (useful with port 0).

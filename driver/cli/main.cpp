@@ -64,8 +64,9 @@ int main(int argc, char** argv) {
                         "Bytes of shared memory the object store may hold (default 2 GiB)");
   start_cmd->add_option("--heartbeat-ms", start.heartbeat_ms, "Heartbeat period (default 1000)")
       ->check(CLI::Range(10u, 600000u));
-  start_cmd->add_option("--missed-heartbeats", start.missed_beats,
-                        "Missed beats before a node is dead (default 5)")
+  start_cmd
+      ->add_option("--missed-heartbeats", start.missed_beats,
+                   "Missed beats before a node is dead (default 5)")
       ->check(CLI::Range(1u, 1000u));
   start_cmd->add_option("--nvml-library", start.nvml_library,
                         "Path of libnvidia-ml.so.1 (default: the system's)");

@@ -2,11 +2,11 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/common/fork_child.h"
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "tests/common/fork_child.h"
 
 #include <atomic>
 #include <chrono>
@@ -25,7 +25,6 @@ using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 using testing::Child;
 using testing::unique_name;
-
 
 // Message #seq: a length in 0..max_bytes that varies with seq, and bytes derived from both.
 std::vector<std::byte> make_message(uint64_t seq, size_t max_bytes) {

@@ -2,13 +2,13 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/common/fork_child.h"
 #include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "tests/common/fork_child.h"
 
 #include <atomic>
 #include <chrono>

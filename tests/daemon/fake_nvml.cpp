@@ -185,13 +185,20 @@ nvmlReturn_t nvmlShutdown() {
 
 const char* nvmlErrorString(nvmlReturn_t result) {
   switch (result) {
-    case kSuccess: return "Success";
-    case kUninitialized: return "Uninitialized";
-    case kInvalidArgument: return "Invalid Argument";
-    case kNotSupported: return "Not Supported";
-    case kInsufficientSize: return "Insufficient Size";
-    case kDriverNotLoaded: return "Driver Not Loaded";
-    default: return "Unknown Error";
+    case kSuccess:
+      return "Success";
+    case kUninitialized:
+      return "Uninitialized";
+    case kInvalidArgument:
+      return "Invalid Argument";
+    case kNotSupported:
+      return "Not Supported";
+    case kInsufficientSize:
+      return "Insufficient Size";
+    case kDriverNotLoaded:
+      return "Driver Not Loaded";
+    default:
+      return "Unknown Error";
   }
 }
 

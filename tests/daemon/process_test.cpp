@@ -21,8 +21,9 @@ TEST(ProcessTest, SpawnSetsEnvironmentLogAndReadyPipe) {
   std::filesystem::remove(log);
   ProcessSpec spec;
   spec.binary = "/bin/sh";
-  spec.args = {"-c", "echo \"job=$TESSERA_JOB home=${HOME:-unset}\"; echo oops >&2; "
-                     "printf 'READY 4242\\n' >&3"};
+  spec.args = {"-c",
+               "echo \"job=$TESSERA_JOB home=${HOME:-unset}\"; echo oops >&2; "
+               "printf 'READY 4242\\n' >&3"};
   spec.env = {{"TESSERA_JOB", "e2e"}, {"PATH", "/usr/bin:/bin"}};
   spec.log_path = log;
   auto p = spawn_process(spec);
@@ -63,8 +64,8 @@ TEST(ProcessTest, ResolveBinaryLooksInBinDir) {
   EXPECT_EQ(resolve_binary("../bin/sh", "/bin").status().code(), Code::kInvalidArgument);
   std::string plain = temp_file("tessera-not-executable");
   { std::ofstream(plain) << "data"; }
-  std::filesystem::permissions(plain, std::filesystem::perms::owner_read |
-                                          std::filesystem::perms::owner_write);
+  std::filesystem::permissions(
+      plain, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
   EXPECT_EQ(resolve_binary(plain, "/bin").status().code(), Code::kPermissionDenied);
   std::filesystem::remove(plain);
 }

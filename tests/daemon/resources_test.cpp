@@ -6,8 +6,8 @@
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <stdlib.h>
+#include <cstdlib>
 
 #include <cstdio>
 #include <map>

@@ -24,12 +24,12 @@ ClusterStatus sample() {
   head.node.resources.memory_available = 100ull << 30;
   head.node.resources.driver_version = "580.159.04";
   for (uint32_t i = 0; i < 2; ++i) {
-    head.node.resources.gpus.push_back(
-        {i, "NVIDIA H200", "GPU-" + std::to_string(i), "00000000:1" + std::to_string(i) + ":00.0",
-         143771ull << 20, 1ull << 30});
+    head.node.resources.gpus.push_back({i, "NVIDIA H200", "GPU-" + std::to_string(i),
+                                        "00000000:1" + std::to_string(i) + ":00.0", 143771ull << 20,
+                                        1ull << 30});
   }
-  head.node.resources.links = {{LinkKind::kSelf, 0}, {LinkKind::kNvlink, 18},
-                               {LinkKind::kNvlink, 18}, {LinkKind::kSelf, 0}};
+  head.node.resources.links = {
+      {LinkKind::kSelf, 0}, {LinkKind::kNvlink, 18}, {LinkKind::kNvlink, 18}, {LinkKind::kSelf, 0}};
   ActorView a;
   a.actor_id = "a-0001";
   a.owner = "llm-driver";

@@ -52,8 +52,8 @@ TEST(GpuClusterTest, EachActorSeesExactlyItsGpu) {
               << health->backend << ", CUDA_VISIBLE_DEVICES=" << health->visible_devices
               << ", NCCL " << health->nccl_version;
     for (const auto& d : health->devices) {
-      std::cout << ", device " << d.name << " " << d.uuid << " "
-                << (d.memory_total >> 20) << " MiB";
+      std::cout << ", device " << d.name << " " << d.uuid << " " << (d.memory_total >> 20)
+                << " MiB";
     }
     std::cout << "\n";
     EXPECT_EQ(health->backend, "cuda") << health->note;

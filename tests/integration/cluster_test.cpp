@@ -23,8 +23,8 @@ namespace tessera {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::TestCluster;
 using testing::process_alive;
+using testing::TestCluster;
 using testing::wait_until;
 
 // Forks a child that runs `body` (returning its exit code) and waits for it. The body runs on a
@@ -173,10 +173,9 @@ TEST_F(ClusterTest, HeadNoticesStoppedAndFrozenDaemons) {
   std::vector<std::string> dead;
   std::vector<std::string> added;
   auto cluster = connect();
-  auto sub = cluster->subscribe([&](const NodeView& n) { added.push_back(n.node_id); },
-                                [&](const NodeView& n) {
-                                  dead.push_back(n.node_id + ": " + n.death_reason);
-                                });
+  auto sub = cluster->subscribe(
+      [&](const NodeView& n) { added.push_back(n.node_id); },
+      [&](const NodeView& n) { dead.push_back(n.node_id + ": " + n.death_reason); });
   ASSERT_TRUE(sub);
   std::string a = cluster_.start_member("stopped");
   std::string b = cluster_.start_member("frozen");
@@ -365,9 +364,12 @@ TEST_F(ClusterTest, BroadcastRingFromTheDaemonReachesReadersInOtherProcesses) {
   }
   // The ring is the lease's: it is unlinked when the lease goes.
   lease->reset();
-  EXPECT_TRUE(wait_until([&] { 
-    loop_.run_for(10ms);
-    return !std::filesystem::exists("/dev/shm" + *segment); }, 10s));
+  EXPECT_TRUE(wait_until(
+      [&] {
+        loop_.run_for(10ms);
+        return !std::filesystem::exists("/dev/shm" + *segment);
+      },
+      10s));
 }
 
 // ---- Bad input: each a clear error, and the daemon keeps serving --------------------------
@@ -383,8 +385,8 @@ TEST_F(ClusterTest, UnreachableHeadIsAClearErrorAndNonZeroExit) {
 
 TEST_F(ClusterTest, PortInUseIsAClearErrorAndNonZeroExit) {
   std::string port = head_.substr(head_.rfind(':') + 1);
-  auto r = cluster_.tessera({"start", "--head", "--port", port, "--temp-dir",
-                             cluster_.root() + "/other"});
+  auto r = cluster_.tessera(
+      {"start", "--head", "--port", port, "--temp-dir", cluster_.root() + "/other"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("already in use"), std::string::npos) << r.err;
   EXPECT_TRUE(connect() != nullptr);  // the first head is unharmed
@@ -439,8 +441,7 @@ TEST_F(ClusterTest, SpawningAnUnknownOrFailingBinaryIsAClearError) {
       << missing.status().message();
   auto failing = (*lease)->spawn({.binary = "/bin/false"});
   ASSERT_FALSE(failing);
-  EXPECT_NE(failing.status().message().find("exited with code 1 before serving"),
-            std::string::npos)
+  EXPECT_NE(failing.status().message().find("exited with code 1 before serving"), std::string::npos)
       << failing.status().message();
   auto bad_gpu = (*lease)->spawn({.gpus = {7}});
   ASSERT_FALSE(bad_gpu);
@@ -451,8 +452,8 @@ TEST_F(ClusterTest, SpawningAnUnknownOrFailingBinaryIsAClearError) {
 
 TEST(ClusterCliTest, UsageErrorsExitWithTwo) {
   TestCluster cluster;
-  auto both = cluster.tessera({"start", "--head", "--address", "127.0.0.1:6380", "--temp-dir",
-                               cluster.root()});
+  auto both = cluster.tessera(
+      {"start", "--head", "--address", "127.0.0.1:6380", "--temp-dir", cluster.root()});
   EXPECT_EQ(both.exit_code, 2);
   EXPECT_NE(both.err.find("exactly one of --head"), std::string::npos) << both.err;
   auto none = cluster.tessera({"status", "--temp-dir", cluster.root()});

@@ -115,8 +115,16 @@ CommandResult TestCluster::tessera(std::vector<std::string> args,
 }
 
 std::string TestCluster::start_head(const std::vector<std::string>& extra) {
-  std::vector<std::string> args = {"start", "--head", "--port", "0", "--temp-dir", root_,
-                                   "--heartbeat-ms", "100", "--missed-heartbeats", "5"};
+  std::vector<std::string> args = {"start",
+                                   "--head",
+                                   "--port",
+                                   "0",
+                                   "--temp-dir",
+                                   root_,
+                                   "--heartbeat-ms",
+                                   "100",
+                                   "--missed-heartbeats",
+                                   "5"};
   args.insert(args.end(), extra.begin(), extra.end());
   auto r = tessera(args);
   if (r.exit_code != 0) return "";
@@ -127,8 +135,8 @@ std::string TestCluster::start_head(const std::vector<std::string>& extra) {
 
 std::string TestCluster::start_member(const std::string& name,
                                       const std::vector<std::string>& extra) {
-  std::vector<std::string> args = {"start", "--address", head_address_, "--temp-dir", root_,
-                                   "--node-name", name};
+  std::vector<std::string> args = {"start", "--address",   head_address_, "--temp-dir",
+                                   root_,   "--node-name", name};
   args.insert(args.end(), extra.begin(), extra.end());
   auto r = tessera(args);
   if (r.exit_code != 0) return "";

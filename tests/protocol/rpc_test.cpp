@@ -66,16 +66,18 @@ TEST_F(RpcTest, VersionMismatchIsAnErrorNamingBothVersions) {
   EXPECT_EQ(conn.status().code(), Code::kFailedPrecondition);
   std::string m = conn.status().message();
   EXPECT_NE(m.find("old driver speaks Tessera protocol v" + std::to_string(kProtocolVersion + 1)),
-            std::string::npos) << m;
+            std::string::npos)
+      << m;
   EXPECT_NE(m.find("this node daemon speaks v" + std::to_string(kProtocolVersion)),
-            std::string::npos) << m;
+            std::string::npos)
+      << m;
 }
 
 TEST_F(RpcTest, ClientChecksTheServersVersionToo) {
   Status st = check_server_version(kProtocolVersion + 3, proto::Role::HEAD, "10.0.0.1:6380");
   EXPECT_EQ(st.code(), Code::kFailedPrecondition);
-  EXPECT_NE(st.message().find("head at 10.0.0.1:6380 speaks Tessera protocol v"),
-            std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("head at 10.0.0.1:6380 speaks Tessera protocol v"), std::string::npos)
+      << st.message();
   EXPECT_TRUE(check_server_version(kProtocolVersion, proto::Role::HEAD, "x").is_ok());
 }
 
