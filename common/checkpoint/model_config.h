@@ -1,0 +1,78 @@
+// A Hugging Face model's config.json (+ generation_config.json), reduced to what the runtime
+// needs. One struct for every supported architecture: a model is this config plus a weight-name
+// map, not a class per model.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace tessera {
+
+enum class Architecture { kLlama, kMistral, kQwen2, kQwen3 };
+
+// "LlamaForCausalLM", ...
+const char* architecture_name(Architecture arch);
+// The Hugging Face names accepted in config.json "architectures", comma-separated.
+std::string supported_architectures();
+
+struct RopeScaling {
+  std::string type;                 // "" (none), "llama3" (others refused with a clear error)
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct ModelConfig {
+  Architecture arch = Architecture::kLlama;
+  std::string model_type;           // "llama", "mistral", "qwen2", "qwen3"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_layers = 0;           // num_hidden_layers
+  int64_t num_heads = 0;            // num_attention_heads
+  int64_t num_kv_heads = 0;         // num_key_value_heads (defaults to num_heads)
+  int64_t head_dim = 0;             // explicit (Qwen3) or hidden_size / num_heads
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;      // q/k/v projections have biases (Qwen2)
+  bool qk_norm = false;             // per-head RMSNorm on q and k before RoPE (Qwen3)
+  std::optional<int64_t> sliding_window;  // Mistral; recorded, refused when smaller than the
+                                          // context actually used
+  DType torch_dtype = DType::kBF16; // the checkpoint's declared dtype
+  // From config.json and generation_config.json (the latter wins).
+  std::vector<int64_t> eos_token_ids;
+  std::optional<int64_t> bos_token_id;
+  std::optional<int64_t> pad_token_id;
+};
+
+// Defaults a model's generation_config.json suggests (absent fields stay unset).
+struct GenerationDefaults {
+  std::optional<double> temperature;
+  std::optional<double> top_p;
+  std::optional<int64_t> top_k;
+  std::optional<double> repetition_penalty;
+  std::optional<int64_t> max_new_tokens;
+  bool do_sample = false;
+};
+
+// Parses config.json text. Errors name the file and the field ("config.json: hidden_size must be
+// a positive integer, got -1"); an architecture we do not run (a trust_remote_code model such
+// as the original Qwen-72B's QWenLMHeadModel, say) is refused with its name and the supported
+// list.
+Expected<ModelConfig> parse_model_config(const std::string& json_text,
+                                         const std::string& file = "config.json");
+
+// Reads <dir>/config.json and, if present, <dir>/generation_config.json (eos ids, defaults).
+Expected<ModelConfig> load_model_config(const std::string& model_dir,
+                                        GenerationDefaults* defaults = nullptr);
+
+}  // namespace tessera

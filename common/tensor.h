@@ -1,0 +1,55 @@
+// Plain tensor views shared by the checkpoint reader, the CPU kernels and the model: a pointer,
+// a dtype and a shape. Views never own memory (the mmap'd checkpoint, the KV cache or an
+// activation buffer does).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace tessera {
+
+enum class DType : uint8_t { kF32, kF16, kBF16 };
+
+// "F32", "F16", "BF16" (the safetensors spellings).
+const char* dtype_name(DType dtype);
+size_t dtype_size(DType dtype);
+
+// Read-only view of a dense, row-major tensor.
+struct TensorView {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+
+  int64_t numel() const;
+  int64_t dim(size_t i) const { return shape.at(i); }
+  size_t bytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
+  // "[4096, 128256] BF16"
+  std::string describe() const;
+  // Element i converted to float (any dtype).
+  float at(int64_t i) const;
+  // Row r of a 2-D tensor, converted to float into out[0..shape[1]).
+  void row_to_float(int64_t r, float* out) const;
+};
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round-to-nearest-even, as torch does; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+float f16_to_float(uint16_t h);
+uint16_t float_to_f16(float f);
+
+}  // namespace tessera
