@@ -214,6 +214,8 @@ class ActorHandle {
       std::chrono::milliseconds timeout = std::chrono::seconds(10));
   Expected<ActorHealthView> health();
   Status shutdown();
+  // The actor's capability, for calls this class does not wrap (load, execute).
+  proto::Actor::Client& capability() { return conn_->actor; }
 
   ActorHandle(EventLoop& loop, kj::Own<rpc::Connection> conn);
   ~ActorHandle();

@@ -4,6 +4,7 @@ using Cxx = import "/capnp/c++.capnp";
 $Cxx.namespace("tessera::proto");
 
 using Res = import "resources.capnp";
+using S = import "step.capnp";
 
 struct ActorHealth {
   actorId @0 :Text;
@@ -22,4 +23,11 @@ interface Actor {
 
   shutdown @1 () -> ();
   # Exits the process cleanly after replying.
+
+  loadModel @2 (spec :S.LoadSpec) -> (info :S.ModelInfo);
+  # Loads the checkpoint (its shard, later) and allocates the KV cache. Errors name the tensor
+  # and file at fault.
+
+  execute @3 (step :S.StepInput) -> (output :S.StepOutput);
+  # Runs one step of the batch and samples where asked.
 }

@@ -1,0 +1,47 @@
+// Runs engine steps on an actor over Cap'n Proto RPC.
+#pragma once
+
+#include <string>
+
+#include "driver/client.h"
+#include "driver/engine/engine.h"
+
+namespace tessera {
+
+struct LoadOptions {
+  std::string model_dir;
+  std::string dtype = "auto";
+  uint32_t kv_blocks = 0;    // 0: enough for one sequence of max_model_len
+  uint32_t block_size = 16;
+  uint32_t max_model_len = 0;
+  bool return_logits = false;
+};
+
+struct LoadedModel {
+  std::string architecture;
+  uint32_t vocab_size = 0;
+  uint32_t num_layers = 0;
+  uint32_t kv_blocks = 0;
+  uint32_t block_size = 0;
+  uint32_t max_model_len = 0;
+  uint64_t weight_bytes = 0;
+  std::string backend;
+};
+
+class ActorExecutor final : public StepExecutor {
+ public:
+  ActorExecutor(EventLoop& loop, ActorHandle& actor) : loop_(loop), actor_(actor) {}
+
+  // Loads the model on the actor (bounded by a generous timeout: big checkpoints take time).
+  Expected<LoadedModel> load(const LoadOptions& options);
+  Expected<StepResult> execute(const StepBatch& batch) override;
+  // Logits of the sampled rows of the last step, when loaded with return_logits.
+  const std::vector<float>& last_logits() const { return last_logits_; }
+
+ private:
+  EventLoop& loop_;
+  ActorHandle& actor_;
+  std::vector<float> last_logits_;
+};
+
+}  // namespace tessera

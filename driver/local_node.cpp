@@ -1,0 +1,92 @@
+#include "driver/local_node.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+namespace tessera {
+
+namespace {
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "tessera";
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<LocalNode>> LocalNode::start(const std::string& tessera_binary) {
+  std::string binary = tessera_binary.empty() ? self_exe() : tessera_binary;
+  char tmpl[] = "/tmp/tessera-local-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) return unavailable("cannot create a temp dir for a local node");
+  std::unique_ptr<LocalNode> node(new LocalNode());
+  node->root_ = tmpl;
+  std::string log = node->root_ + "/daemon.out";
+  pid_t parent = ::getpid();
+  pid_t pid = ::fork();
+  if (pid < 0) return unavailable("cannot fork a local node");
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) _exit(1);
+    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    std::vector<std::string> args = {binary, "start", "--head", "--block", "--port", "0",
+                                      "--temp-dir", node->root_, "--bind", "127.0.0.1",
+                                      "--node-ip", "127.0.0.1"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(binary.c_str(), argv.data());
+    _exit(127);
+  }
+  node->pid_ = pid;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::ifstream in(node->root_ + "/head_address");
+    if (in && std::getline(in, node->address_) && !node->address_.empty()) return node;
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      node->pid_ = -1;
+      std::ifstream err(log);
+      std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+      return unavailable("the local node exited during start-up: " + text);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return deadline_exceeded("the local node did not start within 20 s; see " + log);
+}
+
+LocalNode::~LocalNode() {
+  if (pid_ > 0) {
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    for (int i = 0; i < 500; ++i) {
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, &status, 0);
+    }
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(root_, ec);
+}
+
+}  // namespace tessera
