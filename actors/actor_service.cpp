@@ -26,6 +26,89 @@ class ActorImpl final : public proto::Actor::Server {
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> loadModel(LoadModelContext context) override {
+    auto p = context.getParams().getSpec();
+    RunnerLoadSpec spec;
+    spec.model_dir = p.getModelDir().cStr();
+    spec.dtype = p.getDtype().size() ? p.getDtype().cStr() : "auto";
+    spec.kv_blocks = p.getKvBlocks();
+    spec.block_size = p.getBlockSize() ? p.getBlockSize() : 16;
+    spec.max_model_len = p.getMaxModelLen();
+    spec.return_logits = p.getReturnLogits();
+    auto runner = ModelRunner::load(spec);
+    if (!runner) {
+      spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
+      rpc::throw_status(runner.status());
+    }
+    auto info = context.getResults().initInfo();
+    const ModelConfig& c = (*runner)->config();
+    info.setArchitecture(architecture_name(c.arch));
+    info.setVocabSize(static_cast<uint32_t>(c.vocab_size));
+    info.setNumLayers(static_cast<uint32_t>(c.num_layers));
+    info.setKvBlocks(static_cast<uint32_t>((*runner)->kv_blocks()));
+    info.setBlockSize(static_cast<uint32_t>((*runner)->block_size()));
+    info.setMaxModelLen(static_cast<uint32_t>((*runner)->max_model_len()));
+    info.setWeightBytes((*runner)->weight_bytes());
+    info.setBackend("cpu");
+    service_.set_runner(std::move(*runner));
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> execute(ExecuteContext context) override {
+    ModelRunner* runner = service_.runner();
+    if (runner == nullptr) {
+      rpc::throw_status(failed_precondition("no model is loaded on actor " +
+                                            service_.identity().actor_id + "; call loadModel"));
+    }
+    auto step = context.getParams().getStep();
+    std::vector<RunnerSeq> seqs;
+    for (auto s : step.getSeqs()) {
+      RunnerSeq r;
+      r.request_id = s.getRequestId();
+      for (auto t : s.getTokens()) r.tokens.push_back(t);
+      r.start_position = s.getStartPosition();
+      for (auto b : s.getBlockTable()) r.block_table.push_back(b);
+      r.sample = s.getSample();
+      r.first = s.getFirst();
+      if (r.first) {
+        for (auto t : s.getPromptIds()) r.prompt.push_back(t);
+        auto p = s.getSampling();
+        r.sampling.temperature = p.getTemperature();
+        r.sampling.top_k = p.getTopK();
+        r.sampling.top_p = p.getTopP();
+        r.sampling.min_p = p.getMinP();
+        if (p.getHasSeed()) r.sampling.seed = p.getSeed();
+        r.sampling.repetition_penalty = p.getRepetitionPenalty();
+        r.sampling.presence_penalty = p.getPresencePenalty();
+        r.sampling.frequency_penalty = p.getFrequencyPenalty();
+        r.sampling.logprobs = p.getLogprobs();
+      }
+      seqs.push_back(std::move(r));
+    }
+    std::vector<uint64_t> finished;
+    for (auto f : step.getFinished()) finished.push_back(f);
+    std::vector<float> logits;
+    auto outputs = runner->execute(seqs, finished, &logits);
+    if (!outputs) rpc::throw_status(outputs.status());
+    auto out = context.getResults().initOutput();
+    auto list = out.initOutputs(static_cast<unsigned>(outputs->size()));
+    for (size_t i = 0; i < outputs->size(); ++i) {
+      const auto& o = (*outputs)[i];
+      auto b = list[static_cast<unsigned>(i)];
+      b.setRequestId(o.request_id);
+      b.setToken(o.result.token);
+      b.setLogprob(o.result.logprob);
+      auto top = b.initTop(static_cast<unsigned>(o.result.top_logprobs.size()));
+      for (size_t j = 0; j < o.result.top_logprobs.size(); ++j) {
+        top[static_cast<unsigned>(j)].setToken(o.result.top_logprobs[j].first);
+        top[static_cast<unsigned>(j)].setLogprob(o.result.top_logprobs[j].second);
+      }
+    }
+    auto l = out.initLogits(static_cast<unsigned>(logits.size()));
+    for (size_t i = 0; i < logits.size(); ++i) l.set(static_cast<unsigned>(i), logits[i]);
+    return kj::READY_NOW;
+  }
+
  private:
   ActorService& service_;
 };

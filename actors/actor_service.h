@@ -7,6 +7,7 @@
 #include <string>
 
 #include "actors/cuda_probe.h"
+#include "actors/model/model_runner.h"
 #include "protocol/gateway.capnp.h"
 
 namespace tessera {
@@ -30,9 +31,14 @@ class ActorService {
   void fill_health(proto::ActorHealth::Builder out) const;
   const ActorIdentity& identity() const { return identity_; }
 
+  // The model this actor runs (null until loadModel succeeds).
+  ModelRunner* runner() { return runner_.get(); }
+  void set_runner(std::unique_ptr<ModelRunner> runner) { runner_ = std::move(runner); }
+
  private:
   ActorIdentity identity_;
   CudaProbe probe_;
+  std::unique_ptr<ModelRunner> runner_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   kj::ForkedPromise<void> shutdown_;
   kj::Own<kj::PromiseFulfiller<void>> shutdown_fulfiller_;

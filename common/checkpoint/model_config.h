@@ -20,8 +20,10 @@ const char* architecture_name(Architecture arch);
 // The Hugging Face names accepted in config.json "architectures", comma-separated.
 std::string supported_architectures();
 
+// config.json "rope_scaling" (or transformers 5's "rope_parameters"); "type" is an older spelling
+// of "rope_type". The llama3 fields follow transformers' _compute_llama3_parameters.
 struct RopeScaling {
-  std::string type;                 // "" (none), "llama3" (others refused with a clear error)
+  std::string type;  // "" (none), "llama3" (others refused with a clear error)
   double factor = 1.0;
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
@@ -30,24 +32,29 @@ struct RopeScaling {
 
 struct ModelConfig {
   Architecture arch = Architecture::kLlama;
-  std::string model_type;           // "llama", "mistral", "qwen2", "qwen3"
+  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
-  int64_t num_layers = 0;           // num_hidden_layers
-  int64_t num_heads = 0;            // num_attention_heads
-  int64_t num_kv_heads = 0;         // num_key_value_heads (defaults to num_heads)
-  int64_t head_dim = 0;             // explicit (Qwen3) or hidden_size / num_heads
+  int64_t num_layers = 0;    // num_hidden_layers
+  int64_t num_heads = 0;     // num_attention_heads
+  int64_t num_kv_heads = 0;  // num_key_value_heads (defaults to num_heads)
+  int64_t head_dim = 0;      // config "head_dim" when given (any arch), else 128 for Qwen3
+                             // (Qwen3Config's default), else hidden_size / num_heads
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;      // q/k/v projections have biases (Qwen2)
-  bool qk_norm = false;             // per-head RMSNorm on q and k before RoPE (Qwen3)
-  std::optional<int64_t> sliding_window;  // Mistral; recorded, refused when smaller than the
-                                          // context actually used
-  DType torch_dtype = DType::kBF16; // the checkpoint's declared dtype
+  bool attention_bias = false;  // q/k/v projections have biases (Qwen2; Llama/Qwen3 when
+                                // config.json says "attention_bias": true)
+  bool o_proj_bias = false;     // o_proj has a bias too (Llama/Qwen3 "attention_bias": true;
+                                // never Qwen2, whose o_proj has none)
+  bool qk_norm = false;         // per-head RMSNorm on q and k before RoPE (Qwen3)
+  std::optional<int64_t> sliding_window;  // Mistral; Qwen2/Qwen3 only with use_sliding_window.
+                                          // Recorded; the runtime refuses contexts longer than it
+  DType torch_dtype = DType::kBF16;  // the checkpoint's declared dtype ("torch_dtype" or the newer
+                                     // "dtype" key); BF16 when the config names none
   // From config.json and generation_config.json (the latter wins).
   std::vector<int64_t> eos_token_ids;
   std::optional<int64_t> bos_token_id;
@@ -64,14 +71,42 @@ struct GenerationDefaults {
   bool do_sample = false;
 };
 
+// The role of one checkpoint tensor (what make-model initialises it as, what a loader expects).
+enum class WeightRole { kEmbedding, kLinear, kBias, kNorm };
+
+// One tensor a Hugging Face checkpoint of some config holds: its exact HF name and shape
+// (linear weights are [out_features, in_features], as nn.Linear stores them).
+struct WeightSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  WeightRole role = WeightRole::kLinear;
+};
+
+// Every tensor a Hugging Face checkpoint of `config` holds, in the model's state_dict order:
+// model.embed_tokens.weight; per layer self_attn.{q,k,v,o}_proj.weight (+ .bias where the config
+// has biases), self_attn.{q,k}_norm.weight (qk_norm), mlp.{gate,up,down}_proj.weight,
+// input_layernorm.weight, post_attention_layernorm.weight; model.norm.weight; lm_head.weight
+// unless tie_word_embeddings. Precondition: `config` passed parse_model_config's validation.
+std::vector<WeightSpec> expected_weights(const ModelConfig& config);
+
 // Parses config.json text. Errors name the file and the field ("config.json: hidden_size must be
 // a positive integer, got -1"); an architecture we do not run (a trust_remote_code model such
 // as the original Qwen-72B's QWenLMHeadModel, say) is refused with its name and the supported
 // list.
 Expected<ModelConfig> parse_model_config(const std::string& json_text,
                                          const std::string& file = "config.json");
+// Missing sizes (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+// num_attention_heads) are errors; everything else defaults as the transformers config class of
+// the architecture does (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config): e.g.
+// num_key_value_heads = num_attention_heads, rope_theta 10000, tie_word_embeddings false,
+// max_position_embeddings 2048 / 131072 / 32768 / 32768, Llama and Mistral bos 1 / eos 2 when
+// the keys are absent (not when null). eos_token_id may be an int or a list. Refused with a clear
+// error: hidden_act other than silu, mlp_bias, quantization_config, rope scaling other than
+// llama3, num_attention_heads not a multiple of num_key_value_heads, odd head_dim.
 
 // Reads <dir>/config.json and, if present, <dir>/generation_config.json (eos ids, defaults).
+// generation_config.json's eos_token_id / bos_token_id / pad_token_id replace config.json's when
+// present and not null. Errors name the file's path.
 Expected<ModelConfig> load_model_config(const std::string& model_dir,
                                         GenerationDefaults* defaults = nullptr);
 

@@ -4,15 +4,20 @@
 //   tessera start --address HEAD:PORT [--block]      join a cluster with this machine
 //   tessera status [--address HEAD:PORT] [--json]    nodes, GPUs, links, actors
 //   tessera stop                                     stop the daemons started here
+//   tessera generate --model DIR --prompt TEXT       one completion, end to end
+//   tessera make-model --arch A --preset P ...       a seeded random checkpoint of real shape
 //
 // Exit codes (decided here only): 0 success, 1 the operation failed, 2 bad usage.
 #include <CLI/CLI.hpp>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "common/logging.h"
 #include "daemon/session.h"
 #include "daemon/start.h"
+#include "driver/generate.h"
+#include "driver/make_model/make_model.h"
 #include "driver/status.h"
 #include "protocol/rpc.h"
 
@@ -86,6 +91,37 @@ int main(int argc, char** argv) {
   status_cmd->add_option("--temp-dir", status_temp, "The root the head was started with");
   status_cmd->add_flag("--json", status_json, "Print JSON");
 
+  tessera::GenerateOptions gen;
+  std::vector<int32_t> stop_ids;
+  std::optional<uint64_t> gen_seed;
+  gen.sampling.max_tokens = 64;
+  auto* gen_cmd = app.add_subcommand("generate", "Generate a completion for one prompt");
+  gen_cmd->add_option("--model", gen.model, "Hugging Face model directory")->required();
+  gen_cmd->add_option("--prompt", gen.prompt, "The prompt text")->required();
+  gen_cmd->add_option("--address", gen.address,
+                      "A cluster's head HOST:PORT (default: start a local node)");
+  gen_cmd->add_option("--max-tokens", gen.sampling.max_tokens, "Tokens to generate (64)");
+  gen_cmd->add_option("--temperature", gen.sampling.temperature, "0 = greedy (default 1.0)");
+  gen_cmd->add_option("--top-p", gen.sampling.top_p, "Nucleus sampling mass (1.0 = off)");
+  gen_cmd->add_option("--top-k", gen.sampling.top_k, "Keep the k most likely (-1 = off)");
+  gen_cmd->add_option("--min-p", gen.sampling.min_p, "Drop tokens below min_p x the top (0 = off)");
+  gen_cmd->add_option("--seed", gen_seed, "Seed of this request's sampler");
+  gen_cmd->add_option("--repetition-penalty", gen.sampling.repetition_penalty, "(1.0 = off)");
+  gen_cmd->add_option("--presence-penalty", gen.sampling.presence_penalty, "(0 = off)");
+  gen_cmd->add_option("--frequency-penalty", gen.sampling.frequency_penalty, "(0 = off)");
+  gen_cmd->add_option("--stop", gen.sampling.stop, "Stop strings (repeatable)");
+  gen_cmd->add_option("--stop-token-ids", stop_ids, "Token ids that end generation");
+  gen_cmd->add_flag("--ignore-eos", gen.sampling.ignore_eos, "Keep going past EOS");
+  gen_cmd->add_option("--logprobs", gen.sampling.logprobs, "Return top-N logprobs per token");
+  gen_cmd->add_option("--dtype", gen.dtype, "auto|bfloat16|float16|half|float32");
+  gen_cmd->add_option("--max-model-len", gen.max_model_len,
+                      "Context length (default: model's, "
+                      "at most 8192)");
+  gen_cmd->add_flag("--json", gen.json, "Print ids, text and logprobs as JSON");
+
+  tessera::MakeModelOptions make;
+  auto* make_cmd = tessera::add_make_model_subcommand(app, make);
+
   auto* version_cmd = app.add_subcommand("version", "Print the version and protocol version");
 
   try {
@@ -103,6 +139,20 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (*stop_cmd) return tessera::stop_command(stop);
+  if (*gen_cmd) {
+    gen.sampling.seed = gen_seed;
+    gen.sampling.stop_token_ids = stop_ids;
+    return tessera::generate_command(gen);
+  }
+  if (*make_cmd) {
+    tessera::Status st = tessera::make_model(make);
+    if (!st) {
+      std::cerr << "tessera make-model: " << st.message() << "\n";
+      return 1;
+    }
+    std::cout << "Wrote " << make.out << "\n";
+    return 0;
+  }
   if (*status_cmd) return status_command(status_address, status_temp, status_json);
   if (*version_cmd) {
     std::cout << "tessera " << TESSERA_VERSION << " (protocol v" << tessera::rpc::kProtocolVersion

@@ -1,0 +1,476 @@
+#include "common/checkpoint/model_config.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace tessera {
+namespace {
+
+using nlohmann::json;
+
+struct ArchInfo {
+  Architecture arch;
+  const char* hf_name;
+  const char* model_type;
+  int64_t default_max_positions;  // the transformers config class's default
+};
+
+// Defaults from transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config.
+constexpr ArchInfo kArchs[] = {
+    {Architecture::kLlama, "LlamaForCausalLM", "llama", 2048},
+    {Architecture::kMistral, "MistralForCausalLM", "mistral", 4096 * 32},
+    {Architecture::kQwen2, "Qwen2ForCausalLM", "qwen2", 32768},
+    {Architecture::kQwen3, "Qwen3ForCausalLM", "qwen3", 32768},
+};
+
+const ArchInfo& arch_info(Architecture arch) {
+  for (const ArchInfo& info : kArchs) {
+    if (info.arch == arch) return info;
+  }
+  return kArchs[0];
+}
+
+std::string type_name(const json& v) {
+  if (v.is_null()) return "null";
+  if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
+  if (v.is_string()) return "\"" + v.get<std::string>() + "\"";
+  if (v.is_number()) return v.dump();
+  if (v.is_array()) return "a list";
+  return "an object";
+}
+
+// Typed access to one JSON object's fields; every error names the file and the field.
+class Fields {
+ public:
+  Fields(const json& obj, const std::string& file, std::string prefix = "")
+      : obj_(obj), file_(file), prefix_(std::move(prefix)) {}
+
+  bool has(const char* key) const { return obj_.contains(key); }
+  // Present and not null.
+  bool given(const char* key) const { return has(key) && !obj_.at(key).is_null(); }
+  const json& at(const char* key) const { return obj_.at(key); }
+
+  Status error(const char* key, const std::string& what) const {
+    return invalid_argument(file_ + ": " + prefix_ + key + " " + what);
+  }
+
+  // An integer (an integral float such as 4096.0 is accepted too).
+  Expected<int64_t> integer(const char* key) const {
+    const json& v = obj_.at(key);
+    if (v.is_number_integer()) {
+      if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)) {
+        return error(key, "is out of range, got " + v.dump());
+      }
+      return v.get<int64_t>();
+    }
+    if (v.is_number_float()) {
+      double d = v.get<double>();
+      if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) {
+        return static_cast<int64_t>(d);
+      }
+    }
+    return error(key, "must be an integer, got " + type_name(v));
+  }
+
+  // Required positive integer.
+  Expected<int64_t> positive(const char* key) const {
+    if (!has(key)) return error(key, "is missing (a positive integer is required)");
+    TESSERA_ASSIGN_OR_RETURN(int64_t v, integer(key));
+    if (v <= 0) return error(key, "must be a positive integer, got " + std::to_string(v));
+    return v;
+  }
+
+  // Positive integer, or `fallback` when absent or null.
+  Expected<int64_t> positive_or(const char* key, int64_t fallback) const {
+    if (!given(key)) return fallback;
+    return positive(key);
+  }
+
+  Expected<double> number_or(const char* key, double fallback) const {
+    if (!given(key)) return fallback;
+    const json& v = obj_.at(key);
+    if (!v.is_number()) return error(key, "must be a number, got " + type_name(v));
+    return v.get<double>();
+  }
+
+  Expected<double> positive_number_or(const char* key, double fallback) const {
+    TESSERA_ASSIGN_OR_RETURN(double v, number_or(key, fallback));
+    if (!(v > 0) || !std::isfinite(v)) {
+      return error(key, "must be a positive number, got " + obj_.at(key).dump());
+    }
+    return v;
+  }
+
+  Expected<bool> boolean_or(const char* key, bool fallback) const {
+    if (!given(key)) return fallback;
+    const json& v = obj_.at(key);
+    if (!v.is_boolean()) return error(key, "must be true or false, got " + type_name(v));
+    return v.get<bool>();
+  }
+
+  // A token id: a non-negative integer, or unset when absent/null.
+  Expected<std::optional<int64_t>> token_id(const char* key) const {
+    if (!given(key)) return std::optional<int64_t>();
+    TESSERA_ASSIGN_OR_RETURN(int64_t v, integer(key));
+    if (v < 0) return error(key, "must be a non-negative token id, got " + std::to_string(v));
+    return std::optional<int64_t>(v);
+  }
+
+  // eos_token_id: an int or a list of ints; empty when absent/null.
+  Expected<std::vector<int64_t>> token_ids(const char* key) const {
+    std::vector<int64_t> ids;
+    if (!given(key)) return ids;
+    const json& v = obj_.at(key);
+    if (v.is_array()) {
+      for (size_t i = 0; i < v.size(); ++i) {
+        const json& e = v[i];
+        if (!e.is_number_integer() || e.get<int64_t>() < 0) {
+          return error(key, "must be a token id or a list of token ids; element " +
+                                std::to_string(i) + " is " + type_name(e));
+        }
+        ids.push_back(e.get<int64_t>());
+      }
+      return ids;
+    }
+    TESSERA_ASSIGN_OR_RETURN(std::optional<int64_t> id, token_id(key));
+    ids.push_back(*id);
+    return ids;
+  }
+
+ private:
+  const json& obj_;
+  const std::string& file_;
+  std::string prefix_;
+};
+
+Expected<json> parse_json_object(const std::string& text, const std::string& file) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    return invalid_argument(file + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!j.is_object()) return invalid_argument(file + ": expected a JSON object at the top level");
+  return j;
+}
+
+Expected<std::string> read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return not_found(path + ": cannot open (" + std::strerror(errno) + ")");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return internal_error(path + ": read failed");
+  return ss.str();
+}
+
+Expected<Architecture> parse_architecture(const Fields& f, const json& j, const std::string& file,
+                                          std::string* model_type) {
+  *model_type = j.contains("model_type") && j["model_type"].is_string()
+                    ? j["model_type"].get<std::string>()
+                    : "";
+  std::string name;
+  if (f.given("architectures")) {
+    const json& a = f.at("architectures");
+    if (!a.is_array() || a.empty() || !a[0].is_string()) {
+      return f.error("architectures",
+                     "must be a non-empty list of class names, got " + type_name(a));
+    }
+    name = a[0].get<std::string>();
+    for (const ArchInfo& info : kArchs) {
+      if (name == info.hf_name) return info.arch;
+    }
+  } else {
+    // A few configs omit "architectures": fall back to model_type, as AutoModelForCausalLM does.
+    for (const ArchInfo& info : kArchs) {
+      if (*model_type == info.model_type) return info.arch;
+    }
+    return invalid_argument(file + ": neither \"architectures\" nor a known \"model_type\" (got '" +
+                            *model_type +
+                            "'); supported architectures: " + supported_architectures());
+  }
+  std::string why;
+  if (j.contains("auto_map")) why = " (it is custom code that needs trust_remote_code)";
+  return invalid_argument(file + ": architecture '" + name + "' is not supported" + why +
+                          "; supported architectures: " + supported_architectures());
+}
+
+Status parse_rope(const Fields& f, const json& j, const std::string& file, ModelConfig* cfg) {
+  // transformers 5 writes "rope_parameters" (with rope_theta inside); 4.x "rope_scaling".
+  const char* key = nullptr;
+  if (f.given("rope_scaling")) key = "rope_scaling";
+  if (f.given("rope_parameters")) key = "rope_parameters";
+  if (key == nullptr) return Status::ok();
+  const json& r = j.at(key);
+  if (!r.is_object()) return f.error(key, "must be an object or null, got " + type_name(r));
+  Fields rf(r, file, std::string(key) + ".");
+  if (std::string(key) == "rope_parameters" && rf.given("rope_theta")) {
+    TESSERA_ASSIGN_OR_RETURN(cfg->rope_theta, rf.positive_number_or("rope_theta", 10000.0));
+  }
+  std::string type;
+  for (const char* k : {"rope_type", "type"}) {
+    if (rf.given(k)) {
+      if (!r.at(k).is_string()) return rf.error(k, "must be a string, got " + type_name(r.at(k)));
+      type = r.at(k).get<std::string>();
+      break;
+    }
+  }
+  if (type.empty() || type == "default") return Status::ok();
+  if (type != "llama3") {
+    return invalid_argument(file + ": " + key + " type '" + type +
+                            "' is not supported (supported: llama3, or none/default)");
+  }
+  RopeScaling& rs = cfg->rope_scaling;
+  rs.type = "llama3";
+  for (const char* k :
+       {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
+    if (!rf.given(k)) return rf.error(k, "is missing (required for rope_type llama3)");
+  }
+  TESSERA_ASSIGN_OR_RETURN(rs.factor, rf.positive_number_or("factor", 1.0));
+  TESSERA_ASSIGN_OR_RETURN(rs.low_freq_factor, rf.positive_number_or("low_freq_factor", 1.0));
+  TESSERA_ASSIGN_OR_RETURN(rs.high_freq_factor, rf.positive_number_or("high_freq_factor", 4.0));
+  TESSERA_ASSIGN_OR_RETURN(rs.original_max_position_embeddings,
+                           rf.positive("original_max_position_embeddings"));
+  if (!(rs.high_freq_factor > rs.low_freq_factor)) {
+    return invalid_argument(file + ": " + key + ".high_freq_factor (" +
+                            r["high_freq_factor"].dump() + ") must be greater than " +
+                            "low_freq_factor (" + r["low_freq_factor"].dump() + ")");
+  }
+  return Status::ok();
+}
+
+Expected<DType> parse_dtype(const Fields& f) {
+  const char* key = f.given("dtype") ? "dtype" : f.given("torch_dtype") ? "torch_dtype" : nullptr;
+  if (key == nullptr) return DType::kBF16;
+  const json& v = f.at(key);
+  std::string s = v.is_string() ? v.get<std::string>() : "";
+  if (s.rfind("torch.", 0) == 0) s = s.substr(6);
+  if (s == "bfloat16") return DType::kBF16;
+  if (s == "float16" || s == "half") return DType::kF16;
+  if (s == "float32" || s == "float") return DType::kF32;
+  return f.error(key, "must be \"bfloat16\", \"float16\" or \"float32\", got " + type_name(v));
+}
+
+Status parse_generation_config(const std::string& text, const std::string& file, ModelConfig* cfg,
+                               GenerationDefaults* defaults) {
+  TESSERA_ASSIGN_OR_RETURN(json j, parse_json_object(text, file));
+  Fields f(j, file);
+  TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> eos, f.token_ids("eos_token_id"));
+  if (!eos.empty()) cfg->eos_token_ids = eos;
+  TESSERA_ASSIGN_OR_RETURN(std::optional<int64_t> bos, f.token_id("bos_token_id"));
+  if (bos) cfg->bos_token_id = bos;
+  TESSERA_ASSIGN_OR_RETURN(std::optional<int64_t> pad, f.token_id("pad_token_id"));
+  if (pad) cfg->pad_token_id = pad;
+  GenerationDefaults g;
+  if (f.given("temperature")) {
+    TESSERA_ASSIGN_OR_RETURN(double t, f.number_or("temperature", 1.0));
+    if (t < 0) return f.error("temperature", "must be >= 0, got " + j["temperature"].dump());
+    g.temperature = t;
+  }
+  if (f.given("top_p")) {
+    TESSERA_ASSIGN_OR_RETURN(double p, f.number_or("top_p", 1.0));
+    if (!(p > 0 && p <= 1)) return f.error("top_p", "must be in (0, 1], got " + j["top_p"].dump());
+    g.top_p = p;
+  }
+  if (f.given("top_k")) {
+    TESSERA_ASSIGN_OR_RETURN(int64_t k, f.integer("top_k"));
+    if (k < 0) return f.error("top_k", "must be >= 0, got " + std::to_string(k));
+    g.top_k = k;
+  }
+  if (f.given("repetition_penalty")) {
+    TESSERA_ASSIGN_OR_RETURN(g.repetition_penalty, f.positive_number_or("repetition_penalty", 1.0));
+  }
+  if (f.given("max_new_tokens")) {
+    TESSERA_ASSIGN_OR_RETURN(g.max_new_tokens, f.positive("max_new_tokens"));
+  }
+  TESSERA_ASSIGN_OR_RETURN(g.do_sample, f.boolean_or("do_sample", false));
+  if (defaults != nullptr) *defaults = g;
+  return Status::ok();
+}
+
+}  // namespace
+
+const char* architecture_name(Architecture arch) { return arch_info(arch).hf_name; }
+
+std::string supported_architectures() {
+  std::string out;
+  for (const ArchInfo& info : kArchs) out += (out.empty() ? "" : ", ") + std::string(info.hf_name);
+  return out;
+}
+
+Expected<ModelConfig> parse_model_config(const std::string& json_text, const std::string& file) {
+  TESSERA_ASSIGN_OR_RETURN(json j, parse_json_object(json_text, file));
+  Fields f(j, file);
+  ModelConfig cfg;
+  TESSERA_ASSIGN_OR_RETURN(cfg.arch, parse_architecture(f, j, file, &cfg.model_type));
+  const ArchInfo& info = arch_info(cfg.arch);
+  if (cfg.model_type.empty()) cfg.model_type = info.model_type;
+
+  if (f.given("quantization_config")) {
+    const json& q = j["quantization_config"];
+    std::string method =
+        q.is_object() && q.contains("quant_method") && q["quant_method"].is_string()
+            ? q["quant_method"].get<std::string>()
+            : "unknown";
+    return invalid_argument(file +
+                            ": quantized checkpoints are not supported yet "
+                            "(quantization_config.quant_method = " +
+                            method + ")");
+  }
+  if (f.given("hidden_act")) {
+    const json& act = j["hidden_act"];
+    if (!act.is_string() || act.get<std::string>() != "silu") {
+      return f.error("hidden_act", "must be \"silu\" (SwiGLU MLP), got " + type_name(act));
+    }
+  }
+  TESSERA_ASSIGN_OR_RETURN(bool mlp_bias, f.boolean_or("mlp_bias", false));
+  if (mlp_bias) return f.error("mlp_bias", "true is not supported (MLP projections with biases)");
+
+  TESSERA_ASSIGN_OR_RETURN(cfg.vocab_size, f.positive("vocab_size"));
+  TESSERA_ASSIGN_OR_RETURN(cfg.hidden_size, f.positive("hidden_size"));
+  TESSERA_ASSIGN_OR_RETURN(cfg.intermediate_size, f.positive("intermediate_size"));
+  TESSERA_ASSIGN_OR_RETURN(cfg.num_layers, f.positive("num_hidden_layers"));
+  TESSERA_ASSIGN_OR_RETURN(cfg.num_heads, f.positive("num_attention_heads"));
+  TESSERA_ASSIGN_OR_RETURN(cfg.num_kv_heads, f.positive_or("num_key_value_heads", cfg.num_heads));
+  if (cfg.num_heads % cfg.num_kv_heads != 0) {
+    return invalid_argument(file + ": num_attention_heads (" + std::to_string(cfg.num_heads) +
+                            ") must be a multiple of num_key_value_heads (" +
+                            std::to_string(cfg.num_kv_heads) + ")");
+  }
+  if (f.given("head_dim")) {
+    TESSERA_ASSIGN_OR_RETURN(cfg.head_dim, f.positive("head_dim"));
+  } else if (cfg.arch == Architecture::kQwen3) {
+    cfg.head_dim = 128;  // Qwen3Config(head_dim=128)
+  } else {
+    if (cfg.hidden_size % cfg.num_heads != 0) {
+      return invalid_argument(file + ": hidden_size (" + std::to_string(cfg.hidden_size) +
+                              ") must be a multiple of num_attention_heads (" +
+                              std::to_string(cfg.num_heads) + ") when head_dim is not given");
+    }
+    cfg.head_dim = cfg.hidden_size / cfg.num_heads;
+  }
+  if (cfg.head_dim % 2 != 0) {
+    return invalid_argument(file + ": head_dim " + std::to_string(cfg.head_dim) +
+                            " must be even (rotary embeddings rotate pairs)");
+  }
+  TESSERA_ASSIGN_OR_RETURN(cfg.max_position_embeddings,
+                           f.positive_or("max_position_embeddings", info.default_max_positions));
+  TESSERA_ASSIGN_OR_RETURN(cfg.rms_norm_eps, f.positive_number_or("rms_norm_eps", 1e-6));
+  TESSERA_ASSIGN_OR_RETURN(cfg.rope_theta, f.positive_number_or("rope_theta", 10000.0));
+  TESSERA_RETURN_IF_ERROR(parse_rope(f, j, file, &cfg));
+  TESSERA_ASSIGN_OR_RETURN(cfg.tie_word_embeddings, f.boolean_or("tie_word_embeddings", false));
+  TESSERA_ASSIGN_OR_RETURN(cfg.torch_dtype, parse_dtype(f));
+
+  switch (cfg.arch) {
+    case Architecture::kQwen2:
+      cfg.attention_bias = true;  // Qwen2Attention: q/k/v bias=True, o_proj bias=False
+      break;
+    case Architecture::kLlama:
+    case Architecture::kQwen3: {
+      TESSERA_ASSIGN_OR_RETURN(bool bias, f.boolean_or("attention_bias", false));
+      cfg.attention_bias = cfg.o_proj_bias = bias;
+      break;
+    }
+    case Architecture::kMistral:
+      break;
+  }
+  cfg.qk_norm = cfg.arch == Architecture::kQwen3;
+
+  // Sliding window: MistralConfig defaults it to 4096; Qwen2/Qwen3 use it only when
+  // use_sliding_window is true (their configs carry a sliding_window they do not use).
+  if (cfg.arch == Architecture::kMistral) {
+    if (!f.has("sliding_window")) {
+      cfg.sliding_window = 4096;
+    } else if (f.given("sliding_window")) {
+      TESSERA_ASSIGN_OR_RETURN(cfg.sliding_window, f.positive("sliding_window"));
+    }
+  } else if (cfg.arch == Architecture::kQwen2 || cfg.arch == Architecture::kQwen3) {
+    TESSERA_ASSIGN_OR_RETURN(bool use, f.boolean_or("use_sliding_window", false));
+    if (use) {
+      TESSERA_ASSIGN_OR_RETURN(cfg.sliding_window, f.positive_or("sliding_window", 4096));
+    }
+  }
+
+  TESSERA_ASSIGN_OR_RETURN(cfg.eos_token_ids, f.token_ids("eos_token_id"));
+  TESSERA_ASSIGN_OR_RETURN(cfg.bos_token_id, f.token_id("bos_token_id"));
+  TESSERA_ASSIGN_OR_RETURN(cfg.pad_token_id, f.token_id("pad_token_id"));
+  if (cfg.arch == Architecture::kLlama || cfg.arch == Architecture::kMistral) {
+    // LlamaConfig / MistralConfig(bos_token_id=1, eos_token_id=2) when the keys are absent.
+    if (!f.has("bos_token_id")) cfg.bos_token_id = 1;
+    if (!f.has("eos_token_id")) cfg.eos_token_ids = {2};
+  }
+  for (int64_t id : cfg.eos_token_ids) {
+    if (id >= cfg.vocab_size) {
+      return f.error("eos_token_id", std::to_string(id) + " is not below vocab_size " +
+                                         std::to_string(cfg.vocab_size));
+    }
+  }
+  return cfg;
+}
+
+Expected<ModelConfig> load_model_config(const std::string& model_dir,
+                                        GenerationDefaults* defaults) {
+  namespace fs = std::filesystem;
+  const std::string path = (fs::path(model_dir) / "config.json").string();
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    return not_found(path + ": no such file (is " + model_dir +
+                     " a Hugging Face model directory?)");
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::string text, read_text_file(path));
+  TESSERA_ASSIGN_OR_RETURN(ModelConfig cfg, parse_model_config(text, path));
+  const std::string gen_path = (fs::path(model_dir) / "generation_config.json").string();
+  if (defaults != nullptr) *defaults = GenerationDefaults();
+  if (fs::exists(gen_path, ec)) {
+    TESSERA_ASSIGN_OR_RETURN(std::string gen_text, read_text_file(gen_path));
+    TESSERA_RETURN_IF_ERROR(parse_generation_config(gen_text, gen_path, &cfg, defaults));
+    for (int64_t id : cfg.eos_token_ids) {
+      if (id >= cfg.vocab_size) {
+        return invalid_argument(gen_path + ": eos_token_id " + std::to_string(id) +
+                                " is not below vocab_size " + std::to_string(cfg.vocab_size));
+      }
+    }
+  }
+  return cfg;
+}
+
+std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
+  const int64_t h = c.hidden_size;
+  const int64_t q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim;
+  std::vector<WeightSpec> out;
+  out.reserve(4 + static_cast<size_t>(c.num_layers) * 16);
+  out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, WeightRole::kEmbedding});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    auto linear = [&](const std::string& name, int64_t out_f, int64_t in_f, bool bias) {
+      out.push_back({p + name + ".weight", {out_f, in_f}, WeightRole::kLinear});
+      if (bias) out.push_back({p + name + ".bias", {out_f}, WeightRole::kBias});
+    };
+    linear("self_attn.q_proj", q_out, h, c.attention_bias);
+    linear("self_attn.k_proj", kv_out, h, c.attention_bias);
+    linear("self_attn.v_proj", kv_out, h, c.attention_bias);
+    linear("self_attn.o_proj", h, q_out, c.o_proj_bias);
+    if (c.qk_norm) {
+      out.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, WeightRole::kNorm});
+      out.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, WeightRole::kNorm});
+    }
+    linear("mlp.gate_proj", c.intermediate_size, h, false);
+    linear("mlp.up_proj", c.intermediate_size, h, false);
+    linear("mlp.down_proj", h, c.intermediate_size, false);
+    out.push_back({p + "input_layernorm.weight", {h}, WeightRole::kNorm});
+    out.push_back({p + "post_attention_layernorm.weight", {h}, WeightRole::kNorm});
+  }
+  out.push_back({"model.norm.weight", {h}, WeightRole::kNorm});
+  if (!c.tie_word_embeddings) {
+    out.push_back({"lm_head.weight", {c.vocab_size, h}, WeightRole::kLinear});
+  }
+  return out;
+}
+
+}  // namespace tessera

@@ -1,0 +1,33 @@
+#include "common/tokenizer/json_file.h"
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace tessera::tokenizer {
+
+Expected<std::string> read_text_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return not_found(path + ": no such file");
+  if (std::filesystem::is_directory(path, ec)) {
+    return invalid_argument(path + ": is a directory, not a file");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return invalid_argument(path + ": cannot be read (" + std::strerror(errno) + ")");
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  if (in.bad()) return invalid_argument(path + ": read failed");
+  return contents.str();
+}
+
+Expected<nlohmann::json> parse_json(std::string_view text, std::string_view origin) {
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    return invalid_argument(std::string(origin) + ": malformed JSON: " + e.what());
+  }
+}
+
+}  // namespace tessera::tokenizer

@@ -1,0 +1,209 @@
+#include "common/tokenizer/tokenizer.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "common/tokenizer/added_vocabulary.h"
+#include "common/tokenizer/bpe_model.h"
+#include "common/tokenizer/decoder.h"
+#include "common/tokenizer/json_file.h"
+#include "common/tokenizer/normalizer.h"
+#include "common/tokenizer/post_processor.h"
+#include "common/tokenizer/pre_tokenizer.h"
+#include "common/tokenizer/unicode.h"
+
+namespace tessera {
+
+using nlohmann::json;
+using tokenizer::AddedToken;
+using tokenizer::AddedVocabulary;
+using tokenizer::PreToken;
+using tokenizer::Segment;
+
+Tokenizer::Tokenizer() = default;
+Tokenizer::~Tokenizer() = default;
+
+Expected<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::string tokenizer_path = (fs::path(dir) / "tokenizer.json").string();
+  TESSERA_ASSIGN_OR_RETURN(std::string tokenizer_json, tokenizer::read_text_file(tokenizer_path));
+  std::string config_path = (fs::path(dir) / "tokenizer_config.json").string();
+  std::string config_json;
+  if (std::error_code ec; fs::exists(config_path, ec)) {
+    TESSERA_ASSIGN_OR_RETURN(config_json, tokenizer::read_text_file(config_path));
+  }
+  TESSERA_ASSIGN_OR_RETURN(auto tok, from_json(tokenizer_json, {}, tokenizer_path));
+  if (!config_json.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(tok->config_, parse_tokenizer_config(config_json, config_path));
+  }
+  std::string generation_path = (fs::path(dir) / "generation_config.json").string();
+  if (std::error_code ec; fs::exists(generation_path, ec)) {
+    TESSERA_ASSIGN_OR_RETURN(std::string text, tokenizer::read_text_file(generation_path));
+    TESSERA_RETURN_IF_ERROR(merge_generation_config(text, generation_path, tok->config_));
+  }
+  std::string template_path = (fs::path(dir) / "chat_template.jinja").string();
+  if (std::error_code ec; tok->config_.chat_template.empty() && fs::exists(template_path, ec)) {
+    TESSERA_ASSIGN_OR_RETURN(tok->config_.chat_template, tokenizer::read_text_file(template_path));
+  }
+  tok->derive_settings();
+  return tok;
+}
+
+Expected<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokenizer_json,
+                                                          std::string_view config_json,
+                                                          std::string_view origin) {
+  std::string where(origin);
+  TESSERA_ASSIGN_OR_RETURN(json spec, tokenizer::parse_json(tokenizer_json, origin));
+  if (!spec.is_object()) return invalid_argument(where + ": not a JSON object");
+  std::unique_ptr<Tokenizer> tok(new Tokenizer());
+  auto located = [&](const Status& status) { return status.with_context(where); };
+  try {
+    if (spec.contains("version") && spec["version"] != "1.0") {
+      return invalid_argument(where + ": unknown tokenizer version " + spec["version"].dump());
+    }
+    if (!spec.contains("model")) return invalid_argument(where + ": has no \"model\"");
+    auto model = tokenizer::BpeModel::from_json(spec["model"]);
+    if (!model) return located(model.status());
+    tok->model_ = std::move(model).value();
+
+    static const json kNull;
+    auto section = [&](const char* key) -> const json& {
+      return spec.contains(key) ? spec[key] : kNull;
+    };
+    auto normalizer = tokenizer::make_normalizer(section("normalizer"));
+    if (!normalizer) return located(normalizer.status());
+    tok->normalizer_ = std::move(normalizer).value();
+    auto pre_tokenizer = tokenizer::make_pre_tokenizer(section("pre_tokenizer"));
+    if (!pre_tokenizer) return located(pre_tokenizer.status());
+    tok->pre_tokenizer_ = std::move(pre_tokenizer).value();
+    auto post_processor = tokenizer::make_post_processor(section("post_processor"));
+    if (!post_processor) return located(post_processor.status());
+    tok->post_processor_ = std::move(post_processor).value();
+    auto decoder = tokenizer::make_decoder(section("decoder"));
+    if (!decoder) return located(decoder.status());
+    tok->decoder_ = std::move(decoder).value();
+
+    std::vector<AddedToken> added;
+    for (const json& entry : section("added_tokens")) {
+      AddedToken token;
+      token.content = entry.at("content").get<std::string>();
+      token.single_word = entry.value("single_word", false);
+      token.lstrip = entry.value("lstrip", false);
+      token.rstrip = entry.value("rstrip", false);
+      token.special = entry.value("special", false);
+      token.normalized = entry.value("normalized", !token.special);
+      added.push_back(std::move(token));
+    }
+    const tokenizer::BpeModel& bpe = *tok->model_;
+    tok->added_ = std::make_unique<AddedVocabulary>(
+        std::move(added), [&bpe](std::string_view s) { return bpe.token_to_id(s); },
+        bpe.vocab_size(), tok->normalizer_.get());
+  } catch (const json::exception& e) {
+    return invalid_argument(where + ": unexpected structure: " + e.what());
+  }
+  if (!config_json.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(tok->config_,
+                             parse_tokenizer_config(config_json, "tokenizer_config.json"));
+  }
+  tok->derive_settings();
+  return tok;
+}
+
+void Tokenizer::derive_settings() {
+  vocab_size_ = model_->vocab_size();
+  for (const AddedToken& token : added_->tokens()) {
+    if (!model_->token_to_id(token.content)) ++vocab_size_;
+  }
+  bos_id_.reset();
+  if (config_.bos_token) bos_id_ = token_to_id(*config_.bos_token);
+  eos_ids_.clear();
+  auto add_eos = [&](int32_t id) {
+    if (std::find(eos_ids_.begin(), eos_ids_.end(), id) == eos_ids_.end()) eos_ids_.push_back(id);
+  };
+  if (config_.eos_token) {
+    if (auto id = token_to_id(*config_.eos_token)) add_eos(*id);
+  }
+  for (int32_t id : config_.generation_eos_ids) add_eos(id);
+  if (config_.add_bos_token) {
+    add_bos_token_ = *config_.add_bos_token;
+  } else {
+    add_bos_token_ = post_processor_ && post_processor_->leading_special().has_value();
+  }
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view input, bool add_special_tokens) const {
+  std::string repaired;
+  std::string_view text = input;
+  if (!tokenizer::is_valid_utf8(input)) {
+    repaired = tokenizer::utf8_lossy(input);
+    text = repaired;
+  }
+  std::vector<int32_t> ids;
+  ids.reserve(text.size() / 3 + 4);
+  std::vector<PreToken> pieces;
+  for (const Segment& segment : added_->split(text, /*normalized_tokens=*/false)) {
+    if (segment.id >= 0) {
+      ids.push_back(segment.id);
+      continue;
+    }
+    std::string normalized(text.substr(segment.begin, segment.end - segment.begin));
+    if (normalized.empty()) continue;
+    if (normalizer_) normalizer_->normalize(normalized);
+    for (const Segment& sub : added_->split(normalized, /*normalized_tokens=*/true)) {
+      if (sub.id >= 0) {
+        ids.push_back(sub.id);
+        continue;
+      }
+      if (sub.end == sub.begin) continue;
+      pieces.clear();
+      pieces.push_back({normalized.substr(sub.begin, sub.end - sub.begin),
+                        segment.begin == 0 && sub.begin == 0});
+      if (pre_tokenizer_) pre_tokenizer_->pre_tokenize(pieces);
+      for (const PreToken& piece : pieces) model_->tokenize(piece.text, ids);
+    }
+  }
+  if (post_processor_) post_processor_->process(ids, add_special_tokens);
+  return ids;
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (int32_t id : ids) {
+    const std::string* token =
+        added_->find(id) != nullptr ? &added_->decode_form(id) : model_->id_to_token(id);
+    if (token == nullptr) continue;
+    if (skip_special_tokens && added_->is_special_content(*token)) continue;
+    tokens.push_back(*token);
+  }
+  std::string text;
+  if (decoder_) {
+    decoder_->decode_chain(tokens);
+    for (const std::string& part : tokens) text += part;
+  } else {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (i > 0) text.push_back(' ');
+      text += tokens[i];
+    }
+  }
+  return text;
+}
+
+std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
+  if (auto id = added_->token_to_id(token)) return id;
+  return model_->token_to_id(token);
+}
+
+std::optional<std::string> Tokenizer::id_to_token(int32_t id) const {
+  if (const AddedToken* token = added_->find(id)) return token->content;
+  if (const std::string* token = model_->id_to_token(id)) return *token;
+  return std::nullopt;
+}
+
+bool Tokenizer::is_special(int32_t id) const {
+  const std::string* token =
+      added_->find(id) != nullptr ? &added_->decode_form(id) : model_->id_to_token(id);
+  return token != nullptr && added_->is_special_content(*token);
+}
+
+}  // namespace tessera

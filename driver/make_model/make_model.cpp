@@ -1,0 +1,537 @@
+#include "driver/make_model/make_model.h"
+
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "common/checkpoint/safetensors.h"
+
+namespace tessera {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// The transformers release whose config classes' to_dict() the written config.json mirrors.
+constexpr const char* kTransformersVersion = "4.51.0";
+
+struct Shape {
+  const char* name;
+  Architecture arch;
+  const char* source;  // the published config.json this copies ("" for tiny)
+  int64_t vocab;       // 0: the tokenizer's size
+  int64_t hidden, intermediate, layers, heads, kv_heads;
+  int64_t head_dim;  // 0: hidden / heads
+  int64_t max_positions;
+  double rms_norm_eps, rope_theta;
+  double llama3_rope_factor;  // 0: no rope_scaling; else llama3 with low 1, high 4, orig 8192
+  bool tie;
+  int64_t sliding_window;  // 0: none (null)
+};
+
+// Real shapes are copied from each model's published config.json on the Hugging Face Hub
+// (https://huggingface.co/<source>/blob/main/config.json), checked against verbatim copies of
+// those files. Tiny shapes are ours: hidden 64, 4 heads over 2 KV heads (GQA), 4 layers, the
+// tokenizer's full vocabulary; each exercises its architecture's peculiarity.
+constexpr Shape kShapes[] = {
+    // Llama 3.1-style llama3 rope scaling (all three frequency bands occur at head_dim 16).
+    {"tiny", Architecture::kLlama, "", 0, 64, 176, 4, 4, 2, 0, 131072, 1e-5, 500000.0, 8.0, false,
+     0},
+    {"tiny", Architecture::kMistral, "", 0, 64, 176, 4, 4, 2, 0, 32768, 1e-5, 10000.0, 0, false, 0},
+    // q/k/v biases; tied embeddings as the small Qwen2.5 models have.
+    {"tiny", Architecture::kQwen2, "", 0, 64, 176, 4, 4, 2, 0, 32768, 1e-6, 1000000.0, 0, true, 0},
+    // q/k norms and an explicit head_dim (32) that is not hidden / heads (16); tied.
+    {"tiny", Architecture::kQwen3, "", 0, 64, 176, 4, 4, 2, 32, 40960, 1e-6, 1000000.0, 0, true, 0},
+    {"llama3-8b", Architecture::kLlama, "meta-llama/Meta-Llama-3-8B", 128256, 4096, 14336, 32, 32,
+     8, 0, 8192, 1e-5, 500000.0, 0, false, 0},
+    {"llama3-70b", Architecture::kLlama, "meta-llama/Meta-Llama-3-70B", 128256, 8192, 28672, 80, 64,
+     8, 0, 8192, 1e-5, 500000.0, 0, false, 0},
+    {"llama3.1-8b", Architecture::kLlama, "meta-llama/Llama-3.1-8B", 128256, 4096, 14336, 32, 32, 8,
+     0, 131072, 1e-5, 500000.0, 8.0, false, 0},
+    {"llama3.1-70b", Architecture::kLlama, "meta-llama/Llama-3.1-70B", 128256, 8192, 28672, 80, 64,
+     8, 0, 131072, 1e-5, 500000.0, 8.0, false, 0},
+    {"llama3.2-1b", Architecture::kLlama, "meta-llama/Llama-3.2-1B", 128256, 2048, 8192, 16, 32, 8,
+     64, 131072, 1e-5, 500000.0, 32.0, true, 0},
+    {"mistral-7b", Architecture::kMistral, "mistralai/Mistral-7B-v0.1", 32000, 4096, 14336, 32, 32,
+     8, 0, 32768, 1e-5, 10000.0, 0, false, 4096},
+    {"qwen2.5-7b", Architecture::kQwen2, "Qwen/Qwen2.5-7B", 152064, 3584, 18944, 28, 28, 4, 0,
+     131072, 1e-6, 1000000.0, 0, false, 0},
+    {"qwen3-0.6b", Architecture::kQwen3, "Qwen/Qwen3-0.6B", 151936, 1024, 3072, 28, 16, 8, 128,
+     40960, 1e-6, 1000000.0, 0, true, 0},
+    {"qwen3-8b", Architecture::kQwen3, "Qwen/Qwen3-8B", 151936, 4096, 12288, 36, 32, 8, 128, 40960,
+     1e-6, 1000000.0, 0, false, 0},
+};
+
+const char* model_type_of(Architecture arch) {
+  switch (arch) {
+    case Architecture::kLlama:
+      return "llama";
+    case Architecture::kMistral:
+      return "mistral";
+    case Architecture::kQwen2:
+      return "qwen2";
+    case Architecture::kQwen3:
+      return "qwen3";
+  }
+  return "?";
+}
+
+std::optional<Architecture> parse_arch(const std::string& s) {
+  for (Architecture a :
+       {Architecture::kLlama, Architecture::kMistral, Architecture::kQwen2, Architecture::kQwen3}) {
+    if (s == model_type_of(a) || s == architecture_name(a)) return a;
+  }
+  return std::nullopt;
+}
+
+std::string preset_names() {
+  std::string out;
+  for (const Shape& s : kShapes) {
+    if (out.find(s.name) == std::string::npos)
+      out += (out.empty() ? "" : ", ") + std::string(s.name);
+  }
+  return out;
+}
+
+Expected<const Shape*> find_shape(const MakeModelOptions& o) {
+  std::optional<Architecture> arch;
+  if (!o.arch.empty()) {
+    arch = parse_arch(o.arch);
+    if (!arch) {
+      return invalid_argument("make-model: unknown --arch '" + o.arch +
+                              "' (known: llama, mistral, qwen2, qwen3)");
+    }
+  }
+  if (!arch && o.preset == "tiny") {
+    return invalid_argument(
+        "make-model: --arch is required with --preset tiny "
+        "(llama, mistral, qwen2 or qwen3)");
+  }
+  const Shape* named = nullptr;
+  for (const Shape& s : kShapes) {
+    if (o.preset != s.name) continue;
+    if (!arch || *arch == s.arch) return &s;
+    named = &s;
+  }
+  if (named == nullptr) {
+    return invalid_argument("make-model: unknown --preset '" + o.preset +
+                            "' (known: " + preset_names() + ")");
+  }
+  return invalid_argument("make-model: preset '" + o.preset + "' is a " +
+                          model_type_of(named->arch) + " model, but --arch says " + o.arch);
+}
+
+Expected<DType> parse_dtype(const std::string& s) {
+  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
+  if (s == "fp16" || s == "f16" || s == "float16") return DType::kF16;
+  if (s == "fp32" || s == "f32" || s == "float32") return DType::kF32;
+  return invalid_argument("make-model: unknown --dtype '" + s + "' (bf16, fp16 or fp32)");
+}
+
+const char* torch_dtype_name(DType d) {
+  switch (d) {
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+  }
+  return "?";
+}
+
+Expected<json> read_json(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return not_found(path.string() + ": cannot open (" + std::strerror(errno) + ")");
+  std::ostringstream text;  // parsing a string is faster than parsing the stream
+  text << in.rdbuf();
+  try {
+    return json::parse(text.str());
+  } catch (const json::parse_error& e) {
+    return invalid_argument(path.string() + ": not valid JSON (" + e.what() + ")");
+  }
+}
+
+// What make-model needs from a tokenizer directory.
+struct TokenizerInfo {
+  int64_t vocab_size = 0;  // highest id + 1, added tokens included
+  std::optional<int64_t> bos, eos, pad;
+};
+
+Expected<TokenizerInfo> read_tokenizer(const std::string& dir) {
+  const fs::path tj = fs::path(dir) / "tokenizer.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(tj, ec)) {
+    return not_found("make-model: no tokenizer.json in tokenizer directory '" + dir + "'");
+  }
+  TESSERA_ASSIGN_OR_RETURN(json tok, read_json(tj));
+  TokenizerInfo info;
+  std::map<std::string, int64_t> special;  // content → id
+  if (tok.contains("added_tokens") && tok["added_tokens"].is_array()) {
+    for (const json& t : tok["added_tokens"]) {
+      if (!t.is_object() || !t.contains("id") || !t["id"].is_number_integer()) continue;
+      const int64_t id = t["id"].get<int64_t>();
+      info.vocab_size = std::max(info.vocab_size, id + 1);
+      if (t.contains("content") && t["content"].is_string()) special[t["content"]] = id;
+    }
+  }
+  const json* vocab = nullptr;
+  if (tok.contains("model") && tok["model"].is_object() && tok["model"].contains("vocab")) {
+    vocab = &tok["model"]["vocab"];
+  }
+  if (vocab != nullptr && vocab->is_object()) {  // BPE / WordPiece / WordLevel: token → id
+    for (auto it = vocab->begin(); it != vocab->end(); ++it) {
+      if (it->is_number_integer())
+        info.vocab_size = std::max(info.vocab_size, it->get<int64_t>() + 1);
+    }
+  } else if (vocab != nullptr && vocab->is_array()) {  // Unigram: [[piece, score], ...]
+    info.vocab_size = std::max(info.vocab_size, static_cast<int64_t>(vocab->size()));
+  }
+  if (info.vocab_size <= 0) {
+    return invalid_argument(tj.string() + ": no vocabulary found (model.vocab / added_tokens)");
+  }
+  auto id_of = [&](const std::string& content) -> std::optional<int64_t> {
+    if (auto it = special.find(content); it != special.end()) return it->second;
+    if (vocab != nullptr && vocab->is_object() && vocab->contains(content) &&
+        (*vocab)[content].is_number_integer()) {
+      return (*vocab)[content].get<int64_t>();
+    }
+    return std::nullopt;
+  };
+
+  const fs::path tc = fs::path(dir) / "tokenizer_config.json";
+  if (!fs::is_regular_file(tc, ec)) {
+    spdlog::warn("make-model: {} has no tokenizer_config.json; bos/eos ids left unset", dir);
+    return info;
+  }
+  TESSERA_ASSIGN_OR_RETURN(json cfg, read_json(tc));
+  auto token = [&](const char* key) -> Expected<std::optional<int64_t>> {
+    if (!cfg.contains(key) || cfg[key].is_null()) return std::optional<int64_t>();
+    const json& v = cfg[key];
+    std::string content;
+    if (v.is_string()) {
+      content = v.get<std::string>();
+    } else if (v.is_object() && v.contains("content") && v["content"].is_string()) {
+      content = v["content"].get<std::string>();  // an AddedToken dict
+    } else {
+      return invalid_argument(tc.string() + ": " + key + " must be a string, got " + v.dump());
+    }
+    std::optional<int64_t> id = id_of(content);
+    if (!id) {
+      return invalid_argument(tc.string() + ": " + key + " '" + content +
+                              "' is not a token of tokenizer.json");
+    }
+    return id;
+  };
+  TESSERA_ASSIGN_OR_RETURN(info.bos, token("bos_token"));
+  TESSERA_ASSIGN_OR_RETURN(info.eos, token("eos_token"));
+  TESSERA_ASSIGN_OR_RETURN(info.pad, token("pad_token"));
+  return info;
+}
+
+json id_or_null(const std::optional<int64_t>& id) { return id ? json(*id) : json(nullptr); }
+
+// config.json with the keys transformers' config class for the architecture writes.
+json build_config(const Shape& s, const TokenizerInfo& tok, int64_t vocab, DType dtype) {
+  const int64_t head_dim = s.head_dim != 0 ? s.head_dim : s.hidden / s.heads;
+  json c = {
+      {"architectures", {architecture_name(s.arch)}},
+      {"attention_dropout", 0.0},
+      {"bos_token_id", id_or_null(tok.bos)},
+      {"eos_token_id", id_or_null(tok.eos)},
+      {"hidden_act", "silu"},
+      {"hidden_size", s.hidden},
+      {"initializer_range", 0.02},
+      {"intermediate_size", s.intermediate},
+      {"max_position_embeddings", s.max_positions},
+      {"model_type", model_type_of(s.arch)},
+      {"num_attention_heads", s.heads},
+      {"num_hidden_layers", s.layers},
+      {"num_key_value_heads", s.kv_heads},
+      {"rms_norm_eps", s.rms_norm_eps},
+      {"rope_theta", s.rope_theta},
+      {"tie_word_embeddings", s.tie},
+      {"torch_dtype", torch_dtype_name(dtype)},
+      {"transformers_version", kTransformersVersion},
+      {"use_cache", true},
+      {"vocab_size", vocab},
+  };
+  json rope = nullptr;
+  if (s.llama3_rope_factor > 0) {
+    rope = {{"factor", s.llama3_rope_factor},
+            {"high_freq_factor", 4.0},
+            {"low_freq_factor", 1.0},
+            {"original_max_position_embeddings", 8192},
+            {"rope_type", "llama3"}};
+  }
+  switch (s.arch) {
+    case Architecture::kLlama:
+      c["attention_bias"] = false;
+      c["head_dim"] = head_dim;
+      c["mlp_bias"] = false;
+      c["pretraining_tp"] = 1;
+      c["rope_scaling"] = rope;
+      break;
+    case Architecture::kMistral:
+      c["head_dim"] = head_dim;
+      c["sliding_window"] = s.sliding_window != 0 ? json(s.sliding_window) : json(nullptr);
+      break;
+    case Architecture::kQwen3:
+      c["attention_bias"] = false;
+      c["head_dim"] = head_dim;
+      [[fallthrough]];
+    case Architecture::kQwen2:
+      c["max_window_layers"] = s.layers;
+      c["rope_scaling"] = rope;
+      c["sliding_window"] = nullptr;  // unused: use_sliding_window is false
+      c["use_sliding_window"] = false;
+      break;
+  }
+  return c;
+}
+
+// ---- seeded values ----------------------------------------------------------------------------
+
+uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+uint64_t tensor_key(uint64_t seed, const std::string& name) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
+  return mix64(seed ^ mix64(h));
+}
+
+// How one tensor's values are drawn: mean + std · z, z ≈ N(0, 1).
+struct Init {
+  uint64_t key;
+  float mean;
+  float std;
+  DType dtype;
+};
+
+Init init_for(const WeightSpec& w, const ModelConfig& c, uint64_t seed, DType dtype) {
+  Init init{tensor_key(seed, w.name), 0.f, 0.f, dtype};
+  switch (w.role) {
+    case WeightRole::kEmbedding:
+      init.std = 1.f / std::sqrt(static_cast<float>(c.hidden_size));
+      break;
+    case WeightRole::kLinear: {
+      float std = 1.f / std::sqrt(static_cast<float>(w.shape[1]));
+      const bool residual =
+          w.name.ends_with("o_proj.weight") || w.name.ends_with("down_proj.weight");
+      if (residual) std /= std::sqrt(2.f * static_cast<float>(c.num_layers));
+      init.std = std;
+      break;
+    }
+    case WeightRole::kNorm:
+      init.mean = 1.f;
+      init.std = 0.1f;
+      break;
+    case WeightRole::kBias:
+      init.std = 0.1f;
+      break;
+  }
+  return init;
+}
+
+// Counter-based: element i depends only on (key, i). A sum of four 16-bit uniforms, centred and
+// scaled to unit variance (Irwin–Hall), is close to normal and bounded by ±2√3.
+inline float normal_at(uint64_t key, uint64_t i) {
+  const uint64_t h = mix64(key + (i + 1) * 0x9e3779b97f4a7c15ull);
+  const uint32_t s =
+      static_cast<uint32_t>((h & 0xffff) + ((h >> 16) & 0xffff) + ((h >> 32) & 0xffff) + (h >> 48));
+  return (static_cast<float>(s + 2) * (1.f / 65536.f) - 2.f) * 1.7320508f;
+}
+
+void fill_range(const Init& init, uint64_t first, size_t n, uint8_t* out) {
+  for (size_t j = 0; j < n; ++j) {
+    const float v = init.mean + init.std * normal_at(init.key, first + j);
+    switch (init.dtype) {
+      case DType::kF32:
+        std::memcpy(out + 4 * j, &v, 4);
+        break;
+      case DType::kBF16: {
+        const uint16_t b = float_to_bf16(v);
+        std::memcpy(out + 2 * j, &b, 2);
+        break;
+      }
+      case DType::kF16: {
+        const uint16_t b = float_to_f16(v);
+        std::memcpy(out + 2 * j, &b, 2);
+        break;
+      }
+    }
+  }
+}
+
+Status fill(const Init& init, uint64_t offset, std::span<uint8_t> out) {
+  const size_t esize = dtype_size(init.dtype);
+  const uint64_t first = offset / esize;
+  const size_t n = out.size() / esize;
+  const size_t threads =
+      n < (1u << 20) ? 1 : std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16);
+  if (threads == 1) {
+    fill_range(init, first, n, out.data());
+    return Status::ok();
+  }
+  std::vector<std::thread> pool;
+  const size_t per = (n + threads - 1) / threads;
+  for (size_t t = 0; t < threads; ++t) {
+    const size_t begin = t * per, end = std::min(n, begin + per);
+    if (begin >= end) break;
+    pool.emplace_back(fill_range, std::cref(init), first + begin, end - begin,
+                      out.data() + begin * esize);
+  }
+  for (std::thread& th : pool) th.join();
+  return Status::ok();
+}
+
+// ---- output -----------------------------------------------------------------------------------
+
+Status write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) return internal_error(path.string() + ": write failed (" + std::strerror(errno) + ")");
+  return Status::ok();
+}
+
+Status prepare_out_dir(const std::string& out) {
+  if (out.empty()) return invalid_argument("make-model: --out is required");
+  std::error_code ec;
+  if (fs::exists(out, ec)) {
+    if (!fs::is_directory(out, ec)) {
+      return invalid_argument("make-model: --out '" + out + "' exists and is not a directory");
+    }
+    if (!fs::is_empty(out, ec)) {
+      return invalid_argument("make-model: --out '" + out +
+                              "' exists and is not empty; refusing to write into it");
+    }
+    return Status::ok();
+  }
+  fs::create_directories(out, ec);
+  if (ec) return internal_error("make-model: cannot create '" + out + "' (" + ec.message() + ")");
+  return Status::ok();
+}
+
+struct Plan {
+  const Shape* shape;
+  DType dtype;
+  TokenizerInfo tok;
+  json config;
+  ModelConfig parsed;
+};
+
+Expected<Plan> plan(const MakeModelOptions& o) {
+  Plan p;
+  TESSERA_ASSIGN_OR_RETURN(p.shape, find_shape(o));
+  TESSERA_ASSIGN_OR_RETURN(p.dtype, parse_dtype(o.dtype));
+  if (o.tokenizer_dir.empty()) return invalid_argument("make-model: --tokenizer is required");
+  TESSERA_ASSIGN_OR_RETURN(p.tok, read_tokenizer(o.tokenizer_dir));
+  const TokenizerInfo& tok = p.tok;
+  const int64_t vocab = p.shape->vocab != 0 ? p.shape->vocab : tok.vocab_size;
+  if (tok.vocab_size > vocab) {
+    return invalid_argument("make-model: the tokenizer in '" + o.tokenizer_dir + "' has " +
+                            std::to_string(tok.vocab_size) + " tokens, more than preset '" +
+                            o.preset + "''s vocab_size " + std::to_string(vocab) +
+                            " (use the model's own tokenizer)");
+  }
+  p.config = build_config(*p.shape, tok, vocab, p.dtype);
+  // Parse what we are about to write: the reader is the judge of a valid config.
+  Expected<ModelConfig> parsed = parse_model_config(p.config.dump(), "config.json (generated)");
+  if (!parsed) return parsed.status().with_context("make-model: internal error");
+  p.parsed = *parsed;
+  return p;
+}
+
+}  // namespace
+
+std::vector<MakeModelPreset> make_model_presets() {
+  std::vector<MakeModelPreset> out;
+  for (const Shape& s : kShapes) out.push_back({s.name, s.arch, s.source});
+  return out;
+}
+
+Expected<std::string> make_model_config_json(const MakeModelOptions& options) {
+  TESSERA_ASSIGN_OR_RETURN(Plan p, plan(options));
+  return p.config.dump(2) + "\n";
+}
+
+Status make_model(const MakeModelOptions& o) {
+  TESSERA_ASSIGN_OR_RETURN(Plan p, plan(o));
+  TESSERA_RETURN_IF_ERROR(prepare_out_dir(o.out));
+  const fs::path out(o.out);
+
+  const std::vector<WeightSpec> weights = expected_weights(p.parsed);
+  SafetensorsWriter writer;
+  for (const WeightSpec& w : weights) {
+    const Init init = init_for(w, p.parsed, o.seed, p.dtype);
+    TESSERA_RETURN_IF_ERROR(writer.add(
+        TensorSpec{w.name, p.dtype, w.shape},
+        [init](uint64_t offset, std::span<uint8_t> bytes) { return fill(init, offset, bytes); }));
+  }
+  const uint64_t total = writer.total_bytes();
+  spdlog::info("make-model: {} {} ({}, {} tensors, {:.2f} GB {}) → {}",
+               model_type_of(p.shape->arch), o.preset, architecture_name(p.shape->arch),
+               weights.size(), total / 1e9, torch_dtype_name(p.dtype), o.out);
+  writer.set_progress([](const std::string& path, uint64_t done, uint64_t all) {
+    spdlog::info("make-model: wrote {} ({:.0f}%)", path, all ? 100.0 * done / all : 100.0);
+  });
+
+  // Tokenizer files first, then weights; config.json last marks the directory complete.
+  std::error_code ec;
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                           "chat_template.jinja"}) {
+    const fs::path from = fs::path(o.tokenizer_dir) / name;
+    if (!fs::is_regular_file(from, ec)) continue;
+    fs::copy_file(from, out / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) {
+      return internal_error("make-model: cannot copy " + from.string() + " to " + o.out + " (" +
+                            ec.message() + ")");
+    }
+  }
+  TESSERA_RETURN_IF_ERROR(writer.write_sharded(o.out, o.max_shard_bytes).status());
+
+  json gen = {{"_from_model_config", true},
+              {"bos_token_id", p.config["bos_token_id"]},
+              {"eos_token_id", p.config["eos_token_id"]},
+              {"transformers_version", kTransformersVersion}};
+  if (p.tok.pad) gen["pad_token_id"] = *p.tok.pad;
+  TESSERA_RETURN_IF_ERROR(write_text(out / "generation_config.json", gen.dump(2) + "\n"));
+  return write_text(out / "config.json", p.config.dump(2) + "\n");
+}
+
+CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& o) {
+  CLI::App* sub = app.add_subcommand(
+      "make-model", "Write a Hugging Face model directory with seeded random weights");
+  sub->add_option("--arch", o.arch,
+                  "llama | mistral | qwen2 | qwen3 (required for tiny; implied by real presets)");
+  sub->add_option("--preset", o.preset, "Model shape: " + preset_names())->required();
+  sub->add_option("--tokenizer", o.tokenizer_dir,
+                  "Directory with tokenizer.json (+ tokenizer_config.json) to copy and size the "
+                  "vocabulary from")
+      ->required();
+  sub->add_option("--seed", o.seed, "Seed of the random weights")->capture_default_str();
+  sub->add_option("--dtype", o.dtype, "bf16 | fp16 | fp32")->capture_default_str();
+  sub->add_option("--out", o.out, "Output directory (created; must be empty if it exists)")
+      ->required();
+  sub->add_option("--max-shard-size", o.max_shard_bytes,
+                  "Largest shard before splitting, e.g. 5GB (10^9) or 4GiB (2^30); default 5GiB")
+      ->transform(CLI::AsSizeValue(true));
+  return sub;
+}
+
+}  // namespace tessera

@@ -1,0 +1,75 @@
+// `tessera make-model`: writes a complete Hugging Face model directory with seeded random
+// weights, of a tiny test shape or of a real published model's shape, so the runtime can be
+// exercised (and compared with transformers on a GPU machine) without downloading weights.
+//
+// The directory holds config.json (keys as transformers writes them for the architecture),
+// generation_config.json, model.safetensors or shards + model.safetensors.index.json, and copies
+// of tokenizer.json and tokenizer_config.json (plus special_tokens_map.json and
+// chat_template.jinja when the tokenizer directory has them). config.json is written last, so a
+// directory with a config.json is complete.
+//
+// Weights: every tensor is generated from (seed, tensor name) alone by a counter-based PRNG
+// (splitmix64), so each is reproducible independently and the same seed gives identical bytes.
+// Values are approximately normal (a sum of four uniforms; |z| < 3.5):
+//   embed_tokens            N(0, 1/sqrt(hidden))        — tied logits come out O(1)
+//   q/k/v/gate/up, lm_head  N(0, 1/sqrt(in_features))   — each projection keeps unit scale, so
+//                                                          attention is far from uniform
+//   o_proj, down_proj       N(0, 1/sqrt(in_features · 2 · layers)) — the residual stream stays
+//                                                          O(1) through any depth
+//   norm weights            1 + N(0, 0.1)               — a missing or misplaced norm shows
+//   biases                  N(0, 0.1)
+// Writing streams tensor by tensor through a bounded buffer: memory stays small for any size.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint/model_config.h"
+#include "common/status.h"
+
+namespace CLI {
+class App;
+}
+
+namespace tessera {
+
+struct MakeModelOptions {
+  // "llama", "mistral", "qwen2", "qwen3" (or the HF class name). Required for "tiny"; optional
+  // for a real-shape preset, which implies it (given, it must match).
+  std::string arch;
+  std::string preset;         // "tiny" or a real shape; see make_model_presets()
+  std::string tokenizer_dir;  // must hold tokenizer.json (tokenizer_config.json recommended)
+  uint64_t seed = 0;
+  std::string dtype = "bf16";  // "bf16" | "fp16" | "fp32" (also bfloat16 / float16 / float32)
+  std::string out;             // created if absent; refused if it exists and is not empty
+  uint64_t max_shard_bytes = 5ull << 30;
+};
+
+// One preset: its name, architecture and the model whose published config.json it copies.
+struct MakeModelPreset {
+  std::string name;
+  Architecture arch;
+  std::string source;  // e.g. "meta-llama/Meta-Llama-3-8B"; "" for tiny
+};
+
+// Every preset ("tiny" appears once per architecture).
+std::vector<MakeModelPreset> make_model_presets();
+
+// The config.json make_model would write for `options` (pretty-printed, sorted keys), with the
+// vocab size and special-token ids taken from the tokenizer. Errors as make_model's, minus the
+// output-directory checks. Exposed for tests and `--dry-run`-style tooling.
+Expected<std::string> make_model_config_json(const MakeModelOptions& options);
+
+// Writes the model directory. INVALID_ARGUMENT for an unknown arch/preset/dtype, an arch that
+// contradicts the preset, a tokenizer larger than the preset's vocab_size, an --out that exists
+// and is not an empty directory; NOT_FOUND for a tokenizer directory without tokenizer.json;
+// I/O errors name the file. On failure a partial directory (without config.json) may remain.
+Status make_model(const MakeModelOptions& options);
+
+// Adds the `make-model` subcommand to `app`, binding its flags to `options`
+// (--arch, --preset, --tokenizer, --seed, --dtype, --out, --max-shard-size with a unit such as
+// 5GB or 500MiB). The caller runs make_model(options) when the subcommand was parsed.
+CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& options);
+
+}  // namespace tessera

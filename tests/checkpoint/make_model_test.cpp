@@ -1,0 +1,363 @@
+#include "driver/make_model/make_model.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "common/checkpoint/safetensors.h"
+#include "tests/checkpoint/test_util.h"
+
+namespace tessera {
+namespace {
+
+namespace fs = std::filesystem;
+using ckpt_test::TempDir;
+using nlohmann::json;
+using ::testing::HasSubstr;
+
+// The tensors a tiny model must hold, written out independently of expected_weights().
+std::map<std::string, std::vector<int64_t>> tiny_tensors(Architecture arch, int64_t vocab) {
+  const int64_t h = 64, inter = 176, layers = 4, heads = 4, kv = 2;
+  const int64_t hd = arch == Architecture::kQwen3 ? 32 : 16;
+  const bool tied = arch == Architecture::kQwen2 || arch == Architecture::kQwen3;
+  std::map<std::string, std::vector<int64_t>> t;
+  t["model.embed_tokens.weight"] = {vocab, h};
+  t["model.norm.weight"] = {h};
+  if (!tied) t["lm_head.weight"] = {vocab, h};
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    t[p + "self_attn.q_proj.weight"] = {heads * hd, h};
+    t[p + "self_attn.k_proj.weight"] = {kv * hd, h};
+    t[p + "self_attn.v_proj.weight"] = {kv * hd, h};
+    t[p + "self_attn.o_proj.weight"] = {h, heads * hd};
+    if (arch == Architecture::kQwen2) {
+      t[p + "self_attn.q_proj.bias"] = {heads * hd};
+      t[p + "self_attn.k_proj.bias"] = {kv * hd};
+      t[p + "self_attn.v_proj.bias"] = {kv * hd};
+    }
+    if (arch == Architecture::kQwen3) {
+      t[p + "self_attn.q_norm.weight"] = {hd};
+      t[p + "self_attn.k_norm.weight"] = {hd};
+    }
+    t[p + "mlp.gate_proj.weight"] = {inter, h};
+    t[p + "mlp.up_proj.weight"] = {inter, h};
+    t[p + "mlp.down_proj.weight"] = {h, inter};
+    t[p + "input_layernorm.weight"] = {h};
+    t[p + "post_attention_layernorm.weight"] = {h};
+  }
+  return t;
+}
+
+struct TinyCase {
+  const char* arch;
+  Architecture expect;
+  const char* tokenizer;
+  int64_t vocab;  // the tokenizer's size, added tokens included
+  std::optional<int64_t> bos;
+  int64_t eos;
+};
+
+const TinyCase kTiny[] = {
+    {"llama", Architecture::kLlama, "llama3", 128256, 128000, 128001},
+    {"mistral", Architecture::kMistral, "llama2", 32000, 1, 2},
+    {"qwen2", Architecture::kQwen2, "qwen3", 151669, std::nullopt, 151645},
+    {"qwen3", Architecture::kQwen3, "qwen3", 151669, std::nullopt, 151645},
+};
+
+std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir) {
+  Expected<std::unique_ptr<Checkpoint>> c = Checkpoint::open(dir);
+  EXPECT_TRUE(c.has_value()) << c.status().to_string();
+  return c.has_value() ? std::move(c).value() : nullptr;
+}
+
+void PrintTo(const TinyCase& c, std::ostream* os) { *os << c.arch << " / " << c.tokenizer; }
+
+MakeModelOptions tiny_options(const TinyCase& c, const std::string& out, uint64_t seed = 1) {
+  MakeModelOptions o;
+  o.arch = c.arch;
+  o.preset = "tiny";
+  o.tokenizer_dir = ckpt_test::tokenizer_dir(c.tokenizer);
+  o.seed = seed;
+  o.out = out;
+  return o;
+}
+
+#define REQUIRE_TOKENIZERS()                                                                     \
+  if (ckpt_test::tokenizer_dir("llama3").empty() || ckpt_test::tokenizer_dir("qwen3").empty() || \
+      ckpt_test::tokenizer_dir("llama2").empty())                                                \
+  GTEST_SKIP() << "test tokenizers missing: run scripts/fetch-test-assets"
+
+class MakeModelTinyTest : public ::testing::TestWithParam<TinyCase> {};
+
+TEST_P(MakeModelTinyTest, WritesADirectoryTheReaderLoads) {
+  REQUIRE_TOKENIZERS();
+  const TinyCase& c = GetParam();
+  TempDir dir;
+  const std::string out = dir / "model";
+  Status st = make_model(tiny_options(c, out));
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (const char* f : {"config.json", "generation_config.json", "model.safetensors",
+                        "tokenizer.json", "tokenizer_config.json"}) {
+    EXPECT_TRUE(fs::exists(fs::path(out) / f)) << f;
+  }
+  EXPECT_FALSE(fs::exists(fs::path(out) / "model.safetensors.index.json"));
+  EXPECT_EQ(ckpt_test::read_file(dir / "model/tokenizer.json"),
+            ckpt_test::read_file(tiny_options(c, out).tokenizer_dir + "/tokenizer.json"));
+
+  Expected<ModelConfig> cfg = load_model_config(out);
+  ASSERT_TRUE(cfg.has_value()) << cfg.status().to_string();
+  EXPECT_EQ(cfg->arch, c.expect);
+  EXPECT_EQ(cfg->vocab_size, c.vocab);
+  EXPECT_EQ(cfg->hidden_size, 64);
+  EXPECT_EQ(cfg->num_layers, 4);
+  EXPECT_EQ(cfg->num_heads, 4);
+  EXPECT_EQ(cfg->num_kv_heads, 2);
+  EXPECT_EQ(cfg->head_dim, c.expect == Architecture::kQwen3 ? 32 : 16);
+  EXPECT_EQ(cfg->bos_token_id, c.bos);
+  EXPECT_EQ(cfg->eos_token_ids, std::vector<int64_t>{c.eos});
+  EXPECT_EQ(cfg->torch_dtype, DType::kBF16);
+  EXPECT_EQ(cfg->attention_bias, c.expect == Architecture::kQwen2);
+  EXPECT_EQ(cfg->qk_norm, c.expect == Architecture::kQwen3);
+  EXPECT_EQ(cfg->rope_scaling.type, c.expect == Architecture::kLlama ? "llama3" : "");
+
+  Expected<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::open(out);
+  ASSERT_TRUE(ckpt.has_value()) << ckpt.status().to_string();
+  const auto expected = tiny_tensors(c.expect, c.vocab);
+  EXPECT_EQ((*ckpt)->size(), expected.size());
+  for (const auto& [name, shape] : expected) {
+    Expected<TensorView> v = (*ckpt)->require(name, shape);
+    ASSERT_TRUE(v.has_value()) << v.status().to_string();
+    EXPECT_EQ(v->dtype, DType::kBF16) << name;
+  }
+  // The reader's own notion of the model agrees.
+  for (const WeightSpec& w : expected_weights(*cfg)) {
+    EXPECT_TRUE((*ckpt)->require(w.name, w.shape).has_value()) << w.name;
+  }
+
+  // Values: norms near 1, linear weights centred with std 1/sqrt(in) (o/down scaled down).
+  auto stats = [&](const std::string& name) {
+    TensorView v = *(*ckpt)->tensor(name);
+    double sum = 0, sq = 0;
+    for (int64_t i = 0; i < v.numel(); ++i) sum += v.at(i);
+    const double mean = sum / v.numel();
+    for (int64_t i = 0; i < v.numel(); ++i) sq += (v.at(i) - mean) * (v.at(i) - mean);
+    return std::pair<double, double>(mean, std::sqrt(sq / v.numel()));
+  };
+  auto [norm_mean, norm_std] = stats("model.layers.0.input_layernorm.weight");
+  EXPECT_NEAR(norm_mean, 1.0, 0.05);
+  EXPECT_NEAR(norm_std, 0.1, 0.03);
+  auto [up_mean, up_std] = stats("model.layers.1.mlp.up_proj.weight");
+  EXPECT_NEAR(up_mean, 0.0, 0.01);
+  EXPECT_NEAR(up_std, 1.0 / 8, 0.01);
+  auto [down_mean, down_std] = stats("model.layers.1.mlp.down_proj.weight");
+  EXPECT_NEAR(down_std, 1.0 / std::sqrt(176.0 * 8), 0.005);
+  (void)down_mean;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllArchs, MakeModelTinyTest, ::testing::ValuesIn(kTiny),
+                         [](const auto& info) { return std::string(info.param.arch); });
+
+TEST(MakeModelTest, SameSeedSameBytesOtherSeedOtherBytes) {
+  REQUIRE_TOKENIZERS();
+  TempDir dir;
+  const TinyCase& c = kTiny[3];  // qwen3
+  ASSERT_TRUE(make_model(tiny_options(c, dir / "a", 7)).is_ok());
+  ASSERT_TRUE(make_model(tiny_options(c, dir / "b", 7)).is_ok());
+  ASSERT_TRUE(make_model(tiny_options(c, dir / "c", 8)).is_ok());
+  for (const char* f : {"model.safetensors", "config.json", "generation_config.json"}) {
+    EXPECT_EQ(ckpt_test::read_file(dir / ("a/" + std::string(f))),
+              ckpt_test::read_file(dir / ("b/" + std::string(f))))
+        << f;
+  }
+  EXPECT_EQ(ckpt_test::read_file(dir / "a/config.json"),
+            ckpt_test::read_file(dir / "c/config.json"));
+  auto a = open_checkpoint(dir / "a");
+  auto other = open_checkpoint(dir / "c");
+  for (const std::string& name : a->names()) {
+    TensorView x = *a->tensor(name), y = *other->tensor(name);
+    EXPECT_NE(std::memcmp(x.data, y.data, x.bytes()), 0) << name;
+  }
+  // Tensors differ from one another too (the key includes the name).
+  TensorView q = *a->tensor("model.layers.0.mlp.up_proj.weight");
+  TensorView g = *a->tensor("model.layers.0.mlp.gate_proj.weight");
+  EXPECT_NE(std::memcmp(q.data, g.data, q.bytes()), 0);
+}
+
+TEST(MakeModelTest, ShardsAboveMaxShardSize) {
+  REQUIRE_TOKENIZERS();
+  TempDir dir;
+  const TinyCase& c = kTiny[0];  // llama: 16 MB embed + 16 MB lm_head in BF16
+  MakeModelOptions whole = tiny_options(c, dir / "whole");
+  MakeModelOptions sharded = tiny_options(c, dir / "sharded");
+  sharded.max_shard_bytes = 4'000'000;
+  ASSERT_TRUE(make_model(whole).is_ok());
+  ASSERT_TRUE(make_model(sharded).is_ok());
+  EXPECT_TRUE(fs::exists(dir / "sharded/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir / "sharded/model.safetensors"));
+  auto a = open_checkpoint(dir / "whole");
+  auto b = open_checkpoint(dir / "sharded");
+  EXPECT_TRUE(b->sharded());
+  EXPECT_GE(b->files().size(), 3u);
+  EXPECT_EQ(a->names(), b->names());
+  for (const std::string& name : a->names()) {
+    TensorView x = *a->tensor(name), y = *b->tensor(name);
+    ASSERT_EQ(x.shape, y.shape);
+    EXPECT_EQ(std::memcmp(x.data, y.data, x.bytes()), 0) << name;
+  }
+}
+
+TEST(MakeModelTest, Dtypes) {
+  REQUIRE_TOKENIZERS();
+  TempDir dir;
+  for (auto [flag, dtype, torch] :
+       {std::tuple{"fp32", DType::kF32, "float32"}, std::tuple{"fp16", DType::kF16, "float16"}}) {
+    MakeModelOptions o = tiny_options(kTiny[1], dir / flag);
+    o.dtype = flag;
+    ASSERT_TRUE(make_model(o).is_ok());
+    EXPECT_EQ(json::parse(
+                  ckpt_test::read_file(dir / (std::string(flag) + "/config.json")))["torch_dtype"],
+              torch);
+    auto ckpt = open_checkpoint(dir / flag);
+    EXPECT_EQ(ckpt->tensor("model.norm.weight")->dtype, dtype);
+  }
+}
+
+TEST(MakeModelTest, RealShapePresetConfigs) {
+  REQUIRE_TOKENIZERS();
+  struct Case {
+    const char* preset;
+    const char* tokenizer;
+    int64_t vocab, hidden, inter, layers, heads, kv, head_dim;
+  };
+  const Case cases[] = {
+      {"llama3-8b", "llama3", 128256, 4096, 14336, 32, 32, 8, 128},
+      {"llama3-70b", "llama3", 128256, 8192, 28672, 80, 64, 8, 128},
+      {"llama3.1-8b", "llama3", 128256, 4096, 14336, 32, 32, 8, 128},
+      {"mistral-7b", "llama2", 32000, 4096, 14336, 32, 32, 8, 128},
+      {"qwen2.5-7b", "qwen3", 152064, 3584, 18944, 28, 28, 4, 128},
+      {"qwen3-8b", "qwen3", 151936, 4096, 12288, 36, 32, 8, 128},
+      {"qwen3-0.6b", "qwen3", 151936, 1024, 3072, 28, 16, 8, 128},
+  };
+  for (const Case& c : cases) {
+    MakeModelOptions o;
+    o.preset = c.preset;
+    o.tokenizer_dir = ckpt_test::tokenizer_dir(c.tokenizer);
+    Expected<std::string> text = make_model_config_json(o);
+    ASSERT_TRUE(text.has_value()) << c.preset << ": " << text.status().to_string();
+    Expected<ModelConfig> cfg = parse_model_config(*text);
+    ASSERT_TRUE(cfg.has_value()) << c.preset;
+    EXPECT_EQ(cfg->vocab_size, c.vocab) << c.preset;
+    EXPECT_EQ(cfg->hidden_size, c.hidden) << c.preset;
+    EXPECT_EQ(cfg->intermediate_size, c.inter) << c.preset;
+    EXPECT_EQ(cfg->num_layers, c.layers) << c.preset;
+    EXPECT_EQ(cfg->num_heads, c.heads) << c.preset;
+    EXPECT_EQ(cfg->num_kv_heads, c.kv) << c.preset;
+    EXPECT_EQ(cfg->head_dim, c.head_dim) << c.preset;
+  }
+  MakeModelOptions o;
+  o.preset = "llama3.1-8b";
+  o.tokenizer_dir = ckpt_test::tokenizer_dir("llama3");
+  json j = json::parse(*make_model_config_json(o));
+  EXPECT_EQ(j["rope_scaling"]["rope_type"], "llama3");
+  EXPECT_EQ(j["rope_scaling"]["factor"], 8.0);
+  EXPECT_EQ(j["max_position_embeddings"], 131072);
+  EXPECT_EQ(j["architectures"], json::array({"LlamaForCausalLM"}));
+  EXPECT_EQ(j["head_dim"], 128);
+  EXPECT_EQ(j["mlp_bias"], false);
+  o.preset = "llama3-8b";
+  EXPECT_TRUE(json::parse(*make_model_config_json(o))["rope_scaling"].is_null());
+}
+
+TEST(MakeModelTest, Refusals) {
+  REQUIRE_TOKENIZERS();
+  TempDir dir;
+  MakeModelOptions o = tiny_options(kTiny[0], dir / "m");
+
+  ckpt_test::write_file(dir / "m", "");  // --out is a file
+  EXPECT_THAT(make_model(o).message(), HasSubstr("not a directory"));
+  fs::remove(dir / "m");
+  fs::create_directory(dir / "m");
+  ckpt_test::write_file(dir / "m/keep.txt", "precious");
+  Status st = make_model(o);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("not empty"));
+  EXPECT_EQ(ckpt_test::read_file(dir / "m/keep.txt"), "precious");
+
+  MakeModelOptions bad = o;
+  bad.out = dir / "x";
+  bad.arch = "gpt2";
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("unknown --arch 'gpt2'"));
+  bad = o;
+  bad.out = dir / "x";
+  bad.preset = "huge";
+  st = make_model(bad);
+  EXPECT_THAT(st.message(), HasSubstr("unknown --preset 'huge'"));
+  EXPECT_THAT(st.message(), HasSubstr("qwen3-8b"));
+  bad.preset = "qwen3-8b";
+  bad.arch = "llama";
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("preset 'qwen3-8b' is a qwen3 model"));
+  bad.arch = "";
+  bad.preset = "tiny";
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("--arch is required with --preset tiny"));
+  bad = o;
+  bad.out = dir / "x";
+  bad.dtype = "int4";
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("--dtype 'int4'"));
+  bad = o;
+  bad.out = dir / "x";
+  bad.tokenizer_dir = dir.path();
+  st = make_model(bad);
+  EXPECT_EQ(st.code(), Code::kNotFound);
+  EXPECT_THAT(st.message(), HasSubstr("no tokenizer.json"));
+  bad = o;
+  bad.out = dir / "x";
+  bad.arch = "";
+  bad.preset = "mistral-7b";
+  bad.tokenizer_dir = ckpt_test::tokenizer_dir("qwen3");
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("151669 tokens, more than preset"));
+  EXPECT_FALSE(fs::exists(dir / "x"));  // refused before creating anything
+}
+
+TEST(MakeModelTest, CommandLine) {
+  CLI::App app;
+  MakeModelOptions o;
+  CLI::App* sub = add_make_model_subcommand(app, o);
+  ASSERT_NE(sub, nullptr);
+  std::vector<std::string> args = {
+      "2GiB",  "--max-shard-size", "/tmp/t",    "--tokenizer", "/tmp/o", "--out",
+      "7",     "--seed",           "fp16",      "--dtype",     "tiny",   "--preset",
+      "qwen3", "--arch",           "make-model"};
+  app.parse(args);  // CLI11 takes the arguments reversed
+  EXPECT_TRUE(sub->parsed());
+  EXPECT_EQ(o.arch, "qwen3");
+  EXPECT_EQ(o.preset, "tiny");
+  EXPECT_EQ(o.dtype, "fp16");
+  EXPECT_EQ(o.seed, 7u);
+  EXPECT_EQ(o.out, "/tmp/o");
+  EXPECT_EQ(o.tokenizer_dir, "/tmp/t");
+  EXPECT_EQ(o.max_shard_bytes, 2ull << 30);
+
+  MakeModelOptions d;
+  CLI::App app2;
+  add_make_model_subcommand(app2, d);
+  app2.parse("make-model --preset tiny --tokenizer t --out o --max-shard-size 5GB", false);
+  EXPECT_EQ(d.max_shard_bytes, 5'000'000'000ull);
+  EXPECT_EQ(d.dtype, "bf16");
+  EXPECT_EQ(d.seed, 0u);
+
+  std::set<std::string> presets;
+  for (const MakeModelPreset& p : make_model_presets()) presets.insert(p.name);
+  for (const char* p :
+       {"tiny", "llama3-8b", "llama3-70b", "qwen2.5-7b", "qwen3-8b", "mistral-7b"}) {
+    EXPECT_TRUE(presets.count(p)) << p;
+  }
+}
+
+}  // namespace
+}  // namespace tessera

@@ -1,0 +1,351 @@
+#include "common/checkpoint/model_config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "tests/checkpoint/test_util.h"
+
+namespace tessera {
+namespace {
+
+using nlohmann::json;
+using ::testing::HasSubstr;
+
+// Published configs (https://huggingface.co/<repo>/blob/main/config.json), trimmed of keys we
+// do not read.
+const char* kLlama31_8B = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+  "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+  "max_position_embeddings": 131072, "mlp_bias": false, "model_type": "llama",
+  "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+  "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+  "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "transformers_version": "4.43.0.dev0", "use_cache": true, "vocab_size": 128256})";
+
+const char* kLlama2_7B = R"({
+  "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+  "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 11008,
+  "max_position_embeddings": 4096, "model_type": "llama", "num_attention_heads": 32,
+  "num_hidden_layers": 32, "rms_norm_eps": 1e-05, "torch_dtype": "float16",
+  "vocab_size": 32000})";
+
+const char* kMistral7B = R"({
+  "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+  "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+  "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+  "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+  "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "vocab_size": 32000})";
+
+const char* kQwen25_7B = R"({
+  "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+  "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
+  "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
+  "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+  "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_sliding_window": false,
+  "vocab_size": 152064})";
+
+const char* kQwen3_8B = R"({
+  "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "bos_token_id": 151643,
+  "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+  "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36,
+  "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+  "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000,
+  "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "use_sliding_window": false, "vocab_size": 151936})";
+
+// `base` with `patch` merged in (null values delete keys).
+std::string patched(const char* base, const json& patch) {
+  json j = json::parse(base);
+  j.merge_patch(patch);
+  return j.dump();
+}
+
+Status parse_error(const std::string& text) {
+  Expected<ModelConfig> c = parse_model_config(text);
+  EXPECT_FALSE(c.has_value()) << text;
+  return c.status();
+}
+
+TEST(ModelConfigTest, Llama31WithRopeScalingAndEosList) {
+  Expected<ModelConfig> c = parse_model_config(kLlama31_8B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kLlama);
+  EXPECT_EQ(c->model_type, "llama");
+  EXPECT_EQ(c->vocab_size, 128256);
+  EXPECT_EQ(c->hidden_size, 4096);
+  EXPECT_EQ(c->intermediate_size, 14336);
+  EXPECT_EQ(c->num_layers, 32);
+  EXPECT_EQ(c->num_heads, 32);
+  EXPECT_EQ(c->num_kv_heads, 8);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->max_position_embeddings, 131072);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(c->rope_scaling.type, "llama3");
+  EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 8.0);
+  EXPECT_DOUBLE_EQ(c->rope_scaling.low_freq_factor, 1.0);
+  EXPECT_DOUBLE_EQ(c->rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_FALSE(c->qk_norm);
+  EXPECT_FALSE(c->sliding_window.has_value());
+  EXPECT_EQ(c->torch_dtype, DType::kBF16);
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{128001, 128008, 128009}));
+  EXPECT_EQ(c->bos_token_id, 128000);
+  EXPECT_FALSE(c->pad_token_id.has_value());
+}
+
+TEST(ModelConfigTest, OlderRopeScalingSpellingAndRopeParameters) {
+  Expected<ModelConfig> c = parse_model_config(
+      patched(kLlama31_8B,
+              {{"rope_scaling", {{"rope_type", nullptr}, {"type", "llama3"}, {"factor", 32.0}}}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->rope_scaling.type, "llama3");
+  EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 32.0);
+
+  // transformers 5: "rope_parameters" carries rope_theta too.
+  c = parse_model_config(
+      patched(kQwen3_8B, {{"rope_theta", nullptr},
+                          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 5e6}}}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_DOUBLE_EQ(c->rope_theta, 5e6);
+  EXPECT_EQ(c->rope_scaling.type, "");
+}
+
+TEST(ModelConfigTest, Llama2DefaultsAsTransformers) {
+  Expected<ModelConfig> c = parse_model_config(kLlama2_7B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->num_kv_heads, 32);  // defaults to num_attention_heads
+  EXPECT_EQ(c->head_dim, 128);     // hidden_size / num_attention_heads
+  EXPECT_DOUBLE_EQ(c->rope_theta, 10000.0);
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->rope_scaling.type, "");
+  EXPECT_EQ(c->torch_dtype, DType::kF16);
+  EXPECT_EQ(c->eos_token_ids, std::vector<int64_t>{2});
+
+  // Absent bos/eos take LlamaConfig's defaults; null ones stay unset.
+  c = parse_model_config(patched(kLlama2_7B, {{"bos_token_id", nullptr},
+                                              {"eos_token_id", nullptr},
+                                              {"max_position_embeddings", nullptr}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->bos_token_id, 1);
+  EXPECT_EQ(c->eos_token_ids, std::vector<int64_t>{2});
+  EXPECT_EQ(c->max_position_embeddings, 2048);
+  json j = json::parse(kLlama2_7B);
+  j["bos_token_id"] = nullptr;
+  j["eos_token_id"] = nullptr;
+  c = parse_model_config(j.dump());
+  ASSERT_TRUE(c.has_value());
+  EXPECT_FALSE(c->bos_token_id.has_value());
+  EXPECT_TRUE(c->eos_token_ids.empty());
+}
+
+TEST(ModelConfigTest, MistralSlidingWindow) {
+  Expected<ModelConfig> c = parse_model_config(kMistral7B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kMistral);
+  EXPECT_EQ(c->sliding_window, 4096);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_EQ(c->head_dim, 128);
+  // MistralConfig's default window when the key is absent; none when null (v0.2+).
+  c = parse_model_config(patched(kMistral7B, {{"sliding_window", nullptr}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->sliding_window, 4096);
+  json j = json::parse(kMistral7B);
+  j["sliding_window"] = nullptr;
+  c = parse_model_config(j.dump());
+  ASSERT_TRUE(c.has_value());
+  EXPECT_FALSE(c->sliding_window.has_value());
+}
+
+TEST(ModelConfigTest, Qwen2HasQkvBiasesAndIgnoresUnusedWindow) {
+  Expected<ModelConfig> c = parse_model_config(kQwen25_7B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kQwen2);
+  EXPECT_TRUE(c->attention_bias);
+  EXPECT_FALSE(c->o_proj_bias);
+  EXPECT_FALSE(c->qk_norm);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->num_kv_heads, 4);
+  EXPECT_FALSE(c->sliding_window.has_value());  // use_sliding_window is false
+  EXPECT_DOUBLE_EQ(c->rope_theta, 1e6);
+  EXPECT_FALSE(c->bos_token_id.has_value() && *c->bos_token_id != 151643);
+  c = parse_model_config(patched(kQwen25_7B, {{"use_sliding_window", true}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->sliding_window, 131072);
+}
+
+TEST(ModelConfigTest, Qwen3QkNormAndExplicitHeadDim) {
+  Expected<ModelConfig> c = parse_model_config(kQwen3_8B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kQwen3);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->eos_token_ids, std::vector<int64_t>{151645});
+  // head_dim need not be hidden / heads (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128).
+  c = parse_model_config(patched(kQwen3_8B, {{"hidden_size", 64},
+                                             {"num_attention_heads", 4},
+                                             {"num_key_value_heads", 2},
+                                             {"head_dim", 32}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->head_dim, 32);
+  // Absent, it is Qwen3Config's default 128, not hidden / heads.
+  c = parse_model_config(patched(
+      kQwen3_8B, {{"hidden_size", 1024}, {"num_attention_heads", 16}, {"head_dim", nullptr}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->head_dim, 128);
+  c = parse_model_config(patched(kQwen3_8B, {{"attention_bias", true}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_TRUE(c->attention_bias);
+  EXPECT_TRUE(c->o_proj_bias);
+}
+
+TEST(ModelConfigTest, DtypeKeys) {
+  Expected<ModelConfig> c =
+      parse_model_config(patched(kQwen3_8B, {{"torch_dtype", nullptr}, {"dtype", "float32"}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->torch_dtype, DType::kF32);
+  c = parse_model_config(patched(kQwen3_8B, {{"torch_dtype", nullptr}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->torch_dtype, DType::kBF16);
+  Status st = parse_error(patched(kQwen3_8B, {{"torch_dtype", "int8"}}));
+  EXPECT_THAT(st.message(), HasSubstr("config.json: torch_dtype"));
+  EXPECT_THAT(st.message(), HasSubstr("int8"));
+}
+
+TEST(ModelConfigTest, RefusesTrustRemoteCodeQwenWithSupportedList) {
+  const std::string qwen72b = R"({
+    "architectures": ["QWenLMHeadModel"],
+    "auto_map": {"AutoConfig": "configuration_qwen.QWenConfig",
+                 "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
+    "hidden_size": 8192, "intermediate_size": 49152, "model_type": "qwen",
+    "num_attention_heads": 64, "num_hidden_layers": 80, "vocab_size": 152064})";
+  Status st = parse_error(qwen72b);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("'QWenLMHeadModel'"));
+  EXPECT_THAT(st.message(), HasSubstr("trust_remote_code"));
+  for (const char* name :
+       {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}) {
+    EXPECT_THAT(st.message(), HasSubstr(name));
+  }
+  EXPECT_EQ(supported_architectures(),
+            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM");
+}
+
+TEST(ModelConfigTest, BadValuesNameFileAndField) {
+  struct Case {
+    json patch;
+    std::vector<std::string> expect;
+  };
+  const std::vector<Case> cases = {
+      {{{"hidden_size", -1}}, {"config.json: hidden_size", "positive", "-1"}},
+      {{{"vocab_size", nullptr}}, {"config.json: vocab_size is missing"}},
+      {{{"num_hidden_layers", "32"}}, {"num_hidden_layers", "integer"}},
+      {{{"num_key_value_heads", 5}}, {"num_attention_heads (32)", "num_key_value_heads (5)"}},
+      {{{"head_dim", 127}}, {"head_dim 127", "even"}},
+      {{{"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}}}, {"'yarn'", "llama3"}},
+      {{{"rope_scaling", {{"factor", nullptr}}}}, {"rope_scaling.factor is missing"}},
+      {{{"rope_scaling", {{"low_freq_factor", 4.0}}}}, {"high_freq_factor", "low_freq_factor"}},
+      {{{"rope_theta", 0}}, {"rope_theta", "positive"}},
+      {{{"rms_norm_eps", "small"}}, {"rms_norm_eps", "number"}},
+      {{{"tie_word_embeddings", 1}}, {"tie_word_embeddings", "true or false"}},
+      {{{"hidden_act", "gelu"}}, {"hidden_act", "silu", "gelu"}},
+      {{{"mlp_bias", true}}, {"mlp_bias"}},
+      {{{"quantization_config", {{"quant_method", "awq"}}}}, {"quantized", "awq"}},
+      {{{"eos_token_id", {128001, "x"}}}, {"eos_token_id", "element 1"}},
+      {{{"eos_token_id", 999999}}, {"eos_token_id", "vocab_size"}},
+      {{{"architectures", "LlamaForCausalLM"}}, {"architectures", "list"}},
+      {{{"architectures", {"GPT2LMHeadModel"}}}, {"'GPT2LMHeadModel'", "Qwen3ForCausalLM"}},
+  };
+  for (const Case& c : cases) {
+    Status st = parse_error(patched(kLlama31_8B, c.patch));
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << c.patch.dump();
+    for (const std::string& s : c.expect) {
+      EXPECT_THAT(st.message(), HasSubstr(s)) << c.patch.dump();
+    }
+  }
+  EXPECT_THAT(parse_error("{not json").message(), HasSubstr("config.json: not valid JSON"));
+  EXPECT_THAT(parse_error("[1, 2]").message(), HasSubstr("JSON object"));
+  EXPECT_THAT(parse_model_config("{}", "/m/config.json").status().message(),
+              HasSubstr("/m/config.json"));
+}
+
+TEST(ModelConfigTest, ExpectedWeights) {
+  Expected<ModelConfig> q2 = parse_model_config(
+      patched(kQwen25_7B, {{"num_hidden_layers", 2}, {"tie_word_embeddings", true}}));
+  ASSERT_TRUE(q2.has_value());
+  std::vector<WeightSpec> w = expected_weights(*q2);
+  // embed + 2 × (4 linear + 3 biases + 3 mlp + 2 norms) + final norm, no lm_head (tied).
+  ASSERT_EQ(w.size(), 1u + 2 * 12 + 1);
+  EXPECT_EQ(w.front().name, "model.embed_tokens.weight");
+  EXPECT_EQ(w.front().shape, (std::vector<int64_t>{152064, 3584}));
+  EXPECT_EQ(w[1].name, "model.layers.0.self_attn.q_proj.weight");
+  EXPECT_EQ(w[1].shape, (std::vector<int64_t>{3584, 3584}));
+  EXPECT_EQ(w[2].name, "model.layers.0.self_attn.q_proj.bias");
+  EXPECT_EQ(w[2].shape, std::vector<int64_t>{3584});
+  EXPECT_EQ(w[3].name, "model.layers.0.self_attn.k_proj.weight");
+  EXPECT_EQ(w[3].shape, (std::vector<int64_t>{512, 3584}));
+  EXPECT_EQ(w.back().name, "model.norm.weight");
+
+  Expected<ModelConfig> q3 = parse_model_config(patched(kQwen3_8B, {{"num_hidden_layers", 1}}));
+  ASSERT_TRUE(q3.has_value());
+  std::set<std::string> names;
+  for (const WeightSpec& s : expected_weights(*q3)) names.insert(s.name);
+  EXPECT_TRUE(names.count("model.layers.0.self_attn.q_norm.weight"));
+  EXPECT_TRUE(names.count("model.layers.0.self_attn.k_norm.weight"));
+  EXPECT_TRUE(names.count("lm_head.weight"));
+  EXPECT_FALSE(names.count("model.layers.0.self_attn.q_proj.bias"));
+}
+
+TEST(ModelConfigTest, LoadWithGenerationConfig) {
+  ckpt_test::TempDir dir;
+  ckpt_test::write_file(dir / "config.json", kQwen3_8B);
+  ckpt_test::write_file(dir / "generation_config.json", R"({
+    "bos_token_id": 151643, "do_sample": true, "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+    "repetition_penalty": 1.05, "max_new_tokens": 512, "transformers_version": "4.51.0"})");
+  GenerationDefaults g;
+  Expected<ModelConfig> c = load_model_config(dir.path(), &g);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{151645, 151643}));
+  EXPECT_EQ(c->pad_token_id, 151643);
+  EXPECT_EQ(c->bos_token_id, 151643);
+  EXPECT_TRUE(g.do_sample);
+  EXPECT_DOUBLE_EQ(*g.temperature, 0.6);
+  EXPECT_DOUBLE_EQ(*g.top_p, 0.95);
+  EXPECT_EQ(*g.top_k, 20);
+  EXPECT_DOUBLE_EQ(*g.repetition_penalty, 1.05);
+  EXPECT_EQ(*g.max_new_tokens, 512);
+
+  // No generation_config.json: config.json's ids, defaults unset.
+  ckpt_test::TempDir bare;
+  ckpt_test::write_file(bare / "config.json", kQwen3_8B);
+  GenerationDefaults none;
+  c = load_model_config(bare.path(), &none);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->eos_token_ids, std::vector<int64_t>{151645});
+  EXPECT_FALSE(none.temperature.has_value());
+  EXPECT_FALSE(none.do_sample);
+
+  ckpt_test::write_file(dir / "generation_config.json", R"({"top_p": 1.5})");
+  Status st = load_model_config(dir.path()).status();
+  EXPECT_THAT(st.message(), HasSubstr(dir / "generation_config.json"));
+  EXPECT_THAT(st.message(), HasSubstr("top_p"));
+
+  st = load_model_config(dir / "nowhere").status();
+  EXPECT_EQ(st.code(), Code::kNotFound);
+  EXPECT_THAT(st.message(), HasSubstr("config.json"));
+}
+
+}  // namespace
+}  // namespace tessera
