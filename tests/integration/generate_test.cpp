@@ -1,0 +1,141 @@
+// `tessera generate` end to end: the CLI starts a local node (a head daemon), spawns a CPU actor,
+// loads a tiny seeded checkpoint there and generates — checked against transformers' goldens.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tests/integration/test_cluster.h"
+
+namespace tessera {
+namespace {
+
+using testing::bin;
+using testing::CommandResult;
+using testing::run_command;
+
+std::string source(const std::string& rel) { return std::string(TESSERA_SOURCE_DIR) + "/" + rel; }
+
+class GenerateTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = std::filesystem::temp_directory_path() / ("tessera-gen-" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir_);
+    std::ifstream in(source("tests/assets/goldens/model_llama.json"));
+    golden_ = nlohmann::json::parse(in);
+    auto r =
+        run_command({bin("tessera"), "make-model", "--arch", "llama", "--preset", "tiny",
+                     "--tokenizer", source("tests/assets/tokenizers/llama3"), "--seed",
+                     std::to_string(golden_["seed"].get<int>()), "--dtype", "bf16", "--out", dir_});
+    ASSERT_EQ(r.exit_code, 0) << r.err << " (run scripts/fetch-test-assets?)";
+  }
+  static void TearDownTestSuite() { std::filesystem::remove_all(dir_); }
+
+  static nlohmann::json generate(std::vector<std::string> args, CommandResult* raw = nullptr) {
+    std::vector<std::string> argv = {bin("tessera"), "generate", "--model", dir_, "--json"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    CommandResult r = run_command(argv);
+    if (raw != nullptr) *raw = r;
+    if (r.exit_code != 0) return nullptr;
+    // The JSON object is the last line of stdout.
+    std::string out = r.out;
+    while (!out.empty() && out.back() == '\n') out.pop_back();
+    return nlohmann::json::parse(out.substr(out.rfind('\n') + 1));
+  }
+
+  static inline std::string dir_;
+  static inline nlohmann::json golden_;
+};
+
+TEST_F(GenerateTest, GreedyMatchesTransformers) {
+  for (const auto& c : golden_["cases"]) {
+    CommandResult raw;
+    auto j = generate({"--prompt", c["prompt"].get<std::string>(), "--temperature", "0",
+                       "--ignore-eos", "--max-tokens", "12"},
+                      &raw);
+    ASSERT_FALSE(j.is_null()) << raw.err;
+    EXPECT_EQ(j["prompt_ids"], c["ids"]);
+    std::vector<int> expected = c["greedy"].get<std::vector<int>>();
+    expected.resize(12);
+    EXPECT_EQ(j["output_ids"].get<std::vector<int>>(), expected) << c["prompt"];
+    EXPECT_EQ(j["finish_reason"], "length");
+  }
+}
+
+TEST_F(GenerateTest, SeededSamplingIsReproducibleAndLogprobsComeBack) {
+  std::vector<std::string> args = {
+      "--prompt", "Once upon a time", "--temperature", "1.0", "--top-p", "0.9", "--max-tokens",
+      "8",        "--ignore-eos",     "--logprobs",    "3"};
+  auto a1 = args, a2 = args, b = args;
+  a1.insert(a1.end(), {"--seed", "42"});
+  a2.insert(a2.end(), {"--seed", "42"});
+  b.insert(b.end(), {"--seed", "43"});
+  auto r1 = generate(a1), r2 = generate(a2), r3 = generate(b);
+  ASSERT_FALSE(r1.is_null());
+  ASSERT_FALSE(r3.is_null());
+  EXPECT_EQ(r1["output_ids"], r2["output_ids"]);
+  EXPECT_NE(r1["output_ids"], r3["output_ids"]);
+  ASSERT_EQ(r1["logprobs"].size(), 8u);
+  for (const auto& lp : r1["logprobs"]) {
+    EXPECT_EQ(lp["top"].size(), 3u);
+    EXPECT_LE(lp["logprob"].get<double>(), 0.0);
+    // Alternatives come best first.
+    EXPECT_GE(lp["top"][0][1].get<double>(), lp["top"][2][1].get<double>());
+  }
+}
+
+TEST_F(GenerateTest, StopStringEndsTheOutputBeforeIt) {
+  auto full = generate({"--prompt", "The capital of France is", "--temperature", "0",
+                        "--ignore-eos", "--max-tokens", "16"});
+  ASSERT_FALSE(full.is_null());
+  std::string text = full["text"];
+  ASSERT_GT(text.size(), 12u);
+  std::string stop = text.substr(text.size() / 2, 3);
+  auto cut = generate({"--prompt", "The capital of France is", "--temperature", "0", "--ignore-eos",
+                       "--max-tokens", "16", "--stop", stop});
+  ASSERT_FALSE(cut.is_null());
+  EXPECT_EQ(cut["finish_reason"], "stop");
+  EXPECT_EQ(cut["text"].get<std::string>(), text.substr(0, text.find(stop)));
+}
+
+TEST_F(GenerateTest, BadInputIsAClearErrorAndNonZeroExit) {
+  CommandResult r;
+  // A prompt longer than the context.
+  EXPECT_TRUE(generate({"--prompt", "one two three four five six seven eight nine ten",
+                        "--max-model-len", "4"},
+                       &r)
+                  .is_null());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("max-model-len is 4"), std::string::npos) << r.err;
+  // Bad sampling values.
+  EXPECT_TRUE(generate({"--prompt", "hi", "--top-p", "1.5"}, &r).is_null());
+  EXPECT_NE(r.err.find("top_p must be in (0, 1]"), std::string::npos) << r.err;
+
+  // A truncated checkpoint names the file.
+  std::string broken = dir_ + "-broken";
+  std::filesystem::remove_all(broken);
+  std::filesystem::copy(dir_, broken);
+  std::filesystem::resize_file(broken + "/model.safetensors",
+                               std::filesystem::file_size(broken + "/model.safetensors") / 2);
+  r = run_command({bin("tessera"), "generate", "--model", broken, "--prompt", "hi"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("model.safetensors"), std::string::npos) << r.err;
+
+  // An architecture we do not run is refused with the supported list.
+  std::filesystem::copy_file(dir_ + "/model.safetensors", broken + "/model.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::ifstream in(broken + "/config.json");
+  auto config = nlohmann::json::parse(in);
+  in.close();
+  config["architectures"] = {"QWenLMHeadModel"};
+  std::ofstream(broken + "/config.json") << config.dump(2);
+  r = run_command({bin("tessera"), "generate", "--model", broken, "--prompt", "hi"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("QWenLMHeadModel"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("LlamaForCausalLM"), std::string::npos) << r.err;
+  std::filesystem::remove_all(broken);
+}
+
+}  // namespace
+}  // namespace tessera
