@@ -160,3 +160,48 @@ INSTANTIATE_TEST_SUITE_P(Architectures, ParityTest,
 
 }  // namespace
 }  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// A config that disagrees with the checkpoint fails at load, naming the tensor and the file.
+TEST(WeightBindingTest, MismatchesNameTensorAndFile) {
+  Golden g = make("llama");
+  auto edit = [&](const char* key, int value) {
+    std::ifstream in(g.model_dir + "/config.json");
+    auto config = nlohmann::json::parse(in);
+    in.close();
+    config[key] = value;
+    std::ofstream(g.model_dir + "/config.json") << config.dump(2);
+  };
+  auto load = [&]() {
+    RunnerLoadSpec spec;
+    spec.model_dir = g.model_dir;
+    spec.max_model_len = 64;
+    return ModelRunner::load(spec);
+  };
+  edit("intermediate_size", 200);  // wrong shapes
+  auto wrong_shape = load();
+  ASSERT_FALSE(wrong_shape);
+  EXPECT_NE(wrong_shape.status().message().find("model.layers.0.mlp.gate_proj.weight"),
+            std::string::npos)
+      << wrong_shape.status().message();
+  EXPECT_NE(wrong_shape.status().message().find("model.safetensors"), std::string::npos);
+  edit("intermediate_size", 176);
+  edit("num_hidden_layers", 5);  // a tensor that is not there
+  auto missing = load();
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.status().message().find("model.layers.4."), std::string::npos)
+      << missing.status().message();
+  edit("num_hidden_layers", 3);  // tensors nobody uses
+  auto unused = load();
+  ASSERT_FALSE(unused);
+  EXPECT_NE(unused.status().message().find("model.layers.3."), std::string::npos)
+      << unused.status().message();
+  edit("num_hidden_layers", 4);
+  EXPECT_TRUE(load()) << "the restored config loads again";
+  std::filesystem::remove_all(g.model_dir);
+}
+
+}  // namespace
+}  // namespace tessera
