@@ -113,7 +113,7 @@ Status run(const GenerateOptions& o) {
                         {"logprobs", lp}};
     std::cout << j.dump() << "\n";
   } else {
-    std::cout << "\n";
+    std::cout << std::endl;  // before the summary on stderr
   }
   using ms = std::chrono::duration<double, std::milli>;
   double decode_ms = first_token ? ms(t_end - *first_token).count() : 0.0;
