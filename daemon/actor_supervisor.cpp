@@ -143,10 +143,7 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
       .then([this, id](Expected<std::string>&& address) -> kj::Promise<Result> {
         auto it = live_.find(id);
         if (!address) {
-          if (it != live_.end()) {
-            (void)kill(id, /*force=*/true);
-            return Result(address.status());
-          }
+          if (it != live_.end()) (void)kill(id, /*force=*/true);
           return Result(address.status());
         }
         if (it == live_.end()) {

@@ -21,7 +21,6 @@ struct DaemonConfig {
   uint16_t port = 0;        // 0 = any free port
   std::string node_ip;      // advertised address; "" = detect
   std::string node_name;    // "" = hostname
-  std::string temp_root;    // see session.h
   std::string session_dir;  // created by the caller (logs/ inside)
   std::string bin_dir;      // where tessera-actor lives; "" = next to this executable
   uint64_t object_store_bytes = 2ull << 30;

@@ -41,7 +41,6 @@ int run_daemon(const StartOptions& o, const std::string& root, const std::string
   c.port = static_cast<uint16_t>(o.port >= 0 ? o.port : (o.head ? 6380 : 0));
   c.node_ip = o.node_ip;
   c.node_name = o.node_name;
-  c.temp_root = root;
   c.session_dir = session_dir;
   c.bin_dir = o.bin_dir;
   c.object_store_bytes = o.object_store_memory;

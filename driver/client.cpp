@@ -32,22 +32,10 @@ namespace {
 
 constexpr kj::Duration kCallTimeout = 30 * kj::SECONDS;
 
-// Waits for `promise` on the loop, bounded by `timeout`, turning any exception into a Status.
 template <typename T>
 Expected<T> await(EventLoop& loop, kj::Promise<T>&& promise, const char* what,
                   kj::Duration timeout = kCallTimeout) {
-  std::optional<T> result;
-  auto bounded = loop.io().provider->getTimer().timeoutAfter(timeout, kj::mv(promise));
-  KJ_IF_MAYBE (e, kj::runCatchingExceptions(
-                      [&]() { result.emplace(bounded.wait(loop.wait_scope())); })) {
-    Status st = rpc::to_status(*e);
-    if (st.message().find("operation timed out") != std::string::npos) {
-      return deadline_exceeded(std::string(what) + ": no answer within " +
-                               std::to_string(timeout / kj::SECONDS) + " s");
-    }
-    return st.with_context(what);
-  }
-  return std::move(*result);
+  return wait_for(loop, kj::mv(promise), what, timeout);
 }
 
 Status await_void(EventLoop& loop, kj::Promise<void>&& promise, const char* what,

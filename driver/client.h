@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,25 @@ class EventLoop {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Waits on the loop for `promise`, bounded by `timeout`; any exception (local or remote) becomes
+// a Status prefixed with `what`. Every blocking call of this library goes through it.
+template <typename T>
+Expected<T> wait_for(EventLoop& loop, kj::Promise<T>&& promise, const char* what,
+                     kj::Duration timeout = 30 * kj::SECONDS) {
+  std::optional<T> result;
+  auto bounded = loop.io().provider->getTimer().timeoutAfter(timeout, kj::mv(promise));
+  KJ_IF_MAYBE (e, kj::runCatchingExceptions(
+                      [&]() { result.emplace(bounded.wait(loop.wait_scope())); })) {
+    Status st = rpc::to_status(*e);
+    if (st.message().find("operation timed out") != std::string::npos) {
+      return deadline_exceeded(std::string(what) + ": no answer within " +
+                               std::to_string(timeout / kj::SECONDS) + " s");
+    }
+    return st.with_context(what);
+  }
+  return std::move(*result);
+}
 
 struct NodeView {
   std::string node_id;

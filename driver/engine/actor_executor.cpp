@@ -1,26 +1,8 @@
 #include "driver/engine/actor_executor.h"
 
-#include <optional>
-
 #include "protocol/rpc.h"
 
 namespace tessera {
-
-namespace {
-
-template <typename T>
-Expected<T> wait_call(EventLoop& loop, kj::Promise<T>&& promise, const char* what,
-                      kj::Duration timeout) {
-  std::optional<T> result;
-  auto bounded = loop.io().provider->getTimer().timeoutAfter(timeout, kj::mv(promise));
-  KJ_IF_MAYBE(e, kj::runCatchingExceptions(
-                     [&]() { result.emplace(bounded.wait(loop.wait_scope())); })) {
-    return rpc::to_status(*e).with_context(what);
-  }
-  return std::move(*result);
-}
-
-}  // namespace
 
 Expected<LoadedModel> ActorExecutor::load(const LoadOptions& o) {
   auto req = actor_.capability().loadModelRequest();
@@ -31,21 +13,20 @@ Expected<LoadedModel> ActorExecutor::load(const LoadOptions& o) {
   spec.setBlockSize(o.block_size);
   spec.setMaxModelLen(o.max_model_len);
   spec.setReturnLogits(o.return_logits);
-  return wait_call(
-      loop_, req.send().then([](auto&& r) {
-        auto i = r.getInfo();
-        LoadedModel m;
-        m.architecture = i.getArchitecture().cStr();
-        m.vocab_size = i.getVocabSize();
-        m.num_layers = i.getNumLayers();
-        m.kv_blocks = i.getKvBlocks();
-        m.block_size = i.getBlockSize();
-        m.max_model_len = i.getMaxModelLen();
-        m.weight_bytes = i.getWeightBytes();
-        m.backend = i.getBackend().cStr();
-        return m;
-      }),
-      "load model", 30 * 60 * kj::SECONDS);
+  return wait_for(loop_, req.send().then([](auto&& r) {
+    auto i = r.getInfo();
+    LoadedModel m;
+    m.architecture = i.getArchitecture().cStr();
+    m.vocab_size = i.getVocabSize();
+    m.num_layers = i.getNumLayers();
+    m.kv_blocks = i.getKvBlocks();
+    m.block_size = i.getBlockSize();
+    m.max_model_len = i.getMaxModelLen();
+    m.weight_bytes = i.getWeightBytes();
+    m.backend = i.getBackend().cStr();
+    return m;
+  }),
+                  "load model", 30 * 60 * kj::SECONDS);
 }
 
 Expected<StepResult> ActorExecutor::execute(const StepBatch& batch) {
@@ -67,7 +48,8 @@ Expected<StepResult> ActorExecutor::execute(const StepBatch& batch) {
     s.setFirst(w.first);
     if (w.first) {
       auto prompt = s.initPromptIds(static_cast<unsigned>(w.prompt.size()));
-      for (size_t t = 0; t < w.prompt.size(); ++t) prompt.set(static_cast<unsigned>(t), w.prompt[t]);
+      for (size_t t = 0; t < w.prompt.size(); ++t)
+        prompt.set(static_cast<unsigned>(t), w.prompt[t]);
       auto p = s.initSampling();
       p.setTemperature(w.sampling.temperature);
       p.setTopK(w.sampling.top_k);
@@ -86,23 +68,22 @@ Expected<StepResult> ActorExecutor::execute(const StepBatch& batch) {
     finished.set(static_cast<unsigned>(i), batch.finished[i]);
   }
   std::vector<float>* logits = &last_logits_;
-  return wait_call(
-      loop_, req.send().then([logits](auto&& r) {
-        StepResult result;
-        auto out = r.getOutput();
-        for (auto o : out.getOutputs()) {
-          SampledToken s;
-          s.request_id = o.getRequestId();
-          s.token.token = o.getToken();
-          s.token.logprob = o.getLogprob();
-          for (auto t : o.getTop()) s.token.top.emplace_back(t.getToken(), t.getLogprob());
-          result.sampled.push_back(std::move(s));
-        }
-        logits->clear();
-        for (float v : out.getLogits()) logits->push_back(v);
-        return result;
-      }),
-      "execute step", 10 * 60 * kj::SECONDS);
+  return wait_for(loop_, req.send().then([logits](auto&& r) {
+    StepResult result;
+    auto out = r.getOutput();
+    for (auto o : out.getOutputs()) {
+      SampledToken s;
+      s.request_id = o.getRequestId();
+      s.token.token = o.getToken();
+      s.token.logprob = o.getLogprob();
+      for (auto t : o.getTop()) s.token.top.emplace_back(t.getToken(), t.getLogprob());
+      result.sampled.push_back(std::move(s));
+    }
+    logits->clear();
+    for (float v : out.getLogits()) logits->push_back(v);
+    return result;
+  }),
+                  "execute step", 10 * 60 * kj::SECONDS);
 }
 
 }  // namespace tessera
