@@ -1,0 +1,76 @@
+// Causal attention over the paged KV cache on the GPU, for prefill, chunked prefill and decode
+// in one call (the varlen form of cpu::paged_attention, its oracle), written for Hopper
+// (sm_90a) with bf16/fp16 tensor-core MMAs and fp32 softmax / accumulation.
+//
+// Work decomposition (FlashAttention-2 style, with GQA packing): a CTA owns one KV head of one
+// sequence and a tile of 64 "rows", a row being (query token, query head of that KV head's
+// group), so K/V tiles loaded once serve the whole group; decode with group size 4 fills 4
+// rows. Keys are walked in tiles of 64 with an online softmax. For long contexts the keys can
+// be split across CTAs (flash-decoding): each split writes a partial output and its log-sum-exp
+// to `workspace`, and a combine kernel merges them.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace tessera::cuda {
+
+struct AttentionArgs {
+  DType dtype = DType::kBF16;  // of q, out and the cache: kBF16 or kF16
+  // [total_q, num_heads, head_dim]; total_q = cu_query_lens[num_seqs]
+  const void* q = nullptr;
+  void* out = nullptr;  // [total_q, num_heads, head_dim]; must not overlap q
+  // One layer's cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  int64_t num_blocks = 0;
+  int block_size = 16;  // any value in [1, 256]
+  // Per sequence (device memory):
+  //   cu_query_lens: [num_seqs + 1] int32 prefix sums of the query lengths (rows of q / out)
+  //   context_lens:  [num_seqs] int32, tokens in the cache including the new ones; a sequence
+  //                  with context_len 0 is padding: skipped, its output rows left unwritten
+  //   block_tables:  [num_seqs, block_table_stride] int32 block ids
+  // Query token j of sequence s sits at position context_len - query_len + j and attends to
+  // positions 0 ..= that position.
+  const int32_t* cu_query_lens = nullptr;
+  const int32_t* context_lens = nullptr;
+  const int32_t* block_tables = nullptr;
+  int block_table_stride = 0;
+  int num_seqs = 0;
+  int max_query_len = 0;  // >= every query_len in the batch (sizes the grid)
+  int num_heads = 0;
+  int num_kv_heads = 0;   // divides num_heads
+  int head_dim = 0;       // 16, 32, 64, 128 or 256
+  float scale = 0.0f;     // usually 1 / sqrt(head_dim)
+  // Split-K: keys are cut into chunks of split_size tokens (a multiple of 64), at most
+  // num_splits chunks per sequence (num_splits * split_size >= every context_len). With
+  // num_splits == 1 there is no workspace and no combine.
+  int num_splits = 1;
+  int split_size = 0;
+  void* workspace = nullptr;  // attention_workspace_bytes(total_q, num_heads, head_dim, num_splits)
+  int64_t total_q = 0;        // rows of q; sizes the workspace indexing
+};
+
+// Bytes of workspace a split-K launch needs (0 when num_splits == 1).
+size_t attention_workspace_bytes(int64_t total_q, int num_heads, int head_dim, int num_splits);
+
+// Picks a split for decode-like batches: splits of `split_size` tokens (a multiple of 64) such
+// that num_seqs * num_kv_heads * splits roughly fills `num_sms` twice, never more than
+// ceil(max_context / 64) splits. Used by the model at graph-capture time with max_context =
+// max_model_len. Returns {num_splits, split_size}.
+struct SplitPlan {
+  int num_splits = 1;
+  int split_size = 0;
+};
+SplitPlan plan_attention_splits(int num_seqs, int num_kv_heads, int64_t max_context, int num_sms);
+
+// out = softmax(q . K^T * scale + causal mask) . V per sequence and head (see cpu::paged_attention).
+// Launches on `stream`, graph-capturable. INVALID_ARGUMENT for unsupported shapes.
+Status paged_attention(const AttentionArgs& args, cudaStream_t stream);
+
+}  // namespace tessera::cuda

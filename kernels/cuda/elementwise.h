@@ -1,0 +1,93 @@
+// The CUDA model's memory-bound ops, each the GPU twin of a kernels/cpu op and rounded the way
+// Hugging Face transformers rounds in bf16/fp16 (so greedy tokens track transformers):
+// every intermediate that transformers materialises as a bf16/fp16 tensor is rounded to that
+// type here too, with fp32 arithmetic in between.
+//
+// All pointers are device pointers; `dtype` (kBF16 or kF16) is the element type of every
+// activation/weight buffer named `void*`. Launches go on `stream` and are graph-capturable
+// (no allocation, no synchronisation). Bad sizes are INVALID_ARGUMENT before anything is
+// launched; a launch failure is INTERNAL naming the kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace tessera::cuda {
+
+// out[t, :] = table[ids[t], :]   (cpu::embedding)
+//   ids:   [num_tokens] int32, each in [0, vocab) (the caller validates; out-of-range ids are
+//          clamped, never read out of bounds)
+//   table: [vocab, hidden] dtype
+//   out:   [num_tokens, hidden] dtype
+Status embedding(DType dtype, const int32_t* ids, int64_t num_tokens, const void* table,
+                 int64_t vocab, int64_t hidden, void* out, cudaStream_t stream);
+
+// dst[r, :] = src[rows[r], :]  (picks the rows whose logits are needed)
+//   rows: [num_rows] int32 in [0, src_rows);  src: [src_rows, width];  dst: [num_rows, width]
+Status gather_rows(DType dtype, const void* src, int64_t src_rows, const int32_t* rows,
+                   int64_t num_rows, int64_t width, void* dst, cudaStream_t stream);
+
+// out = RMSNorm(x) * weight, as transformers' LlamaRMSNorm:
+//   h = float(x); h *= rsqrt(mean(h^2) + eps); out = round(weight * round(h))
+//   x, out: [rows, hidden] dtype (may alias);  weight: [hidden] dtype
+Status rms_norm(DType dtype, const void* x, const void* weight, int64_t rows, int64_t hidden,
+                float eps, void* out, cudaStream_t stream);
+
+// Fused residual add + RMSNorm (the decoder layer's "residual = residual + h; h = norm(residual)"):
+//   residual = round(residual + x)     (in place)
+//   out = rms_norm(residual) * weight  (as above)
+//   x: [rows, hidden];  residual: [rows, hidden] in/out;  weight: [hidden];  out: [rows, hidden]
+//   x and out may alias; residual aliases neither.
+Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weight, int64_t rows,
+                    int64_t hidden, float eps, void* out, cudaStream_t stream);
+
+// The attention block's per-token prologue, fused: split the qkv projection, optionally
+// RMSNorm each q and k head (Qwen3's q_norm / k_norm), rotate q and k (RoPE, rotate_half
+// convention, cos/sin rounded to dtype and each product and sum rounded to dtype, as
+// transformers' apply_rotary_pos_emb in bf16), write q to q_out and k, v into the paged cache.
+//   qkv:       [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] dtype: q | k | v
+//   q_norm, k_norm: [head_dim] dtype, or both null (no qk norm);  eps: their epsilon
+//   cos, sin:  [max_position, head_dim / 2] fp32 (cpu::RopeTable's tables, copied to the GPU)
+//   positions: [num_tokens] int32 in [0, max_position)
+//   slots:     [num_tokens] int64: block_id * block_size + offset, or -1 = do not store
+//   q_out:     [num_tokens, num_heads, head_dim] dtype
+//   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] dtype (one layer)
+// head_dim: even, <= 256.
+struct RopeCacheArgs {
+  DType dtype = DType::kBF16;
+  const void* qkv = nullptr;
+  const void* q_norm = nullptr;
+  const void* k_norm = nullptr;
+  float eps = 1e-6f;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t max_position = 0;
+  const int32_t* positions = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t num_tokens = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  void* q_out = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+};
+Status rope_and_cache(const RopeCacheArgs& args, cudaStream_t stream);
+
+// out = round(round(silu(gate)) * up), gate | up side by side in one row (the fused gate_up
+// projection), as transformers' act_fn(gate_proj(x)) * up_proj(x):
+//   gate_up: [rows, 2 * inter] dtype (gate = columns [0, inter), up = [inter, 2 * inter))
+//   out:     [rows, inter] dtype
+Status silu_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, void* out,
+                cudaStream_t stream);
+
+// Converts n elements between dtypes (kF32, kF16, kBF16; round to nearest even).
+Status convert(DType from, const void* src, DType to, void* dst, int64_t n, cudaStream_t stream);
+
+}  // namespace tessera::cuda
