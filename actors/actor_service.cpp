@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 
 #include "protocol/rpc.h"
@@ -35,6 +36,11 @@ class ActorImpl final : public proto::Actor::Server {
     spec.block_size = p.getBlockSize() ? p.getBlockSize() : 16;
     spec.max_model_len = p.getMaxModelLen();
     spec.return_logits = p.getReturnLogits();
+    spec.device = p.getDevice().size() ? p.getDevice().cStr() : "auto";
+    spec.gpu_memory_utilization = p.getGpuMemoryUtilization();
+    spec.enforce_eager = p.getEnforceEager();
+    spec.max_num_seqs = p.getMaxNumSeqs() ? p.getMaxNumSeqs() : 256;
+    spec.max_num_batched_tokens = p.getMaxNumBatchedTokens();
     auto runner = ModelRunner::load(spec);
     if (!runner) {
       spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
@@ -49,7 +55,12 @@ class ActorImpl final : public proto::Actor::Server {
     info.setBlockSize(static_cast<uint32_t>((*runner)->block_size()));
     info.setMaxModelLen(static_cast<uint32_t>((*runner)->max_model_len()));
     info.setWeightBytes((*runner)->weight_bytes());
-    info.setBackend("cpu");
+    const RunnerInfo& ri = (*runner)->info();
+    info.setBackend(ri.backend);
+    info.setDtype(dtype_name(ri.dtype));
+    info.setDeviceName(ri.device_name);
+    info.setKvCacheBytes(ri.kv_cache_bytes);
+    info.setMaxNumSeqs(static_cast<uint32_t>(ri.max_num_seqs));
     service_.set_runner(std::move(*runner));
     return kj::READY_NOW;
   }
@@ -88,7 +99,11 @@ class ActorImpl final : public proto::Actor::Server {
     std::vector<uint64_t> finished;
     for (auto f : step.getFinished()) finished.push_back(f);
     std::vector<float> logits;
+    const auto t0 = std::chrono::steady_clock::now();
     auto outputs = runner->execute(seqs, finished, &logits);
+    const auto actor_us =
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
+            .count();
     if (!outputs) rpc::throw_status(outputs.status());
     auto out = context.getResults().initOutput();
     auto list = out.initOutputs(static_cast<unsigned>(outputs->size()));
@@ -104,6 +119,8 @@ class ActorImpl final : public proto::Actor::Server {
         top[static_cast<unsigned>(j)].setLogprob(o.result.top_logprobs[j].second);
       }
     }
+    out.setActorMicros(static_cast<uint32_t>(actor_us));
+    out.setGpuMicros(runner->last_gpu_micros());
     auto l = out.initLogits(static_cast<unsigned>(logits.size()));
     for (size_t i = 0; i < logits.size(); ++i) l.set(static_cast<unsigned>(i), logits[i]);
     return kj::READY_NOW;

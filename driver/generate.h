@@ -1,24 +1,24 @@
-// `tessera generate`: one prompt, end to end through a daemon and an actor process.
+// `tessera generate`: prompts, end to end through a daemon and an actor process. Several
+// prompts are batched together (continuous batching), each with the same sampling options.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "driver/engine/sequence.h"
+#include "driver/model_session.h"
 
 namespace tessera {
 
 struct GenerateOptions {
-  std::string model;  // Hugging Face model directory
-  std::string prompt;
-  std::string address;  // a cluster's head; "" = start a local node for this command
+  EngineArgs engine;
+  std::vector<std::string> prompts;
   SamplingOptions sampling;
-  std::string dtype = "auto";
-  uint32_t max_model_len = 0;  // 0 = the model's max_position_embeddings
-  bool json = false;           // print one JSON object (ids, text, logprobs) instead of text
+  bool json = false;  // print one JSON object per prompt (ids, text, logprobs) instead of text
 };
 
-// Runs the command; returns the process exit code (0 ok, 1 failed). Text streams to stdout as
-// it is generated; a summary line goes to stderr.
+// Runs the command; returns the process exit code (0 ok, 1 failed). With one prompt and no
+// --json, text streams to stdout as it is generated; a summary line goes to stderr.
 int generate_command(const GenerateOptions& options);
 
 }  // namespace tessera

@@ -43,9 +43,9 @@ Expected<std::unique_ptr<LocalNode>> LocalNode::start(const std::string& tessera
       ::dup2(fd, 1);
       ::dup2(fd, 2);
     }
-    std::vector<std::string> args = {binary, "start", "--head", "--block", "--port", "0",
-                                      "--temp-dir", node->root_, "--bind", "127.0.0.1",
-                                      "--node-ip", "127.0.0.1"};
+    std::vector<std::string> args = {binary,   "start",     "--head",     "--block",
+                                     "--port", "0",         "--temp-dir", node->root_,
+                                     "--bind", "127.0.0.1", "--node-ip",  "127.0.0.1"};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

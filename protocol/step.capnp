@@ -48,6 +48,8 @@ struct SeqOutput {
 struct StepOutput {
   outputs @0 :List(SeqOutput);   # one per SeqStep with sample = true, in order
   logits @1 :List(Float32);      # only when StepInput asked for raw logits (tests, parity)
+  actorMicros @2 :UInt32;        # time the actor spent in this step
+  gpuMicros @3 :UInt32;          # of which the forward pass on the GPU (0 on the cpu backend)
 }
 
 struct LoadSpec {
@@ -57,6 +59,11 @@ struct LoadSpec {
   blockSize @3 :UInt32 = 16;
   maxModelLen @4 :UInt32;        # 0 = the model's max_position_embeddings
   returnLogits @5 :Bool;         # include the sampled rows' logits in StepOutput (tests)
+  device @6 :Text;               # "auto" (cuda when the actor sees a GPU) | "cuda" | "cpu"
+  gpuMemoryUtilization @7 :Float32 = 0.9;  # fraction of the GPU's memory the actor may use
+  enforceEager @8 :Bool;         # no CUDA graphs
+  maxNumSeqs @9 :UInt32 = 256;   # largest batch the driver will send
+  maxNumBatchedTokens @10 :UInt32;  # largest step in tokens; 0 = max(maxModelLen, 2048)
 }
 
 struct ModelInfo {
@@ -68,4 +75,8 @@ struct ModelInfo {
   maxModelLen @5 :UInt32;
   weightBytes @6 :UInt64;
   backend @7 :Text;              # "cpu" or "cuda"
+  dtype @8 :Text;                # what the model computes in: "BF16", "F16", "F32"
+  deviceName @9 :Text;           # "NVIDIA H200"; empty on the cpu backend
+  kvCacheBytes @10 :UInt64;
+  maxNumSeqs @11 :UInt32;
 }

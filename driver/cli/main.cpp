@@ -16,6 +16,7 @@
 #include "common/logging.h"
 #include "daemon/session.h"
 #include "daemon/start.h"
+#include "driver/bench.h"
 #include "driver/generate.h"
 #include "driver/make_model/make_model.h"
 #include "driver/status.h"
@@ -91,15 +92,30 @@ int main(int argc, char** argv) {
   status_cmd->add_option("--temp-dir", status_temp, "The root the head was started with");
   status_cmd->add_flag("--json", status_json, "Print JSON");
 
+  // vLLM's engine flags, shared by generate and bench.
+  auto add_engine_args = [](CLI::App* cmd, tessera::EngineArgs& e) {
+    cmd->add_option("--model", e.model, "Hugging Face model directory")->required();
+    cmd->add_option("--address", e.address,
+                    "A cluster's head HOST:PORT (default: start a local node)");
+    cmd->add_option("--dtype", e.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
+    cmd->add_option("--device", e.device, "auto (a GPU when the node has one)|cuda|cpu");
+    cmd->add_option("--max-model-len", e.max_model_len,
+                    "Context length (default: the model's, at most 8192)");
+    cmd->add_option("--gpu-memory-utilization", e.gpu_memory_utilization,
+                    "Fraction of each GPU's memory to use (0.9)");
+    cmd->add_flag("--enforce-eager", e.enforce_eager, "Do not capture CUDA graphs");
+    cmd->add_option("--max-num-seqs", e.max_num_seqs, "Most sequences in a step (256)");
+    cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens,
+                    "Most tokens in a step (default max(max-model-len, 2048), at most 16384)");
+  };
+
   tessera::GenerateOptions gen;
   std::vector<int32_t> stop_ids;
   std::optional<uint64_t> gen_seed;
   gen.sampling.max_tokens = 64;
-  auto* gen_cmd = app.add_subcommand("generate", "Generate a completion for one prompt");
-  gen_cmd->add_option("--model", gen.model, "Hugging Face model directory")->required();
-  gen_cmd->add_option("--prompt", gen.prompt, "The prompt text")->required();
-  gen_cmd->add_option("--address", gen.address,
-                      "A cluster's head HOST:PORT (default: start a local node)");
+  auto* gen_cmd = app.add_subcommand("generate", "Generate completions for one or more prompts");
+  add_engine_args(gen_cmd, gen.engine);
+  gen_cmd->add_option("--prompt", gen.prompts, "The prompt text (repeat for a batch)")->required();
   gen_cmd->add_option("--max-tokens", gen.sampling.max_tokens, "Tokens to generate (64)");
   gen_cmd->add_option("--temperature", gen.sampling.temperature, "0 = greedy (default 1.0)");
   gen_cmd->add_option("--top-p", gen.sampling.top_p, "Nucleus sampling mass (1.0 = off)");
@@ -113,11 +129,26 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--stop-token-ids", stop_ids, "Token ids that end generation");
   gen_cmd->add_flag("--ignore-eos", gen.sampling.ignore_eos, "Keep going past EOS");
   gen_cmd->add_option("--logprobs", gen.sampling.logprobs, "Return top-N logprobs per token");
-  gen_cmd->add_option("--dtype", gen.dtype, "auto|bfloat16|float16|half|float32");
-  gen_cmd->add_option("--max-model-len", gen.max_model_len,
-                      "Context length (default: model's, "
-                      "at most 8192)");
-  gen_cmd->add_flag("--json", gen.json, "Print ids, text and logprobs as JSON");
+  gen_cmd->add_flag("--json", gen.json, "Print ids, text and logprobs as JSON, a line per prompt");
+
+  tessera::BenchLatencyOptions bench;
+  auto* bench_cmd = app.add_subcommand("bench", "Benchmarks");
+  bench_cmd->require_subcommand(1);
+  auto* latency_cmd = bench_cmd->add_subcommand(
+      "latency", "Batch-1 decode, long prefill and large-batch decode of one model");
+  add_engine_args(latency_cmd, bench.engine);
+  latency_cmd->add_option("--input-len", bench.input_len, "Prompt tokens (128)");
+  latency_cmd->add_option("--output-len", bench.output_len, "New tokens (256)");
+  latency_cmd->add_option("--num-iters", bench.num_iters, "Measured batch-1 runs (3)");
+  latency_cmd->add_option("--num-iters-warmup", bench.num_iters_warmup, "Warm-up runs (1)");
+  latency_cmd->add_option("--prefill-len", bench.prefill_len,
+                          "Long prefill tokens (4096; 0 = skip)");
+  latency_cmd->add_option("--prefill-iters", bench.prefill_iters, "Measured prefills (5)");
+  latency_cmd->add_option("--batch-size", bench.batch_size,
+                          "Large-batch decode size (64; 0 = skip)");
+  latency_cmd->add_option("--batch-iters", bench.batch_iters, "Measured large-batch runs (2)");
+  latency_cmd->add_option("--seed", bench.seed, "Seed of the random prompts (0)");
+  latency_cmd->add_option("--output-json", bench.output_json, "Write the results as JSON here");
 
   tessera::MakeModelOptions make;
   auto* make_cmd = tessera::add_make_model_subcommand(app, make);
@@ -143,6 +174,10 @@ int main(int argc, char** argv) {
     gen.sampling.seed = gen_seed;
     gen.sampling.stop_token_ids = stop_ids;
     return tessera::generate_command(gen);
+  }
+  if (*latency_cmd) {
+    for (int i = 0; i < argc; ++i) bench.command_line += (i ? " " : "") + std::string(argv[i]);
+    return tessera::bench_latency_command(bench);
   }
   if (*make_cmd) {
     tessera::Status st = tessera::make_model(make);

@@ -1,5 +1,7 @@
 #include "driver/engine/actor_executor.h"
 
+#include <chrono>
+
 #include "protocol/rpc.h"
 
 namespace tessera {
@@ -13,6 +15,11 @@ Expected<LoadedModel> ActorExecutor::load(const LoadOptions& o) {
   spec.setBlockSize(o.block_size);
   spec.setMaxModelLen(o.max_model_len);
   spec.setReturnLogits(o.return_logits);
+  spec.setDevice(o.device);
+  spec.setGpuMemoryUtilization(o.gpu_memory_utilization);
+  spec.setEnforceEager(o.enforce_eager);
+  spec.setMaxNumSeqs(o.max_num_seqs);
+  spec.setMaxNumBatchedTokens(o.max_num_batched_tokens);
   return wait_for(loop_, req.send().then([](auto&& r) {
     auto i = r.getInfo();
     LoadedModel m;
@@ -24,6 +31,10 @@ Expected<LoadedModel> ActorExecutor::load(const LoadOptions& o) {
     m.max_model_len = i.getMaxModelLen();
     m.weight_bytes = i.getWeightBytes();
     m.backend = i.getBackend().cStr();
+    m.dtype = i.getDtype().cStr();
+    m.device_name = i.getDeviceName().cStr();
+    m.kv_cache_bytes = i.getKvCacheBytes();
+    m.max_num_seqs = i.getMaxNumSeqs();
     return m;
   }),
                   "load model", 30 * 60 * kj::SECONDS);
@@ -68,7 +79,9 @@ Expected<StepResult> ActorExecutor::execute(const StepBatch& batch) {
     finished.set(static_cast<unsigned>(i), batch.finished[i]);
   }
   std::vector<float>* logits = &last_logits_;
-  return wait_for(loop_, req.send().then([logits](auto&& r) {
+  StepTimes* times = &last_times_;
+  const auto t0 = std::chrono::steady_clock::now();
+  return wait_for(loop_, req.send().then([logits, times, t0](auto&& r) {
     StepResult result;
     auto out = r.getOutput();
     for (auto o : out.getOutputs()) {
@@ -81,6 +94,11 @@ Expected<StepResult> ActorExecutor::execute(const StepBatch& batch) {
     }
     logits->clear();
     for (float v : out.getLogits()) logits->push_back(v);
+    times->call_us = static_cast<uint32_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
+            .count());
+    times->actor_us = out.getActorMicros();
+    times->gpu_us = out.getGpuMicros();
     return result;
   }),
                   "execute step", 10 * 60 * kj::SECONDS);

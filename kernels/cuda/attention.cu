@@ -1,2 +1,755 @@
-// placeholder while the op is written
+// Paged causal attention for sm_90a: FlashAttention-2 style tiles with mma.sync m16n8k16
+// (bf16/fp16 in, fp32 accumulate), ldmatrix and cp.async, plus a split-K combine kernel.
+//
+// Main kernel: grid (ceil(max_query_len * G / 64), num_seqs, num_kv_heads * num_splits), 128
+// threads (4 warps x 16 rows). Row R of a sequence's packed rows is (token R / G, query head
+// kv_head * G + R % G), G = num_heads / num_kv_heads. Each warp keeps its 16 Q rows as A
+// fragments (registers for head_dim <= 128, shared memory for 256), walks the keys of its split
+// in tiles of kBlockN (K and V double-buffered in shared memory through cp.async, each key's
+// address looked up in the block table, keys past the end zero-filled), computes S = Q K^T,
+// an online softmax in the log2 domain and O += P V with P rounded to the input dtype.
+//
+// Split-K workspace (num_splits > 1), all fp32:
+//   o_part: [num_splits][total_q][num_heads][head_dim]  the split's output, already divided by
+//                                                       its own softmax denominator
+//   lse:    [num_splits][total_q][num_heads]            natural-log sum-exp of the split's
+//                                                       scaled scores; -inf when it saw no key
+// A sequence uses n_used = min(num_splits, ceil(context_len / split_size)) splits, computed on
+// the device from context_lens (graphs replay one num_splits with varying lengths); splits past
+// n_used do nothing and the combine reads only the first n_used. When n_used == 1 the single
+// split writes `out` directly and the combine skips the sequence.
 #include "kernels/cuda/attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "kernels/cuda/cuda_util.h"
+
+namespace tessera::cuda {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerCta = kWarps * 16;
+constexpr int kSplitAlign = 64;     // split_size must be a multiple of this (>= every kBlockN)
+constexpr int kMinSplitSize = 256;  // plan_attention_splits never cuts finer than this
+constexpr int kMaxPlannedSplits = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kCombineThreads = 128;
+
+template <int HD>
+struct Config {
+  // Keys per tile. head_dim 256 uses 32 so that O (128 fp32 registers) + S fit without spills.
+  static constexpr int kBlockN = HD > 128 ? 32 : 64;
+  // Q fragments stay in registers up to head_dim 128; for 256 they are re-read from shared memory.
+  static constexpr bool kQInSmem = HD > 128;
+  // Shared-memory row stride in elements: +8 (16 bytes) makes the 8 rows an ldmatrix reads hit
+  // 8 distinct 16-byte bank groups.
+  static constexpr int kStride = HD + 8;
+  static constexpr int kTileElems = kBlockN * kStride;
+  // K and V, two stages each, then Q (head_dim 256 only).
+  static constexpr size_t kSmemBytes =
+      static_cast<size_t>(4 * kTileElems + (kQInSmem ? kRowsPerCta * kStride : 0)) * 2;
+};
+
+struct Params {
+  const void* q;
+  void* out;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* cu_query_lens;
+  const int32_t* context_lens;
+  const int32_t* block_tables;
+  int64_t block_table_stride;
+  int block_size;
+  int num_heads;
+  int num_kv_heads;
+  int group;
+  float scale_log2;  // scale * log2(e)
+  int num_splits;
+  int split_size;
+  float* ws_o;
+  float* ws_lse;
+  int64_t total_q;
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers.
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; with fill == false nothing is read and the 16 bytes are zeroed.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool fill) {
+  const int src_bytes = fill ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+struct HalfOps;
+
+template <>
+struct HalfOps<__nv_bfloat16> {
+  // c += a (16x16, row-major) * b (16x8, column-major), fp32 accumulate.
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // lo goes to the low 16 bits (the lower column index).
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    uint32_t r;
+    memcpy(&r, &v, sizeof(r));
+    return r;
+  }
+};
+
+template <>
+struct HalfOps<__half> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    uint32_t r;
+    memcpy(&r, &v, sizeof(r));
+    return r;
+  }
+};
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Splits sequence `ctx` uses: ceil(ctx / split_size) capped at num_splits (1 without split-K).
+__device__ __forceinline__ int splits_used(const Params& p, int ctx) {
+  if (p.num_splits <= 1) return 1;
+  return min(p.num_splits, (ctx + p.split_size - 1) / p.split_size);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fragment layouts (PTX m16n8k16, 16-bit inputs; gid = lane / 4, tig = lane % 4):
+//   A 16x16: a0 (row gid, cols 2tig..+1), a1 (row gid+8, same cols), a2 (row gid, cols
+//            8+2tig..+1), a3 (row gid+8, cols 8+2tig..+1)
+//   B 16x8:  b0 (k 2tig..+1, n gid), b1 (k 8+2tig..+1, n gid)
+//   C 16x8:  c0,c1 (row gid, cols 2tig..+1), c2,c3 (row gid+8, same cols)
+// ldmatrix.x4: lanes 8j..8j+7 give the row addresses of matrix j, register j receives it.
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(kThreads)
+    paged_attention_kernel(const __grid_constant__ Params p) {
+  using C = Config<HD>;
+  using Ops = HalfOps<T>;
+  constexpr int kBlockN = C::kBlockN;
+  constexpr int kStride = C::kStride;
+  constexpr int kTile = C::kTileElems;
+  constexpr bool kQInSmem = C::kQInSmem;
+  constexpr int kQkSteps = HD / 16;       // k-steps of S = Q K^T
+  constexpr int kSTiles = kBlockN / 8;    // n-tiles of S
+  constexpr int kPvSteps = kBlockN / 16;  // k-steps of O += P V
+  constexpr int kOTiles = HD / 8;         // n-tiles of O
+  constexpr int kChunksPerRow = HD / 8;   // 16-byte chunks per K/V row
+  static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "tile load must split evenly");
+  static_assert((kRowsPerCta * kChunksPerRow) % kThreads == 0, "Q load must split evenly");
+
+  const int seq = blockIdx.y;
+  const int ctx = p.context_lens[seq];
+  if (ctx <= 0) return;  // padding sequence
+  const int q_start = p.cu_query_lens[seq];
+  const int qlen = p.cu_query_lens[seq + 1] - q_start;
+  const int group = p.group;
+  const int rows_valid = qlen * group;
+  const int tile_row0 = static_cast<int>(blockIdx.x) * kRowsPerCta;
+  if (tile_row0 >= rows_valid) return;
+  // Decode-like CTAs, whose rows all fit one warp's 16 (decode with a GQA group <= 16): the 4
+  // warps take the same rows and split every key tile 4 ways, 16 keys (one P.V k-step) each,
+  // then merge their softmax states through shared memory. Otherwise 3 of 4 warps would idle.
+  constexpr bool kCanSplitWarps = kBlockN == 16 * kWarps;
+  const bool warp_split = kCanSplitWarps && rows_valid - tile_row0 <= 16;
+  const int kv_head = static_cast<int>(blockIdx.z) / p.num_splits;
+  const int split = static_cast<int>(blockIdx.z) % p.num_splits;
+  const int n_used = splits_used(p, ctx);
+  if (split >= n_used) return;
+  const bool direct = n_used == 1;  // write `out`, no workspace
+
+  const int kv_begin = p.num_splits > 1 ? split * p.split_size : 0;
+  const int split_end = p.num_splits > 1 ? min(ctx, kv_begin + p.split_size) : ctx;
+  const int first_pos = ctx - qlen;  // position of the sequence's first query token
+  const int last_row = min(tile_row0 + kRowsPerCta - 1, rows_valid - 1);
+  // Keys [kv_begin, kv_end) are visible to at least one row of this CTA.
+  const int kv_end = min(split_end, first_pos + last_row / group + 1);
+  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0;
+
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+  const int warp_row0 = warp_split ? tile_row0 : tile_row0 + warp * 16;
+  const bool warp_active = warp_row0 < rows_valid;
+  const int warp_last = min(warp_row0 + 15, rows_valid - 1);
+  // Largest key any row of the warp may see, and the smallest key limit (below it no masking).
+  const int warp_max_lim = min(first_pos + warp_last / group, kv_end - 1);
+  const int warp_min_lim = min(first_pos + warp_row0 / group, kv_end - 1);
+
+  // This thread's two rows (gid and gid + 8 of the warp's 16).
+  int64_t row_index[2];  // (q row) * num_heads + head, or -1 past the sequence's rows
+  int row_lim[2];        // last key the row may see (-1: none)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp_row0 + gid + 8 * r;
+    if (row < rows_valid) {
+      const int token = row / group;
+      const int head = kv_head * group + row % group;
+      row_index[r] = static_cast<int64_t>(q_start + token) * p.num_heads + head;
+      row_lim[r] = min(first_pos + token, kv_end - 1);
+    } else {
+      row_index[r] = -1;
+      row_lim[r] = -1;
+    }
+  }
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const uint32_t smem_base = smem_u32(smem);
+  // K stage s at smem + s * kTile, V stage s at smem + (2 + s) * kTile, Q at smem + 4 * kTile.
+  const uint32_t sq_base = smem_base + 4 * kTile * static_cast<uint32_t>(sizeof(T));
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int32_t* table = p.block_tables + seq * p.block_table_stride;
+  const int block_size = p.block_size;
+
+  auto load_kv = [&](int tile, int stage) {
+    const int n0 = kv_begin + tile * kBlockN;
+    const uint32_t k_dst = smem_base + stage * kTile * static_cast<uint32_t>(sizeof(T));
+    const uint32_t v_dst = smem_base + (2 + stage) * kTile * static_cast<uint32_t>(sizeof(T));
+#pragma unroll
+    for (int i = 0; i < kBlockN * kChunksPerRow / kThreads; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+      const int row = c / kChunksPerRow;
+      const int chunk = c % kChunksPerRow;
+      const int key = n0 + row;
+      const uint32_t off = static_cast<uint32_t>((row * kStride + chunk * 8) * sizeof(T));
+      if (key < kv_end) {
+        const int64_t page = table[key / block_size];
+        const int64_t slot = page * block_size + key % block_size;
+        const int64_t src = (slot * p.num_kv_heads + kv_head) * HD + chunk * 8;
+        cp_async_16(k_dst + off, k_cache + src, true);
+        cp_async_16(v_dst + off, v_cache + src, true);
+      } else {
+        cp_async_16(k_dst + off, k_cache, false);
+        cp_async_16(v_dst + off, v_cache, false);
+      }
+    }
+  };
+
+  // Q fragments in registers (head_dim <= 128): rows past the sequence are zero.
+  uint32_t q_frag[kQInSmem ? 1 : kQkSteps][4];
+  if constexpr (!kQInSmem) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t* src =
+          row_index[r] >= 0 ? reinterpret_cast<const uint32_t*>(q + row_index[r] * HD) : nullptr;
+#pragma unroll
+      for (int kk = 0; kk < kQkSteps; ++kk) {
+        q_frag[kk][r] = src != nullptr ? src[(kk * 16 + 2 * tig) / 2] : 0u;
+        q_frag[kk][2 + r] = src != nullptr ? src[(kk * 16 + 8 + 2 * tig) / 2] : 0u;
+      }
+    }
+  } else {
+    q_frag[0][0] = q_frag[0][1] = q_frag[0][2] = q_frag[0][3] = 0u;
+  }
+
+  float o[kOTiles][4];
+#pragma unroll
+  for (int j = 0; j < kOTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {neg_inf(), neg_inf()};  // running max of the row's log2-domain scores
+  float l[2] = {0.0f, 0.0f};            // this thread's part of the row's denominator
+
+  if (n_tiles > 0) {
+    if constexpr (kQInSmem) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerCta * kChunksPerRow / kThreads; ++i) {
+        const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+        const int row = c / kChunksPerRow;
+        const int chunk = c % kChunksPerRow;
+        const int prow = tile_row0 + row;
+        const uint32_t dst =
+            sq_base + static_cast<uint32_t>((row * kStride + chunk * 8) * sizeof(T));
+        if (prow < rows_valid) {
+          const int64_t index = static_cast<int64_t>(q_start + prow / group) * p.num_heads +
+                                kv_head * group + prow % group;
+          cp_async_16(dst, q + index * HD + chunk * 8, true);
+        } else {
+          cp_async_16(dst, q, false);
+        }
+      }
+    }
+    load_kv(0, 0);
+    cp_async_commit();
+  }
+
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + 1 < n_tiles) {
+      load_kv(t + 1, (t + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    const int n0 = kv_begin + t * kBlockN;
+    if (warp_active && n0 <= warp_max_lim) {
+      const uint32_t sk = smem_base + (t & 1) * kTile * static_cast<uint32_t>(sizeof(T));
+      const uint32_t sv = smem_base + (2 + (t & 1)) * kTile * static_cast<uint32_t>(sizeof(T));
+
+      // S = Q K^T. K tile [key][d] is B (col-major 16x8): one ldmatrix.x4 gives b0/b1 of two
+      // n-tiles: matrices (keys +0, d +0), (keys +0, d +8), (keys +8, d +0), (keys +8, d +8).
+      float s[kSTiles][4];
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      const int k_row = (lane & 7) + ((lane >> 4) << 3);
+      const int k_col = ((lane >> 3) & 1) << 3;
+#pragma unroll
+      for (int kk = 0; kk < kQkSteps; ++kk) {
+        uint32_t a[4];
+        if constexpr (kQInSmem) {
+          // A matrices: (rows +0, d +0), (rows +8, d +0), (rows +0, d +8), (rows +8, d +8).
+          const int q_row = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+          const int q_col = kk * 16 + ((lane >> 4) << 3);
+          ldmatrix_x4(sq_base + static_cast<uint32_t>((q_row * kStride + q_col) * sizeof(T)), a);
+        } else {
+          a[0] = q_frag[kk][0];
+          a[1] = q_frag[kk][1];
+          a[2] = q_frag[kk][2];
+          a[3] = q_frag[kk][3];
+        }
+#pragma unroll
+        for (int j = 0; j < kSTiles / 2; ++j) {
+          if (warp_split && j != warp) continue;  // another warp's 16 keys
+          uint32_t b[4];
+          const int row = j * 16 + k_row;
+          const int col = kk * 16 + k_col;
+          ldmatrix_x4(sk + static_cast<uint32_t>((row * kStride + col) * sizeof(T)), b);
+          Ops::mma(s[2 * j], a, b[0], b[1]);
+          Ops::mma(s[2 * j + 1], a, b[2], b[3]);
+        }
+      }
+
+      // Scale into the log2 domain and mask keys past each row's limit.
+      const bool need_mask = n0 + kBlockN - 1 > warp_min_lim;
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[j][e] * p.scale_log2;
+          if (warp_split && (j >> 1) != warp) x = neg_inf();
+          if (need_mask) {
+            const int key = n0 + j * 8 + 2 * tig + (e & 1);
+            if (key > row_lim[e >> 1]) x = neg_inf();
+          }
+          s[j][e] = x;
+        }
+      }
+
+      // Online softmax. The 4 lanes of a quad hold the same two rows.
+      float mx[2] = {m[0], m[1]};
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+      }
+      float alpha[2];
+      float m_use[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        // A row with no visible key so far keeps m = -inf; use 0 so -inf - m_use stays -inf.
+        m_use[r] = mx[r] == neg_inf() ? 0.0f : mx[r];
+        alpha[r] = fast_exp2(m[r] - m_use[r]);
+        m[r] = mx[r];
+      }
+      float row_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = fast_exp2(s[j][e] - m_use[e >> 1]);
+          row_sum[e >> 1] += s[j][e];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + row_sum[r];
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+      }
+
+      // O += P V. P's C fragments of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk. V tile
+      // [key][d] is B (16 keys x 8 d), read transposed: matrices (keys +0, d +0),
+      // (keys +8, d +0), (keys +0, d +8), (keys +8, d +8).
+      const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
+      const int v_col = (lane >> 4) << 3;
+#pragma unroll
+      for (int kk = 0; kk < kPvSteps; ++kk) {
+        if (warp_split && kk != warp) continue;  // P is 0 outside this warp's keys
+        uint32_t a[4];
+        a[0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = Ops::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = Ops::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int j = 0; j < HD / 16; ++j) {
+          uint32_t b[4];
+          const int row = kk * 16 + v_row;
+          const int col = j * 16 + v_col;
+          ldmatrix_x4_trans(sv + static_cast<uint32_t>((row * kStride + col) * sizeof(T)), b);
+          Ops::mma(o[2 * j], a, b[0], b[1]);
+          Ops::mma(o[2 * j + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
+  }
+
+  if (warp_split) {
+    // Warps 1-3 hand (O, m, l) to warp 0 lane by lane (same fragment layout), which rescales
+    // every state to the common max and sums. The K/V stages are free once the loop is done.
+    constexpr int kVals = kOTiles * 4 + 4;
+    static_assert(static_cast<size_t>(3 * 32 * kVals) * 4 <= C::kSmemBytes, "merge space");
+    float* red = reinterpret_cast<float*>(smem_raw);
+    __syncthreads();
+    if (warp > 0) {
+      float* mine = red + ((warp - 1) * 32 + lane) * kVals;
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[j * 4 + e] = o[j][e];
+      }
+      mine[kOTiles * 4 + 0] = m[0];
+      mine[kOTiles * 4 + 1] = m[1];
+      mine[kOTiles * 4 + 2] = l[0];
+      mine[kOTiles * 4 + 3] = l[1];
+    }
+    __syncthreads();
+    if (warp > 0) return;
+    float m_tot[2] = {m[0], m[1]};
+    for (int w = 0; w < kWarps - 1; ++w) {
+      const float* other = red + (w * 32 + lane) * kVals;
+      m_tot[0] = fmaxf(m_tot[0], other[kOTiles * 4 + 0]);
+      m_tot[1] = fmaxf(m_tot[1], other[kOTiles * 4 + 1]);
+    }
+    float own[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      own[r] = m[r] == neg_inf() ? 0.0f : fast_exp2(m[r] - m_tot[r]);
+      l[r] *= own[r];
+    }
+#pragma unroll
+    for (int j = 0; j < kOTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] *= own[e >> 1];
+    }
+    for (int w = 0; w < kWarps - 1; ++w) {
+      const float* other = red + (w * 32 + lane) * kVals;
+      float sc[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float mw = other[kOTiles * 4 + r];
+        sc[r] = mw == neg_inf() ? 0.0f : fast_exp2(mw - m_tot[r]);
+        l[r] += other[kOTiles * 4 + 2 + r] * sc[r];
+      }
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] += other[j * 4 + e] * sc[e >> 1];
+      }
+    }
+    m[0] = m_tot[0];
+    m[1] = m_tot[1];
+  }
+
+  // Full row denominators.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  if (!warp_active) return;
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (row_index[r] < 0) continue;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    if (direct) {
+      T* dst = static_cast<T*>(p.out) + row_index[r] * HD;
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+        *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * tig) =
+            Ops::pack(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+      }
+    } else {
+      const int64_t ws_row = static_cast<int64_t>(split) * p.total_q * p.num_heads + row_index[r];
+      float* dst = p.ws_o + ws_row * HD;
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+        *reinterpret_cast<float2*>(dst + j * 8 + 2 * tig) =
+            make_float2(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+      }
+      if (tig == 0) p.ws_lse[ws_row] = l[r] > 0.0f ? (m[r] + __log2f(l[r])) * kLn2 : neg_inf();
+    }
+  }
+}
+
+// Merges the splits of every (query token, head) row of sequences that used more than one.
+// Grid (ceil(max_query_len * num_heads / rows per CTA), num_seqs); head_dim / 4 threads per
+// row, 4 consecutive elements each.
+template <typename T, int HD>
+__global__ void __launch_bounds__(kCombineThreads)
+    attention_combine_kernel(const __grid_constant__ Params p) {
+  constexpr int kThreadsPerRow = HD / 4;
+  constexpr int kRowsPerCtaCombine = kCombineThreads / kThreadsPerRow;
+  const int seq = blockIdx.y;
+  const int ctx = p.context_lens[seq];
+  if (ctx <= 0) return;
+  const int n_used = splits_used(p, ctx);
+  if (n_used <= 1) return;  // the attention kernel wrote `out` itself
+  const int q_start = p.cu_query_lens[seq];
+  const int qlen = p.cu_query_lens[seq + 1] - q_start;
+  const int row = static_cast<int>(blockIdx.x) * kRowsPerCtaCombine +
+                  static_cast<int>(threadIdx.x) / kThreadsPerRow;
+  const int token = row / p.num_heads;
+  if (token >= qlen) return;
+  const int head = row % p.num_heads;
+  const int64_t index = static_cast<int64_t>(q_start + token) * p.num_heads + head;
+  const int64_t split_stride = p.total_q * p.num_heads;
+  const int d = (static_cast<int>(threadIdx.x) % kThreadsPerRow) * 4;
+
+  float lse_max = neg_inf();
+  for (int s = 0; s < n_used; ++s) lse_max = fmaxf(lse_max, p.ws_lse[s * split_stride + index]);
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float weight_sum = 0.0f;
+  if (lse_max != neg_inf()) {
+    for (int s = 0; s < n_used; ++s) {
+      const float lse = p.ws_lse[s * split_stride + index];
+      if (lse == neg_inf()) continue;  // the split saw no key of this row; its O is 0
+      const float w = expf(lse - lse_max);
+      const float4 v =
+          *reinterpret_cast<const float4*>(p.ws_o + (s * split_stride + index) * HD + d);
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+      weight_sum += w;
+    }
+  }
+  const float inv = weight_sum > 0.0f ? 1.0f / weight_sum : 0.0f;
+  uint2 packed;
+  packed.x = HalfOps<T>::pack(acc.x * inv, acc.y * inv);
+  packed.y = HalfOps<T>::pack(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + index * HD + d) = packed;
+}
+
+template <typename T, int HD>
+Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
+  using C = Config<HD>;
+  const int64_t rows = static_cast<int64_t>(args.max_query_len) * params.group;
+  const dim3 grid(static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta),
+                  static_cast<unsigned>(args.num_seqs),
+                  static_cast<unsigned>(args.num_kv_heads * args.num_splits));
+  auto* kernel = paged_attention_kernel<T, HD>;
+  if constexpr (C::kSmemBytes > 48 * 1024) {
+    // Per launch rather than once: the attribute is per device, and it is a host-side call
+    // that is legal during stream capture.
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(C::kSmemBytes)),
+        "paged_attention: raising the dynamic shared memory limit");
+  }
+  kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(params);
+  TESSERA_RETURN_IF_ERROR(launch_status("paged_attention"));
+  if (args.num_splits > 1) {
+    constexpr int kRows = kCombineThreads / (HD / 4);
+    const int64_t combine_rows = static_cast<int64_t>(args.max_query_len) * args.num_heads;
+    const dim3 combine_grid(static_cast<unsigned>((combine_rows + kRows - 1) / kRows),
+                            static_cast<unsigned>(args.num_seqs));
+    attention_combine_kernel<T, HD><<<combine_grid, kCombineThreads, 0, stream>>>(params);
+    TESSERA_RETURN_IF_ERROR(launch_status("paged_attention combine"));
+  }
+  return Status::ok();
+}
+
+template <typename T>
+Status dispatch_head_dim(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
+  switch (args.head_dim) {
+    case 16:
+      return launch<T, 16>(params, args, stream);
+    case 32:
+      return launch<T, 32>(params, args, stream);
+    case 64:
+      return launch<T, 64>(params, args, stream);
+    case 128:
+      return launch<T, 128>(params, args, stream);
+    case 256:
+      return launch<T, 256>(params, args, stream);
+    default:
+      return invalid_argument("paged_attention: unsupported head_dim");
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+Status check_args(const AttentionArgs& a) {
+  auto bad = [](const std::string& m) { return invalid_argument("paged_attention: " + m); };
+  if (!is_half_type(a.dtype)) return bad("dtype must be BF16 or F16");
+  if (a.q == nullptr || a.out == nullptr || a.k_cache == nullptr || a.v_cache == nullptr ||
+      a.cu_query_lens == nullptr || a.context_lens == nullptr || a.block_tables == nullptr) {
+    return bad("null pointer argument");
+  }
+  if (!aligned16(a.q) || !aligned16(a.out) || !aligned16(a.k_cache) || !aligned16(a.v_cache)) {
+    return bad("q, out, k_cache and v_cache must be 16-byte aligned");
+  }
+  if (a.q == a.out) return bad("out must not overlap q");
+  if (a.head_dim != 16 && a.head_dim != 32 && a.head_dim != 64 && a.head_dim != 128 &&
+      a.head_dim != 256) {
+    return bad("head_dim " + std::to_string(a.head_dim) + " is not 16, 32, 64, 128 or 256");
+  }
+  if (a.num_heads <= 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) {
+    return bad("num_heads " + std::to_string(a.num_heads) + " is not a positive multiple of " +
+               "num_kv_heads " + std::to_string(a.num_kv_heads));
+  }
+  if (a.block_size < 1 || a.block_size > 256) {
+    return bad("block_size " + std::to_string(a.block_size) + " is outside [1, 256]");
+  }
+  if (a.num_blocks <= 0) return bad("num_blocks must be positive");
+  if (a.block_table_stride <= 0) return bad("block_table_stride must be positive");
+  if (a.num_seqs < 0 || a.max_query_len < 0) return bad("negative num_seqs or max_query_len");
+  if (a.num_seqs > 65535) return bad("more than 65535 sequences");
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  if (static_cast<int64_t>(a.max_query_len) * group > (int64_t{1} << 30) ||
+      static_cast<int64_t>(a.max_query_len) * a.num_heads > (int64_t{1} << 30)) {
+    return bad("max_query_len * num_heads is too large");
+  }
+  if (a.num_splits < 1) return bad("num_splits must be at least 1");
+  if (static_cast<int64_t>(a.num_kv_heads) * a.num_splits > 65535) {
+    return bad("num_kv_heads * num_splits exceeds 65535");
+  }
+  if (a.num_splits > 1) {
+    if (a.workspace == nullptr || !aligned16(a.workspace)) {
+      return bad("split-K needs a 16-byte aligned workspace");
+    }
+    if (a.split_size <= 0 || a.split_size % kSplitAlign != 0) {
+      return bad("split_size " + std::to_string(a.split_size) + " is not a positive multiple of " +
+                 std::to_string(kSplitAlign));
+    }
+    if (a.total_q <= 0) return bad("split-K needs total_q (rows of q)");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(int64_t total_q, int num_heads, int head_dim, int num_splits) {
+  if (num_splits <= 1 || total_q <= 0 || num_heads <= 0 || head_dim <= 0) return 0;
+  return static_cast<size_t>(num_splits) * static_cast<size_t>(total_q) *
+         static_cast<size_t>(num_heads) * (static_cast<size_t>(head_dim) + 1) * sizeof(float);
+}
+
+SplitPlan plan_attention_splits(int num_seqs, int num_kv_heads, int64_t max_context, int num_sms) {
+  SplitPlan plan;
+  if (num_seqs <= 0 || num_kv_heads <= 0 || max_context <= kMinSplitSize || num_sms <= 0) {
+    return plan;
+  }
+  const int64_t ctas = static_cast<int64_t>(num_seqs) * num_kv_heads;
+  const int64_t target = 2 * static_cast<int64_t>(num_sms);
+  if (ctas >= target) return plan;
+  int64_t splits = (target + ctas - 1) / ctas;
+  splits = std::min<int64_t>(splits, (max_context + kMinSplitSize - 1) / kMinSplitSize);
+  splits = std::min<int64_t>(splits, kMaxPlannedSplits);
+  if (splits <= 1) return plan;
+  int64_t split_size = (max_context + splits - 1) / splits;
+  split_size = (split_size + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  split_size = std::max<int64_t>(split_size, kMinSplitSize);
+  splits = (max_context + split_size - 1) / split_size;
+  if (splits <= 1) return plan;
+  plan.num_splits = static_cast<int>(splits);
+  plan.split_size = static_cast<int>(split_size);
+  return plan;
+}
+
+Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
+  TESSERA_RETURN_IF_ERROR(check_args(args));
+  if (args.num_seqs == 0 || args.max_query_len == 0) return Status::ok();
+
+  Params params{};
+  params.q = args.q;
+  params.out = args.out;
+  params.k_cache = args.k_cache;
+  params.v_cache = args.v_cache;
+  params.cu_query_lens = args.cu_query_lens;
+  params.context_lens = args.context_lens;
+  params.block_tables = args.block_tables;
+  params.block_table_stride = args.block_table_stride;
+  params.block_size = args.block_size;
+  params.num_heads = args.num_heads;
+  params.num_kv_heads = args.num_kv_heads;
+  params.group = args.num_heads / args.num_kv_heads;
+  params.scale_log2 = args.scale * kLog2e;
+  params.num_splits = args.num_splits;
+  params.split_size = args.num_splits > 1 ? args.split_size : 0;
+  params.total_q = args.total_q;
+  if (args.num_splits > 1) {
+    params.ws_o = static_cast<float*>(args.workspace);
+    params.ws_lse =
+        params.ws_o + static_cast<size_t>(args.num_splits) * static_cast<size_t>(args.total_q) *
+                          static_cast<size_t>(args.num_heads) * static_cast<size_t>(args.head_dim);
+  }
+  if (args.dtype == DType::kBF16) return dispatch_head_dim<__nv_bfloat16>(params, args, stream);
+  return dispatch_head_dim<__half>(params, args, stream);
+}
+
+}  // namespace tessera::cuda

@@ -8,6 +8,13 @@
 // rows. Keys are walked in tiles of 64 with an online softmax. For long contexts the keys can
 // be split across CTAs (flash-decoding): each split writes a partial output and its log-sum-exp
 // to `workspace`, and a combine kernel merges them.
+//
+// Launch: grid (ceil(max_query_len * G / 64), num_seqs, num_kv_heads * num_splits), 128 threads
+// (4 warps x 16 rows), G = num_heads / num_kv_heads. Keys per tile: 64 (32 for head_dim 256).
+// K/V tiles are double-buffered in shared memory (cp.async); dynamic shared memory is
+// 4 * tile_keys * (head_dim + 8) * 2 bytes (+ 64 * (256 + 8) * 2 for Q at head_dim 256).
+// Precision: scores, softmax and O accumulate in fp32; the softmax weights P are rounded to the
+// input dtype before the P.V MMA (as FlashAttention does); the output is rounded once.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +29,7 @@ namespace tessera::cuda {
 
 struct AttentionArgs {
   DType dtype = DType::kBF16;  // of q, out and the cache: kBF16 or kF16
+  // q, out, k_cache, v_cache and workspace must be 16-byte aligned (cudaMalloc'd buffers are).
   // [total_q, num_heads, head_dim]; total_q = cu_query_lens[num_seqs]
   const void* q = nullptr;
   void* out = nullptr;  // [total_q, num_heads, head_dim]; must not overlap q
@@ -44,33 +52,46 @@ struct AttentionArgs {
   int num_seqs = 0;
   int max_query_len = 0;  // >= every query_len in the batch (sizes the grid)
   int num_heads = 0;
-  int num_kv_heads = 0;   // divides num_heads
-  int head_dim = 0;       // 16, 32, 64, 128 or 256
-  float scale = 0.0f;     // usually 1 / sqrt(head_dim)
+  int num_kv_heads = 0;  // divides num_heads
+  int head_dim = 0;      // 16, 32, 64, 128 or 256
+  float scale = 0.0f;    // usually 1 / sqrt(head_dim)
   // Split-K: keys are cut into chunks of split_size tokens (a multiple of 64), at most
-  // num_splits chunks per sequence (num_splits * split_size >= every context_len). With
-  // num_splits == 1 there is no workspace and no combine.
+  // num_splits chunks per sequence (num_splits * split_size >= every context_len; keys past
+  // num_splits * split_size would be ignored). A sequence uses ceil(context_len / split_size)
+  // splits, decided on the device (a captured graph keeps num_splits while lengths change); one
+  // that needs a single split writes `out` directly. With num_splits == 1 there is no workspace
+  // and no combine, and split_size is ignored.
   int num_splits = 1;
   int split_size = 0;
-  void* workspace = nullptr;  // attention_workspace_bytes(total_q, num_heads, head_dim, num_splits)
-  int64_t total_q = 0;        // rows of q; sizes the workspace indexing
+  // attention_workspace_bytes(total_q, num_heads, head_dim, num_splits), fp32:
+  //   [num_splits][total_q][num_heads][head_dim] partial outputs (each normalized by its split's
+  //   own softmax denominator), then [num_splits][total_q][num_heads] their natural-log
+  //   log-sum-exps (-inf for a split that saw no key of that row).
+  void* workspace = nullptr;
+  int64_t total_q = 0;  // rows of q (>= cu_query_lens[num_seqs]); sizes the workspace indexing
 };
 
-// Bytes of workspace a split-K launch needs (0 when num_splits == 1).
+// Bytes of workspace a split-K launch needs: num_splits * total_q * num_heads * (head_dim + 1)
+// * 4 (0 when num_splits <= 1).
 size_t attention_workspace_bytes(int64_t total_q, int num_heads, int head_dim, int num_splits);
 
-// Picks a split for decode-like batches: splits of `split_size` tokens (a multiple of 64) such
-// that num_seqs * num_kv_heads * splits roughly fills `num_sms` twice, never more than
-// ceil(max_context / 64) splits. Used by the model at graph-capture time with max_context =
-// max_model_len. Returns {num_splits, split_size}.
+// Picks a split for decode-like batches: with ctas = num_seqs * num_kv_heads, splits =
+// ceil(2 * num_sms / ctas) capped at ceil(max_context / 256) and at 64; split_size =
+// ceil(max_context / splits) rounded up to a multiple of 64, and num_splits = ceil(max_context /
+// split_size), so num_splits * split_size >= max_context. {1, 0} (no split) when ctas already
+// fill 2 * num_sms or max_context <= 256. Used by the model at graph-capture time with
+// max_context = max_model_len. Returns {num_splits, split_size}.
 struct SplitPlan {
   int num_splits = 1;
   int split_size = 0;
 };
 SplitPlan plan_attention_splits(int num_seqs, int num_kv_heads, int64_t max_context, int num_sms);
 
-// out = softmax(q . K^T * scale + causal mask) . V per sequence and head (see cpu::paged_attention).
-// Launches on `stream`, graph-capturable. INVALID_ARGUMENT for unsupported shapes.
+// out = softmax(q . K^T * scale + causal mask) . V per sequence and head (see
+// cpu::paged_attention). Launches on `stream` (one kernel, two with split-K), graph-capturable: no
+// allocation, no synchronization. INVALID_ARGUMENT for unsupported shapes, null or misaligned
+// pointers, or a split-K launch without workspace / with a split_size that is not a positive
+// multiple of 64.
 Status paged_attention(const AttentionArgs& args, cudaStream_t stream);
 
 }  // namespace tessera::cuda

@@ -22,7 +22,8 @@ Expected<DeviceBuffer> DeviceBuffer::allocate(size_t bytes, const std::string& w
   cudaError_t err = cudaMalloc(&p, bytes);
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error so later calls are not blamed
-    return cuda_status(err, "allocating " + std::to_string(bytes) + " bytes of device memory for " + what);
+    return cuda_status(
+        err, "allocating " + std::to_string(bytes) + " bytes of device memory for " + what);
   }
   b.ptr_ = p;
   b.bytes_ = bytes;

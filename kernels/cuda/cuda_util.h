@@ -21,11 +21,11 @@ Status cuda_status(cudaError_t err, const std::string& what);
 // The launch error of the last kernel (cudaGetLastError), as a Status naming the kernel.
 Status launch_status(const char* kernel);
 
-#define TESSERA_CUDA_RETURN_IF_ERROR(expr, what)                         \
-  do {                                                                   \
-    cudaError_t tessera_cuda_err_ = (expr);                              \
-    if (tessera_cuda_err_ != cudaSuccess)                                \
-      return ::tessera::cuda::cuda_status(tessera_cuda_err_, (what));    \
+#define TESSERA_CUDA_RETURN_IF_ERROR(expr, what)                      \
+  do {                                                                \
+    cudaError_t tessera_cuda_err_ = (expr);                           \
+    if (tessera_cuda_err_ != cudaSuccess)                             \
+      return ::tessera::cuda::cuda_status(tessera_cuda_err_, (what)); \
   } while (0)
 
 // Owns `bytes` of device memory (cudaMalloc / cudaFree). Move-only.
@@ -33,7 +33,8 @@ class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   static Expected<DeviceBuffer> allocate(size_t bytes, const std::string& what);
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept
+      : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
     if (this != &o) {
       reset();
@@ -49,7 +50,9 @@ class DeviceBuffer {
   void reset();
   void* get() const { return ptr_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t bytes() const { return bytes_; }
 
  private:

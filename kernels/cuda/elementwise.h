@@ -3,10 +3,10 @@
 // every intermediate that transformers materialises as a bf16/fp16 tensor is rounded to that
 // type here too, with fp32 arithmetic in between.
 //
-// All pointers are device pointers; `dtype` (kBF16 or kF16) is the element type of every
-// activation/weight buffer named `void*`. Launches go on `stream` and are graph-capturable
-// (no allocation, no synchronisation). Bad sizes are INVALID_ARGUMENT before anything is
-// launched; a launch failure is INTERNAL naming the kernel.
+// All pointers are device pointers; `dtype` (kBF16 or kF16; embedding and gather_rows, which only
+// copy, also take kF32) is the element type of every activation/weight buffer named `void*`.
+// Launches go on `stream` and are graph-capturable (no allocation, no synchronisation). Bad sizes
+// are INVALID_ARGUMENT before anything is launched; a launch failure is INTERNAL naming the kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,14 +20,15 @@ namespace tessera::cuda {
 
 // out[t, :] = table[ids[t], :]   (cpu::embedding)
 //   ids:   [num_tokens] int32, each in [0, vocab) (the caller validates; out-of-range ids are
-//          clamped, never read out of bounds)
+//          clamped into [0, vocab - 1], never read out of bounds)
 //   table: [vocab, hidden] dtype
 //   out:   [num_tokens, hidden] dtype
 Status embedding(DType dtype, const int32_t* ids, int64_t num_tokens, const void* table,
                  int64_t vocab, int64_t hidden, void* out, cudaStream_t stream);
 
 // dst[r, :] = src[rows[r], :]  (picks the rows whose logits are needed)
-//   rows: [num_rows] int32 in [0, src_rows);  src: [src_rows, width];  dst: [num_rows, width]
+//   rows: [num_rows] int32 in [0, src_rows) (clamped like embedding's ids);
+//   src: [src_rows, width];  dst: [num_rows, width]
 Status gather_rows(DType dtype, const void* src, int64_t src_rows, const int32_t* rows,
                    int64_t num_rows, int64_t width, void* dst, cudaStream_t stream);
 
@@ -52,11 +53,13 @@ Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weig
 //   qkv:       [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] dtype: q | k | v
 //   q_norm, k_norm: [head_dim] dtype, or both null (no qk norm);  eps: their epsilon
 //   cos, sin:  [max_position, head_dim / 2] fp32 (cpu::RopeTable's tables, copied to the GPU)
-//   positions: [num_tokens] int32 in [0, max_position)
-//   slots:     [num_tokens] int64: block_id * block_size + offset, or -1 = do not store
+//   positions: [num_tokens] int32 in [0, max_position) (a token whose position is outside is
+//              skipped entirely: no q_out row, no cache write; never a read past the tables)
+//   slots:     [num_tokens] int64: block_id * block_size + offset, or -1 = do not store (q_out
+//              is still written); a slot outside [0, num_blocks * block_size) stores nothing
 //   q_out:     [num_tokens, num_heads, head_dim] dtype
 //   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] dtype (one layer)
-// head_dim: even, <= 256.
+// head_dim: even, <= 256. q_norm/k_norm use the rms_norm rounding: round(w * round(h * rsqrt)).
 struct RopeCacheArgs {
   DType dtype = DType::kBF16;
   const void* qkv = nullptr;

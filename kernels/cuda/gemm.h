@@ -2,7 +2,8 @@
 // bf16/fp16 inputs, fp32 accumulation, output in the input dtype or fp32 (the logits).
 // The algorithm for each (M, N, K, dtypes, bias) is chosen once — the heuristic's candidates
 // are timed on the first eager call of that shape — and cached; inside a CUDA-graph capture
-// an unseen shape takes the heuristic's first choice without timing.
+// an unseen shape takes the heuristic's first choice without timing, and is timed on its next
+// eager call. Split-K reductions are kept in fp32 (never in a bf16/fp16 output buffer).
 #pragma once
 
 #include <cublasLt.h>
@@ -31,30 +32,60 @@ struct GemmShape {
 class Gemm {
  public:
   // One cuBLASLt handle and a `workspace_bytes` workspace. Not thread-safe: one per stream.
-  static Expected<std::unique_ptr<Gemm>> create(size_t workspace_bytes = 32u << 20);
+  // autotune = false (the default) takes the heuristic's first algorithm for each shape: the
+  // same choice on every run, so outputs are reproducible across restarts. autotune = true
+  // times the heuristic's candidates on a shape's first eager call and keeps the fastest
+  // (faster by a few percent at best; the choice can differ between runs).
+  static Expected<std::unique_ptr<Gemm>> create(size_t workspace_bytes = 32u << 20,
+                                                bool autotune = false);
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
   //   x:    [m, k] row-major, dtype shape.in
   //   w:    [n, k] row-major (a Hugging Face Linear weight), dtype shape.in
-  //   bias: [n] dtype shape.in, or null (shape.bias must say which)
-  //   out:  [m, n] row-major, dtype shape.out; must not overlap x or w
+  //   bias: [n] dtype shape.in, or null (shape.bias must say which); not with out = kF32
+  //         (cuBLASLt wants the bias in D's type)
+  //   out:  [m, n] row-major, dtype shape.out; must not overlap x, w or bias
+  // Bad arguments are INVALID_ARGUMENT; cuBLASLt failures name the status and the shape
+  // ("cublasLtMatmul [m=1 n=4096 k=4096 bf16->bf16]: CUBLAS_STATUS_NOT_SUPPORTED").
   Status linear(const GemmShape& shape, const void* x, const void* w, const void* bias, void* out,
                 cudaStream_t stream);
 
-  // Shapes whose algorithm is cached (for logs and tests).
+  // Shapes whose algorithm is cached (for logs and tests): one plan per shape and alignment
+  // class of the pointers it was called with (see PlanKey).
   size_t cached_shapes() const;
 
  private:
   struct Plan;
+  // Plans are per shape and per alignment class of the call's pointers (the largest of 2, 4, 8,
+  // 16 bytes that all of x, w, bias and out share): the fast kernels need 16-byte aligned
+  // pointers, so a call with less aligned ones gets a plan of its own among the kernels that
+  // accept them. cached_shapes() counts these plans.
+  struct PlanKey {
+    GemmShape shape;
+    uint32_t alignment = 16;
+    bool operator<(const PlanKey& o) const {
+      return std::make_tuple(shape.key(), alignment) < std::make_tuple(o.shape.key(), o.alignment);
+    }
+  };
   Gemm() = default;
-  Expected<const Plan*> plan(const GemmShape& shape, cudaStream_t stream, const void* x,
-                             const void* w, const void* bias, void* out);
+  // The plan for this call, created and its algorithm chosen (timed unless `stream` is capturing)
+  // as needed, with the bias pointer set.
+  Expected<Plan*> plan(const GemmShape& shape, cudaStream_t stream, const void* x, const void* w,
+                       const void* bias, void* out);
+  // Asks the heuristic for candidates and keeps the fastest (or, when `time` is false, the
+  // heuristic's first) in plan.algo.
+  Status select_algo(Plan& plan, const GemmShape& shape, uint32_t alignment, bool time,
+                     cudaStream_t stream, const void* x, const void* w, void* out);
+  cublasStatus_t matmul(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const void* x,
+                        const void* w, void* out, cudaStream_t stream) const;
 
+  bool autotune_ = false;
   cublasLtHandle_t handle_ = nullptr;
   DeviceBuffer workspace_;
-  std::map<GemmShape, std::unique_ptr<Plan>> plans_;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;  // timing of the candidates
+  std::map<PlanKey, std::unique_ptr<Plan>> plans_;
 };
 
 }  // namespace tessera::cuda

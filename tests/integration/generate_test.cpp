@@ -33,7 +33,8 @@ class GenerateTest : public ::testing::Test {
   static void TearDownTestSuite() { std::filesystem::remove_all(dir_); }
 
   static nlohmann::json generate(std::vector<std::string> args, CommandResult* raw = nullptr) {
-    std::vector<std::string> argv = {bin("tessera"), "generate", "--model", dir_, "--json"};
+    std::vector<std::string> argv = {bin("tessera"), "generate", "--model", dir_,
+                                     "--device",     "cpu",      "--json"};
     argv.insert(argv.end(), args.begin(), args.end());
     CommandResult r = run_command(argv);
     if (raw != nullptr) *raw = r;

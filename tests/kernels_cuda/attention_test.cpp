@@ -1,1 +1,589 @@
+// cuda::paged_attention against cpu::paged_attention on the same (rounded) bf16/fp16 inputs.
+//
+// Inputs: q ~ U(-3, 3) (scores of std about 1 at scale 1/sqrt(head_dim), so the softmax is
+// neither flat nor one-hot), K, V ~ U(-1, 1), all rounded to the dtype first; the reference sees
+// exactly the rounded values. Cache slots that hold no token of any sequence, and a block that
+// pads every block table, are NaN: a kernel reading past a sequence's tokens turns its output
+// NaN and fails.
+//
+// Tolerance per output element: |gpu - ref| <= rtol * |ref| + atol, with
+//   bf16: rtol 2^-7, atol 4e-3; fp16: rtol 2^-9, atol 1e-3.
+// The GPU rounds the softmax weights P to the dtype before the P.V MMA: a relative error <= u
+// (2^-8 bf16, 2^-11 fp16) on each weight, at most u * max|v| = u on the output; atol covers it
+// (bf16: 3.9e-3 worst case). The output is rounded once (u * |ref|, rtol covers it with a 2-4x
+// margin). Scores and sums in fp32 (CPU: denominators in double) differ by ~1e-6.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+#include "kernels/cpu/cpu_context.h"
+#include "kernels/cpu/paged_attention.h"
+#include "kernels/cpu/paged_kv_cache.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cuda_util.h"
+
+namespace tessera::cuda {
+namespace {
+
+bool has_cuda_device() {
+  int n = 0;
+  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  cudaGetLastError();
+  return ok;
+}
+
+#define REQUIRE_CUDA_DEVICE() \
+  if (!has_cuda_device())     \
+  FAIL() << "no CUDA device: the CUDA kernel tests run only on a GPU machine (scripts/gpu-check)"
+
+constexpr uint16_t kSentinel = 0x1234;  // pre-filled into out; rows that must stay unwritten
+
+uint16_t to_half_bits(float f, DType d) {
+  return d == DType::kBF16 ? float_to_bf16(f) : float_to_f16(f);
+}
+float from_half_bits(uint16_t h, DType d) {
+  return d == DType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
+}
+uint16_t nan_bits(DType d) { return d == DType::kBF16 ? 0x7FC0 : 0x7E00; }
+
+struct Shape {
+  DType dtype = DType::kBF16;
+  int num_heads = 8;
+  int num_kv_heads = 2;
+  int head_dim = 64;
+  int block_size = 16;
+};
+
+// A batch on the host: the cache (NaN where no sequence's token lives), block tables and q.
+struct Problem {
+  Shape shape;
+  std::vector<int> query_lens;  // rows of q per sequence (padding sequences keep theirs)
+  std::vector<int> capacity;    // tokens each block table covers
+  int num_blocks = 0;
+  int table_stride = 0;
+  std::vector<int32_t> block_tables;  // [num_seqs, table_stride]
+  std::vector<uint16_t> k, v;         // [num_blocks, block_size, num_kv_heads, head_dim]
+  std::vector<uint16_t> q;            // [total_q, num_heads, head_dim]
+  std::vector<int> cu_query_lens;
+  int64_t total_q = 0;
+
+  int num_seqs() const { return static_cast<int>(query_lens.size()); }
+  int64_t token_elems() const { return int64_t{shape.num_kv_heads} * shape.head_dim; }
+  int64_t row_elems() const { return int64_t{shape.num_heads} * shape.head_dim; }
+  float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape.head_dim)); }
+};
+
+Problem make_problem(const Shape& shape, std::vector<int> query_lens, std::vector<int> capacity,
+                     uint32_t seed) {
+  Problem p;
+  p.shape = shape;
+  p.query_lens = std::move(query_lens);
+  p.capacity = std::move(capacity);
+  const int bs = shape.block_size;
+  const int n = p.num_seqs();
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+
+  int max_blocks = 0;
+  int total_blocks = 0;
+  for (int s = 0; s < n; ++s) {
+    const int blocks = (p.capacity[s] + bs - 1) / bs;
+    max_blocks = std::max(max_blocks, blocks);
+    total_blocks += blocks;
+  }
+  p.num_blocks = total_blocks + 2;  // + a NaN block padding the tables + one never referenced
+  p.table_stride = max_blocks + 1;
+  std::vector<int32_t> ids(static_cast<size_t>(p.num_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  const int32_t poison_block = ids.back();
+
+  const int64_t te = p.token_elems();
+  p.k.assign(static_cast<size_t>(p.num_blocks) * bs * te, nan_bits(shape.dtype));
+  p.v = p.k;
+  p.block_tables.assign(static_cast<size_t>(n) * p.table_stride, poison_block);
+  size_t next = 0;
+  for (int s = 0; s < n; ++s) {
+    const int blocks = (p.capacity[s] + bs - 1) / bs;
+    for (int b = 0; b < blocks; ++b) p.block_tables[s * p.table_stride + b] = ids[next++];
+    for (int t = 0; t < p.capacity[s]; ++t) {
+      const int64_t slot = int64_t{p.block_tables[s * p.table_stride + t / bs]} * bs + t % bs;
+      for (int64_t e = 0; e < te; ++e) {
+        p.k[slot * te + e] = to_half_bits(unit(rng), shape.dtype);
+        p.v[slot * te + e] = to_half_bits(unit(rng), shape.dtype);
+      }
+    }
+  }
+
+  p.cu_query_lens.assign(1, 0);
+  for (int s = 0; s < n; ++s) p.cu_query_lens.push_back(p.cu_query_lens.back() + p.query_lens[s]);
+  p.total_q = p.cu_query_lens.back();
+  p.q.resize(static_cast<size_t>(p.total_q * p.row_elems()));
+  for (auto& x : p.q) x = to_half_bits(3.0f * unit(rng), shape.dtype);
+  return p;
+}
+
+// cpu::paged_attention over the sequences with context_len > 0; [total_q, heads, head_dim],
+// rows of padding sequences left 0.
+std::vector<float> reference(const Problem& p, const std::vector<int>& context_lens) {
+  const Shape& sh = p.shape;
+  cpu::KvCacheShape cs;
+  cs.num_layers = 1;
+  cs.num_blocks = p.num_blocks;
+  cs.block_size = sh.block_size;
+  cs.num_kv_heads = sh.num_kv_heads;
+  cs.head_dim = sh.head_dim;
+  auto cache = cpu::PagedKvCache::create(cs);
+  EXPECT_TRUE(cache.has_value()) << cache.status().to_string();
+  if (!cache.has_value()) return {};
+  std::vector<float> kf(p.k.size()), vf(p.v.size());
+  for (size_t i = 0; i < p.k.size(); ++i) {
+    kf[i] = from_half_bits(p.k[i], sh.dtype);
+    vf[i] = from_half_bits(p.v[i], sh.dtype);
+  }
+  std::vector<int64_t> slots(static_cast<size_t>(cs.num_slots()));
+  std::iota(slots.begin(), slots.end(), int64_t{0});
+  const Status ws = cache->write(0, kf, vf, slots);
+  EXPECT_TRUE(ws.is_ok()) << ws.to_string();
+
+  std::vector<cpu::AttentionSeq> seqs;
+  std::vector<float> q_ref;
+  std::vector<int64_t> rows;  // q row of each reference row
+  for (int s = 0; s < p.num_seqs(); ++s) {
+    if (context_lens[s] == 0) continue;
+    cpu::AttentionSeq seq;
+    seq.block_table = std::span<const int32_t>(p.block_tables.data() + s * p.table_stride,
+                                               static_cast<size_t>(p.table_stride));
+    seq.query_len = p.query_lens[s];
+    seq.context_len = context_lens[s];
+    seqs.push_back(seq);
+    for (int j = 0; j < p.query_lens[s]; ++j) {
+      const int64_t row = p.cu_query_lens[s] + j;
+      rows.push_back(row);
+      for (int64_t e = 0; e < p.row_elems(); ++e) {
+        q_ref.push_back(from_half_bits(p.q[row * p.row_elems() + e], sh.dtype));
+      }
+    }
+  }
+  std::vector<float> out_ref(q_ref.size());
+  cpu::CpuContext ctx(0);
+  const Status st = cpu::paged_attention(ctx, *cache, 0, q_ref, seqs, p.scale(), out_ref);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  std::vector<float> out(static_cast<size_t>(p.total_q * p.row_elems()), 0.0f);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::copy_n(out_ref.begin() + static_cast<int64_t>(i) * p.row_elems(), p.row_elems(),
+                out.begin() + rows[i] * p.row_elems());
+  }
+  return out;
+}
+
+// The problem's device copy.
+struct DeviceProblem {
+  DeviceBuffer k, v, q, out, tables, cu, ctx, workspace;
+};
+
+template <typename T>
+void upload(DeviceBuffer* buf, const std::vector<T>& host, const char* what) {
+  auto b = DeviceBuffer::allocate(std::max<size_t>(host.size() * sizeof(T), 16), what);
+  ASSERT_TRUE(b.has_value()) << b.status().to_string();
+  *buf = std::move(b).value();
+  if (!host.empty()) {
+    ASSERT_EQ(cudaMemcpy(buf->get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+}
+
+void upload_problem(const Problem& p, DeviceProblem* d) {
+  upload(&d->k, p.k, "k cache");
+  upload(&d->v, p.v, "v cache");
+  upload(&d->q, p.q, "q");
+  upload(&d->tables, p.block_tables, "block tables");
+  upload(&d->cu, p.cu_query_lens, "cu_query_lens");
+  upload(&d->out, std::vector<uint16_t>(p.q.size(), kSentinel), "out");
+}
+
+AttentionArgs make_args(const Problem& p, const DeviceProblem& d, int num_splits, int split_size) {
+  AttentionArgs a;
+  a.dtype = p.shape.dtype;
+  a.q = d.q.get();
+  a.out = d.out.get();
+  a.k_cache = d.k.get();
+  a.v_cache = d.v.get();
+  a.num_blocks = p.num_blocks;
+  a.block_size = p.shape.block_size;
+  a.cu_query_lens = d.cu.as<int32_t>();
+  a.context_lens = d.ctx.as<int32_t>();
+  a.block_tables = d.tables.as<int32_t>();
+  a.block_table_stride = p.table_stride;
+  a.num_seqs = p.num_seqs();
+  a.max_query_len = *std::max_element(p.query_lens.begin(), p.query_lens.end());
+  a.num_heads = p.shape.num_heads;
+  a.num_kv_heads = p.shape.num_kv_heads;
+  a.head_dim = p.shape.head_dim;
+  a.scale = p.scale();
+  a.num_splits = num_splits;
+  a.split_size = split_size;
+  a.workspace = d.workspace.get();
+  a.total_q = p.total_q;
+  return a;
+}
+
+void download(const DeviceBuffer& buf, size_t count, std::vector<uint16_t>* out) {
+  out->resize(count);
+  ASSERT_EQ(cudaMemcpy(out->data(), buf.get(), count * sizeof(uint16_t), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+}
+
+// Runs the GPU kernel once on a fresh copy of the problem; `out` gets its output bits.
+void run_gpu(const Problem& p, const std::vector<int>& context_lens, int num_splits, int split_size,
+             std::vector<uint16_t>* out) {
+  DeviceProblem d;
+  ASSERT_NO_FATAL_FAILURE(upload_problem(p, &d));
+  ASSERT_NO_FATAL_FAILURE(upload(&d.ctx, context_lens, "context_lens"));
+  const size_t ws =
+      attention_workspace_bytes(p.total_q, p.shape.num_heads, p.shape.head_dim, num_splits);
+  if (num_splits > 1) {
+    ASSERT_GT(ws, 0u);
+  }
+  if (ws > 0) {
+    // Garbage (NaN) in the workspace must not leak into the output.
+    ASSERT_NO_FATAL_FAILURE(upload(&d.workspace, std::vector<uint32_t>(ws / 4, 0x7fc00000u), "ws"));
+  }
+  const Status st = paged_attention(make_args(p, d, num_splits, split_size), nullptr);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(download(d.out, p.q.size(), out));
+}
+
+// Every row of a live sequence within tolerance of ref; rows of padding sequences unwritten.
+void expect_matches(const Problem& p, const std::vector<int>& context_lens,
+                    const std::vector<uint16_t>& gpu, const std::vector<float>& ref,
+                    const std::string& what) {
+  const bool bf16 = p.shape.dtype == DType::kBF16;
+  const double rtol = bf16 ? 1.0 / 128 : 1.0 / 512;
+  const double atol = bf16 ? 4e-3 : 1e-3;
+  int64_t bad = 0;
+  double worst = 0.0;
+  std::string first;
+  for (int s = 0; s < p.num_seqs(); ++s) {
+    for (int64_t row = p.cu_query_lens[s]; row < p.cu_query_lens[s + 1]; ++row) {
+      for (int64_t e = 0; e < p.row_elems(); ++e) {
+        const size_t i = static_cast<size_t>(row * p.row_elems() + e);
+        if (context_lens[s] == 0) {
+          if (gpu[i] != kSentinel) {
+            if (bad++ == 0)
+              first = "padding sequence " + std::to_string(s) + " row " + std::to_string(row) +
+                      " was written";
+          }
+          continue;
+        }
+        const double g = from_half_bits(gpu[i], p.shape.dtype);
+        const double r = ref[i];
+        const double err = std::fabs(g - r);
+        const double tol = rtol * std::fabs(r) + atol;
+        if (!(err <= tol)) {
+          if (bad++ == 0) {
+            first = "seq " + std::to_string(s) + " row " + std::to_string(row) + " head " +
+                    std::to_string(e / p.shape.head_dim) + " d " +
+                    std::to_string(e % p.shape.head_dim) + ": gpu " + std::to_string(g) + " ref " +
+                    std::to_string(r);
+          }
+        }
+        if (!(err <= worst)) worst = err;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " elements out of tolerance, first: " << first
+                    << ", worst abs error " << worst;
+}
+
+// Checks the problem with num_splits 1 and with each given {num_splits, split_size}.
+void check_problem(const Problem& p, const std::vector<int>& context_lens,
+                   const std::vector<SplitPlan>& splits, const std::string& what) {
+  const std::vector<float> ref = reference(p, context_lens);
+  ASSERT_FALSE(ref.empty());
+  std::vector<uint16_t> base;
+  ASSERT_NO_FATAL_FAILURE(run_gpu(p, context_lens, 1, 0, &base));
+  expect_matches(p, context_lens, base, ref, what + " (no split)");
+  for (const SplitPlan& sp : splits) {
+    std::vector<uint16_t> out;
+    ASSERT_NO_FATAL_FAILURE(run_gpu(p, context_lens, sp.num_splits, sp.split_size, &out));
+    const std::string tag = what + " (" + std::to_string(sp.num_splits) + " splits of " +
+                            std::to_string(sp.split_size) + ")";
+    expect_matches(p, context_lens, out, ref, tag);
+  }
+}
+
+std::string describe(const Shape& s) {
+  return std::string(dtype_name(s.dtype)) + " heads " + std::to_string(s.num_heads) + "/" +
+         std::to_string(s.num_kv_heads) + " head_dim " + std::to_string(s.head_dim) + " block " +
+         std::to_string(s.block_size);
+}
+
+TEST(CudaPagedAttention, DecodeBatchMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> ctx = {1, 15, 16, 17, 63, 64, 65, 300, 2049};
+  const std::vector<int> ones(ctx.size(), 1);
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (int block_size : {16, 8, 32}) {
+      Shape sh;
+      sh.dtype = dtype;
+      sh.num_heads = 8;
+      sh.num_kv_heads = 2;
+      sh.head_dim = 128;
+      sh.block_size = block_size;
+      const Problem p = make_problem(sh, ones, ctx, 11 + block_size);
+      // 9 splits of 256 cover 2049 exactly; 12 leaves splits past every sequence's end; 2 of
+      // 1088 gives long splits.
+      check_problem(p, ctx, {{9, 256}, {12, 256}, {2, 1088}}, "decode " + describe(sh));
+    }
+  }
+}
+
+TEST(CudaPagedAttention, DecodeOtherBlockSizesAndGroups) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> ctx = {1, 17, 255, 256, 257, 700};
+  const std::vector<int> ones(ctx.size(), 1);
+  for (int block_size : {1, 64, 256}) {
+    for (int group : {1, 8}) {
+      Shape sh;
+      sh.num_kv_heads = 2;
+      sh.num_heads = 2 * group;
+      sh.head_dim = 64;
+      sh.block_size = block_size;
+      const Problem p = make_problem(sh, ones, ctx, 23 + block_size + group);
+      check_problem(p, ctx, {{3, 256}}, "decode " + describe(sh));
+    }
+  }
+}
+
+TEST(CudaPagedAttention, PrefillAcrossGroupsAndHeadDims) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> lens = {1, 7, 64, 100, 257};
+  for (int head_dim : {16, 32, 64, 128}) {
+    for (int group : {1, 2, 4, 8}) {
+      Shape sh;
+      sh.num_kv_heads = 2;
+      sh.num_heads = 2 * group;
+      sh.head_dim = head_dim;
+      sh.block_size = 16;
+      const Problem p = make_problem(sh, lens, lens, 100 + head_dim + group);
+      check_problem(p, lens, {{2, 256}, {5, 64}}, "prefill " + describe(sh));
+    }
+  }
+}
+
+TEST(CudaPagedAttention, PrefillF16) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> lens = {3, 64, 129, 200};
+  for (int head_dim : {64, 128}) {
+    Shape sh;
+    sh.dtype = DType::kF16;
+    sh.num_heads = 8;
+    sh.num_kv_heads = 2;
+    sh.head_dim = head_dim;
+    sh.block_size = 32;
+    const Problem p = make_problem(sh, lens, lens, 300 + head_dim);
+    check_problem(p, lens, {{4, 64}}, "prefill " + describe(sh));
+  }
+}
+
+TEST(CudaPagedAttention, ChunkedPrefill) {
+  REQUIRE_CUDA_DEVICE();
+  // query_len < context_len: the chunk's tokens sit at the end of the context.
+  const std::vector<int> qlen = {37, 64, 1, 200, 5};
+  const std::vector<int> ctx = {100, 300, 70, 513, 5};
+  for (int block_size : {8, 32}) {
+    for (int group : {3, 4}) {
+      Shape sh;
+      sh.num_kv_heads = 2;
+      sh.num_heads = 2 * group;
+      sh.head_dim = 64;
+      sh.block_size = block_size;
+      const Problem p = make_problem(sh, qlen, ctx, 400 + block_size + group);
+      check_problem(p, ctx, {{3, 192}, {9, 64}}, "chunked prefill " + describe(sh));
+    }
+  }
+}
+
+TEST(CudaPagedAttention, HeadDim256) {
+  REQUIRE_CUDA_DEVICE();
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    Shape sh;
+    sh.dtype = dtype;
+    sh.num_heads = 4;
+    sh.num_kv_heads = 1;
+    sh.head_dim = 256;
+    sh.block_size = 16;
+    {
+      const std::vector<int> qlen = {1, 40, 150};
+      const std::vector<int> ctx = {33, 40, 300};
+      const Problem p = make_problem(sh, qlen, ctx, 500);
+      check_problem(p, ctx, {{2, 256}, {5, 64}}, "head_dim 256 prefill " + describe(sh));
+    }
+    {
+      const std::vector<int> ctx = {1, 31, 32, 33, 64, 1000};
+      const Problem p = make_problem(sh, std::vector<int>(ctx.size(), 1), ctx, 501);
+      check_problem(p, ctx, {{4, 256}}, "head_dim 256 decode " + describe(sh));
+    }
+  }
+}
+
+TEST(CudaPagedAttention, PaddingSequencesAreNotWritten) {
+  REQUIRE_CUDA_DEVICE();
+  // context_len 0 marks padding; its rows of q / out exist but must keep the sentinel.
+  Shape sh;
+  sh.num_heads = 8;
+  sh.num_kv_heads = 2;
+  sh.head_dim = 64;
+  const std::vector<int> qlen = {1, 1, 3, 1, 1};
+  const std::vector<int> capacity = {50, 16, 20, 16, 300};
+  const std::vector<int> ctx = {50, 0, 20, 0, 300};
+  const Problem p = make_problem(sh, qlen, capacity, 600);
+  check_problem(p, ctx, {{2, 256}, {5, 64}}, "padding");
+}
+
+TEST(CudaPagedAttention, GraphReplayWithChangingContextLengths) {
+  REQUIRE_CUDA_DEVICE();
+  // One capture with a fixed split-K plan, replayed with other context lengths (the decode
+  // graph of the model): each sequence must use ceil(context_len / split_size) splits.
+  Shape sh;
+  sh.num_heads = 16;
+  sh.num_kv_heads = 4;
+  sh.head_dim = 128;
+  const std::vector<int> capacity = {2048, 2048, 2048, 2048};
+  const Problem p = make_problem(sh, {1, 1, 1, 1}, capacity, 700);
+  const std::vector<std::vector<int>> replays = {
+      {2048, 300, 1, 1000}, {17, 2047, 256, 257}, {0, 64, 2048, 0}};
+  DeviceProblem d;
+  ASSERT_NO_FATAL_FAILURE(upload_problem(p, &d));
+  ASSERT_NO_FATAL_FAILURE(upload(&d.ctx, replays[0], "context_lens"));
+  const int num_splits = 8;
+  const int split_size = 256;
+  const size_t ws = attention_workspace_bytes(p.total_q, sh.num_heads, sh.head_dim, num_splits);
+  ASSERT_NO_FATAL_FAILURE(upload(&d.workspace, std::vector<uint8_t>(ws, 0xff), "workspace"));
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status st = paged_attention(make_args(p, d, num_splits, split_size), stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  for (size_t r = 0; r < replays.size(); ++r) {
+    const std::vector<int>& ctx = replays[r];
+    ASSERT_EQ(cudaMemcpy(d.ctx.get(), ctx.data(), ctx.size() * sizeof(int), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    const std::vector<uint16_t> sentinel(p.q.size(), kSentinel);
+    ASSERT_EQ(cudaMemcpy(d.out.get(), sentinel.data(), sentinel.size() * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<uint16_t> out;
+    ASSERT_NO_FATAL_FAILURE(download(d.out, p.q.size(), &out));
+    expect_matches(p, ctx, out, reference(p, ctx), "graph replay " + std::to_string(r));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaPagedAttention, InvalidArguments) {
+  REQUIRE_CUDA_DEVICE();
+  Shape sh;
+  const Problem p = make_problem(sh, {2, 1}, {5, 9}, 800);
+  DeviceProblem d;
+  ASSERT_NO_FATAL_FAILURE(upload_problem(p, &d));
+  ASSERT_NO_FATAL_FAILURE(upload(&d.ctx, std::vector<int>{5, 9}, "context_lens"));
+  const AttentionArgs good = make_args(p, d, 1, 0);
+  {
+    const Status st = paged_attention(good, nullptr);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  auto expect_invalid = [&](const char* what, auto mutate) {
+    AttentionArgs a = good;
+    mutate(a);
+    const Status st = paged_attention(a, nullptr);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << what << ": " << st.to_string();
+  };
+  expect_invalid("f32 dtype", [](AttentionArgs& a) { a.dtype = DType::kF32; });
+  expect_invalid("null q", [](AttentionArgs& a) { a.q = nullptr; });
+  expect_invalid("null out", [](AttentionArgs& a) { a.out = nullptr; });
+  expect_invalid("null k_cache", [](AttentionArgs& a) { a.k_cache = nullptr; });
+  expect_invalid("null block_tables", [](AttentionArgs& a) { a.block_tables = nullptr; });
+  expect_invalid("null context_lens", [](AttentionArgs& a) { a.context_lens = nullptr; });
+  expect_invalid("null cu_query_lens", [](AttentionArgs& a) { a.cu_query_lens = nullptr; });
+  expect_invalid("head_dim 48", [](AttentionArgs& a) { a.head_dim = 48; });
+  expect_invalid("head_dim 512", [](AttentionArgs& a) { a.head_dim = 512; });
+  expect_invalid("heads 6 / kv 4", [](AttentionArgs& a) {
+    a.num_heads = 6;
+    a.num_kv_heads = 4;
+  });
+  expect_invalid("kv heads 0", [](AttentionArgs& a) { a.num_kv_heads = 0; });
+  expect_invalid("block_size 0", [](AttentionArgs& a) { a.block_size = 0; });
+  expect_invalid("block_size 257", [](AttentionArgs& a) { a.block_size = 257; });
+  expect_invalid("misaligned q",
+                 [](AttentionArgs& a) { a.q = static_cast<const uint16_t*>(a.q) + 1; });
+  expect_invalid("splits without workspace", [](AttentionArgs& a) {
+    a.num_splits = 2;
+    a.split_size = 64;
+    a.workspace = nullptr;
+  });
+  DeviceBuffer ws;
+  ASSERT_NO_FATAL_FAILURE(upload(
+      &ws, std::vector<uint8_t>(attention_workspace_bytes(p.total_q, 8, 64, 2), 0), "workspace"));
+  expect_invalid("split_size 100", [&](AttentionArgs& a) {
+    a.num_splits = 2;
+    a.split_size = 100;
+    a.workspace = ws.get();
+  });
+  expect_invalid("split_size 0", [&](AttentionArgs& a) {
+    a.num_splits = 2;
+    a.split_size = 0;
+    a.workspace = ws.get();
+  });
+  expect_invalid("num_splits 0", [](AttentionArgs& a) { a.num_splits = 0; });
+  // The rejected calls launched nothing: out still holds the first (good) call's result.
+  std::vector<uint16_t> out;
+  ASSERT_NO_FATAL_FAILURE(download(d.out, p.q.size(), &out));
+  expect_matches(p, {5, 9}, out, reference(p, {5, 9}), "after invalid calls");
+}
+
+TEST(CudaPagedAttention, WorkspaceAndSplitPlan) {
+  REQUIRE_CUDA_DEVICE();
+  EXPECT_EQ(attention_workspace_bytes(10, 8, 128, 1), 0u);
+  EXPECT_EQ(attention_workspace_bytes(10, 8, 128, 4), size_t{4} * 10 * 8 * 129 * 4);
+  // Big batches fill the GPU without splitting; short contexts are never split.
+  EXPECT_EQ(plan_attention_splits(256, 8, 4096, 132).num_splits, 1);
+  EXPECT_EQ(plan_attention_splits(1, 8, 256, 132).num_splits, 1);
+  for (int seqs : {1, 2, 7, 16, 33}) {
+    for (int64_t max_context : {int64_t{257}, int64_t{2048}, int64_t{4097}, int64_t{131072}}) {
+      const SplitPlan plan = plan_attention_splits(seqs, 8, max_context, 132);
+      ASSERT_GE(plan.num_splits, 1);
+      if (plan.num_splits == 1) continue;
+      EXPECT_EQ(plan.split_size % 64, 0) << seqs << " " << max_context;
+      EXPECT_GE(plan.split_size, 256) << seqs << " " << max_context;
+      EXPECT_GE(int64_t{plan.num_splits} * plan.split_size, max_context);
+      EXPECT_LT(int64_t{plan.num_splits - 1} * plan.split_size, max_context);
+      EXPECT_LE(plan.num_splits, 64);
+      EXPECT_LE(int64_t{seqs} * 8 * (plan.num_splits - 1), 2 * 132) << seqs << " " << max_context;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tessera::cuda

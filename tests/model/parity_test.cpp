@@ -69,6 +69,7 @@ TEST_P(ParityTest, LogitsAndGreedyTokensMatchTransformers) {
   ASSERT_TRUE(tokenizer) << tokenizer.status().to_string();
   RunnerLoadSpec spec;
   spec.model_dir = g.model_dir;
+  spec.device = "cpu";  // the fp32 oracle, on any machine
   spec.max_model_len = 256;
   spec.kv_blocks = 64;
   spec.return_logits = true;
@@ -177,6 +178,8 @@ TEST(WeightBindingTest, MismatchesNameTensorAndFile) {
   auto load = [&]() {
     RunnerLoadSpec spec;
     spec.model_dir = g.model_dir;
+    spec.device = "cpu";
+    spec.device = "cpu";  // the fp32 oracle, on any machine
     spec.max_model_len = 64;
     return ModelRunner::load(spec);
   };

@@ -1,0 +1,258 @@
+#include "driver/bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+namespace tessera {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+std::vector<int32_t> random_prompt(std::mt19937_64& rng, int64_t vocab, uint32_t len) {
+  // Ids from the low part of the vocabulary: ordinary tokens, never special ones.
+  std::uniform_int_distribution<int32_t> dist(
+      100, static_cast<int32_t>(std::min<int64_t>(vocab, 32000) - 1));
+  std::vector<int32_t> ids(len);
+  for (auto& id : ids) id = dist(rng);
+  return ids;
+}
+
+SamplingOptions greedy(uint32_t max_tokens) {
+  SamplingOptions s;
+  s.temperature = 0.0f;
+  s.max_tokens = static_cast<int>(max_tokens);
+  s.ignore_eos = true;
+  return s;
+}
+
+// Timings of a batch of requests run to completion.
+struct BatchTiming {
+  double ttft_s = 0;                   // add -> the first token of the first request
+  double all_first_s = 0;              // add -> every request has its first token
+  double end_s = 0;                    // add -> all finished
+  std::vector<double> decode_steps_s;  // steps after every request had its first token
+  // Of those steps: the RPC call as the driver saw it, the actor's execute, its GPU forward.
+  std::vector<double> call_ms, actor_ms, gpu_ms;
+  size_t tokens = 0;
+};
+
+Expected<BatchTiming> run_batch(ModelSession& session,
+                                const std::vector<std::vector<int32_t>>& prompts,
+                                uint32_t output_len) {
+  LlmEngine& engine = session.engine();
+  BatchTiming t;
+  auto t0 = Clock::now();
+  std::map<uint64_t, bool> started;
+  for (const auto& p : prompts) {
+    TESSERA_ASSIGN_OR_RETURN(uint64_t id, engine.add_request(p, greedy(output_len)));
+    started[id] = false;
+  }
+  size_t waiting = prompts.size();
+  while (engine.has_unfinished()) {
+    auto s0 = Clock::now();
+    TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
+    auto s1 = Clock::now();
+    const bool decoding = waiting == 0;
+    for (const auto& o : outs) {
+      if (o.finished && o.finish_reason.rfind("error: ", 0) == 0) {
+        return internal_error(o.finish_reason.substr(7));
+      }
+      t.tokens += o.new_tokens.size();
+      if (!o.new_tokens.empty() && !started[o.request_id]) {
+        started[o.request_id] = true;
+        if (waiting == prompts.size()) t.ttft_s = seconds(s1 - t0);
+        if (--waiting == 0) t.all_first_s = seconds(s1 - t0);
+      }
+    }
+    if (decoding) {
+      t.decode_steps_s.push_back(seconds(s1 - s0));
+      const auto& times = session.executor().last_times();
+      t.call_ms.push_back(times.call_us / 1000.0);
+      t.actor_ms.push_back(times.actor_us / 1000.0);
+      t.gpu_ms.push_back(times.gpu_us / 1000.0);
+    }
+  }
+  t.end_s = seconds(Clock::now() - t0);
+  return t;
+}
+
+void merge(BatchTiming& into, const BatchTiming& t) {
+  auto add = [](std::vector<double>& a, const std::vector<double>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+  };
+  add(into.decode_steps_s, t.decode_steps_s);
+  add(into.call_ms, t.call_ms);
+  add(into.actor_ms, t.actor_ms);
+  add(into.gpu_ms, t.gpu_ms);
+}
+
+// Medians of the decode steps: the whole step in the driver, the RPC call, the actor's execute
+// and its GPU forward pass. step - call = the driver's scheduling and bookkeeping; call - actor =
+// the RPC; actor - gpu = staging, launch and sampling in the actor.
+void add_step_breakdown(nlohmann::json& j, const BatchTiming& t) {
+  std::vector<double> step_ms;
+  for (double s : t.decode_steps_s) step_ms.push_back(s * 1000);
+  j["step_ms_median"] = median(step_ms);
+  j["rpc_call_ms_median"] = median(t.call_ms);
+  j["actor_execute_ms_median"] = median(t.actor_ms);
+  j["gpu_forward_ms_median"] = median(t.gpu_ms);
+}
+
+void print_step_breakdown(const BatchTiming& t) {
+  std::vector<double> step_ms;
+  for (double s : t.decode_steps_s) step_ms.push_back(s * 1000);
+  std::printf(
+      "  decode step %.3f ms: RPC call %.3f ms, actor execute %.3f ms, GPU forward %.3f ms\n",
+      median(step_ms), median(t.call_ms), median(t.actor_ms), median(t.gpu_ms));
+}
+
+Status run(const BenchLatencyOptions& o) {
+  EngineArgs args = o.engine;
+  args.max_num_seqs = std::max(args.max_num_seqs, std::max<uint32_t>(o.batch_size, 1));
+  if (args.max_num_batched_tokens == 0) {
+    args.max_num_batched_tokens =
+        std::min<uint32_t>(16384, std::max({2048u, o.prefill_len, o.batch_size * o.input_len}));
+  }
+  TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
+  const ModelConfig& c = session->config();
+  const LoadedModel& m = session->model();
+  std::mt19937_64 rng(o.seed);
+  const int64_t params = matmul_parameters(c);
+  const size_t es = m.dtype == "F32" ? 4 : 2;
+  nlohmann::json scenarios = nlohmann::json::object();
+  std::printf("%s on %s (%s backend, %s), loaded in %.1f s\n", m.architecture.c_str(),
+              m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
+              m.dtype.c_str(), session->load_seconds());
+
+  // Batch-1 decode.
+  {
+    std::vector<double> ttft, tok_s;
+    BatchTiming all;
+    for (uint32_t i = 0; i < o.num_iters_warmup + o.num_iters; ++i) {
+      std::vector<std::vector<int32_t>> prompts{random_prompt(rng, c.vocab_size, o.input_len)};
+      TESSERA_ASSIGN_OR_RETURN(BatchTiming t, run_batch(*session, prompts, o.output_len));
+      if (i < o.num_iters_warmup) continue;
+      ttft.push_back(t.ttft_s * 1000);
+      tok_s.push_back((o.output_len - 1) / (t.end_s - t.all_first_s));
+      merge(all, t);
+    }
+    scenarios["batch1_decode"] = {
+        {"batch_size", 1},           {"input_len", o.input_len}, {"output_len", o.output_len},
+        {"iterations", o.num_iters}, {"ttft_ms", ttft},          {"decode_tok_s", tok_s}};
+    add_step_breakdown(scenarios["batch1_decode"], all);
+    std::printf("batch 1, prompt %u, %u new: TTFT %.2f ms, decode %.1f tok/s\n", o.input_len,
+                o.output_len, median(ttft), median(tok_s));
+    print_step_breakdown(all);
+  }
+  // One long prefill: the time to its first token.
+  if (o.prefill_len > 0) {
+    std::vector<double> ms;
+    for (uint32_t i = 0; i < 1 + o.prefill_iters; ++i) {
+      std::vector<std::vector<int32_t>> prompts{random_prompt(rng, c.vocab_size, o.prefill_len)};
+      TESSERA_ASSIGN_OR_RETURN(BatchTiming t, run_batch(*session, prompts, 1));
+      if (i > 0) ms.push_back(t.ttft_s * 1000);
+    }
+    const double best = *std::min_element(ms.begin(), ms.end());
+    const double L = o.prefill_len;
+    const double flops = 2.0 * static_cast<double>(params) * L +
+                         4.0 * c.num_layers * c.num_heads * c.head_dim * L * L / 2.0;
+    scenarios["prefill_" + std::to_string(o.prefill_len)] = {
+        {"input_len", o.prefill_len},
+        {"iterations", o.prefill_iters},
+        {"ms", ms},
+        {"best_ms", best},
+        {"tok_s", L / (best / 1000)},
+        {"tflops", flops / (best / 1000) / 1e12},
+        {"flops_formula", "2 * matmul_params * L + 4 * layers * heads * head_dim * L^2 / 2"}};
+    std::printf("prefill %u tokens: %.2f ms (best of %u) = %.0f tok/s, %.1f TFLOP/s\n",
+                o.prefill_len, best, o.prefill_iters, L / (best / 1000),
+                flops / (best / 1000) / 1e12);
+  }
+  // Large-batch decode.
+  if (o.batch_size > 0) {
+    std::vector<double> tok_s;
+    BatchTiming all;
+    for (uint32_t i = 0; i < 1 + o.batch_iters; ++i) {
+      std::vector<std::vector<int32_t>> prompts;
+      for (uint32_t b = 0; b < o.batch_size; ++b) {
+        prompts.push_back(random_prompt(rng, c.vocab_size, o.input_len));
+      }
+      TESSERA_ASSIGN_OR_RETURN(BatchTiming t, run_batch(*session, prompts, o.output_len));
+      if (i == 0) continue;
+      tok_s.push_back(static_cast<double>(o.batch_size) * (o.output_len - 1) /
+                      (t.end_s - t.all_first_s));
+      merge(all, t);
+    }
+    const std::string name = "batch" + std::to_string(o.batch_size) + "_decode";
+    scenarios[name] = {{"batch_size", o.batch_size},
+                       {"input_len", o.input_len},
+                       {"output_len", o.output_len},
+                       {"iterations", o.batch_iters},
+                       {"decode_tok_s", tok_s}};
+    add_step_breakdown(scenarios[name], all);
+    std::printf("batch %u decode: %.0f tok/s\n", o.batch_size, median(tok_s));
+    print_step_breakdown(all);
+  }
+  if (!o.output_json.empty()) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    nlohmann::json j = {{"command", o.command_line},
+                        {"model", o.engine.model},
+                        {"architecture", m.architecture},
+                        {"dtype", m.dtype},
+                        {"backend", m.backend},
+                        {"device", m.device_name},
+                        {"hostname", host},
+                        {"enforce_eager", o.engine.enforce_eager},
+                        {"detokenize", false},
+                        {"weight_bytes", m.weight_bytes},
+                        {"matmul_parameters", params},
+                        {"decode_bytes_per_token", static_cast<uint64_t>(params) * es},
+                        {"kv_blocks", m.kv_blocks},
+                        {"load_seconds", session->load_seconds()},
+                        {"scenarios", scenarios}};
+    std::ofstream f(o.output_json);
+    f << j.dump(2) << "\n";
+    if (!f) return internal_error("cannot write " + o.output_json);
+    std::printf("wrote %s\n", o.output_json.c_str());
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+int64_t matmul_parameters(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  int64_t layer = H * (q + 2 * kv) + q * H + 3 * H * I + 2 * H;
+  if (c.attention_bias) layer += q + 2 * kv;
+  if (c.qk_norm) layer += 2 * c.head_dim;
+  return c.num_layers * layer + H + c.vocab_size * H;
+}
+
+int bench_latency_command(const BenchLatencyOptions& options) {
+  Status st = run(options);
+  if (!st) {
+    std::cerr << "tessera bench latency: " << st.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace tessera

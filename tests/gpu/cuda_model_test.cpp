@@ -1,0 +1,316 @@
+// The CUDA backend against the fp32 CPU backend (its oracle) on the tiny checkpoints of every
+// architecture, plus the properties the runtime promises on the GPU: CUDA graphs give the same
+// bits as eager mode, chunked prefill matches a one-chunk prefill, a seeded request samples the
+// same tokens in any batch, split-K decode over long contexts matches the CPU, and a model that
+// does not fit is refused with the figures. Run by scripts/gpu-check on the GPU machine.
+//
+// Tolerance vs the CPU backend: the GPU computes in bf16 (every activation rounded to bf16, as
+// transformers does in bf16) while the CPU keeps fp32, so logits differ by the bf16 rounding of
+// activations propagated through 4 layers: about 2^-8 relative per op. The bound used is
+// 0.05 x max|logit| + 2e-3 (measured values are printed and go in the issue note).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <numeric>
+
+#include "actors/model/model_runner.h"
+#include "driver/make_model/make_model.h"
+
+namespace tessera {
+namespace {
+
+std::string source_dir() {
+  const char* env = std::getenv("TESSERA_SOURCE_DIR");
+  return env != nullptr ? env : TESSERA_SOURCE_DIR;
+}
+
+void require_gpu() {
+  int n = 0;
+  ASSERT_TRUE(cudaGetDeviceCount(&n) == cudaSuccess && n > 0)
+      << "no CUDA device: these tests run on the GPU machine (scripts/gpu-check)";
+}
+
+std::string tokenizer_for(const std::string& arch) {
+  return arch == "qwen2" || arch == "qwen3" ? "qwen3" : arch == "mistral" ? "llama2" : "llama3";
+}
+
+// Makes the tiny checkpoint of `arch` once per process.
+std::string tiny_model(const std::string& arch) {
+  static std::map<std::string, std::string> made;
+  if (made.count(arch)) return made[arch];
+  std::string dir = std::filesystem::temp_directory_path() /
+                    ("tessera-gpu-" + arch + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  MakeModelOptions o;
+  o.arch = arch;
+  o.preset = "tiny";
+  o.tokenizer_dir = source_dir() + "/tests/assets/tokenizers/" + tokenizer_for(arch);
+  o.seed = 1234;
+  o.dtype = "bf16";
+  o.out = dir;
+  Status st = make_model(o);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  made[arch] = dir;
+  return dir;
+}
+
+RunnerLoadSpec spec_for(const std::string& dir, const std::string& device) {
+  RunnerLoadSpec s;
+  s.model_dir = dir;
+  s.device = device;
+  s.max_model_len = 2048;
+  s.return_logits = true;
+  s.gpu_memory_utilization = 0.15;
+  s.max_num_seqs = 16;
+  s.kv_blocks = device == "cpu" ? 2048 / 16 * 4 + 8 : 0;
+  return s;
+}
+
+std::unique_ptr<ModelRunner> load(const RunnerLoadSpec& spec) {
+  auto r = ModelRunner::load(spec);
+  EXPECT_TRUE(r) << r.status().to_string();
+  return r ? std::move(*r) : nullptr;
+}
+
+std::vector<int32_t> prompt_ids(int64_t n, int32_t salt) {
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    ids[i] = static_cast<int32_t>(100 + (i * 7919 + salt * 104729) % 20000);
+  return ids;
+}
+
+std::vector<uint32_t> blocks_for(int seq, int64_t tokens, int64_t stride = 128) {
+  std::vector<uint32_t> t;
+  for (int64_t b = 0; b * 16 < tokens; ++b) t.push_back(static_cast<uint32_t>(seq * stride + b));
+  return t;
+}
+
+cpu::SamplingParams greedy() {
+  cpu::SamplingParams p;
+  p.temperature = 0.0f;
+  return p;
+}
+
+// Greedy generation of several prompts as one batch (prefill in one step, then batched decode),
+// the tokens the runner sampled fed back. Returns per prompt the generated ids; appends every
+// step's logits to *logits.
+std::vector<std::vector<int32_t>> generate(ModelRunner& r,
+                                           const std::vector<std::vector<int32_t>>& prompts,
+                                           int steps, std::vector<float>* logits,
+                                           const std::vector<cpu::SamplingParams>& params = {}) {
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  std::vector<RunnerSeq> seqs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    RunnerSeq s;
+    s.request_id = 1000 + i;
+    s.tokens = prompts[i];
+    s.start_position = 0;
+    s.block_table =
+        blocks_for(static_cast<int>(i), static_cast<int64_t>(prompts[i].size()) + steps);
+    s.sample = true;
+    s.first = true;
+    s.prompt = prompts[i];
+    s.sampling = params.empty() ? greedy() : params[i];
+    seqs.push_back(s);
+  }
+  for (int step = 0; step < steps; ++step) {
+    auto res = r.execute(seqs, {}, logits);
+    EXPECT_TRUE(res) << res.status().to_string();
+    if (!res) return out;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int32_t tok = (*res)[i].result.token;
+      out[i].push_back(tok);
+      seqs[i].start_position += static_cast<int64_t>(seqs[i].tokens.size());
+      seqs[i].tokens = {tok};
+      seqs[i].first = false;
+    }
+  }
+  std::vector<uint64_t> done;
+  for (const auto& s : seqs) done.push_back(s.request_id);
+  (void)r.execute({}, done, nullptr);
+  return out;
+}
+
+// Runs a prompt through both backends with the CPU's tokens fed to both (teacher forcing), so
+// every step's logits are comparable. Returns {max |diff|, max |cpu logit|, argmax agreements,
+// steps}.
+struct Compare {
+  double max_diff = 0, max_ref = 0;
+  int agree = 0, steps = 0;
+};
+
+Compare teacher_forced(ModelRunner& cpu, ModelRunner& gpu, const std::vector<int32_t>& prompt,
+                       int steps) {
+  Compare c;
+  const int64_t vocab = cpu.config().vocab_size;
+  RunnerSeq s;
+  s.request_id = 7;
+  s.tokens = prompt;
+  s.block_table = blocks_for(0, static_cast<int64_t>(prompt.size()) + steps);
+  s.sample = true;
+  s.first = true;
+  s.prompt = prompt;
+  s.sampling = greedy();
+  for (int step = 0; step < steps; ++step) {
+    std::vector<float> lc, lg;
+    auto rc = cpu.execute({s}, {}, &lc);
+    auto rg = gpu.execute({s}, {}, &lg);
+    EXPECT_TRUE(rc && rg);
+    if (!rc || !rg) return c;
+    EXPECT_EQ(lc.size(), static_cast<size_t>(vocab));
+    EXPECT_EQ(lg.size(), static_cast<size_t>(vocab));
+    for (int64_t v = 0; v < vocab; ++v) {
+      c.max_diff = std::max(c.max_diff, static_cast<double>(std::fabs(lc[v] - lg[v])));
+      c.max_ref = std::max(c.max_ref, static_cast<double>(std::fabs(lc[v])));
+    }
+    c.agree += (*rc)[0].result.token == (*rg)[0].result.token;
+    ++c.steps;
+    s.start_position += static_cast<int64_t>(s.tokens.size());
+    s.tokens = {(*rc)[0].result.token};
+    s.first = false;
+  }
+  (void)cpu.execute({}, {7}, nullptr);
+  (void)gpu.execute({}, {7}, nullptr);
+  return c;
+}
+
+class CudaParityTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaParityTest, LogitsTrackTheFp32CpuBackend) {
+  require_gpu();
+  const std::string dir = tiny_model(GetParam());
+  auto cpu = load(spec_for(dir, "cpu"));
+  auto gpu = load(spec_for(dir, "cuda"));
+  ASSERT_TRUE(cpu && gpu);
+  EXPECT_EQ(gpu->info().backend, "cuda");
+  EXPECT_EQ(gpu->info().dtype, DType::kBF16);
+  EXPECT_GT(gpu->kv_blocks(), 2048 / 16);
+  Compare c = teacher_forced(*cpu, *gpu, prompt_ids(37, 1), 24);
+  std::printf(
+      "[parity] %s: max |logit diff| GPU bf16 vs CPU fp32 = %.3e (max |logit| %.3f, "
+      "relative %.2e), greedy agreement %d/%d\n",
+      GetParam().c_str(), c.max_diff, c.max_ref, c.max_diff / c.max_ref, c.agree, c.steps);
+  EXPECT_LE(c.max_diff, 0.05 * c.max_ref + 2e-3);
+  EXPECT_GE(c.agree, c.steps - 2);
+}
+
+TEST_P(CudaParityTest, LongContextSplitKDecodeTracksTheCpu) {
+  require_gpu();
+  const std::string dir = tiny_model(GetParam());
+  auto cpu = load(spec_for(dir, "cpu"));
+  auto gpu = load(spec_for(dir, "cuda"));
+  ASSERT_TRUE(cpu && gpu);
+  Compare c = teacher_forced(*cpu, *gpu, prompt_ids(1500, 2), 6);
+  std::printf("[parity] %s, 1500-token context: max |logit diff| = %.3e (max |logit| %.3f)\n",
+              GetParam().c_str(), c.max_diff, c.max_ref);
+  EXPECT_LE(c.max_diff, 0.05 * c.max_ref + 2e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, CudaParityTest,
+                         ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
+
+TEST(CudaModelTest, GraphsGiveTheSameBitsAsEagerMode) {
+  require_gpu();
+  const std::string dir = tiny_model("llama");
+  std::vector<std::vector<int32_t>> prompts = {prompt_ids(5, 3), prompt_ids(40, 4),
+                                               prompt_ids(17, 5)};
+  std::vector<float> eager_logits, graph_logits;
+  std::vector<std::vector<int32_t>> eager_tokens, graph_tokens;
+  {
+    RunnerLoadSpec s = spec_for(dir, "cuda");
+    s.enforce_eager = true;
+    auto r = load(s);
+    ASSERT_TRUE(r);
+    eager_tokens = generate(*r, prompts, 24, &eager_logits);
+  }
+  {
+    auto r = load(spec_for(dir, "cuda"));
+    ASSERT_TRUE(r);
+    graph_tokens = generate(*r, prompts, 24, &graph_logits);
+  }
+  EXPECT_EQ(eager_tokens, graph_tokens);
+  ASSERT_EQ(eager_logits.size(), graph_logits.size());
+  size_t differing = 0;
+  for (size_t i = 0; i < eager_logits.size(); ++i) differing += eager_logits[i] != graph_logits[i];
+  EXPECT_EQ(differing, 0u) << "logits differ between CUDA graphs and eager mode";
+}
+
+TEST(CudaModelTest, ChunkedPrefillMatchesOneChunk) {
+  require_gpu();
+  auto r = load(spec_for(tiny_model("qwen3"), "cuda"));
+  ASSERT_TRUE(r);
+  const std::vector<int32_t> prompt = prompt_ids(100, 6);
+  std::vector<float> whole, chunked;
+  RunnerSeq s;
+  s.request_id = 1;
+  s.tokens = prompt;
+  s.block_table = blocks_for(0, 100);
+  s.sample = true;
+  s.first = true;
+  s.prompt = prompt;
+  s.sampling = greedy();
+  ASSERT_TRUE(r->execute({s}, {}, &whole));
+  ASSERT_TRUE(r->execute({}, {1}, nullptr));
+  s.request_id = 2;
+  s.block_table = blocks_for(1, 100);
+  for (int64_t start : {0, 37, 64}) {
+    const int64_t end = start == 64 ? 100 : start == 37 ? 64 : 37;
+    s.tokens.assign(prompt.begin() + start, prompt.begin() + end);
+    s.start_position = start;
+    s.sample = end == 100;
+    s.first = start == 0;
+    ASSERT_TRUE(r->execute({s}, {}, &chunked));
+  }
+  ASSERT_EQ(whole.size(), chunked.size());
+  double max_diff = 0, max_ref = 0;
+  for (size_t i = 0; i < whole.size(); ++i) {
+    max_diff = std::max(max_diff, static_cast<double>(std::fabs(whole[i] - chunked[i])));
+    max_ref = std::max(max_ref, static_cast<double>(std::fabs(whole[i])));
+  }
+  std::printf("[chunked] max |logit diff| one chunk vs three = %.3e\n", max_diff);
+  EXPECT_LE(max_diff, 0.02 * max_ref + 1e-3);
+}
+
+TEST(CudaModelTest, SeededSamplingDoesNotDependOnTheBatch) {
+  require_gpu();
+  auto r = load(spec_for(tiny_model("mistral"), "cuda"));
+  ASSERT_TRUE(r);
+  cpu::SamplingParams p;
+  p.temperature = 0.8f;
+  p.top_p = 0.9f;
+  p.top_k = 50;
+  p.seed = 42;
+  cpu::SamplingParams other = p;
+  other.seed = 7;
+  auto alone = generate(*r, {prompt_ids(12, 7)}, 16, nullptr, {p});
+  auto batched = generate(*r, {prompt_ids(30, 8), prompt_ids(12, 7)}, 16, nullptr, {other, p});
+  EXPECT_EQ(alone[0], batched[1]);
+  auto again = generate(*r, {prompt_ids(12, 7)}, 16, nullptr, {p});
+  EXPECT_EQ(alone[0], again[0]);
+}
+
+TEST(CudaModelTest, RefusesAModelThatDoesNotFitWithTheFigures) {
+  require_gpu();
+  RunnerLoadSpec s = spec_for(tiny_model("llama"), "cuda");
+  s.gpu_memory_utilization = 0.0005;  // ~70 MiB of an H200
+  auto r = ModelRunner::load(s);
+  ASSERT_FALSE(r);
+  std::printf("[memory] %s\n", r.status().to_string().c_str());
+  EXPECT_NE(r.status().message().find("--gpu-memory-utilization"), std::string::npos);
+  s.gpu_memory_utilization = 1.5;
+  r = ModelRunner::load(s);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  s.gpu_memory_utilization = 0.15;
+  s.dtype = "float32";
+  r = ModelRunner::load(s);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.status().message().find("cpu backend only"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tessera

@@ -1,0 +1,255 @@
+// Times each CUDA op of a Llama-3-8B decode step (and the 4096-token prefill's attention) in
+// isolation: every op is captured 50 times back to back into a CUDA graph and the replay is
+// timed, so the figure includes the per-node cost a decode graph pays. Prints one line per op
+// and the per-step sum (x 32 layers). A benchmark, not a test: run by hand or from gpu-check.
+//   kernel_bench [--batch 1] [--context 256] [--max-model-len 8192]
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/sampling.h"
+
+namespace tessera::cuda {
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+void check(const Status& s, const char* what) {
+  if (!s.is_ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+void* dalloc(size_t bytes) {
+  void* p = nullptr;
+  check(cudaMalloc(&p, bytes), "cudaMalloc");
+  check(cudaMemset(p, 0, bytes), "cudaMemset");
+  return p;
+}
+
+// Microseconds per call of `op`, captured `reps` times into one graph.
+double time_op(cudaStream_t st, const std::function<Status()>& op, int reps = 50) {
+  check(op(), "warm-up");
+  check(cudaStreamSynchronize(st), "warm-up sync");
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  check(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "capture");
+  for (int i = 0; i < reps; ++i) check(op(), "captured op");
+  check(cudaStreamEndCapture(st, &g), "end capture");
+  check(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  check(cudaGraphLaunch(ge, st), "launch");
+  cudaEventRecord(a, st);
+  for (int i = 0; i < 5; ++i) check(cudaGraphLaunch(ge, st), "launch");
+  cudaEventRecord(b, st);
+  check(cudaEventSynchronize(b), "sync");
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return ms * 1000.0 / (5.0 * reps);
+}
+
+int run(int argc, char** argv) {
+  int64_t B = 1, ctx = 256, max_len = 8192;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--context")) ctx = std::atoll(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--max-model-len")) max_len = std::atoll(argv[i + 1]);
+  }
+  const int64_t H = 4096, I = 14336, V = 128256, heads = 32, kvh = 8, hd = 128;
+  const int64_t qkv_n = (heads + 2 * kvh) * hd;
+  const DType bf = DType::kBF16;
+  cudaStream_t st;
+  cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  auto gemm = Gemm::create();
+  check(gemm.status(), "gemm");
+  const int64_t T = std::max<int64_t>(B, 4096);
+  void* x = dalloc(T * I * 2 * 2);
+  void* y = dalloc(T * I * 2 * 2);
+  void* w_qkv = dalloc(qkv_n * H * 2);
+  void* w_o = dalloc(H * H * 2);
+  void* w_gu = dalloc(2 * I * H * 2);
+  void* w_d = dalloc(H * I * 2);
+  void* w_lm = dalloc(V * H * 2);
+  void* logits = dalloc(B * V * 4);
+  void* norm_w = dalloc(H * 2);
+  void* resid = dalloc(T * H * 2);
+  const int64_t bs = 16, blocks_per_seq = (max_len + bs - 1) / bs;
+  const int64_t num_blocks = std::max<int64_t>(B * blocks_per_seq, 4096 / bs + 1);
+  void* kc = dalloc(num_blocks * bs * kvh * hd * 2);
+  void* vc = dalloc(num_blocks * bs * kvh * hd * 2);
+  std::vector<int32_t> tables(B * blocks_per_seq), cu(B + 1), ctxs(B, static_cast<int32_t>(ctx));
+  for (int64_t i = 0; i < B * blocks_per_seq; ++i) tables[i] = static_cast<int32_t>(i % num_blocks);
+  for (int64_t i = 0; i <= B; ++i) cu[i] = static_cast<int32_t>(i);
+  auto up = [](const std::vector<int32_t>& v) {
+    void* p = dalloc(v.size() * 4);
+    cudaMemcpy(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice);
+    return static_cast<int32_t*>(p);
+  };
+  int32_t* d_tables = up(tables);
+  int32_t* d_cu = up(cu);
+  int32_t* d_ctx = up(ctxs);
+  std::vector<int32_t> pos(T, static_cast<int32_t>(ctx - 1));
+  int32_t* d_pos = up(pos);
+  std::vector<int64_t> slots(T, -1);
+  auto* d_slots = static_cast<int64_t*>(dalloc(T * 8));
+  cudaMemcpy(d_slots, slots.data(), T * 8, cudaMemcpyHostToDevice);
+  auto* cosb = static_cast<float*>(dalloc(max_len * hd / 2 * 4));
+  auto* sinb = static_cast<float*>(dalloc(max_len * hd / 2 * 4));
+  const SplitPlan sp =
+      plan_attention_splits(static_cast<int>(B), kvh, max_len, prop.multiProcessorCount);
+  void* ws = dalloc(std::max<size_t>(256, attention_workspace_bytes(B, heads, hd, sp.num_splits)));
+
+  struct Row {
+    std::string name;
+    double us;
+    int per_step;
+  };
+  std::vector<Row> rows;
+  auto g = [&](int64_t n, int64_t k, const void* w, DType out) {
+    return [&, n, k, w, out] {
+      return gemm.value()->linear({B, n, k, bf, out, false}, x, w, nullptr, out == bf ? y : logits,
+                                  st);
+    };
+  };
+  rows.push_back({"gemm qkv  [" + std::to_string(B) + " x 6144 x 4096]",
+                  time_op(st, g(qkv_n, H, w_qkv, bf)), 32});
+  rows.push_back(
+      {"gemm o    [" + std::to_string(B) + " x 4096 x 4096]", time_op(st, g(H, H, w_o, bf)), 32});
+  rows.push_back({"gemm gate_up [" + std::to_string(B) + " x 28672 x 4096]",
+                  time_op(st, g(2 * I, H, w_gu, bf)), 32});
+  rows.push_back(
+      {"gemm down [" + std::to_string(B) + " x 4096 x 14336]", time_op(st, g(H, I, w_d, bf)), 32});
+  rows.push_back({"gemm lm_head fp32 [" + std::to_string(B) + " x 128256 x 4096]",
+                  time_op(st, g(V, H, w_lm, DType::kF32)), 1});
+  rows.push_back({"rms_norm",
+                  time_op(st, [&] { return rms_norm(bf, resid, norm_w, B, H, 1e-5f, y, st); }), 1});
+  rows.push_back(
+      {"add_rms_norm",
+       time_op(st, [&] { return add_rms_norm(bf, x, resid, norm_w, B, H, 1e-5f, y, st); }), 64});
+  RopeCacheArgs r;
+  r.dtype = bf;
+  r.qkv = x;
+  r.cos = cosb;
+  r.sin = sinb;
+  r.max_position = max_len;
+  r.positions = d_pos;
+  r.slots = d_slots;
+  r.num_tokens = B;
+  r.num_heads = heads;
+  r.num_kv_heads = kvh;
+  r.head_dim = hd;
+  r.q_out = y;
+  r.k_cache = kc;
+  r.v_cache = vc;
+  r.num_blocks = num_blocks;
+  r.block_size = bs;
+  rows.push_back({"rope_and_cache", time_op(st, [&] { return rope_and_cache(r, st); }), 32});
+  rows.push_back({"silu_mul", time_op(st, [&] { return silu_mul(bf, x, B, I, y, st); }), 32});
+  AttentionArgs a;
+  a.dtype = bf;
+  a.q = x;
+  a.out = y;
+  a.k_cache = kc;
+  a.v_cache = vc;
+  a.num_blocks = num_blocks;
+  a.block_size = bs;
+  a.cu_query_lens = d_cu;
+  a.context_lens = d_ctx;
+  a.block_tables = d_tables;
+  a.block_table_stride = static_cast<int>(blocks_per_seq);
+  a.num_seqs = static_cast<int>(B);
+  a.max_query_len = 1;
+  a.num_heads = heads;
+  a.num_kv_heads = kvh;
+  a.head_dim = hd;
+  a.scale = 1.0f / std::sqrt(128.0f);
+  a.num_splits = sp.num_splits;
+  a.split_size = sp.split_size;
+  a.workspace = sp.num_splits > 1 ? ws : nullptr;
+  a.total_q = B;
+  rows.push_back({"attention decode ctx " + std::to_string(ctx) + " (" +
+                      std::to_string(sp.num_splits) + " splits of " +
+                      std::to_string(sp.split_size) + ")",
+                  time_op(st, [&] { return paged_attention(a, st); }), 32});
+  AttentionArgs a1 = a;
+  a1.num_splits = 1;
+  a1.split_size = 0;
+  a1.workspace = nullptr;
+  rows.push_back(
+      {"attention decode, no split", time_op(st, [&] { return paged_attention(a1, st); }), 0});
+  auto sampler = GpuSampler::create(static_cast<int>(B), V, 20, st);
+  check(sampler.status(), "sampler");
+  rows.push_back({"argmax",
+                  time_op(st,
+                          [&] {
+                            return sampler.value()->argmax(
+                                static_cast<float*>(logits), static_cast<int>(B),
+                                static_cast<int32_t*>(static_cast<void*>(d_pos)), st);
+                          }),
+                  1});
+  double total = 0;
+  std::printf("Llama-3-8B decode ops on %s, batch %ld, context %ld, max-model-len %ld\n", prop.name,
+              static_cast<long>(B), static_cast<long>(ctx), static_cast<long>(max_len));
+  for (const Row& row : rows) {
+    std::printf("%-58s %9.2f us  x%-3d = %8.1f us\n", row.name.c_str(), row.us, row.per_step,
+                row.us * row.per_step);
+    total += row.us * row.per_step;
+  }
+  std::printf("%-58s %9s        = %8.1f us per step\n", "sum", "", total);
+  // Prefill attention at 4096 tokens (one sequence, causal).
+  std::vector<int32_t> cu1 = {0, 4096}, ctx1 = {4096};
+  std::vector<int32_t> t1(4096 / bs);
+  for (int64_t i = 0; i < 4096 / bs; ++i) t1[i] = static_cast<int32_t>(i);
+  AttentionArgs p = a;
+  p.cu_query_lens = up(cu1);
+  p.context_lens = up(ctx1);
+  p.block_tables = up(t1);
+  p.block_table_stride = 4096 / bs;
+  p.num_seqs = 1;
+  p.max_query_len = 4096;
+  p.num_splits = 1;
+  p.split_size = 0;
+  p.workspace = nullptr;
+  p.total_q = 4096;
+  const double us = time_op(
+      st, [&] { return paged_attention(p, st); }, 5);
+  const double flops = 4.0 * heads * hd * 4096.0 * 4096.0 / 2.0;
+  std::printf("attention prefill 4096 causal: %.1f us per layer = %.0f TFLOP/s (x32 = %.1f ms)\n",
+              us, flops / us / 1e6, us * 32 / 1000);
+  for (auto [n, k, w] : {std::tuple{qkv_n, H, w_qkv}, {H, H, w_o}, {2 * I, H, w_gu}, {H, I, w_d}}) {
+    const double t = time_op(
+        st,
+        [&, n, k, w] {
+          return gemm.value()->linear({4096, n, k, bf, bf, false}, x, w, nullptr, y, st);
+        },
+        5);
+    std::printf("gemm prefill [4096 x %ld x %ld]: %.1f us = %.0f TFLOP/s\n", static_cast<long>(n),
+                static_cast<long>(k), t, 2.0 * 4096 * n * k / t / 1e6);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace tessera::cuda
+
+int main(int argc, char** argv) { return tessera::cuda::run(argc, argv); }
