@@ -55,12 +55,13 @@ struct AttentionArgs {
   int num_kv_heads = 0;  // divides num_heads
   int head_dim = 0;      // 16, 32, 64, 128 or 256
   float scale = 0.0f;    // usually 1 / sqrt(head_dim)
-  // Split-K: keys are cut into chunks of split_size tokens (a multiple of 64), at most
-  // num_splits chunks per sequence (num_splits * split_size >= every context_len; keys past
-  // num_splits * split_size would be ignored). A sequence uses ceil(context_len / split_size)
-  // splits, decided on the device (a captured graph keeps num_splits while lengths change); one
-  // that needs a single split writes `out` directly. With num_splits == 1 there is no workspace
-  // and no combine, and split_size is ignored.
+  // Split-K: num_splits CTAs per sequence and KV head share its keys. split_size (a multiple of
+  // 64) is the capacity: num_splits * split_size >= every context_len. On the device each
+  // sequence spreads its own context over the splits in whole 64-key tiles
+  // (ceil(context_len / num_splits) rounded up to 64), so a CUDA graph captured with one
+  // num_splits still cuts a 256-token context 4 ways and an 8k one 32 ways; a sequence that
+  // needs a single split writes `out` directly. With num_splits == 1 there is no workspace and
+  // no combine, and split_size is ignored.
   int num_splits = 1;
   int split_size = 0;
   // attention_workspace_bytes(total_q, num_heads, head_dim, num_splits), fp32:

@@ -190,13 +190,67 @@ def prefill_scenario(model, length, iters, vocab, flops, last_logits_only):
             if last_logits_only else "all positions", "kwargs": kw}
 
 
+def compiled_loop(model, P, vocab):
+    """gpt-fast style: a StaticCache, the prompt through the eager model, then one compiled
+    (mode="reduce-overhead", CUDA-graphed) forward per new token in a Python loop, with
+    torch.compiler.cudagraph_mark_step_begin() before each call and greedy argmax on the GPU."""
+    from transformers import StaticCache
+    new = P["b1_tokens"]
+    ids = random_ids(1, INPUT_LEN, vocab, SEED)
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=INPUT_LEN + new + 8)
+    except TypeError:
+        cache = StaticCache(config=model.config, max_batch_size=1,
+                            max_cache_len=INPUT_LEN + new + 8, device="cuda",
+                            dtype=torch.bfloat16)
+    step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def one(n_new):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            # The cache's tensors are created inside inference mode: reset them there too.
+            cache.reset()
+            pos = torch.arange(INPUT_LEN, device="cuda")
+            logits = model(ids, cache_position=pos, past_key_values=cache, use_cache=True).logits
+            tok = logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            for i in range(n_new - 1):
+                torch.compiler.cudagraph_mark_step_begin()
+                p = torch.tensor([INPUT_LEN + i], device="cuda")
+                logits = step(tok, cache_position=p, past_key_values=cache, use_cache=True).logits
+                tok = logits[:, -1:].argmax(-1).clone()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+        return (t1 - t0) * 1e3, (n_new - 1) / (t2 - t1)
+
+    for _ in range(P["compile_warmups"]):
+        one(16)
+    ttft, tok_s = [], []
+    for _ in range(P["compiled_iters"]):
+        a, b = one(new)
+        ttft.append(a)
+        tok_s.append(b)
+    return {"batch_size": 1, "input_len": INPUT_LEN, "output_len": new,
+            "iterations": P["compiled_iters"], "ttft_ms": ttft, "decode_tok_s": tok_s,
+            "ttft_ms_median": median(ttft), "decode_tok_s_median": median(tok_s),
+            "variant": "loop",
+            "variant_description": compiled_loop.__doc__.strip().replace("\n", " ")}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="Hugging Face model directory")
     ap.add_argument("--out", required=True, help="JSON to write")
     ap.add_argument("--quick", action="store_true", help="few iterations/tokens (smoke test)")
     ap.add_argument("--skip-compile", action="store_true", help="no static-cache compile run")
+    ap.add_argument("--scenarios", default="all",
+                    help="comma list of b1_eager,b64_eager,prefill,compiled (default all)")
+    ap.add_argument("--compile-variants", default="loop,manual,auto",
+                    help="compiled batch-1 variants to try in order (first that works counts)")
     args = ap.parse_args()
+    want = lambda name: args.scenarios == "all" or name in args.scenarios.split(",")
     if not torch.cuda.is_available():
         sys.exit("transformers_latency: CUDA is not available to torch")
 
@@ -204,7 +258,8 @@ def main():
     P = {
         "copy_gib": 1 if q else 8, "copy_iters": 3 if q else 10,
         "b1_tokens": 32 if q else 256, "b1_iters": 1 if q else 3,
-        "b64_batch": 64, "b64_tokens": 16 if q else 256, "b64_iters": 1 if q else 2,
+        "b64_batch": 64, "b64_tokens": 16 if q else 256, "b64_iters": 1 if q else 3,
+        "b64_warmups": 1 if q else 2, "b64_warm_tokens": 4 if q else 64,
         "prefill_len": 4096, "prefill_iters": 2 if q else 5,
         "compile_warmups": 2, "compiled_iters": 1 if q else 3,
     }
@@ -313,24 +368,30 @@ def main():
     model.generation_config.cache_implementation = None
 
     # 3. Eager batch 1.
-    run("batch1_decode_eager", lambda: decode_scenario(
-        model, 1, P["b1_tokens"], P["b1_iters"], 1, 8, vocab, pad_id))
-    # 4. Eager batch 64.
-    run("batch64_decode_eager", lambda: decode_scenario(
-        model, P["b64_batch"], P["b64_tokens"], P["b64_iters"], 1, 4, vocab, pad_id))
+    if want("b1_eager"):
+        run("batch1_decode_eager", lambda: decode_scenario(
+            model, 1, P["b1_tokens"], P["b1_iters"], 1, 8, vocab, pad_id))
+    # 4. Eager batch 64 (warmed up at batch 64 first: the first run grows the allocator).
+    if want("b64_eager"):
+        run("batch64_decode_eager", lambda: decode_scenario(
+            model, P["b64_batch"], P["b64_tokens"], P["b64_iters"], P["b64_warmups"],
+            P["b64_warm_tokens"], vocab, pad_id))
     # 5. Prefill 4096.
-    run("prefill_4096", lambda: prefill_scenario(
-        model, S, P["prefill_iters"], vocab, prefill_flops, False))
-    lm_head_params = out_emb.weight.numel() if out_emb is not None else 0
-    flops_last = prefill_flops - 2 * lm_head_params * (S - 1)
-    run("prefill_4096_last_logits", lambda: prefill_scenario(
-        model, S, P["prefill_iters"], vocab, flops_last, True))
+    if want("prefill"):
+        run("prefill_4096", lambda: prefill_scenario(
+            model, S, P["prefill_iters"], vocab, prefill_flops, False))
+        lm_head_params = out_emb.weight.numel() if out_emb is not None else 0
+        flops_last = prefill_flops - 2 * lm_head_params * (S - 1)
+        run("prefill_4096_last_logits", lambda: prefill_scenario(
+            model, S, P["prefill_iters"], vocab, flops_last, True))
 
     # 6. Static cache + torch.compile, batch 1.
-    if not args.skip_compile:
+    if not args.skip_compile and want("compiled"):
         attempts = []
 
         def compiled(variant):
+            if variant == "loop":
+                return compiled_loop(model, P, vocab)
             model.generation_config.cache_implementation = "static"
             if variant == "manual":
                 model.forward = torch.compile(model.forward, mode="reduce-overhead",
@@ -349,7 +410,7 @@ def main():
             s["attempts"] = attempts
             return s
 
-        for variant in ("manual", "auto"):
+        for variant in args.compile_variants.split(","):
             try:
                 data["scenarios"]["batch1_decode_compiled"] = compiled(variant)
                 s = data["scenarios"]["batch1_decode_compiled"]
