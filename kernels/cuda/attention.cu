@@ -207,7 +207,9 @@ __global__ void __launch_bounds__(kThreads)
   const int qlen = p.cu_query_lens[seq + 1] - q_start;
   const int group = p.group;
   const int rows_valid = qlen * group;
-  const int tile_row0 = static_cast<int>(blockIdx.x) * kRowsPerCta;
+  // Row tiles in reverse: under the causal mask the last rows of a prompt see the most keys,
+  // so starting them first keeps a long tail of big CTAs from finishing the grid alone.
+  const int tile_row0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * kRowsPerCta;
   if (tile_row0 >= rows_valid) return;
   const int kv_head = static_cast<int>(blockIdx.z) / p.num_splits;
   const int split = static_cast<int>(blockIdx.z) % p.num_splits;
