@@ -242,6 +242,7 @@ int64_t matmul_parameters(const ModelConfig& c) {
   const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   int64_t layer = H * (q + 2 * kv) + q * H + 3 * H * I + 2 * H;
   if (c.attention_bias) layer += q + 2 * kv;
+  if (c.o_proj_bias) layer += H;
   if (c.qk_norm) layer += 2 * c.head_dim;
   return c.num_layers * layer + H + c.vocab_size * H;
 }

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "tests/integration/test_cluster.h"
 
@@ -136,6 +137,112 @@ TEST_F(GenerateTest, BadInputIsAClearErrorAndNonZeroExit) {
   EXPECT_NE(r.err.find("QWenLMHeadModel"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("LlamaForCausalLM"), std::string::npos) << r.err;
   std::filesystem::remove_all(broken);
+}
+
+// Several prompts run as one batch; each prompt's greedy output is what it gets alone.
+TEST_F(GenerateTest, SeveralPromptsAreBatchedAndEachMatchesItsOwnRun) {
+  const std::vector<std::string> prompts = {"The capital of France is", "Once upon a time",
+                                            "1, 2, 3,"};
+  std::vector<std::string> argv = {
+      bin("tessera"), "generate",      "--model", dir_,           "--device",     "cpu",
+      "--json",       "--temperature", "0",       "--ignore-eos", "--max-tokens", "10"};
+  for (const auto& p : prompts) {
+    argv.push_back("--prompt");
+    argv.push_back(p);
+  }
+  CommandResult r = run_command(argv);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::vector<nlohmann::json> lines;
+  std::istringstream out(r.out);
+  for (std::string line; std::getline(out, line);) {
+    if (!line.empty() && line[0] == '{') lines.push_back(nlohmann::json::parse(line));
+  }
+  ASSERT_EQ(lines.size(), prompts.size()) << r.out;
+  EXPECT_NE(r.err.find("3 prompt(s)"), std::string::npos) << r.err;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto alone = generate(
+        {"--prompt", prompts[i], "--temperature", "0", "--ignore-eos", "--max-tokens", "10"});
+    ASSERT_FALSE(alone.is_null());
+    EXPECT_EQ(lines[i]["prompt_ids"], alone["prompt_ids"]) << prompts[i];
+    EXPECT_EQ(lines[i]["output_ids"], alone["output_ids"]) << prompts[i];
+    EXPECT_EQ(lines[i]["output_ids"].size(), 10u);
+  }
+}
+
+// --device picks the backend: an unknown name is refused; cuda either runs on the node's GPU or,
+// where there is none (CI), fails saying so, never falling back silently.
+TEST_F(GenerateTest, DeviceFlagIsHonoured) {
+  CommandResult r = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "tpu",
+                                 "--prompt", "hi", "--max-tokens", "2"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--device 'tpu' is not one of auto, cuda, cpu"), std::string::npos) << r.err;
+  r = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cuda", "--prompt",
+                   "hi", "--max-tokens", "2", "--gpu-memory-utilization", "0.2"});
+  if (r.exit_code == 0) {
+    EXPECT_NE(r.err.find("cuda backend"), std::string::npos) << r.err;
+  } else {
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_TRUE(r.err.find("has no GPU") != std::string::npos ||
+                r.err.find("built without CUDA") != std::string::npos)
+        << r.err;
+  }
+  r = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu", "--prompt", "hi",
+                   "--max-tokens", "2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("cpu backend"), std::string::npos) << r.err;
+}
+
+// `tessera bench latency` on the CPU backend: every scenario runs and the JSON carries the
+// figures, the step breakdown and the parameter count the roofline divides by.
+TEST_F(GenerateTest, BenchLatencyWritesItsJson) {
+  const std::string json = dir_ + "-bench.json";
+  CommandResult r = run_command({bin("tessera"),
+                                 "bench",
+                                 "latency",
+                                 "--model",
+                                 dir_,
+                                 "--device",
+                                 "cpu",
+                                 "--input-len",
+                                 "16",
+                                 "--output-len",
+                                 "6",
+                                 "--num-iters",
+                                 "1",
+                                 "--num-iters-warmup",
+                                 "0",
+                                 "--prefill-len",
+                                 "48",
+                                 "--prefill-iters",
+                                 "1",
+                                 "--batch-size",
+                                 "3",
+                                 "--batch-iters",
+                                 "1",
+                                 "--output-json",
+                                 json});
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream in(json);
+  ASSERT_TRUE(in) << json;
+  auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["backend"], "cpu");
+  EXPECT_EQ(j["detokenize"], false);
+  const auto& s = j["scenarios"];
+  ASSERT_TRUE(s.contains("batch1_decode")) << s.dump();
+  ASSERT_TRUE(s.contains("prefill_48")) << s.dump();
+  ASSERT_TRUE(s.contains("batch3_decode")) << s.dump();
+  EXPECT_GT(s["batch1_decode"]["decode_tok_s"][0].get<double>(), 0.0);
+  EXPECT_GT(s["batch1_decode"]["ttft_ms"][0].get<double>(), 0.0);
+  EXPECT_GT(s["batch1_decode"]["actor_execute_ms_median"].get<double>(), 0.0);
+  EXPECT_LE(s["batch1_decode"]["actor_execute_ms_median"].get<double>(),
+            s["batch1_decode"]["rpc_call_ms_median"].get<double>());
+  EXPECT_GT(s["prefill_48"]["tok_s"].get<double>(), 0.0);
+  EXPECT_GT(s["batch3_decode"]["decode_tok_s"][0].get<double>(), 0.0);
+  // Tiny llama: hidden 64, intermediate 176, 4 layers, 4 heads / 2 KV heads of 16, vocab 128256.
+  const int64_t layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 176 + 2 * 64;
+  EXPECT_EQ(j["matmul_parameters"].get<int64_t>(), 4 * layer + 64 + 128256 * 64);
+  EXPECT_EQ(j["decode_bytes_per_token"].get<int64_t>(), 4 * (4 * layer + 64 + 128256 * 64));
+  std::filesystem::remove(json);
 }
 
 }  // namespace
