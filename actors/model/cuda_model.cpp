@@ -167,11 +167,6 @@ std::vector<int64_t> CudaModel::graph_sizes() const {
 
 namespace {
 
-// Bytes of the weights once stacked and converted to `dtype`, in the upload's layout.
-struct WeightPlan {
-  size_t bytes = 0;
-};
-
 int64_t qkv_rows(const ModelConfig& c) { return (c.num_heads + 2 * c.num_kv_heads) * c.head_dim; }
 
 }  // namespace
