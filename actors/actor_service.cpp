@@ -61,6 +61,7 @@ class ActorImpl final : public proto::Actor::Server {
     info.setDeviceName(ri.device_name);
     info.setKvCacheBytes(ri.kv_cache_bytes);
     info.setMaxNumSeqs(static_cast<uint32_t>(ri.max_num_seqs));
+    info.setMaxNumBatchedTokens(static_cast<uint32_t>(ri.max_num_batched_tokens));
     service_.set_runner(std::move(*runner));
     return kj::READY_NOW;
   }

@@ -1,7 +1,5 @@
 #include "driver/generate.h"
 
-#include <spdlog/spdlog.h>
-
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -9,12 +7,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "common/checkpoint/model_config.h"
 #include "common/tokenizer/tokenizer.h"
-#include "driver/client.h"
-#include "driver/engine/actor_executor.h"
 #include "driver/engine/engine.h"
-#include "driver/local_node.h"
 #include "driver/model_session.h"
 
 namespace tessera {

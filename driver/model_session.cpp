@@ -1,8 +1,5 @@
 #include "driver/model_session.h"
 
-#include <spdlog/spdlog.h>
-
-#include <algorithm>
 #include <chrono>
 
 namespace tessera {
@@ -65,14 +62,10 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   TESSERA_ASSIGN_OR_RETURN(s->actor_, ActorHandle::connect(*s->loop_, actor.address));
   s->executor_ = std::make_unique<ActorExecutor>(*s->loop_, *s->actor_);
 
-  const uint32_t max_len =
-      a.max_model_len
-          ? a.max_model_len
-          : static_cast<uint32_t>(std::min<int64_t>(s->config_.max_position_embeddings, 8192));
   LoadOptions load;
   load.model_dir = a.model;
   load.dtype = a.dtype;
-  load.max_model_len = max_len;
+  load.max_model_len = a.max_model_len;  // 0: the actor's default (resolve_max_model_len)
   load.return_logits = a.return_logits;
   load.device = a.device;
   load.gpu_memory_utilization = a.gpu_memory_utilization;
@@ -88,13 +81,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   ec.block_size = s->model_.block_size;
   ec.scheduler.max_model_len = s->model_.max_model_len;
   ec.scheduler.max_num_seqs = a.max_num_seqs;
-  ec.scheduler.max_num_batched_tokens = a.max_num_batched_tokens
-                                            ? a.max_num_batched_tokens
-                                            : std::max<uint32_t>(s->model_.max_model_len, 2048);
-  if (s->model_.backend == "cuda") {
-    ec.scheduler.max_num_batched_tokens =
-        std::min<uint32_t>(ec.scheduler.max_num_batched_tokens, 16384);
-  }
+  ec.scheduler.max_num_batched_tokens = s->model_.max_num_batched_tokens;  // the actor's budget
   ec.vocab_size = s->model_.vocab_size;
   for (int64_t id : s->config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));
   if (detokenize) {

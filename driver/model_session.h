@@ -26,7 +26,7 @@ struct EngineArgs {
   float gpu_memory_utilization = 0.9f;
   bool enforce_eager = false;
   uint32_t max_num_seqs = 256;
-  uint32_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048)
+  uint32_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
   bool return_logits = false;           // tests
 };
 

@@ -57,7 +57,7 @@ struct LoadSpec {
   dtype @1 :Text;                # "auto" | "bfloat16" | "float16" | "float32"
   kvBlocks @2 :UInt32;           # 0 = enough for maxModelLen tokens of one sequence
   blockSize @3 :UInt32 = 16;
-  maxModelLen @4 :UInt32;        # 0 = the model's max_position_embeddings
+  maxModelLen @4 :UInt32;        # 0 = min(the model's max_position_embeddings, 8192)
   returnLogits @5 :Bool;         # include the sampled rows' logits in StepOutput (tests)
   device @6 :Text;               # "auto" (cuda when the actor sees a GPU) | "cuda" | "cpu"
   gpuMemoryUtilization @7 :Float32 = 0.9;  # fraction of the GPU's memory the actor may use
@@ -79,4 +79,5 @@ struct ModelInfo {
   deviceName @9 :Text;           # "NVIDIA H200"; empty on the cpu backend
   kvCacheBytes @10 :UInt64;
   maxNumSeqs @11 :UInt32;
+  maxNumBatchedTokens @12 :UInt32;  # the largest step the actor takes (the scheduler's budget)
 }

@@ -439,8 +439,6 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
     return Status::ok();
   };
   TESSERA_RETURN_IF_ERROR(copy(m.slots, sizeof(int64_t) * t));
-  // ids, positions and the per-sequence arrays sit between slots and tables: copy them at once
-  // when the batch is small, else piecewise.
   TESSERA_RETURN_IF_ERROR(copy(m.ids, sizeof(int32_t) * t));
   TESSERA_RETURN_IF_ERROR(copy(m.positions, sizeof(int32_t) * t));
   TESSERA_RETURN_IF_ERROR(copy(m.cu_q, sizeof(int32_t) * (S + 1)));

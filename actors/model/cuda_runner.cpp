@@ -2,9 +2,7 @@
 // per-request seeds and token histories on the host.
 #include <spdlog/spdlog.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <random>
 
 #include "actors/model/cuda_model.h"
@@ -27,9 +25,7 @@ class CudaRunner final : public ModelRunner {
     o.max_model_len = max_len;
     o.block_size = spec.block_size;
     o.max_num_seqs = spec.max_num_seqs;
-    o.max_num_batched_tokens = spec.max_num_batched_tokens > 0
-                                   ? spec.max_num_batched_tokens
-                                   : std::min<int64_t>(std::max<int64_t>(max_len, 2048), 16384);
+    o.max_num_batched_tokens = resolve_max_num_batched_tokens(spec.max_num_batched_tokens, max_len);
     o.gpu_memory_utilization = spec.gpu_memory_utilization;
     o.kv_blocks = spec.kv_blocks;
     o.enforce_eager = spec.enforce_eager;
@@ -45,6 +41,7 @@ class CudaRunner final : public ModelRunner {
     i.block_size = o.block_size;
     i.max_model_len = max_len;
     i.max_num_seqs = o.max_num_seqs;
+    i.max_num_batched_tokens = o.max_num_batched_tokens;
     i.weight_bytes = runner->model_->memory().weights;
     i.kv_cache_bytes = runner->model_->memory().kv_cache;
     i.device_name = runner->model_->memory().device_name;
@@ -62,10 +59,7 @@ class CudaRunner final : public ModelRunner {
     for (uint64_t id : finished) requests_.erase(id);
     for (const auto& s : seqs) {
       if (!s.first) {
-        if (!requests_.count(s.request_id)) {
-          return failed_precondition("request " + std::to_string(s.request_id) +
-                                     " has no state on this actor (its first step never came)");
-        }
+        TESSERA_RETURN_IF_ERROR(require_request_state(s, requests_.count(s.request_id) > 0));
         continue;
       }
       TESSERA_RETURN_IF_ERROR(s.sampling.validate());
@@ -76,12 +70,8 @@ class CudaRunner final : public ModelRunner {
       requests_[s.request_id] = std::move(r);
     }
     if (seqs.empty()) return std::vector<RunnerOutput>{};
-    std::vector<ForwardSeq> batch;
-    batch.reserve(seqs.size());
-    for (const auto& s : seqs)
-      batch.push_back({s.tokens, s.start_position, s.block_table, s.sample});
+    const std::vector<ForwardSeq> batch = forward_batch(seqs);
     int64_t rows = 0;
-    const auto t0 = std::chrono::steady_clock::now();
     cudaEventRecord(ev_[0], model_->stream());
     TESSERA_ASSIGN_OR_RETURN(float* dev_logits, model_->forward(batch, &rows));
     cudaEventRecord(ev_[1], model_->stream());
@@ -104,17 +94,17 @@ class CudaRunner final : public ModelRunner {
           {r.params, r.seed, static_cast<uint64_t>(r.output.size()), r.prompt, r.output});
       owners.push_back(&r);
     }
-    std::vector<RunnerOutput> out;
+    std::vector<cpu::SampleResult> results;
     if (sample_rows.empty()) {
       TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(model_->stream()), "running the step");
-      return out;
+    } else {
+      TESSERA_ASSIGN_OR_RETURN(results, model_->sampler().sample(dev_logits, sample_rows));
     }
-    TESSERA_ASSIGN_OR_RETURN(auto results, model_->sampler().sample(dev_logits, sample_rows));
-    float gpu_ms = 0;
+    float gpu_ms = 0;  // both events are complete: the stream was synchronised
     if (cudaEventElapsedTime(&gpu_ms, ev_[0], ev_[1]) == cudaSuccess) {
       last_gpu_micros_ = static_cast<uint32_t>(gpu_ms * 1000.0f);
     }
-    if (timing_) record_timing(seqs, t0);
+    std::vector<RunnerOutput> out;
     size_t k = 0;
     for (const auto& s : seqs) {
       if (!s.sample) continue;
@@ -138,36 +128,7 @@ class CudaRunner final : public ModelRunner {
 
  private:
   CudaRunner() : seed_source_(std::random_device{}()) {
-    const char* env = std::getenv("TESSERA_STEP_TIMING");
-    timing_ = env != nullptr && std::string(env) == "1";
     for (cudaEvent_t& e : ev_) cudaEventCreate(&e);
-  }
-
-  // TESSERA_STEP_TIMING=1: every 200 steps of one kind (decode at batch B, or prefill), logs
-  // the median GPU time of the forward pass and the actor's whole execute() time.
-  void record_timing(const std::vector<RunnerSeq>& seqs, std::chrono::steady_clock::time_point t0) {
-    float gpu_ms = 0;
-    cudaEventElapsedTime(&gpu_ms, ev_[0], ev_[1]);
-    const double host_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    bool decode = true;
-    for (const auto& s : seqs) decode = decode && s.tokens.size() == 1;
-    const std::string kind =
-        decode ? "decode batch " + std::to_string(seqs.size()) : "prefill/mixed";
-    auto& v = timings_[kind];
-    v.emplace_back(gpu_ms, host_ms);
-    if (v.size() < 200) return;
-    std::vector<double> g, h;
-    for (auto& [a, b] : v) {
-      g.push_back(a);
-      h.push_back(b);
-    }
-    std::sort(g.begin(), g.end());
-    std::sort(h.begin(), h.end());
-    spdlog::info(
-        "step timing, {}: forward on the GPU {:.3f} ms, execute() {:.3f} ms (medians of {})", kind,
-        g[g.size() / 2], h[h.size() / 2], v.size());
-    v.clear();
   }
 
   struct Request {
@@ -181,10 +142,8 @@ class CudaRunner final : public ModelRunner {
   RunnerInfo info_;
   std::map<uint64_t, Request> requests_;
   std::mt19937_64 seed_source_;
-  bool timing_ = false;
   uint32_t last_gpu_micros_ = 0;
-  cudaEvent_t ev_[2] = {nullptr, nullptr};
-  std::map<std::string, std::vector<std::pair<double, double>>> timings_;
+  cudaEvent_t ev_[2] = {nullptr, nullptr};  // around the forward pass (its GPU time)
 };
 
 }  // namespace

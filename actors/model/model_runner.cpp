@@ -33,6 +33,25 @@ Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& co
   return std::min<int64_t>(config.max_position_embeddings, 8192);
 }
 
+Status require_request_state(const RunnerSeq& seq, bool known) {
+  if (seq.first || known) return Status::ok();
+  return failed_precondition("request " + std::to_string(seq.request_id) +
+                             " has no state on this actor (its first step never came): the "
+                             "driver must send the prompt with first = true");
+}
+
+std::vector<ForwardSeq> forward_batch(const std::vector<RunnerSeq>& seqs) {
+  std::vector<ForwardSeq> batch;
+  batch.reserve(seqs.size());
+  for (const auto& s : seqs) batch.push_back({s.tokens, s.start_position, s.block_table, s.sample});
+  return batch;
+}
+
+int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len) {
+  if (requested > 0) return requested;
+  return std::min<int64_t>(std::max<int64_t>(max_model_len, 2048), 16384);
+}
+
 namespace {
 
 // The CPU backend: fp32 reference math, the per-request cpu::Sampler.
@@ -59,6 +78,7 @@ class CpuRunner final : public ModelRunner {
     i.block_size = spec.block_size;
     i.max_model_len = max_len;
     i.max_num_seqs = spec.max_num_seqs;
+    i.max_num_batched_tokens = resolve_max_num_batched_tokens(spec.max_num_batched_tokens, max_len);
     i.weight_bytes = runner->model_->weights().bytes;
     spdlog::info(
         "loaded {} from {}: {} layers, {:.1f} MiB of weights, KV cache {} blocks x {} "
@@ -76,22 +96,14 @@ class CpuRunner final : public ModelRunner {
     // New requests get their sampler before any compute, so bad parameters fail fast.
     for (const auto& s : seqs) {
       if (!s.first) {
-        if (!requests_.count(s.request_id)) {
-          return failed_precondition("request " + std::to_string(s.request_id) +
-                                     " has no state on this actor (its first step never came)");
-        }
+        TESSERA_RETURN_IF_ERROR(require_request_state(s, requests_.count(s.request_id) > 0));
         continue;
       }
       TESSERA_ASSIGN_OR_RETURN(cpu::Sampler sampler, cpu::Sampler::create(s.sampling));
       requests_.erase(s.request_id);
       requests_.emplace(s.request_id, Request{std::move(sampler), s.prompt, {}});
     }
-    std::vector<ForwardSeq> batch;
-    batch.reserve(seqs.size());
-    for (const auto& s : seqs) {
-      batch.push_back({s.tokens, s.start_position, s.block_table, s.sample});
-    }
-    TESSERA_ASSIGN_OR_RETURN(std::vector<float> rows, model_->forward(batch));
+    TESSERA_ASSIGN_OR_RETURN(std::vector<float> rows, model_->forward(forward_batch(seqs)));
     const int64_t vocab = model_->config().vocab_size;
     std::vector<RunnerOutput> out;
     size_t row = 0;

@@ -56,6 +56,7 @@ struct RunnerInfo {
   int64_t block_size = 0;
   int64_t max_model_len = 0;
   int64_t max_num_seqs = 0;
+  int64_t max_num_batched_tokens = 0;
   uint64_t weight_bytes = 0;
   uint64_t kv_cache_bytes = 0;
   std::string device_name;  // "NVIDIA H200", "" on the cpu backend
@@ -95,6 +96,15 @@ Expected<DType> resolve_dtype(const std::string& name, DType checkpoint_dtype, b
 // The max-model-len to use: spec's, or min(max_position_embeddings, 8192); INVALID_ARGUMENT
 // past max_position_embeddings.
 Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config);
+
+// The largest step in tokens: spec's, or max(max_model_len, 2048) capped at 16384. Reported in
+// ModelInfo; the driver's scheduler uses the actor's figure.
+int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len);
+
+// Shared by the backends' execute(): FAILED_PRECONDITION for a continuing request (first =
+// false) the actor keeps no state for; and the forward pass's view of a step's sequences.
+Status require_request_state(const RunnerSeq& seq, bool known);
+std::vector<ForwardSeq> forward_batch(const std::vector<RunnerSeq>& seqs);
 
 #ifdef TESSERA_WITH_CUDA
 // Defined by the cuda backend (actors/model/cuda_runner.cpp).

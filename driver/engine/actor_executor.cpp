@@ -35,6 +35,7 @@ Expected<LoadedModel> ActorExecutor::load(const LoadOptions& o) {
     m.device_name = i.getDeviceName().cStr();
     m.kv_cache_bytes = i.getKvCacheBytes();
     m.max_num_seqs = i.getMaxNumSeqs();
+    m.max_num_batched_tokens = i.getMaxNumBatchedTokens();
     return m;
   }),
                   "load model", 30 * 60 * kj::SECONDS);

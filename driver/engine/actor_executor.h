@@ -35,6 +35,7 @@ struct LoadedModel {
   std::string device_name;
   uint64_t kv_cache_bytes = 0;
   uint32_t max_num_seqs = 0;
+  uint32_t max_num_batched_tokens = 0;
 };
 
 class ActorExecutor final : public StepExecutor {

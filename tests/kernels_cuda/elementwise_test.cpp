@@ -33,6 +33,7 @@
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cuda/cuda_util.h"
+#include "tests/kernels/test_util.h"
 
 namespace tessera::cuda {
 namespace {
@@ -139,20 +140,10 @@ double ulp(DType d, double v) {
   return std::ldexp(1.0, e - fraction_bits);
 }
 
-// |got[i] - ref[i]| <= bound[i] for every i; reports the first few failures.
+// |got[i] - ref[i]| <= bound[i] for every i (test_util's check, fp32 references).
 void expect_within(const std::vector<float>& got, const std::vector<float>& ref,
                    const std::vector<double>& bound, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  ASSERT_EQ(bound.size(), ref.size()) << what;
-  int failures = 0;
-  for (size_t i = 0; i < got.size() && failures < 5; ++i) {
-    const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
-    if (!(err <= bound[i])) {
-      ++failures;
-      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", expected " << ref[i]
-                    << " (error " << err << " > bound " << bound[i] << ")";
-    }
-  }
+  cpu::testing::expect_near_all(got, cpu::testing::to_double(ref), bound, what);
 }
 
 // The common bound: |got - ref| <= ulps * ulp(|ref|) + abs.
