@@ -101,7 +101,9 @@ class ActorImpl final : public proto::Actor::Server {
     for (auto f : step.getFinished()) finished.push_back(f);
     std::vector<float> logits;
     const auto t0 = std::chrono::steady_clock::now();
+    service_.step_started();
     auto outputs = runner->execute(seqs, finished, &logits);
+    service_.step_finished();
     const auto actor_us =
         std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
             .count();
@@ -131,26 +133,6 @@ class ActorImpl final : public proto::Actor::Server {
   ActorService& service_;
 };
 
-class ActorGateway final : public proto::Gateway::Server {
- public:
-  explicit ActorGateway(ActorService& service) : service_(service) {}
-
- protected:
-  kj::Promise<void> hello(HelloContext context) override {
-    auto p = context.getParams();
-    rpc::require_version(p.getVersion(), p.getPeer(), proto::Role::ACTOR);
-    auto r = context.getResults();
-    r.setVersion(rpc::kProtocolVersion);
-    r.setRole(proto::Role::ACTOR);
-    r.setServerId(service_.identity().actor_id);
-    r.setActor(kj::heap<ActorImpl>(service_));
-    return kj::READY_NOW;
-  }
-
- private:
-  ActorService& service_;
-};
-
 }  // namespace
 
 ActorService::ActorService(ActorIdentity identity, CudaProbe probe)
@@ -160,7 +142,32 @@ ActorService::ActorService(ActorIdentity identity, CudaProbe probe)
   shutdown_fulfiller_ = kj::mv(paf.fulfiller);
 }
 
-proto::Gateway::Client ActorService::gateway() { return kj::heap<ActorGateway>(*this); }
+rpc::Endpoint ActorService::endpoint(const std::string& key) {
+  rpc::Endpoint e;
+  e.role = proto::Role::ACTOR;
+  e.server_id = identity_.actor_id;
+  e.secret = key;
+  e.grant = [this](proto::Handshake::AuthenticateResults::Builder out) {
+    out.setActor(kj::heap<ActorImpl>(*this));
+  };
+  return e;
+}
+
+std::chrono::milliseconds ActorService::busy_for() const {
+  int64_t started = step_started_ns_.load(std::memory_order_relaxed);
+  if (started == 0) return std::chrono::milliseconds(0);
+  auto now = std::chrono::steady_clock::now().time_since_epoch();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(now -
+                                                               std::chrono::nanoseconds(started));
+}
+
+void ActorService::step_started() {
+  auto now = std::chrono::steady_clock::now().time_since_epoch();
+  step_started_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(),
+                         std::memory_order_relaxed);
+}
+
+void ActorService::step_finished() { step_started_ns_.store(0, std::memory_order_relaxed); }
 
 kj::Promise<void> ActorService::on_shutdown() { return shutdown_.addBranch(); }
 

@@ -3,12 +3,13 @@
 
 #include <kj/async.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 
 #include "actors/cuda_probe.h"
 #include "actors/model/model_runner.h"
-#include "protocol/gateway.capnp.h"
+#include "protocol/rpc.h"
 
 namespace tessera {
 
@@ -21,8 +22,9 @@ class ActorService {
  public:
   ActorService(ActorIdentity identity, CudaProbe probe);
 
-  // The bootstrap capability for this actor's RPC server.
-  proto::Gateway::Client gateway();
+  // What this actor's RPC server is: an ACTOR endpoint guarded by `key` (the secret its daemon
+  // gave it), granting the Actor capability to a peer that proves the key.
+  rpc::Endpoint endpoint(const std::string& key);
 
   // Resolves when a shutdown RPC arrives.
   kj::Promise<void> on_shutdown();
@@ -30,6 +32,12 @@ class ActorService {
 
   void fill_health(proto::ActorHealth::Builder out) const;
   const ActorIdentity& identity() const { return identity_; }
+
+  // How long the step now running has run, 0 when none runs. Thread-safe (the heartbeat
+  // thread reads it).
+  std::chrono::milliseconds busy_for() const;
+  void step_started();
+  void step_finished();
 
   // The model this actor runs (null until loadModel succeeds).
   ModelRunner* runner() { return runner_.get(); }
@@ -40,6 +48,7 @@ class ActorService {
   CudaProbe probe_;
   std::unique_ptr<ModelRunner> runner_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::atomic<int64_t> step_started_ns_{0};  // steady clock; 0 = no step runs
   kj::ForkedPromise<void> shutdown_;
   kj::Own<kj::PromiseFulfiller<void>> shutdown_fulfiller_;
 };

@@ -5,7 +5,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <random>
+
+#include "common/sha256.h"
 
 #include "daemon/process.h"
 
@@ -35,11 +38,19 @@ struct ActorSupervisor::Entry {
   ActorRecord record;
   kj::Maybe<pid_t> pid;              // nulled by kj once the child is reaped
   kj::Own<rpc::Connection> control;  // the daemon's own connection to the actor
+  std::string key;                   // the actor's RPC secret
   bool term_sent = false;
+  kj::Own<kj::AsyncInputStream> beats;  // the actor's heartbeat pipe
+  std::array<char, 64> beat_buffer{};
+  kj::TimePoint last_beat = kj::origin<kj::TimePoint>();
+  kj::Promise<void> beat_task = nullptr;
+  uint64_t silent_ms = 0;  // set when the daemon kills it for a stopped heartbeat
 };
 
 ActorSupervisor::ActorSupervisor(kj::AsyncIoContext& io, SupervisorConfig config)
-    : io_(io), config_(std::move(config)), tasks_(*this) {}
+    : io_(io), config_(std::move(config)), tasks_(*this) {
+  if (config_.health_timeout_ms > 0) tasks_.add(health_loop());
+}
 
 ActorSupervisor::~ActorSupervisor() {
   on_death_ = nullptr;  // whoever listened may be gone already
@@ -76,13 +87,87 @@ std::string join_gpus(const std::vector<uint32_t>& gpus) {
   return out;
 }
 
+// Variables the daemon sets or keeps to itself: no request may set them.
+bool reserved_name(const std::string& name) {
+  for (const char* r : {"CUDA_VISIBLE_DEVICES", "TESSERA_ACTOR_ID", "TESSERA_NODE_ID",
+                        "TESSERA_CLUSTER_TOKEN", "TESSERA_ACTOR_KEY"}) {
+    if (name == r) return true;
+  }
+  return false;
+}
+
+// Names that point a program at files or code (a library to load, a plugin, a file to write).
+bool names_a_location(const std::string& name) {
+  for (const char* word : {"PATH", "FILE", "DIR", "PLUGIN", "LIBRARY", "PRELOAD", "INJECTION"}) {
+    if (name.find(word) != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Status check_job_environment(const std::vector<std::pair<std::string, std::string>>& env,
+                             const std::vector<std::string>& allow) {
+  if (env.size() > 64) {
+    return invalid_argument(
+        "a spawn request may set at most 64 environment variables, this one "
+        "sets " +
+        std::to_string(env.size()));
+  }
+  std::string allowed;
+  for (const auto& p : allow) allowed += (allowed.empty() ? "" : ", ") + p;
+  for (const auto& [name, value] : env) {
+    bool well_formed = !name.empty() && name.size() <= 128 && !(name[0] >= '0' && name[0] <= '9');
+    for (char c : name) {
+      well_formed = well_formed && ((c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_');
+    }
+    std::string shown = name.substr(0, 64);
+    if (!well_formed) {
+      return invalid_argument("environment variable name '" + shown +
+                              "' is not of the form [A-Z_][A-Z0-9_]*");
+    }
+    if (reserved_name(name)) {
+      return invalid_argument("environment variable " + name +
+                              " is set by the daemon itself and may not come from a request");
+    }
+    if (!matches_passthrough(name, allow)) {
+      return invalid_argument("environment variable " + name +
+                              " may not be set on an actor: only " + allowed +
+                              " are allowed (the daemon's --actor-env-allow adds patterns)");
+    }
+    if (names_a_location(name)) {
+      return invalid_argument("environment variable " + name +
+                              " may not be set on an actor: variables that name a path, file, "
+                              "directory, library or plugin could make it run other code; set "
+                              "it in the daemon's own environment instead");
+    }
+    if (value.size() > 4096 || value.find('\0') != std::string::npos) {
+      return invalid_argument("environment variable " + name +
+                              ": its value must be at most 4096 bytes without NUL");
+    }
+  }
+  return Status::ok();
+}
+
+namespace {
+
+std::string last_line(const std::string& text) {
+  size_t end = text.find_last_not_of("\r\n ");
+  if (end == std::string::npos) return "";
+  size_t start = text.rfind('\n', end);
+  std::string line = text.substr(start == std::string::npos ? 0 : start + 1,
+                                 end + 1 - (start == std::string::npos ? 0 : start + 1));
+  if (line.size() > 400) line = line.substr(0, 400) + "...";
+  return line;
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::string>> ActorSupervisor::actor_environment(
     const std::string& id, const ActorSpawnRequest& request) const {
   std::map<std::string, std::string> env;
   for (auto& [name, value] : current_environment()) {
-    if (matches_passthrough(name, config_.passthrough)) env[name] = value;
+    if (matches_passthrough(name, config_.passthrough) && !reserved_name(name)) env[name] = value;
   }
   for (auto& [name, value] : request.env) env[name] = value;
   // The daemon decides which GPUs an actor sees; no job variable overrides that.
@@ -92,10 +177,10 @@ std::vector<std::pair<std::string, std::string>> ActorSupervisor::actor_environm
   return {env.begin(), env.end()};
 }
 
-kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& owner,
-                                                          const std::string& owner_name,
-                                                          const ActorSpawnRequest& request) {
-  using Result = Expected<ActorRecord>;
+kj::Promise<Expected<SpawnedActor>> ActorSupervisor::spawn(const std::string& owner,
+                                                           const std::string& owner_name,
+                                                           const ActorSpawnRequest& request) {
+  using Result = Expected<SpawnedActor>;
   for (uint32_t gpu : request.gpus) {
     if (gpu >= config_.gpu_count) {
       return Result(invalid_argument("GPU " + std::to_string(gpu) + " requested but node " +
@@ -103,20 +188,32 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
                                      " GPU(s)"));
     }
   }
-  auto binary =
-      resolve_binary(request.binary.empty() ? "tessera-actor" : request.binary, config_.bin_dir);
+  if (live_.size() >= config_.max_actors) {
+    return Result(resource_exhausted("node " + config_.node_id + " already runs " +
+                                     std::to_string(live_.size()) +
+                                     " actors, the most it starts (--max-actors); stop some "
+                                     "first"));
+  }
+  Status env_ok = check_job_environment(request.env, config_.job_env_allow);
+  if (!env_ok) return Result(env_ok);
+  auto binary = resolve_actor_binary(config_.bin_dir);
   if (!binary) return Result(binary.status());
+  auto key = random_bytes(32);
+  if (!key) return Result(key.status());
 
   std::string id = random_id("a-");
   ProcessSpec spec;
   spec.binary = *binary;
-  spec.args = {"--actor-id", id,
-               "--node-id",  config_.node_id,
-               "--listen",   config_.listen_host + ":0",
-               "--ready-fd", std::to_string(kReadyFd)};
-  spec.args.insert(spec.args.end(), request.args.begin(), request.args.end());
+  spec.args = {"--actor-id",        id,
+               "--node-id",         config_.node_id,
+               "--listen",          config_.listen_host + ":0",
+               "--ready-fd",        std::to_string(kReadyFd),
+               "--key-fd",          std::to_string(kSecretFd),
+               "--heartbeat-fd",    std::to_string(kHeartbeatFd),
+               "--step-timeout-ms", std::to_string(config_.step_timeout_ms)};
   spec.env = actor_environment(id, request);
   spec.log_path = config_.log_dir + "/actor-" + id + ".log";
+  spec.secret = to_hex(*key);
 
   auto spawned = spawn_process(spec);
   if (!spawned) return Result(spawned.status());
@@ -131,9 +228,14 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
   entry->record.gpus = request.gpus;
   entry->record.pid = spawned->pid;
   entry->pid = spawned->pid;
+  entry->key = spec.secret;
+  entry->beats = io_.lowLevelProvider->wrapInputFd(spawned->heartbeat_fd,
+                                                   kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP);
+  entry->last_beat = io_.provider->getTimer().now();
   // Must follow the fork directly, before control returns to the event loop.
   auto exit = io_.unixEventPort.onChildExit(entry->pid);
   live_[id] = std::move(entry);
+  live_[id]->beat_task = read_beats(id).eagerlyEvaluate(nullptr);
   tasks_.add(watch_exit(id, kj::mv(exit)));
   spdlog::info("spawned actor {} (pid {}, GPUs [{}]) for {}: {}", id, spawned->pid,
                join_gpus(request.gpus), owner_name, spec.log_path);
@@ -150,8 +252,10 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
           return Result(unavailable("actor " + id + " died right after it started"));
         }
         it->second->record.address = *address;
-        // Say hello like any owner would: proves the actor serves and speaks our protocol.
-        return rpc::connect(io_, *address, "node daemon " + config_.node_id, 10 * kj::SECONDS)
+        // Say hello like its owner will: proves the actor serves, speaks our protocol and holds
+        // the key it was given.
+        return rpc::connect(io_, *address, "node daemon " + config_.node_id, it->second->key,
+                            10 * kj::SECONDS)
             .then([this, id](Expected<kj::Own<rpc::Connection>>&& conn) -> Result {
               auto it = live_.find(id);
               if (it == live_.end()) {
@@ -163,10 +267,46 @@ kj::Promise<Expected<ActorRecord>> ActorSupervisor::spawn(const std::string& own
               }
               it->second->control = kj::mv(*conn);
               it->second->record.state = ActorState::kReady;
+              it->second->last_beat = io_.provider->getTimer().now();
               spdlog::info("actor {} ready at {}", id, it->second->record.address);
-              return Result(it->second->record);
+              return Result(SpawnedActor{it->second->record, it->second->key});
             });
       });
+}
+
+kj::Promise<void> ActorSupervisor::read_beats(std::string id) {
+  auto it = live_.find(id);
+  if (it == live_.end()) return kj::READY_NOW;
+  Entry& e = *it->second;
+  return e.beats->tryRead(e.beat_buffer.data(), 1, e.beat_buffer.size())
+      .then([this, id](size_t n) -> kj::Promise<void> {
+        auto it = live_.find(id);
+        if (n == 0 || it == live_.end()) return kj::READY_NOW;  // EOF: it exited
+        it->second->last_beat = io_.provider->getTimer().now();
+        return read_beats(id);
+      });
+}
+
+kj::Promise<void> ActorSupervisor::health_loop() {
+  const uint32_t period_ms = std::max<uint32_t>(config_.health_timeout_ms / 4, 20);
+  return io_.provider->getTimer().afterDelay(period_ms * kj::MILLISECONDS).then([this]() {
+    auto now = io_.provider->getTimer().now();
+    for (auto& [id, e] : live_) {
+      if (e->record.state != ActorState::kReady || e->silent_ms != 0) continue;
+      auto silent = (now - e->last_beat) / kj::MILLISECONDS;
+      if (silent < config_.health_timeout_ms) continue;
+      e->silent_ms = static_cast<uint64_t>(silent);
+      spdlog::warn(
+          "actor {} (pid {}, GPUs [{}]) has sent no heartbeat for {} ms (stopped, "
+          "or stuck in a step); killing it",
+          id, e->record.pid, join_gpus(e->record.gpus), silent);
+      KJ_IF_MAYBE (pid, e->pid) {
+        ::kill(-*pid, SIGKILL);
+        ::kill(*pid, SIGKILL);
+      }
+    }
+    return health_loop();
+  });
 }
 
 kj::Promise<Expected<std::string>> ActorSupervisor::wait_ready(std::string id, int ready_fd,
@@ -241,11 +381,20 @@ void ActorSupervisor::on_exit(const std::string& id, int status) {
   auto it = live_.find(id);
   if (it == live_.end()) return;
   ActorRecord record = it->second->record;
+  const uint64_t silent_ms = it->second->silent_ms;
   live_.erase(it);
   record.state = ActorState::kDead;
   record.exit_code = wait_exit_code(status);
   record.term_signal = wait_term_signal(status);
   record.death_reason = describe_wait_status(status);
+  record.last_log_line = last_line(tail_file(record.log_path, 4096));
+  if (silent_ms > 0) {
+    record.hung = true;
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%.1f", static_cast<double>(silent_ms) / 1000.0);
+    record.death_reason = std::string("was killed by its daemon after no heartbeat for ") +
+                          seconds + " s (the process was stopped, or stuck in a step)";
+  }
   if (record.exit_code == 0 || record.term_signal == SIGTERM) {
     spdlog::info("actor {} (pid {}) {}", id, record.pid, record.death_reason);
   } else {

@@ -1,5 +1,11 @@
 // The node daemon's actor processes: spawn with their environment, wait until they serve,
-// reap them, report each death, kill them on request or when their owner goes away.
+// watch their heartbeats, reap them, report each death, kill them on request, when their owner
+// goes away, or when they stop answering.
+//
+// The executable is always tessera-actor from the daemon's bin dir; requests carry no program,
+// path or argument. Job variables from the wire are checked against an allow-list. Each actor
+// gets a fresh key (its RPC secret, see protocol/auth.h) through a pipe; only the owner that
+// spawned it learns the key.
 //
 // Single-threaded: used from the daemon's kj event loop only. The process must have called
 // kj::UnixEventPort::captureChildExit() before the event loop was created.
@@ -38,29 +44,50 @@ struct ActorRecord {
   int exit_code = -1;
   int term_signal = 0;
   std::string death_reason;
+  std::string last_log_line;  // when dead: the last line of its log
+  bool hung = false;          // when dead: killed by the daemon after its heartbeat stopped
 };
 
 struct ActorSpawnRequest {
-  std::string binary;  // "" = tessera-actor
-  std::vector<std::string> args;
   std::vector<uint32_t> gpus;
-  std::vector<std::pair<std::string, std::string>> env;
+  std::vector<std::pair<std::string, std::string>> env;  // the job's variables (checked)
   std::string name;
   uint32_t ready_timeout_ms = 0;  // 0 = 30 s
 };
 
+// A serving actor and the key its owner proves in the actor's handshake.
+struct SpawnedActor {
+  ActorRecord record;
+  std::string key;
+};
+
 struct SupervisorConfig {
   std::string node_id;
-  std::string bin_dir;            // where bare binary names are looked up
+  std::string bin_dir;            // where tessera-actor lives
   std::string log_dir;            // actor-<id>.log files go here
   std::string listen_host;        // the host actors bind and advertise
   uint32_t gpu_count = 0;         // GPUs on this node: requests for others are refused
   uint32_t kill_grace_ms = 3000;  // SIGTERM → SIGKILL delay
-  // Environment variables passed from the daemon to every actor, by exact name or prefix "X*".
+  uint32_t max_actors = 128;      // live actors at once
+  // An actor whose heartbeat stops this long is killed and reported hung; 0 = no watchdog.
+  uint32_t health_timeout_ms = 10000;
+  // An actor stops its heartbeat when one step runs longer than this (a stuck kernel); 0 = never.
+  uint32_t step_timeout_ms = 120000;
+  // Environment variables passed from the daemon's own environment to every actor, by exact
+  // name or prefix "X*" (never TESSERA_CLUSTER_TOKEN).
   std::vector<std::string> passthrough = {
       "PATH",   "HOME",   "USER",      "LANG",     "LC_ALL",         "TMPDIR", "LD_LIBRARY_PATH",
       "NCCL_*", "CUDA_*", "TESSERA_*", "NVIDIA_*", "OMP_NUM_THREADS"};
+  // Names a request may set, by exact name or prefix "X*"; the daemon adds --actor-env-allow.
+  std::vector<std::string> job_env_allow = {"NCCL_*", "CUDA_*", "TESSERA_*", "OMP_NUM_THREADS"};
 };
+
+// OK when every job variable may reach an actor: a name of [A-Z0-9_] matching `allow`, not
+// one that names a path, file, directory, library or plugin (LD_PRELOAD, CUDA_INJECTION64_PATH,
+// NCCL_NET_PLUGIN, NCCL_DEBUG_FILE, ...) nor one the daemon sets itself; values without NUL, at
+// most 4 KiB; at most 64 of them. INVALID_ARGUMENT naming the first offender otherwise.
+Status check_job_environment(const std::vector<std::pair<std::string, std::string>>& env,
+                             const std::vector<std::string>& allow);
 
 class ActorSupervisor final : private kj::TaskSet::ErrorHandler {
  public:
@@ -74,8 +101,8 @@ class ActorSupervisor final : private kj::TaskSet::ErrorHandler {
 
   // Starts an actor for `owner` and resolves once it serves (state ready), or with an error
   // that names the cause and the tail of the actor's log. Never rejects.
-  kj::Promise<Expected<ActorRecord>> spawn(const std::string& owner, const std::string& owner_name,
-                                           const ActorSpawnRequest& request);
+  kj::Promise<Expected<SpawnedActor>> spawn(const std::string& owner, const std::string& owner_name,
+                                            const ActorSpawnRequest& request);
 
   // Signals an actor (SIGTERM, or SIGKILL when `force`). NOT_FOUND for an unknown or dead id;
   // PERMISSION_DENIED when `owner` is non-empty and does not own it.
@@ -94,6 +121,8 @@ class ActorSupervisor final : private kj::TaskSet::ErrorHandler {
  private:
   struct Entry;
   kj::Promise<void> watch_exit(std::string id, kj::Promise<int> exit);
+  kj::Promise<void> read_beats(std::string id);
+  kj::Promise<void> health_loop();
   kj::Promise<Expected<std::string>> wait_ready(std::string id, int ready_fd, uint32_t timeout_ms);
   std::vector<std::pair<std::string, std::string>> actor_environment(
       const std::string& id, const ActorSpawnRequest& request) const;

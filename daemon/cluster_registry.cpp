@@ -3,6 +3,9 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <tuple>
+
+#include "common/sha256.h"
 
 #include "protocol/rpc.h"
 
@@ -25,7 +28,9 @@ struct ClusterRegistry::Member {
   bool alive = true;
   bool local = false;    // the head's own node: no session, no heartbeats
   uint64_t session = 0;  // generation of the registration that is current
+  std::string secret;    // the node secret its id is bound to
   kj::TimePoint last_beat = kj::origin<kj::TimePoint>();
+  kj::Maybe<kj::TimePoint> lost_since;  // its connection dropped; waiting for it to come back
 };
 
 // A node's membership. Released when the node's connection drops.
@@ -38,9 +43,7 @@ class SessionImpl final : public proto::NodeSession::Server {
         node_id_(std::move(node_id)),
         session_(session) {}
   ~SessionImpl() noexcept(false) {
-    if (!registry_alive_.expired()) {
-      registry_.mark_dead(node_id_, session_, "its connection to the head was lost");
-    }
+    if (!registry_alive_.expired()) registry_.session_lost(node_id_, session_);
   }
 
  protected:
@@ -83,7 +86,10 @@ class ClusterImpl final : public proto::Cluster::Server {
  protected:
   kj::Promise<void> registerNode(RegisterNodeContext context) override {
     auto p = context.getParams();
-    auto reg = registry_.register_node(p.getInfo(), p.getNode());
+    auto secret = p.getNodeSecret();
+    auto reg = registry_.register_node(
+        p.getInfo(), p.getNode(),
+        std::string(reinterpret_cast<const char*>(secret.begin()), secret.size()));
     auto r = context.getResults();
     r.setNodeId(reg.node_id);
     r.setSession(kj::mv(reg.session));
@@ -110,6 +116,7 @@ class ClusterImpl final : public proto::Cluster::Server {
 
 ClusterRegistry::ClusterRegistry(kj::AsyncIoContext& io, RegistryConfig config)
     : io_(io), config_(config), tasks_(*this) {
+  last_check_ = io_.provider->getTimer().now();
   tasks_.add(check_loop());
 }
 
@@ -135,14 +142,29 @@ void ClusterRegistry::add_local_node(proto::NodeInfo::Reader info, proto::Node::
 }
 
 ClusterRegistry::Registered ClusterRegistry::register_node(proto::NodeInfo::Reader info,
-                                                           proto::Node::Client node) {
+                                                           proto::Node::Client node,
+                                                           const std::string& secret) {
   std::string id = info.getNodeId().cStr();
   if (id.empty()) rpc::throw_status(invalid_argument("registerNode: empty nodeId"));
-  auto& slot = members_[id];
-  if (slot && slot->local) {
+  if (secret.size() < 16) {
+    rpc::throw_status(invalid_argument("registerNode: node " + id + " sent no node secret"));
+  }
+  auto found = members_.find(id);
+  if (found != members_.end() && found->second->local) {
     rpc::throw_status(Status(Code::kAlreadyExists, "node id " + id + " is the head's own"));
   }
-  bool again = slot != nullptr;
+  bool was_alive = false;
+  if (found != members_.end()) {
+    if (!constant_time_equal(found->second->secret, secret)) {
+      spdlog::warn("refused a registration as node {} from {}: the id belongs to another daemon",
+                   id, info.getAddress().cStr());
+      rpc::throw_status(Status(Code::kPermissionDenied,
+                               "node id " + id +
+                                   " is registered by another daemon; a node id cannot be "
+                                   "taken over (restart the daemon for a fresh id)"));
+    }
+    was_alive = found->second->alive;
+  }
   auto m = std::make_unique<Member>();
   m->message->setRoot(info);
   m->info = m->message->getRoot<proto::NodeInfo>();
@@ -151,13 +173,22 @@ ClusterRegistry::Registered ClusterRegistry::register_node(proto::NodeInfo::Read
   m->info.setLastHeartbeatMs(wall_ms());
   m->node = kj::mv(node);
   m->session = next_id_++;
+  m->secret = secret;
   m->last_beat = io_.provider->getTimer().now();
   uint64_t session = m->session;
+  auto& slot = members_[id];
+  bool again = slot != nullptr;
   slot = std::move(m);
   auto res = info.getResources();
-  spdlog::info("node {} ({}) {}registered from {}: {} CPUs, {} GPU(s)", id, info.getName().cStr(),
-               again ? "re-" : "", info.getAddress().cStr(), res.getCpus(), res.getGpus().size());
-  notify(true, *slot);
+  if (was_alive) {
+    // Its old connection is gone or going; the node itself never left.
+    spdlog::info("node {} ({}) reconnected from {}", id, info.getName().cStr(),
+                 info.getAddress().cStr());
+  } else {
+    spdlog::info("node {} ({}) {}registered from {}: {} CPUs, {} GPU(s)", id, info.getName().cStr(),
+                 again ? "re-" : "", info.getAddress().cStr(), res.getCpus(), res.getGpus().size());
+    notify(true, *slot);
+  }
   return {id, kj::heap<SessionImpl>(*this, alive_, id, session)};
 }
 
@@ -194,6 +225,18 @@ void ClusterRegistry::mark_dead(const std::string& node_id, uint64_t session,
   m.node = nullptr;  // let go of the connection
   spdlog::warn("node {} ({}) is dead: {}", node_id, m.info.getName().cStr(), reason);
   notify(false, m);
+}
+
+void ClusterRegistry::session_lost(const std::string& node_id, uint64_t session) {
+  auto it = members_.find(node_id);
+  if (it == members_.end() || it->second->session != session || !it->second->alive) return;
+  if (it->second->lost_since == nullptr) {
+    it->second->lost_since = io_.provider->getTimer().now();
+    spdlog::info(
+        "node {}: its connection to the head dropped; waiting up to {} ms for it to "
+        "reconnect",
+        node_id, config_.heartbeat_ms * config_.missed_beats);
+  }
 }
 
 void ClusterRegistry::fill_nodes(bool include_dead, proto::Cluster::ListNodesResults::Builder out) {
@@ -252,20 +295,41 @@ kj::Promise<void> ClusterRegistry::check_loop() {
   return timer.afterDelay(config_.heartbeat_ms * kj::MILLISECONDS).then([this]() {
     auto now = io_.provider->getTimer().now();
     auto limit = config_.heartbeat_ms * config_.missed_beats * kj::MILLISECONDS;
-    std::vector<std::pair<std::string, uint64_t>> late;
+    auto late_by = now - last_check_ - config_.heartbeat_ms * kj::MILLISECONDS;
+    last_check_ = now;
+    if (late_by * 2 > limit) {
+      // The head did not run for a while (stopped, or its machine froze): nobody could reach it,
+      // so silence says nothing about the members. Give every one a fresh window.
+      spdlog::warn(
+          "the head was paused for about {} ms; giving every member {} ms to be heard "
+          "from before judging it",
+          late_by / kj::MILLISECONDS, limit / kj::MILLISECONDS);
+      for (auto& [id, m] : members_) {
+        m->last_beat = now;
+        if (m->lost_since != nullptr) m->lost_since = now;
+      }
+    }
+    std::vector<std::tuple<std::string, uint64_t, std::string>> dead;
     for (auto& [id, m] : members_) {
-      if (m->alive && !m->local && now - m->last_beat > limit) late.emplace_back(id, m->session);
+      if (!m->alive || m->local) continue;
+      KJ_IF_MAYBE (since, m->lost_since) {
+        if (now - *since > limit) {
+          dead.emplace_back(id, m->session,
+                            "its connection to the head was lost and it did not reconnect within " +
+                                std::to_string(limit / kj::MILLISECONDS) + " ms");
+        }
+      } else if (now - m->last_beat > limit) {
+        dead.emplace_back(id, m->session,
+                          "missed " + std::to_string(config_.missed_beats) +
+                              " heartbeats (none for " +
+                              std::to_string((now - m->last_beat) / kj::MILLISECONDS) + " ms)");
+      }
     }
-    for (auto& [id, session] : late) {
-      auto since = (now - members_[id]->last_beat) / kj::MILLISECONDS;
-      mark_dead(id, session,
-                "missed " + std::to_string(config_.missed_beats) + " heartbeats (none for " +
-                    std::to_string(since) + " ms)");
-    }
+    for (auto& [id, session, reason] : dead) mark_dead(id, session, reason);
     // Forget dead members beyond the last 100.
-    size_t dead = 0;
+    size_t dead_count = 0;
     for (auto it = members_.begin(); it != members_.end();) {
-      if (!it->second->alive && ++dead > 100)
+      if (!it->second->alive && ++dead_count > 100)
         it = members_.erase(it);
       else
         ++it;

@@ -1,10 +1,14 @@
 // The head's cluster registry: which nodes are members, their last heartbeat, and who wants
 // to hear about changes.
 //
-// A node registers with its NodeInfo and its Node capability and gets a NodeSession back. It is
-// marked dead when it leaves, when its connection drops (the session capability is released),
-// or when it misses `missed_beats` heartbeats in a row; subscribers hear nodeAdded / nodeDead.
-// A dead node's session refuses further heartbeats, so the node registers again.
+// A node registers with its NodeInfo, its Node capability and its node secret, and gets a
+// NodeSession back. It is marked dead when it leaves, when it misses `missed_beats` heartbeats
+// in a row, or when its connection drops and it does not register again within that same
+// window (a member whose heartbeat to a slow head timed out reconnects and keeps its place);
+// subscribers hear nodeAdded / nodeDead. A dead node's session refuses further heartbeats, so
+// the node registers again. An id is bound to the secret it first registered with: no other
+// connection can take it over. If the head itself was paused (SIGSTOP, a VM freeze) it gives
+// every member a fresh window instead of declaring them dead unheard.
 //
 // Single-threaded: lives on the head daemon's kj event loop.
 #pragma once
@@ -44,9 +48,12 @@ class ClusterRegistry final : private kj::TaskSet::ErrorHandler {
     std::string node_id;
     proto::NodeSession::Client session;
   };
-  Registered register_node(proto::NodeInfo::Reader info, proto::Node::Client node);
+  Registered register_node(proto::NodeInfo::Reader info, proto::Node::Client node,
+                           const std::string& secret);
   void heartbeat(const std::string& node_id, uint64_t session, proto::NodeUsage::Reader usage);
   void mark_dead(const std::string& node_id, uint64_t session, const std::string& reason);
+  // The session's connection dropped: dead unless it registers again within the window.
+  void session_lost(const std::string& node_id, uint64_t session);
   void fill_nodes(bool include_dead, proto::Cluster::ListNodesResults::Builder out);
   uint64_t subscribe(proto::ClusterListener::Client listener);
   void unsubscribe(uint64_t id);
@@ -65,6 +72,7 @@ class ClusterRegistry final : private kj::TaskSet::ErrorHandler {
   std::map<std::string, std::unique_ptr<Member>> members_;
   std::map<uint64_t, proto::ClusterListener::Client> listeners_;
   uint64_t next_id_ = 1;
+  kj::TimePoint last_check_ = kj::origin<kj::TimePoint>();
   // Expires with the registry: sessions and subscriptions released later must not call back.
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);
   kj::TaskSet tasks_;

@@ -4,6 +4,8 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include "common/session.h"
+#include "common/sha256.h"
 #include "daemon/actor_supervisor.h"
 #include "daemon/cluster_registry.h"
 #include "daemon/head_link.h"
@@ -30,32 +32,10 @@ struct Daemon::Impl {
   kj::Own<rpc::RpcServer> server;
   kj::Own<kj::PromiseFulfiller<std::string>> shutdown_fulfiller;
   kj::Maybe<kj::ForkedPromise<std::string>> shutdown_promise;
+  std::string bind_address;
 };
 
 namespace {
-
-// The bootstrap capability: hello first, then the daemon's capabilities.
-class GatewayImpl final : public proto::Gateway::Server {
- public:
-  explicit GatewayImpl(Daemon::Impl& d) : d_(d) {}
-
- protected:
-  kj::Promise<void> hello(HelloContext context) override {
-    auto p = context.getParams();
-    proto::Role role = d_.config.head ? proto::Role::HEAD : proto::Role::NODE;
-    rpc::require_version(p.getVersion(), p.getPeer(), role);
-    auto r = context.getResults();
-    r.setVersion(rpc::kProtocolVersion);
-    r.setRole(role);
-    r.setServerId(d_.identity.node_id);
-    r.setNode(d_.node->client());
-    if (d_.registry) r.setCluster(d_.registry->client());
-    return kj::READY_NOW;
-  }
-
- private:
-  Daemon::Impl& d_;
-};
 
 std::string hostname() {
   char buf[256] = {0};
@@ -80,6 +60,24 @@ Daemon::~Daemon() {
 
 std::string Daemon::address() const { return impl_->identity.address; }
 std::string Daemon::node_id() const { return impl_->identity.node_id; }
+std::string Daemon::bind_address() const { return impl_->bind_address; }
+
+namespace {
+
+// How far the bound address reaches, for the start-up line.
+std::string exposure(const std::string& bind_host) {
+  if (is_loopback_host(bind_host)) {
+    return "loopback only: other machines cannot reach it; pass --node-ip ADDRESS to serve a "
+           "multi-machine cluster";
+  }
+  if (bind_host == "0.0.0.0" || bind_host == "::" || bind_host == "[::]") {
+    return "all interfaces: anyone who can reach this machine can connect, and only the cluster "
+           "token keeps them out";
+  }
+  return "interface " + bind_host + ": reachable from that network; peers need the cluster token";
+}
+
+}  // namespace
 
 Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonConfig config) {
   auto impl = std::make_unique<Impl>(io, std::move(config));
@@ -90,7 +88,9 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
   d.identity.is_head = c.head;
   d.identity.started_at_ms = unix_ms();
   d.identity.session_dir = c.session_dir;
-  d.identity.shm_prefix = "/tessera-" + d.identity.node_id.substr(2) + "-";
+  d.identity.shm_prefix = shm_prefix_for_this_process();
+  if (c.cluster_token.empty()) return invalid_argument("a daemon needs a cluster token");
+  TESSERA_ASSIGN_OR_RETURN(std::string node_secret, random_bytes(32));
 
   d.monitor = std::make_unique<ResourceMonitor>(c.nvml_library);
   NodeResources res = d.monitor->snapshot();
@@ -103,21 +103,30 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
     spdlog::info("GPU links:\n{}", format_link_matrix(res));
   }
 
-  std::string node_ip = c.node_ip;
+  std::string bind_host = !c.bind_host.empty() ? c.bind_host : c.node_ip;
   if (!c.head) {
     if (c.head_address.empty()) {
       return invalid_argument("a member daemon needs --address HEAD:PORT");
     }
     // Join first: the address the head sees us on is the one other nodes can reach.
-    d.head_link =
-        std::make_unique<HeadLink>(io, c.head_address, "node daemon " + d.identity.node_id);
+    d.head_link = std::make_unique<HeadLink>(
+        io, c.head_address, "node daemon " + d.identity.node_id, c.cluster_token, node_secret);
     Status st = d.head_link->connect(c.join_timeout_ms * kj::MILLISECONDS).wait(io.waitScope);
     if (!st) return st;
-    if (node_ip.empty()) node_ip = d.head_link->local_ip();
+    if (bind_host.empty()) bind_host = d.head_link->local_ip();
   }
-  if (node_ip.empty()) node_ip = detect_node_ip();
+  if (bind_host.empty()) bind_host = "127.0.0.1";  // a single-machine start stays private
+  std::string node_ip = c.node_ip;
+  if (node_ip.empty()) {
+    node_ip = (bind_host == "0.0.0.0" || bind_host == "::") ? detect_node_ip() : bind_host;
+  }
 
-  d.objects = std::make_unique<ObjectStore>(d.identity.shm_prefix + "obj-", c.object_store_bytes);
+  ObjectStoreOptions store;
+  store.segment_prefix = d.identity.shm_prefix + "obj-";
+  store.capacity_bytes = c.object_store_bytes;
+  store.owner_capacity_bytes = c.shm_per_lease_bytes;
+  TESSERA_RETURN_IF_ERROR(ObjectStore::validate(store));
+  d.objects = std::make_unique<ObjectStore>(store);
   SupervisorConfig sup;
   sup.node_id = d.identity.node_id;
   sup.bin_dir = c.bin_dir.empty() ? self_exe_dir() : c.bin_dir;
@@ -125,42 +134,56 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
   sup.listen_host = node_ip;
   sup.gpu_count = static_cast<uint32_t>(res.gpus.size());
   sup.kill_grace_ms = c.kill_grace_ms;
+  sup.max_actors = c.max_actors;
+  sup.health_timeout_ms = c.actor_health_timeout_ms;
+  sup.step_timeout_ms = c.actor_step_timeout_ms;
+  sup.job_env_allow.insert(sup.job_env_allow.end(), c.actor_env_allow.begin(),
+                           c.actor_env_allow.end());
   d.actors = std::make_unique<ActorSupervisor>(io, sup);
   auto* monitor = d.monitor.get();
-  auto* self = &d;
-  d.node = std::make_unique<NodeService>(
-      io, d.identity, *d.actors, *d.objects, [monitor]() { return monitor->snapshot(); },
-      [self]() {
-        if (self->shutdown_fulfiller && self->shutdown_fulfiller->isWaiting()) {
-          self->shutdown_fulfiller->fulfill(std::string("a shutdown RPC"));
-        }
-      });
+  d.node = std::make_unique<NodeService>(io, d.identity, *d.actors, *d.objects,
+                                         [monitor]() { return monitor->snapshot(); });
 
   auto paf = kj::newPromiseAndFulfiller<std::string>();
   d.shutdown_fulfiller = kj::mv(paf.fulfiller);
   d.shutdown_promise = paf.promise.fork();
 
-  auto server = rpc::RpcServer::listen(io, c.bind_host + ":" + std::to_string(c.port),
-                                       kj::heap<GatewayImpl>(d), c.head ? "head" : "node daemon");
+  if (c.head) {
+    d.registry =
+        std::make_unique<ClusterRegistry>(io, RegistryConfig{c.heartbeat_ms, c.missed_beats});
+  }
+  rpc::Endpoint endpoint;
+  endpoint.role = c.head ? proto::Role::HEAD : proto::Role::NODE;
+  endpoint.server_id = d.identity.node_id;
+  endpoint.secret = c.cluster_token;
+  auto* self = &d;
+  endpoint.grant = [self](proto::Handshake::AuthenticateResults::Builder out) {
+    out.setNode(self->node->client());
+    if (self->registry) out.setCluster(self->registry->client());
+  };
+  std::string host_part =
+      bind_host.find(':') != std::string::npos ? "[" + bind_host + "]" : bind_host;
+  auto server =
+      rpc::RpcServer::listen(io, host_part + ":" + std::to_string(c.port), std::move(endpoint),
+                             c.head ? "head" : "node daemon", c.limits);
   if (!server) return server.status();
   d.server = kj::mv(*server);
+  d.bind_address = host_part + ":" + std::to_string(d.server->port());
   d.identity.address = node_ip + ":" + std::to_string(d.server->port());
   d.node->set_address(d.identity.address);
 
   if (c.head) {
-    d.registry =
-        std::make_unique<ClusterRegistry>(io, RegistryConfig{c.heartbeat_ms, c.missed_beats});
     capnp::MallocMessageBuilder msg;
     auto info = msg.initRoot<proto::NodeInfo>();
     d.node->fill_info(info);
     d.registry->add_local_node(info.asReader(), d.node->client());
-    spdlog::info("head {} ({}) serving at {}", d.identity.node_id, d.identity.name,
-                 d.identity.address);
+    spdlog::info("head {} ({}) serving at {} ({})", d.identity.node_id, d.identity.name,
+                 d.identity.address, exposure(bind_host));
   } else {
     Status st = d.head_link->register_and_beat(*d.node).wait(io.waitScope);
     if (!st) return st;
-    spdlog::info("node {} ({}) serving at {}, member of {}", d.identity.node_id, d.identity.name,
-                 d.identity.address, c.head_address);
+    spdlog::info("node {} ({}) serving at {}, member of {} ({})", d.identity.node_id,
+                 d.identity.name, d.identity.address, c.head_address, exposure(bind_host));
   }
   return std::unique_ptr<Daemon>(new Daemon(std::move(impl)));
 }

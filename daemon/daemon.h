@@ -7,26 +7,36 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
-#include "daemon/session.h"
+#include "protocol/rpc.h"
 
 namespace tessera {
 
 struct DaemonConfig {
   bool head = false;
-  std::string node_id;       // "" = a fresh random id ("n-3f2a9c0d1e")
-  std::string head_address;  // members: the head's "host:port"
-  std::string bind_host = "0.0.0.0";
+  std::string node_id;        // "" = a fresh random id ("n-3f2a9c0d1e")
+  std::string head_address;   // members: the head's "host:port"
+  std::string cluster_token;  // required: every connection proves it (protocol/auth.h)
+  // Where to listen. "" = a head binds node_ip if given, else loopback only; a member binds the
+  // address it reaches its head from (loopback when the head is on loopback).
+  std::string bind_host;
   uint16_t port = 0;        // 0 = any free port
-  std::string node_ip;      // advertised address; "" = detect
+  std::string node_ip;      // advertised address; "" = the bind address (or detect for 0.0.0.0)
   std::string node_name;    // "" = hostname
   std::string session_dir;  // created by the caller (logs/ inside)
   std::string bin_dir;      // where tessera-actor lives; "" = next to this executable
-  uint64_t object_store_bytes = 2ull << 30;
+  uint64_t object_store_bytes = 2ull << 30;  // the node's shared memory: objects and rings
+  uint64_t shm_per_lease_bytes = 0;          // 0 = object_store_bytes
   uint32_t heartbeat_ms = 1000;
   uint32_t missed_beats = 5;
   uint32_t kill_grace_ms = 3000;
+  uint32_t max_actors = 128;
+  uint32_t actor_health_timeout_ms = 10000;  // 0 = no watchdog
+  uint32_t actor_step_timeout_ms = 120000;
+  std::vector<std::string> actor_env_allow;  // patterns added to NCCL_* CUDA_* TESSERA_* ...
+  rpc::ServerLimits limits;
   std::string nvml_library;  // "" = libnvidia-ml.so.1 (or $TESSERA_NVML_LIBRARY)
   uint32_t join_timeout_ms = 10000;
 };
@@ -46,6 +56,8 @@ class Daemon {
 
   std::string address() const;
   std::string node_id() const;
+  // The address the RPC port is bound to ("127.0.0.1:6380", "0.0.0.0:6380").
+  std::string bind_address() const;
 
   struct Impl;
 

@@ -9,8 +9,14 @@
 
 namespace tessera {
 
-HeadLink::HeadLink(kj::AsyncIoContext& io, std::string head_address, std::string self)
-    : io_(io), head_address_(std::move(head_address)), self_(std::move(self)), tasks_(*this) {}
+HeadLink::HeadLink(kj::AsyncIoContext& io, std::string head_address, std::string self,
+                   std::string token, std::string node_secret)
+    : io_(io),
+      head_address_(std::move(head_address)),
+      self_(std::move(self)),
+      token_(std::move(token)),
+      node_secret_(std::move(node_secret)),
+      tasks_(*this) {}
 
 HeadLink::~HeadLink() = default;
 
@@ -19,7 +25,7 @@ void HeadLink::taskFailed(kj::Exception&& exception) {
 }
 
 kj::Promise<Status> HeadLink::connect(kj::Duration timeout) {
-  return rpc::connect(io_, head_address_, self_, timeout)
+  return rpc::connect(io_, head_address_, self_, token_, timeout)
       .then([this](Expected<kj::Own<rpc::Connection>>&& conn) -> Status {
         if (!conn) return conn.status().with_context("cannot join the cluster");
         if ((*conn)->role != proto::Role::HEAD || !(*conn)->has_cluster) {
@@ -47,11 +53,14 @@ kj::Promise<Status> HeadLink::do_register() {
   auto req = conn_->cluster.registerNodeRequest();
   node_->fill_info(req.initInfo());
   req.setNode(node_->client());
+  req.setNodeSecret(
+      kj::arrayPtr(reinterpret_cast<const kj::byte*>(node_secret_.data()), node_secret_.size()));
   return req.send().then(
       [this](capnp::Response<proto::Cluster::RegisterNodeResults>&& r) -> Status {
         session_ = r.getSession();
         registered_ = true;
         heartbeat_ms_ = std::max<uint32_t>(r.getHeartbeatMs(), 10);
+        missed_beats_ = std::max<uint32_t>(r.getMissedBeats(), 1);
         spdlog::info("registered with head {} as {} (heartbeat every {} ms)", head_address_,
                      r.getNodeId().cStr(), heartbeat_ms_);
         return Status::ok();
@@ -83,15 +92,26 @@ kj::Promise<void> HeadLink::beat_loop() {
           used.set(static_cast<unsigned>(i), res.gpus[i].memory_used);
         }
         usage.setActors(static_cast<uint32_t>(node_->actors().live_count()));
-        return req.send().then([this](auto&&) { return beat_loop(); },
-                               [this](kj::Exception&& e) -> kj::Promise<void> {
-                                 if (leaving_) return kj::READY_NOW;
-                                 Status st = rpc::to_status(e);
-                                 spdlog::warn("heartbeat to head {} failed: {}; reconnecting",
-                                              head_address_, st.message());
-                                 registered_ = false;
-                                 return reconnect_loop(0);
-                               });
+        // A head that does not answer within its own dead-node window is as good as gone.
+        auto window = heartbeat_ms_ * missed_beats_ * kj::MILLISECONDS;
+        return io_.provider->getTimer()
+            .timeoutAfter(window, req.send().ignoreResult())
+            .then([this]() { return beat_loop(); },
+                  [this, window](kj::Exception&& e) -> kj::Promise<void> {
+                    if (leaving_) return kj::READY_NOW;
+                    Status st = rpc::to_status(e);
+                    std::string why = st.message().find("timed out") != std::string::npos
+                                          ? "no answer within " +
+                                                std::to_string(window / kj::MILLISECONDS) +
+                                                " ms (the head is stopped or overloaded)"
+                                          : st.message();
+                    spdlog::warn("heartbeat to head {} failed: {}; reconnecting", head_address_,
+                                 why);
+                    registered_ = false;
+                    conn_ = nullptr;  // drop the stuck connection; a fresh one re-registers
+                    session_ = nullptr;
+                    return reconnect_loop(0);
+                  });
       });
 }
 

@@ -1,5 +1,6 @@
 // A node daemon's membership in a cluster: registers with the head, heartbeats, and registers
-// again after the head restarts or declares it dead.
+// again after the head restarts, declares it dead, or stops answering (a heartbeat that gets no
+// reply within the head's dead-node window drops the connection and reconnects).
 //
 // Single-threaded: lives on the daemon's kj event loop.
 #pragma once
@@ -16,8 +17,10 @@ namespace tessera {
 
 class HeadLink final : private kj::TaskSet::ErrorHandler {
  public:
-  // `self` names this daemon in the head's logs ("node daemon n-3f2a").
-  HeadLink(kj::AsyncIoContext& io, std::string head_address, std::string self);
+  // `self` names this daemon in the head's logs ("node daemon n-3f2a"); `token` is the cluster
+  // token; `node_secret` binds this daemon's node id at the head (made at start-up).
+  HeadLink(kj::AsyncIoContext& io, std::string head_address, std::string self, std::string token,
+           std::string node_secret);
   ~HeadLink();
   HeadLink(const HeadLink&) = delete;
   HeadLink& operator=(const HeadLink&) = delete;
@@ -48,10 +51,13 @@ class HeadLink final : private kj::TaskSet::ErrorHandler {
   kj::AsyncIoContext& io_;
   std::string head_address_;
   std::string self_;
+  std::string token_;
+  std::string node_secret_;
   NodeService* node_ = nullptr;
   kj::Own<rpc::Connection> conn_;
   proto::NodeSession::Client session_{nullptr};
   uint32_t heartbeat_ms_ = 1000;
+  uint32_t missed_beats_ = 5;
   std::string local_ip_;
   bool registered_ = false;  // session_ is valid
   bool leaving_ = false;

@@ -83,17 +83,18 @@ class LeaseImpl final : public proto::Lease::Server {
     require_live();
     auto spec = context.getParams().getSpec();
     ActorSpawnRequest request;
-    request.binary = spec.getBinary().cStr();
-    for (auto a : spec.getArgs()) request.args.emplace_back(a.cStr());
     for (auto g : spec.getGpus()) request.gpus.push_back(g);
     for (auto e : spec.getEnv()) request.env.emplace_back(e.getName().cStr(), e.getValue().cStr());
     request.name = spec.getName().cStr();
     request.ready_timeout_ms = spec.getReadyTimeoutMs();
     return node_.actors()
         .spawn(key_, owner_, request)
-        .then([this, context](Expected<ActorRecord>&& record) mutable {
-          if (!record) rpc::throw_status(record.status());
-          to_proto(*record, node_.identity().node_id, context.getResults().initInfo());
+        .then([this, context](Expected<SpawnedActor>&& spawned) mutable {
+          if (!spawned) rpc::throw_status(spawned.status());
+          auto results = context.getResults();
+          to_proto(spawned->record, node_.identity().node_id, results.initInfo());
+          results.setKey(kj::arrayPtr(reinterpret_cast<const kj::byte*>(spawned->key.data()),
+                                      spawned->key.size()));
         });
   }
 
@@ -182,7 +183,7 @@ class LeaseImpl final : public proto::Lease::Server {
 
   kj::Promise<void> deleteObject(DeleteObjectContext context) override {
     require_live();
-    Status st = node_.objects().remove(context.getParams().getId().cStr());
+    Status st = node_.objects().remove(key_, context.getParams().getId().cStr());
     if (!st) rpc::throw_status(st);
     return kj::READY_NOW;
   }
@@ -201,12 +202,22 @@ class LeaseImpl final : public proto::Lease::Server {
     }
     auto bytes = BroadcastRing::layout_bytes(p.getSlotBytes(), p.getSlots(), p.getReaders());
     if (!bytes) rpc::throw_status(bytes.status());
-    std::string segment_name = node_.identity().shm_prefix + "ring-" + name;
+    // Rings live in the lease's own name space: two leases may both have a ring "steps".
+    std::string segment_name =
+        node_.identity().shm_prefix + "ring-" + key_.substr(0, key_.find('/')) + "-" + name;
+    Status room = node_.objects().reserve(key_, *bytes, "ring '" + name + "'");
+    if (!room) rpc::throw_status(room);
     auto segment = ShmSegment::create(segment_name, *bytes);
-    if (!segment) rpc::throw_status(segment.status());
+    if (!segment) {
+      node_.objects().unreserve(key_, *bytes);
+      rpc::throw_status(segment.status());
+    }
     Status st = BroadcastRing::format(segment->data(), segment->size(), p.getSlotBytes(),
                                       p.getSlots(), p.getReaders());
-    if (!st) rpc::throw_status(st);
+    if (!st) {
+      node_.objects().unreserve(key_, *bytes);
+      rpc::throw_status(st);
+    }
     spdlog::info("lease {}: ring {} ({} slots x {} bytes, {} readers)", key_, segment_name,
                  p.getSlots(), p.getSlotBytes(), p.getReaders());
     rings_.emplace(name, std::move(*segment));
@@ -236,7 +247,10 @@ class LeaseImpl final : public proto::Lease::Server {
     end_reason_ = why;
     spdlog::info("lease {} of {} ended: {}", key_, owner_, why);
     node_.end_lease(key_, why);
-    for (auto& [name, seg] : rings_) spdlog::info("lease {}: unlinking ring {}", key_, seg.name());
+    for (auto& [name, seg] : rings_) {
+      spdlog::info("lease {}: unlinking ring {}", key_, seg.name());
+      node_.objects().unreserve(key_, seg.size());
+    }
     rings_.clear();
   }
 
@@ -309,13 +323,8 @@ class NodeImpl final : public proto::Node::Server {
     auto s = results.initStats();
     s.setCapacity(stats.capacity);
     s.setUsed(stats.used);
-    s.setObjects(stats.objects);
-    return kj::READY_NOW;
-  }
-
-  kj::Promise<void> shutdown(ShutdownContext) override {
-    spdlog::info("shutdown requested over RPC");
-    node_.request_shutdown();
+    s.setObjects(static_cast<uint32_t>(stats.objects));
+    s.setLeaseCapacity(stats.owner_capacity);
     return kj::READY_NOW;
   }
 
@@ -326,14 +335,12 @@ class NodeImpl final : public proto::Node::Server {
 // ---- NodeService ----------------------------------------------------------------------------
 
 NodeService::NodeService(kj::AsyncIoContext& io, NodeIdentity identity, ActorSupervisor& actors,
-                         ObjectStore& objects, std::function<NodeResources()> read_resources,
-                         std::function<void()> request_shutdown)
+                         ObjectStore& objects, std::function<NodeResources()> read_resources)
     : io_(io),
       identity_(std::move(identity)),
       actors_(actors),
       objects_(objects),
-      read_resources_(std::move(read_resources)),
-      request_shutdown_(std::move(request_shutdown)) {
+      read_resources_(std::move(read_resources)) {
   actors_.set_death_handler([this](const ActorRecord& r) { on_actor_death(r); });
 }
 

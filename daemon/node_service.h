@@ -30,7 +30,7 @@ struct NodeIdentity {
   bool is_head = false;
   uint64_t started_at_ms = 0;
   std::string session_dir;
-  std::string shm_prefix;  // "/tessera-<session>-": every segment of this daemon starts so
+  std::string shm_prefix;  // "/tessera-<pid>-<start>-": every segment of this daemon starts so
 };
 
 class LeaseImpl;
@@ -38,8 +38,7 @@ class LeaseImpl;
 class NodeService {
  public:
   NodeService(kj::AsyncIoContext& io, NodeIdentity identity, ActorSupervisor& actors,
-              ObjectStore& objects, std::function<NodeResources()> read_resources,
-              std::function<void()> request_shutdown);
+              ObjectStore& objects, std::function<NodeResources()> read_resources);
   ~NodeService();
   NodeService(const NodeService&) = delete;
   NodeService& operator=(const NodeService&) = delete;
@@ -64,7 +63,6 @@ class NodeService {
   // watcher until remove_lease.
   void end_lease(const std::string& key, const std::string& why);
   void remove_lease(const std::string& key);
-  void request_shutdown() { request_shutdown_(); }
 
  private:
   void on_actor_death(const ActorRecord& record);
@@ -74,7 +72,6 @@ class NodeService {
   ActorSupervisor& actors_;
   ObjectStore& objects_;
   std::function<NodeResources()> read_resources_;
-  std::function<void()> request_shutdown_;
   std::map<std::string, LeaseImpl*> leases_;
 };
 

@@ -25,7 +25,70 @@ void fire(std::vector<std::function<void(Status)>>& callbacks, const Status& sta
 
 }  // namespace
 
-ObjectStore::ObjectStore(ObjectStoreOptions options) : options_(std::move(options)) {}
+ObjectStore::ObjectStore(ObjectStoreOptions options) : options_(std::move(options)) {
+  if (options_.owner_capacity_bytes == 0 ||
+      options_.owner_capacity_bytes > options_.capacity_bytes) {
+    options_.owner_capacity_bytes = options_.capacity_bytes;
+  }
+}
+
+Status ObjectStore::check_room(const std::string& owner, uint64_t bytes,
+                               const std::string& what) const {
+  const uint64_t free = options_.capacity_bytes - used_;
+  if (bytes > free) {
+    return resource_exhausted("object store full: " + what + " needs " + std::to_string(bytes) +
+                              " bytes but only " + std::to_string(free) + " of " +
+                              std::to_string(options_.capacity_bytes) +
+                              " bytes are free; release or delete objects, or start the daemon "
+                              "with a larger --object-store-memory");
+  }
+  auto mine = used_by_owner_.find(owner);
+  const uint64_t held = mine == used_by_owner_.end() ? 0 : mine->second;
+  if (bytes > options_.owner_capacity_bytes - held) {
+    return resource_exhausted(what + " needs " + std::to_string(bytes) + " bytes but " + owner +
+                              " already holds " + std::to_string(held) + " of the " +
+                              std::to_string(options_.owner_capacity_bytes) +
+                              " bytes one lease may hold (--shm-per-lease); free some first");
+  }
+  if (segments_ >= options_.max_segments) {
+    return resource_exhausted(what + ": the node already has " + std::to_string(segments_) +
+                              " shared-memory segments, the most it keeps; delete objects first");
+  }
+  return Status::ok();
+}
+
+void ObjectStore::charge(const std::string& owner, uint64_t bytes) {
+  used_ += bytes;
+  ++segments_;
+  used_by_owner_[owner] += bytes;
+}
+
+void ObjectStore::refund(const std::string& owner, uint64_t bytes) {
+  used_ -= bytes;
+  --segments_;
+  auto it = used_by_owner_.find(owner);
+  if (it == used_by_owner_.end()) return;
+  it->second -= std::min(it->second, bytes);
+  if (it->second == 0) used_by_owner_.erase(it);
+}
+
+Status ObjectStore::reserve(const std::string& owner, uint64_t bytes, const std::string& what) {
+  TESSERA_RETURN_IF_ERROR(check_owner(owner));
+  TESSERA_RETURN_IF_ERROR(check_room(owner, bytes, what));
+  charge(owner, bytes);
+  return Status::ok();
+}
+
+void ObjectStore::unreserve(const std::string& owner, uint64_t bytes) { refund(owner, bytes); }
+
+namespace {
+
+Status not_yours(const std::string& action, const std::string& id) {
+  return Status(Code::kPermissionDenied,
+                "cannot " + action + " object " + quoted(id) + ": it belongs to another lease");
+}
+
+}  // namespace
 
 ObjectStore::~ObjectStore() {
   // Segments unlink themselves (each ShmSegment owns its name); pending waiters learn why.
@@ -70,14 +133,7 @@ Expected<std::string> ObjectStore::create(const std::string& owner, const std::s
   if (objects_.count(id) != 0) {
     return Status(Code::kAlreadyExists, "object " + quoted(id) + " already exists");
   }
-  const uint64_t free = options_.capacity_bytes - used_;
-  if (bytes > free) {
-    return resource_exhausted("object store full: " + quoted(id) + " needs " +
-                              std::to_string(bytes) + " bytes but only " + std::to_string(free) +
-                              " of " + std::to_string(options_.capacity_bytes) +
-                              " bytes are free; release or delete objects, or start the daemon "
-                              "with a larger --object-store-memory");
-  }
+  TESSERA_RETURN_IF_ERROR(check_room(owner, bytes, quoted(id)));
   Expected<ShmSegment> segment = ShmSegment::create(options_.segment_prefix + id, bytes);
   if (!segment) return segment.status().with_context("object " + quoted(id));
   std::string name = segment->name();
@@ -86,7 +142,7 @@ Expected<std::string> ObjectStore::create(const std::string& owner, const std::s
   object.segment = std::move(*segment);
   object.bytes = bytes;
   objects_.emplace(id, std::move(object));
-  used_ += bytes;
+  charge(owner, bytes);
   spdlog::debug("object store: {} created {} ({} bytes) in {}", owner, id, bytes, name);
   return name;
 }
@@ -96,11 +152,7 @@ Status ObjectStore::seal(const std::string& owner, const std::string& id) {
   if (it == objects_.end())
     return not_found("cannot seal object " + quoted(id) + ": no such object");
   Object& object = it->second;
-  if (object.owner != owner) {
-    return Status(Code::kPermissionDenied, "cannot seal object " + quoted(id) +
-                                               ": it was created by " + object.owner + ", not " +
-                                               owner);
-  }
+  if (object.owner != owner) return not_yours("seal", id);
   if (object.sealed) {
     return failed_precondition("cannot seal object " + quoted(id) + ": it is already sealed");
   }
@@ -115,6 +167,7 @@ Expected<ObjectRef> ObjectStore::get(const std::string& owner, const std::string
   auto it = objects_.find(id);
   if (it == objects_.end()) return not_found("object " + quoted(id) + " does not exist");
   Object& object = it->second;
+  if (object.owner != owner) return not_yours("get", id);
   if (!object.sealed) {
     return failed_precondition("object " + quoted(id) + " is not sealed yet (its creator " +
                                object.owner + " is still writing it)");
@@ -129,6 +182,7 @@ Status ObjectStore::release(const std::string& owner, const std::string& id) {
   if (it == objects_.end())
     return not_found("cannot release object " + quoted(id) + ": no such object");
   Object& object = it->second;
+  if (object.owner != owner) return not_yours("release", id);
   auto ref = object.refs.find(owner);
   if (ref == object.refs.end()) {
     return failed_precondition("cannot release object " + quoted(id) + ": " + owner +
@@ -139,11 +193,12 @@ Status ObjectStore::release(const std::string& owner, const std::string& id) {
   return Status::ok();
 }
 
-Status ObjectStore::remove(const std::string& id) {
+Status ObjectStore::remove(const std::string& owner, const std::string& id) {
   auto it = objects_.find(id);
   if (it == objects_.end())
     return not_found("cannot delete object " + quoted(id) + ": no such object");
   const Object& object = it->second;
+  if (object.owner != owner) return not_yours("delete", id);
   if (object.total_refs > 0) {
     std::string holders;
     for (const auto& [holder, count] : object.refs) {
@@ -226,13 +281,13 @@ std::vector<ObjectInfo> ObjectStore::list() const {
 }
 
 ObjectStoreStats ObjectStore::stats() const {
-  return ObjectStoreStats{options_.capacity_bytes, used_, objects_.size()};
+  return ObjectStoreStats{options_.capacity_bytes, used_, segments_, options_.owner_capacity_bytes};
 }
 
 std::vector<std::function<void(Status)>> ObjectStore::erase(
     std::map<std::string, Object>::iterator it) {
   std::string id = it->first;
-  used_ -= it->second.bytes;
+  refund(it->second.owner, it->second.bytes);
   spdlog::debug("object store: deleted {} ({} bytes)", id, it->second.bytes);
   objects_.erase(it);  // ~ShmSegment unmaps and unlinks
   return take_waiters(id);

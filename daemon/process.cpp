@@ -20,7 +20,8 @@ namespace {
 
 // Child side after fork: only async-signal-safe calls until execve.
 [[noreturn]] void exec_child(const ProcessSpec& spec, char* const* argv, char* const* envp,
-                             int ready_write, int error_write, pid_t parent) {
+                             int ready_write, int secret_read, int heartbeat_write, int error_write,
+                             pid_t parent) {
   auto fail = [&](int err) {
     ssize_t ignored = ::write(error_write, &err, sizeof(err));
     (void)ignored;
@@ -36,20 +37,22 @@ namespace {
   for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGPIPE, SIGCHLD, SIGUSR1, SIGUSR2}) {
     ::signal(sig, SIG_DFL);
   }
-  int null_fd = ::open("/dev/null", O_RDONLY);
+  int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (null_fd < 0) fail(errno);
-  int log_fd = ::open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  int log_fd = ::open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
   if (log_fd < 0) fail(errno);
-  // Move the ready pipe to fd 3 first (it may currently sit on 0..2).
-  int ready_tmp = ::fcntl(ready_write, F_DUPFD, 10);
-  if (ready_tmp < 0) fail(errno);
-  if (::dup2(null_fd, 0) < 0 || ::dup2(log_fd, 1) < 0 || ::dup2(log_fd, 2) < 0 ||
-      ::dup2(ready_tmp, kReadyFd) < 0) {
-    fail(errno);
+  // Every source goes above the target numbers 0..5 first, so no dup2 clobbers another source.
+  // The copies are close-on-exec; dup2's targets are not.
+  int sources[6] = {null_fd, log_fd, log_fd, ready_write, secret_read, heartbeat_write};
+  int high[6];
+  for (int i = 0; i < 6; ++i) {
+    high[i] = ::fcntl(sources[i], F_DUPFD_CLOEXEC, 10);
+    if (high[i] < 0) fail(errno);
   }
-  ::close(ready_tmp);
-  if (null_fd > 2) ::close(null_fd);
-  if (log_fd > 2) ::close(log_fd);
+  for (int i = 0; i < 6; ++i) {
+    if (::dup2(high[i], i) < 0) fail(errno);
+  }
+  static_assert(kReadyFd == 3 && kSecretFd == 4 && kHeartbeatFd == 5);
   ::execve(spec.binary.c_str(), argv, envp);
   fail(errno);
   _exit(127);
@@ -70,28 +73,48 @@ Expected<SpawnedProcess> spawn_process(const ProcessSpec& spec) {
   for (auto& e : env_store) envp.push_back(e.data());
   envp.push_back(nullptr);
 
-  int ready[2];
-  int error[2];
-  if (::pipe2(ready, O_CLOEXEC) != 0) {
-    return internal_error(std::string("pipe: ") + std::strerror(errno));
+  if (spec.secret.size() > 4096) return invalid_argument("a child's secret is at most 4 KiB");
+  int ready[2] = {-1, -1}, secret[2] = {-1, -1}, heartbeat[2] = {-1, -1}, error[2] = {-1, -1};
+  auto close_all = [&]() {
+    for (int fd : {ready[0], ready[1], secret[0], secret[1], heartbeat[0], heartbeat[1], error[0],
+                   error[1]}) {
+      if (fd >= 0) ::close(fd);
+    }
+  };
+  if (::pipe2(ready, O_CLOEXEC) != 0 || ::pipe2(secret, O_CLOEXEC) != 0 ||
+      ::pipe2(heartbeat, O_CLOEXEC) != 0 || ::pipe2(error, O_CLOEXEC) != 0) {
+    int err = errno;
+    close_all();
+    return resource_exhausted(std::string("cannot make pipes to start ") + spec.binary + ": " +
+                              std::strerror(err));
   }
-  if (::pipe2(error, O_CLOEXEC) != 0) {
-    ::close(ready[0]);
-    ::close(ready[1]);
-    return internal_error(std::string("pipe: ") + std::strerror(errno));
+  // The secret fits in the pipe's buffer: write it now, so the child reads it and then EOF.
+  if (!spec.secret.empty() && ::write(secret[1], spec.secret.data(), spec.secret.size()) !=
+                                  static_cast<ssize_t>(spec.secret.size())) {
+    int err = errno;
+    close_all();
+    return internal_error(std::string("cannot hand a secret to ") + spec.binary + ": " +
+                          std::strerror(err));
   }
+  ::close(secret[1]);
+  secret[1] = -1;
   pid_t parent = ::getpid();
   pid_t pid = ::fork();
   if (pid < 0) {
     int err = errno;
-    for (int fd : {ready[0], ready[1], error[0], error[1]}) ::close(fd);
+    close_all();
     return resource_exhausted(std::string("cannot fork to start ") + spec.binary + ": " +
                               std::strerror(err));
   }
-  if (pid == 0) exec_child(spec, argv.data(), envp.data(), ready[1], error[1], parent);
+  if (pid == 0) {
+    exec_child(spec, argv.data(), envp.data(), ready[1], secret[0], heartbeat[1], error[1], parent);
+  }
 
   ::close(ready[1]);
+  ::close(secret[0]);
+  ::close(heartbeat[1]);
   ::close(error[1]);
+  ::fcntl(heartbeat[0], F_SETFL, ::fcntl(heartbeat[0], F_GETFL) | O_NONBLOCK);
   int child_errno = 0;
   ssize_t n;
   do {
@@ -102,6 +125,7 @@ Expected<SpawnedProcess> spawn_process(const ProcessSpec& spec) {
     int status = 0;
     ::waitpid(pid, &status, 0);
     ::close(ready[0]);
+    ::close(heartbeat[0]);
     std::string why = std::strerror(child_errno);
     if (child_errno == ENOENT) return not_found("cannot start " + spec.binary + ": " + why);
     if (child_errno == EACCES) {
@@ -109,27 +133,19 @@ Expected<SpawnedProcess> spawn_process(const ProcessSpec& spec) {
     }
     return internal_error("cannot start " + spec.binary + " (log " + spec.log_path + "): " + why);
   }
-  return SpawnedProcess{pid, ready[0]};
+  return SpawnedProcess{pid, ready[0], heartbeat[0]};
 }
 
-Expected<std::string> resolve_binary(const std::string& name, const std::string& bin_dir) {
-  if (name.empty()) return invalid_argument("empty actor binary name");
-  std::string path;
-  if (name.front() == '/') {
-    path = name;
-  } else if (name.find('/') != std::string::npos) {
-    return invalid_argument("actor binary '" + name + "' must be a bare name (looked up in " +
-                            bin_dir + ") or an absolute path");
-  } else {
-    path = bin_dir + "/" + name;
-  }
+Expected<std::string> resolve_actor_binary(const std::string& bin_dir) {
+  std::string path = bin_dir + "/tessera-actor";
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return not_found("unknown actor binary '" + name + "': no file " + path);
+    return not_found("no actor executable at " + path +
+                     " (install tessera-actor next to tessera, or start the daemon with "
+                     "--actor-bin-dir)");
   }
   if ((st.st_mode & 0111) == 0 || ::access(path.c_str(), X_OK) != 0) {
-    return Status(Code::kPermissionDenied,
-                  "actor binary '" + name + "' (" + path + ") is not executable");
+    return Status(Code::kPermissionDenied, "the actor executable " + path + " is not executable");
   }
   return path;
 }

@@ -1,10 +1,13 @@
 // Starting and describing child processes (actors) of the node daemon.
 //
 // spawn_process forks and execs with an explicit environment, stdout+stderr appended to a log
-// file, stdin from /dev/null, its own process group, and a "ready" pipe on fd 3 that the child
-// writes "READY <port>\n" to once it serves. The child gets SIGKILL if the daemon dies
-// (PR_SET_PDEATHSIG), so a daemon crash leaves no orphan. An exec failure (missing binary, not
-// executable) is reported synchronously through a close-on-exec pipe, not as an exit code.
+// file, stdin from /dev/null, its own process group, and three pipes:
+//   fd 3  ready:     the child writes "READY <port>\n" once it serves;
+//   fd 4  secret:    the child reads its secret (the actor key) and then EOF;
+//   fd 5  heartbeat: the child writes a byte every so often while it is healthy.
+// The child gets SIGKILL if the daemon dies (PR_SET_PDEATHSIG), so a daemon crash leaves no
+// orphan. An exec failure (missing binary, not executable) is reported synchronously through a
+// close-on-exec pipe, not as an exit code.
 #pragma once
 
 #include <sys/types.h>
@@ -22,24 +25,28 @@ struct ProcessSpec {
   std::vector<std::string> args;                         // argv[1..]
   std::vector<std::pair<std::string, std::string>> env;  // the whole environment
   std::string log_path;                                  // stdout + stderr, appended
+  std::string secret;  // what the child reads from fd 4 (at most 4 KiB); kept off argv and env
 };
 
 struct SpawnedProcess {
   pid_t pid = -1;
-  int ready_fd = -1;  // read end of the child's fd 3; the caller owns it
+  int ready_fd = -1;      // read end of the child's fd 3; the caller owns it
+  int heartbeat_fd = -1;  // read end of the child's fd 5, non-blocking; the caller owns it
 };
 
-// The file descriptor number the child sees its ready pipe on.
+// The file descriptor numbers the child sees its pipes on.
 inline constexpr int kReadyFd = 3;
+inline constexpr int kSecretFd = 4;
+inline constexpr int kHeartbeatFd = 5;
 
 // Forks and execs `spec`. Fails with NOT_FOUND / PERMISSION_DENIED / INTERNAL naming the binary
 // and the reason when the exec cannot happen; nothing is left running then.
 Expected<SpawnedProcess> spawn_process(const ProcessSpec& spec);
 
-// Finds an actor executable: an absolute path is taken as is; a bare name is looked up in
-// `bin_dir`. Names with '/' that are not absolute, or that do not exist or are not executable,
-// fail with NOT_FOUND naming where it looked.
-Expected<std::string> resolve_binary(const std::string& name, const std::string& bin_dir);
+// The actor executable: `bin_dir`/tessera-actor (the daemon's own folder unless the operator
+// passed --actor-bin-dir). NOT_FOUND naming the path when it is missing, PERMISSION_DENIED
+// when it is not executable.
+Expected<std::string> resolve_actor_binary(const std::string& bin_dir);
 
 // "exited with code 3", "killed by signal 9 (SIGKILL)" for a waitpid() status.
 std::string describe_wait_status(int status);

@@ -80,6 +80,8 @@ void to_proto(const ActorRecord& in, const std::string& node_id, proto::ActorInf
   out.setTermSignal(in.term_signal);
   out.setDeathReason(in.death_reason);
   out.setName(in.name);
+  out.setLastLogLine(in.last_log_line);
+  out.setHung(in.hung);
 }
 
 }  // namespace tessera

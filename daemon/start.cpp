@@ -7,16 +7,19 @@
 #include <unistd.h>
 
 #include <kj/async-unix.h>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "common/logging.h"
+#include "common/session.h"
 #include "daemon/actor_supervisor.h"
 #include "daemon/daemon.h"
-#include "daemon/session.h"
+#include "protocol/auth.h"
 
 namespace tessera {
 
@@ -29,68 +32,125 @@ void report(int fd, const std::string& line) {
   (void)ignored;
 }
 
+// What the daemon tells the waiting `tessera start` once it serves.
+struct Started {
+  std::string address;
+  std::string node_id;
+  std::string session_dir;
+  std::string bind_address;
+};
+
+std::string encode(const Started& s) {
+  return "OK " + s.address + " " + s.node_id + " " + s.bind_address + " " + s.session_dir;
+}
+
+Started decode(const std::string& line) {
+  Started s;
+  std::istringstream in(line.substr(3));
+  in >> s.address >> s.node_id >> s.bind_address;
+  std::getline(in >> std::ws, s.session_dir);
+  return s;
+}
+
 // Runs the daemon in this process until it is stopped. `report_fd` (or -1) receives
-// "OK <address>" once it serves, or "ERR <message>" if it cannot start.
-int run_daemon(const StartOptions& o, const std::string& root, const std::string& session_dir,
+// "OK <address> <node> <bind> <session>" once it serves, or "ERR <message>" if it cannot start.
+int run_daemon(const StartOptions& o, const std::string& root, const std::string& token,
                int report_fd) {
+  auto fail = [&](const std::string& message, int code) {
+    report(report_fd, "ERR " + message);
+    if (report_fd < 0) std::cerr << "tessera start: " << message << "\n";
+    return code;
+  };
+  auto session_dir = create_session_dir(root);
+  if (!session_dir) return fail(session_dir.status().message(), 1);
   DaemonConfig c;
   c.head = o.head;
   c.node_id = random_id("n-", 10);
   c.head_address = o.address;
+  c.cluster_token = token;
   c.bind_host = o.bind_host;
   c.port = static_cast<uint16_t>(o.port >= 0 ? o.port : (o.head ? 6380 : 0));
   c.node_ip = o.node_ip;
   c.node_name = o.node_name;
-  c.session_dir = session_dir;
+  c.session_dir = *session_dir;
   c.bin_dir = o.bin_dir;
   c.object_store_bytes = o.object_store_memory;
+  c.shm_per_lease_bytes = o.shm_per_lease;
   c.heartbeat_ms = o.heartbeat_ms;
   c.missed_beats = o.missed_beats;
+  c.max_actors = o.max_actors;
+  c.actor_health_timeout_ms = static_cast<uint32_t>(o.actor_health_timeout_s * 1000.0);
+  c.actor_step_timeout_ms = static_cast<uint32_t>(o.actor_step_timeout_s * 1000.0);
+  c.actor_env_allow = o.actor_env_allow;
+  c.limits.max_connections = o.max_connections;
+  c.limits.max_message_bytes = uint64_t{o.max_message_mib} << 20;
+  c.limits.max_inflight_bytes = 4 * c.limits.max_message_bytes;
   c.nvml_library = o.nvml_library;
 
-  std::string log_file = session_dir + "/logs/daemon-" + c.node_id + ".log";
+  std::string log_file = *session_dir + "/logs/daemon-" + c.node_id + ".log";
   Status st = init_logging({"daemon", o.block ? "" : log_file, o.log_level});
-  if (!st) {
-    report(report_fd, "ERR " + st.message());
-    std::cerr << "tessera start: " << st.message() << "\n";
-    return 2;
-  }
+  if (!st) return fail(st.message(), 2);
   kj::UnixEventPort::captureSignal(SIGTERM);
   kj::UnixEventPort::captureSignal(SIGINT);
   kj::UnixEventPort::captureChildExit();
   ::signal(SIGPIPE, SIG_IGN);
 
-  auto io = kj::setupAsyncIo();
-  auto daemon = Daemon::start(io, c);
-  if (!daemon) {
-    spdlog::error("cannot start: {}", daemon.status().message());
-    report(report_fd, "ERR " + daemon.status().message());
-    if (o.block) std::cerr << "tessera start: " << daemon.status().message() << "\n";
-    return 1;
+  int code = 0;
+  bool served = false;
+  {
+    auto io = kj::setupAsyncIo();
+    auto daemon = Daemon::start(io, c);
+    if (!daemon) {
+      spdlog::error("cannot start: {}", daemon.status().message());
+      code = fail(daemon.status().message(), 1);
+    } else {
+      DaemonRecord rec;
+      rec.pid = ::getpid();
+      rec.start_time = process_start_time(rec.pid);
+      rec.address = (*daemon)->address();
+      rec.role = o.head ? "head" : "node";
+      rec.node_id = (*daemon)->node_id();
+      rec.session_dir = *session_dir;
+      rec.head_address = o.head ? rec.address : o.address;
+      if (Status w = write_daemon_record(rec); !w) spdlog::warn("{}", w.message());
+      if (o.head) {
+        if (Status w = write_head_address(root, rec.address); !w) spdlog::warn("{}", w.message());
+      }
+      report(report_fd,
+             encode({rec.address, rec.node_id, *session_dir, (*daemon)->bind_address()}));
+      if (report_fd >= 0) ::close(report_fd);
+      if (o.block) {
+        std::cerr << "tessera: " << rec.role << " " << rec.node_id << " serving at " << rec.address
+                  << " (Ctrl-C to stop)\n";
+      }
+      served = true;
+      (*daemon)->run().wait(io.waitScope);
+      daemon->reset();
+      remove_daemon_record(rec);
+      spdlog::info("stopped");
+    }
   }
-  DaemonRecord rec;
-  rec.pid = ::getpid();
-  rec.address = (*daemon)->address();
-  rec.role = o.head ? "head" : "node";
-  rec.node_id = (*daemon)->node_id();
-  rec.session_dir = session_dir;
-  rec.head_address = o.head ? rec.address : o.address;
-  if (Status w = write_daemon_record(root, rec); !w) spdlog::warn("{}", w.message());
-  if (o.head) {
-    if (Status w = write_head_address(root, rec.address); !w) spdlog::warn("{}", w.message());
+  if (o.ephemeral && served) {
+    std::error_code ec;
+    std::filesystem::remove_all(root, ec);
   }
-  report(report_fd, "OK " + rec.address + " " + rec.node_id);
-  if (report_fd >= 0) ::close(report_fd);
-  if (o.block) {
-    std::cerr << "tessera: " << rec.role << " " << rec.node_id << " serving at " << rec.address
-              << " (Ctrl-C to stop)\n";
-  }
+  return code;
+}
 
-  (*daemon)->run().wait(io.waitScope);
-  daemon->reset();
-  remove_daemon_record(root, rec.pid);
-  spdlog::info("stopped");
-  return 0;
+// The token a new daemon uses: a member's from the flag, the environment or this machine's temp
+// root; a head's from the flag or the environment, else a fresh one.
+Expected<std::string> daemon_token(const StartOptions& o, const std::string& root, bool* fresh) {
+  *fresh = false;
+  if (o.head) {
+    if (!o.cluster_token_file.empty()) return auth::read_token_file(o.cluster_token_file);
+    const char* env = std::getenv(auth::kTokenEnv);
+    if (env != nullptr && *env != '\0') {
+      return auth::check_secret(env, std::string("$") + auth::kTokenEnv);
+    }
+    *fresh = true;
+    return auth::make_secret();
+  }
+  return auth::resolve_cluster_token(o.cluster_token_file, root);
 }
 
 }  // namespace
@@ -105,13 +165,42 @@ int start_command(const StartOptions& o) {
     std::cerr << "tessera start: --port " << o.port << " is not a TCP port\n";
     return 2;
   }
-  std::string root = temp_root(o.temp_dir);
-  auto session = create_session_dir(root);
-  if (!session) {
-    std::cerr << "tessera start: " << session.status().message() << "\n";
+  if (o.object_store_memory == 0) {
+    std::cerr << "tessera start: --object-store-memory must be more than 0 bytes\n";
+    return 2;
+  }
+  if (o.max_connections == 0 || o.max_message_mib == 0 || o.max_actors == 0) {
+    std::cerr << "tessera start: --max-connections, --max-message-mib and --max-actors must be "
+                 "at least 1\n";
+    return 2;
+  }
+  if (!(o.actor_health_timeout_s >= 0) || !(o.actor_step_timeout_s >= 0)) {
+    std::cerr << "tessera start: --actor-health-timeout and --actor-step-timeout are seconds "
+                 ">= 0 (0 turns the check off)\n";
+    return 2;
+  }
+  auto root = open_root(o.temp_dir);
+  if (!root) {
+    std::cerr << "tessera start: " << root.status().message() << "\n";
     return 1;
   }
-  if (o.block) return run_daemon(o, root, *session, -1);
+  CleanupReport cleaned = cleanup_stale(*root);
+  for (const auto& line : cleaned.lines) std::cout << "Cleaned up: " << line << ".\n";
+
+  bool fresh = false;
+  auto token = daemon_token(o, *root, &fresh);
+  if (!token) {
+    std::cerr << "tessera start: " << token.status().message() << "\n";
+    return 1;
+  }
+  const std::string token_path = cluster_token_path(*root);
+  if (o.head || !std::filesystem::exists(token_path)) {
+    if (Status w = write_secret_file(token_path, *token); !w) {
+      std::cerr << "tessera start: " << w.message() << "\n";
+      return 1;
+    }
+  }
+  if (o.block) return run_daemon(o, *root, *token, -1);
 
   int pipefd[2];
   if (::pipe2(pipefd, O_CLOEXEC) != 0) {
@@ -127,14 +216,14 @@ int start_command(const StartOptions& o) {
     ::close(pipefd[0]);
     ::setsid();
     int null_fd = ::open("/dev/null", O_RDWR);
-    std::string crash_log = *session + "/logs/daemon-stderr.log";
-    int err_fd = ::open(crash_log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    std::string crash_log = *root + "/daemon-stderr.log";
+    int err_fd = ::open(crash_log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (null_fd >= 0) {
       ::dup2(null_fd, 0);
       ::dup2(null_fd, 1);
     }
     if (err_fd >= 0) ::dup2(err_fd, 2);
-    _exit(run_daemon(o, root, *session, pipefd[1]));
+    _exit(run_daemon(o, *root, *token, pipefd[1]));
   }
   ::close(pipefd[1]);
   std::string reply;
@@ -150,20 +239,29 @@ int start_command(const StartOptions& o) {
   }
   ::close(pipefd[0]);
   if (reply.rfind("OK ", 0) == 0) {
-    std::string rest = reply.substr(3, reply.find('\n') - 3);
-    std::string address = rest.substr(0, rest.find(' '));
-    std::string node_id = rest.substr(rest.find(' ') + 1);
+    Started s = decode(reply.substr(0, reply.find('\n')));
+    std::string temp_flag = o.temp_dir.empty() ? "" : " --temp-dir " + o.temp_dir;
+    auto host = s.bind_address.substr(0, s.bind_address.rfind(':'));
+    std::string reach =
+        is_loopback_host(host)
+            ? "loopback only; pass --node-ip ADDRESS to let other machines join"
+            : (host == "0.0.0.0" || host == "[::]" ? "all interfaces" : "interface " + host);
     if (o.head) {
-      std::cout << "Started the head node " << node_id << " at " << address << " (pid " << pid
-                << ").\n"
-                << "  logs:        " << *session << "/logs/\n"
-                << "  add a node:  tessera start --address " << address << "\n"
-                << "  see it:      tessera status\n"
-                << "  stop it:     tessera stop\n";
+      std::cout << "Started the head node " << s.node_id << " at " << s.address << " (pid " << pid
+                << "), listening on " << reach << ".\n"
+                << "  cluster token: " << token_path << (fresh ? " (new)" : "")
+                << "\n     other machines pass a copy of it as --cluster-token-file PATH, or its "
+                   "text in TESSERA_CLUSTER_TOKEN\n"
+                << "  logs:        " << s.session_dir << "/logs/\n"
+                << "  add a node:  tessera start --address " << s.address
+                << " --cluster-token-file PATH\n"
+                << "  see it:      tessera status" << temp_flag << "\n"
+                << "  stop it:     tessera stop" << temp_flag << "\n";
     } else {
-      std::cout << "Started node " << node_id << " at " << address << " (pid " << pid
-                << "), member of the cluster at " << o.address << ".\n"
-                << "  logs: " << *session << "/logs/\n";
+      std::cout << "Started node " << s.node_id << " at " << s.address << " (pid " << pid
+                << "), member of the cluster at " << o.address << ", listening on " << reach
+                << ".\n"
+                << "  logs: " << s.session_dir << "/logs/\n";
     }
     return 0;
   }
@@ -172,17 +270,21 @@ int start_command(const StartOptions& o) {
   if (message.empty()) {
     int status = 0;
     ::waitpid(pid, &status, 0);
-    message = "the daemon exited during start-up; see " + *session + "/logs/";
+    message = "the daemon exited during start-up; see " + *root + "/daemon-stderr.log";
   }
   std::cerr << "tessera start: " << message << "\n";
   return 1;
 }
 
 int stop_command(const StopOptions& o) {
-  std::string root = temp_root(o.temp_dir);
-  auto records = read_daemon_records(root);
+  auto root = open_root(o.temp_dir);
+  if (!root) {
+    std::cerr << "tessera stop: " << root.status().message() << "\n";
+    return 1;
+  }
+  auto records = read_daemon_records(*root);
   if (records.empty()) {
-    std::cout << "No Tessera daemons are running from " << root << ".\n";
+    std::cout << "No Tessera daemons are running from " << *root << ".\n";
     return 0;
   }
   // Members first, so the head sees them leave; the head last.
@@ -192,6 +294,15 @@ int stop_command(const StopOptions& o) {
                    });
   int failures = 0;
   for (const auto& r : records) {
+    // read_daemon_records checked the start time; a record must also name a tessera daemon.
+    std::string command = process_command_line(r.pid);
+    if (command.find("tessera") == std::string::npos ||
+        command.find(" start") == std::string::npos) {
+      std::cerr << "tessera stop: not signalling pid " << r.pid << ": it runs '" << command
+                << "', not a tessera daemon; removing its stale record\n";
+      remove_daemon_record(r);
+      continue;
+    }
     if (::kill(r.pid, SIGTERM) != 0) {
       if (errno == ESRCH) continue;
       std::cerr << "tessera stop: cannot signal " << r.role << " " << r.node_id << " (pid " << r.pid
@@ -202,7 +313,7 @@ int stop_command(const StopOptions& o) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(o.timeout_s);
     bool gone = false;
     while (std::chrono::steady_clock::now() < deadline) {
-      if (!pid_running(r.pid)) {
+      if (!same_process(r.pid, r.start_time)) {
         gone = true;
         break;
       }
@@ -216,11 +327,8 @@ int stop_command(const StopOptions& o) {
       std::cout << "Stopped " << r.role << " " << r.node_id << " at " << r.address << " (pid "
                 << r.pid << ").\n";
     }
-    remove_daemon_record(root, r.pid);
-    if (r.role == "head") {
-      std::error_code ec;
-      std::filesystem::remove(root + "/head_address", ec);
-    }
+    remove_daemon_record(r);
+    if (r.role == "head") remove_head_address(*root);
   }
   return failures ? 1 : 0;
 }

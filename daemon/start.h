@@ -4,24 +4,35 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tessera {
 
 struct StartOptions {
   bool head = false;
-  std::string address;   // the head to join ("host:port"); exclusive with head
-  int port = -1;         // -1 = 6380 for a head, any free port for a member
-  bool block = false;    // stay in the foreground, log to stderr
-  std::string temp_dir;  // see session.h
-  std::string node_ip;
+  std::string address;             // the head to join ("host:port"); exclusive with head
+  int port = -1;                   // -1 = 6380 for a head, any free port for a member
+  bool block = false;              // stay in the foreground, log to stderr
+  std::string temp_dir;            // see common/session.h
+  std::string cluster_token_file;  // head: use this token instead of a new one; members: required
+                                   // unless TESSERA_CLUSTER_TOKEN or the temp root has it
+  std::string node_ip;             // the address to listen on and advertise
+  std::string bind_host;           // listen here instead (e.g. 0.0.0.0), advertise node_ip
   std::string node_name;
-  std::string bind_host = "0.0.0.0";
   uint64_t object_store_memory = 2ull << 30;
+  uint64_t shm_per_lease = 0;  // 0 = object_store_memory
   uint32_t heartbeat_ms = 1000;
   uint32_t missed_beats = 5;
+  uint32_t max_connections = 512;
+  uint32_t max_message_mib = 64;
+  uint32_t max_actors = 128;
+  double actor_health_timeout_s = 10.0;  // 0 = no watchdog
+  double actor_step_timeout_s = 120.0;   // 0 = no limit
+  std::vector<std::string> actor_env_allow;
   std::string nvml_library;
   std::string log_level;
   std::string bin_dir;
+  bool ephemeral = false;  // remove the whole temp root on exit (embedded local nodes)
 };
 
 // Runs the command; returns the process exit code. Prints what happened and what to do next.

@@ -130,7 +130,28 @@ ActorView actor_view(proto::ActorInfo::Reader a) {
   v.exit_code = a.getExitCode();
   v.term_signal = a.getTermSignal();
   v.death_reason = a.getDeathReason().cStr();
+  v.last_log_line = a.getLastLogLine().cStr();
+  v.hung = a.getHung();
   return v;
+}
+
+std::string describe_death(const ActorView& a) {
+  std::string where;
+  if (a.gpus.empty()) {
+    where = "CPU";
+  } else {
+    where = a.gpus.size() == 1 ? "GPU " : "GPUs ";
+    for (size_t i = 0; i < a.gpus.size(); ++i) where += (i ? "," : "") + std::to_string(a.gpus[i]);
+  }
+  std::string out = "actor " + a.actor_id + " (" + where + " on node " + a.node_id + ") ";
+  if (a.hung) {
+    out += "stopped answering: it " + a.death_reason;
+  } else {
+    out += a.death_reason.empty() ? std::string("died") : a.death_reason;
+    if (a.term_signal == 0 && !a.last_log_line.empty()) out += " after: " + a.last_log_line;
+  }
+  if (!a.log_path.empty()) out += "; its log: " + a.log_path;
+  return out;
 }
 
 // ---- NodeHandle ---------------------------------------------------------------------------------
@@ -174,10 +195,6 @@ Expected<ObjectStoreView> NodeHandle::object_store() {
     return v;
   }),
                "list shared memory");
-}
-
-Status NodeHandle::shutdown() {
-  return await_void(loop_, node_.shutdownRequest().send().ignoreResult(), "shutdown");
 }
 
 // ---- LeaseHandle --------------------------------------------------------------------------------
@@ -250,9 +267,6 @@ void LeaseHandle::stop_renewing() { state_->renewing = false; }
 Expected<ActorView> LeaseHandle::spawn(const SpawnOptions& o) {
   auto req = lease_.spawnActorRequest();
   auto spec = req.initSpec();
-  spec.setBinary(o.binary);
-  auto args = spec.initArgs(static_cast<unsigned>(o.args.size()));
-  for (size_t i = 0; i < o.args.size(); ++i) args.set(static_cast<unsigned>(i), o.args[i]);
   auto gpus = spec.initGpus(static_cast<unsigned>(o.gpus.size()));
   for (size_t i = 0; i < o.gpus.size(); ++i) gpus.set(static_cast<unsigned>(i), o.gpus[i]);
   auto env = spec.initEnv(static_cast<unsigned>(o.env.size()));
@@ -264,7 +278,12 @@ Expected<ActorView> LeaseHandle::spawn(const SpawnOptions& o) {
   spec.setReadyTimeoutMs(o.ready_timeout_ms);
   kj::Duration timeout =
       (o.ready_timeout_ms ? o.ready_timeout_ms : 30000) * kj::MILLISECONDS + 30 * kj::SECONDS;
-  return await(loop_, req.send().then([](auto&& resp) { return actor_view(resp.getInfo()); }),
+  return await(loop_, req.send().then([](auto&& resp) {
+    ActorView v = actor_view(resp.getInfo());
+    auto key = resp.getKey();
+    v.key.assign(reinterpret_cast<const char*>(key.begin()), key.size());
+    return v;
+  }),
                "spawn actor", timeout);
 }
 
@@ -360,8 +379,9 @@ ClusterClient::~ClusterClient() = default;
 
 Expected<std::unique_ptr<ClusterClient>> ClusterClient::connect(EventLoop& loop,
                                                                 const std::string& address,
+                                                                const std::string& token,
                                                                 std::chrono::milliseconds timeout) {
-  auto conn = rpc::connect(loop.io(), address, "driver", timeout.count() * kj::MILLISECONDS)
+  auto conn = rpc::connect(loop.io(), address, "driver", token, timeout.count() * kj::MILLISECONDS)
                   .wait(loop.wait_scope());
   if (!conn) return conn.status();
   if ((*conn)->role != proto::Role::HEAD) {
@@ -448,8 +468,9 @@ ActorHandle::~ActorHandle() = default;
 
 Expected<std::unique_ptr<ActorHandle>> ActorHandle::connect(EventLoop& loop,
                                                             const std::string& address,
+                                                            const std::string& key,
                                                             std::chrono::milliseconds timeout) {
-  auto conn = rpc::connect(loop.io(), address, "driver", timeout.count() * kj::MILLISECONDS)
+  auto conn = rpc::connect(loop.io(), address, "driver", key, timeout.count() * kj::MILLISECONDS)
                   .wait(loop.wait_scope());
   if (!conn) return conn.status();
   if ((*conn)->role != proto::Role::ACTOR) {

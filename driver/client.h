@@ -1,11 +1,12 @@
 // The driver's client library: blocking calls into a Tessera cluster from one thread.
 //
 //   tessera::EventLoop loop;
-//   auto cluster = tessera::ClusterClient::connect(loop, "10.0.0.1:6380");
+//   auto token = tessera::auth::resolve_cluster_token("", root);   // protocol/auth.h
+//   auto cluster = tessera::ClusterClient::connect(loop, "10.0.0.1:6380", *token);
 //   for (auto& node : cluster->nodes()) ...
 //   auto lease = node.open_lease("my-driver", /*ttl_ms=*/0);
 //   auto actor = lease->spawn({.gpus = {0}});
-//   auto handle = tessera::ActorHandle::connect(loop, actor->address);
+//   auto handle = tessera::ActorHandle::connect(loop, actor->address, actor->key);
 //   auto health = handle->health();
 //
 // Every call returns Expected/Status: no exception leaves this library. Calls block the calling
@@ -92,7 +93,15 @@ struct ActorView {
   int exit_code = -1;
   int term_signal = 0;
   std::string death_reason;
+  std::string last_log_line;  // when dead: the last line of its log
+  bool hung = false;          // when dead: killed by its daemon after its heartbeat stopped
+  std::string key;            // the actor's RPC secret: set only in LeaseHandle::spawn's result
 };
+
+// One line for a person about how an actor died: "actor a-1f2e (GPU 1 on node n-3f2a) was
+// killed by signal 9 (SIGKILL); its log: PATH", "... exited with code 3 after: <last log
+// line>; its log: PATH", "... stopped answering: ...".
+std::string describe_death(const ActorView& actor);
 
 struct SegmentView {
   std::string name;
@@ -111,9 +120,8 @@ struct ObjectStoreView {
   std::vector<SegmentView> segments;
 };
 
+// What to start: always the node's own tessera-actor.
 struct SpawnOptions {
-  std::string binary;  // "" = tessera-actor
-  std::vector<std::string> args;
   std::vector<uint32_t> gpus;
   std::vector<std::pair<std::string, std::string>> env;
   std::string name;
@@ -133,7 +141,6 @@ class NodeHandle {
   // ttl_ms = 0: the lease lives as long as this process's connection. With a TTL, the handle
   // renews it every ttl/3 while the loop runs.
   Expected<std::unique_ptr<LeaseHandle>> open_lease(const std::string& owner, uint32_t ttl_ms = 0);
-  Status shutdown();
 
   proto::Node::Client& capability() { return node_; }
 
@@ -150,6 +157,7 @@ class LeaseHandle {
               std::shared_ptr<State> state);
   ~LeaseHandle();
 
+  // The actor, serving, with its key (pass it to ActorHandle::connect).
   Expected<ActorView> spawn(const SpawnOptions& options);
   Status kill(const std::string& actor_id, bool force = false);
   Expected<std::vector<ActorView>> actors();
@@ -182,10 +190,10 @@ class LeaseHandle {
 // The cluster, through its head.
 class ClusterClient {
  public:
-  // Connects and says hello. Fails when nothing answers, the peer is not a head, or it speaks
-  // another protocol version.
+  // Connects and runs the handshake with the cluster token. Fails when nothing answers, the
+  // peer is not a head, speaks another protocol version, or refuses the token.
   static Expected<std::unique_ptr<ClusterClient>> connect(
-      EventLoop& loop, const std::string& address,
+      EventLoop& loop, const std::string& address, const std::string& token,
       std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
   Expected<std::vector<NodeView>> nodes(bool include_dead = false);
@@ -226,11 +234,11 @@ struct ActorHealthView {
   std::string note;
 };
 
-// A direct connection to an actor process.
+// A direct connection to an actor process, authenticated with the actor's key.
 class ActorHandle {
  public:
   static Expected<std::unique_ptr<ActorHandle>> connect(
-      EventLoop& loop, const std::string& address,
+      EventLoop& loop, const std::string& address, const std::string& key,
       std::chrono::milliseconds timeout = std::chrono::seconds(10));
   Expected<ActorHealthView> health();
   Status shutdown();

@@ -26,7 +26,10 @@ struct PromptResult {
 
 Status run(const GenerateOptions& o) {
   if (o.prompts.empty()) return invalid_argument("give at least one --prompt");
-  TESSERA_RETURN_IF_ERROR(validate_sampling(o.sampling));
+  // Everything that can be checked is checked before a node starts or a model loads.
+  TESSERA_RETURN_IF_ERROR(validate(o.engine));
+  TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(o.engine.model));
+  TESSERA_RETURN_IF_ERROR(validate_sampling(o.sampling, config.vocab_size));
   auto t0 = std::chrono::steady_clock::now();
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(o.engine, "tessera generate"));
   auto t_loaded = std::chrono::steady_clock::now();

@@ -13,6 +13,9 @@
 #include <thread>
 #include <vector>
 
+#include "common/session.h"
+#include "protocol/auth.h"
+
 namespace tessera {
 
 namespace {
@@ -27,10 +30,10 @@ std::string self_exe() {
 
 Expected<std::unique_ptr<LocalNode>> LocalNode::start(const std::string& tessera_binary) {
   std::string binary = tessera_binary.empty() ? self_exe() : tessera_binary;
-  char tmpl[] = "/tmp/tessera-local-XXXXXX";
-  if (::mkdtemp(tmpl) == nullptr) return unavailable("cannot create a temp dir for a local node");
+  TESSERA_ASSIGN_OR_RETURN(std::string user_root, open_root(""));
+  cleanup_stale(user_root);  // what SIGKILLed commands left behind
   std::unique_ptr<LocalNode> node(new LocalNode());
-  node->root_ = tmpl;
+  TESSERA_ASSIGN_OR_RETURN(node->root_, create_local_dir(user_root));
   std::string log = node->root_ + "/daemon.out";
   pid_t parent = ::getpid();
   pid_t pid = ::fork();
@@ -38,14 +41,14 @@ Expected<std::unique_ptr<LocalNode>> LocalNode::start(const std::string& tessera
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (::getppid() != parent) _exit(1);
-    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
     if (fd >= 0) {
       ::dup2(fd, 1);
       ::dup2(fd, 2);
     }
-    std::vector<std::string> args = {binary,   "start",     "--head",     "--block",
-                                     "--port", "0",         "--temp-dir", node->root_,
-                                     "--bind", "127.0.0.1", "--node-ip",  "127.0.0.1"};
+    std::vector<std::string> args = {binary,      "start",     "--head",     "--block",
+                                     "--port",    "0",         "--temp-dir", node->root_,
+                                     "--node-ip", "127.0.0.1", "--ephemeral"};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -56,7 +59,12 @@ Expected<std::unique_ptr<LocalNode>> LocalNode::start(const std::string& tessera
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (std::chrono::steady_clock::now() < deadline) {
     std::ifstream in(node->root_ + "/head_address");
-    if (in && std::getline(in, node->address_) && !node->address_.empty()) return node;
+    if (in && std::getline(in, node->address_) && !node->address_.empty()) {
+      // The head wrote its token before it started serving.
+      TESSERA_ASSIGN_OR_RETURN(node->token_,
+                               auth::read_token_file(cluster_token_path(node->root_)));
+      return node;
+    }
     int status = 0;
     if (::waitpid(pid, &status, WNOHANG) == pid) {
       node->pid_ = -1;

@@ -1,6 +1,9 @@
 // An embedded local node for commands run without --address: a head daemon started as a child
-// process of this one (`tessera start --head --block`, private temp root, any free port). It
-// dies with this process (PR_SET_PDEATHSIG) and is stopped when the LocalNode is destroyed.
+// process of this one (`tessera start --head --block --ephemeral`, loopback only, any free
+// port) in a private folder <temp root>/local-XXXXXX, with a cluster token of its own. It dies
+// with this process (PR_SET_PDEATHSIG; on its way out it removes its folder) and is stopped
+// when the LocalNode is destroyed. A folder left by a SIGKILLed pair is removed by the next
+// start on this machine (common/session.h, cleanup_stale).
 #pragma once
 
 #include <sys/types.h>
@@ -23,12 +26,15 @@ class LocalNode {
 
   const std::string& address() const { return address_; }
   const std::string& root() const { return root_; }
+  // The local cluster's token (drivers connect with it).
+  const std::string& token() const { return token_; }
 
  private:
   LocalNode() = default;
   pid_t pid_ = -1;
   std::string root_;
   std::string address_;
+  std::string token_;
 };
 
 }  // namespace tessera

@@ -2,7 +2,32 @@
 
 #include <chrono>
 
+#include "common/session.h"
+#include "protocol/auth.h"
+
 namespace tessera {
+
+Status validate(const EngineArgs& a) {
+  if (a.model.empty()) return invalid_argument("--model: give a Hugging Face model directory");
+  if (a.device != "auto" && a.device != "cuda" && a.device != "cpu") {
+    return invalid_argument("--device '" + a.device + "' is not one of auto, cuda, cpu");
+  }
+  if (a.max_num_seqs < 1 || a.max_num_seqs > 65536) {
+    return invalid_argument("--max-num-seqs must be between 1 and 65536, got " +
+                            std::to_string(a.max_num_seqs));
+  }
+  if (!(a.gpu_memory_utilization > 0.0f && a.gpu_memory_utilization <= 1.0f)) {
+    return invalid_argument("--gpu-memory-utilization must be in (0, 1], got " +
+                            std::to_string(a.gpu_memory_utilization));
+  }
+  if (a.max_num_batched_tokens != 0 && a.max_num_batched_tokens < 16) {
+    return invalid_argument(
+        "--max-num-batched-tokens must be at least 16 (or 0 for the "
+        "default), got " +
+        std::to_string(a.max_num_batched_tokens));
+  }
+  return Status::ok();
+}
 
 namespace {
 
@@ -30,6 +55,7 @@ ModelSession::~ModelSession() = default;
 Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
                                                            const std::string& owner,
                                                            bool detokenize) {
+  TESSERA_RETURN_IF_ERROR(validate(a));
   std::unique_ptr<ModelSession> s(new ModelSession());
   TESSERA_ASSIGN_OR_RETURN(s->config_, load_model_config(a.model, &s->defaults_));
   TESSERA_ASSIGN_OR_RETURN(s->tokenizer_, Tokenizer::load(a.model));
@@ -38,16 +64,19 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
                             " exceeds the model's max_position_embeddings (" +
                             std::to_string(s->config_.max_position_embeddings) + ")");
   }
-  if (a.device != "auto" && a.device != "cuda" && a.device != "cpu") {
-    return invalid_argument("--device '" + a.device + "' is not one of auto, cuda, cpu");
-  }
   std::string address = a.address;
+  std::string token;
   if (address.empty()) {
     TESSERA_ASSIGN_OR_RETURN(s->local_, LocalNode::start());
     address = s->local_->address();
+    token = s->local_->token();
+  } else {
+    auto root = open_root("");
+    TESSERA_ASSIGN_OR_RETURN(
+        token, auth::resolve_cluster_token(a.cluster_token_file, root ? *root : std::string()));
   }
   s->loop_ = std::make_unique<EventLoop>();
-  TESSERA_ASSIGN_OR_RETURN(s->cluster_, ClusterClient::connect(*s->loop_, address));
+  TESSERA_ASSIGN_OR_RETURN(s->cluster_, ClusterClient::connect(*s->loop_, address, token));
   NodeHandle node = s->cluster_->head_node();
   TESSERA_ASSIGN_OR_RETURN(NodeView info, node.info());
   TESSERA_ASSIGN_OR_RETURN(s->lease_, node.open_lease(owner));
@@ -59,8 +88,9 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
     return failed_precondition("--device cuda: node " + info.name + " has no GPU");
   }
   TESSERA_ASSIGN_OR_RETURN(ActorView actor, s->lease_->spawn(spawn));
-  TESSERA_ASSIGN_OR_RETURN(s->actor_, ActorHandle::connect(*s->loop_, actor.address));
-  s->executor_ = std::make_unique<ActorExecutor>(*s->loop_, *s->actor_);
+  TESSERA_ASSIGN_OR_RETURN(s->actor_, ActorHandle::connect(*s->loop_, actor.address, actor.key));
+  s->executor_ =
+      std::make_unique<ActorExecutor>(*s->loop_, *s->actor_, s->lease_.get(), actor.actor_id);
 
   LoadOptions load;
   load.model_dir = a.model;

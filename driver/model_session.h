@@ -18,8 +18,10 @@ namespace tessera {
 
 // vLLM's engine arguments, as far as Tessera has them.
 struct EngineArgs {
-  std::string model;    // Hugging Face model directory
-  std::string address;  // a cluster's head; "" = start a local node for this command
+  std::string model;               // Hugging Face model directory
+  std::string address;             // a cluster's head; "" = start a local node for this command
+  std::string cluster_token_file;  // with address: where the token is (else the environment
+                                   // or this machine's temp root, see protocol/auth.h)
   std::string dtype = "auto";
   std::string device = "auto";  // auto | cuda | cpu
   uint32_t max_model_len = 0;   // 0 = min(max_position_embeddings, 8192)
@@ -29,6 +31,10 @@ struct EngineArgs {
   uint32_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
   bool return_logits = false;           // tests
 };
+
+// OK when the arguments make sense, before anything starts or loads; INVALID_ARGUMENT naming
+// the flag otherwise.
+Status validate(const EngineArgs& args);
 
 class ModelSession {
  public:

@@ -7,8 +7,9 @@
 
 namespace tessera {
 
-Expected<ClusterStatus> collect_status(EventLoop& loop, const std::string& head_address) {
-  auto cluster = ClusterClient::connect(loop, head_address);
+Expected<ClusterStatus> collect_status(EventLoop& loop, const std::string& head_address,
+                                       const std::string& token) {
+  auto cluster = ClusterClient::connect(loop, head_address, token);
   if (!cluster) return cluster.status();
   auto nodes = (*cluster)->nodes(/*include_dead=*/true);
   if (!nodes) return nodes.status();

@@ -22,7 +22,8 @@ struct ClusterStatus {
 };
 
 // Asks the head for its members and each live member for its actors and shared memory.
-Expected<ClusterStatus> collect_status(EventLoop& loop, const std::string& head_address);
+Expected<ClusterStatus> collect_status(EventLoop& loop, const std::string& head_address,
+                                       const std::string& token);
 
 // Human-readable report: nodes, GPUs with memory, the GPU link matrix, actors.
 std::string render_status(const ClusterStatus& status);

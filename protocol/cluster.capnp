@@ -32,8 +32,12 @@ struct NodeEntry {
 }
 
 interface Cluster {
-  registerNode @0 (info :N.NodeInfo, node :N.Node)
+  registerNode @0 (info :N.NodeInfo, node :N.Node, nodeSecret :Data)
       -> (nodeId :Text, session :NodeSession, heartbeatMs :UInt32, missedBeats :UInt32);
+  # nodeSecret is made by the node daemon when it starts: registering an id again needs the same
+  # secret, so no other connection can take a node's id over. Registering again while the old
+  # session still stands (a member whose heartbeat timed out and reconnected) replaces it
+  # without declaring the node dead.
   listNodes @1 (includeDead :Bool) -> (nodes :List(NodeEntry));
   subscribe @2 (listener :ClusterListener) -> (subscription :Subscription);
 }

@@ -1,6 +1,16 @@
 @0xe6183e45382ddd04;
-# The bootstrap capability of every Tessera RPC endpoint. A peer must say hello with its protocol
-# version before it gets any other capability; a mismatch fails naming both versions.
+# The bootstrap capability of every Tessera RPC endpoint. Nothing else is handed out before the
+# peer has proved it knows the endpoint's secret (the cluster token for daemons, the actor's own
+# key for actors) in a challenge-response that never sends the secret:
+#
+#   client -> hello(version, peer, clientNonce)
+#   server <- version check; (role, serverId, serverNonce, serverProof, handshake)
+#             serverProof = HMAC(secret, "tessera-server" | role | serverId | clientNonce | serverNonce)
+#   client    checks serverProof (the server knows the secret too), then
+#   client -> handshake.authenticate(clientProof)
+#             clientProof = HMAC(secret, "tessera-client" | peer | serverNonce | clientNonce)
+#   server <- the capabilities of its role, or PERMISSION_DENIED and the connection is closed.
+# protocol/auth.h computes both proofs; protocol/rpc.cpp runs both sides.
 using Cxx = import "/capnp/c++.capnp";
 $Cxx.namespace("tessera::proto");
 
@@ -8,8 +18,8 @@ using C = import "cluster.capnp";
 using N = import "node.capnp";
 using A = import "actor.capnp";
 
-const protocolVersion :UInt32 = 1;
-# Bump on any incompatible change to these schemas.
+const protocolVersion :UInt32 = 2;
+# Bump on any incompatible change to these schemas. v2: authenticated handshake.
 
 enum Role {
   head @0;   # a node daemon that also keeps the cluster registry
@@ -18,8 +28,14 @@ enum Role {
 }
 
 interface Gateway {
-  hello @0 (version :UInt32, peer :Text)
-      -> (version :UInt32, role :Role, serverId :Text, cluster :C.Cluster, node :N.Node,
-          actor :A.Actor);
-  # cluster is set by a head, node by any daemon, actor by an actor process.
+  hello @0 (version :UInt32, peer :Text, clientNonce :Data)
+      -> (version :UInt32, role :Role, serverId :Text, serverNonce :Data, serverProof :Data,
+          handshake :Handshake);
+  # Checks the version (a mismatch fails naming both), then answers the challenge.
+}
+
+interface Handshake {
+  authenticate @0 (proof :Data) -> (cluster :C.Cluster, node :N.Node, actor :A.Actor);
+  # cluster is set by a head, node by any daemon, actor by an actor process. One attempt: a
+  # wrong proof fails with PERMISSION_DENIED and the server closes the connection.
 }

@@ -40,6 +40,8 @@ struct ActorInfo {
   termSignal @10 :Int32;       # when dead by a signal, else 0
   deathReason @11 :Text;       # "exited with code 3", "killed by signal 9 (SIGKILL)", ...
   name @12 :Text;              # the owner's label for it
+  lastLogLine @13 :Text;       # when dead: the last line of its log, else empty
+  hung @14 :Bool;              # when dead: killed by its daemon after its heartbeat stopped
 }
 
 struct EnvVar {
@@ -48,13 +50,14 @@ struct EnvVar {
 }
 
 struct SpawnSpec {
-  binary @0 :Text;             # executable name in the daemon's bin dir or absolute path;
-                               # empty = tessera-actor
-  args @1 :List(Text);         # extra arguments
-  gpus @2 :List(UInt32);       # node GPU indices; empty = a CPU actor (CUDA_VISIBLE_DEVICES="")
-  env @3 :List(EnvVar);        # the job's variables, added to NCCL_*/TESSERA_* passed through
-  name @4 :Text;               # label shown by `tessera status`
-  readyTimeoutMs @5 :UInt32;   # how long the actor may take to serve; 0 = 30 s
+  # The executable is always the daemon's own tessera-actor: nothing from the wire names a
+  # program, a path or command-line arguments.
+  gpus @0 :List(UInt32);       # node GPU indices; empty = a CPU actor (CUDA_VISIBLE_DEVICES="")
+  env @1 :List(EnvVar);        # the job's variables: names from the daemon's allow-list only
+                               # (NCCL_*, CUDA_*, TESSERA_*, OMP_NUM_THREADS, --actor-env-allow),
+                               # never one that names a file, a library or a plugin
+  name @2 :Text;               # label shown by `tessera status`
+  readyTimeoutMs @3 :UInt32;   # how long the actor may take to serve; 0 = 30 s
 }
 
 interface ActorWatcher {
@@ -78,9 +81,10 @@ struct ShmSegmentInfo {
 }
 
 struct ObjectStoreStats {
-  capacity @0 :UInt64;
+  capacity @0 :UInt64;         # the node's shared memory: objects and rings together
   used @1 :UInt64;
-  objects @2 :UInt32;
+  objects @2 :UInt32;          # objects and rings
+  leaseCapacity @3 :UInt64;    # the most one lease may hold
 }
 
 interface Lease {
@@ -88,11 +92,14 @@ interface Lease {
   # references) belongs to it: when the owner disconnects, drops the lease, or lets a lease with
   # a TTL lapse, the daemon kills its actors, unlinks its rings and releases its references.
 
-  spawnActor @0 (spec :SpawnSpec) -> (info :ActorInfo);
+  spawnActor @0 (spec :SpawnSpec) -> (info :ActorInfo, key :Data);
   # Starts an actor and returns once it serves (state ready) or fails with its log's tail.
+  # `key` is the actor's own secret: only a peer that proves it in the actor's handshake (the
+  # owner, and the daemon) may call the actor. It is given out here only.
 
   killActor @1 (actorId :Text, force :Bool) -> ();
   # SIGTERM (or SIGKILL with force); the death is reported to the watcher like any other.
+  # PERMISSION_DENIED for another lease's actor.
 
   renew @2 () -> (ttlMs :UInt32);
   # Keeps a lease with a TTL alive.
@@ -101,6 +108,8 @@ interface Lease {
 
   createObject @4 (id :Text, size :UInt64) -> (segment :Text);
   # A new object of `size` bytes in its own shm segment; map it, write it, then seal it.
+  # Objects belong to the lease that created them: another lease gets PERMISSION_DENIED from
+  # seal/get/release/delete. Hand the segment name to your own actors to share it.
   sealObject @5 (id :Text) -> ();
   getObject @6 (id :Text, timeoutMs :UInt32) -> (segment :Text, size :UInt64);
   # Waits up to timeoutMs for the object to be sealed, then takes a reference for this lease.
@@ -110,7 +119,8 @@ interface Lease {
 
   createRing @9 (name :Text, slotBytes :UInt32, slots :UInt32, readers :UInt32)
       -> (segment :Text);
-  # A single-writer multi-reader broadcast ring (see common/shm_ring.h).
+  # A single-writer multi-reader broadcast ring (see common/shm_ring.h). Its bytes count
+  # against the node's and the lease's shared-memory capacity like objects do.
 }
 
 interface Node {
@@ -122,7 +132,6 @@ interface Node {
 
   listActors @2 () -> (actors :List(ActorInfo));
   shmSegments @3 () -> (segments :List(ShmSegmentInfo), stats :ObjectStoreStats);
-
-  shutdown @4 () -> ();
-  # Kills every actor, unlinks every segment, leaves the cluster and exits.
+  # There is no remote shutdown: a daemon stops on a signal from its own machine
+  # (`tessera stop`), so no peer can take a node down over the wire.
 }

@@ -7,6 +7,12 @@
 
 #include <capnp/rpc.h>
 
+#include <chrono>
+#include <memory>
+
+#include "common/sha256.h"
+#include "protocol/auth.h"
+
 namespace tessera::rpc {
 
 const char* role_name(proto::Role role) {
@@ -27,6 +33,10 @@ void throw_status(const Status& status) {
   if (status.code() == Code::kResourceExhausted) type = kj::Exception::Type::OVERLOADED;
   kj::throwFatalException(
       kj::Exception(type, __FILE__, __LINE__, kj::str(status.to_string().c_str())));
+}
+
+const char* secret_name(proto::Role role) {
+  return role == proto::Role::ACTOR ? "actor key" : "cluster token";
 }
 
 Status to_status(const kj::Exception& e) {
@@ -110,12 +120,176 @@ std::string peer_name(kj::AsyncIoStream& stream) {
   return "local peer";
 }
 
+uint64_t steady_ms() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+// A name a peer gave itself, cut short and without control characters, for log lines.
+std::string printable(kj::StringPtr text) {
+  std::string out;
+  for (char c : text) {
+    if (out.size() >= 64) {
+      out += "...";
+      break;
+    }
+    out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
+  }
+  return out;
+}
+
+}  // namespace
+
+// Per connection, shared by its gateway and handshake objects (which Cap'n Proto may keep a
+// little longer than the connection itself).
+struct RpcServer::ConnectionState {
+  std::string peer_address;
+  std::string refused;  // non-empty: every hello fails with this (the server is full)
+  bool authenticated = false;
+  uint32_t hellos = 0;
+  std::shared_ptr<const Endpoint> endpoint;
+  RpcServer* server = nullptr;
+  std::weak_ptr<int> server_alive;
+  kj::Own<kj::PromiseFulfiller<void>> close;  // fulfil: close the connection shortly
+
+  void close_soon() {
+    if (close && close->isWaiting()) close->fulfill();
+  }
+  void on_authenticated() {
+    authenticated = true;
+    if (!server_alive.expired()) ++server->counters_.authenticated;
+  }
+  // Logs a refused peer (rate-limited by the server), schedules the close, and throws `why`.
+  [[noreturn]] void refuse(const Status& why, const std::string& claimed_name) {
+    if (!server_alive.expired()) {
+      ++server->counters_.refused;
+      server->log_refusal("refused " + peer_address +
+                          (claimed_name.empty() ? "" : " (says it is '" + claimed_name + "')") +
+                          ": " + why.message());
+    }
+    close_soon();
+    throw_status(why);
+  }
+};
+
+namespace {
+
+class HandshakeImpl final : public proto::Handshake::Server {
+ public:
+  HandshakeImpl(std::shared_ptr<RpcServer::ConnectionState> state, std::string peer,
+                std::string client_nonce, std::string server_nonce)
+      : state_(std::move(state)),
+        peer_(std::move(peer)),
+        client_nonce_(std::move(client_nonce)),
+        server_nonce_(std::move(server_nonce)) {}
+
+ protected:
+  kj::Promise<void> authenticate(AuthenticateContext context) override {
+    const Endpoint& e = *state_->endpoint;
+    const std::string what = secret_name(e.role);
+    if (used_ || state_->authenticated) {
+      state_->refuse(Status(Code::kPermissionDenied, "a handshake may be answered only once"),
+                     printable(peer_));
+    }
+    used_ = true;
+    auto proof = context.getParams().getProof();
+    std::string given(reinterpret_cast<const char*>(proof.begin()), proof.size());
+    std::string hint = e.role == proto::Role::ACTOR
+                           ? "; only the lease that spawned actor " + e.server_id + " holds its key"
+                           : "; pass the cluster's token with --cluster-token-file PATH or "
+                             "TESSERA_CLUSTER_TOKEN";
+    if (given.empty()) {
+      state_->refuse(Status(Code::kPermissionDenied, "no " + what + " was given" + hint),
+                     printable(peer_));
+    }
+    std::string expected = auth::client_proof(e.secret, peer_, server_nonce_, client_nonce_);
+    if (!constant_time_equal(given, expected)) {
+      state_->refuse(Status(Code::kPermissionDenied, "wrong " + what + hint), printable(peer_));
+    }
+    state_->on_authenticated();
+    e.grant(context.getResults());
+    return kj::READY_NOW;
+  }
+
+ private:
+  std::shared_ptr<RpcServer::ConnectionState> state_;
+  std::string peer_;
+  std::string client_nonce_;
+  std::string server_nonce_;
+  bool used_ = false;
+};
+
+// Constant-time equality of a Data field and a string.
+bool equal_bytes(capnp::Data::Reader data, const std::string& bytes) {
+  return constant_time_equal(
+      std::string_view(reinterpret_cast<const char*>(data.begin()), data.size()), bytes);
+}
+
+class AuthGateway final : public proto::Gateway::Server {
+ public:
+  explicit AuthGateway(std::shared_ptr<RpcServer::ConnectionState> state)
+      : state_(std::move(state)) {}
+
+ protected:
+  kj::Promise<void> hello(HelloContext context) override {
+    auto p = context.getParams();
+    const Endpoint& e = *state_->endpoint;
+    std::string peer = p.getPeer().cStr();
+    if (!state_->refused.empty()) {
+      state_->refuse(Status(Code::kResourceExhausted, state_->refused), printable(p.getPeer()));
+    }
+    if (++state_->hellos > 3) {
+      state_->refuse(Status(Code::kPermissionDenied, "too many hellos on one connection"),
+                     printable(p.getPeer()));
+    }
+    if (p.getVersion() != kProtocolVersion) {
+      try {
+        require_version(p.getVersion(), p.getPeer(), e.role);
+      } catch (const kj::Exception& ex) {
+        state_->refuse(to_status(ex), printable(p.getPeer()));
+      }
+    }
+    if (p.getClientNonce().size() != auth::kNonceBytes) {
+      state_->refuse(invalid_argument("hello needs a " + std::to_string(auth::kNonceBytes) +
+                                      "-byte client nonce"),
+                     printable(p.getPeer()));
+    }
+    auto nonce = auth::make_nonce();
+    if (!nonce) throw_status(nonce.status());
+    auto c = p.getClientNonce();
+    std::string client_nonce(reinterpret_cast<const char*>(c.begin()), c.size());
+    auto r = context.getResults();
+    r.setVersion(kProtocolVersion);
+    r.setRole(e.role);
+    r.setServerId(e.server_id);
+    r.setServerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(nonce->data()), nonce->size()));
+    std::string proof = auth::server_proof(e.secret, e.role, e.server_id, client_nonce, *nonce);
+    r.setServerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(proof.data()), proof.size()));
+    r.setHandshake(kj::heap<HandshakeImpl>(state_, std::move(peer), std::move(client_nonce),
+                                           std::move(*nonce)));
+    return kj::READY_NOW;
+  }
+
+ private:
+  std::shared_ptr<RpcServer::ConnectionState> state_;
+};
+
 // One accepted connection: the stream, its vat network and its RPC system.
 struct ServerConnection {
-  ServerConnection(kj::Own<kj::AsyncIoStream>&& s, proto::Gateway::Client gateway)
+  ServerConnection(kj::Own<kj::AsyncIoStream>&& s, proto::Gateway::Client gateway,
+                   const ServerLimits& limits)
       : stream(kj::mv(s)),
-        network(*stream, capnp::rpc::twoparty::Side::SERVER),
-        rpc(capnp::makeRpcServer(network, kj::mv(gateway))) {}
+        network(*stream, capnp::rpc::twoparty::Side::SERVER, reader_options(limits)),
+        rpc(capnp::makeRpcServer(network, kj::mv(gateway))) {
+    rpc.setFlowLimit(static_cast<size_t>(limits.max_inflight_bytes / sizeof(capnp::word)));
+  }
+  static capnp::ReaderOptions reader_options(const ServerLimits& limits) {
+    capnp::ReaderOptions o;
+    o.traversalLimitInWords = limits.max_message_bytes / sizeof(capnp::word);
+    o.nestingLimit = 64;
+    return o;
+  }
   kj::Own<kj::AsyncIoStream> stream;
   capnp::TwoPartyVatNetwork network;
   capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpc;
@@ -123,22 +297,30 @@ struct ServerConnection {
 
 }  // namespace
 
-RpcServer::RpcServer(kj::Own<kj::ConnectionReceiver> listener, proto::Gateway::Client gateway,
-                     std::string label)
-    : listener_(kj::mv(listener)),
-      gateway_(kj::mv(gateway)),
+RpcServer::RpcServer(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener,
+                     Endpoint endpoint, std::string label, ServerLimits limits)
+    : io_(io),
+      listener_(kj::mv(listener)),
+      endpoint_(std::make_shared<const Endpoint>(std::move(endpoint))),
       label_(std::move(label)),
+      limits_(limits),
       port_(static_cast<uint16_t>(listener_->getPort())),
       tasks_(*this) {
   tasks_.add(accept_loop());
 }
 
-RpcServer::~RpcServer() = default;
+RpcServer::~RpcServer() { alive_.reset(); }
 
 Expected<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const std::string& address,
-                                               proto::Gateway::Client gateway, std::string label) {
+                                               Endpoint endpoint, std::string label,
+                                               ServerLimits limits) {
   auto parsed = split_host_port(address);
   if (!parsed) return parsed.status();
+  if (endpoint.secret.size() < auth::kMinSecretLength) {
+    return invalid_argument("cannot serve " + address + " without a " + secret_name(endpoint.role) +
+                            " of at least " + std::to_string(auth::kMinSecretLength) +
+                            " characters");
+  }
   kj::Own<kj::ConnectionReceiver> listener;
   KJ_IF_MAYBE (e, kj::runCatchingExceptions([&]() {
                  auto addr = io.provider->getNetwork()
@@ -155,44 +337,173 @@ Expected<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const std
     }
     return unavailable("cannot listen on " + address + ": " + why);
   }
-  return kj::heap<RpcServer>(kj::mv(listener), kj::mv(gateway), std::move(label));
+  return kj::heap<RpcServer>(io, kj::mv(listener), std::move(endpoint), std::move(label), limits);
+}
+
+void RpcServer::log_refusal(const std::string& line) {
+  // At most 20 lines a minute: a flood of bad peers must not fill the disk with logs.
+  uint64_t now = steady_ms();
+  if (now - refusal_window_start_ms_ >= 60000) {
+    if (refusals_suppressed_ > 0) {
+      spdlog::warn("{}: {} more refused connection(s) in the last minute were not logged", label_,
+                   refusals_suppressed_);
+    }
+    refusal_window_start_ms_ = now;
+    refusals_in_window_ = 0;
+    refusals_suppressed_ = 0;
+  }
+  if (++refusals_in_window_ <= 20) {
+    spdlog::warn("{}: {}", label_, line);
+  } else {
+    ++refusals_suppressed_;
+  }
 }
 
 kj::Promise<void> RpcServer::accept_loop() {
-  return listener_->accept().then([this](kj::Own<kj::AsyncIoStream>&& stream) {
-    std::string peer = peer_name(*stream);
-    spdlog::debug("{}: connection from {}", label_, peer);
-    auto conn = kj::heap<ServerConnection>(kj::mv(stream), gateway_);
-    ++connections_;
-    auto done = conn->network.onDisconnect();
-    tasks_.add(done.attach(kj::mv(conn))
-                   .then(
-                       [this, peer]() {
-                         --connections_;
-                         spdlog::debug("{}: {} disconnected", label_, peer);
-                       },
-                       [this, peer](kj::Exception&& e) {
-                         --connections_;
-                         spdlog::warn("{}: dropped connection from {}: {}", label_, peer,
-                                      e.getDescription().cStr());
-                       }));
+  return listener_->accept().then(
+      [this](kj::Own<kj::AsyncIoStream>&& stream) {
+        if (accept_backoff_ms_ > 0) {
+          spdlog::info("{}: accepting connections again", label_);
+          accept_backoff_ms_ = 0;
+        }
+        serve(kj::mv(stream));
+        return accept_loop();
+      },
+      [this](kj::Exception&& e) { return accept_failed(kj::mv(e)); });
+}
+
+kj::Promise<void> RpcServer::accept_failed(kj::Exception&& e) {
+  ++counters_.accept_errors;
+  std::string why = e.getDescription().cStr();
+  if (accept_backoff_ms_ == 0) {
+    const bool fds = why.find("EMFILE") != std::string::npos ||
+                     why.find("ENFILE") != std::string::npos ||
+                     why.find("Too many open files") != std::string::npos;
+    spdlog::error("{}: cannot accept connections: {}{}; retrying with back-off until it can",
+                  label_, why,
+                  fds ? " (out of file descriptors: raise `ulimit -n` or --max-connections "
+                        "lower)"
+                      : "");
+    accept_backoff_ms_ = 5;
+  } else {
+    accept_backoff_ms_ = std::min<uint32_t>(accept_backoff_ms_ * 2, 500);
+  }
+  return io_.provider->getTimer().afterDelay(accept_backoff_ms_ * kj::MILLISECONDS).then([this]() {
     return accept_loop();
   });
+}
+
+void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
+  ++counters_.accepted;
+  std::string peer = peer_name(*stream);
+  // Far over the limit: not even a reply (each refused peer costs a descriptor while it lasts).
+  if (connections_ >= size_t{limits_.max_connections} + 64) {
+    ++counters_.refused;
+    log_refusal("dropped " + peer + ": " + std::to_string(connections_) +
+                " connections are open (--max-connections " +
+                std::to_string(limits_.max_connections) + ")");
+    return;
+  }
+  auto state = std::make_shared<ConnectionState>();
+  state->peer_address = peer;
+  state->endpoint = endpoint_;
+  state->server = this;
+  state->server_alive = alive_;
+  uint32_t deadline_ms = limits_.handshake_timeout_ms;
+  if (connections_ >= limits_.max_connections) {
+    state->refused = std::string(role_name(endpoint_->role)) + " " + endpoint_->server_id +
+                     " has " + std::to_string(connections_) + " connections open, its limit " +
+                     "(--max-connections " + std::to_string(limits_.max_connections) +
+                     "); close idle clients or raise the limit";
+    deadline_ms = std::min<uint32_t>(deadline_ms, 2000);
+  }
+  auto close = kj::newPromiseAndFulfiller<void>();
+  state->close = kj::mv(close.fulfiller);
+  spdlog::debug("{}: connection from {}", label_, peer);
+  auto conn = kj::heap<ServerConnection>(kj::mv(stream), kj::heap<AuthGateway>(state), limits_);
+  ++connections_;
+  auto& timer = io_.provider->getTimer();
+  // Closed when the peer goes, shortly after a refusal (so the error reaches it), or when it
+  // has not authenticated in time.
+  auto refused =
+      close.promise.then([&timer]() { return timer.afterDelay(100 * kj::MILLISECONDS); });
+  auto deadline =
+      timer.afterDelay(deadline_ms * kj::MILLISECONDS).then([this, state]() -> kj::Promise<void> {
+        if (state->authenticated) return kj::NEVER_DONE;
+        if (state->refused.empty()) {
+          log_refusal("closed " + state->peer_address + ": no handshake within " +
+                      std::to_string(limits_.handshake_timeout_ms) + " ms");
+        }
+        return kj::READY_NOW;
+      });
+  auto done =
+      conn->network.onDisconnect().exclusiveJoin(kj::mv(refused)).exclusiveJoin(kj::mv(deadline));
+  tasks_.add(done.attach(kj::mv(conn))
+                 .then(
+                     [this, peer]() {
+                       --connections_;
+                       spdlog::debug("{}: {} disconnected", label_, peer);
+                     },
+                     [this, peer](kj::Exception&& e) {
+                       --connections_;
+                       spdlog::warn("{}: dropped connection from {}: {}", label_, peer,
+                                    e.getDescription().cStr());
+                     }));
 }
 
 void RpcServer::taskFailed(kj::Exception&& exception) {
   spdlog::warn("{}: connection task failed: {}", label_, exception.getDescription().cStr());
 }
 
+namespace {
+
+// What a failed connect() attempt means, for a person.
+Status describe_connect_failure(const kj::Exception& e, const std::string& address,
+                                kj::Duration timeout, bool reached, bool answered) {
+  Status st = to_status(e);
+  std::string why = st.message();
+  if (why.find("ECONNREFUSED") != std::string::npos ||
+      why.find("onnection refused") != std::string::npos) {
+    return unavailable("cannot reach " + address +
+                       ": connection refused (is a tessera daemon running there?)");
+  }
+  if (why.find("operation timed out") != std::string::npos) {
+    std::string ms = std::to_string(timeout / kj::MILLISECONDS);
+    if (reached) {
+      return deadline_exceeded("no answer from " + address + " within " + ms +
+                               " ms: it accepted the connection but did not answer Tessera's "
+                               "hello (is it a Tessera daemon, and not stopped?)");
+    }
+    return deadline_exceeded("cannot reach " + address + ": no answer within " + ms + " ms");
+  }
+  if (st.code() == Code::kFailedPrecondition || st.code() == Code::kPermissionDenied ||
+      st.code() == Code::kResourceExhausted || st.code() == Code::kInvalidArgument) {
+    return st;
+  }
+  if (reached && !answered) {
+    return failed_precondition("not a Tessera daemon at " + address +
+                               ": it does not speak Tessera's RPC protocol (" + why + ")");
+  }
+  return Status(st.code() == Code::kInternal ? Code::kUnavailable : st.code(),
+                "cannot reach " + address + ": " + why);
+}
+
+}  // namespace
+
 kj::Promise<Expected<kj::Own<Connection>>> connect(kj::AsyncIoContext& io,
                                                    const std::string& address,
-                                                   const std::string& peer, kj::Duration timeout,
+                                                   const std::string& peer,
+                                                   const std::string& secret, kj::Duration timeout,
                                                    uint32_t version) {
   using Result = Expected<kj::Own<Connection>>;
   auto parsed = split_host_port(address);
   if (!parsed) return Result(parsed.status());
+  auto client_nonce = auth::make_nonce();
+  if (!client_nonce) return Result(client_nonce.status());
   auto conn = kj::heap<Connection>();
   conn->address = address;
+  // Progress markers, for the error message: TCP connected / the peer answered in Cap'n Proto.
+  auto progress = std::make_shared<std::pair<bool, bool>>(false, false);
   auto& timer = io.provider->getTimer();
   auto attempt =
       io.provider->getNetwork()
@@ -201,47 +512,76 @@ kj::Promise<Expected<kj::Own<Connection>>> connect(kj::AsyncIoContext& io,
             auto p = addr->connect();
             return p.attach(kj::mv(addr));
           })
-          .then([conn = conn.get(), version, peer](kj::Own<kj::AsyncIoStream>&& stream) mutable {
+          .then([conn = conn.get(), version, peer, nonce = *client_nonce,
+                 progress](kj::Own<kj::AsyncIoStream>&& stream) mutable {
+            progress->first = true;
             conn->stream = kj::mv(stream);
             conn->client = kj::heap<capnp::TwoPartyClient>(*conn->stream);
             conn->gateway = conn->client->bootstrap().castAs<proto::Gateway>();
             auto req = conn->gateway.helloRequest();
             req.setVersion(version);
             req.setPeer(peer.c_str());
+            req.setClientNonce(
+                kj::arrayPtr(reinterpret_cast<const kj::byte*>(nonce.data()), nonce.size()));
             return req.send();
           })
-          .then([conn = kj::mv(conn),
-                 address](capnp::Response<proto::Gateway::HelloResults>&& r) mutable -> Result {
-            Status st = check_server_version(r.getVersion(), r.getRole(), address);
-            if (!st) return st;
-            conn->role = r.getRole();
-            conn->server_id = r.getServerId().cStr();
-            conn->has_cluster = r.hasCluster();
-            conn->has_node = r.hasNode();
-            conn->has_actor = r.hasActor();
-            if (conn->has_cluster) conn->cluster = r.getCluster();
-            if (conn->has_node) conn->node = r.getNode();
-            if (conn->has_actor) conn->actor = r.getActor();
-            return Result(kj::mv(conn));
-          });
+          .then(
+              [conn = conn.get(), address, peer, secret, nonce = *client_nonce, progress](
+                  capnp::Response<proto::Gateway::HelloResults>&& r) mutable -> kj::Promise<void> {
+                progress->second = true;
+                Status st = check_server_version(r.getVersion(), r.getRole(), address);
+                if (!st) throw_status(st);
+                conn->role = r.getRole();
+                conn->server_id = r.getServerId().cStr();
+                auto server_nonce_data = r.getServerNonce();
+                std::string server_nonce(reinterpret_cast<const char*>(server_nonce_data.begin()),
+                                         server_nonce_data.size());
+                std::string what = secret_name(conn->role);
+                // The server's proof is checked, but our own proof goes out either way: a server
+                // with another token then refuses it and logs the attempt, so both sides see the
+                // mismatch. (A proof is bound to both nonces: it is worthless anywhere else.)
+                bool server_knows =
+                    secret.empty() ||
+                    equal_bytes(r.getServerProof(),
+                                auth::server_proof(secret, conn->role, conn->server_id, nonce,
+                                                   server_nonce));
+                auto req = r.getHandshake().authenticateRequest();
+                if (!secret.empty()) {
+                  std::string proof = auth::client_proof(secret, peer, server_nonce, nonce);
+                  req.setProof(
+                      kj::arrayPtr(reinterpret_cast<const kj::byte*>(proof.data()), proof.size()));
+                }
+                return req.send().then(
+                    [conn, address, server_knows,
+                     what](capnp::Response<proto::Handshake::AuthenticateResults>&& a) {
+                      if (!server_knows) {
+                        // Never take capabilities from a server that could not prove the secret.
+                        throw_status(Status(Code::kPermissionDenied,
+                                            "the " + std::string(role_name(conn->role)) + " at " +
+                                                address + " could not prove it knows this " + what +
+                                                ": it belongs to another cluster, or the " + what +
+                                                " given here is wrong"));
+                      }
+                      conn->has_cluster = a.hasCluster();
+                      conn->has_node = a.hasNode();
+                      conn->has_actor = a.hasActor();
+                      if (conn->has_cluster) conn->cluster = a.getCluster();
+                      if (conn->has_node) conn->node = a.getNode();
+                      if (conn->has_actor) conn->actor = a.getActor();
+                    },
+                    [conn, address](kj::Exception&& e) {
+                      Status st = to_status(e);
+                      throw_status(Status(
+                          st.code(), "the " + std::string(role_name(conn->role)) + " at " +
+                                         address + " refused this connection: " + st.message()));
+                    });
+              });
   return timer.timeoutAfter(timeout, kj::mv(attempt))
-      .catch_([address, timeout](kj::Exception&& e) -> Result {
-        Status st = to_status(e);
-        std::string why = st.message();
-        if (why.find("ECONNREFUSED") != std::string::npos ||
-            why.find("onnection refused") != std::string::npos) {
-          return unavailable("cannot reach " + address +
-                             ": connection refused (is a tessera daemon running there?)");
-        }
-        if (why.find("timed out") != std::string::npos ||
-            e.getType() == kj::Exception::Type::OVERLOADED) {
-          return deadline_exceeded("cannot reach " + address + ": no answer within " +
-                                   std::to_string(timeout / kj::MILLISECONDS) + " ms");
-        }
-        if (st.code() == Code::kFailedPrecondition) return st;
-        return Status(st.code() == Code::kInternal ? Code::kUnavailable : st.code(),
-                      "cannot reach " + address + ": " + why);
-      });
+      .then([conn = kj::mv(conn)]() mutable -> Result { return Result(kj::mv(conn)); },
+            [address, timeout, progress](kj::Exception&& e) -> Result {
+              return describe_connect_failure(e, address, timeout, progress->first,
+                                              progress->second);
+            });
 }
 
 }  // namespace tessera::rpc

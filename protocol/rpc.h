@@ -1,10 +1,11 @@
 // Cap'n Proto RPC plumbing shared by the daemon, the actors and the driver.
 //
-// Every endpoint serves a proto::Gateway as its bootstrap capability; a peer calls
-// Gateway.hello with its protocol version and gets the endpoint's capabilities back. Errors
-// travel as Cap'n Proto exceptions whose description is "CODE: message" (Status::to_string);
-// to_status() turns them back into a Status on the calling side, so no exception leaves this
-// layer's callers.
+// Every endpoint serves a proto::Gateway as its bootstrap capability. A peer says hello with its
+// protocol version, checks the server's proof of the endpoint's secret, then proves it knows the
+// secret itself (protocol/auth.h, protocol/gateway.capnp); only then does it get the endpoint's
+// capabilities. Errors travel as Cap'n Proto exceptions whose description is "CODE: message"
+// (Status::to_string); to_status() turns them back into a Status on the calling side, so no
+// exception leaves this layer's callers.
 #pragma once
 
 #include <capnp/rpc-twoparty.h>
@@ -13,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "common/status.h"
@@ -24,6 +26,8 @@ inline constexpr uint32_t kProtocolVersion = proto::PROTOCOL_VERSION;
 
 // Human name of a role: "head", "node daemon", "actor".
 const char* role_name(proto::Role role);
+// What guards a role's port: "cluster token" for daemons, "actor key" for actors.
+const char* secret_name(proto::Role role);
 
 // Throws (inside an RPC method) an exception that to_status() maps back to `status`.
 [[noreturn]] void throw_status(const Status& status);
@@ -39,14 +43,40 @@ void require_version(uint32_t peer_version, kj::StringPtr peer, proto::Role our_
 Status check_server_version(uint32_t server_version, proto::Role server_role,
                             const std::string& address);
 
-// Accepts TCP connections and gives each its own two-party RpcSystem with `gateway` as the
-// bootstrap. A connection that sends garbage or drops is logged and closed; the server goes on.
+// What one server lets each peer use. Every limit is an error the peer sees, never a crash.
+struct ServerLimits {
+  // Connections open at once, authenticated or not. Beyond it a new peer's hello fails with
+  // RESOURCE_EXHAUSTED naming the limit, and the connection is closed.
+  uint32_t max_connections = 512;
+  // The largest Cap'n Proto message a peer may send (bigger ones close its connection).
+  uint64_t max_message_bytes = 64ull << 20;
+  // Bytes of a connection's calls still running before the server stops reading from it.
+  uint64_t max_inflight_bytes = 256ull << 20;
+  // A peer that has not authenticated by then is disconnected.
+  uint32_t handshake_timeout_ms = 10000;
+};
+
+// What a server is, and what it hands to a peer that proved its secret.
+struct Endpoint {
+  proto::Role role = proto::Role::NODE;
+  std::string server_id;  // node id or actor id
+  std::string secret;     // the cluster token (daemons) or the actor key (actors)
+  // Sets the capabilities of an authenticated peer.
+  std::function<void(proto::Handshake::AuthenticateResults::Builder)> grant;
+};
+
+// Accepts TCP connections and gives each its own two-party RpcSystem whose bootstrap is an
+// authenticating Gateway for `endpoint`. A connection that sends garbage, fails the handshake
+// or drops is logged (naming the peer's address) and closed; the server goes on. Accept errors
+// (EMFILE, ENFILE, ENOBUFS, ...) back off and retry: the server keeps accepting once descriptors
+// free up.
 class RpcServer final : private kj::TaskSet::ErrorHandler {
  public:
-  // Binds `address` ("0.0.0.0:6380", "127.0.0.1:0"). Fails with UNAVAILABLE naming the address
+  // Binds `address` ("10.0.0.1:6380", "127.0.0.1:0"). Fails with UNAVAILABLE naming the address
   // when the port is in use or the host is not local.
   static Expected<kj::Own<RpcServer>> listen(kj::AsyncIoContext& io, const std::string& address,
-                                             proto::Gateway::Client gateway, std::string label);
+                                             Endpoint endpoint, std::string label,
+                                             ServerLimits limits = {});
   ~RpcServer();
 
   // The bound port (useful with port 0).
@@ -54,22 +84,43 @@ class RpcServer final : private kj::TaskSet::ErrorHandler {
   // Connections currently open.
   size_t connections() const { return connections_; }
 
-  RpcServer(kj::Own<kj::ConnectionReceiver> listener, proto::Gateway::Client gateway,
-            std::string label);
+  struct Counters {
+    uint64_t accepted = 0;
+    uint64_t authenticated = 0;
+    uint64_t refused = 0;        // wrong or missing secret, wrong version, over the limit
+    uint64_t accept_errors = 0;  // failed accept() calls (out of descriptors, ...)
+  };
+  const Counters& counters() const { return counters_; }
+
+  RpcServer(kj::AsyncIoContext& io, kj::Own<kj::ConnectionReceiver> listener, Endpoint endpoint,
+            std::string label, ServerLimits limits);
+
+  struct ConnectionState;  // per connection: peer address, handshake progress
 
  private:
   kj::Promise<void> accept_loop();
+  kj::Promise<void> accept_failed(kj::Exception&& e);
+  void serve(kj::Own<kj::AsyncIoStream> stream);
   void taskFailed(kj::Exception&& exception) override;
+  void log_refusal(const std::string& line);
 
+  kj::AsyncIoContext& io_;
   kj::Own<kj::ConnectionReceiver> listener_;
-  proto::Gateway::Client gateway_;
+  std::shared_ptr<const Endpoint> endpoint_;  // shared with each connection's gateway
   std::string label_;
+  ServerLimits limits_;
   uint16_t port_ = 0;
   size_t connections_ = 0;
+  Counters counters_;
+  uint32_t accept_backoff_ms_ = 0;  // 0 while accept() works
+  uint64_t refusal_window_start_ms_ = 0;
+  uint32_t refusals_in_window_ = 0;
+  uint32_t refusals_suppressed_ = 0;
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // expires with the server
   kj::TaskSet tasks_;
 };
 
-// One client connection to a Tessera endpoint, after a successful hello.
+// One client connection to a Tessera endpoint, after a successful handshake.
 struct Connection {
   kj::Own<kj::AsyncIoStream> stream;
   kj::Own<capnp::TwoPartyClient> client;
@@ -88,12 +139,15 @@ struct Connection {
   kj::Promise<void> on_disconnect() { return client->onDisconnect(); }
 };
 
-// Connects to `address` ("host:port"), says hello as `peer` and checks the version.
-// Resolves to an error Status (never throws): UNAVAILABLE when nothing answers within
-// `timeout`, FAILED_PRECONDITION on a version mismatch.
+// Connects to `address` ("host:port") as `peer`, checks the version and runs the handshake with
+// `secret` (the cluster token for a daemon, the actor key for an actor). Resolves to an error
+// Status (never throws): UNAVAILABLE when nothing answers, DEADLINE_EXCEEDED after `timeout`,
+// FAILED_PRECONDITION on a version mismatch or when the peer is not a Tessera endpoint,
+// PERMISSION_DENIED when the server refuses the secret or cannot prove it knows it.
 kj::Promise<Expected<kj::Own<Connection>>> connect(kj::AsyncIoContext& io,
                                                    const std::string& address,
                                                    const std::string& peer,
+                                                   const std::string& secret,
                                                    kj::Duration timeout = 10 * kj::SECONDS,
                                                    uint32_t version = kProtocolVersion);
 

@@ -14,28 +14,37 @@
 #include <string>
 
 #include "common/logging.h"
-#include "daemon/session.h"
+#include "common/session.h"
 #include "daemon/start.h"
 #include "driver/bench.h"
 #include "driver/generate.h"
 #include "driver/make_model/make_model.h"
 #include "driver/status.h"
+#include "protocol/auth.h"
 #include "protocol/rpc.h"
 
 namespace {
 
-int status_command(const std::string& address_flag, const std::string& temp_dir, bool json) {
+int status_command(const std::string& address_flag, const std::string& temp_dir,
+                   const std::string& token_file, bool json) {
+  auto root = tessera::open_root(temp_dir);
   std::string address = address_flag;
   if (address.empty()) {
-    auto found = tessera::read_head_address(tessera::temp_root(temp_dir));
+    auto found =
+        root ? tessera::read_head_address(*root) : tessera::Expected<std::string>(root.status());
     if (!found) {
       std::cerr << "tessera status: " << found.status().message() << "\n";
       return 1;
     }
     address = *found;
   }
+  auto token = tessera::auth::resolve_cluster_token(token_file, root ? *root : std::string());
+  if (!token) {
+    std::cerr << "tessera status: " << token.status().message() << "\n";
+    return 1;
+  }
   tessera::EventLoop loop;
-  auto status = tessera::collect_status(loop, address);
+  auto status = tessera::collect_status(loop, address, *token);
   if (!status) {
     std::cerr << "tessera status: " << status.status().message() << "\n";
     return 1;
@@ -63,11 +72,45 @@ int main(int argc, char** argv) {
   start_cmd->add_option("--temp-dir", start.temp_dir,
                         "Root for session logs and records (default $TESSERA_TMPDIR or "
                         "/tmp/tessera)");
-  start_cmd->add_option("--node-ip", start.node_ip, "Address other nodes reach this one at");
+  start_cmd->add_option("--cluster-token-file", start.cluster_token_file,
+                        "The cluster token (head: instead of a new one; members: the head's)");
+  start_cmd->add_option("--node-ip,--host", start.node_ip,
+                        "Address to listen on and advertise (default: loopback for a head, the "
+                        "address that reaches the head for a member)");
   start_cmd->add_option("--node-name", start.node_name, "Name shown in status (default hostname)");
-  start_cmd->add_option("--bind", start.bind_host, "Interface to listen on (default 0.0.0.0)");
-  start_cmd->add_option("--object-store-memory", start.object_store_memory,
-                        "Bytes of shared memory the object store may hold (default 2 GiB)");
+  start_cmd->add_option("--bind", start.bind_host,
+                        "Listen here instead of --node-ip (e.g. 0.0.0.0), still advertising "
+                        "--node-ip");
+  start_cmd
+      ->add_option("--object-store-memory", start.object_store_memory,
+                   "Bytes of shared memory for objects and rings (default 2 GiB)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 50));
+  start_cmd->add_option("--shm-per-lease", start.shm_per_lease,
+                        "Bytes of shared memory one lease may hold (default: all of it)");
+  start_cmd
+      ->add_option("--max-connections", start.max_connections,
+                   "RPC connections open at once (default 512)")
+      ->check(CLI::Range(1u, 1000000u));
+  start_cmd
+      ->add_option("--max-message-mib", start.max_message_mib,
+                   "Largest RPC message a peer may send, MiB (default 64)")
+      ->check(CLI::Range(1u, 4096u));
+  start_cmd->add_option("--max-actors", start.max_actors, "Actors alive at once (default 128)")
+      ->check(CLI::Range(1u, 100000u));
+  start_cmd
+      ->add_option("--actor-health-timeout", start.actor_health_timeout_s,
+                   "Seconds without a heartbeat before an actor is killed as hung (default "
+                   "10; 0 = off)")
+      ->check(CLI::Range(0.0, 86400.0));
+  start_cmd
+      ->add_option("--actor-step-timeout", start.actor_step_timeout_s,
+                   "Seconds one step may run before the actor counts as stuck (default "
+                   "120; 0 = off)")
+      ->check(CLI::Range(0.0, 86400.0));
+  start_cmd->add_option("--actor-env-allow", start.actor_env_allow,
+                        "More environment variables a driver may set on actors (NAME or "
+                        "PREFIX_*; repeatable)");
+  start_cmd->add_flag("--ephemeral", start.ephemeral)->group("");  // embedded local nodes
   start_cmd->add_option("--heartbeat-ms", start.heartbeat_ms, "Heartbeat period (default 1000)")
       ->check(CLI::Range(10u, 600000u));
   start_cmd
@@ -84,12 +127,14 @@ int main(int argc, char** argv) {
   stop_cmd->add_option("--temp-dir", stop.temp_dir, "The root they were started with");
   stop_cmd->add_option("--timeout", stop.timeout_s, "Seconds before SIGKILL (default 10)");
 
-  std::string status_address, status_temp;
+  std::string status_address, status_temp, status_token;
   bool status_json = false;
   auto* status_cmd = app.add_subcommand("status", "Show the cluster: nodes, GPUs, actors");
   status_cmd->add_option("--address", status_address,
                          "Head HOST:PORT (default: the head started on this machine)");
   status_cmd->add_option("--temp-dir", status_temp, "The root the head was started with");
+  status_cmd->add_option("--cluster-token-file", status_token,
+                         "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
   status_cmd->add_flag("--json", status_json, "Print JSON");
 
   // vLLM's engine flags, shared by generate and bench.
@@ -97,6 +142,9 @@ int main(int argc, char** argv) {
     cmd->add_option("--model", e.model, "Hugging Face model directory")->required();
     cmd->add_option("--address", e.address,
                     "A cluster's head HOST:PORT (default: start a local node)");
+    cmd->add_option("--cluster-token-file", e.cluster_token_file,
+                    "With --address: the cluster token (default: $TESSERA_CLUSTER_TOKEN or this "
+                    "machine's)");
     cmd->add_option("--dtype", e.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
     cmd->add_option("--device", e.device, "auto (a GPU when the node has one)|cuda|cpu");
     cmd->add_option("--max-model-len", e.max_model_len,
@@ -188,7 +236,9 @@ int main(int argc, char** argv) {
     std::cout << "Wrote " << make.out << "\n";
     return 0;
   }
-  if (*status_cmd) return status_command(status_address, status_temp, status_json);
+  if (*status_cmd) {
+    return status_command(status_address, status_temp, status_token, status_json);
+  }
   if (*version_cmd) {
     std::cout << "tessera " << TESSERA_VERSION << " (protocol v" << tessera::rpc::kProtocolVersion
               << ")\n";

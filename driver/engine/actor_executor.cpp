@@ -6,6 +6,17 @@
 
 namespace tessera {
 
+Status ActorExecutor::explain(Status failed) {
+  if (lease_ == nullptr || failed.is_ok()) return failed;
+  if (failed.code() != Code::kUnavailable && failed.code() != Code::kDeadlineExceeded) {
+    return failed;
+  }
+  // A dropped connection arrives before the daemon's death report: wait a moment for it.
+  auto death = lease_->wait_for_death(actor_id_, std::chrono::seconds(3));
+  if (!death) return failed;
+  return unavailable(describe_death(*death));
+}
+
 Expected<LoadedModel> ActorExecutor::load(const LoadOptions& o) {
   auto req = actor_.capability().loadModelRequest();
   auto spec = req.initSpec();
@@ -20,7 +31,7 @@ Expected<LoadedModel> ActorExecutor::load(const LoadOptions& o) {
   spec.setEnforceEager(o.enforce_eager);
   spec.setMaxNumSeqs(o.max_num_seqs);
   spec.setMaxNumBatchedTokens(o.max_num_batched_tokens);
-  return wait_for(loop_, req.send().then([](auto&& r) {
+  auto loaded = wait_for(loop_, req.send().then([](auto&& r) {
     auto i = r.getInfo();
     LoadedModel m;
     m.architecture = i.getArchitecture().cStr();
@@ -38,7 +49,9 @@ Expected<LoadedModel> ActorExecutor::load(const LoadOptions& o) {
     m.max_num_batched_tokens = i.getMaxNumBatchedTokens();
     return m;
   }),
-                  "load model", 30 * 60 * kj::SECONDS);
+                         "load model", 30 * 60 * kj::SECONDS);
+  if (!loaded) return explain(loaded.status());
+  return loaded;
 }
 
 Expected<StepResult> ActorExecutor::execute(const StepBatch& batch) {
@@ -82,7 +95,7 @@ Expected<StepResult> ActorExecutor::execute(const StepBatch& batch) {
   std::vector<float>* logits = &last_logits_;
   StepTimes* times = &last_times_;
   const auto t0 = std::chrono::steady_clock::now();
-  return wait_for(loop_, req.send().then([logits, times, t0](auto&& r) {
+  auto result = wait_for(loop_, req.send().then([logits, times, t0](auto&& r) {
     StepResult result;
     auto out = r.getOutput();
     for (auto o : out.getOutputs()) {
@@ -102,7 +115,9 @@ Expected<StepResult> ActorExecutor::execute(const StepBatch& batch) {
     times->gpu_us = out.getGpuMicros();
     return result;
   }),
-                  "execute step", 10 * 60 * kj::SECONDS);
+                         "execute step", 10 * 60 * kj::SECONDS);
+  if (!result) return explain(result.status());
+  return result;
 }
 
 }  // namespace tessera

@@ -40,7 +40,11 @@ struct LoadedModel {
 
 class ActorExecutor final : public StepExecutor {
  public:
-  ActorExecutor(EventLoop& loop, ActorHandle& actor) : loop_(loop), actor_(actor) {}
+  // `lease` (may be null) is the lease that spawned actor `actor_id`: when a call fails because
+  // the actor went away, the error says how it died (its daemon's report to the lease).
+  ActorExecutor(EventLoop& loop, ActorHandle& actor, LeaseHandle* lease = nullptr,
+                std::string actor_id = "")
+      : loop_(loop), actor_(actor), lease_(lease), actor_id_(std::move(actor_id)) {}
 
   // Loads the model on the actor (bounded by a generous timeout: big checkpoints take time).
   Expected<LoadedModel> load(const LoadOptions& options);
@@ -55,8 +59,13 @@ class ActorExecutor final : public StepExecutor {
   const StepTimes& last_times() const { return last_times_; }
 
  private:
+  // `failed`, or how the actor died when that is why the call failed.
+  Status explain(Status failed);
+
   EventLoop& loop_;
   ActorHandle& actor_;
+  LeaseHandle* lease_;
+  std::string actor_id_;
   std::vector<float> last_logits_;
   StepTimes last_times_;
 };

@@ -5,7 +5,7 @@
 
 namespace tessera {
 
-Status validate_sampling(const SamplingOptions& s) {
+Status validate_sampling(const SamplingOptions& s, int64_t vocab_size) {
   if (!(s.temperature >= 0.0f) || !std::isfinite(s.temperature)) {
     return invalid_argument("temperature must be a number >= 0, got " +
                             std::to_string(s.temperature));
@@ -14,8 +14,7 @@ Status validate_sampling(const SamplingOptions& s) {
     return invalid_argument("top_p must be in (0, 1], got " + std::to_string(s.top_p));
   }
   if (s.top_k == 0 || s.top_k < -1) {
-    return invalid_argument("top_k must be -1 (off) or at least 1, got " +
-                            std::to_string(s.top_k));
+    return invalid_argument("top_k must be -1 (off) or at least 1, got " + std::to_string(s.top_k));
   }
   if (!(s.min_p >= 0.0f && s.min_p <= 1.0f)) {
     return invalid_argument("min_p must be in [0, 1], got " + std::to_string(s.min_p));
@@ -35,8 +34,16 @@ Status validate_sampling(const SamplingOptions& s) {
   if (s.max_tokens < 1) {
     return invalid_argument("max_tokens must be at least 1, got " + std::to_string(s.max_tokens));
   }
-  if (s.logprobs > 20) {
-    return invalid_argument("logprobs must be at most 20, got " + std::to_string(s.logprobs));
+  if (s.logprobs < -1 || s.logprobs > 20) {
+    return invalid_argument("logprobs must be between 0 and 20 (or -1 for none), got " +
+                            std::to_string(s.logprobs));
+  }
+  for (int32_t id : s.stop_token_ids) {
+    if (id < 0 || (vocab_size > 0 && id >= vocab_size)) {
+      return invalid_argument(
+          "stop token id " + std::to_string(id) + " is outside the vocabulary" +
+          (vocab_size > 0 ? " (" + std::to_string(vocab_size) + " tokens)" : std::string()));
+    }
   }
   for (const auto& stop : s.stop) {
     if (stop.empty()) return invalid_argument("stop strings must not be empty");
@@ -71,7 +78,7 @@ Expected<uint64_t> LlmEngine::add_request(std::vector<int32_t> prompt, SamplingO
                               std::to_string(config_.vocab_size) + " tokens)");
     }
   }
-  TESSERA_RETURN_IF_ERROR(validate_sampling(sampling));
+  TESSERA_RETURN_IF_ERROR(validate_sampling(sampling, config_.vocab_size));
   auto seq = std::make_unique<Sequence>();
   seq->id = next_id_++;
   seq->prompt = std::move(prompt);

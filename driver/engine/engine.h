@@ -27,7 +27,7 @@ struct SeqWork {
   uint32_t start_position = 0;        // position of tokens[0]
   std::vector<uint32_t> block_table;  // the sequence's blocks so far
   bool sample = false;
-  bool first = false;                 // first step of the request: prompt and sampling follow
+  bool first = false;  // first step of the request: prompt and sampling follow
   std::vector<int32_t> prompt;
   SamplingOptions sampling;
 };
@@ -69,17 +69,17 @@ struct EngineConfig {
 
 struct RequestOutput {
   uint64_t request_id = 0;
-  std::string delta;                       // new text since the last output
+  std::string delta;  // new text since the last output
   std::vector<int32_t> new_tokens;
   std::vector<TokenLogprobs> new_logprobs;  // when logprobs were asked for
   bool finished = false;
-  std::string finish_reason;               // "stop", "length", or "error: ..."
+  std::string finish_reason;  // "stop", "length", or "error: ..."
   size_t prompt_tokens = 0;
   size_t completion_tokens = 0;
 };
 
 // Checks a request's sampling options; messages follow the OpenAI/vLLM wording.
-Status validate_sampling(const SamplingOptions& s);
+Status validate_sampling(const SamplingOptions& s, int64_t vocab_size = 0);
 
 class LlmEngine {
  public:

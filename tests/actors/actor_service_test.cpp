@@ -21,12 +21,24 @@ TEST(ActorServiceTest, ServesHealthAndShutsDownOnRequest) {
   CudaProbe probe;
   probe.note = "no GPU in this test";
   ActorService service({"a-test", "n-test"}, probe);
-  auto server = rpc::RpcServer::listen(env->io, "127.0.0.1:0", service.gateway(), "actor");
+  const std::string key = "actor-key-0123456789abcdef";
+  auto server = rpc::RpcServer::listen(env->io, "127.0.0.1:0", service.endpoint(key), "actor");
   ASSERT_TRUE(server) << server.status().to_string();
   env->server = kj::mv(*server);
   std::string address = "127.0.0.1:" + std::to_string(env->server->port());
 
-  auto conn = rpc::connect(env->io, address, "test").wait(env->io.waitScope);
+  // Only the key opens it: the cluster token or another actor's key do not.
+  auto stranger =
+      rpc::connect(env->io, address, "test", "some-cluster-token-0000").wait(env->io.waitScope);
+  ASSERT_FALSE(stranger);
+  EXPECT_EQ(stranger.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(stranger.status().message().find("wrong actor key"), std::string::npos)
+      << stranger.status().message();
+  EXPECT_NE(stranger.status().message().find("only the lease that spawned actor a-test"),
+            std::string::npos)
+      << stranger.status().message();
+
+  auto conn = rpc::connect(env->io, address, "test", key).wait(env->io.waitScope);
   ASSERT_TRUE(conn) << conn.status().to_string();
   EXPECT_EQ((*conn)->role, proto::Role::ACTOR);
   EXPECT_EQ((*conn)->server_id, "a-test");
@@ -41,7 +53,7 @@ TEST(ActorServiceTest, ServesHealthAndShutsDownOnRequest) {
   (*conn)->actor.shutdownRequest().send().wait(env->io.waitScope);
   EXPECT_TRUE(done.poll(env->io.waitScope));
 
-  auto old = rpc::connect(env->io, address, "old", 5 * kj::SECONDS, rpc::kProtocolVersion + 1)
+  auto old = rpc::connect(env->io, address, "old", key, 5 * kj::SECONDS, rpc::kProtocolVersion + 1)
                  .wait(env->io.waitScope);
   ASSERT_FALSE(old);
   EXPECT_NE(old.status().message().find("this actor speaks v"), std::string::npos)

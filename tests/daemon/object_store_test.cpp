@@ -82,7 +82,9 @@ TEST_F(ObjectStoreTest, CreateWriteSealThenAnotherProcessReadsTheBytes) {
     for (size_t i = 0; i < 10000; ++i) bytes[i] = static_cast<unsigned char>(i * 13 + 1);
   }
   ASSERT_TRUE(store_.seal("lease-a", "weights.0").is_ok());
-  auto ref = store_.get("lease-b", "weights.0");
+  // Another lease cannot take it; the creator hands the segment name to its own processes.
+  EXPECT_EQ(store_.get("lease-b", "weights.0").status().code(), Code::kPermissionDenied);
+  auto ref = store_.get("lease-a", "weights.0");
   ASSERT_TRUE(ref.has_value()) << ref.status().to_string();
   EXPECT_EQ(ref->segment, *segment);
   EXPECT_EQ(ref->size, 10000u);
@@ -100,7 +102,7 @@ TEST_F(ObjectStoreTest, CreateWriteSealThenAnotherProcessReadsTheBytes) {
       },
       std::chrono::seconds(10));
   EXPECT_EQ(report, "");
-  EXPECT_TRUE(store_.release("lease-b", "weights.0").is_ok());
+  EXPECT_TRUE(store_.release("lease-a", "weights.0").is_ok());
 }
 
 TEST_F(ObjectStoreTest, IdsOwnersAndSizesAreValidated) {
@@ -138,7 +140,7 @@ TEST_F(ObjectStoreTest, DuplicateIdIsAlreadyExists) {
 
 TEST_F(ObjectStoreTest, SealingRules) {
   ASSERT_TRUE(store_.create("lease-a", "x", 10).has_value());
-  Status early = store_.get("lease-b", "x").status();
+  Status early = store_.get("lease-a", "x").status();
   EXPECT_EQ(early.code(), Code::kFailedPrecondition);
   EXPECT_NE(early.message().find("not sealed yet"), std::string::npos) << early.message();
   EXPECT_EQ(store_.seal("lease-b", "x").code(), Code::kPermissionDenied);
@@ -146,7 +148,7 @@ TEST_F(ObjectStoreTest, SealingRules) {
   EXPECT_TRUE(store_.seal("lease-a", "x").is_ok());
   EXPECT_EQ(store_.seal("lease-a", "x").code(), Code::kFailedPrecondition);
   EXPECT_EQ(store_.get("lease-b", "nope").status().code(), Code::kNotFound);
-  EXPECT_TRUE(store_.get("lease-b", "x").has_value());
+  EXPECT_TRUE(store_.get("lease-a", "x").has_value());
 }
 
 TEST_F(ObjectStoreTest, ReferenceCountsGateDeletion) {
@@ -155,7 +157,14 @@ TEST_F(ObjectStoreTest, ReferenceCountsGateDeletion) {
   ASSERT_TRUE(store_.seal("lease-a", "x").is_ok());
   ASSERT_TRUE(store_.get("lease-a", "x").has_value());
   ASSERT_TRUE(store_.get("lease-a", "x").has_value());
-  ASSERT_TRUE(store_.get("lease-b", "x").has_value());
+  ASSERT_TRUE(store_.get("lease-a", "x").has_value());
+  // No other lease may take, release or delete it.
+  EXPECT_EQ(store_.get("lease-b", "x").status().code(), Code::kPermissionDenied);
+  EXPECT_EQ(store_.release("lease-b", "x").code(), Code::kPermissionDenied);
+  Status theirs = store_.remove("lease-b", "x");
+  EXPECT_EQ(theirs.code(), Code::kPermissionDenied);
+  EXPECT_NE(theirs.message().find("belongs to another lease"), std::string::npos)
+      << theirs.message();
   std::vector<ObjectInfo> objects = store_.list();
   ASSERT_EQ(objects.size(), 1u);
   EXPECT_EQ(objects[0].id, "x");
@@ -165,22 +174,21 @@ TEST_F(ObjectStoreTest, ReferenceCountsGateDeletion) {
   EXPECT_TRUE(objects[0].sealed);
   EXPECT_EQ(objects[0].owner, "lease-a");
 
-  Status busy = store_.remove("x");
+  Status busy = store_.remove("lease-a", "x");
   EXPECT_EQ(busy.code(), Code::kFailedPrecondition);
   EXPECT_NE(busy.message().find("3 references"), std::string::npos) << busy.message();
-  EXPECT_NE(busy.message().find("lease-a: 2"), std::string::npos) << busy.message();
-  EXPECT_EQ(store_.release("lease-c", "x").code(), Code::kFailedPrecondition);
+  EXPECT_NE(busy.message().find("lease-a: 3"), std::string::npos) << busy.message();
   EXPECT_TRUE(store_.release("lease-a", "x").is_ok());
+  EXPECT_TRUE(store_.release("lease-a", "x").is_ok());
+  EXPECT_EQ(store_.list()[0].refs, 1u);
+  EXPECT_EQ(store_.remove("lease-a", "x").code(), Code::kFailedPrecondition);
   EXPECT_TRUE(store_.release("lease-a", "x").is_ok());
   EXPECT_EQ(store_.release("lease-a", "x").code(), Code::kFailedPrecondition);
-  EXPECT_EQ(store_.list()[0].refs, 1u);
-  EXPECT_EQ(store_.remove("x").code(), Code::kFailedPrecondition);
-  EXPECT_TRUE(store_.release("lease-b", "x").is_ok());
   EXPECT_TRUE(exists_in_dev_shm(*segment));
-  EXPECT_TRUE(store_.remove("x").is_ok());
+  EXPECT_TRUE(store_.remove("lease-a", "x").is_ok());
   EXPECT_FALSE(exists_in_dev_shm(*segment));
-  EXPECT_EQ(store_.remove("x").code(), Code::kNotFound);
-  EXPECT_EQ(store_.release("lease-b", "x").code(), Code::kNotFound);
+  EXPECT_EQ(store_.remove("lease-a", "x").code(), Code::kNotFound);
+  EXPECT_EQ(store_.release("lease-a", "x").code(), Code::kNotFound);
   EXPECT_EQ(store_.stats().used, 0u);
   EXPECT_EQ(store_.stats().objects, 0u);
 }
@@ -200,9 +208,38 @@ TEST(ObjectStoreCapacityTest, ExceedingCapacityExplainsWhatToDo) {
   EXPECT_EQ(stats.used, 1000u);
   EXPECT_EQ(stats.objects, 2u);
   EXPECT_EQ(store.create("lease-a", "one-more", 1).status().code(), Code::kResourceExhausted);
-  ASSERT_TRUE(store.remove("first").is_ok());
+  ASSERT_TRUE(store.remove("lease-a", "first").is_ok());
   EXPECT_TRUE(store.create("lease-a", "second", 500).has_value());
   EXPECT_EQ(store.stats().used, 900u);
+}
+
+TEST(ObjectStoreCapacityTest, EachLeaseAndOtherSegmentsCountToo) {
+  ObjectStore store(ObjectStoreOptions{unique_prefix(), 1000, /*owner_capacity_bytes=*/600, 8});
+  EXPECT_EQ(store.stats().owner_capacity, 600u);
+  ASSERT_TRUE(store.create("lease-a", "a1", 400).has_value());
+  // A ring of lease-a counts against lease-a's share and the node's.
+  Status over = store.reserve("lease-a", 300, "ring 'steps'");
+  EXPECT_EQ(over.code(), Code::kResourceExhausted);
+  EXPECT_NE(over.message().find("ring 'steps' needs 300 bytes but lease-a already holds 400 of "
+                                "the 600 bytes one lease may hold"),
+            std::string::npos)
+      << over.message();
+  ASSERT_TRUE(store.reserve("lease-a", 200, "ring 'steps'").is_ok());
+  EXPECT_EQ(store.stats().used, 600u);
+  EXPECT_EQ(store.stats().objects, 2u);
+  // lease-b has its own share, bounded by what the node has left.
+  EXPECT_EQ(store.create("lease-b", "b1", 500).status().code(), Code::kResourceExhausted);
+  ASSERT_TRUE(store.create("lease-b", "b1", 400).has_value());
+  store.unreserve("lease-a", 200);
+  EXPECT_EQ(store.stats().used, 800u);
+  ASSERT_TRUE(store.reserve("lease-a", 200, "ring 'again'").is_ok());
+  // The number of segments is capped as well.
+  ObjectStore few(ObjectStoreOptions{unique_prefix(), 1000, 0, 2});
+  ASSERT_TRUE(few.create("lease-a", "one", 1).has_value());
+  ASSERT_TRUE(few.reserve("lease-a", 1, "ring 'r'").is_ok());
+  Status third = few.create("lease-a", "three", 1).status();
+  EXPECT_EQ(third.code(), Code::kResourceExhausted);
+  EXPECT_NE(third.message().find("shared-memory segments"), std::string::npos) << third.message();
 }
 
 TEST_F(ObjectStoreTest, ReleaseAllDropsReferencesAndUnsealedObjects) {
@@ -213,24 +250,23 @@ TEST_F(ObjectStoreTest, ReleaseAllDropsReferencesAndUnsealedObjects) {
   ASSERT_TRUE(kept && dropped && other && pending);
   ASSERT_TRUE(store_.seal("lease-a", "sealed-by-a").is_ok());
   ASSERT_TRUE(store_.seal("lease-b", "sealed-by-b").is_ok());
-  ASSERT_TRUE(store_.get("lease-a", "sealed-by-b").has_value());
-  ASSERT_TRUE(store_.get("lease-a", "sealed-by-b").has_value());
   ASSERT_TRUE(store_.get("lease-b", "sealed-by-b").has_value());
+  ASSERT_TRUE(store_.get("lease-a", "sealed-by-a").has_value());
   ASSERT_TRUE(store_.get("lease-a", "sealed-by-a").has_value());
 
   store_.release_all("lease-a");
 
   std::vector<ObjectInfo> objects = store_.list();
   ASSERT_EQ(objects.size(), 3u);
-  EXPECT_EQ(objects[0].id, "sealed-by-a");  // sealed: stays, without a's reference
+  EXPECT_EQ(objects[0].id, "sealed-by-a");  // sealed: stays, without a's references
   EXPECT_EQ(objects[0].refs, 0u);
   EXPECT_EQ(objects[1].id, "sealed-by-b");
-  EXPECT_EQ(objects[1].refs, 1u);  // only lease-b's
+  EXPECT_EQ(objects[1].refs, 1u);  // lease-b's, untouched
   EXPECT_EQ(objects[2].id, "unsealed-by-b");
   EXPECT_FALSE(exists_in_dev_shm(*dropped));
   EXPECT_TRUE(exists_in_dev_shm(*kept));
   EXPECT_EQ(store_.stats().used, 80u);
-  EXPECT_EQ(store_.release("lease-a", "sealed-by-b").code(), Code::kFailedPrecondition);
+  EXPECT_EQ(store_.release("lease-a", "sealed-by-a").code(), Code::kFailedPrecondition);
   store_.release_all("lease-nobody");  // a lease that held nothing: no effect
   EXPECT_EQ(store_.stats().objects, 3u);
 }
@@ -249,7 +285,7 @@ TEST_F(ObjectStoreTest, SealWaitersFireExactlyOnce) {
   Expected<ObjectRef> from_callback = not_found("not called");
   store_.on_sealed("x", [&](Status st) {
     record(st);
-    from_callback = store_.get("lease-b", "x");
+    from_callback = store_.get("lease-a", "x");
   });
   EXPECT_TRUE(fired.empty());
   ASSERT_TRUE(store_.seal("lease-a", "x").is_ok());
@@ -275,7 +311,7 @@ TEST_F(ObjectStoreTest, SealWaitersLearnWhenTheObjectGoesAway) {
   std::vector<Status> orphaned;
   store_.on_sealed("removed", [&](Status st) { removed.push_back(std::move(st)); });
   store_.on_sealed("orphaned", [&](Status st) { orphaned.push_back(std::move(st)); });
-  ASSERT_TRUE(store_.remove("removed").is_ok());
+  ASSERT_TRUE(store_.remove("lease-a", "removed").is_ok());
   ASSERT_EQ(removed.size(), 1u);
   EXPECT_EQ(removed[0].code(), Code::kNotFound);
   EXPECT_NE(removed[0].message().find("deleted before it was sealed"), std::string::npos);
@@ -298,7 +334,7 @@ TEST(ObjectStoreLifetimeTest, DestructionUnlinksEverySegmentAndEndsWaits) {
       segments.push_back(*segment);
     }
     ASSERT_TRUE(store.seal("lease-a", "a").is_ok());
-    ASSERT_TRUE(store.get("lease-b", "a").has_value());  // held references do not keep it
+    ASSERT_TRUE(store.get("lease-a", "a").has_value());  // held references do not keep it
     store.on_sealed("b", [&](Status st) { fired.push_back(std::move(st)); });
     for (const std::string& name : segments) EXPECT_TRUE(exists_in_dev_shm(name)) << name;
   }

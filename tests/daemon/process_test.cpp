@@ -23,21 +23,27 @@ TEST(ProcessTest, SpawnSetsEnvironmentLogAndReadyPipe) {
   spec.binary = "/bin/sh";
   spec.args = {"-c",
                "echo \"job=$TESSERA_JOB home=${HOME:-unset}\"; echo oops >&2; "
+               "read -r key <&4; echo \"key=$key\"; printf 'beat' >&5; "
                "printf 'READY 4242\\n' >&3"};
   spec.env = {{"TESSERA_JOB", "e2e"}, {"PATH", "/usr/bin:/bin"}};
   spec.log_path = log;
+  spec.secret = "s3cret-key\n";
   auto p = spawn_process(spec);
   ASSERT_TRUE(p) << p.status().to_string();
   char buf[64] = {0};
   ssize_t n = ::read(p->ready_fd, buf, sizeof(buf) - 1);
   EXPECT_EQ(std::string(buf, n > 0 ? static_cast<size_t>(n) : 0), "READY 4242\n");
   ::close(p->ready_fd);
+  n = ::read(p->heartbeat_fd, buf, sizeof(buf));
+  EXPECT_EQ(std::string(buf, n > 0 ? static_cast<size_t>(n) : 0), "beat");
+  ::close(p->heartbeat_fd);
   int status = 0;
   ASSERT_EQ(::waitpid(p->pid, &status, 0), p->pid);
   EXPECT_EQ(describe_wait_status(status), "exited with code 0");
   std::string content = tail_file(log);
   EXPECT_NE(content.find("job=e2e home=unset"), std::string::npos) << content;
   EXPECT_NE(content.find("oops"), std::string::npos) << content;
+  EXPECT_NE(content.find("key=s3cret-key"), std::string::npos) << content;
   std::filesystem::remove(log);
 }
 
@@ -52,22 +58,24 @@ TEST(ProcessTest, MissingBinaryFailsSynchronously) {
   std::filesystem::remove(spec.log_path);
 }
 
-TEST(ProcessTest, ResolveBinaryLooksInBinDir) {
-  auto sh = resolve_binary("sh", "/bin");
-  ASSERT_TRUE(sh) << sh.status().to_string();
-  EXPECT_EQ(*sh, "/bin/sh");
-  auto missing = resolve_binary("no-such-actor", "/bin");
+TEST(ProcessTest, TheActorBinaryIsAlwaysTesseraActorInTheBinDir) {
+  std::string dir = temp_file("tessera-bin-dir");
+  std::filesystem::create_directories(dir);
+  auto missing = resolve_actor_binary(dir);
   ASSERT_FALSE(missing);
   EXPECT_EQ(missing.status().code(), Code::kNotFound);
-  EXPECT_NE(missing.status().message().find("unknown actor binary 'no-such-actor'"),
-            std::string::npos);
-  EXPECT_EQ(resolve_binary("../bin/sh", "/bin").status().code(), Code::kInvalidArgument);
-  std::string plain = temp_file("tessera-not-executable");
-  { std::ofstream(plain) << "data"; }
+  EXPECT_NE(missing.status().message().find(dir + "/tessera-actor"), std::string::npos)
+      << missing.status().message();
+  std::string actor = dir + "/tessera-actor";
+  { std::ofstream(actor) << "data"; }
   std::filesystem::permissions(
-      plain, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
-  EXPECT_EQ(resolve_binary(plain, "/bin").status().code(), Code::kPermissionDenied);
-  std::filesystem::remove(plain);
+      actor, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  EXPECT_EQ(resolve_actor_binary(dir).status().code(), Code::kPermissionDenied);
+  std::filesystem::permissions(actor, std::filesystem::perms::owner_all);
+  auto found = resolve_actor_binary(dir);
+  ASSERT_TRUE(found) << found.status().to_string();
+  EXPECT_EQ(*found, actor);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ProcessTest, DescribesSignalDeaths) {

@@ -21,7 +21,7 @@ TEST(GpuClusterTest, EachActorSeesExactlyItsGpu) {
   ASSERT_FALSE(member.empty()) << cluster.last().out << cluster.last().err;
 
   EventLoop loop;
-  auto client = ClusterClient::connect(loop, head);
+  auto client = ClusterClient::connect(loop, head, cluster.token());
   ASSERT_TRUE(client) << client.status().to_string();
   auto nodes = (*client)->nodes();
   ASSERT_TRUE(nodes);
@@ -44,7 +44,7 @@ TEST(GpuClusterTest, EachActorSeesExactlyItsGpu) {
                                        .env = {{"NCCL_NVLS_ENABLE", "0"}},
                                        .name = "gpu" + std::to_string(i)});
     ASSERT_TRUE(actor) << actor.status().to_string();
-    auto handle = ActorHandle::connect(loop, actor->address);
+    auto handle = ActorHandle::connect(loop, actor->address, actor->key);
     ASSERT_TRUE(handle) << handle.status().to_string();
     auto health = (*handle)->health();
     ASSERT_TRUE(health) << health.status().to_string();

@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -58,7 +59,7 @@ class ClusterTest : public ::testing::Test {
   }
 
   std::unique_ptr<ClusterClient> connect() {
-    auto c = ClusterClient::connect(loop_, head_);
+    auto c = ClusterClient::connect(loop_, head_, cluster_.token());
     EXPECT_TRUE(c) << c.status().to_string();
     return c ? std::move(*c) : nullptr;
   }
@@ -88,7 +89,9 @@ TEST_F(ClusterTest, HeadAndSecondDaemonRegisterAndShowInStatus) {
   EXPECT_NE(text.out.find("[head]"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("2 node(s) alive"), std::string::npos) << text.out;
 
-  auto json = cluster_.tessera({"status", "--address", head_, "--json"});
+  // The token from the environment, as a driver on another machine would pass it.
+  auto json = cluster_.tessera({"status", "--address", head_, "--json"}, 60s,
+                               {"TESSERA_CLUSTER_TOKEN=" + cluster_.token()});
   ASSERT_EQ(json.exit_code, 0) << json.err;
   auto j = nlohmann::json::parse(json.out);
   ASSERT_EQ(j["nodes"].size(), 2u);
@@ -117,7 +120,7 @@ TEST_F(ClusterTest, ActorsSpawnOnBothNodesAndAnswerDirectly) {
     leases.push_back(std::move(*lease));
   }
   for (const auto& a : actors) {
-    auto handle = ActorHandle::connect(loop_, a.address);
+    auto handle = ActorHandle::connect(loop_, a.address, a.key);
     ASSERT_TRUE(handle) << handle.status().to_string();
     auto health = (*handle)->health();
     ASSERT_TRUE(health) << health.status().to_string();
@@ -132,7 +135,7 @@ TEST_F(ClusterTest, ActorsSpawnOnBothNodesAndAnswerDirectly) {
   EXPECT_NE(text.out.find("test-driver"), std::string::npos);
 
   // A shutdown through the actor's own handle is reported as a clean exit.
-  auto handle = ActorHandle::connect(loop_, actors[0].address);
+  auto handle = ActorHandle::connect(loop_, actors[0].address, actors[0].key);
   ASSERT_TRUE(handle);
   ASSERT_TRUE((*handle)->shutdown().is_ok());
   auto death = leases[0]->wait_for_death(actors[0].actor_id, 10s);
@@ -212,10 +215,11 @@ TEST_F(ClusterTest, OwnerThatDisconnectsLeavesNoActorBehind) {
   int pipefd[2];
   ASSERT_EQ(::pipe(pipefd), 0);
   std::string head = head_;
+  std::string token = cluster_.token();
   int code = run_in_child([&]() {
     ::close(pipefd[0]);
     EventLoop loop;
-    auto cluster = ClusterClient::connect(loop, head);
+    auto cluster = ClusterClient::connect(loop, head, token);
     if (!cluster) return 10;
     auto lease = (*cluster)->head_node().open_lease("short-lived-owner");
     if (!lease) return 11;
@@ -277,38 +281,27 @@ TEST_F(ClusterTest, ObjectStorePassesDataAcrossProcesses) {
     auto* p = static_cast<uint8_t*>(mapped->data());
     for (size_t i = 0; i < size; ++i) p[i] = static_cast<uint8_t>((i * 131) ^ (i >> 9));
   }
-  std::string head = head_;
-  // A reader in another process waits for the seal, then checks every byte.
+  ASSERT_TRUE((*lease)->seal_object("weights-0").is_ok());
+  auto ref = (*lease)->get_object("weights-0");
+  ASSERT_TRUE(ref) << ref.status().to_string();
+  ASSERT_EQ(ref->second, size);
+  // Another process the writer hands the segment name to maps it and checks every byte.
+  std::string name = ref->first;
   pid_t reader = ::fork();
   if (reader == 0) {
-    int code = 99;
-    std::thread t([&] {
-      code = [&]() {
-        EventLoop loop;
-        auto c = ClusterClient::connect(loop, head);
-        if (!c) return 10;
-        auto l = (*c)->head_node().open_lease("reader");
-        if (!l) return 11;
-        auto ref = (*l)->get_object("weights-0", /*timeout_ms=*/10000);
-        if (!ref || ref->second != size) return 12;
-        auto m = ShmSegment::open(ref->first, /*writable=*/false);
-        if (!m) return 13;
-        const auto* p = static_cast<const uint8_t*>(m->data());
-        for (size_t i = 0; i < size; ++i) {
-          if (p[i] != static_cast<uint8_t>((i * 131) ^ (i >> 9))) return 14;
-        }
-        if (!(*l)->release_object("weights-0")) return 15;
-        return 0;
-      }();
-    });
-    t.join();
-    _exit(code);
+    auto m = ShmSegment::open(name, /*writable=*/false);
+    if (!m || m->size() != size) _exit(13);
+    const auto* p = static_cast<const uint8_t*>(m->data());
+    for (size_t i = 0; i < size; ++i) {
+      if (p[i] != static_cast<uint8_t>((i * 131) ^ (i >> 9))) _exit(14);
+    }
+    _exit(0);
   }
-  ASSERT_TRUE((*lease)->seal_object("weights-0").is_ok());
   int status = 0;
   ASSERT_EQ(::waitpid(reader, &status, 0), reader);
   EXPECT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
+  ASSERT_TRUE((*lease)->release_object("weights-0").is_ok());
 
   // Capacity: the head was started with 4 MiB.
   auto big = (*lease)->create_object("too-big", 8 << 20);
@@ -378,7 +371,7 @@ TEST_F(ClusterTest, UnreachableHeadIsAClearErrorAndNonZeroExit) {
   auto r = cluster_.tessera({"start", "--address", "127.0.0.1:1", "--temp-dir", cluster_.root()});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("cannot reach 127.0.0.1:1"), std::string::npos) << r.err;
-  auto s = cluster_.tessera({"status", "--address", "127.0.0.1:1"});
+  auto s = cluster_.tessera({"status", "--address", "127.0.0.1:1", "--temp-dir", cluster_.root()});
   EXPECT_EQ(s.exit_code, 1);
   EXPECT_NE(s.err.find("connection refused"), std::string::npos) << s.err;
 }
@@ -393,7 +386,8 @@ TEST_F(ClusterTest, PortInUseIsAClearErrorAndNonZeroExit) {
 }
 
 TEST_F(ClusterTest, ProtocolVersionMismatchNamesBothVersions) {
-  auto conn = rpc::connect(loop_.io(), head_, "test", 5 * kj::SECONDS, rpc::kProtocolVersion + 7)
+  auto conn = rpc::connect(loop_.io(), head_, "test", cluster_.token(), 5 * kj::SECONDS,
+                           rpc::kProtocolVersion + 7)
                   .wait(loop_.wait_scope());
   ASSERT_FALSE(conn);
   EXPECT_EQ(conn.status().code(), Code::kFailedPrecondition);
@@ -425,29 +419,42 @@ TEST_F(ClusterTest, GarbageOnTheRpcPortIsDroppedAndTheDaemonKeepsServing) {
   auto cluster = connect();
   ASSERT_TRUE(cluster);
   EXPECT_TRUE(cluster->nodes());
-  auto text = cluster_.tessera({"status", "--address", head_});
+  auto text = cluster_.tessera(
+      {"status", "--address", head_, "--cluster-token-file", cluster_.root() + "/cluster_token"});
   EXPECT_EQ(text.exit_code, 0) << text.err;
 }
 
-TEST_F(ClusterTest, SpawningAnUnknownOrFailingBinaryIsAClearError) {
+TEST_F(ClusterTest, AnActorThatFailsToStartIsAClearError) {
   auto cluster = connect();
   auto lease = cluster->head_node().open_lease("driver");
   ASSERT_TRUE(lease);
-  auto missing = (*lease)->spawn({.binary = "no-such-actor"});
-  ASSERT_FALSE(missing);
-  EXPECT_EQ(missing.status().code(), Code::kNotFound);
-  EXPECT_NE(missing.status().message().find("unknown actor binary 'no-such-actor'"),
-            std::string::npos)
-      << missing.status().message();
-  auto failing = (*lease)->spawn({.binary = "/bin/false"});
-  ASSERT_FALSE(failing);
-  EXPECT_NE(failing.status().message().find("exited with code 1 before serving"), std::string::npos)
-      << failing.status().message();
   auto bad_gpu = (*lease)->spawn({.gpus = {7}});
   ASSERT_FALSE(bad_gpu);
   EXPECT_EQ(bad_gpu.status().code(), Code::kInvalidArgument);
   auto ok = (*lease)->spawn({});
   EXPECT_TRUE(ok) << ok.status().to_string();
+
+  // A node whose operator installed a broken actor: the error has its exit and its log.
+  TestCluster broken;
+  std::string dir = broken.root() + "/bin";
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream script(dir + "/tessera-actor");
+    script << "#!/bin/sh\necho 'fake actor: cannot open the GPU' >&2\nexit 3\n";
+  }
+  std::filesystem::permissions(dir + "/tessera-actor", std::filesystem::perms::owner_all);
+  std::string head = broken.start_head({"--actor-bin-dir", dir});
+  ASSERT_FALSE(head.empty()) << broken.last().err;
+  auto c = ClusterClient::connect(loop_, head, broken.token());
+  ASSERT_TRUE(c) << c.status().to_string();
+  auto l = (*c)->head_node().open_lease("driver");
+  ASSERT_TRUE(l);
+  auto failing = (*l)->spawn({});
+  ASSERT_FALSE(failing);
+  EXPECT_NE(failing.status().message().find("exited with code 3 before serving"), std::string::npos)
+      << failing.status().message();
+  EXPECT_NE(failing.status().message().find("fake actor: cannot open the GPU"), std::string::npos)
+      << failing.status().message();
 }
 
 TEST(ClusterCliTest, UsageErrorsExitWithTwo) {

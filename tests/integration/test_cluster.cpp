@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,7 +18,8 @@ namespace tessera::testing {
 
 namespace fs = std::filesystem;
 
-CommandResult run_command(const std::vector<std::string>& argv, std::chrono::milliseconds timeout) {
+CommandResult run_command(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
+                          const std::vector<std::string>& env, int max_fds) {
   CommandResult r;
   int out_pipe[2], err_pipe[2];
   if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) return r;
@@ -25,6 +27,11 @@ CommandResult run_command(const std::vector<std::string>& argv, std::chrono::mil
   if (pid == 0) {
     ::dup2(out_pipe[1], 1);
     ::dup2(err_pipe[1], 2);
+    for (const auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
+    if (max_fds > 0) {
+      rlimit limit{static_cast<rlim_t>(max_fds), static_cast<rlim_t>(max_fds)};
+      ::setrlimit(RLIMIT_NOFILE, &limit);
+    }
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -107,11 +114,18 @@ TestCluster::~TestCluster() {
   fs::remove_all(root_, ec);
 }
 
-CommandResult TestCluster::tessera(std::vector<std::string> args,
-                                   std::chrono::milliseconds timeout) {
+CommandResult TestCluster::tessera(std::vector<std::string> args, std::chrono::milliseconds timeout,
+                                   const std::vector<std::string>& env, int max_fds) {
   args.insert(args.begin(), bin("tessera"));
-  last_ = run_command(args, timeout);
+  last_ = run_command(args, timeout, env, max_fds);
   return last_;
+}
+
+std::string TestCluster::token() const {
+  std::ifstream in(root_ + "/cluster_token");
+  std::string token;
+  std::getline(in, token);
+  return token;
 }
 
 std::string TestCluster::start_head(const std::vector<std::string>& extra) {
@@ -149,8 +163,9 @@ std::string TestCluster::start_member(const std::string& name,
 
 int TestCluster::daemon_pid(const std::string& node_id) const {
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(root_ + "/daemons", ec)) {
-    std::ifstream in(e.path());
+  for (const auto& e : fs::directory_iterator(root_, ec)) {
+    std::ifstream in(e.path() / "daemon.json");
+    if (!in) continue;
     auto j = nlohmann::json::parse(in, nullptr, false);
     if (!j.is_discarded() && j.value("node_id", "") == node_id) return j.value("pid", -1);
   }

@@ -16,9 +16,11 @@ struct CommandResult {
   bool timed_out = false;
 };
 
-// Runs argv with a deadline, capturing stdout and stderr.
+// Runs argv with a deadline, capturing stdout and stderr. `env` entries ("NAME=value") are added
+// to (or replace in) the environment; `max_fds` > 0 sets the child's RLIMIT_NOFILE.
 CommandResult run_command(const std::vector<std::string>& argv,
-                          std::chrono::milliseconds timeout = std::chrono::seconds(60));
+                          std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                          const std::vector<std::string>& env = {}, int max_fds = 0);
 
 // $TESSERA_BIN_DIR (set by ctest) + "/" + name.
 std::string bin(const std::string& name);
@@ -40,10 +42,13 @@ class TestCluster {
   // `tessera start --address <head>`; returns the member's node id ("" on failure).
   std::string start_member(const std::string& name, const std::vector<std::string>& extra = {});
   CommandResult tessera(std::vector<std::string> args,
-                        std::chrono::milliseconds timeout = std::chrono::seconds(60));
+                        std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                        const std::vector<std::string>& env = {}, int max_fds = 0);
 
   const std::string& root() const { return root_; }
   const std::string& head_address() const { return head_address_; }
+  // The cluster token the head wrote into the root ("" before start_head).
+  std::string token() const;
   // PID of the daemon with this node id (from its record), or -1.
   int daemon_pid(const std::string& node_id) const;
   const CommandResult& last() const { return last_; }

@@ -7,24 +7,26 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <thread>
+
 namespace tessera::rpc {
 namespace {
 
-class TestGateway final : public proto::Gateway::Server {
- public:
-  int hellos = 0;
+const std::string kToken = "0123456789abcdef-test-token";
 
- protected:
-  kj::Promise<void> hello(HelloContext context) override {
-    ++hellos;
-    require_version(context.getParams().getVersion(), context.getParams().getPeer(),
-                    proto::Role::NODE);
-    context.getResults().setVersion(kProtocolVersion);
-    context.getResults().setRole(proto::Role::NODE);
-    context.getResults().setServerId("n-test");
-    return kj::READY_NOW;
+int raw_connect(uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
   }
-};
+  return fd;
+}
 
 class RpcTest : public ::testing::Test {
  protected:
@@ -34,34 +36,102 @@ class RpcTest : public ::testing::Test {
     kj::Own<RpcServer> server;
   };
 
-  void SetUp() override {
-    auto gw = kj::heap<TestGateway>();
-    gateway_ = gw.get();
-    auto server = RpcServer::listen(io_, "127.0.0.1:0", kj::mv(gw), "test");
+  void SetUp() override { start({}); }
+
+  void start(ServerLimits limits) {
+    env_->server = nullptr;
+    Endpoint e;
+    e.role = proto::Role::NODE;
+    e.server_id = "n-test";
+    e.secret = kToken;
+    e.grant = [this](proto::Handshake::AuthenticateResults::Builder) { ++grants_; };
+    auto server = RpcServer::listen(io_, "127.0.0.1:0", std::move(e), "test", limits);
     ASSERT_TRUE(server) << server.status().to_string();
     env_->server = kj::mv(*server);
     server_ = env_->server.get();
     address_ = "127.0.0.1:" + std::to_string(server_->port());
   }
 
+  Expected<kj::Own<Connection>> dial(const std::string& token,
+                                     const std::string& peer = "unit test",
+                                     uint32_t version = kProtocolVersion) {
+    return connect(io_, address_, peer, token, 5 * kj::SECONDS, version).wait(io_.waitScope);
+  }
+
+  // Runs the loop until `fd` is closed by the server (bounded); true if it was.
+  bool closed_by_server(int fd, int max_ms = 2000) {
+    for (int i = 0; i < max_ms / 5; ++i) {
+      io_.provider->getTimer().afterDelay(5 * kj::MILLISECONDS).wait(io_.waitScope);
+      char buf[256];
+      ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) return true;
+    }
+    return false;
+  }
+
   std::unique_ptr<Env> env_ = std::make_unique<Env>();
   kj::AsyncIoContext& io_ = env_->io;
-  TestGateway* gateway_ = nullptr;
   RpcServer* server_ = nullptr;
   std::string address_;
+  int grants_ = 0;
 };
 
-TEST_F(RpcTest, HelloReturnsRoleAndId) {
-  auto conn = connect(io_, address_, "unit test").wait(io_.waitScope);
+TEST_F(RpcTest, TheRightTokenGetsTheCapabilities) {
+  auto conn = dial(kToken);
   ASSERT_TRUE(conn) << conn.status().to_string();
   EXPECT_EQ((*conn)->role, proto::Role::NODE);
   EXPECT_EQ((*conn)->server_id, "n-test");
-  EXPECT_EQ(gateway_->hellos, 1);
+  EXPECT_EQ(grants_, 1);
+  EXPECT_EQ(server_->counters().authenticated, 1u);
+  EXPECT_EQ(server_->counters().refused, 0u);
+}
+
+TEST_F(RpcTest, AWrongTokenIsRefusedBeforeAnyCapability) {
+  auto conn = dial("another-cluster-token-0000");
+  ASSERT_FALSE(conn);
+  EXPECT_EQ(conn.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(conn.status().message().find("node daemon at " + address_ +
+                                         " refused this connection: wrong cluster token"),
+            std::string::npos)
+      << conn.status().message();
+  EXPECT_NE(conn.status().message().find("--cluster-token-file"), std::string::npos);
+  EXPECT_EQ(grants_, 0);
+  EXPECT_EQ(server_->counters().refused, 1u);
+  auto ok = dial(kToken);  // the server goes on
+  EXPECT_TRUE(ok) << ok.status().to_string();
+}
+
+TEST_F(RpcTest, NoTokenIsRefusedToo) {
+  auto conn = dial("");
+  ASSERT_FALSE(conn);
+  EXPECT_EQ(conn.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(conn.status().message().find("no cluster token was given"), std::string::npos)
+      << conn.status().message();
+  EXPECT_EQ(grants_, 0);
+}
+
+TEST_F(RpcTest, AServerThatDoesNotKnowTheTokenIsNotTrusted) {
+  // A client of another cluster reaching this server: both sides see the mismatch, and the
+  // client never takes capabilities from a server that could not prove the token.
+  Endpoint rogue;
+  rogue.role = proto::Role::HEAD;
+  rogue.server_id = "n-rogue";
+  rogue.secret = "rogue-server-token-12345";
+  bool granted = false;
+  rogue.grant = [&](proto::Handshake::AuthenticateResults::Builder) { granted = true; };
+  auto server = RpcServer::listen(io_, "127.0.0.1:0", std::move(rogue), "rogue");
+  ASSERT_TRUE(server);
+  auto conn = connect(io_, "127.0.0.1:" + std::to_string((*server)->port()), "driver", kToken,
+                      5 * kj::SECONDS)
+                  .wait(io_.waitScope);
+  ASSERT_FALSE(conn);
+  EXPECT_EQ(conn.status().code(), Code::kPermissionDenied);
+  EXPECT_FALSE(granted);
+  EXPECT_EQ((*server)->counters().refused, 1u);
 }
 
 TEST_F(RpcTest, VersionMismatchIsAnErrorNamingBothVersions) {
-  auto conn = connect(io_, address_, "old driver", 5 * kj::SECONDS, kProtocolVersion + 1)
-                  .wait(io_.waitScope);
+  auto conn = dial(kToken, "old driver", kProtocolVersion + 1);
   ASSERT_FALSE(conn);
   EXPECT_EQ(conn.status().code(), Code::kFailedPrecondition);
   std::string m = conn.status().message();
@@ -71,6 +141,7 @@ TEST_F(RpcTest, VersionMismatchIsAnErrorNamingBothVersions) {
   EXPECT_NE(m.find("this node daemon speaks v" + std::to_string(kProtocolVersion)),
             std::string::npos)
       << m;
+  EXPECT_EQ(grants_, 0);
 }
 
 TEST_F(RpcTest, ClientChecksTheServersVersionToo) {
@@ -79,6 +150,49 @@ TEST_F(RpcTest, ClientChecksTheServersVersionToo) {
   EXPECT_NE(st.message().find("head at 10.0.0.1:6380 speaks Tessera protocol v"), std::string::npos)
       << st.message();
   EXPECT_TRUE(check_server_version(kProtocolVersion, proto::Role::HEAD, "x").is_ok());
+}
+
+TEST_F(RpcTest, ConnectionsOverTheLimitAreToldSo) {
+  ServerLimits limits;
+  limits.max_connections = 2;
+  start(limits);
+  int a = raw_connect(server_->port());
+  int b = raw_connect(server_->port());
+  ASSERT_GE(a, 0);
+  ASSERT_GE(b, 0);
+  io_.provider->getTimer().afterDelay(50 * kj::MILLISECONDS).wait(io_.waitScope);
+  auto conn = dial(kToken);
+  ASSERT_FALSE(conn);
+  EXPECT_EQ(conn.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(conn.status().message().find("its limit (--max-connections 2)"), std::string::npos)
+      << conn.status().message();
+  ::close(a);
+  ::close(b);
+  io_.provider->getTimer().afterDelay(50 * kj::MILLISECONDS).wait(io_.waitScope);
+  auto again = dial(kToken);
+  EXPECT_TRUE(again) << again.status().to_string();
+}
+
+TEST_F(RpcTest, APeerThatNeverAuthenticatesIsDisconnected) {
+  ServerLimits limits;
+  limits.handshake_timeout_ms = 200;
+  start(limits);
+  int fd = raw_connect(server_->port());
+  ASSERT_GE(fd, 0);
+  EXPECT_TRUE(closed_by_server(fd, 3000)) << "an idle unauthenticated connection stayed open";
+  ::close(fd);
+  EXPECT_EQ(server_->connections(), 0u);
+}
+
+TEST_F(RpcTest, AMessageOverTheSizeLimitClosesOnlyThatConnection) {
+  ServerLimits limits;
+  limits.max_message_bytes = 64 << 10;
+  start(limits);
+  auto conn = dial(kToken, std::string(1 << 20, 'x'));  // a 1 MiB name in the hello
+  ASSERT_FALSE(conn);
+  EXPECT_EQ(grants_, 0);
+  auto ok = dial(kToken);
+  EXPECT_TRUE(ok) << ok.status().to_string();
 }
 
 TEST_F(RpcTest, GarbageBytesCloseOnlyThatConnection) {
@@ -101,12 +215,15 @@ TEST_F(RpcTest, GarbageBytesCloseOnlyThatConnection) {
   }
   EXPECT_TRUE(closed) << "the server kept a connection that sent garbage";
   ::close(fd);
-  auto conn = connect(io_, address_, "after garbage").wait(io_.waitScope);
+  auto conn = dial(kToken, "after garbage");
   EXPECT_TRUE(conn) << conn.status().to_string();
 }
 
 TEST_F(RpcTest, PortInUseNamesTheAddress) {
-  auto second = RpcServer::listen(io_, address_, kj::heap<TestGateway>(), "second");
+  Endpoint e;
+  e.secret = kToken;
+  e.grant = [](proto::Handshake::AuthenticateResults::Builder) {};
+  auto second = RpcServer::listen(io_, address_, std::move(e), "second");
   ASSERT_FALSE(second);
   EXPECT_EQ(second.status().code(), Code::kUnavailable);
   EXPECT_NE(second.status().message().find(address_), std::string::npos);
@@ -125,10 +242,71 @@ TEST_F(RpcTest, RefusedConnectionSaysSo) {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   ::close(fd);
   std::string dead = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
-  auto conn = connect(io_, dead, "test").wait(io_.waitScope);
+  auto conn = connect(io_, dead, "test", kToken).wait(io_.waitScope);
   ASSERT_FALSE(conn);
   EXPECT_EQ(conn.status().code(), Code::kUnavailable);
   EXPECT_NE(conn.status().message().find("connection refused"), std::string::npos)
+      << conn.status().message();
+}
+
+// A TCP server on loopback that is not Tessera: it answers every connection with `reply` (or
+// nothing) and closes it after `hold_ms`.
+class ForeignServer {
+ public:
+  ForeignServer(std::string reply, int hold_ms) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    ::listen(fd_, 4);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this, reply, hold_ms] {
+      int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      char buf[512];
+      ssize_t ignored = ::recv(c, buf, sizeof(buf), 0);
+      (void)ignored;
+      if (!reply.empty()) ignored = ::send(c, reply.data(), reply.size(), MSG_NOSIGNAL);
+      std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
+      ::close(c);
+    });
+  }
+  ~ForeignServer() {
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+  std::thread thread_;
+};
+
+TEST(ForeignPeerTest, AnHttpServerIsNotATesseraDaemon) {
+  auto io = kj::setupAsyncIo();
+  ForeignServer http("HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", 0);
+  auto conn = connect(io, http.address(), "driver", kToken, 3 * kj::SECONDS).wait(io.waitScope);
+  ASSERT_FALSE(conn);
+  EXPECT_EQ(conn.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(conn.status().message().find("not a Tessera daemon at " + http.address()),
+            std::string::npos)
+      << conn.status().message();
+}
+
+TEST(ForeignPeerTest, ASilentServerIsATimeoutThatSaysSo) {
+  auto io = kj::setupAsyncIo();
+  ForeignServer silent("", 1500);
+  auto conn =
+      connect(io, silent.address(), "driver", kToken, 500 * kj::MILLISECONDS).wait(io.waitScope);
+  ASSERT_FALSE(conn);
+  EXPECT_EQ(conn.status().code(), Code::kDeadlineExceeded);
+  EXPECT_NE(conn.status().message().find("accepted the connection but did not answer"),
+            std::string::npos)
       << conn.status().message();
 }
 
