@@ -147,7 +147,11 @@ std::string describe_death(const ActorView& a) {
   if (a.hung) {
     out += "stopped answering: it " + a.death_reason;
   } else {
-    out += a.death_reason.empty() ? std::string("died") : a.death_reason;
+    if (a.death_reason.empty()) {
+      out += "died";
+    } else {
+      out += (a.death_reason.rfind("killed", 0) == 0 ? "was " : "") + a.death_reason;
+    }
     if (a.term_signal == 0 && !a.last_log_line.empty()) out += " after: " + a.last_log_line;
   }
   if (!a.log_path.empty()) out += "; its log: " + a.log_path;

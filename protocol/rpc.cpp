@@ -360,16 +360,19 @@ void RpcServer::log_refusal(const std::string& line) {
 }
 
 kj::Promise<void> RpcServer::accept_loop() {
-  return listener_->accept().then(
-      [this](kj::Own<kj::AsyncIoStream>&& stream) {
-        if (accept_backoff_ms_ > 0) {
-          spdlog::info("{}: accepting connections again", label_);
-          accept_backoff_ms_ = 0;
-        }
-        serve(kj::mv(stream));
-        return accept_loop();
-      },
-      [this](kj::Exception&& e) { return accept_failed(kj::mv(e)); });
+  // accept() may throw before it returns a promise (EMFILE from accept4): evalNow turns that
+  // into a rejected promise, which the error branch handles like any other.
+  return kj::evalNow([this]() { return listener_->accept(); })
+      .then(
+          [this](kj::Own<kj::AsyncIoStream>&& stream) {
+            if (accept_backoff_ms_ > 0) {
+              spdlog::info("{}: accepting connections again", label_);
+              accept_backoff_ms_ = 0;
+            }
+            serve(kj::mv(stream));
+            return accept_loop();
+          },
+          [this](kj::Exception&& e) { return accept_failed(kj::mv(e)); });
 }
 
 kj::Promise<void> RpcServer::accept_failed(kj::Exception&& e) {

@@ -97,10 +97,13 @@ class RpcServer final : private kj::TaskSet::ErrorHandler {
 
   struct ConnectionState;  // per connection: peer address, handshake progress
 
+  // Serves one already-connected stream exactly as an accepted connection (limits, handshake,
+  // logging). The accept loop uses it; tests and fuzzers hand it in-memory pipes.
+  void serve(kj::Own<kj::AsyncIoStream> stream);
+
  private:
   kj::Promise<void> accept_loop();
   kj::Promise<void> accept_failed(kj::Exception&& e);
-  void serve(kj::Own<kj::AsyncIoStream> stream);
   void taskFailed(kj::Exception&& exception) override;
   void log_refusal(const std::string& line);
 

@@ -157,7 +157,7 @@ Expected<json> read_json(const fs::path& path) {
   text << in.rdbuf();
   try {
     return json::parse(text.str());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
     return invalid_argument(path.string() + ": not valid JSON (" + e.what() + ")");
   }
 }

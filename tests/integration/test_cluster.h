@@ -30,6 +30,32 @@ bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds tim
 
 bool process_alive(int pid);
 
+// A process started in the background, stdout and stderr to files, in a process group of its
+// own (so a test can signal the group as a terminal's Ctrl-C would). Killed (SIGKILL to the
+// group) on destruction if still running.
+class BackgroundProcess {
+ public:
+  BackgroundProcess(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
+  ~BackgroundProcess();
+  int pid() const { return pid_; }
+  // Waits up to `timeout` for it to exit; its wait status, or -1 if it still runs.
+  int wait(std::chrono::milliseconds timeout);
+  std::string out() const;
+  std::string err() const;
+
+ private:
+  int pid_ = -1;
+  bool reaped_ = false;
+  std::string out_path_, err_path_;
+};
+
+// PIDs of running processes whose command line contains `needle`.
+std::vector<int> processes_matching(const std::string& needle);
+// PIDs of running processes whose parent is `pid`.
+std::vector<int> children_of(int pid);
+// Every file under `dir` (recursively) whose name starts with `prefix`, joined.
+std::string read_logs(const std::string& dir, const std::string& prefix);
+
 // A cluster on this machine, in a fresh temp root. Stops every daemon it started on destruction.
 class TestCluster {
  public:

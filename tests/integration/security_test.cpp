@@ -1,0 +1,443 @@
+// The cluster tried as an attacker would: peers without the token, leases reaching for each
+// other's actors and objects, spawn requests that try to run something else, descriptor floods,
+// shared-memory floods, and the leftovers of SIGKILLed daemons. Real daemons, real sockets.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <capnp/message.h>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "common/session.h"
+#include "common/shm_segment.h"
+#include "driver/client.h"
+#include "protocol/node.capnp.h"
+#include "tests/integration/test_cluster.h"
+
+namespace tessera {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::process_alive;
+using testing::TestCluster;
+using testing::wait_until;
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  void start(const std::vector<std::string>& extra = {}) {
+    head_ = cluster_.start_head(extra);
+    ASSERT_FALSE(head_.empty()) << cluster_.last().out << cluster_.last().err;
+  }
+  std::unique_ptr<ClusterClient> connect() {
+    auto c = ClusterClient::connect(loop_, head_, cluster_.token());
+    EXPECT_TRUE(c) << c.status().to_string();
+    return c ? std::move(*c) : nullptr;
+  }
+  std::string daemon_logs() { return testing::read_logs(cluster_.root(), "daemon-"); }
+
+  TestCluster cluster_;
+  std::string head_;
+  EventLoop loop_;
+};
+
+TEST_F(SecurityTest, PeersWithoutTheTokenGetNothingAndTheDaemonSaysWhoTried) {
+  start();
+  // No token, a wrong token: refused before any capability is handed out.
+  auto none = rpc::connect(loop_.io(), head_, "intruder", "").wait(loop_.wait_scope());
+  ASSERT_FALSE(none);
+  EXPECT_EQ(none.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(none.status().message().find("no cluster token was given"), std::string::npos)
+      << none.status().message();
+  auto wrong = rpc::connect(loop_.io(), head_, "intruder", "guessed-token-0123456789")
+                   .wait(loop_.wait_scope());
+  ASSERT_FALSE(wrong);
+  EXPECT_EQ(wrong.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(wrong.status().message().find("wrong cluster token"), std::string::npos)
+      << wrong.status().message();
+  // The CLI says the same, with the fix.
+  auto cli = cluster_.tessera({"status", "--address", head_}, 60s,
+                              {"TESSERA_CLUSTER_TOKEN=not-the-token-0123456789"});
+  EXPECT_EQ(cli.exit_code, 1);
+  EXPECT_NE(cli.err.find("refused this connection: wrong cluster token"), std::string::npos)
+      << cli.err;
+  // A hand-made client that skips the proof: hello answers, authenticate refuses, and the
+  // connection is closed after it (one attempt per connection).
+  auto stream = loop_.io()
+                    .provider->getNetwork()
+                    .parseAddress(head_)
+                    .then([](kj::Own<kj::NetworkAddress> a) { return a->connect(); })
+                    .wait(loop_.wait_scope());
+  capnp::TwoPartyClient client(*stream);
+  auto gateway = client.bootstrap().castAs<proto::Gateway>();
+  auto hello = gateway.helloRequest();
+  hello.setVersion(rpc::kProtocolVersion);
+  hello.setPeer("raw attacker");
+  std::string nonce(32, 'n');
+  hello.setClientNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(nonce.data()), 32));
+  auto answer = hello.send().wait(loop_.wait_scope());
+  auto handshake = answer.getHandshake();
+  auto attempt = handshake.authenticateRequest();
+  std::string junk(32, 'j');
+  attempt.setProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(junk.data()), 32));
+  auto refused = kj::runCatchingExceptions([&]() { attempt.send().wait(loop_.wait_scope()); });
+  ASSERT_TRUE(refused != nullptr);
+  auto again = handshake.authenticateRequest();
+  again.setProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(junk.data()), 32));
+  EXPECT_TRUE(kj::runCatchingExceptions([&]() { again.send().wait(loop_.wait_scope()); }) !=
+              nullptr);
+  // The daemon logged each refusal with the peer's address and what it claimed to be.
+  std::string logs = daemon_logs();
+  EXPECT_NE(logs.find("refused 127.0.0.1:"), std::string::npos) << logs;
+  EXPECT_NE(logs.find("(says it is 'raw attacker'): wrong cluster token"), std::string::npos)
+      << logs;
+  EXPECT_NE(logs.find("no cluster token was given"), std::string::npos) << logs;
+  // A driver with the token works.
+  auto cluster = connect();
+  ASSERT_TRUE(cluster);
+  EXPECT_TRUE(cluster->nodes());
+}
+
+TEST_F(SecurityTest, ALeaseCannotTouchAnotherLeasesActorsObjectsOrRings) {
+  start();
+  auto cluster = connect();
+  auto node = cluster->head_node();
+  auto mine = node.open_lease("owner");
+  auto theirs = node.open_lease("intruder");
+  ASSERT_TRUE(mine && theirs);
+  auto actor = (*mine)->spawn({.name = "worker"});
+  ASSERT_TRUE(actor) << actor.status().to_string();
+  ASSERT_FALSE(actor->key.empty());
+  // Kill it through another lease: refused, the actor lives.
+  Status kill = (*theirs)->kill(actor->actor_id, /*force=*/true);
+  EXPECT_EQ(kill.code(), Code::kPermissionDenied) << kill.to_string();
+  EXPECT_TRUE(process_alive(actor->pid));
+  // Call it directly with the cluster token (every driver has that): refused, it needs its key.
+  auto direct = ActorHandle::connect(loop_, actor->address, cluster_.token());
+  ASSERT_FALSE(direct);
+  EXPECT_EQ(direct.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(direct.status().message().find("wrong actor key"), std::string::npos)
+      << direct.status().message();
+  auto owner = ActorHandle::connect(loop_, actor->address, actor->key);
+  ASSERT_TRUE(owner) << owner.status().to_string();
+  EXPECT_TRUE((*owner)->health());
+  // The listing shows the actor to everyone, never its key.
+  auto listed = node.actors();
+  ASSERT_TRUE(listed);
+  for (const auto& a : *listed) EXPECT_TRUE(a.key.empty());
+  // Objects: another lease can neither read, release nor delete them.
+  ASSERT_TRUE((*mine)->create_object("weights", 4096));
+  ASSERT_TRUE((*mine)->seal_object("weights").is_ok());
+  EXPECT_EQ((*theirs)->get_object("weights").status().code(), Code::kPermissionDenied);
+  EXPECT_EQ((*theirs)->release_object("weights").code(), Code::kPermissionDenied);
+  EXPECT_EQ((*theirs)->delete_object("weights").code(), Code::kPermissionDenied);
+  EXPECT_TRUE((*mine)->get_object("weights"));
+  // Rings are per lease: the same name in two leases are two rings.
+  auto a = (*mine)->create_ring("steps", 256, 4, 1);
+  auto b = (*theirs)->create_ring("steps", 256, 4, 1);
+  ASSERT_TRUE(a && b) << a.status().to_string() << b.status().to_string();
+  EXPECT_NE(*a, *b);
+}
+
+TEST_F(SecurityTest, NodeIdsCannotBeTakenOver) {
+  start();
+  std::string member = cluster_.start_member("victim");
+  ASSERT_FALSE(member.empty()) << cluster_.last().err;
+  auto conn =
+      rpc::connect(loop_.io(), head_, "impostor", cluster_.token()).wait(loop_.wait_scope());
+  ASSERT_TRUE(conn) << conn.status().to_string();
+  auto req = (*conn)->cluster.registerNodeRequest();
+  auto info = req.initInfo();
+  info.setNodeId(member);
+  info.setName("impostor");
+  info.setAddress("127.0.0.1:1");
+  std::string secret(32, 'x');
+  req.setNodeSecret(kj::arrayPtr(reinterpret_cast<const kj::byte*>(secret.data()), 32));
+  req.setNode((*conn)->node);  // any capability: the head must refuse before using it
+  auto result = kj::runCatchingExceptions([&]() { req.send().wait(loop_.wait_scope()); });
+  KJ_IF_MAYBE (e, result) {
+    Status st = rpc::to_status(*e);
+    EXPECT_EQ(st.code(), Code::kPermissionDenied) << st.to_string();
+    EXPECT_NE(st.message().find("cannot be taken over"), std::string::npos) << st.message();
+  } else {
+    ADD_FAILURE() << "the head let another connection register node " << member;
+  }
+  auto cluster = connect();
+  auto nodes = cluster->nodes();
+  ASSERT_TRUE(nodes);
+  ASSERT_EQ(nodes->size(), 2u);
+  EXPECT_EQ((*nodes)[1].name, "victim");
+  EXPECT_TRUE((*nodes)[1].alive);
+}
+
+TEST_F(SecurityTest, OnlyTesseraActorRunsAndOnlyAllowedVariablesReachIt) {
+  // The daemon's own environment holds the token: it must not leak into actors.
+  start();
+  auto cluster = connect();
+  auto lease = cluster->head_node().open_lease("driver");
+  ASSERT_TRUE(lease);
+  for (const char* name :
+       {"LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "PYTHONPATH", "BASH_ENV", "CUDA_INJECTION64_PATH",
+        "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_DEBUG_FILE", "TESSERA_CLUSTER_TOKEN",
+        "CUDA_VISIBLE_DEVICES", "nccl_debug", "NCCL DEBUG"}) {
+    auto r = (*lease)->spawn({.env = {{name, "/tmp/evil.so"}}});
+    ASSERT_FALSE(r) << name << " was accepted";
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << name;
+    EXPECT_NE(r.status().message().find("environment variable"), std::string::npos)
+        << r.status().message();
+  }
+  auto ok = (*lease)->spawn({.env = {{"NCCL_DEBUG", "INFO"}, {"TESSERA_JOB", "e2e"}}});
+  ASSERT_TRUE(ok) << ok.status().to_string();
+  std::ifstream in("/proc/" + std::to_string(ok->pid) + "/environ");
+  std::string env((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(env.find("NCCL_DEBUG=INFO"), std::string::npos);
+  EXPECT_NE(env.find("TESSERA_JOB=e2e"), std::string::npos);
+  EXPECT_EQ(env.find("TESSERA_CLUSTER_TOKEN"), std::string::npos);
+  EXPECT_EQ(env.find("TESSERA_ACTOR_KEY"), std::string::npos);
+  // The executable is the daemon's tessera-actor, whatever was asked.
+  std::string exe = std::filesystem::read_symlink("/proc/" + std::to_string(ok->pid) + "/exe");
+  EXPECT_EQ(std::filesystem::path(exe).filename(), "tessera-actor");
+  EXPECT_EQ(ok->binary, exe);
+
+  // An old-style request that names a program (/bin/sh and its arguments where the binary and
+  // args used to be) is an error, and nothing runs.
+  auto raw = cluster->head_node().capability().openLeaseRequest();
+  raw.setOwner("old-client");
+  auto old_lease = raw.send().wait(loop_.wait_scope()).getLease();
+  std::string marker = cluster_.root() + "/pwned";
+  auto req = old_lease.typelessRequest(capnp::typeId<proto::Lease>(), 0, nullptr);
+  auto params = req.initAsAnyStruct(0, 1);
+  auto spec = params.getPointerSection()[0].initAsAnyStruct(1, 6);
+  spec.getPointerSection()[0].setAs<capnp::Text>("/bin/sh");
+  auto args = spec.getPointerSection()[1].initAs<capnp::List<capnp::Text>>(2);
+  args.set(0, "-c");
+  args.set(1, ("touch " + marker).c_str());
+  auto sent = kj::runCatchingExceptions([&]() { req.send().wait(loop_.wait_scope()); });
+  EXPECT_TRUE(sent != nullptr) << "a spawn request naming /bin/sh succeeded";
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(std::filesystem::exists(marker));
+}
+
+TEST_F(SecurityTest, TenThousandConnectionsBeyondTheDescriptorLimitLeaveItServing) {
+  // The daemon runs with 64 descriptors; a client opens 10,000 connections, up to 300 at once.
+  auto r = cluster_.tessera({"start", "--head", "--port", "0", "--temp-dir", cluster_.root()}, 60s,
+                            {}, /*max_fds=*/64);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream in(cluster_.root() + "/head_address");
+  std::getline(in, head_);
+  auto parsed = rpc::split_host_port(head_);
+  ASSERT_TRUE(parsed);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(parsed->second);
+  ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  std::deque<int> open;
+  int attempts = 0;
+  while (attempts < 10000) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    ASSERT_GE(fd, 0);
+    ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    ++attempts;
+    open.push_back(fd);
+    if (open.size() >= 300) {
+      for (int i = 0; i < 100; ++i) {
+        ::close(open.front());
+        open.pop_front();
+      }
+    }
+  }
+  for (int fd : open) ::close(fd);
+  // It keeps serving: a driver connects and spawns an actor.
+  std::unique_ptr<ClusterClient> cluster;
+  ASSERT_TRUE(wait_until(
+      [&] {
+        auto c = ClusterClient::connect(loop_, head_, cluster_.token(), 2s);
+        if (c) cluster = std::move(*c);
+        return cluster != nullptr;
+      },
+      30s));
+  auto lease = cluster->head_node().open_lease("after-the-flood");
+  ASSERT_TRUE(lease);
+  auto actor = (*lease)->spawn({});
+  EXPECT_TRUE(actor) << actor.status().to_string();
+  std::string logs = daemon_logs();
+  EXPECT_NE(logs.find("cannot accept connections"), std::string::npos) << logs.substr(0, 4000);
+  EXPECT_NE(logs.find("accepting connections again"), std::string::npos);
+}
+
+TEST_F(SecurityTest, SharedMemoryIsCappedPerNodeAndPerLease) {
+  start({"--object-store-memory", std::to_string(1 << 20), "--shm-per-lease",
+         std::to_string(600 << 10)});
+  auto cluster = connect();
+  auto node = cluster->head_node();
+  auto a = node.open_lease("a");
+  auto b = node.open_lease("b");
+  ASSERT_TRUE(a && b);
+  // Rings of 64 KiB slots: lease a may hold at most 600 KiB of them.
+  int made = 0;
+  Status last;
+  for (int i = 0; i < 20; ++i) {
+    auto ring = (*a)->create_ring("r" + std::to_string(i), 64 << 10, 2, 1);
+    if (!ring) {
+      last = ring.status();
+      break;
+    }
+    ++made;
+  }
+  EXPECT_GE(made, 1);
+  EXPECT_LT(made, 20);
+  EXPECT_EQ(last.code(), Code::kResourceExhausted);
+  EXPECT_NE(last.message().find("one lease may hold (--shm-per-lease)"), std::string::npos)
+      << last.message();
+  // Lease b still gets what the node has left, and no more.
+  auto obj = (*b)->create_object("blob", 300 << 10);
+  EXPECT_TRUE(obj) << obj.status().to_string();
+  auto too_much = (*b)->create_object("more", 300 << 10);
+  ASSERT_FALSE(too_much);
+  EXPECT_NE(too_much.status().message().find("object store full"), std::string::npos)
+      << too_much.status().message();
+  auto stats = node.object_store();
+  ASSERT_TRUE(stats);
+  EXPECT_LE(stats->used, stats->capacity);
+  // Ending lease a frees its rings.
+  a->reset();
+  EXPECT_TRUE(wait_until(
+      [&] {
+        loop_.run_for(20ms);
+        auto more = (*b)->create_object("after-a", 300 << 10);
+        return more.has_value();
+      },
+      10s));
+}
+
+TEST_F(SecurityTest, ASigkilledDaemonsSegmentsAreRemovedByTheNextStart) {
+  start();
+  auto cluster = connect();
+  auto lease = cluster->head_node().open_lease("writer");
+  ASSERT_TRUE(lease);
+  auto object = (*lease)->create_object("left-behind", 1 << 20);
+  auto ring = (*lease)->create_ring("steps", 4096, 4, 1);
+  ASSERT_TRUE(object && ring);
+  int pid = -1;
+  for (const auto& rec : read_daemon_records(cluster_.root())) pid = rec.pid;
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  ASSERT_TRUE(wait_until([&] { return !process_alive(pid); }, 10s));
+  EXPECT_TRUE(std::filesystem::exists("/dev/shm" + *object));
+  EXPECT_TRUE(std::filesystem::exists("/dev/shm" + *ring));
+  // The next start on this machine removes them, and says so.
+  auto again = cluster_.tessera({"start", "--head", "--port", "0", "--temp-dir", cluster_.root()});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.out.find("Cleaned up: removed 2 shared-memory segment(s)"), std::string::npos)
+      << again.out;
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + *object));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + *ring));
+}
+
+TEST_F(SecurityTest, StopChecksThePidIsReallyTheDaemon) {
+  start();
+  auto records = read_daemon_records(cluster_.root());
+  ASSERT_EQ(records.size(), 1u);
+  // Point the record at an innocent process with the daemon's start time: it is not signalled.
+  pid_t innocent = ::fork();
+  if (innocent == 0) {
+    ::pause();
+    _exit(0);
+  }
+  DaemonRecord forged = records[0];
+  forged.pid = innocent;
+  forged.start_time = process_start_time(innocent);
+  ASSERT_TRUE(write_daemon_record(forged).is_ok());
+  auto stop = cluster_.tessera({"stop", "--temp-dir", cluster_.root()});
+  EXPECT_NE(stop.err.find("not signalling pid " + std::to_string(innocent)), std::string::npos)
+      << stop.out << stop.err;
+  EXPECT_TRUE(process_alive(innocent));
+  ::kill(innocent, SIGKILL);
+  ::waitpid(innocent, nullptr, 0);
+  // The real daemon is stopped through its own record again.
+  ASSERT_TRUE(write_daemon_record(records[0]).is_ok());
+  auto real = cluster_.tessera({"stop", "--temp-dir", cluster_.root()});
+  EXPECT_NE(real.out.find("Stopped head"), std::string::npos) << real.out << real.err;
+}
+
+TEST_F(SecurityTest, AStoppedActorIsFoundWithinTheHealthTimeoutAndNamed) {
+  start({"--actor-health-timeout", "1"});
+  auto cluster = connect();
+  auto lease = cluster->head_node().open_lease("driver");
+  ASSERT_TRUE(lease);
+  auto actor = (*lease)->spawn({.name = "frozen"});
+  ASSERT_TRUE(actor) << actor.status().to_string();
+  ASSERT_EQ(::kill(actor->pid, SIGSTOP), 0);
+  auto t0 = std::chrono::steady_clock::now();
+  auto death = (*lease)->wait_for_death(actor->actor_id, 10s);
+  auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(death) << death.status().to_string();
+  EXPECT_TRUE(death->hung);
+  EXPECT_LT(took, 3s);
+  std::string said = describe_death(*death);
+  EXPECT_NE(said.find("actor " + actor->actor_id + " (CPU on node "), std::string::npos) << said;
+  EXPECT_NE(said.find("stopped answering"), std::string::npos) << said;
+  EXPECT_NE(said.find("no heartbeat for 1."), std::string::npos) << said;
+  EXPECT_NE(said.find("its log: "), std::string::npos) << said;
+  EXPECT_FALSE(process_alive(actor->pid));
+}
+
+TEST_F(SecurityTest, AHeadThatWasFrozenKeepsItsMembersAndMembersComeBack) {
+  start();  // heartbeats every 100 ms, dead after 5 missed
+  std::string member = cluster_.start_member("member");
+  ASSERT_FALSE(member.empty());
+  int head_pid = -1;
+  for (const auto& rec : read_daemon_records(cluster_.root())) {
+    if (rec.role == "head") head_pid = rec.pid;
+  }
+  ASSERT_GT(head_pid, 0);
+  // Frozen for 2 s: four times the dead-node window. The member's heartbeats time out.
+  ASSERT_EQ(::kill(head_pid, SIGSTOP), 0);
+  std::this_thread::sleep_for(2s);
+  ASSERT_EQ(::kill(head_pid, SIGCONT), 0);
+  std::this_thread::sleep_for(1500ms);
+  auto cluster = connect();
+  auto nodes = cluster->nodes(/*include_dead=*/true);
+  ASSERT_TRUE(nodes);
+  ASSERT_EQ(nodes->size(), 2u);
+  EXPECT_TRUE((*nodes)[1].alive) << (*nodes)[1].death_reason;
+  std::string logs = daemon_logs();
+  EXPECT_NE(logs.find("the head was paused for about"), std::string::npos) << logs;
+  EXPECT_EQ(logs.find("is dead"), std::string::npos) << logs;
+  EXPECT_NE(logs.find("heartbeat to head " + head_ + " failed: no answer within"),
+            std::string::npos)
+      << logs;
+}
+
+TEST_F(SecurityTest, ASingleMachineStartListensOnLoopbackOnly) {
+  start();
+  auto parsed = rpc::split_host_port(head_);
+  ASSERT_TRUE(parsed);
+  EXPECT_EQ(parsed->first, "127.0.0.1");
+  std::string outside = detect_node_ip();
+  if (outside == "127.0.0.1") GTEST_SKIP() << "this machine has no non-loopback address";
+  auto via_lan = rpc::connect(loop_.io(), outside + ":" + std::to_string(parsed->second), "lan",
+                              cluster_.token(), 2 * kj::SECONDS)
+                     .wait(loop_.wait_scope());
+  ASSERT_FALSE(via_lan);
+  EXPECT_NE(via_lan.status().message().find("connection refused"), std::string::npos)
+      << via_lan.status().message();
+  // --node-ip exposes that interface, and says so.
+  TestCluster lan;
+  auto r = lan.tessera(
+      {"start", "--head", "--port", "0", "--temp-dir", lan.root(), "--node-ip", outside});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("listening on interface " + outside), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cluster token: " + lan.root() + "/cluster_token"), std::string::npos)
+      << r.out;
+}
+
+}  // namespace
+}  // namespace tessera
