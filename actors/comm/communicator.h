@@ -1,0 +1,66 @@
+// A group of model-shard actors that reduce, gather and exchange tensors: tensor-parallel ranks
+// all-reduce after o_proj and down_proj, pipeline stages send hidden states to the next stage.
+//
+// Implementations, chosen when a model loads:
+//   - TcpCommunicator (actors/comm/tcp_communicator.h): the cpu backend; host memory; a full mesh
+//     of TCP connections between the ranks, authenticated with a per-group secret.
+//   - NcclCommunicator: the cuda backend across GPUs; device memory, stream-ordered.
+//   - IpcCommunicator: the cuda backend's custom all-reduce through CUDA-IPC peer buffers on one
+//     node (also two ranks sharing one GPU, which NCCL refuses).
+//
+// Every reduction sums in rank order 0, 1, ..., size-1 with fp32 accumulation, so every rank
+// gets identical bits and the result does not depend on which rank asks or on timing: tensor-
+// parallel output stays reproducible. Errors (a peer that died, a timeout) name the peer (rank,
+// node, address) and never throw.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace tessera::comm {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // In place: data[i] = sum over ranks of data[i] (count elements of `dtype`), identical bits on
+  // every rank. `stream` is the cudaStream_t the device backends order the work on (null on the
+  // cpu backend).
+  virtual Status all_reduce_sum(void* data, int64_t count, DType dtype, void* stream) = 0;
+
+  // out[r * count .. (r + 1) * count) = rank r's `in`, for every rank r (rank order).
+  virtual Status all_gather(const void* in, int64_t count, DType dtype, void* out,
+                            void* stream) = 0;
+
+  // Point to point, matched in order per (sender, receiver) pair: a send of `bytes` bytes to
+  // `peer` pairs with that peer's recv of `bytes` bytes from this rank.
+  virtual Status send(const void* data, int64_t bytes, int peer, void* stream) = 0;
+  virtual Status recv(void* data, int64_t bytes, int peer, void* stream) = 0;
+
+  // Returns once every rank has called it.
+  virtual Status barrier() = 0;
+
+  // "rank 1 (a-3f2e on node n-77ab, 10.0.0.2:41022)": what errors say about a peer.
+  virtual std::string describe(int peer) const = 0;
+};
+
+// Who a rank is, for error messages: its actor, node and GPU (as the driver planned it).
+struct PeerInfo {
+  int rank = 0;
+  std::string actor_id;
+  std::string node_id;
+  int gpu = -1;         // node GPU index; -1 for a CPU actor
+  std::string address;  // where its collective endpoint listens ("10.0.0.2:41022"), if any
+};
+
+std::string describe_peer(const PeerInfo& peer);
+
+}  // namespace tessera::comm

@@ -1,0 +1,145 @@
+#include "actors/comm/rank_comms.h"
+
+#include "actors/comm/tcp_communicator.h"
+#ifdef TESSERA_WITH_CUDA
+#include "actors/comm/ipc_communicator.h"
+#include "actors/comm/nccl_communicator.h"
+#endif
+
+namespace tessera::comm {
+
+std::vector<int> tp_group(const ParallelConfig& p) {
+  std::vector<int> out;
+  for (int t = 0; t < p.tp_size; ++t) out.push_back(p.pp_rank * p.tp_size + t);
+  return out;
+}
+
+std::vector<int> pp_group(const ParallelConfig& p) {
+  std::vector<int> out;
+  for (int s = 0; s < p.pp_size; ++s) out.push_back(s * p.tp_size + p.tp_rank);
+  return out;
+}
+
+namespace {
+
+PeerInfo peer_of(const RankInfo& r) {
+  PeerInfo p;
+  p.rank = r.rank;
+  p.actor_id = r.actor_id;
+  p.node_id = r.node_id;
+  p.gpu = r.gpu;
+  p.address = r.address;
+  return p;
+}
+
+std::vector<PeerInfo> members(const CommSpec& comm, const std::vector<int>& world_ranks) {
+  std::vector<PeerInfo> out;
+  for (size_t i = 0; i < world_ranks.size(); ++i) {
+    PeerInfo p = peer_of(comm.ranks[static_cast<size_t>(world_ranks[i])]);
+    p.rank = static_cast<int>(i);
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+}  // namespace
+
+RankComms::~RankComms() {
+  // Groups before the endpoint they use.
+  pp_.reset();
+  tp_.reset();
+  world_.reset();
+  endpoint_.reset();
+}
+
+Expected<std::unique_ptr<RankComms>> RankComms::prepare(const std::string& backend,
+                                                        const std::string& host,
+                                                        uint64_t buffer_bytes, int rank,
+                                                        int world_size) {
+  std::unique_ptr<RankComms> c(new RankComms());
+  c->backend_ = backend;
+  if (backend == "tcp") {
+    TESSERA_ASSIGN_OR_RETURN(c->endpoint_, TcpEndpoint::listen(host));
+    return c;
+  }
+#ifdef TESSERA_WITH_CUDA
+  if (backend == "nccl") {
+    TESSERA_ASSIGN_OR_RETURN(c->handle_, make_nccl_id());
+    return c;
+  }
+  if (backend == "ipc") {
+    TESSERA_ASSIGN_OR_RETURN(auto ipc, IpcCommunicator::create(rank, world_size, buffer_bytes));
+    c->handle_ = ipc->handle();
+    c->ipc_ = std::move(ipc);
+    return c;
+  }
+#else
+  (void)buffer_bytes;
+  (void)rank;
+  (void)world_size;
+#endif
+  return invalid_argument("collective backend '" + backend +
+                          "' is not one of tcp, nccl (with CUDA), ipc (with CUDA)");
+}
+
+std::string RankComms::address() const { return endpoint_ ? endpoint_->address() : ""; }
+
+Status RankComms::join(const LoadSpec& spec) {
+  const ParallelConfig& p = spec.parallel;
+  const CommSpec& comm = spec.comm;
+  if (comm.backend != backend_) {
+    return invalid_argument("the spec's collective backend '" + comm.backend +
+                            "' is not the prepared '" + backend_ + "'");
+  }
+  if (static_cast<int>(comm.ranks.size()) != p.world_size()) {
+    return invalid_argument("the spec names " + std::to_string(comm.ranks.size()) +
+                            " ranks for a world of " + std::to_string(p.world_size()));
+  }
+  const std::chrono::milliseconds timeout(comm.init_timeout_ms);
+  if (backend_ == "tcp") {
+    if (p.tp_size > 1) {
+      TESSERA_ASSIGN_OR_RETURN(tp_,
+                               endpoint_->join("tp-" + std::to_string(p.pp_rank), p.tp_rank,
+                                               members(comm, tp_group(p)), comm.secret, timeout));
+    }
+    if (p.pp_size > 1) {
+      TESSERA_ASSIGN_OR_RETURN(pp_,
+                               endpoint_->join("pp-" + std::to_string(p.tp_rank), p.pp_rank,
+                                               members(comm, pp_group(p)), comm.secret, timeout));
+    }
+    return Status::ok();
+  }
+#ifdef TESSERA_WITH_CUDA
+  if (backend_ == "nccl") {
+    std::vector<int> all;
+    for (int r = 0; r < p.world_size(); ++r) all.push_back(r);
+    TESSERA_ASSIGN_OR_RETURN(world_,
+                             nccl_join(comm.nccl_id, p.rank(), members(comm, all), timeout));
+    if (p.tp_size > 1) {
+      TESSERA_ASSIGN_OR_RETURN(
+          tp_, nccl_split(*world_, p.pp_rank, p.tp_rank, members(comm, tp_group(p)), timeout));
+    }
+    if (p.pp_size > 1) {
+      TESSERA_ASSIGN_OR_RETURN(
+          pp_, nccl_split(*world_, p.tp_rank, p.pp_rank, members(comm, pp_group(p)), timeout));
+    }
+    return Status::ok();
+  }
+  if (backend_ == "ipc") {
+    if (p.pp_size > 1) {
+      return invalid_argument(
+          "the ipc collectives serve tensor parallelism within one node; pipeline stages need "
+          "--collectives nccl");
+    }
+    auto* ipc = static_cast<IpcCommunicator*>(ipc_.get());
+    std::vector<int> all;
+    for (int r = 0; r < p.world_size(); ++r) all.push_back(r);
+    TESSERA_RETURN_IF_ERROR(ipc->open(comm.ipc_handles, members(comm, all)));
+    tp_ = std::move(ipc_);
+    return Status::ok();
+  }
+#endif
+  return invalid_argument("collective backend '" + backend_ + "' is not supported here");
+}
+
+}  // namespace tessera::comm
