@@ -1,0 +1,344 @@
+#include "driver/plan/parallel_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+namespace tessera {
+
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kFixedBuffers = 64 * kMiB;   // the actor's step buffers (cuda_model.cpp)
+constexpr uint64_t kGemmWorkspace = 32 * kMiB;  // cuBLASLt workspace
+constexpr uint64_t kCudaContext = 512 * kMiB;   // context + library handles, before loading
+constexpr uint64_t kGraphReserve = 512 * kMiB;  // CUDA graphs (cuda_model.cpp kGraphReserve)
+constexpr uint64_t kCommReserve = 256 * kMiB;   // NCCL / custom all-reduce buffers
+
+std::string join_ints(const std::vector<int64_t>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out;
+}
+
+std::string valid_tp_hint(const ModelConfig& config) {
+  return "valid -tp values for this model: " +
+         join_ints(valid_tensor_parallel_sizes(config, config.num_heads));
+}
+
+uint64_t numel(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+}  // namespace
+
+std::string format_gib(uint64_t bytes) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1ull << 30));
+  return buf;
+}
+
+std::string format_count(int64_t n) {
+  const std::string digits = std::to_string(n < 0 ? -n : n);
+  std::string out = n < 0 ? "-" : "";
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(digits[i]);
+  }
+  return out;
+}
+
+const char* run_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    case DType::kF32:
+      break;
+  }
+  return "float32";
+}
+
+Expected<DType> resolve_run_dtype(const std::string& flag, DType checkpoint, bool gpu) {
+  if (flag.empty() || flag == "auto") {
+    return gpu && checkpoint == DType::kF32 ? DType::kBF16 : checkpoint;
+  }
+  if (flag == "bfloat16") return DType::kBF16;
+  if (flag == "float16" || flag == "half") return DType::kF16;
+  if (flag == "float32" || flag == "float") {
+    if (gpu) {
+      return invalid_argument(
+          "--dtype float32 is supported on the cpu backend only: use --dtype bfloat16 or "
+          "float16 on GPUs, or --device cpu");
+    }
+    return DType::kF32;
+  }
+  return invalid_argument("--dtype '" + flag +
+                          "' is not one of auto, bfloat16, float16 (half), float32 (float)");
+}
+
+// ---- validation -------------------------------------------------------------------------
+
+namespace {
+
+// The first rule `tp` breaks, or "" when it splits the model.
+std::string tp_problem(const ModelConfig& c, int64_t tp) {
+  if (tp < 1) return "-tp must be at least 1, got " + std::to_string(tp);
+  if (c.num_heads % tp != 0) {
+    return "-tp " + std::to_string(tp) + ": the model's " + std::to_string(c.num_heads) +
+           " attention heads do not split over " + std::to_string(tp) + " ranks (" +
+           std::to_string(c.num_heads) + " % " + std::to_string(tp) + " = " +
+           std::to_string(c.num_heads % tp) + ")";
+  }
+  const int64_t kv = c.num_kv_heads;
+  if (kv % tp != 0 && !(tp > kv && tp % kv == 0)) {
+    return "-tp " + std::to_string(tp) + ": the model's " + std::to_string(kv) +
+           " KV heads neither split over " + std::to_string(tp) + " ranks (" + std::to_string(kv) +
+           " % " + std::to_string(tp) + " = " + std::to_string(kv % tp) +
+           ") nor replicate evenly (" + std::to_string(tp) + " is not a multiple of " +
+           std::to_string(kv) + ")";
+  }
+  if (c.intermediate_size % tp != 0) {
+    return "-tp " + std::to_string(tp) + ": intermediate_size " +
+           std::to_string(c.intermediate_size) + " does not split over " + std::to_string(tp) +
+           " ranks (" + std::to_string(c.intermediate_size) + " % " + std::to_string(tp) + " = " +
+           std::to_string(c.intermediate_size % tp) + ")";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max) {
+  std::vector<int64_t> out;
+  for (int64_t t = 1; t <= max; ++t) {
+    if (tp_problem(config, t).empty()) out.push_back(t);
+  }
+  return out;
+}
+
+Status check_tensor_parallel(const ModelConfig& config, int64_t tp) {
+  std::string problem = tp_problem(config, tp);
+  if (problem.empty()) return Status::ok();
+  return invalid_argument(problem + "; " + valid_tp_hint(config));
+}
+
+// ---- the plan --------------------------------------------------------------------------------
+
+uint64_t model_weight_bytes(const ModelConfig& config, DType dtype) {
+  uint64_t total = 0;
+  for (const WeightSpec& w : expected_weights(config)) total += numel(w.shape);
+  return total * dtype_size(dtype);
+}
+
+Expected<ParallelPlan> make_parallel_plan(const ModelConfig& c, const ParallelConfig& parallel,
+                                          DType dtype) {
+  const int64_t tp = parallel.tp_size;
+  const int64_t pp = parallel.pp_size;
+  TESSERA_RETURN_IF_ERROR(check_tensor_parallel(c, tp));
+  if (pp < 1) return invalid_argument("-pp must be at least 1, got " + std::to_string(pp));
+  ParallelPlan plan;
+  plan.tp = tp;
+  plan.pp = pp;
+  plan.world = tp * pp;
+  plan.dtype = dtype;
+  plan.kv_replicas = c.num_kv_heads % tp == 0 ? 1 : tp / c.num_kv_heads;
+  const uint64_t es = dtype_size(dtype);
+  for (int s = 0; s < parallel.pp_size; ++s) {
+    for (int t = 0; t < parallel.tp_size; ++t) {
+      ParallelConfig at = parallel;
+      at.tp_rank = t;
+      at.pp_rank = s;
+      TESSERA_ASSIGN_OR_RETURN(LayerPlan lp, LayerPlan::make(c, at));
+      RankPlan r;
+      r.rank = at.rank();
+      r.tp_rank = t;
+      r.pp_rank = s;
+      r.layer_begin = lp.layer_begin;
+      r.layer_end = lp.layer_end;
+      r.heads = lp.heads;
+      r.head_offset = lp.head_begin;
+      r.kv_heads = lp.kv_heads;
+      r.kv_head_offset = lp.kv_head_begin;
+      r.intermediate = lp.intermediate;
+      r.intermediate_offset = lp.intermediate_begin;
+      r.vocab_begin = lp.vocab_begin;
+      r.vocab_end = lp.vocab_begin + lp.vocab_shard;
+      r.lm_head = lp.last_stage;
+      int64_t vocab_tensors = 0;
+      for (const WeightShard& w : lp.weights) {
+        if (w.spec.kind == WeightKind::kEmbed) r.embedding = true;
+        if (w.spec.split == Split::kVocab) ++vocab_tensors;
+      }
+      r.padding_bytes =
+          static_cast<uint64_t>(vocab_tensors * (lp.vocab_shard - lp.vocab_rows) * c.hidden_size) *
+          es;
+      r.weight_bytes = lp.weight_bytes(dtype) + r.padding_bytes;
+      r.kv_bytes_per_token =
+          2ull * static_cast<uint64_t>(lp.num_layers() * lp.kv_heads * c.head_dim) * es;
+      if (t == 0) {
+        plan.stage_layers.push_back(lp.num_layers());
+        plan.padded_vocab = lp.vocab_padded;
+      }
+      plan.ranks.push_back(r);
+    }
+  }
+  return plan;
+}
+
+std::string describe_kv_heads(const ModelConfig& c, const ParallelPlan& plan) {
+  const std::string tp = std::to_string(plan.tp);
+  if (plan.kv_replicas == 1) {
+    return "KV heads: " + std::to_string(c.num_kv_heads) + " split over -tp " + tp + ", " +
+           std::to_string(c.num_kv_heads / plan.tp) + " per rank";
+  }
+  std::string out = "KV heads: " + std::to_string(c.num_kv_heads) + " replicated over -tp " + tp +
+                    ", each on " + std::to_string(plan.kv_replicas) + " ranks:";
+  for (int64_t h = 0; h < c.num_kv_heads; ++h) {
+    const int64_t first = h * plan.kv_replicas;
+    out += (h ? ", " : " ") + std::string("KV head ") + std::to_string(h) + " on TP ranks " +
+           std::to_string(first) + "-" + std::to_string(first + plan.kv_replicas - 1);
+  }
+  return out;
+}
+
+// ---- memory ----------------------------------------------------------------------------------
+
+Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
+                                               const MemoryOptions& options) {
+  MemoryOptions o = options;
+  if (o.max_model_len < 0) {
+    return invalid_argument("--max-model-len must be positive, got " +
+                            std::to_string(o.max_model_len));
+  }
+  if (o.max_model_len > config.max_position_embeddings) {
+    return invalid_argument("--max-model-len " + std::to_string(o.max_model_len) +
+                            " exceeds the model's max_position_embeddings (" +
+                            std::to_string(config.max_position_embeddings) + ")");
+  }
+  if (o.max_model_len == 0) {
+    o.max_model_len = std::min(config.max_position_embeddings, kDefaultMaxModelLenCap);
+  }
+  if (!(o.gpu_memory_utilization > 0.0 && o.gpu_memory_utilization <= 1.0)) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%g", o.gpu_memory_utilization);
+    return invalid_argument(std::string("--gpu-memory-utilization must be in (0, 1], got ") + buf);
+  }
+  if (o.max_num_seqs < 1) {
+    return invalid_argument("--max-num-seqs must be at least 1, got " +
+                            std::to_string(o.max_num_seqs));
+  }
+  if (o.max_num_batched_tokens < 0) {
+    return invalid_argument("--max-num-batched-tokens must be positive, got " +
+                            std::to_string(o.max_num_batched_tokens));
+  }
+  if (o.max_num_batched_tokens == 0) {
+    o.max_num_batched_tokens = std::min<int64_t>(std::max<int64_t>(o.max_model_len, 2048), 16384);
+  }
+  if (o.block_size < 1) return invalid_argument("the KV block size must be at least 1");
+  return o;
+}
+
+MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
+                           const std::vector<std::optional<GpuMemory>>& gpus,
+                           const MemoryOptions& options) {
+  TESSERA_CHECK(gpus.size() == plan.ranks.size(), "one GPU (or nullopt) per rank");
+  MemoryPlan out;
+  out.options = options;
+  const uint64_t es = dtype_size(plan.dtype);
+  const uint64_t max_tokens =
+      static_cast<uint64_t>(std::max(options.max_num_batched_tokens, options.max_num_seqs));
+  out.kv_tokens = -1;
+  for (size_t i = 0; i < plan.ranks.size(); ++i) {
+    const RankPlan& r = plan.ranks[i];
+    RankMemory m;
+    m.weights = r.weight_bytes;
+    m.kv_bytes_per_token = r.kv_bytes_per_token;
+    if (!gpus[i]) {
+      m.gpu = false;
+      m.kv_tokens = options.max_model_len;
+      m.kv_bytes = m.kv_bytes_per_token * static_cast<uint64_t>(m.kv_tokens);
+    } else {
+      m.total = gpus[i]->total;
+      m.in_use = gpus[i]->used;
+      m.budget =
+          static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(m.total));
+      const uint64_t qkv = static_cast<uint64_t>((r.heads + 2 * r.kv_heads) * c.head_dim);
+      const uint64_t per_token = (4 * static_cast<uint64_t>(c.hidden_size) + 2 * qkv +
+                                  3 * static_cast<uint64_t>(r.intermediate)) *
+                                 es;
+      m.activations = max_tokens * per_token + kFixedBuffers + kGemmWorkspace + kCudaContext;
+      if (r.lm_head) {
+        m.activations += static_cast<uint64_t>(options.max_num_seqs) *
+                         static_cast<uint64_t>(plan.padded_vocab) * 4;
+      }
+      if (!options.enforce_eager) m.activations += kGraphReserve;
+      if (plan.world > 1) m.activations += kCommReserve;
+      const uint64_t committed = m.in_use + m.weights + m.activations;
+      const uint64_t block_bytes = m.kv_bytes_per_token * static_cast<uint64_t>(options.block_size);
+      if (m.budget > committed && block_bytes > 0) {
+        const uint64_t blocks = (m.budget - committed) / block_bytes;
+        m.kv_bytes = blocks * block_bytes;
+        m.kv_tokens = static_cast<int64_t>(blocks) * options.block_size;
+      }
+    }
+    if (out.kv_tokens < 0 || m.kv_tokens < out.kv_tokens) {
+      out.kv_tokens = m.kv_tokens;
+      out.limiting_rank = static_cast<int64_t>(i);
+    }
+    out.ranks.push_back(m);
+  }
+  if (out.kv_tokens < 0) out.kv_tokens = 0;
+  out.max_concurrency =
+      static_cast<double>(out.kv_tokens) / static_cast<double>(options.max_model_len);
+  out.fits = out.kv_tokens >= options.max_model_len;
+  return out;
+}
+
+Status memory_status(const MemoryPlan& plan, const std::vector<std::string>& rank_labels) {
+  if (plan.fits) return Status::ok();
+  const size_t r = static_cast<size_t>(plan.limiting_rank);
+  const RankMemory& m = plan.ranks.at(r);
+  const MemoryOptions& o = plan.options;
+  const std::string who =
+      "rank " + std::to_string(r) + (r < rank_labels.size() ? " (" + rank_labels[r] + ")" : "");
+  const uint64_t committed = m.in_use + m.weights + m.activations;
+  const uint64_t need_kv = m.kv_bytes_per_token * static_cast<uint64_t>(o.max_model_len);
+  char util[32];
+  std::snprintf(util, sizeof(util), "%.2f", o.gpu_memory_utilization);
+  std::string msg = "the model does not fit: on " + who + ", --gpu-memory-utilization " + util +
+                    " of " + format_gib(m.total) + " allows " + format_gib(m.budget) +
+                    "; weights take " + format_gib(m.weights) + ", activations (estimated) " +
+                    format_gib(m.activations) + " and memory already in use " +
+                    format_gib(m.in_use);
+  const std::string len = std::to_string(o.max_model_len);
+  if (committed >= m.budget) {
+    msg += ": together " + format_gib(committed - m.budget) +
+           " more than it allows before any KV cache (one sequence of --max-model-len " + len +
+           " needs " + format_gib(need_kv) + " more). ";
+  } else {
+    msg += ", leaving " + format_gib(m.budget - committed) + " = " + std::to_string(m.kv_tokens) +
+           " KV tokens, but one sequence of --max-model-len " + len + " needs " + len +
+           " tokens (" + format_gib(need_kv) + "). ";
+  }
+  std::vector<std::string> fixes;
+  if (m.kv_tokens >= o.block_size) {
+    fixes.push_back("lower --max-model-len to " + std::to_string(plan.kv_tokens));
+  }
+  const double need_util = static_cast<double>(committed + need_kv) /
+                           static_cast<double>(std::max<uint64_t>(m.total, 1));
+  if (need_util <= 1.0) {
+    std::snprintf(util, sizeof(util), "%.2f", std::ceil(need_util * 100.0) / 100.0);
+    fixes.push_back("raise --gpu-memory-utilization to " + std::string(util));
+  }
+  fixes.push_back("spread the model over more GPUs (raise -tp or -pp)");
+  for (size_t i = 0; i < fixes.size(); ++i) {
+    msg += (i == 0 ? "Fix: " : i + 1 == fixes.size() ? " or " : ", ") + fixes[i];
+  }
+  return resource_exhausted(msg);
+}
+
+}  // namespace tessera

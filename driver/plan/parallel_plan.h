@@ -1,0 +1,178 @@
+// Tensor x pipeline parallel plans: the whole T x P picture of a model (every rank's layers,
+// heads, MLP columns, vocabulary rows and weight bytes) and how much of each GPU that leaves for
+// the KV cache. Pure arithmetic on a ModelConfig: no cluster, no files, no GPU.
+//
+// Each rank's share comes from common/checkpoint/layer_plan.h (LayerPlan::make), the one table
+// the actors load from, so what is planned here is what runs. In short (vLLM's rules):
+//   - q/k/v, gate/up are column-parallel, o_proj and down_proj row-parallel; norms replicated;
+//     o_proj's bias is held by TP rank 0 only;
+//   - KV heads split when num_kv_heads % T == 0; when T > num_kv_heads and T % num_kv_heads == 0
+//     each rank keeps one KV head and T / num_kv_heads consecutive ranks share it (vLLM's
+//     num_kv_head_replicas); anything else is refused;
+//   - the embedding and lm_head are vocab-parallel: the vocabulary is padded up to a multiple of
+//     T and rank t holds rows [t*V'/T, (t+1)*V'/T), the padding rows (zeros) on the last ranks;
+//   - layers go over the P stages evenly, the first num_layers % P stages one layer more (vLLM
+//     instead gives the remainder to the stages before the last: layer_plan.h's choice is kept so
+//     the plan matches what loads), or as --pipeline-layer-partition says; stage 0 holds the
+//     embedding, the last stage the final norm and lm_head (with tied embeddings, the embedding
+//     again: it is the lm_head).
+// Rank numbering: rank = pp_rank * T + tp_rank, so a TP group is a run of T consecutive ranks.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint/layer_plan.h"
+#include "common/checkpoint/model_config.h"
+#include "common/load_spec.h"
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace tessera {
+
+// What one rank holds and computes. Ranges are half-open [begin, end) in the full model.
+struct RankPlan {
+  int64_t rank = 0;     // pp_rank * T + tp_rank
+  int64_t tp_rank = 0;  // position in its stage's TP group
+  int64_t pp_rank = 0;  // stage
+  int64_t layer_begin = 0;
+  int64_t layer_end = 0;
+  int64_t heads = 0;  // query heads: [head_offset, head_offset + heads)
+  int64_t head_offset = 0;
+  int64_t kv_heads = 0;        // KV heads held: [kv_head_offset, kv_head_offset + kv_heads);
+  int64_t kv_head_offset = 0;  // replicated KV heads: kv_heads == 1, shared by kv_replicas ranks
+  int64_t intermediate = 0;    // MLP columns: [intermediate_offset, + intermediate)
+  int64_t intermediate_offset = 0;
+  int64_t vocab_begin = 0;  // rows of the padded vocabulary held in the embedding and lm_head;
+  int64_t vocab_end = 0;    // rows >= config.vocab_size are padding
+  bool embedding = false;   // holds model.embed_tokens (stage 0; tied: the last stage too)
+  bool lm_head = false;     // computes logits (the last stage): lm_head.weight or, tied, the
+                            // embedding it already holds
+  // The bytes its tensors take on the device in the run dtype: LayerPlan::weight_bytes (the
+  // shards as the checkpoint holds them, a tied embedding once) plus the zero padding rows of the
+  // vocab-parallel tensors it holds.
+  uint64_t weight_bytes = 0;
+  uint64_t padding_bytes = 0;       // of which vocab padding
+  uint64_t kv_bytes_per_token = 0;  // 2 (K, V) x its layers x kv_heads x head_dim x dtype size
+
+  int64_t num_layers() const { return layer_end - layer_begin; }
+};
+
+struct ParallelPlan {
+  int64_t tp = 1;                     // T
+  int64_t pp = 1;                     // P
+  int64_t world = 1;                  // T * P
+  DType dtype = DType::kBF16;         // the run dtype: weights and KV cache
+  int64_t kv_replicas = 1;            // ranks sharing each KV head (1 = KV heads split)
+  int64_t padded_vocab = 0;           // vocab_size rounded up to a multiple of T
+  std::vector<int64_t> stage_layers;  // layers per stage, P entries
+  std::vector<RankPlan> ranks;        // world entries; ranks[r].rank == r
+
+  // Precondition: pp_rank < pp, tp_rank < tp.
+  const RankPlan& at(int64_t pp_rank, int64_t tp_rank) const {
+    return ranks[static_cast<size_t>(pp_rank * tp + tp_rank)];
+  }
+};
+
+// OK when `tp` splits the model: attention heads divisible by tp, KV heads split or replicated
+// evenly (see the file comment), intermediate_size divisible by tp. INVALID_ARGUMENT otherwise,
+// naming both numbers and the valid -tp values for the model.
+Status check_tensor_parallel(const ModelConfig& config, int64_t tp);
+
+// The -tp values check_tensor_parallel accepts, ascending, up to `max`.
+std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max);
+
+// The plan for `parallel`'s tp_size x pp_size (and layer_partition; its tp_rank and pp_rank
+// are not read) with weights and KV cache in `dtype`. Errors: check_tensor_parallel's, then
+// LayerPlan::make's (more stages than layers, a partition that does not add up: INVALID_ARGUMENT
+// naming the flag and the numbers).
+Expected<ParallelPlan> make_parallel_plan(const ModelConfig& config, const ParallelConfig& parallel,
+                                          DType dtype);
+
+// Bytes of every tensor of the checkpoint, each once and unpadded, in `dtype`.
+uint64_t model_weight_bytes(const ModelConfig& config, DType dtype);
+
+// "KV heads: 8 split over -tp 2, 4 per rank" or "KV heads: 2 replicated over -tp 4: KV head 0 on
+// TP ranks 0-1, KV head 1 on TP ranks 2-3".
+std::string describe_kv_heads(const ModelConfig& config, const ParallelPlan& plan);
+
+// The run dtype for --dtype `flag` (auto, bfloat16, float16/half, float32/float) given the
+// checkpoint's: "auto" keeps the checkpoint's, except float32 on a GPU runs in bfloat16; float32
+// on a GPU is refused (the CUDA backend runs in 16 bits). Mirrors the actor's choice.
+Expected<DType> resolve_run_dtype(const std::string& flag, DType checkpoint, bool gpu);
+
+// "bfloat16", "float16", "float32".
+const char* run_dtype_name(DType dtype);
+
+// ---- memory -------------------------------------------------------------------------------
+
+// The engine flags that size memory (vLLM's names; the defaults of common/load_spec.h).
+struct MemoryOptions {
+  int64_t max_model_len = 0;  // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
+  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
+  int64_t max_num_seqs = kDefaultMaxNumSeqs;
+  int64_t max_num_batched_tokens = 0;      // 0 = max(max_model_len, 2048), at most 16384
+  bool enforce_eager = false;              // no CUDA graphs: no graph memory reserved
+  int64_t block_size = kDefaultBlockSize;  // KV cache block, tokens
+};
+
+// What a GPU has: total bytes and bytes already in use by anything (other processes).
+struct GpuMemory {
+  uint64_t total = 0;
+  uint64_t used = 0;
+};
+
+// One rank's memory. GPU ranks: budget = utilization x total; in_use + weights + activations
+// come off it and the KV cache gets the rest, in whole blocks.
+struct RankMemory {
+  bool gpu = true;  // false: a CPU rank, sized per sequence (kv_tokens = max_model_len)
+  uint64_t total = 0;
+  uint64_t budget = 0;
+  uint64_t in_use = 0;
+  uint64_t weights = 0;
+  // Estimate: activation buffers for max(max_num_batched_tokens, max_num_seqs) tokens of this
+  // rank's shard widths, fp32 logits for max_num_seqs rows on the last stage, fixed buffers
+  // (64 MiB), the GEMM workspace (32 MiB), the CUDA context (512 MiB), CUDA graphs (512 MiB
+  // unless enforce_eager) and communicator buffers (256 MiB when world > 1). The actor measures
+  // the real figure with a profiling step; this is what planning can know ahead.
+  uint64_t activations = 0;
+  uint64_t kv_bytes_per_token = 0;
+  uint64_t kv_bytes = 0;  // what the KV cache gets (0 when nothing is left)
+  int64_t kv_tokens = 0;  // kv_bytes / kv_bytes_per_token, down to whole blocks
+};
+
+struct MemoryPlan {
+  MemoryOptions options;          // as resolved: max_model_len and max_num_batched_tokens filled in
+  std::vector<RankMemory> ranks;  // index = rank
+  int64_t kv_tokens = 0;          // the least over the ranks: every sequence lives on all of them
+  int64_t limiting_rank = 0;      // the rank with that least
+  double max_concurrency = 0;     // kv_tokens / max_model_len
+  bool fits = false;              // every rank holds one sequence of max_model_len
+};
+
+// Resolves max_model_len and max_num_batched_tokens against the model and checks the flags:
+// INVALID_ARGUMENT naming the flag (--max-model-len above max_position_embeddings, utilization
+// outside (0, 1], sizes < 1).
+Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
+                                               const MemoryOptions& options);
+
+// Sizes every rank. `gpus[r]` is rank r's GPU; nullopt = a CPU rank. Precondition: `options`
+// came from resolve_memory_options, gpus.size() == plan.world.
+MemoryPlan estimate_memory(const ModelConfig& config, const ParallelPlan& plan,
+                           const std::vector<std::optional<GpuMemory>>& gpus,
+                           const MemoryOptions& options);
+
+// OK when plan.fits; else RESOURCE_EXHAUSTED naming the limiting rank (`rank_labels[r]`, e.g.
+// "node-a GPU1", when given), its budget and where it goes, the tokens one sequence needs, and
+// the flags that would help: a lower --max-model-len (the largest that fits), a higher
+// --gpu-memory-utilization (the value that fits, when <= 1), more GPUs (-tp / -pp).
+Status memory_status(const MemoryPlan& plan, const std::vector<std::string>& rank_labels = {});
+
+// "12.34 GiB".
+std::string format_gib(uint64_t bytes);
+// "1,903,856".
+std::string format_count(int64_t n);
+
+}  // namespace tessera

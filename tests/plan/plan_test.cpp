@@ -1,0 +1,863 @@
+// Tensor x pipeline plans on real model shapes, memory sizing, placement on synthetic clusters,
+// -tp/-pp auto, the printed plan and topology, and the -tp/-pp spellings.
+#include <gtest/gtest.h>
+
+#include <CLI/CLI.hpp>
+#include <map>
+#include <set>
+
+#include "driver/plan/parallel_plan.h"
+#include "driver/plan/placement.h"
+#include "driver/plan/plan_command.h"
+
+namespace tessera {
+namespace {
+
+constexpr uint64_t kGiB = 1ull << 30;
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+ModelConfig llama3_8b() {
+  ModelConfig c;
+  c.arch = Architecture::kLlama;
+  c.model_type = "llama";
+  c.vocab_size = 128256;
+  c.hidden_size = 4096;
+  c.intermediate_size = 14336;
+  c.num_layers = 32;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.max_position_embeddings = 8192;
+  return c;
+}
+
+ModelConfig qwen3_8b() {
+  ModelConfig c;
+  c.arch = Architecture::kQwen3;
+  c.model_type = "qwen3";
+  c.vocab_size = 151936;
+  c.hidden_size = 4096;
+  c.intermediate_size = 12288;
+  c.num_layers = 36;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.qk_norm = true;
+  c.max_position_embeddings = 40960;
+  return c;
+}
+
+ModelConfig llama3_70b() {
+  ModelConfig c = llama3_8b();
+  c.hidden_size = 8192;
+  c.intermediate_size = 28672;
+  c.num_layers = 80;
+  c.num_heads = 64;
+  return c;
+}
+
+// A small GQA model with 2 KV heads.
+ModelConfig two_kv_heads() {
+  ModelConfig c = llama3_8b();
+  c.hidden_size = 1024;
+  c.intermediate_size = 4096;
+  c.num_layers = 4;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.vocab_size = 1000;
+  return c;
+}
+
+ParallelConfig shape(int tp, int pp, std::vector<int64_t> partition = {}) {
+  ParallelConfig p;
+  p.tp_size = tp;
+  p.pp_size = pp;
+  p.layer_partition = std::move(partition);
+  return p;
+}
+
+ParallelPlan must_plan(const ModelConfig& c, int tp, int pp, DType dtype = DType::kBF16) {
+  auto plan = make_parallel_plan(c, shape(tp, pp), dtype);
+  EXPECT_TRUE(plan) << plan.status().message();
+  return plan ? *plan : ParallelPlan{};
+}
+
+// ---- validation -----------------------------------------------------------------------------
+
+TEST(ParallelPlanTest, HeadsMustDivideAndTheErrorListsValidSizes) {
+  auto plan = make_parallel_plan(llama3_8b(), shape(3, 1), DType::kBF16);
+  ASSERT_FALSE(plan);
+  EXPECT_EQ(plan.status().code(), Code::kInvalidArgument);
+  const std::string m = plan.status().message();
+  EXPECT_TRUE(contains(m, "-tp 3: the model's 32 attention heads do not split over 3 ranks")) << m;
+  EXPECT_TRUE(contains(m, "valid -tp values for this model: 1, 2, 4, 8, 16, 32")) << m;
+}
+
+TEST(ParallelPlanTest, KvHeadsThatNeitherSplitNorReplicateAreRefused) {
+  ModelConfig c = llama3_8b();
+  c.num_heads = 48;
+  c.num_kv_heads = 12;
+  c.intermediate_size = 12288;
+  Status st = check_tensor_parallel(c, 8);  // 48 % 8 == 0, but 12 % 8 != 0 and 8 < 12
+  ASSERT_FALSE(st);
+  EXPECT_TRUE(contains(st.message(), "12 KV heads neither split over 8 ranks")) << st.message();
+  EXPECT_TRUE(contains(st.message(), "valid -tp values for this model: 1, 2, 3, 4, 6, 12, 24, 48"))
+      << st.message();
+  st = check_tensor_parallel(c, 16);  // 48 % 16 == 0, 16 > 12 but 16 % 12 != 0
+  ASSERT_FALSE(st);
+  EXPECT_TRUE(contains(st.message(), "16 is not a multiple of 12")) << st.message();
+}
+
+TEST(ParallelPlanTest, IntermediateSizeMustDivide) {
+  ModelConfig c = llama3_8b();
+  c.intermediate_size = 11000;
+  Status st = check_tensor_parallel(c, 16);
+  ASSERT_FALSE(st);
+  EXPECT_TRUE(contains(st.message(),
+                       "intermediate_size 11000 does not split over 16 ranks "
+                       "(11000 % 16 = 8)"))
+      << st.message();
+  EXPECT_EQ(valid_tensor_parallel_sizes(c, 64), (std::vector<int64_t>{1, 2, 4, 8}));
+}
+
+TEST(ParallelPlanTest, KvHeadsSplitWhenTheyDivide) {
+  ParallelPlan p = must_plan(llama3_8b(), 4, 1);
+  EXPECT_EQ(p.kv_replicas, 1);
+  for (const RankPlan& r : p.ranks) {
+    EXPECT_EQ(r.heads, 8);
+    EXPECT_EQ(r.head_offset, 8 * r.tp_rank);
+    EXPECT_EQ(r.kv_heads, 2);
+    EXPECT_EQ(r.kv_head_offset, 2 * r.tp_rank);
+  }
+  EXPECT_EQ(describe_kv_heads(llama3_8b(), p), "KV heads: 8 split over -tp 4, 2 per rank");
+}
+
+TEST(ParallelPlanTest, TwoKvHeadsOverFourRanksAreEachOnTwoRanks) {
+  ModelConfig c = two_kv_heads();
+  ParallelPlan p = must_plan(c, 4, 1);
+  EXPECT_EQ(p.kv_replicas, 2);
+  std::vector<int64_t> kv_head;
+  for (const RankPlan& r : p.ranks) {
+    EXPECT_EQ(r.kv_heads, 1);
+    EXPECT_EQ(r.heads, 2);
+    kv_head.push_back(r.kv_head_offset);
+  }
+  EXPECT_EQ(kv_head, (std::vector<int64_t>{0, 0, 1, 1}));
+  EXPECT_EQ(describe_kv_heads(c, p),
+            "KV heads: 2 replicated over -tp 4, each on 2 ranks: KV head 0 on TP ranks 0-1, KV "
+            "head 1 on TP ranks 2-3");
+  // Each rank's KV cache holds its one head: 2 (K, V) x 4 layers x 1 head x 128 x 2 bytes.
+  EXPECT_EQ(p.ranks[0].kv_bytes_per_token, 2u * 4 * 1 * 128 * 2);
+}
+
+TEST(ParallelPlanTest, EightKvHeadsOverSixteenRanksReplicateAsVllmDoes) {
+  // T = 16 > 8 KV heads and 16 % 8 == 0: each rank keeps one KV head, two ranks share it.
+  ParallelPlan p = must_plan(llama3_8b(), 16, 1);
+  EXPECT_EQ(p.kv_replicas, 2);
+  for (const RankPlan& r : p.ranks) {
+    EXPECT_EQ(r.kv_heads, 1);
+    EXPECT_EQ(r.kv_head_offset, r.tp_rank / 2);
+    // The query heads it computes read that KV head (GQA group of 4 query heads).
+    EXPECT_EQ(r.head_offset / 4, r.kv_head_offset);
+  }
+}
+
+// ---- layers over stages -----------------------------------------------------------------------
+
+std::vector<int64_t> stage_layers_of(const ModelConfig& c, int tp, int pp,
+                                     std::vector<int64_t> partition = {}) {
+  auto plan = make_parallel_plan(c, shape(tp, pp, std::move(partition)), DType::kBF16);
+  EXPECT_TRUE(plan) << plan.status().message();
+  if (!plan) return {};
+  // Ranges are contiguous and cover the model.
+  int64_t next = 0;
+  for (int64_t s = 0; s < plan->pp; ++s) {
+    for (int64_t t = 0; t < plan->tp; ++t) {
+      EXPECT_EQ(plan->at(s, t).layer_begin, next);
+      EXPECT_EQ(plan->at(s, t).num_layers(), plan->stage_layers[static_cast<size_t>(s)]);
+    }
+    next += plan->stage_layers[static_cast<size_t>(s)];
+  }
+  EXPECT_EQ(next, c.num_layers);
+  return plan->stage_layers;
+}
+
+TEST(ParallelPlanTest, LayersSplitEvenlyWithTheRemainderOnTheFirstStages) {
+  const ModelConfig c = llama3_8b();
+  EXPECT_EQ(stage_layers_of(c, 1, 1), (std::vector<int64_t>{32}));
+  EXPECT_EQ(stage_layers_of(c, 2, 2), (std::vector<int64_t>{16, 16}));
+  EXPECT_EQ(stage_layers_of(c, 1, 3), (std::vector<int64_t>{11, 11, 10}));
+  EXPECT_EQ(stage_layers_of(c, 1, 5), (std::vector<int64_t>{7, 7, 6, 6, 6}));
+  EXPECT_EQ(stage_layers_of(qwen3_8b(), 2, 5), (std::vector<int64_t>{8, 7, 7, 7, 7}));
+}
+
+TEST(ParallelPlanTest, ExplicitLayerPartition) {
+  ModelConfig c = llama3_8b();
+  EXPECT_EQ(stage_layers_of(c, 2, 3, {10, 12, 10}), (std::vector<int64_t>{10, 12, 10}));
+  // The stage with more layers has more weights and more KV per token.
+  ParallelPlan p = *make_parallel_plan(c, shape(1, 3, {10, 12, 10}), DType::kBF16);
+  EXPECT_GT(p.ranks[1].kv_bytes_per_token, p.ranks[2].kv_bytes_per_token);
+  EXPECT_EQ(p.ranks[1].kv_bytes_per_token, 2u * 12 * 8 * 128 * 2);
+}
+
+TEST(ParallelPlanTest, BadLayerPartitionsAreRefused) {
+  ModelConfig c = llama3_8b();
+  auto sum = make_parallel_plan(c, shape(1, 3, {10, 12, 11}), DType::kBF16);
+  ASSERT_FALSE(sum);
+  EXPECT_TRUE(contains(sum.status().message(), "33")) << sum.status().message();
+  EXPECT_TRUE(contains(sum.status().message(), "32")) << sum.status().message();
+  auto zero = make_parallel_plan(c, shape(1, 3, {16, 16, 0}), DType::kBF16);
+  ASSERT_FALSE(zero);
+  EXPECT_TRUE(contains(zero.status().message(), "at least one")) << zero.status().message();
+  auto count = make_parallel_plan(c, shape(1, 4, {16, 16}), DType::kBF16);
+  ASSERT_FALSE(count);
+  EXPECT_TRUE(contains(count.status().message(), "--pipeline-layer-partition"))
+      << count.status().message();
+  auto too_many = make_parallel_plan(c, shape(1, 33), DType::kBF16);
+  ASSERT_FALSE(too_many);
+  EXPECT_TRUE(contains(too_many.status().message(), "32 layers")) << too_many.status().message();
+}
+
+// ---- vocabulary -------------------------------------------------------------------------------
+
+TEST(ParallelPlanTest, VocabIsPaddedToAMultipleOfTp) {
+  ModelConfig c = llama3_8b();
+  c.vocab_size = 32003;
+  ParallelPlan p = must_plan(c, 4, 1);
+  EXPECT_EQ(p.padded_vocab, 32004);
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const RankPlan& r : p.ranks) ranges.push_back({r.vocab_begin, r.vocab_end});
+  EXPECT_EQ(ranges, (std::vector<std::pair<int64_t, int64_t>>{
+                        {0, 8001}, {8001, 16002}, {16002, 24003}, {24003, 32004}}));
+  // Only the last rank holds padding: one row in the embedding and one in lm_head.
+  EXPECT_EQ(p.ranks[3].padding_bytes, 2u * 4096 * 2);
+  EXPECT_EQ(p.ranks[0].padding_bytes, 0u);
+  EXPECT_EQ(must_plan(llama3_8b(), 8, 1).padded_vocab, 128256);  // 128256 = 8 x 16032
+}
+
+// ---- weight bytes -----------------------------------------------------------------------------
+
+// Parameters of a Llama/Qwen-shaped config, by formula (independent of expected_weights).
+uint64_t params(const ModelConfig& c) {
+  const uint64_t h = c.hidden_size, hd = c.head_dim, i = c.intermediate_size;
+  const uint64_t q = c.num_heads * hd, kv = c.num_kv_heads * hd;
+  uint64_t layer = q * h + 2 * kv * h + h * q + 3 * h * i + 2 * h;
+  if (c.qk_norm) layer += 2 * hd;
+  if (c.attention_bias) layer += q + 2 * kv;
+  if (c.o_proj_bias) layer += h;
+  return static_cast<uint64_t>(c.vocab_size) * h * (c.tie_word_embeddings ? 1 : 2) +
+         c.num_layers * layer + h;
+}
+
+TEST(ParallelPlanTest, WholeModelBytesMatchThePublishedParameterCounts) {
+  EXPECT_EQ(params(llama3_8b()), 8030261248u);
+  EXPECT_EQ(params(qwen3_8b()), 8190735360u);
+  EXPECT_EQ(params(llama3_70b()), 70553706496u);
+  EXPECT_EQ(model_weight_bytes(llama3_8b(), DType::kBF16), 2 * 8030261248u);
+  EXPECT_EQ(model_weight_bytes(qwen3_8b(), DType::kBF16), 2 * 8190735360u);
+  EXPECT_EQ(model_weight_bytes(llama3_70b(), DType::kF32), 4 * 70553706496u);
+}
+
+// What the ranks hold together, exactly: every tensor once, plus
+//   - the replicated tensors (input/post-attention norms, q/k norms, the final norm) T - 1 more
+//     times (each rank of a stage holds them whole);
+//   - with replicated KV heads, k_proj and v_proj (and their biases) kv_replicas - 1 more times;
+//   - the vocabulary padding rows of every vocab-parallel tensor set (embedding, lm_head);
+//   - with tied embeddings over P > 1 stages, the embedding a second time (the last stage's
+//     lm_head), padded.
+// The o_proj bias is held by TP rank 0 only, so it counts once.
+uint64_t expected_sum(const ModelConfig& c, const ParallelPlan& p) {
+  const uint64_t h = c.hidden_size, hd = c.head_dim;
+  const uint64_t t = p.tp;
+  uint64_t replicated = c.num_layers * (2 * h + (c.qk_norm ? 2 * hd : 0)) + h;
+  uint64_t kv =
+      c.num_layers * 2 * (c.num_kv_heads * hd * h + (c.attention_bias ? c.num_kv_heads * hd : 0));
+  uint64_t vocab_sets = c.tie_word_embeddings ? (p.pp > 1 ? 2 : 1) : 2;
+  uint64_t padding = static_cast<uint64_t>(p.padded_vocab - c.vocab_size) * h * vocab_sets;
+  uint64_t tied_copy = c.tie_word_embeddings && p.pp > 1 ? c.vocab_size * h : 0;
+  return (params(c) + (t - 1) * replicated + (p.kv_replicas - 1) * kv + padding + tied_copy) *
+         dtype_size(p.dtype);
+}
+
+TEST(ParallelPlanTest, RankWeightBytesAddUpToTheModelForRealShapes) {
+  struct Case {
+    const char* name;
+    ModelConfig config;
+  };
+  ModelConfig tied = qwen3_8b();
+  tied.tie_word_embeddings = true;
+  tied.vocab_size = 151935;  // odd: padding on every T > 1
+  ModelConfig biased = llama3_8b();
+  biased.attention_bias = true;
+  biased.o_proj_bias = true;
+  std::vector<Case> cases = {{"llama3-8b", llama3_8b()},
+                             {"qwen3-8b", qwen3_8b()},
+                             {"70b", llama3_70b()},
+                             {"tied-odd-vocab", tied},
+                             {"biases", biased}};
+  for (const Case& k : cases) {
+    for (int tp : {1, 2, 4, 8, 16}) {
+      for (int pp : {1, 2, 3, 4}) {
+        auto plan = make_parallel_plan(k.config, shape(tp, pp), DType::kBF16);
+        ASSERT_TRUE(plan) << k.name << " tp " << tp << " pp " << pp << ": "
+                          << plan.status().message();
+        uint64_t sum = 0;
+        for (const RankPlan& r : plan->ranks) sum += r.weight_bytes;
+        EXPECT_EQ(sum, expected_sum(k.config, *plan)) << k.name << " tp " << tp << " pp " << pp;
+        // TP ranks of one stage hold the same bytes up to the o_proj bias and vocab padding.
+        for (const RankPlan& r : plan->ranks) {
+          const RankPlan& first = plan->at(r.pp_rank, 0);
+          const uint64_t o_bias = k.config.o_proj_bias ? r.num_layers() * 4096u * 2 : 0;
+          EXPECT_EQ(r.weight_bytes + (r.tp_rank == 0 ? 0 : o_bias), first.weight_bytes)
+              << k.name << " rank " << r.rank;
+        }
+      }
+    }
+  }
+}
+
+TEST(ParallelPlanTest, Llama3_8bTp2RankBytesByHand) {
+  ParallelPlan p = must_plan(llama3_8b(), 2, 1);
+  // Per rank: embedding and lm_head 64128 x 4096 each; per layer q 2048x4096, k and v 512x4096,
+  // o 4096x2048, gate/up 7168x4096, down 4096x7168, two norms of 4096; the final norm.
+  const uint64_t layer =
+      2048ull * 4096 + 2 * 512 * 4096 + 4096 * 2048 + 3 * 7168ull * 4096 + 2 * 4096;
+  const uint64_t elements = 2 * 64128ull * 4096 + 32 * layer + 4096;
+  EXPECT_EQ(p.ranks[0].weight_bytes, 2 * elements);
+  EXPECT_EQ(p.ranks[1].weight_bytes, 2 * elements);
+  EXPECT_EQ(p.ranks[0].kv_bytes_per_token, 2u * 32 * 4 * 128 * 2);
+  EXPECT_TRUE(p.ranks[0].embedding && p.ranks[0].lm_head);
+}
+
+TEST(ParallelPlanTest, PipelineStagesHoldEmbeddingFirstAndLmHeadLast) {
+  ModelConfig c = qwen3_8b();
+  ParallelPlan p = must_plan(c, 1, 3);
+  EXPECT_TRUE(p.ranks[0].embedding);
+  EXPECT_FALSE(p.ranks[0].lm_head);
+  EXPECT_FALSE(p.ranks[1].embedding || p.ranks[1].lm_head);
+  EXPECT_TRUE(p.ranks[2].lm_head);
+  EXPECT_FALSE(p.ranks[2].embedding);
+  c.tie_word_embeddings = true;
+  ParallelPlan tied = must_plan(c, 1, 3);
+  EXPECT_TRUE(tied.ranks[2].embedding);  // the tied lm_head is the embedding
+}
+
+// ---- memory -----------------------------------------------------------------------------------
+
+MemoryOptions resolved(const ModelConfig& c, MemoryOptions o = {}) {
+  auto r = resolve_memory_options(c, o);
+  EXPECT_TRUE(r) << r.status().message();
+  return r ? *r : o;
+}
+
+std::vector<std::optional<GpuMemory>> gpus(size_t n, uint64_t total, uint64_t used = 0) {
+  return std::vector<std::optional<GpuMemory>>(n, GpuMemory{total, used});
+}
+
+TEST(MemoryPlanTest, Llama3_8bOnOneGpu) {
+  const ModelConfig c = llama3_8b();
+  ParallelPlan p = must_plan(c, 1, 1);
+  MemoryOptions o = resolved(c);
+  EXPECT_EQ(o.max_model_len, 8192);
+  EXPECT_EQ(o.max_num_batched_tokens, 8192);
+  MemoryPlan m = estimate_memory(c, p, gpus(1, 80 * kGiB), o);
+  const RankMemory& r = m.ranks[0];
+  EXPECT_EQ(r.weights, 2 * 8030261248u);
+  // 8192 tokens x (4 x 4096 + 2 x 48 x 128 + 3 x 14336) x 2 bytes + fp32 logits for 256 x 128256
+  // + 64 + 32 + 512 MiB fixed + 512 MiB of CUDA graphs.
+  EXPECT_EQ(r.activations,
+            8192ull * 143360 + 256ull * 128256 * 4 + (608ull << 20) + (512ull << 20));
+  EXPECT_EQ(r.budget, static_cast<uint64_t>(0.9 * 80 * kGiB));
+  EXPECT_EQ(r.kv_bytes_per_token, 131072u);
+  const uint64_t blocks = (r.budget - r.weights - r.activations) / (16 * 131072);
+  EXPECT_EQ(r.kv_tokens, static_cast<int64_t>(blocks * 16));
+  EXPECT_EQ(m.kv_tokens, r.kv_tokens);
+  EXPECT_TRUE(m.fits);
+  EXPECT_NEAR(m.max_concurrency, static_cast<double>(r.kv_tokens) / 8192, 1e-9);
+  EXPECT_TRUE(memory_status(m));
+}
+
+TEST(MemoryPlanTest, MoreTensorParallelRanksMeanMoreKvTokens) {
+  const ModelConfig c = llama3_8b();
+  MemoryOptions o = resolved(c);
+  MemoryPlan one = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), o);
+  MemoryPlan two = estimate_memory(c, must_plan(c, 2, 1), gpus(2, 80 * kGiB), o);
+  EXPECT_EQ(two.ranks[0].kv_bytes_per_token, 65536u);
+  EXPECT_GT(two.kv_tokens, 2 * one.kv_tokens);
+}
+
+TEST(MemoryPlanTest, TheLimitingRankDecides) {
+  const ModelConfig c = llama3_8b();
+  MemoryOptions o = resolved(c);
+  auto g = gpus(2, 80 * kGiB);
+  g[1]->used = 40 * kGiB;  // another process holds half of GPU 1
+  MemoryPlan m = estimate_memory(c, must_plan(c, 1, 2), g, o);
+  EXPECT_EQ(m.limiting_rank, 1);
+  EXPECT_EQ(m.kv_tokens, m.ranks[1].kv_tokens);
+  EXPECT_LT(m.ranks[1].kv_tokens, m.ranks[0].kv_tokens);
+}
+
+TEST(MemoryPlanTest, WeightsThatDoNotFitSayToSpreadTheModel) {
+  const ModelConfig c = llama3_70b();
+  MemoryPlan m = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), resolved(c));
+  EXPECT_FALSE(m.fits);
+  Status st = memory_status(m, {"node-a gpu0"});
+  ASSERT_FALSE(st);
+  EXPECT_EQ(st.code(), Code::kResourceExhausted);
+  const std::string& msg = st.message();
+  EXPECT_TRUE(contains(msg, "rank 0 (node-a gpu0)")) << msg;
+  EXPECT_TRUE(contains(msg, "weights take 131.42 GiB")) << msg;
+  EXPECT_TRUE(contains(msg, "before any KV cache")) << msg;
+  EXPECT_TRUE(contains(msg, "raise -tp or -pp")) << msg;
+  EXPECT_FALSE(contains(msg, "lower --max-model-len")) << msg;  // would not help
+  EXPECT_FALSE(contains(msg, "raise --gpu-memory-utilization")) << msg;
+}
+
+TEST(MemoryPlanTest, ShortOfKvSaysWhichMaxModelLenAndUtilizationFit) {
+  const ModelConfig c = llama3_8b();
+  MemoryPlan m = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 20 * kGiB), resolved(c));
+  ASSERT_FALSE(m.fits);
+  ASSERT_GT(m.kv_tokens, 0);
+  Status st = memory_status(m);
+  const std::string& msg = st.message();
+  EXPECT_TRUE(contains(msg, "lower --max-model-len to " + std::to_string(m.kv_tokens))) << msg;
+  EXPECT_TRUE(contains(msg, "raise --gpu-memory-utilization to 0.9")) << msg;
+  EXPECT_TRUE(contains(msg, "one sequence of --max-model-len 8192 needs 8192 tokens")) << msg;
+}
+
+TEST(MemoryPlanTest, FlagsAreChecked) {
+  const ModelConfig c = llama3_8b();
+  MemoryOptions o;
+  o.max_model_len = 9000;
+  auto r = resolve_memory_options(c, o);
+  ASSERT_FALSE(r);
+  EXPECT_TRUE(contains(r.status().message(), "max_position_embeddings (8192)"));
+  o = {};
+  o.gpu_memory_utilization = 1.5;
+  r = resolve_memory_options(c, o);
+  ASSERT_FALSE(r);
+  EXPECT_TRUE(contains(r.status().message(), "--gpu-memory-utilization must be in (0, 1]"));
+}
+
+TEST(MemoryPlanTest, DtypeFollowsTheActor) {
+  EXPECT_EQ(*resolve_run_dtype("auto", DType::kF32, true), DType::kBF16);
+  EXPECT_EQ(*resolve_run_dtype("auto", DType::kF32, false), DType::kF32);
+  EXPECT_EQ(*resolve_run_dtype("half", DType::kBF16, true), DType::kF16);
+  EXPECT_FALSE(resolve_run_dtype("float32", DType::kBF16, true));
+  EXPECT_FALSE(resolve_run_dtype("int8", DType::kBF16, true));
+}
+
+// ---- synthetic clusters -----------------------------------------------------------------------
+
+// A node with `n` GPUs of `memory` bytes; link(a, b) for a != b.
+ClusterNode make_node(const std::string& name, size_t n, uint64_t memory,
+                      const std::function<GpuLink(size_t, size_t)>& link,
+                      std::vector<uint32_t> busy = {}) {
+  ClusterNode c;
+  c.node.node_id = "n-" + name;
+  c.node.name = name;
+  c.node.alive = true;
+  c.node.resources.cpus = 32;
+  for (size_t i = 0; i < n; ++i) {
+    GpuDevice g;
+    g.index = static_cast<uint32_t>(i);
+    g.name = "NVIDIA H100";
+    g.memory_total = memory;
+    c.node.resources.gpus.push_back(g);
+  }
+  for (size_t a = 0; a < n; ++a) {
+    for (size_t b = 0; b < n; ++b) {
+      c.node.resources.links.push_back(a == b ? GpuLink{LinkKind::kSelf, 0} : link(a, b));
+    }
+  }
+  c.busy_gpus = std::move(busy);
+  return c;
+}
+
+GpuLink nv18(size_t, size_t) { return {LinkKind::kNvlink, 18}; }
+// NVLink only within the pairs 0-1 and 2-3; PHB across.
+GpuLink pairs(size_t a, size_t b) {
+  return a / 2 == b / 2 ? GpuLink{LinkKind::kNvlink, 4} : GpuLink{LinkKind::kPhb, 0};
+}
+
+std::vector<std::pair<std::string, int64_t>> where(const Placement& p) {
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (const PlacedRank& r : p.ranks) out.push_back({r.node_name, r.gpu});
+  return out;
+}
+
+TEST(PlacementTest, EightGpusOnNvSwitch) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 8, 80 * kGiB, nv18)};
+  auto p = place_ranks(8, 1, nodes);
+  ASSERT_TRUE(p) << p.status().message();
+  EXPECT_TRUE(p->warnings.empty());
+  EXPECT_EQ(format_stages(*p, 8, 1),
+            "stage 0: node-a gpu0 gpu1 gpu2 gpu3 gpu4 gpu5 gpu6 gpu7 [NV18]\n");
+  auto q = place_ranks(2, 4, nodes);
+  ASSERT_TRUE(q);
+  EXPECT_EQ(format_stages(*q, 2, 4),
+            "stage 0: node-a gpu0 gpu1 [NV18]\nstage 1: node-a gpu2 gpu3 [NV18]\n"
+            "stage 2: node-a gpu4 gpu5 [NV18]\nstage 3: node-a gpu6 gpu7 [NV18]\n");
+  EXPECT_EQ(nvlink_islands(nodes[0].node.resources),
+            (std::vector<std::vector<uint32_t>>{{0, 1, 2, 3, 4, 5, 6, 7}}));
+}
+
+TEST(PlacementTest, NvlinkPairsKeepTpGroupsOnAPair) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 4, 80 * kGiB, pairs)};
+  EXPECT_EQ(nvlink_islands(nodes[0].node.resources),
+            (std::vector<std::vector<uint32_t>>{{0, 1}, {2, 3}}));
+  auto tp2 = place_ranks(2, 2, nodes);
+  ASSERT_TRUE(tp2);
+  EXPECT_TRUE(tp2->warnings.empty());
+  EXPECT_EQ(format_stages(*tp2, 2, 2),
+            "stage 0: node-a gpu0 gpu1 [NV4]\nstage 1: node-a gpu2 gpu3 [NV4]\n");
+  // With gpu0 busy, a TP group of 2 takes the free pair, not 1-2 across PHB.
+  nodes[0].busy_gpus = {0};
+  auto busy = place_ranks(2, 1, nodes);
+  ASSERT_TRUE(busy);
+  EXPECT_EQ(where(*busy),
+            (std::vector<std::pair<std::string, int64_t>>{{"node-a", 2}, {"node-a", 3}}));
+}
+
+TEST(PlacementTest, GroupsAreChosenTogetherNotGreedily) {
+  // NVLink 0-1 (NV2), 0-2 (NV4), 2-3 (NV2), PHB elsewhere. Taking the strongest pair 0-2 first
+  // would leave 1-3 on PHB; 0-1 and 2-3 keep both groups on NVLink.
+  auto link = [](size_t a, size_t b) {
+    const std::set<std::pair<size_t, size_t>> nv2 = {{0, 1}, {2, 3}};
+    auto key = std::make_pair(std::min(a, b), std::max(a, b));
+    if (key == std::make_pair(size_t{0}, size_t{2})) return GpuLink{LinkKind::kNvlink, 4};
+    if (nv2.count(key)) return GpuLink{LinkKind::kNvlink, 2};
+    return GpuLink{LinkKind::kPhb, 0};
+  };
+  std::vector<ClusterNode> nodes = {make_node("node-a", 4, 80 * kGiB, link)};
+  auto p = place_ranks(2, 2, nodes);
+  ASSERT_TRUE(p);
+  EXPECT_EQ(format_stages(*p, 2, 2),
+            "stage 0: node-a gpu0 gpu1 [NV2]\nstage 1: node-a gpu2 gpu3 [NV2]\n");
+  // One group alone takes the strongest pair.
+  auto one = place_ranks(2, 1, nodes);
+  ASSERT_TRUE(one);
+  EXPECT_EQ(format_stages(*one, 2, 1), "stage 0: node-a gpu0 gpu2 [NV4]\n");
+}
+
+TEST(PlacementTest, TpAcrossPcieWarnsAndSuggestsTp2Pp2) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 4, 80 * kGiB, pairs)};
+  PlanRequest req;
+  req.tensor_parallel = 4;
+  req.pipeline_parallel = 1;
+  auto cp = plan_on_cluster(llama3_8b(), req, nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  ASSERT_EQ(cp->placement.warnings.size(), 1u);
+  const std::string& w = cp->placement.warnings[0];
+  EXPECT_TRUE(contains(w,
+                       "stage 0's tensor-parallel group (node-a gpu0 gpu1 gpu2 gpu3) is not one "
+                       "NVLink island: gpu1-gpu2 are joined by PHB, so its all-reduces cross "
+                       "PCIe through the CPU's host bridge"))
+      << w;
+  ASSERT_TRUE(cp->better);
+  EXPECT_EQ(cp->better->tp_size, 2);
+  EXPECT_EQ(cp->better->pp_size, 2);
+  ASSERT_EQ(cp->warnings.size(), 2u);
+  EXPECT_TRUE(contains(cp->warnings[1],
+                       "better: -tp 2 -pp 2 keeps every tensor-parallel group "
+                       "on NVLink (stage 0: node-a gpu0 gpu1 [NV4]; stage 1: "
+                       "node-a gpu2 gpu3 [NV4])"))
+      << cp->warnings[1];
+  const std::string text = render_cluster_plan(llama3_8b(), *cp);
+  EXPECT_TRUE(contains(text, "  stage 0: node-a gpu0 gpu1 gpu2 gpu3 [PHB]\n")) << text;
+  EXPECT_TRUE(contains(text, "warning: stage 0's tensor-parallel group")) << text;
+  EXPECT_TRUE(contains(text, "\nbetter: -tp 2 -pp 2")) << text;
+  EXPECT_TRUE(cp->fit);
+}
+
+TEST(PlacementTest, TwoNodesOfTwoGpusPutStagesOnNodesAndTpInside) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 2, 80 * kGiB, nv18),
+                                    make_node("node-b", 2, 80 * kGiB, nv18)};
+  auto p = place_ranks(2, 2, nodes);
+  ASSERT_TRUE(p) << p.status().message();
+  EXPECT_TRUE(p->warnings.empty());
+  EXPECT_EQ(format_stages(*p, 2, 2),
+            "stage 0: node-a gpu0 gpu1 [NV18]\nstage 1: node-b gpu0 gpu1 [NV18]\n");
+  // T = 4 cannot stay on a node: the group spans both, and says so.
+  auto wide = place_ranks(4, 1, nodes);
+  ASSERT_TRUE(wide);
+  EXPECT_EQ(format_stages(*wide, 4, 1), "stage 0: node-a gpu0 gpu1 + node-b gpu0 gpu1 [network]\n");
+  ASSERT_EQ(wide->warnings.size(), 1u);
+  EXPECT_TRUE(contains(wide->warnings[0], "spans nodes node-a and node-b")) << wide->warnings[0];
+}
+
+TEST(PlacementTest, NodesWithTheMostFreeGpusComeFirst) {
+  std::vector<ClusterNode> nodes = {make_node("small", 2, 80 * kGiB, nv18),
+                                    make_node("big", 4, 80 * kGiB, nv18)};
+  auto p = place_ranks(2, 3, nodes);
+  ASSERT_TRUE(p);
+  EXPECT_EQ(format_stages(*p, 2, 3),
+            "stage 0: big gpu0 gpu1 [NV18]\nstage 1: big gpu2 gpu3 [NV18]\n"
+            "stage 2: small gpu0 gpu1 [NV18]\n");
+  // One node holds everything when it can.
+  auto q = place_ranks(2, 2, nodes);
+  ASSERT_TRUE(q);
+  EXPECT_EQ(format_stages(*q, 2, 2),
+            "stage 0: big gpu0 gpu1 [NV18]\nstage 1: big gpu2 gpu3 [NV18]\n");
+}
+
+TEST(PlacementTest, BusyGpusAreSkipped) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 8, 80 * kGiB, nv18, {0, 1, 2})};
+  auto p = place_ranks(4, 1, nodes);
+  ASSERT_TRUE(p);
+  EXPECT_EQ(format_stages(*p, 4, 1), "stage 0: node-a gpu3 gpu4 gpu5 gpu6 [NV18]\n");
+  nodes[0].busy_gpus = {0, 1, 2, 3, 4, 5};
+  auto full = place_ranks(4, 1, nodes);
+  ASSERT_FALSE(full);
+  EXPECT_EQ(full.status().code(), Code::kResourceExhausted);
+  EXPECT_TRUE(contains(full.status().message(),
+                       "-tp 4 -pp 1 needs 4 GPUs but the cluster has 2 free (node-a: 2 of 8 "
+                       "free (busy: gpu0 gpu1 gpu2 gpu3 gpu4 gpu5))"))
+      << full.status().message();
+  // Dead nodes do not count.
+  nodes.push_back(make_node("gone", 8, 80 * kGiB, nv18));
+  nodes.back().node.alive = false;
+  EXPECT_FALSE(place_ranks(4, 1, nodes));
+}
+
+TEST(PlacementTest, CpuOnlyClusterSpreadsStagesAndKeepsTpGroupsTogether) {
+  ClusterNode a = make_node("cpu-a", 0, 0, nv18);
+  ClusterNode b = make_node("cpu-b", 0, 0, nv18);
+  a.node.resources.cpus = 8;
+  b.node.resources.cpus = 16;
+  auto p = place_ranks(2, 2, {a, b});
+  ASSERT_TRUE(p) << p.status().message();
+  EXPECT_TRUE(p->cpu);
+  EXPECT_EQ(where(*p), (std::vector<std::pair<std::string, int64_t>>{
+                           {"cpu-b", -1}, {"cpu-b", -1}, {"cpu-a", -1}, {"cpu-a", -1}}));
+  EXPECT_TRUE(p->warnings.empty());
+  EXPECT_EQ(format_stages(*p, 2, 2), "stage 0: cpu-b 2 CPU actors\nstage 1: cpu-a 2 CPU actors\n");
+  // More stages than nodes: consecutive runs.
+  auto q = place_ranks(1, 4, {a, b});
+  ASSERT_TRUE(q);
+  EXPECT_EQ(where(*q), (std::vector<std::pair<std::string, int64_t>>{
+                           {"cpu-b", -1}, {"cpu-b", -1}, {"cpu-a", -1}, {"cpu-a", -1}}));
+  PlanRequest req;
+  auto cp = plan_on_cluster(llama3_8b(), req, {a, b});
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_TRUE(cp->fit);
+  EXPECT_TRUE(contains(render_cluster_plan(llama3_8b(), *cp), "stage 0: cpu-b 1 CPU actor\n"));
+  EXPECT_TRUE(cp->warnings.empty());
+  // A node that cannot hold its ranks' weights says so.
+  b.node.resources.memory_available = 8 * kGiB;
+  cp = plan_on_cluster(llama3_8b(), req, {a, b});
+  ASSERT_TRUE(cp);
+  ASSERT_EQ(cp->warnings.size(), 1u);
+  EXPECT_TRUE(contains(cp->warnings[0],
+                       "node cpu-b: its CPU ranks need 15.96 GiB for weights and "
+                       "KV cache but it has 8.00 GiB of memory available"))
+      << cp->warnings[0];
+}
+
+TEST(PlacementTest, TopologyCountsNvlinkGroupsOnFreeGpus) {
+  ClusterNode n = make_node("node-a", 4, 80 * kGiB, pairs);
+  std::vector<NvlinkGroups> sizes = nvlink_tp_sizes(n.node.resources);
+  ASSERT_EQ(sizes.size(), 2u);
+  EXPECT_EQ(sizes[0].tp, 1);
+  EXPECT_EQ(sizes[0].groups, 4);
+  EXPECT_EQ(sizes[1].tp, 2);
+  EXPECT_EQ(sizes[1].groups, 2);
+  sizes = nvlink_tp_sizes(n.node.resources, {1});
+  ASSERT_EQ(sizes.size(), 2u);
+  EXPECT_EQ(sizes[1].groups, 1);
+  const std::string text = render_topology("10.0.0.1:6380", {n});
+  EXPECT_TRUE(contains(text, "  NVLink islands: gpu0 gpu1 | gpu2 gpu3\n")) << text;
+  EXPECT_TRUE(contains(text, "  TP sizes on NVLink: 1 (4 groups), 2 (2 groups)\n")) << text;
+  EXPECT_TRUE(contains(text, "  GPU0  X     NV4   PHB   PHB\n")) << text;
+}
+
+TEST(PlacementTest, TopologyJsonRoundTrips) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 4, 80 * kGiB, pairs, {3}),
+                                    make_node("cpu-b", 0, 0, nv18)};
+  std::string json = topology_json("10.0.0.1:6380", nodes);
+  auto back = parse_topology_json(json, "cluster.json");
+  ASSERT_TRUE(back) << back.status().message();
+  ASSERT_EQ(back->size(), 2u);
+  const NodeResources& r = (*back)[0].node.resources;
+  EXPECT_EQ((*back)[0].node.name, "node-a");
+  EXPECT_EQ((*back)[0].busy_gpus, (std::vector<uint32_t>{3}));
+  ASSERT_EQ(r.gpus.size(), 4u);
+  EXPECT_EQ(r.gpus[2].memory_total, 80 * kGiB);
+  EXPECT_EQ(format_link_matrix(r), format_link_matrix(nodes[0].node.resources));
+  EXPECT_TRUE((*back)[1].node.resources.gpus.empty());
+  auto bad = parse_topology_json(
+      "{\"nodes\": [{\"gpus\": [{\"index\": 0, \"memory_total\": 1}],"
+      " \"links\": [[\"NVX\"]]}]}",
+      "c.json");
+  ASSERT_FALSE(bad);
+  EXPECT_TRUE(contains(bad.status().message(), "c.json: nodes[0]")) << bad.status().message();
+  EXPECT_FALSE(parse_topology_json("[]", "c.json"));
+}
+
+// ---- -tp / -pp auto ---------------------------------------------------------------------------
+
+PlanRequest auto_request() {
+  PlanRequest req;
+  req.tensor_parallel = std::nullopt;
+  req.pipeline_parallel = std::nullopt;
+  return req;
+}
+
+TEST(AutoPlanTest, SmallModelTakesOneGpu) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 8, 141 * kGiB, nv18)};
+  auto cp = plan_on_cluster(llama3_8b(), auto_request(), nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_EQ(cp->plan.tp, 1);
+  EXPECT_EQ(cp->plan.pp, 1);
+  EXPECT_TRUE(contains(cp->choice, "-tp auto -pp auto: chose -tp 1 -pp 1")) << cp->choice;
+}
+
+TEST(AutoPlanTest, SeventyBOnEightNvlinkGpusPrefersTpOverPp) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 8, 80 * kGiB, nv18)};
+  auto cp = plan_on_cluster(llama3_70b(), auto_request(), nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_EQ(cp->plan.tp, 4);
+  EXPECT_EQ(cp->plan.pp, 1);
+  EXPECT_TRUE(cp->fit);
+  EXPECT_GE(cp->memory.kv_tokens, kAutoMinSequences * 8192);
+  // The line says why: T = 2 leaves too little KV room, and the group is on NVLink.
+  EXPECT_TRUE(contains(cp->choice, "chose -tp 4 -pp 1")) << cp->choice;
+  EXPECT_TRUE(contains(cp->choice, "(-tp 2 -pp 1: KV room for ")) << cp->choice;
+  EXPECT_TRUE(contains(cp->choice, "TP groups on NVLink (NV18)")) << cp->choice;
+}
+
+TEST(AutoPlanTest, NvlinkPairsChooseTp2Pp2OverTp4) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 4, 80 * kGiB, pairs)};
+  auto cp = plan_on_cluster(llama3_70b(), auto_request(), nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_EQ(cp->plan.tp, 2);
+  EXPECT_EQ(cp->plan.pp, 2);
+  EXPECT_TRUE(cp->warnings.empty());
+}
+
+TEST(AutoPlanTest, FixedTpWithAutoPp) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 2, 80 * kGiB, nv18),
+                                    make_node("node-b", 2, 80 * kGiB, nv18)};
+  PlanRequest req;
+  req.tensor_parallel = 2;
+  req.pipeline_parallel = std::nullopt;
+  auto cp = plan_on_cluster(llama3_70b(), req, nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_EQ(cp->plan.tp, 2);
+  EXPECT_EQ(cp->plan.pp, 2);
+  EXPECT_TRUE(contains(cp->choice, "-pp auto: chose -tp 2 -pp 2")) << cp->choice;
+  EXPECT_EQ(format_stages(cp->placement, 2, 2),
+            "stage 0: node-a gpu0 gpu1 [NV18]\nstage 1: node-b gpu0 gpu1 [NV18]\n");
+}
+
+TEST(AutoPlanTest, NothingFitsSaysSo) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 1, 24 * kGiB, nv18)};
+  auto cp = plan_on_cluster(llama3_70b(), auto_request(), nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_FALSE(cp->fit);
+  EXPECT_TRUE(contains(cp->choice, "no plan on this cluster fits")) << cp->choice;
+  EXPECT_TRUE(contains(cp->fit.message(), "no -tp/-pp fits on this cluster's 1 free GPUs"))
+      << cp->fit.message();
+}
+
+TEST(AutoPlanTest, AFixedPlanThatDoesNotFitNamesOneThatDoes) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 8, 80 * kGiB, nv18)};
+  PlanRequest req;  // -tp 1 -pp 1
+  auto cp = plan_on_cluster(llama3_70b(), req, nodes);
+  ASSERT_TRUE(cp);
+  ASSERT_FALSE(cp->fit);
+  EXPECT_TRUE(contains(cp->fit.message(), "rank 0 (node-a gpu0)")) << cp->fit.message();
+  EXPECT_TRUE(contains(cp->fit.message(), "; on this cluster -tp 2 -pp 1 fits ("))
+      << cp->fit.message();
+}
+
+// ---- the printed plan -------------------------------------------------------------------------
+
+TEST(RenderTest, Llama3_8bTp2) {
+  std::vector<ClusterNode> nodes = synthetic_nodes(1, 2, 141 * kGiB);
+  PlanRequest req;
+  req.tensor_parallel = 2;
+  auto cp = plan_on_cluster(llama3_8b(), req, nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  const std::string text = render_cluster_plan(llama3_8b(), *cp);
+  EXPECT_TRUE(contains(text,
+                       "Model: LlamaForCausalLM, 32 layers, hidden 4096, 32 heads (8 KV, "
+                       "head_dim 128), intermediate 14336, vocab 128256; weights 14.96 GiB "
+                       "in bfloat16\n"))
+      << text;
+  EXPECT_TRUE(contains(text, "Plan: -tp 2 -pp 1 = 2 ranks\n")) << text;
+  EXPECT_TRUE(contains(text, "  layers per stage: 32 (0-31)\n")) << text;
+  EXPECT_TRUE(contains(text, "KV heads: 8 split over -tp 2, 4 per rank")) << text;
+  EXPECT_TRUE(contains(text, "  vocab: 128256 (no padding), 64128 rows per rank\n")) << text;
+  EXPECT_TRUE(contains(text, "  stage 0: node-0 gpu0 gpu1 [NV18]\n")) << text;
+  EXPECT_TRUE(contains(text, "max concurrency")) << text;
+  EXPECT_TRUE(contains(text, "Fits.\n")) << text;
+  EXPECT_FALSE(contains(text, "warning")) << text;
+}
+
+// ---- flags ------------------------------------------------------------------------------------
+
+TEST(FlagsTest, ShortSpellingsAreRewritten) {
+  const char* argv[] = {"tessera", "plan", "-tp", "2", "-pp=4", "--model", "m", "--", "-tp"};
+  ParallelFlagArgv fixed(9, argv);
+  ASSERT_EQ(fixed.argc(), 9);
+  EXPECT_STREQ(fixed.argv()[2], "--tensor-parallel-size");
+  EXPECT_STREQ(fixed.argv()[4], "--pipeline-parallel-size=4");
+  EXPECT_STREQ(fixed.argv()[8], "-tp");  // after "--": left alone
+}
+
+TEST(FlagsTest, ParsesThroughCli11) {
+  CLI::App app;
+  ParallelArgs args;
+  auto* cmd = app.add_subcommand("plan");
+  add_parallel_options(cmd, args);
+  const char* argv[] = {"tessera", "plan", "-tp", "auto", "-pp", "3", "--pipeline-layer-partition",
+                        "10,12,10"};
+  ParallelFlagArgv fixed(8, argv);
+  ASSERT_NO_THROW(app.parse(fixed.argc(), fixed.argv()));
+  PlanRequest req;
+  ASSERT_TRUE(apply_parallel_args(args, req));
+  EXPECT_FALSE(req.tensor_parallel);
+  EXPECT_EQ(req.pipeline_parallel, 3);
+  EXPECT_EQ(req.layer_partition, (std::vector<int64_t>{10, 12, 10}));
+  args.tensor_parallel_size = "0";
+  Status st = apply_parallel_args(args, req);
+  ASSERT_FALSE(st);
+  EXPECT_TRUE(contains(st.message(),
+                       "-tp/--tensor-parallel-size must be a positive integer or "
+                       "auto, got '0'"));
+  args.tensor_parallel_size = "2";
+  args.pipeline_layer_partition = "10,,12";
+  EXPECT_FALSE(apply_parallel_args(args, req));
+  // Without -pp, the partition says how many stages.
+  ParallelArgs only_partition;
+  only_partition.pipeline_layer_partition = "10,12,10";
+  ASSERT_TRUE(apply_parallel_args(only_partition, req));
+  EXPECT_EQ(req.tensor_parallel, 1);
+  EXPECT_EQ(req.pipeline_parallel, 3);
+  ParallelArgs defaults;
+  ASSERT_TRUE(apply_parallel_args(defaults, req));
+  EXPECT_EQ(req.pipeline_parallel, 1);
+}
+
+TEST(FlagsTest, PlanForNodesReadsTheOptions) {
+  PlanOptions o;
+  o.parallel.tensor_parallel_size = "2";
+  o.max_model_len = 4096;
+  o.gpu_memory_utilization = 0.8;
+  auto cp = plan_for_nodes(llama3_8b(), o, synthetic_nodes(2, 1, 80 * kGiB));
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_EQ(cp->memory.options.max_model_len, 4096);
+  EXPECT_EQ(cp->memory.ranks[0].budget, static_cast<uint64_t>(0.8 * 80 * kGiB));
+  // Two one-GPU nodes: the TP group spans them, and -tp 1 -pp 2 is the better plan.
+  EXPECT_EQ(format_stages(cp->placement, 2, 1), "stage 0: node-0 gpu0 + node-1 gpu0 [network]\n");
+  ASSERT_TRUE(cp->better);
+  EXPECT_EQ(cp->better->tp_size, 1);
+  EXPECT_EQ(cp->better->pp_size, 2);
+}
+
+}  // namespace
+}  // namespace tessera
