@@ -1,6 +1,6 @@
 // tessera-actor: one worker process per GPU (or a CPU worker), spawned by a node daemon.
 //
-//   tessera-actor --actor-id a-1f2e --node-id n-3f2a --listen 10.0.0.2:0 --ready-fd 3 \
+//   tessera-actor --actor-id a-1f2e --node-id n-3f2a --listen 10.0.0.2:0 --ready-fd 3
 //       --key-fd 4 --heartbeat-fd 5 --step-timeout-ms 120000
 //
 // It reads its key (the secret every peer must prove, see protocol/auth.h) from the key fd (or,
@@ -105,6 +105,7 @@ int main(int argc, char** argv) {
   }
 
   auto io = kj::setupAsyncIo();
+  identity.host = listen.substr(0, listen.rfind(':'));
   tessera::ActorService service(identity, probe);
   auto server = tessera::rpc::RpcServer::listen(io, listen, service.endpoint(*key),
                                                 "actor " + identity.actor_id);
@@ -162,6 +163,7 @@ int main(int argc, char** argv) {
   spdlog::info("actor {} exiting ({})", identity.actor_id, why);
   // Let the reply to a shutdown RPC reach the caller before the process goes.
   io.provider->getTimer().afterDelay(50 * kj::MILLISECONDS).wait(io.waitScope);
+  service.stop_steps();
   stopping = true;
   if (heartbeat.joinable()) heartbeat.join();
   return 0;

@@ -6,11 +6,17 @@
 #include <chrono>
 #include <cstdlib>
 
+#include "common/shm_ring.h"
+#include "protocol/convert.h"
 #include "protocol/rpc.h"
 
 namespace tessera {
 
 namespace {
+
+kj::ArrayPtr<const kj::byte> bytes_of(const std::string& s) {
+  return kj::arrayPtr(reinterpret_cast<const kj::byte*>(s.data()), s.size());
+}
 
 class ActorImpl final : public proto::Actor::Server {
  public:
@@ -21,111 +27,41 @@ class ActorImpl final : public proto::Actor::Server {
     service_.fill_health(context.getResults().initHealth());
     return kj::READY_NOW;
   }
+
   kj::Promise<void> shutdown(ShutdownContext) override {
     spdlog::info("shutdown requested over RPC");
     service_.request_shutdown();
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> prepareComm(PrepareCommContext context) override {
+    auto p = context.getParams();
+    auto r = service_.prepare_comm(p.getBackend().cStr(), p.getBufferBytes(), p.getRank(),
+                                   p.getWorldSize());
+    if (!r) rpc::throw_status(r.status());
+    context.getResults().setAddress(r->first);
+    context.getResults().setHandle(bytes_of(r->second));
+    return kj::READY_NOW;
+  }
+
   kj::Promise<void> loadModel(LoadModelContext context) override {
-    auto p = context.getParams().getSpec();
-    RunnerLoadSpec spec;
-    spec.model_dir = p.getModelDir().cStr();
-    spec.dtype = p.getDtype().size() ? p.getDtype().cStr() : "auto";
-    spec.kv_blocks = p.getKvBlocks();
-    spec.block_size = p.getBlockSize() ? p.getBlockSize() : 16;
-    spec.max_model_len = p.getMaxModelLen();
-    spec.return_logits = p.getReturnLogits();
-    spec.device = p.getDevice().size() ? p.getDevice().cStr() : "auto";
-    spec.gpu_memory_utilization = p.getGpuMemoryUtilization();
-    spec.enforce_eager = p.getEnforceEager();
-    spec.max_num_seqs = p.getMaxNumSeqs() ? p.getMaxNumSeqs() : 256;
-    spec.max_num_batched_tokens = p.getMaxNumBatchedTokens();
-    auto runner = ModelRunner::load(spec);
-    if (!runner) {
-      spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
-      rpc::throw_status(runner.status());
-    }
-    auto info = context.getResults().initInfo();
-    const ModelConfig& c = (*runner)->config();
-    info.setArchitecture(architecture_name(c.arch));
-    info.setVocabSize(static_cast<uint32_t>(c.vocab_size));
-    info.setNumLayers(static_cast<uint32_t>(c.num_layers));
-    info.setKvBlocks(static_cast<uint32_t>((*runner)->kv_blocks()));
-    info.setBlockSize(static_cast<uint32_t>((*runner)->block_size()));
-    info.setMaxModelLen(static_cast<uint32_t>((*runner)->max_model_len()));
-    info.setWeightBytes((*runner)->weight_bytes());
-    const RunnerInfo& ri = (*runner)->info();
-    info.setBackend(ri.backend);
-    info.setDtype(dtype_name(ri.dtype));
-    info.setDeviceName(ri.device_name);
-    info.setKvCacheBytes(ri.kv_cache_bytes);
-    info.setMaxNumSeqs(static_cast<uint32_t>(ri.max_num_seqs));
-    info.setMaxNumBatchedTokens(static_cast<uint32_t>(ri.max_num_batched_tokens));
-    service_.set_runner(std::move(*runner));
+    auto info = service_.load_model(from_proto(context.getParams().getSpec()));
+    if (!info) rpc::throw_status(info.status());
+    to_proto(*info, context.getResults().initInfo());
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> initCache(InitCacheContext context) override {
+    auto info = service_.init_cache(context.getParams().getKvBlocks());
+    if (!info) rpc::throw_status(info.status());
+    to_proto(*info, context.getResults().initInfo());
     return kj::READY_NOW;
   }
 
   kj::Promise<void> execute(ExecuteContext context) override {
-    ModelRunner* runner = service_.runner();
-    if (runner == nullptr) {
-      rpc::throw_status(failed_precondition("no model is loaded on actor " +
-                                            service_.identity().actor_id + "; call loadModel"));
-    }
-    auto step = context.getParams().getStep();
-    std::vector<RunnerSeq> seqs;
-    for (auto s : step.getSeqs()) {
-      RunnerSeq r;
-      r.request_id = s.getRequestId();
-      for (auto t : s.getTokens()) r.tokens.push_back(t);
-      r.start_position = s.getStartPosition();
-      for (auto b : s.getBlockTable()) r.block_table.push_back(b);
-      r.sample = s.getSample();
-      r.first = s.getFirst();
-      if (r.first) {
-        for (auto t : s.getPromptIds()) r.prompt.push_back(t);
-        auto p = s.getSampling();
-        r.sampling.temperature = p.getTemperature();
-        r.sampling.top_k = p.getTopK();
-        r.sampling.top_p = p.getTopP();
-        r.sampling.min_p = p.getMinP();
-        if (p.getHasSeed()) r.sampling.seed = p.getSeed();
-        r.sampling.repetition_penalty = p.getRepetitionPenalty();
-        r.sampling.presence_penalty = p.getPresencePenalty();
-        r.sampling.frequency_penalty = p.getFrequencyPenalty();
-        r.sampling.logprobs = p.getLogprobs();
-      }
-      seqs.push_back(std::move(r));
-    }
-    std::vector<uint64_t> finished;
-    for (auto f : step.getFinished()) finished.push_back(f);
-    std::vector<float> logits;
-    const auto t0 = std::chrono::steady_clock::now();
-    service_.step_started();
-    auto outputs = runner->execute(seqs, finished, &logits);
-    service_.step_finished();
-    const auto actor_us =
-        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
-            .count();
-    if (!outputs) rpc::throw_status(outputs.status());
-    auto out = context.getResults().initOutput();
-    auto list = out.initOutputs(static_cast<unsigned>(outputs->size()));
-    for (size_t i = 0; i < outputs->size(); ++i) {
-      const auto& o = (*outputs)[i];
-      auto b = list[static_cast<unsigned>(i)];
-      b.setRequestId(o.request_id);
-      b.setToken(o.result.token);
-      b.setLogprob(o.result.logprob);
-      auto top = b.initTop(static_cast<unsigned>(o.result.top_logprobs.size()));
-      for (size_t j = 0; j < o.result.top_logprobs.size(); ++j) {
-        top[static_cast<unsigned>(j)].setToken(o.result.top_logprobs[j].first);
-        top[static_cast<unsigned>(j)].setLogprob(o.result.top_logprobs[j].second);
-      }
-    }
-    out.setActorMicros(static_cast<uint32_t>(actor_us));
-    out.setGpuMicros(runner->last_gpu_micros());
-    auto l = out.initLogits(static_cast<unsigned>(logits.size()));
-    for (size_t i = 0; i < logits.size(); ++i) l.set(static_cast<unsigned>(i), logits[i]);
+    auto out = service_.execute(from_proto(context.getParams().getStep()));
+    if (!out) rpc::throw_status(out.status());
+    to_proto(*out, context.getResults().initOutput());
     return kj::READY_NOW;
   }
 
@@ -142,6 +78,12 @@ ActorService::ActorService(ActorIdentity identity, CudaProbe probe)
   shutdown_fulfiller_ = kj::mv(paf.fulfiller);
 }
 
+ActorService::~ActorService() {
+  stop_steps();
+  runner_.reset();  // before the communicators it uses
+  comms_.reset();
+}
+
 rpc::Endpoint ActorService::endpoint(const std::string& key) {
   rpc::Endpoint e;
   e.role = proto::Role::ACTOR;
@@ -151,6 +93,127 @@ rpc::Endpoint ActorService::endpoint(const std::string& key) {
     out.setActor(kj::heap<ActorImpl>(*this));
   };
   return e;
+}
+
+kj::Promise<void> ActorService::on_shutdown() { return shutdown_.addBranch(); }
+
+void ActorService::request_shutdown() {
+  if (shutdown_fulfiller_->isWaiting()) shutdown_fulfiller_->fulfill();
+}
+
+Expected<std::pair<std::string, std::string>> ActorService::prepare_comm(
+    const std::string& backend, uint64_t buffer_bytes, int rank, int world_size) {
+  if (runner_) return failed_precondition("a model is loaded already: start a new actor");
+  TESSERA_ASSIGN_OR_RETURN(comms_, comm::RankComms::prepare(backend, identity_.host, buffer_bytes,
+                                                            rank, world_size));
+  return std::make_pair(comms_->address(), comms_->handle());
+}
+
+Expected<ModelInfo> ActorService::load_model(const LoadSpec& spec) {
+  if (runner_) return failed_precondition("a model is loaded already: start a new actor");
+  StageComms stage;
+  if (spec.parallel.world_size() > 1) {
+    if (!comms_) {
+      return failed_precondition("a model of " + std::to_string(spec.parallel.world_size()) +
+                                 " ranks needs prepareComm first");
+    }
+    TESSERA_RETURN_IF_ERROR(comms_->join(spec));
+    stage = comms_->stage();
+  }
+  auto runner = ModelRunner::load(spec, stage);
+  if (!runner) {
+    spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
+    return runner.status();
+  }
+  runner_ = std::move(*runner);
+  spec_ = spec;
+  return runner_->info();
+}
+
+Expected<ModelInfo> ActorService::init_cache(int64_t blocks) {
+  if (!runner_) return failed_precondition("no model is loaded on actor " + identity_.actor_id);
+  TESSERA_RETURN_IF_ERROR(runner_->init_cache(blocks));
+  if (!spec_.step_ring.empty() && !step_thread_.joinable()) {
+    stopping_ = false;
+    step_thread_ = std::thread([this] { step_loop(); });
+  }
+  return runner_->info();
+}
+
+Expected<StepOutput> ActorService::execute(const StepInput& step) {
+  if (!runner_) {
+    return failed_precondition("no model is loaded on actor " + identity_.actor_id +
+                               "; call loadModel");
+  }
+  if (step_thread_.joinable()) {
+    return failed_precondition("actor " + identity_.actor_id +
+                               " takes its steps from the step ring, not over RPC");
+  }
+  step_started();
+  auto out = runner_->execute(step);
+  step_finished();
+  return out;
+}
+
+void ActorService::step_loop() {
+  auto in = ShmRing::open(spec_.step_ring);
+  auto out = ShmRing::open(spec_.output_ring);
+  if (!in || !out) {
+    spdlog::error("actor {} cannot open its step rings: {}", identity_.actor_id,
+                  (!in ? in.status() : out.status()).message());
+    return;
+  }
+  auto reader = in->reader(spec_.step_ring_reader);
+  auto writer = out->writer();
+  if (!reader || !writer) {
+    spdlog::error("actor {} cannot attach to its step rings: {}", identity_.actor_id,
+                  (!reader ? reader.status() : writer.status()).message());
+    return;
+  }
+  std::vector<std::byte> buffer(reader->slot_bytes());
+  while (!stopping_) {
+    auto n = reader->read(buffer, std::chrono::milliseconds(100));
+    if (!n) {
+      if (n.status().code() == Code::kDeadlineExceeded) continue;
+      if (n.status().code() != Code::kUnavailable) {
+        spdlog::error("actor {}: step ring: {}", identity_.actor_id, n.status().message());
+      }
+      break;  // the driver closed the ring: no more steps
+    }
+    StepOutput result;
+    auto step = decode_step_input(std::span<const std::byte>(buffer.data(), *n));
+    if (!step) {
+      result.error = step.status().to_string();
+    } else {
+      result.step_id = step->step_id;
+      step_started();
+      auto done = runner_->execute(*step);
+      step_finished();
+      if (done) {
+        result = std::move(*done);
+      } else {
+        result.error = done.status().to_string();
+        spdlog::warn("step {} failed on actor {}: {}", step->step_id, identity_.actor_id,
+                     done.status().message());
+      }
+    }
+    if (!runner_->samples()) {
+      result.outputs.clear();  // only the sampling rank's tokens matter
+      result.logits.clear();
+    }
+    std::vector<std::byte> bytes = encode(result);
+    Status st = writer->write(bytes, std::chrono::minutes(10));
+    if (!st) {
+      spdlog::error("actor {}: cannot hand back step {}: {}", identity_.actor_id, result.step_id,
+                    st.message());
+      break;
+    }
+  }
+}
+
+void ActorService::stop_steps() {
+  stopping_ = true;
+  if (step_thread_.joinable()) step_thread_.join();
 }
 
 std::chrono::milliseconds ActorService::busy_for() const {
@@ -168,12 +231,6 @@ void ActorService::step_started() {
 }
 
 void ActorService::step_finished() { step_started_ns_.store(0, std::memory_order_relaxed); }
-
-kj::Promise<void> ActorService::on_shutdown() { return shutdown_.addBranch(); }
-
-void ActorService::request_shutdown() {
-  if (shutdown_fulfiller_->isWaiting()) shutdown_fulfiller_->fulfill();
-}
 
 void ActorService::fill_health(proto::ActorHealth::Builder out) const {
   out.setActorId(identity_.actor_id);

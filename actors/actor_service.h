@@ -1,14 +1,21 @@
-// The actor process's RPC face: the Gateway (hello) and proto::Actor.
+// The actor process's RPC face (proto::Actor) and its model: the collective groups it joins
+// (actors/comm/rank_comms.h), the model shard it loads (actors/model/model_runner.h), and where
+// its steps come from — RPC execute calls, or (local actors) the driver's shared-memory step
+// ring, read by a step thread that writes each result to this actor's output ring.
 #pragma once
 
 #include <kj/async.h>
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <string>
+#include <thread>
 
+#include "actors/comm/rank_comms.h"
 #include "actors/cuda_probe.h"
 #include "actors/model/model_runner.h"
+#include "common/load_spec.h"
 #include "protocol/rpc.h"
 
 namespace tessera {
@@ -16,11 +23,13 @@ namespace tessera {
 struct ActorIdentity {
   std::string actor_id;
   std::string node_id;
+  std::string host;  // the address this actor listens on (its collective endpoint too)
 };
 
 class ActorService {
  public:
   ActorService(ActorIdentity identity, CudaProbe probe);
+  ~ActorService();
 
   // What this actor's RPC server is: an ACTOR endpoint guarded by `key` (the secret its daemon
   // gave it), granting the Actor capability to a peer that proves the key.
@@ -33,22 +42,35 @@ class ActorService {
   void fill_health(proto::ActorHealth::Builder out) const;
   const ActorIdentity& identity() const { return identity_; }
 
+  // The RPC methods' work (each returns a Status the RPC layer turns into an error).
+  Expected<std::pair<std::string, std::string>> prepare_comm(const std::string& backend,
+                                                             uint64_t buffer_bytes, int rank,
+                                                             int world_size);
+  Expected<ModelInfo> load_model(const LoadSpec& spec);
+  Expected<ModelInfo> init_cache(int64_t blocks);
+  Expected<StepOutput> execute(const StepInput& step);
+
   // How long the step now running has run, 0 when none runs. Thread-safe (the heartbeat
   // thread reads it).
   std::chrono::milliseconds busy_for() const;
-  void step_started();
-  void step_finished();
 
-  // The model this actor runs (null until loadModel succeeds).
-  ModelRunner* runner() { return runner_.get(); }
-  void set_runner(std::unique_ptr<ModelRunner> runner) { runner_ = std::move(runner); }
+  // Stops the step thread (if any) and waits for it.
+  void stop_steps();
 
  private:
+  void step_started();
+  void step_finished();
+  void step_loop();
+
   ActorIdentity identity_;
   CudaProbe probe_;
+  std::unique_ptr<comm::RankComms> comms_;
   std::unique_ptr<ModelRunner> runner_;
+  LoadSpec spec_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::atomic<int64_t> step_started_ns_{0};  // steady clock; 0 = no step runs
+  std::atomic<bool> stopping_{false};
+  std::thread step_thread_;
   kj::ForkedPromise<void> shutdown_;
   kj::Own<kj::PromiseFulfiller<void>> shutdown_fulfiller_;
 };

@@ -24,8 +24,19 @@ find_path(SPDLOG_INCLUDE_DIR spdlog/spdlog.h REQUIRED)
 find_path(FMT_INCLUDE_DIR fmt/format.h REQUIRED)
 add_library(tessera_spdlog INTERFACE)
 target_include_directories(tessera_spdlog SYSTEM INTERFACE ${SPDLOG_INCLUDE_DIR} ${FMT_INCLUDE_DIR})
-target_compile_definitions(tessera_spdlog INTERFACE SPDLOG_HEADER_ONLY FMT_HEADER_ONLY
-  SPDLOG_FMT_EXTERNAL)
+# Builds that never leave this machine (the sanitizer stage) link Debian's shared libspdlog and
+# libfmt instead: compiling both header-only into every object is most of a build's time.
+option(TESSERA_SPDLOG_SHARED "Link the system's shared spdlog/fmt (binaries for this machine only)" OFF)
+if(TESSERA_SPDLOG_SHARED)
+  find_library(TESSERA_LIB_spdlog NAMES spdlog REQUIRED)
+  find_library(TESSERA_LIB_fmt NAMES fmt REQUIRED)
+  target_compile_definitions(tessera_spdlog INTERFACE SPDLOG_COMPILED_LIB SPDLOG_SHARED_LIB
+    SPDLOG_FMT_EXTERNAL)
+  target_link_libraries(tessera_spdlog INTERFACE ${TESSERA_LIB_spdlog} ${TESSERA_LIB_fmt})
+else()
+  target_compile_definitions(tessera_spdlog INTERFACE SPDLOG_HEADER_ONLY FMT_HEADER_ONLY
+    SPDLOG_FMT_EXTERNAL)
+endif()
 
 find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
 add_library(tessera_cli11 INTERFACE)

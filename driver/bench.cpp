@@ -33,8 +33,8 @@ std::vector<int32_t> random_prompt(std::mt19937_64& rng, int64_t vocab, uint32_t
   return ids;
 }
 
-SamplingOptions greedy(uint32_t max_tokens) {
-  SamplingOptions s;
+SamplingParams greedy(uint32_t max_tokens) {
+  SamplingParams s;
   s.temperature = 0.0f;
   s.max_tokens = static_cast<int>(max_tokens);
   s.ignore_eos = true;
@@ -82,7 +82,7 @@ Expected<BatchTiming> run_batch(ModelSession& session,
     }
     if (decoding) {
       t.decode_steps_s.push_back(seconds(s1 - s0));
-      const auto& times = session.executor().last_times();
+      const auto& times = session.group().last_times();
       t.call_ms.push_back(times.call_us / 1000.0);
       t.actor_ms.push_back(times.actor_us / 1000.0);
       t.gpu_ms.push_back(times.gpu_us / 1000.0);
@@ -131,7 +131,7 @@ Status run(const BenchLatencyOptions& o) {
   }
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
   const ModelConfig& c = session->config();
-  const LoadedModel& m = session->model();
+  const ModelInfo& m = session->model();
   std::mt19937_64 rng(o.seed);
   const int64_t params = matmul_parameters(c);
   const size_t es = m.dtype == "F32" ? 4 : 2;

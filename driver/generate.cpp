@@ -29,7 +29,7 @@ Status run(const GenerateOptions& o) {
   // Everything that can be checked is checked before a node starts or a model loads.
   TESSERA_RETURN_IF_ERROR(validate(o.engine));
   TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(o.engine.model));
-  TESSERA_RETURN_IF_ERROR(validate_sampling(o.sampling, config.vocab_size));
+  TESSERA_RETURN_IF_ERROR(o.sampling.validate(config.vocab_size));
   auto t0 = std::chrono::steady_clock::now();
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(o.engine, "tessera generate"));
   auto t_loaded = std::chrono::steady_clock::now();
@@ -88,7 +88,10 @@ Status run(const GenerateOptions& o) {
     output_tokens += r.output.size();
     if (r.first_token && (!first || *r.first_token < *first)) first = r.first_token;
   }
-  const LoadedModel& m = session->model();
+  const ModelInfo& m = session->model();
+  if (session->plan().plan.world > 1 || !session->plan().choice.empty()) {
+    std::fputs(plan_summary(session->plan()).c_str(), stderr);
+  }
   double decode_ms = first ? ms(t_end - *first).count() : 0.0;
   std::fprintf(stderr,
                "[%s, %s backend%s%s, %s] %zu prompt(s), %zu prompt tokens, %zu output tokens (%s); "

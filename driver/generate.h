@@ -13,7 +13,7 @@ namespace tessera {
 struct GenerateOptions {
   EngineArgs engine;
   std::vector<std::string> prompts;
-  SamplingOptions sampling;
+  SamplingParams sampling;
   bool json = false;  // print one JSON object per prompt (ids, text, logprobs) instead of text
 };
 

@@ -1,8 +1,13 @@
 #include "driver/model_session.h"
 
+#include <spdlog/spdlog.h>
+
 #include <chrono>
+#include <set>
+#include <sstream>
 
 #include "common/session.h"
+#include "driver/status.h"
 #include "protocol/auth.h"
 
 namespace tessera {
@@ -21,12 +26,106 @@ Status validate(const EngineArgs& a) {
                             std::to_string(a.gpu_memory_utilization));
   }
   if (a.max_num_batched_tokens != 0 && a.max_num_batched_tokens < 16) {
-    return invalid_argument(
-        "--max-num-batched-tokens must be at least 16 (or 0 for the "
-        "default), got " +
-        std::to_string(a.max_num_batched_tokens));
+    return invalid_argument("--max-num-batched-tokens must be at least 16 (or 0 for the "
+                            "default), got " + std::to_string(a.max_num_batched_tokens));
   }
+  PlanRequest request;
+  TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
+  for (const auto& size : {request.tensor_parallel, request.pipeline_parallel}) {
+    if (size && *size > 1024) {
+      return invalid_argument("-tp and -pp must be at most 1024, got " + std::to_string(*size));
+    }
+  }
+  if (a.collectives != "auto" && a.collectives != "tcp" && a.collectives != "nccl" &&
+      a.collectives != "ipc") {
+    return invalid_argument("--collectives '" + a.collectives +
+                            "' is not one of auto, tcp, nccl, ipc");
+  }
+  if (a.nccl_init_timeout_s < 1) return invalid_argument("--nccl-init-timeout must be >= 1 s");
   return Status::ok();
+}
+
+namespace {
+
+// Ranks sharing GPUs round robin, a stage's TP group on one node: only with --collectives ipc,
+// when a node has fewer free GPUs than a TP group (NCCL refuses two ranks on one GPU).
+Expected<Placement> share_gpus(const ClusterPlan& plan, const std::vector<ClusterNode>& nodes) {
+  const ClusterNode* node = nullptr;
+  for (const ClusterNode& n : nodes) {
+    if (!n.node.resources.gpus.empty() && (node == nullptr || n.node.resources.gpus.size() >
+                                                                  node->node.resources.gpus.size())) {
+      node = &n;
+    }
+  }
+  if (node == nullptr) return failed_precondition("--collectives ipc needs a node with a GPU");
+  Placement p;
+  const auto& gpus = node->node.resources.gpus;
+  for (int64_t r = 0; r < plan.plan.world; ++r) {
+    const GpuDevice& g = gpus[static_cast<size_t>(r) % gpus.size()];
+    PlacedRank pr;
+    pr.node_id = node->node.node_id;
+    pr.node_name = node_label(node->node);
+    pr.gpu = g.index;
+    pr.gpu_name = g.name;
+    pr.memory = {g.memory_total, g.memory_used};
+    p.ranks.push_back(pr);
+  }
+  return p;
+}
+
+}  // namespace
+
+std::string plan_summary(const ClusterPlan& plan) {
+  std::string out;
+  if (!plan.choice.empty()) out += "plan: " + plan.choice + "\n";
+  std::string stages = format_stages(plan.placement, plan.plan.tp, plan.plan.pp);
+  for (size_t at = 0; at < stages.size();) {
+    size_t end = stages.find('\n', at);
+    if (end == std::string::npos) end = stages.size();
+    out += "plan: " + stages.substr(at, end - at) + "\n";
+    at = end + 1;
+  }
+  return out;
+}
+
+Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& a,
+                                   const std::vector<ClusterNode>& nodes) {
+  PlanOptions o;  // what `tessera plan` would be asked for these arguments
+  o.parallel = a.parallel;
+  o.dtype = a.dtype;
+  o.device = a.device;
+  o.max_model_len = a.max_model_len;
+  o.gpu_memory_utilization = a.gpu_memory_utilization;
+  o.max_num_seqs = a.max_num_seqs;
+  o.max_num_batched_tokens = a.max_num_batched_tokens;
+  o.enforce_eager = a.enforce_eager;
+  PlanRequest request;
+  TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
+  auto planned = plan_for_nodes(config, o, nodes);
+  if (!planned && planned.status().code() == Code::kResourceExhausted && a.collectives == "ipc" &&
+      request.tensor_parallel && request.pipeline_parallel) {
+    // Too few free GPUs: with ipc collectives the ranks may share them.
+    ClusterPlan shared;
+    ParallelConfig pc;
+    pc.tp_size = static_cast<int>(*request.tensor_parallel);
+    pc.pp_size = static_cast<int>(*request.pipeline_parallel);
+    pc.layer_partition = request.layer_partition;
+    TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_run_dtype(a.dtype, config.torch_dtype, true));
+    TESSERA_ASSIGN_OR_RETURN(shared.plan, make_parallel_plan(config, pc, dtype));
+    TESSERA_ASSIGN_OR_RETURN(shared.placement, share_gpus(shared, nodes));
+    std::set<int64_t> gpus;
+    for (const PlacedRank& r : shared.placement.ranks) gpus.insert(r.gpu);
+    spdlog::warn("plan: {} ranks share {} GPU(s) of {} through CUDA IPC (--collectives ipc): for "
+                 "testing tensor parallelism, not for speed",
+                 shared.plan.world, gpus.size(), shared.placement.ranks.front().node_name);
+    shared.fit = Status::ok();
+    return shared;
+  }
+  if (!planned) return planned.status();
+  ClusterPlan& plan = *planned;
+  for (const std::string& w : plan.warnings) spdlog::warn("plan: {}", w);
+  if (!plan.fit.is_ok()) return plan.fit;
+  return planned;
 }
 
 namespace {
@@ -48,9 +147,26 @@ class NoDetokenizer final : public Detokenizer {
   std::string decode(const std::vector<int32_t>&, bool) const override { return {}; }
 };
 
+// The collectives for a placement: what the user asked, else tcp for CPU actors, ipc when two
+// ranks share a GPU (NCCL refuses that), nccl otherwise.
+std::string pick_collectives(const std::string& asked, const std::vector<RankPlacement>& ranks) {
+  if (asked != "auto") return asked;
+  if (ranks.empty() || ranks.front().gpu < 0) return "tcp";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    for (size_t j = i + 1; j < ranks.size(); ++j) {
+      if (ranks[i].node_id == ranks[j].node_id && ranks[i].gpu == ranks[j].gpu) return "ipc";
+    }
+  }
+  return "nccl";
+}
+
 }  // namespace
 
-ModelSession::~ModelSession() = default;
+ModelSession::~ModelSession() {
+  engine_.reset();
+  group_.reset();  // stops the actors
+  cluster_.reset();
+}
 
 Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
                                                            const std::string& owner,
@@ -64,6 +180,19 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
                             " exceeds the model's max_position_embeddings (" +
                             std::to_string(s->config_.max_position_embeddings) + ")");
   }
+  // A -tp / -pp that cannot split the model is refused before anything starts.
+  {
+    PlanRequest request;
+    TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
+    if (request.tensor_parallel && request.pipeline_parallel) {
+      ParallelConfig p;
+      p.tp_size = static_cast<int>(*request.tensor_parallel);
+      p.pp_size = static_cast<int>(*request.pipeline_parallel);
+      p.layer_partition = request.layer_partition;
+      TESSERA_RETURN_IF_ERROR(LayerPlan::make(s->config_, p).status());
+    }
+  }
+
   std::string address = a.address;
   std::string token;
   if (address.empty()) {
@@ -77,49 +206,77 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   }
   s->loop_ = std::make_unique<EventLoop>();
   TESSERA_ASSIGN_OR_RETURN(s->cluster_, ClusterClient::connect(*s->loop_, address, token));
-  NodeHandle node = s->cluster_->head_node();
-  TESSERA_ASSIGN_OR_RETURN(NodeView info, node.info());
-  TESSERA_ASSIGN_OR_RETURN(s->lease_, node.open_lease(owner));
-  SpawnOptions spawn;
-  spawn.name = owner;
-  if (a.device != "cpu" && !info.resources.gpus.empty()) {
-    spawn.gpus = {info.resources.gpus.front().index};
-  } else if (a.device == "cuda") {
-    return failed_precondition("--device cuda: node " + info.name + " has no GPU");
+  TESSERA_ASSIGN_OR_RETURN(ClusterStatus cluster, collect_status(*s->loop_, address, token));
+  std::vector<ClusterNode> nodes = cluster_nodes(cluster);
+  TESSERA_ASSIGN_OR_RETURN(s->plan_, plan_session(s->config_, a, nodes));
+  {
+    std::stringstream lines(plan_summary(s->plan_));
+    for (std::string line; std::getline(lines, line);) spdlog::info("{}", line);
   }
-  TESSERA_ASSIGN_OR_RETURN(ActorView actor, s->lease_->spawn(spawn));
-  TESSERA_ASSIGN_OR_RETURN(s->actor_, ActorHandle::connect(*s->loop_, actor.address, actor.key));
-  s->executor_ =
-      std::make_unique<ActorExecutor>(*s->loop_, *s->actor_, s->lease_.get(), actor.actor_id);
+  ParallelConfig parallel;
+  parallel.tp_size = static_cast<int>(s->plan_.plan.tp);
+  parallel.pp_size = static_cast<int>(s->plan_.plan.pp);
+  parallel.layer_partition = s->plan_.plan.stage_layers;
 
-  LoadOptions load;
+  WorkerGroupSpec spec;
+  spec.owner = owner;
+  for (const PlacedRank& r : s->plan_.placement.ranks) {
+    spec.placement.push_back({r.node_id, static_cast<int>(r.gpu)});
+  }
+  spec.comm_backend = pick_collectives(a.collectives, spec.placement);
+  LoadSpec& load = spec.load;
   load.model_dir = a.model;
   load.dtype = a.dtype;
-  load.max_model_len = a.max_model_len;  // 0: the actor's default (resolve_max_model_len)
-  load.return_logits = a.return_logits;
-  load.device = a.device;
-  load.gpu_memory_utilization = a.gpu_memory_utilization;
-  load.enforce_eager = a.enforce_eager;
+  load.device = spec.placement.front().gpu >= 0 ? a.device : "cpu";
+  load.max_model_len = a.max_model_len;
   load.max_num_seqs = a.max_num_seqs;
   load.max_num_batched_tokens = a.max_num_batched_tokens;
+  load.gpu_memory_utilization = a.gpu_memory_utilization;
+  load.enforce_eager = a.enforce_eager;
+  load.return_logits = a.return_logits;
+  load.parallel = parallel;
+  load.comm.init_timeout_ms = a.nccl_init_timeout_s * 1000;
+  // Ranks sharing a GPU share its memory budget.
+  int per_gpu = 1;
+  for (const auto& r : spec.placement) {
+    int n = 0;
+    for (const auto& o : spec.placement) n += o.node_id == r.node_id && o.gpu == r.gpu;
+    if (r.gpu >= 0) per_gpu = std::max(per_gpu, n);
+  }
+  load.gpu_memory_utilization /= per_gpu;
+  // CPU actors on one node share its cores.
+  int per_node = 1;
+  for (const auto& r : spec.placement) {
+    int n = 0;
+    for (const auto& o : spec.placement) n += o.node_id == r.node_id;
+    per_node = std::max(per_node, n);
+  }
+  if (spec.placement.front().gpu < 0 && per_node > 1) {
+    for (const auto& n : nodes) {
+      if (n.node.node_id == spec.placement.front().node_id) {
+        load.threads = std::max<int>(1, static_cast<int>(n.node.resources.cpus) / per_node);
+      }
+    }
+  }
   auto t0 = std::chrono::steady_clock::now();
-  TESSERA_ASSIGN_OR_RETURN(s->model_, s->executor_->load(load));
+  TESSERA_ASSIGN_OR_RETURN(s->group_, WorkerGroup::start(*s->loop_, *s->cluster_, spec));
   s->load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
+  const ModelInfo& m = s->group_->model();
   EngineConfig ec;
-  ec.num_blocks = s->model_.kv_blocks;
-  ec.block_size = s->model_.block_size;
-  ec.scheduler.max_model_len = s->model_.max_model_len;
+  ec.num_blocks = static_cast<uint32_t>(m.kv_blocks);
+  ec.block_size = static_cast<uint32_t>(m.block_size);
+  ec.scheduler.max_model_len = static_cast<uint32_t>(m.max_model_len);
   ec.scheduler.max_num_seqs = a.max_num_seqs;
-  ec.scheduler.max_num_batched_tokens = s->model_.max_num_batched_tokens;  // the actor's budget
-  ec.vocab_size = s->model_.vocab_size;
+  ec.scheduler.max_num_batched_tokens = static_cast<uint32_t>(m.max_num_batched_tokens);
+  ec.vocab_size = m.vocab_size;
   for (int64_t id : s->config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));
   if (detokenize) {
     s->detokenizer_ = std::make_unique<TokenizerDetokenizer>(*s->tokenizer_);
   } else {
     s->detokenizer_ = std::make_unique<NoDetokenizer>();
   }
-  s->engine_ = std::make_unique<LlmEngine>(ec, *s->executor_, *s->detokenizer_);
+  s->engine_ = std::make_unique<LlmEngine>(ec, *s->group_, *s->detokenizer_);
   return s;
 }
 

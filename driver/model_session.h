@@ -1,35 +1,41 @@
-// One model served by one actor, for the driver's commands (generate, bench, later serve): the
-// cluster connection (or an embedded local node), a lease, the actor (on a GPU when the node
-// has one), the loaded model and an engine over it.
+// One model served by a worker group, for the driver's commands (generate, bench, later serve):
+// the cluster connection (or an embedded local node), the T x P actors placed on its nodes
+// (driver/worker_group.h), and an engine over them.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/checkpoint/model_config.h"
+#include "common/load_spec.h"
 #include "common/status.h"
 #include "common/tokenizer/tokenizer.h"
 #include "driver/client.h"
-#include "driver/engine/actor_executor.h"
 #include "driver/engine/engine.h"
 #include "driver/local_node.h"
+#include "driver/plan/plan_command.h"
+#include "driver/worker_group.h"
 
 namespace tessera {
 
-// vLLM's engine arguments, as far as Tessera has them.
+// vLLM's engine arguments, as far as Tessera has them. Defaults come from common/load_spec.h.
 struct EngineArgs {
-  std::string model;               // Hugging Face model directory
-  std::string address;             // a cluster's head; "" = start a local node for this command
+  std::string model;    // Hugging Face model directory
+  std::string address;  // a cluster's head; "" = start a local node for this command
   std::string cluster_token_file;  // with address: where the token is (else the environment
                                    // or this machine's temp root, see protocol/auth.h)
   std::string dtype = "auto";
   std::string device = "auto";  // auto | cuda | cpu
-  uint32_t max_model_len = 0;   // 0 = min(max_position_embeddings, 8192)
-  float gpu_memory_utilization = 0.9f;
+  uint32_t max_model_len = 0;   // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
+  float gpu_memory_utilization = static_cast<float>(kDefaultGpuMemoryUtilization);
   bool enforce_eager = false;
-  uint32_t max_num_seqs = 256;
+  uint32_t max_num_seqs = static_cast<uint32_t>(kDefaultMaxNumSeqs);
   uint32_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
-  bool return_logits = false;           // tests
+  ParallelArgs parallel;  // -tp / -pp / --pipeline-layer-partition as typed ("auto" allowed)
+  std::string collectives = "auto";  // auto | tcp | nccl | ipc
+  uint32_t nccl_init_timeout_s = 120;
+  bool return_logits = false;  // tests
 };
 
 // OK when the arguments make sense, before anything starts or loads; INVALID_ARGUMENT naming
@@ -38,37 +44,46 @@ Status validate(const EngineArgs& args);
 
 class ModelSession {
  public:
-  // Connects (or starts a local node), spawns the actor, loads the model. `detokenize` = false
-  // gives the engine a detokenizer that returns no text (benchmarks).
+  // Connects (or starts a local node), places and starts the worker group, loads the model.
+  // `detokenize` = false gives the engine a detokenizer that returns no text (benchmarks).
   static Expected<std::unique_ptr<ModelSession>> open(const EngineArgs& args,
                                                       const std::string& owner,
                                                       bool detokenize = true);
   ~ModelSession();
 
   LlmEngine& engine() { return *engine_; }
-  const LoadedModel& model() const { return model_; }
+  const ModelInfo& model() const { return group_->model(); }
+  const ClusterPlan& plan() const { return plan_; }
   const ModelConfig& config() const { return config_; }
   const GenerationDefaults& defaults() const { return defaults_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
-  ActorExecutor& executor() { return *executor_; }
+  WorkerGroup& group() { return *group_; }
   double load_seconds() const { return load_seconds_; }
 
  private:
   ModelSession() = default;
 
   ModelConfig config_;
+  ClusterPlan plan_;
   GenerationDefaults defaults_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<LocalNode> local_;
   std::unique_ptr<EventLoop> loop_;
   std::unique_ptr<ClusterClient> cluster_;
-  std::unique_ptr<LeaseHandle> lease_;
-  std::unique_ptr<ActorHandle> actor_;
-  std::unique_ptr<ActorExecutor> executor_;
+  std::unique_ptr<WorkerGroup> group_;
   std::unique_ptr<Detokenizer> detokenizer_;
   std::unique_ptr<LlmEngine> engine_;
-  LoadedModel model_;
   double load_seconds_ = 0.0;
 };
+
+// The plan a session runs: plan_on_cluster's choice and placement on `nodes`, for the engine
+// arguments. With --collectives ipc, ranks may share GPUs when too few are free (testing tensor
+// parallelism on one GPU). The plan's lines (stages, warnings, the auto choice) are logged.
+// The plan in lines for people: the auto choice when there was one, then one line per stage
+// ("plan: stage 0: node-a gpu0 gpu1 [NV18]"), each ending in '\n'.
+std::string plan_summary(const ClusterPlan& plan);
+
+Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& args,
+                                   const std::vector<ClusterNode>& nodes);
 
 }  // namespace tessera

@@ -24,10 +24,21 @@ interface Actor {
   shutdown @1 () -> ();
   # Exits the process cleanly after replying.
 
-  loadModel @2 (spec :S.LoadSpec) -> (info :S.ModelInfo);
-  # Loads the checkpoint (its shard, later) and allocates the KV cache. Errors name the tensor
-  # and file at fault.
+  prepareComm @2 (backend :Text, bufferBytes :UInt64, rank :Int32, worldSize :Int32)
+      -> (address :Text, handle :Data);
+  # Before loading a multi-rank model: "tcp" opens this actor's collective endpoint and returns
+  # its address; "nccl" makes an ncclUniqueId (the driver asks rank 0 and hands it to all);
+  # "ipc" allocates this rank's CUDA-IPC buffers of bufferBytes and returns their handle.
 
-  execute @3 (step :S.StepInput) -> (output :S.StepOutput);
-  # Runs one step of the batch and samples where asked.
+  loadModel @3 (spec :S.LoadSpec) -> (info :S.ModelInfo);
+  # Joins the collective groups the spec names (bounded by its init timeout, naming the rank
+  # that did not join), loads this rank's shard of the checkpoint and sizes the KV cache:
+  # info.kvBlocks is how many blocks fit. Errors name the tensor and file at fault.
+
+  initCache @4 (kvBlocks :Int64) -> (info :S.ModelInfo);
+  # Allocates the KV cache with kvBlocks (the fewest any rank fits), captures the CUDA graphs
+  # (every rank at once), and starts reading steps from the step ring when the spec named one.
+
+  execute @5 (step :S.StepInput) -> (output :S.StepOutput);
+  # Runs one step (actors without a step ring).
 }

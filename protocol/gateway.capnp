@@ -18,8 +18,9 @@ using C = import "cluster.capnp";
 using N = import "node.capnp";
 using A = import "actor.capnp";
 
-const protocolVersion :UInt32 = 2;
-# Bump on any incompatible change to these schemas. v2: authenticated handshake.
+const protocolVersion :UInt32 = 3;
+# Bump on any incompatible change to these schemas. v2: authenticated handshake; v3: sharded
+# loading (LoadSpec with the parallel position, prepareComm, initCache) and delta steps.
 
 enum Role {
   head @0;   # a node daemon that also keeps the cluster registry

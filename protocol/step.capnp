@@ -1,36 +1,43 @@
 @0x8ee2c2d9bc680cbb;
-# What the driver sends an actor each step, and what comes back. The driver's scheduler owns
-# the KV-cache blocks; the actor owns the per-request sampling state (RNG, token history).
+# What the driver sends an actor to load its share of a model and to run each step, and what
+# comes back. Every struct mirrors one C++ value type in common/ (common/sampling_params.h,
+# common/load_spec.h, common/step.h); protocol/convert.h is the one place that converts them.
 using Cxx = import "/capnp/c++.capnp";
 $Cxx.namespace("tessera::proto");
 
 struct SamplingParams {
-  temperature @0 :Float32 = 1.0;      # 0 = greedy
-  topK @1 :Int32 = -1;                # -1 = off
-  topP @2 :Float32 = 1.0;
-  minP @3 :Float32 = 0.0;
-  seed @4 :UInt64;
-  hasSeed @5 :Bool;
+  temperature @0 :Float32 = 1.0;
+  topP @1 :Float32 = 1.0;
+  topK @2 :Int32 = -1;
+  minP @3 :Float32;
+  hasSeed @4 :Bool;
+  seed @5 :UInt64;
   repetitionPenalty @6 :Float32 = 1.0;
-  presencePenalty @7 :Float32 = 0.0;
-  frequencyPenalty @8 :Float32 = 0.0;
-  logprobs @9 :Int32 = -1;            # -1 = off, else top-N alternatives
+  presencePenalty @7 :Float32;
+  frequencyPenalty @8 :Float32;
+  logprobs @9 :Int32 = -1;
+  maxTokens @10 :Int32 = 16;
+  ignoreEos @11 :Bool;
+  stopTokenIds @12 :List(Int32);
+  stop @13 :List(Text);
+  skipSpecialTokens @14 :Bool = true;
 }
 
 struct SeqStep {
   requestId @0 :UInt64;
-  tokens @1 :List(Int32);        # this step's new tokens: a prompt chunk, or the last sampled token
-  startPosition @2 :UInt32;      # position of tokens[0] in the sequence
-  blockTable @3 :List(UInt32);   # KV blocks of the whole sequence so far, in order
-  sample @4 :Bool;               # sample a token after this chunk (last prefill chunk or decode)
-  first @5 :Bool;                # first step of the request: promptIds and sampling are set
-  promptIds @6 :List(Int32);
+  tokens @1 :List(Int32);
+  startPosition @2 :Int64;
+  newBlocks @3 :List(UInt32);
+  sample @4 :Bool;
+  first @5 :Bool;
+  promptLen @6 :Int64;
   sampling @7 :SamplingParams;
 }
 
 struct StepInput {
-  seqs @0 :List(SeqStep);
-  finished @1 :List(UInt64);     # requests whose state the actor may drop
+  stepId @0 :UInt64;
+  seqs @1 :List(SeqStep);
+  finished @2 :List(UInt64);
 }
 
 struct TokenLogprob {
@@ -41,43 +48,77 @@ struct TokenLogprob {
 struct SeqOutput {
   requestId @0 :UInt64;
   token @1 :Int32;
-  logprob @2 :Float32;           # of `token`, when logprobs were asked for
-  top @3 :List(TokenLogprob);    # top-N alternatives, best first
+  logprob @2 :Float32;
+  top @3 :List(TokenLogprob);
 }
 
 struct StepOutput {
-  outputs @0 :List(SeqOutput);   # one per SeqStep with sample = true, in order
-  logits @1 :List(Float32);      # only when StepInput asked for raw logits (tests, parity)
-  actorMicros @2 :UInt32;        # time the actor spent in this step
-  gpuMicros @3 :UInt32;          # of which the forward pass on the GPU (0 on the cpu backend)
+  stepId @0 :UInt64;
+  outputs @1 :List(SeqOutput);
+  logits @2 :List(Float32);
+  actorMicros @3 :UInt32;
+  gpuMicros @4 :UInt32;
+  error @5 :Text;   # ring transport only: why the step failed on this rank ("" = it did not)
+}
+
+struct RankInfo {
+  rank @0 :Int32;
+  actorId @1 :Text;
+  nodeId @2 :Text;
+  gpu @3 :Int32 = -1;
+  address @4 :Text;
+}
+
+struct ParallelConfig {
+  tpSize @0 :Int32 = 1;
+  ppSize @1 :Int32 = 1;
+  tpRank @2 :Int32;
+  ppRank @3 :Int32;
+  layerPartition @4 :List(Int64);
+}
+
+struct CommSpec {
+  backend @0 :Text;
+  ranks @1 :List(RankInfo);
+  secret @2 :Data;
+  ncclId @3 :Data;
+  initTimeoutMs @4 :UInt32 = 120000;
+  ipcHandles @5 :List(Data);   # every rank's, by rank ("ipc")
 }
 
 struct LoadSpec {
   modelDir @0 :Text;
-  dtype @1 :Text;                # "auto" | "bfloat16" | "float16" | "float32"
-  kvBlocks @2 :UInt32;           # 0 = enough for maxModelLen tokens of one sequence
-  blockSize @3 :UInt32 = 16;
-  maxModelLen @4 :UInt32;        # 0 = min(the model's max_position_embeddings, 8192)
-  returnLogits @5 :Bool;         # include the sampled rows' logits in StepOutput (tests)
-  device @6 :Text;               # "auto" (cuda when the actor sees a GPU) | "cuda" | "cpu"
-  gpuMemoryUtilization @7 :Float32 = 0.9;  # fraction of the GPU's memory the actor may use
-  enforceEager @8 :Bool;         # no CUDA graphs
-  maxNumSeqs @9 :UInt32 = 256;   # largest batch the driver will send
-  maxNumBatchedTokens @10 :UInt32;  # largest step in tokens; 0 = max(maxModelLen, 2048)
+  dtype @1 :Text;
+  device @2 :Text;
+  blockSize @3 :Int64;
+  maxModelLen @4 :Int64;
+  maxNumSeqs @5 :Int64;
+  maxNumBatchedTokens @6 :Int64;
+  gpuMemoryUtilization @7 :Float64;
+  enforceEager @8 :Bool;
+  returnLogits @9 :Bool;
+  threads @10 :Int32;
+  parallel @11 :ParallelConfig;
+  comm @12 :CommSpec;
+  stepRing @13 :Text;
+  stepRingReader @14 :UInt32;
+  outputRing @15 :Text;
 }
 
 struct ModelInfo {
   architecture @0 :Text;
-  vocabSize @1 :UInt32;
-  numLayers @2 :UInt32;
-  kvBlocks @3 :UInt32;
-  blockSize @4 :UInt32;
-  maxModelLen @5 :UInt32;
-  weightBytes @6 :UInt64;
-  backend @7 :Text;              # "cpu" or "cuda"
-  dtype @8 :Text;                # what the model computes in: "BF16", "F16", "F32"
-  deviceName @9 :Text;           # "NVIDIA H200"; empty on the cpu backend
-  kvCacheBytes @10 :UInt64;
-  maxNumSeqs @11 :UInt32;
-  maxNumBatchedTokens @12 :UInt32;  # the largest step the actor takes (the scheduler's budget)
+  vocabSize @1 :Int64;
+  numLayers @2 :Int64;
+  layerBegin @3 :Int64;
+  layerEnd @4 :Int64;
+  kvBlocks @5 :Int64;
+  blockSize @6 :Int64;
+  maxModelLen @7 :Int64;
+  maxNumSeqs @8 :Int64;
+  maxNumBatchedTokens @9 :Int64;
+  weightBytes @10 :UInt64;
+  kvCacheBytes @11 :UInt64;
+  backend @12 :Text;
+  dtype @13 :Text;
+  deviceName @14 :Text;
 }

@@ -1,7 +1,11 @@
 #include "actors/model/cpu_model.h"
 
-#include <cmath>
+#include <spdlog/spdlog.h>
 
+#include <cmath>
+#include <limits>
+
+#include "actors/model/layer_loop.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/linear.h"
@@ -10,13 +14,18 @@
 
 namespace tessera {
 
-CpuModel::CpuModel(const ModelConfig& config, ModelWeights weights, int threads)
-    : config_(config), weights_(std::move(weights)), ctx_(threads) {}
+CpuModel::CpuModel(const ModelConfig& config, LayerPlan plan, ModelWeights weights,
+                   StageComms comms, int threads)
+    : config_(config),
+      plan_(std::move(plan)),
+      weights_(std::move(weights)),
+      comms_(comms),
+      ctx_(threads) {}
 
-Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config,
-                                                     ModelWeights weights, int64_t kv_blocks,
-                                                     int64_t block_size, int64_t max_model_len,
-                                                     int threads) {
+Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config, LayerPlan plan,
+                                                     ModelWeights weights, StageComms comms,
+                                                     int64_t kv_blocks, int64_t block_size,
+                                                     int64_t max_model_len, int threads) {
   if (max_model_len <= 0 || max_model_len > config.max_position_embeddings) {
     return invalid_argument("max-model-len " + std::to_string(max_model_len) + " must be in [1, " +
                             std::to_string(config.max_position_embeddings) +
@@ -28,17 +37,11 @@ Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config,
                             "), which is not implemented yet: use --max-model-len " +
                             std::to_string(*config.sliding_window) + " or less");
   }
-  std::unique_ptr<CpuModel> m(new CpuModel(config, std::move(weights), threads));
+  std::unique_ptr<CpuModel> m(
+      new CpuModel(config, std::move(plan), std::move(weights), comms, threads));
+  m->fit_blocks_ = kv_blocks;
+  m->block_size_ = block_size;
   m->max_model_len_ = max_model_len;
-  cpu::KvCacheShape shape;
-  shape.num_layers = config.num_layers;
-  shape.num_blocks = kv_blocks;
-  shape.block_size = block_size;
-  shape.num_kv_heads = config.num_kv_heads;
-  shape.head_dim = config.head_dim;
-  auto cache = cpu::PagedKvCache::create(shape);
-  if (!cache) return cache.status();
-  m->cache_ = std::make_unique<cpu::PagedKvCache>(std::move(*cache));
   std::optional<cpu::Llama3RopeScaling> scaling;
   if (config.rope_scaling.type == "llama3") {
     scaling = cpu::Llama3RopeScaling{
@@ -51,100 +54,284 @@ Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config,
   return m;
 }
 
-Expected<std::vector<float>> CpuModel::forward(std::span<const ForwardSeq> batch) {
-  const ModelConfig& c = config_;
-  const int64_t H = c.hidden_size;
-  const int64_t hd = c.head_dim;
-  const int64_t q_dim = c.num_heads * hd;
-  const int64_t kv_dim = c.num_kv_heads * hd;
-  const int64_t I = c.intermediate_size;
-  const int64_t bs = cache_->shape().block_size;
+Status CpuModel::init_cache(int64_t blocks) {
+  if (blocks < 1 || blocks > fit_blocks_) {
+    return invalid_argument("init_cache: " + std::to_string(blocks) + " KV blocks asked, " +
+                            std::to_string(fit_blocks_) + " fit");
+  }
+  cpu::KvCacheShape shape;
+  shape.num_layers = plan_.num_layers();
+  shape.num_blocks = blocks;
+  shape.block_size = block_size_;
+  shape.num_kv_heads = plan_.kv_heads;
+  shape.head_dim = config_.head_dim;
+  TESSERA_ASSIGN_OR_RETURN(auto cache, cpu::PagedKvCache::create(shape));
+  cache_ = std::make_unique<cpu::PagedKvCache>(std::move(cache));
+  return Status::ok();
+}
 
-  // Flatten the batch: ids, positions, cache slots; attention metadata per sequence.
-  std::vector<int32_t> ids;
-  std::vector<int64_t> positions;
-  std::vector<int64_t> slots;
-  std::vector<std::vector<int32_t>> tables(batch.size());
-  std::vector<cpu::AttentionSeq> attn(batch.size());
-  std::vector<int64_t> logit_rows;
-  for (size_t s = 0; s < batch.size(); ++s) {
-    const ForwardSeq& seq = batch[s];
-    if (seq.tokens.empty()) return invalid_argument("a sequence in the batch has no tokens");
-    const int64_t end = seq.start_position + static_cast<int64_t>(seq.tokens.size());
-    if (seq.start_position < 0 || end > max_model_len_) {
-      return invalid_argument("positions up to " + std::to_string(end) + " exceed max-model-len " +
-                              std::to_string(max_model_len_));
-    }
-    if (static_cast<int64_t>(seq.block_table.size()) * bs < end) {
-      return invalid_argument("the block table holds " +
-                              std::to_string(seq.block_table.size() * bs) +
-                              " tokens, the sequence needs " + std::to_string(end));
-    }
-    for (uint32_t b : seq.block_table) {
-      if (static_cast<int64_t>(b) >= cache_->shape().num_blocks) {
-        return invalid_argument("block " + std::to_string(b) + " is outside the KV cache (" +
-                                std::to_string(cache_->shape().num_blocks) + " blocks)");
+ModelInfo CpuModel::info() const {
+  ModelInfo i;
+  i.architecture = architecture_name(config_.arch);
+  i.vocab_size = config_.vocab_size;
+  i.num_layers = config_.num_layers;
+  i.layer_begin = plan_.layer_begin;
+  i.layer_end = plan_.layer_end;
+  i.kv_blocks = cache_ ? cache_->shape().num_blocks : fit_blocks_;
+  i.block_size = block_size_;
+  i.max_model_len = max_model_len_;
+  i.weight_bytes = weights_.bytes;
+  i.kv_cache_bytes =
+      cache_ ? static_cast<uint64_t>(cache_->shape().num_slots() * cache_->shape().token_elems() *
+                                     2 * plan_.num_layers() * sizeof(float))
+             : 0;
+  i.backend = "cpu";
+  i.dtype = dtype_name(DType::kF32);
+  return i;
+}
+
+// One forward pass: the step's flattened tokens and attention metadata, the activation buffers,
+// and the operations layer_loop.h calls.
+class CpuModel::Step {
+ public:
+  Step(CpuModel& m, std::span<const ForwardSeq> batch) : m_(m), batch_(batch) {}
+
+  Status prepare() {
+    const int64_t bs = m_.block_size_;
+    const int64_t blocks = m_.cache_->shape().num_blocks;
+    tables_.resize(batch_.size());
+    attn_.resize(batch_.size());
+    for (size_t s = 0; s < batch_.size(); ++s) {
+      const ForwardSeq& seq = batch_[s];
+      if (seq.tokens.empty()) return invalid_argument("a sequence in the batch has no tokens");
+      const int64_t end = seq.start_position + static_cast<int64_t>(seq.tokens.size());
+      if (seq.start_position < 0 || end > m_.max_model_len_) {
+        return invalid_argument("positions up to " + std::to_string(end) +
+                                " exceed max-model-len " + std::to_string(m_.max_model_len_));
       }
-      tables[s].push_back(static_cast<int32_t>(b));
+      if (static_cast<int64_t>(seq.block_table.size()) * bs < end) {
+        return invalid_argument("the block table holds " +
+                                std::to_string(seq.block_table.size() * bs) +
+                                " tokens, the sequence needs " + std::to_string(end));
+      }
+      for (uint32_t b : seq.block_table) {
+        if (static_cast<int64_t>(b) >= blocks) {
+          return invalid_argument("block " + std::to_string(b) + " is outside the KV cache (" +
+                                  std::to_string(blocks) + " blocks)");
+        }
+        tables_[s].push_back(static_cast<int32_t>(b));
+      }
+      for (size_t i = 0; i < seq.tokens.size(); ++i) {
+        const int64_t pos = seq.start_position + static_cast<int64_t>(i);
+        ids_.push_back(seq.tokens[i]);
+        positions_.push_back(pos);
+        slots_.push_back(static_cast<int64_t>(seq.block_table[pos / bs]) * bs + pos % bs);
+      }
+      attn_[s] = {tables_[s], static_cast<int64_t>(seq.tokens.size()), end};
+      if (seq.want_logits) logit_rows_.push_back(static_cast<int64_t>(ids_.size()) - 1);
     }
-    for (size_t i = 0; i < seq.tokens.size(); ++i) {
-      const int64_t pos = seq.start_position + static_cast<int64_t>(i);
-      ids.push_back(seq.tokens[i]);
-      positions.push_back(pos);
-      slots.push_back(static_cast<int64_t>(seq.block_table[pos / bs]) * bs + pos % bs);
-    }
-    attn[s] = {tables[s], static_cast<int64_t>(seq.tokens.size()), end};
-    if (seq.want_logits) logit_rows.push_back(static_cast<int64_t>(ids.size()) - 1);
+    const ModelConfig& c = m_.config_;
+    const LayerPlan& p = m_.plan_;
+    const int64_t T = static_cast<int64_t>(ids_.size());
+    H_ = c.hidden_size;
+    q_dim_ = p.heads * c.head_dim;
+    kv_dim_ = p.kv_heads * c.head_dim;
+    residual_.assign(T * H_, 0.0f);
+    proj_.assign(T * H_, 0.0f);
+    hidden_.assign(T * H_, 0.0f);
+    q_.assign(T * q_dim_, 0.0f);
+    attn_out_.assign(T * q_dim_, 0.0f);
+    k_.assign(T * kv_dim_, 0.0f);
+    v_.assign(T * kv_dim_, 0.0f);
+    gate_.assign(T * p.intermediate, 0.0f);
+    up_.assign(T * p.intermediate, 0.0f);
+    act_.assign(T * p.intermediate, 0.0f);
+    return Status::ok();
   }
-  const int64_t T = static_cast<int64_t>(ids.size());
 
-  std::vector<float> residual(T * H), normed(T * H), attn_out(T * q_dim), proj(T * H);
-  std::vector<float> q(T * q_dim), k(T * kv_dim), v(T * kv_dim);
-  std::vector<float> gate(T * I), up(T * I), act(T * I);
-  auto bias = [](const TensorView& t) -> const TensorView* {
-    return t.data != nullptr ? &t : nullptr;
-  };
-  TESSERA_RETURN_IF_ERROR(cpu::embedding(ctx_, weights_.embed, ids, residual));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
-    const LayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
-    if (layer == 0) {
-      TESSERA_RETURN_IF_ERROR(cpu::rms_norm(ctx_, residual, w.input_norm, c.rms_norm_eps, normed));
-    } else {
-      // residual += previous MLP output; normed = input_norm(residual)
-      TESSERA_RETURN_IF_ERROR(
-          cpu::add_rms_norm(ctx_, proj, residual, w.input_norm, c.rms_norm_eps, normed));
+  std::vector<float> take_logits() { return std::move(logits_); }
+
+  // ---- the operations of layer_loop.h ----
+
+  Status embed() {
+    const LayerPlan& p = m_.plan_;
+    if (p.parallel.tp_size == 1) return cpu::embedding(m_.ctx_, m_.weights_.embed, ids_, residual_);
+    // Vocabulary-parallel: this rank looks up the ids in its rows; the others stay zero and the
+    // tensor-parallel all-reduce completes every row.
+    std::vector<int32_t> local;
+    std::vector<size_t> where;
+    for (size_t i = 0; i < ids_.size(); ++i) {
+      const int64_t id = ids_[i] - p.vocab_begin;
+      if (id >= 0 && id < p.vocab_rows) {
+        local.push_back(static_cast<int32_t>(id));
+        where.push_back(i);
+      }
     }
-    TESSERA_RETURN_IF_ERROR(cpu::linear(ctx_, normed, w.q_proj, bias(w.q_bias), q));
-    TESSERA_RETURN_IF_ERROR(cpu::linear(ctx_, normed, w.k_proj, bias(w.k_bias), k));
-    TESSERA_RETURN_IF_ERROR(cpu::linear(ctx_, normed, w.v_proj, bias(w.v_bias), v));
-    if (c.qk_norm) {
-      TESSERA_RETURN_IF_ERROR(cpu::rms_norm_per_head(ctx_, q, w.q_norm, c.rms_norm_eps));
-      TESSERA_RETURN_IF_ERROR(cpu::rms_norm_per_head(ctx_, k, w.k_norm, c.rms_norm_eps));
+    std::vector<float> rows(local.size() * H_);
+    TESSERA_RETURN_IF_ERROR(cpu::embedding(m_.ctx_, m_.weights_.embed, local, rows));
+    for (size_t j = 0; j < where.size(); ++j) {
+      std::copy_n(rows.begin() + static_cast<int64_t>(j) * H_, H_,
+                  residual_.begin() + static_cast<int64_t>(where[j]) * H_);
     }
-    TESSERA_RETURN_IF_ERROR(cpu::apply_rope(ctx_, *rope_, positions, q, k));
-    TESSERA_RETURN_IF_ERROR(cache_->write(layer, k, v, slots));
-    TESSERA_RETURN_IF_ERROR(cpu::paged_attention(ctx_, *cache_, layer, q, attn, scale, attn_out));
-    TESSERA_RETURN_IF_ERROR(cpu::linear(ctx_, attn_out, w.o_proj, bias(w.o_bias), proj));
-    // residual += attention output; normed = post_attention_norm(residual)
+    return Status::ok();
+  }
+
+  Status recv_hidden() {
+    return m_.comms_.pp->recv(residual_.data(), static_cast<int64_t>(residual_.size() * 4),
+                              m_.plan_.parallel.pp_rank - 1, nullptr);
+  }
+  Status send_hidden() {
+    return m_.comms_.pp->send(residual_.data(), static_cast<int64_t>(residual_.size() * 4),
+                              m_.plan_.parallel.pp_rank + 1, nullptr);
+  }
+
+  Status all_reduce(Activation which) {
+    std::vector<float>& buf = which == Activation::kResidual ? residual_ : proj_;
+    return m_.comms_.tp->all_reduce_sum(buf.data(), static_cast<int64_t>(buf.size()), DType::kF32,
+                                        nullptr);
+  }
+
+  Status add_residual() {
+    for (size_t i = 0; i < residual_.size(); ++i) residual_[i] += proj_[i];
+    return Status::ok();
+  }
+
+  Status input_norm(int64_t i, bool add) {
+    const LayerWeights& w = layer(i);
+    const double eps = m_.config_.rms_norm_eps;
+    if (!add) return cpu::rms_norm(m_.ctx_, residual_, w.input_norm, eps, hidden_);
+    return cpu::add_rms_norm(m_.ctx_, proj_, residual_, w.input_norm, eps, hidden_);
+  }
+
+  Status qkv(int64_t i) {
+    const LayerWeights& w = layer(i);
+    TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, hidden_, w.q_proj, bias(w.q_bias), q_));
+    TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, hidden_, w.k_proj, bias(w.k_bias), k_));
+    return cpu::linear(m_.ctx_, hidden_, w.v_proj, bias(w.v_bias), v_);
+  }
+
+  Status rope_cache(int64_t i) {
+    const LayerWeights& w = layer(i);
+    if (m_.config_.qk_norm) {
+      const double eps = m_.config_.rms_norm_eps;
+      TESSERA_RETURN_IF_ERROR(cpu::rms_norm_per_head(m_.ctx_, q_, w.q_norm, eps));
+      TESSERA_RETURN_IF_ERROR(cpu::rms_norm_per_head(m_.ctx_, k_, w.k_norm, eps));
+    }
+    TESSERA_RETURN_IF_ERROR(cpu::apply_rope(m_.ctx_, *m_.rope_, positions_, q_, k_));
+    return m_.cache_->write(i, k_, v_, slots_);
+  }
+
+  Status attention(int64_t i) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(m_.config_.head_dim));
+    return cpu::paged_attention(m_.ctx_, *m_.cache_, i, q_, attn_, scale, attn_out_);
+  }
+
+  Status o_proj(int64_t i) {
+    const LayerWeights& w = layer(i);
+    return cpu::linear(m_.ctx_, attn_out_, w.o_proj, bias(w.o_bias), proj_);
+  }
+
+  Status post_norm(int64_t i) {
+    return cpu::add_rms_norm(m_.ctx_, proj_, residual_, layer(i).post_norm,
+                             m_.config_.rms_norm_eps, hidden_);
+  }
+
+  Status mlp(int64_t i) {
+    const LayerWeights& w = layer(i);
+    TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, hidden_, w.gate_proj, nullptr, gate_));
+    TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, hidden_, w.up_proj, nullptr, up_));
+    TESSERA_RETURN_IF_ERROR(cpu::silu_mul(m_.ctx_, gate_, up_, act_));
+    return cpu::linear(m_.ctx_, act_, w.down_proj, nullptr, proj_);
+  }
+
+  Status logits() {
+    const ModelConfig& c = m_.config_;
+    const LayerPlan& p = m_.plan_;
+    TESSERA_RETURN_IF_ERROR(cpu::add_rms_norm(m_.ctx_, proj_, residual_, m_.weights_.final_norm,
+                                              c.rms_norm_eps, hidden_));
+    // Only the rows whose next token is sampled go through lm_head.
+    const int64_t R = static_cast<int64_t>(logit_rows_.size());
+    std::vector<float> rows(R * H_);
+    for (int64_t r = 0; r < R; ++r) {
+      std::copy_n(hidden_.begin() + logit_rows_[r] * H_, H_, rows.begin() + r * H_);
+    }
+    if (R == 0) return Status::ok();
+    const int64_t Vs = p.vocab_shard;
+    std::vector<float> shard(R * Vs, -std::numeric_limits<float>::infinity());
+    if (p.vocab_rows > 0) {
+      std::vector<float> mine(R * p.vocab_rows);
+      TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, rows, m_.weights_.lm_head, nullptr, mine));
+      for (int64_t r = 0; r < R; ++r) {
+        std::copy_n(mine.begin() + r * p.vocab_rows, p.vocab_rows, shard.begin() + r * Vs);
+      }
+    }
+    const int64_t V = c.vocab_size;
+    logits_.assign(R * V, 0.0f);
+    if (p.parallel.tp_size == 1) {
+      for (int64_t r = 0; r < R; ++r) std::copy_n(shard.begin() + r * Vs, V, logits_.begin() + r * V);
+      return Status::ok();
+    }
+    // Vocabulary-parallel: gather every rank's slice [T][R][Vs] and lay the rows out whole.
+    const int64_t T = p.parallel.tp_size;
+    std::vector<float> all(T * R * Vs);
     TESSERA_RETURN_IF_ERROR(
-        cpu::add_rms_norm(ctx_, proj, residual, w.post_norm, c.rms_norm_eps, normed));
-    TESSERA_RETURN_IF_ERROR(cpu::linear(ctx_, normed, w.gate_proj, nullptr, gate));
-    TESSERA_RETURN_IF_ERROR(cpu::linear(ctx_, normed, w.up_proj, nullptr, up));
-    TESSERA_RETURN_IF_ERROR(cpu::silu_mul(ctx_, gate, up, act));
-    TESSERA_RETURN_IF_ERROR(cpu::linear(ctx_, act, w.down_proj, nullptr, proj));
+        m_.comms_.tp->all_gather(shard.data(), R * Vs, DType::kF32, all.data(), nullptr));
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t begin = t * Vs;
+      const int64_t n = std::clamp<int64_t>(V - begin, 0, Vs);
+      for (int64_t r = 0; r < R; ++r) {
+        std::copy_n(all.begin() + (t * R + r) * Vs, n, logits_.begin() + r * V + begin);
+      }
+    }
+    return Status::ok();
   }
-  TESSERA_RETURN_IF_ERROR(
-      cpu::add_rms_norm(ctx_, proj, residual, weights_.final_norm, c.rms_norm_eps, normed));
-  // Only the rows whose next token is sampled go through lm_head.
-  const int64_t R = static_cast<int64_t>(logit_rows.size());
-  std::vector<float> rows(R * H);
-  for (int64_t r = 0; r < R; ++r) {
-    std::copy_n(normed.begin() + logit_rows[r] * H, H, rows.begin() + r * H);
+
+ private:
+  const LayerWeights& layer(int64_t i) const { return m_.weights_.layers[static_cast<size_t>(i)]; }
+  static const TensorView* bias(const TensorView& t) { return t.data != nullptr ? &t : nullptr; }
+
+  CpuModel& m_;
+  std::span<const ForwardSeq> batch_;
+  std::vector<int32_t> ids_;
+  std::vector<int64_t> positions_, slots_, logit_rows_;
+  std::vector<std::vector<int32_t>> tables_;
+  std::vector<cpu::AttentionSeq> attn_;
+  int64_t H_ = 0, q_dim_ = 0, kv_dim_ = 0;
+  std::vector<float> residual_, proj_, hidden_, q_, k_, v_, attn_out_, gate_, up_, act_, logits_;
+};
+
+Expected<std::vector<float>> CpuModel::forward(std::span<const ForwardSeq> batch) {
+  if (!cache_) return failed_precondition("the KV cache is not allocated yet (init_cache)");
+  Step step(*this, batch);
+  TESSERA_RETURN_IF_ERROR(step.prepare());
+  TESSERA_RETURN_IF_ERROR(run_stage(step, plan_));
+  return step.take_logits();
+}
+
+Expected<std::vector<SampleResult>> CpuModel::step(std::span<const ForwardSeq> batch,
+                                                   std::span<const SampleRequest> rows,
+                                                   std::vector<float>* logits) {
+  TESSERA_ASSIGN_OR_RETURN(std::vector<float> all, forward(batch));
+  std::vector<SampleResult> out;
+  const bool samples = plan_.last_stage && plan_.parallel.tp_rank == 0;
+  if (!samples) return out;
+  const int64_t vocab = config_.vocab_size;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const SampleRequest& q = rows[r];
+    auto it = samplers_.find(q.request_id);
+    if (it == samplers_.end()) {
+      SamplingParams params = q.state->sampling;
+      params.seed = q.state->seed;
+      TESSERA_ASSIGN_OR_RETURN(cpu::Sampler sampler, cpu::Sampler::create(params));
+      it = samplers_.emplace(q.request_id, std::move(sampler)).first;
+    }
+    TESSERA_ASSIGN_OR_RETURN(
+        SampleResult result,
+        it->second.sample(all.data() + r * vocab, vocab, q.state->prompt(), q.state->output()));
+    out.push_back(std::move(result));
   }
-  std::vector<float> logits(R * c.vocab_size);
-  if (R > 0) TESSERA_RETURN_IF_ERROR(cpu::linear(ctx_, rows, weights_.lm_head, nullptr, logits));
-  return logits;
+  if (logits != nullptr) logits->insert(logits->end(), all.begin(), all.end());
+  return out;
 }
 
 }  // namespace tessera

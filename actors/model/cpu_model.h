@@ -1,56 +1,67 @@
-// The forward pass on the CPU backend: embedding → layers (RMSNorm, q/k/v, RoPE, paged
-// attention with GQA, o_proj, RMSNorm, SwiGLU MLP) → final norm → lm_head, in fp32 from
-// bf16/fp16/fp32 weights. The reference the CUDA backend is tested against.
+// The cpu backend: one rank's stage of the forward pass (actors/model/layer_loop.h) in fp32 from
+// bf16/fp16/fp32 weights, over a paged KV cache of this rank's KV heads, with its tensor- and
+// pipeline-parallel peers reached through Communicators (TCP). The reference the cuda backend is
+// tested against, and what CI runs every parallel layout on.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
 
+#include "actors/model/backend.h"
 #include "actors/model/weights.h"
+#include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
 #include "kernels/cpu/cpu_context.h"
 #include "kernels/cpu/paged_kv_cache.h"
 #include "kernels/cpu/rope.h"
+#include "kernels/cpu/sampling.h"
 
 namespace tessera {
 
-// One sequence's slice of a forward batch.
-struct ForwardSeq {
-  std::span<const int32_t> tokens;  // the new tokens
-  int64_t start_position = 0;       // position of tokens[0]
-  std::span<const uint32_t> block_table;
-  bool want_logits = false;  // logits of the last new token are returned
-};
-
-class CpuModel {
+class CpuModel final : public Backend {
  public:
-  // `kv_blocks` blocks of `block_size` tokens are allocated for the paged cache.
-  static Expected<std::unique_ptr<CpuModel>> create(const ModelConfig& config, ModelWeights weights,
+  // `kv_blocks` blocks of `block_size` tokens fit (the cache is allocated by init_cache).
+  static Expected<std::unique_ptr<CpuModel>> create(const ModelConfig& config, LayerPlan plan,
+                                                    ModelWeights weights, StageComms comms,
                                                     int64_t kv_blocks, int64_t block_size,
                                                     int64_t max_model_len, int threads = 0);
 
-  // Runs the batch, writing every new token's K/V into the cache. Returns the logits
-  // [rows, vocab] of the sequences with want_logits, in order. Errors (a position past
-  // max_model_len, a block id past the cache) fail the whole batch and write nothing useful.
+  // The forward pass alone: the logits [rows, vocab] of the sequences with want_logits, in
+  // order, on the last stage (every tensor-parallel rank of it); empty on the other stages.
+  // Errors fail the whole batch.
   Expected<std::vector<float>> forward(std::span<const ForwardSeq> batch);
 
+  int64_t fit_kv_blocks() const override { return fit_blocks_; }
+  Status init_cache(int64_t blocks) override;
+  Expected<std::vector<SampleResult>> step(std::span<const ForwardSeq> batch,
+                                           std::span<const SampleRequest> rows,
+                                           std::vector<float>* logits) override;
+  void forget(uint64_t request_id) override { samplers_.erase(request_id); }
+  ModelInfo info() const override;
+
   const ModelConfig& config() const { return config_; }
-  int64_t kv_blocks() const { return cache_->shape().num_blocks; }
-  int64_t block_size() const { return cache_->shape().block_size; }
-  int64_t max_model_len() const { return max_model_len_; }
+  const LayerPlan& plan() const { return plan_; }
   const ModelWeights& weights() const { return weights_; }
 
  private:
-  CpuModel(const ModelConfig& config, ModelWeights weights, int threads);
+  CpuModel(const ModelConfig& config, LayerPlan plan, ModelWeights weights, StageComms comms,
+           int threads);
+  class Step;  // one forward pass's buffers and ops (layer_loop.h's Ops)
 
   ModelConfig config_;
+  LayerPlan plan_;
   ModelWeights weights_;
+  StageComms comms_;
   cpu::CpuContext ctx_;
   std::unique_ptr<cpu::PagedKvCache> cache_;
   std::unique_ptr<cpu::RopeTable> rope_;
+  int64_t fit_blocks_ = 0;
+  int64_t block_size_ = 16;
   int64_t max_model_len_ = 0;
+  std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
 };
 
 }  // namespace tessera

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "actors/model/layer_loop.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
@@ -22,71 +23,6 @@ constexpr uint64_t kGraphReserve = 512 * kMiB;
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 double gib(uint64_t b) { return static_cast<double>(b) / static_cast<double>(kGiB); }
-
-// Converts n elements of `src` (any dtype) into `dst` (kBF16 or kF16) on the host.
-void convert_host(const TensorView& src, int64_t first, int64_t n, DType to, uint16_t* dst) {
-  for (int64_t i = 0; i < n; ++i) {
-    float f = src.at(first + i);
-    dst[i] = to == DType::kBF16 ? float_to_bf16(f) : float_to_f16(f);
-  }
-}
-
-// Copies host tensors into device memory through two pinned staging chunks, converting the
-// dtype on the way when it differs.
-class Uploader {
- public:
-  static constexpr size_t kChunk = 64 * kMiB;
-
-  static Expected<std::unique_ptr<Uploader>> create(cudaStream_t stream) {
-    auto u = std::unique_ptr<Uploader>(new Uploader());
-    u->stream_ = stream;
-    for (int i = 0; i < 2; ++i) {
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&u->staging_[i], kChunk, cudaHostAllocDefault),
-                                   "allocating pinned staging memory for the weights");
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&u->done_[i], cudaEventDisableTiming),
-                                   "creating an upload event");
-    }
-    return u;
-  }
-  ~Uploader() {
-    cudaStreamSynchronize(stream_);
-    for (int i = 0; i < 2; ++i) {
-      if (staging_[i] != nullptr) cudaFreeHost(staging_[i]);
-      if (done_[i] != nullptr) cudaEventDestroy(done_[i]);
-    }
-  }
-
-  // Writes `src` (converted to `to`) at device address `dst`.
-  Status upload(const TensorView& src, DType to, void* dst, const std::string& name) {
-    const size_t esize = dtype_size(to);
-    const int64_t n = src.numel();
-    const int64_t per_chunk = static_cast<int64_t>(kChunk / esize);
-    for (int64_t first = 0; first < n; first += per_chunk) {
-      const int64_t count = std::min(per_chunk, n - first);
-      const int slot = next_++ % 2;
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(done_[slot]), "uploading " + name);
-      if (src.dtype == to) {
-        std::memcpy(staging_[slot], static_cast<const char*>(src.data) + first * esize,
-                    static_cast<size_t>(count) * esize);
-      } else {
-        convert_host(src, first, count, to, static_cast<uint16_t*>(staging_[slot]));
-      }
-      TESSERA_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(static_cast<char*>(dst) + first * esize, staging_[slot],
-                          static_cast<size_t>(count) * esize, cudaMemcpyHostToDevice, stream_),
-          "uploading " + name);
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_[slot], stream_), "uploading " + name);
-    }
-    return Status::ok();
-  }
-
- private:
-  Uploader() = default;
-  cudaStream_t stream_ = nullptr;
-  void* staging_[2] = {nullptr, nullptr};
-  cudaEvent_t done_[2] = {nullptr, nullptr};
-  int next_ = 0;
-};
 
 // Offsets of the step metadata inside one device block (and its pinned mirror).
 struct MetaLayout {
@@ -114,19 +50,6 @@ struct MetaLayout {
 
 }  // namespace
 
-struct CudaModel::Layer {
-  const void* input_norm = nullptr;
-  const void* post_norm = nullptr;
-  const void* qkv = nullptr;       // [q_dim + 2 kv_dim, hidden]
-  const void* qkv_bias = nullptr;  // [q_dim + 2 kv_dim] or null
-  const void* o = nullptr;         // [hidden, q_dim]
-  const void* o_bias = nullptr;    // [hidden] or null
-  const void* q_norm = nullptr;    // [head_dim] or null
-  const void* k_norm = nullptr;
-  const void* gate_up = nullptr;  // [2 inter, hidden]
-  const void* down = nullptr;     // [hidden, inter]
-};
-
 struct CudaModel::Graph {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -144,11 +67,11 @@ struct CudaModel::StepPlan {
   int max_query_len = 0;
   int num_splits = 1;
   int split_size = 0;
-  bool decode = false;
 };
 
-CudaModel::CudaModel(const ModelConfig& config, const CudaModelOptions& options)
-    : config_(config), options_(options) {}
+CudaModel::CudaModel(const ModelConfig& config, const LayerPlan& plan, StageComms comms,
+                     const CudaModelOptions& options)
+    : config_(config), plan_(plan), comms_(comms), options_(options) {}
 
 CudaModel::~CudaModel() {
   graphs_.clear();
@@ -156,6 +79,7 @@ CudaModel::~CudaModel() {
   if (meta_host_ != nullptr) cudaFreeHost(meta_host_);
   sampler_.reset();
   gemm_.reset();
+  weights_.reset();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -167,140 +91,52 @@ std::vector<int64_t> CudaModel::graph_sizes() const {
 
 namespace {
 
-int64_t qkv_rows(const ModelConfig& c) { return (c.num_heads + 2 * c.num_kv_heads) * c.head_dim; }
+int64_t qkv_rows(const ModelConfig& c, const LayerPlan& p) {
+  return (p.heads + 2 * p.kv_heads) * c.head_dim;
+}
 
 }  // namespace
 
-Status CudaModel::upload_weights(const ModelWeights& w) {
-  const ModelConfig& c = config_;
-  const DType dt = options_.dtype;
-  const size_t es = dtype_size(dt);
-  const int64_t H = c.hidden_size, I = c.intermediate_size;
-  const int64_t q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
-  const bool tied = w.lm_head.data == w.embed.data;
-
-  // Layout pass: offsets of every region in one allocation.
-  size_t at = 0;
-  auto take = [&](int64_t elems) {
-    size_t o = at;
-    at = align_up(at + static_cast<size_t>(elems) * es);
-    return o;
-  };
-  struct LayerOffsets {
-    size_t input_norm, post_norm, qkv, qkv_bias, o, o_bias, q_norm, k_norm, gate_up, down;
-  };
-  std::vector<LayerOffsets> lo(w.layers.size());
-  const size_t embed_off = take(c.vocab_size * H);
-  const size_t final_norm_off = take(H);
-  const size_t lm_head_off = tied ? embed_off : take(c.vocab_size * H);
-  for (size_t i = 0; i < w.layers.size(); ++i) {
-    const LayerWeights& l = w.layers[i];
-    LayerOffsets& o = lo[i];
-    o.input_norm = take(H);
-    o.post_norm = take(H);
-    o.qkv = take(qkv_rows(c) * H);
-    o.qkv_bias = l.q_bias.data ? take(qkv_rows(c)) : SIZE_MAX;
-    o.o = take(H * q_dim);
-    o.o_bias = l.o_bias.data ? take(H) : SIZE_MAX;
-    o.q_norm = l.q_norm.data ? take(c.head_dim) : SIZE_MAX;
-    o.k_norm = l.k_norm.data ? take(c.head_dim) : SIZE_MAX;
-    o.gate_up = take(2 * I * H);
-    o.down = take(H * I);
-  }
-  TESSERA_ASSIGN_OR_RETURN(weight_storage_, cuda::DeviceBuffer::allocate(at, "the weights"));
-  memory_.weights = at;
-  char* base = weight_storage_.as<char>();
-  TESSERA_ASSIGN_OR_RETURN(auto up, Uploader::create(stream_));
-  auto put = [&](const TensorView& t, size_t offset, const std::string& name) {
-    return up->upload(t, dt, base + offset, name);
-  };
-  TESSERA_RETURN_IF_ERROR(put(w.embed, embed_off, "model.embed_tokens.weight"));
-  TESSERA_RETURN_IF_ERROR(put(w.final_norm, final_norm_off, "model.norm.weight"));
-  if (!tied) TESSERA_RETURN_IF_ERROR(put(w.lm_head, lm_head_off, "lm_head.weight"));
-  embed_ = base + embed_off;
-  final_norm_ = base + final_norm_off;
-  lm_head_ = base + lm_head_off;
-  layers_.resize(w.layers.size());
-  for (size_t i = 0; i < w.layers.size(); ++i) {
-    const LayerWeights& l = w.layers[i];
-    const LayerOffsets& o = lo[i];
-    Layer& d = layers_[i];
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    TESSERA_RETURN_IF_ERROR(put(l.input_norm, o.input_norm, p + "input_layernorm.weight"));
-    TESSERA_RETURN_IF_ERROR(put(l.post_norm, o.post_norm, p + "post_attention_layernorm.weight"));
-    // q | k | v stacked along the output dimension: one GEMM computes all three.
-    TESSERA_RETURN_IF_ERROR(put(l.q_proj, o.qkv, p + "self_attn.q_proj.weight"));
-    TESSERA_RETURN_IF_ERROR(put(l.k_proj, o.qkv + q_dim * H * es, p + "self_attn.k_proj.weight"));
-    TESSERA_RETURN_IF_ERROR(
-        put(l.v_proj, o.qkv + (q_dim + kv_dim) * H * es, p + "self_attn.v_proj.weight"));
-    if (o.qkv_bias != SIZE_MAX) {
-      TESSERA_RETURN_IF_ERROR(put(l.q_bias, o.qkv_bias, p + "self_attn.q_proj.bias"));
-      TESSERA_RETURN_IF_ERROR(put(l.k_bias, o.qkv_bias + q_dim * es, p + "self_attn.k_proj.bias"));
-      TESSERA_RETURN_IF_ERROR(
-          put(l.v_bias, o.qkv_bias + (q_dim + kv_dim) * es, p + "self_attn.v_proj.bias"));
-      d.qkv_bias = base + o.qkv_bias;
-    }
-    TESSERA_RETURN_IF_ERROR(put(l.o_proj, o.o, p + "self_attn.o_proj.weight"));
-    if (o.o_bias != SIZE_MAX) {
-      TESSERA_RETURN_IF_ERROR(put(l.o_bias, o.o_bias, p + "self_attn.o_proj.bias"));
-      d.o_bias = base + o.o_bias;
-    }
-    if (o.q_norm != SIZE_MAX) {
-      TESSERA_RETURN_IF_ERROR(put(l.q_norm, o.q_norm, p + "self_attn.q_norm.weight"));
-      TESSERA_RETURN_IF_ERROR(put(l.k_norm, o.k_norm, p + "self_attn.k_norm.weight"));
-      d.q_norm = base + o.q_norm;
-      d.k_norm = base + o.k_norm;
-    }
-    // gate | up stacked: one GEMM, silu_mul reads both halves of each row.
-    TESSERA_RETURN_IF_ERROR(put(l.gate_proj, o.gate_up, p + "mlp.gate_proj.weight"));
-    TESSERA_RETURN_IF_ERROR(put(l.up_proj, o.gate_up + I * H * es, p + "mlp.up_proj.weight"));
-    TESSERA_RETURN_IF_ERROR(put(l.down_proj, o.down, p + "mlp.down_proj.weight"));
-    d.input_norm = base + o.input_norm;
-    d.post_norm = base + o.post_norm;
-    d.qkv = base + o.qkv;
-    d.o = base + o.o;
-    d.gate_up = base + o.gate_up;
-    d.down = base + o.down;
-  }
-  TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "uploading the weights");
-  return Status::ok();
-}
-
 Status CudaModel::allocate_buffers() {
   const ModelConfig& c = config_;
+  const LayerPlan& p = plan_;
   const size_t es = dtype_size(options_.dtype);
   const int64_t T = max_tokens_, S = options_.max_num_seqs;
-  const int64_t q_dim = c.num_heads * c.head_dim;
+  const int64_t q_dim = p.heads * c.head_dim;
   uint64_t total = 0;
   auto alloc = [&](cuda::DeviceBuffer& b, size_t bytes, const char* what) -> Status {
-    TESSERA_ASSIGN_OR_RETURN(b, cuda::DeviceBuffer::allocate(bytes, what));
+    TESSERA_ASSIGN_OR_RETURN(b, cuda::DeviceBuffer::allocate(std::max<size_t>(bytes, 256), what));
     total += bytes;
     return Status::ok();
   };
   TESSERA_RETURN_IF_ERROR(alloc(residual_, T * c.hidden_size * es, "the residual stream"));
   TESSERA_RETURN_IF_ERROR(alloc(hidden_, T * c.hidden_size * es, "normed activations"));
-  TESSERA_RETURN_IF_ERROR(alloc(qkv_, T * qkv_rows(c) * es, "q/k/v activations"));
+  TESSERA_RETURN_IF_ERROR(alloc(qkv_, T * qkv_rows(c, p) * es, "q/k/v activations"));
   TESSERA_RETURN_IF_ERROR(alloc(q_, T * q_dim * es, "rotated queries"));
   TESSERA_RETURN_IF_ERROR(alloc(attn_, T * q_dim * es, "attention output"));
   TESSERA_RETURN_IF_ERROR(alloc(proj_, T * c.hidden_size * es, "projection output"));
-  TESSERA_RETURN_IF_ERROR(alloc(gate_up_, T * 2 * c.intermediate_size * es, "gate/up"));
-  TESSERA_RETURN_IF_ERROR(alloc(act_, T * c.intermediate_size * es, "MLP activations"));
-  TESSERA_RETURN_IF_ERROR(alloc(rows_, S * c.hidden_size * es, "logit rows"));
-  TESSERA_RETURN_IF_ERROR(alloc(logits_, S * c.vocab_size * sizeof(float), "logits"));
-  const cuda::SplitPlan widest = cuda::plan_attention_splits(1, static_cast<int>(c.num_kv_heads),
-                                                             options_.max_model_len, num_sms_);
-  int max_splits = widest.num_splits;
-  for (int64_t b = 2; b <= S; b *= 2) {
+  TESSERA_RETURN_IF_ERROR(alloc(gate_up_, T * 2 * p.intermediate * es, "gate/up"));
+  TESSERA_RETURN_IF_ERROR(alloc(act_, T * p.intermediate * es, "MLP activations"));
+  if (p.last_stage) {
+    TESSERA_RETURN_IF_ERROR(alloc(rows_, S * c.hidden_size * es, "logit rows"));
+    TESSERA_RETURN_IF_ERROR(alloc(logits_, S * c.vocab_size * sizeof(float), "logits"));
+    if (p.parallel.tp_size > 1) {
+      TESSERA_RETURN_IF_ERROR(alloc(shard_logits_,
+                                    p.parallel.tp_size * S * p.vocab_shard * sizeof(float),
+                                    "vocabulary-parallel logits"));
+    }
+  }
+  int max_splits = 1;
+  for (int64_t b = 1; b <= S; b *= 2) {
     max_splits = std::max(max_splits, cuda::plan_attention_splits(static_cast<int>(b),
-                                                                  static_cast<int>(c.num_kv_heads),
+                                                                  static_cast<int>(p.kv_heads),
                                                                   options_.max_model_len, num_sms_)
                                           .num_splits);
   }
-  const size_t ws = cuda::attention_workspace_bytes(S, static_cast<int>(c.num_heads),
+  const size_t ws = cuda::attention_workspace_bytes(S, static_cast<int>(p.heads),
                                                     static_cast<int>(c.head_dim), max_splits);
-  TESSERA_RETURN_IF_ERROR(alloc(attn_workspace_, std::max<size_t>(ws, 256), "split-K attention"));
+  TESSERA_RETURN_IF_ERROR(alloc(attn_workspace_, ws, "split-K attention"));
   MetaLayout m = MetaLayout::make(T, S, max_blocks_per_seq_);
-  meta_bytes_ = m.bytes;
   TESSERA_RETURN_IF_ERROR(alloc(meta_, m.bytes, "step metadata"));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&meta_host_, m.bytes, cudaHostAllocDefault),
                                "allocating pinned step metadata");
@@ -329,16 +165,16 @@ Status CudaModel::allocate_buffers() {
 Status CudaModel::allocate_kv_cache(int64_t blocks) {
   const ModelConfig& c = config_;
   const size_t per_layer =
-      static_cast<size_t>(blocks * options_.block_size * c.num_kv_heads * c.head_dim) *
+      static_cast<size_t>(blocks * options_.block_size * plan_.kv_heads * c.head_dim) *
       dtype_size(options_.dtype);
   const size_t stride = align_up(per_layer);
-  TESSERA_ASSIGN_OR_RETURN(kv_storage_,
-                           cuda::DeviceBuffer::allocate(stride * 2 * c.num_layers, "the KV cache"));
+  const int64_t L = plan_.num_layers();
+  TESSERA_ASSIGN_OR_RETURN(kv_storage_, cuda::DeviceBuffer::allocate(stride * 2 * L, "the KV cache"));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(kv_storage_.get(), 0, kv_storage_.bytes(), stream_),
                                "clearing the KV cache");
-  k_cache_.assign(c.num_layers, nullptr);
-  v_cache_.assign(c.num_layers, nullptr);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  k_cache_.assign(L, nullptr);
+  v_cache_.assign(L, nullptr);
+  for (int64_t l = 0; l < L; ++l) {
     k_cache_[l] = kv_storage_.as<char>() + stride * (2 * l);
     v_cache_[l] = kv_storage_.as<char>() + stride * (2 * l + 1);
   }
@@ -347,7 +183,6 @@ Status CudaModel::allocate_kv_cache(int64_t blocks) {
 }
 
 Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch, int64_t pad_to) {
-  const ModelConfig& c = config_;
   const int64_t bs = options_.block_size;
   const int64_t S_real = static_cast<int64_t>(batch.size());
   const int64_t S = std::max(pad_to, S_real);
@@ -399,9 +234,9 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
     }
     for (int64_t i = 0; i < n; ++i) {
       const int32_t id = seq.tokens[i];
-      if (id < 0 || id >= c.vocab_size) {
+      if (id < 0 || id >= config_.vocab_size) {
         return invalid_argument("token id " + std::to_string(id) + " is outside the vocabulary (" +
-                                std::to_string(c.vocab_size) + ")");
+                                std::to_string(config_.vocab_size) + ")");
       }
       const int64_t p = seq.start_position + i;
       ids[t] = id;
@@ -448,102 +283,196 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
   return plan;
 }
 
-Status CudaModel::run_layers(const StepPlan& plan) {
-  const ModelConfig& c = config_;
-  const DType dt = options_.dtype;
-  const int64_t T = plan.tokens;
-  const int64_t H = c.hidden_size, I = c.intermediate_size;
-  const int64_t q_dim = c.num_heads * c.head_dim;
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  MetaLayout m = MetaLayout::make(max_tokens_, options_.max_num_seqs, max_blocks_per_seq_);
-  char* meta = meta_.as<char>();
-  const auto* ids = reinterpret_cast<const int32_t*>(meta + m.ids);
-  const auto* pos = reinterpret_cast<const int32_t*>(meta + m.positions);
-  const auto* slots = reinterpret_cast<const int64_t*>(meta + m.slots);
-  const auto* cu_q = reinterpret_cast<const int32_t*>(meta + m.cu_q);
-  const auto* ctx = reinterpret_cast<const int32_t*>(meta + m.ctx);
-  const auto* lrows = reinterpret_cast<const int32_t*>(meta + m.logit_rows);
-  const auto* tables = reinterpret_cast<const int32_t*>(meta + m.tables);
-  cudaStream_t st = stream_;
-  auto gemm = [&](int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* b,
-                  void* out, DType out_dt) {
-    cuda::GemmShape shape{M, N, K, dt, out_dt, b != nullptr};
-    return gemm_->linear(shape, x, w, b, out, st);
-  };
-
-  TESSERA_RETURN_IF_ERROR(
-      cuda::embedding(dt, ids, T, embed_, c.vocab_size, H, residual_.get(), st));
-  cuda::AttentionArgs a;
-  a.dtype = dt;
-  a.q = q_.get();
-  a.out = attn_.get();
-  a.num_blocks = kv_blocks_;
-  a.block_size = static_cast<int>(options_.block_size);
-  a.cu_query_lens = cu_q;
-  a.context_lens = ctx;
-  a.block_tables = tables;
-  a.block_table_stride = static_cast<int>(max_blocks_per_seq_);
-  a.num_seqs = static_cast<int>(plan.seqs);
-  a.max_query_len = plan.max_query_len;
-  a.num_heads = static_cast<int>(c.num_heads);
-  a.num_kv_heads = static_cast<int>(c.num_kv_heads);
-  a.head_dim = static_cast<int>(c.head_dim);
-  a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  a.num_splits = plan.num_splits;
-  a.split_size = plan.split_size;
-  a.workspace = plan.num_splits > 1 ? attn_workspace_.get() : nullptr;
-  a.total_q = T;
-  cuda::RopeCacheArgs r;
-  r.dtype = dt;
-  r.qkv = qkv_.get();
-  r.eps = eps;
-  r.cos = rope_cos_.as<float>();
-  r.sin = rope_sin_.as<float>();
-  r.max_position = options_.max_model_len;
-  r.positions = pos;
-  r.slots = slots;
-  r.num_tokens = T;
-  r.num_heads = c.num_heads;
-  r.num_kv_heads = c.num_kv_heads;
-  r.head_dim = c.head_dim;
-  r.q_out = q_.get();
-  r.num_blocks = kv_blocks_;
-  r.block_size = options_.block_size;
-
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const Layer& w = layers_[static_cast<size_t>(l)];
-    if (l == 0) {
-      TESSERA_RETURN_IF_ERROR(
-          cuda::rms_norm(dt, residual_.get(), w.input_norm, T, H, eps, hidden_.get(), st));
-    } else {
-      TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt, proj_.get(), residual_.get(), w.input_norm, T,
-                                                 H, eps, hidden_.get(), st));
-    }
-    TESSERA_RETURN_IF_ERROR(
-        gemm(T, qkv_rows(c), H, hidden_.get(), w.qkv, w.qkv_bias, qkv_.get(), dt));
-    r.q_norm = w.q_norm;
-    r.k_norm = w.k_norm;
-    r.k_cache = k_cache_[l];
-    r.v_cache = v_cache_[l];
-    TESSERA_RETURN_IF_ERROR(cuda::rope_and_cache(r, st));
-    a.k_cache = k_cache_[l];
-    a.v_cache = v_cache_[l];
-    TESSERA_RETURN_IF_ERROR(cuda::paged_attention(a, st));
-    TESSERA_RETURN_IF_ERROR(gemm(T, H, q_dim, attn_.get(), w.o, w.o_bias, proj_.get(), dt));
-    TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt, proj_.get(), residual_.get(), w.post_norm, T, H,
-                                               eps, hidden_.get(), st));
-    TESSERA_RETURN_IF_ERROR(
-        gemm(T, 2 * I, H, hidden_.get(), w.gate_up, nullptr, gate_up_.get(), dt));
-    TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt, gate_up_.get(), T, I, act_.get(), st));
-    TESSERA_RETURN_IF_ERROR(gemm(T, H, I, act_.get(), w.down, nullptr, proj_.get(), dt));
+// layer_loop.h's operations over the model's device buffers, on its stream.
+class CudaModel::Ops {
+ public:
+  Ops(CudaModel& m, const StepPlan& plan) : m_(m), plan_(plan) {
+    const ModelConfig& c = m.config_;
+    const LayerPlan& p = m.plan_;
+    dt_ = m.options_.dtype;
+    T_ = plan.tokens;
+    H_ = c.hidden_size;
+    eps_ = static_cast<float>(c.rms_norm_eps);
+    st_ = m.stream_;
+    MetaLayout ml = MetaLayout::make(m.max_tokens_, m.options_.max_num_seqs, m.max_blocks_per_seq_);
+    char* meta = m.meta_.as<char>();
+    ids_ = reinterpret_cast<const int32_t*>(meta + ml.ids);
+    lrows_ = reinterpret_cast<const int32_t*>(meta + ml.logit_rows);
+    a_.dtype = dt_;
+    a_.q = m.q_.get();
+    a_.out = m.attn_.get();
+    a_.num_blocks = m.kv_blocks_;
+    a_.block_size = static_cast<int>(m.options_.block_size);
+    a_.cu_query_lens = reinterpret_cast<const int32_t*>(meta + ml.cu_q);
+    a_.context_lens = reinterpret_cast<const int32_t*>(meta + ml.ctx);
+    a_.block_tables = reinterpret_cast<const int32_t*>(meta + ml.tables);
+    a_.block_table_stride = static_cast<int>(m.max_blocks_per_seq_);
+    a_.num_seqs = static_cast<int>(plan.seqs);
+    a_.max_query_len = plan.max_query_len;
+    a_.num_heads = static_cast<int>(p.heads);
+    a_.num_kv_heads = static_cast<int>(p.kv_heads);
+    a_.head_dim = static_cast<int>(c.head_dim);
+    a_.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    a_.num_splits = plan.num_splits;
+    a_.split_size = plan.split_size;
+    a_.workspace = plan.num_splits > 1 ? m.attn_workspace_.get() : nullptr;
+    a_.total_q = T_;
+    r_.dtype = dt_;
+    r_.qkv = m.qkv_.get();
+    r_.eps = eps_;
+    r_.cos = m.rope_cos_.as<float>();
+    r_.sin = m.rope_sin_.as<float>();
+    r_.max_position = m.options_.max_model_len;
+    r_.positions = reinterpret_cast<const int32_t*>(meta + ml.positions);
+    r_.slots = reinterpret_cast<const int64_t*>(meta + ml.slots);
+    r_.num_tokens = T_;
+    r_.num_heads = p.heads;
+    r_.num_kv_heads = p.kv_heads;
+    r_.head_dim = c.head_dim;
+    r_.q_out = m.q_.get();
+    r_.num_blocks = m.kv_blocks_;
+    r_.block_size = m.options_.block_size;
   }
-  TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt, proj_.get(), residual_.get(), final_norm_, T, H,
-                                             eps, hidden_.get(), st));
-  if (plan.rows == 0) return Status::ok();
-  TESSERA_RETURN_IF_ERROR(
-      cuda::gather_rows(dt, hidden_.get(), T, lrows, plan.rows, H, rows_.get(), st));
-  return gemm(plan.rows, c.vocab_size, H, rows_.get(), lm_head_, nullptr, logits_.get(),
-              DType::kF32);
+
+  Status embed() {
+    const LayerPlan& p = m_.plan_;
+    if (p.parallel.tp_size == 1) {
+      return cuda::embedding(dt_, ids_, T_, m_.weights_->embed(), m_.config_.vocab_size, H_,
+                             m_.residual_.get(), st_);
+    }
+    return cuda::embedding_shard(dt_, ids_, T_, m_.weights_->embed(), p.vocab_begin, p.vocab_rows,
+                                 H_, m_.residual_.get(), st_);
+  }
+
+  Status recv_hidden() {
+    return m_.comms_.pp->recv(m_.residual_.get(), bytes(T_ * H_), m_.plan_.parallel.pp_rank - 1,
+                              st_);
+  }
+  Status send_hidden() {
+    return m_.comms_.pp->send(m_.residual_.get(), bytes(T_ * H_), m_.plan_.parallel.pp_rank + 1,
+                              st_);
+  }
+
+  Status all_reduce(Activation which) {
+    void* buf = which == Activation::kResidual ? m_.residual_.get() : m_.proj_.get();
+    return m_.comms_.tp->all_reduce_sum(buf, T_ * H_, dt_, st_);
+  }
+
+  Status add_residual() {
+    // residual += proj; the normed output lands in hidden, unused: a stage boundary.
+    return cuda::add_residual(dt_, m_.proj_.get(), m_.residual_.get(), T_ * H_, st_);
+  }
+
+  Status input_norm(int64_t i, bool add) {
+    const CudaLayer& w = m_.weights_->layer(i);
+    if (!add) {
+      return cuda::rms_norm(dt_, m_.residual_.get(), w.input_norm, T_, H_, eps_, m_.hidden_.get(),
+                            st_);
+    }
+    return cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(), w.input_norm, T_, H_, eps_,
+                              m_.hidden_.get(), st_);
+  }
+
+  Status qkv(int64_t i) {
+    const CudaLayer& w = m_.weights_->layer(i);
+    return gemm(T_, qkv_rows(m_.config_, m_.plan_), H_, m_.hidden_.get(), w.qkv, w.qkv_bias,
+                m_.qkv_.get(), dt_);
+  }
+
+  Status rope_cache(int64_t i) {
+    const CudaLayer& w = m_.weights_->layer(i);
+    r_.q_norm = w.q_norm;
+    r_.k_norm = w.k_norm;
+    r_.k_cache = m_.k_cache_[i];
+    r_.v_cache = m_.v_cache_[i];
+    return cuda::rope_and_cache(r_, st_);
+  }
+
+  Status attention(int64_t i) {
+    a_.k_cache = m_.k_cache_[i];
+    a_.v_cache = m_.v_cache_[i];
+    return cuda::paged_attention(a_, st_);
+  }
+
+  Status o_proj(int64_t i) {
+    const CudaLayer& w = m_.weights_->layer(i);
+    return gemm(T_, H_, m_.plan_.heads * m_.config_.head_dim, m_.attn_.get(), w.o, w.o_bias,
+                m_.proj_.get(), dt_);
+  }
+
+  Status post_norm(int64_t i) {
+    return cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
+                              m_.weights_->layer(i).post_norm, T_, H_, eps_, m_.hidden_.get(),
+                              st_);
+  }
+
+  Status mlp(int64_t i) {
+    const CudaLayer& w = m_.weights_->layer(i);
+    const int64_t I = m_.plan_.intermediate;
+    TESSERA_RETURN_IF_ERROR(
+        gemm(T_, 2 * I, H_, m_.hidden_.get(), w.gate_up, nullptr, m_.gate_up_.get(), dt_));
+    TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
+    return gemm(T_, H_, I, m_.act_.get(), w.down, nullptr, m_.proj_.get(), dt_);
+  }
+
+  Status logits() {
+    const LayerPlan& p = m_.plan_;
+    TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
+                                               m_.weights_->final_norm(), T_, H_, eps_,
+                                               m_.hidden_.get(), st_));
+    const int64_t R = plan_.rows;
+    if (R == 0) return Status::ok();
+    TESSERA_RETURN_IF_ERROR(
+        cuda::gather_rows(dt_, m_.hidden_.get(), T_, lrows_, R, H_, m_.rows_.get(), st_));
+    const int64_t V = m_.config_.vocab_size;
+    if (p.parallel.tp_size == 1) {
+      return gemm(R, V, H_, m_.rows_.get(), m_.weights_->lm_head(), nullptr, m_.logits_.get(),
+                  DType::kF32);
+    }
+    // Vocabulary-parallel: this rank's columns into its slot of [T][R][Vs], all-gathered in
+    // place, then laid out whole per row.
+    const int64_t Vs = p.vocab_shard;
+    const int64_t Tp = p.parallel.tp_size;
+    float* all = m_.shard_logits_.as<float>();
+    float* mine = all + static_cast<int64_t>(p.parallel.tp_rank) * R * Vs;
+    TESSERA_RETURN_IF_ERROR(
+        gemm(R, Vs, H_, m_.rows_.get(), m_.weights_->lm_head(), nullptr, mine, DType::kF32));
+    TESSERA_RETURN_IF_ERROR(m_.comms_.tp->all_gather(mine, R * Vs, DType::kF32, all, st_));
+    for (int64_t t = 0; t < Tp; ++t) {
+      const int64_t n = std::clamp<int64_t>(V - t * Vs, 0, Vs);
+      if (n == 0) continue;
+      TESSERA_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy2DAsync(m_.logits_.as<float>() + t * Vs, V * sizeof(float), all + t * R * Vs,
+                            Vs * sizeof(float), n * sizeof(float), R, cudaMemcpyDeviceToDevice,
+                            st_),
+          "laying out the gathered logits");
+    }
+    return Status::ok();
+  }
+
+ private:
+  int64_t bytes(int64_t elems) const { return elems * static_cast<int64_t>(dtype_size(dt_)); }
+  Status gemm(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* b,
+              void* out, DType out_dt) {
+    cuda::GemmShape shape{M, N, K, dt_, out_dt, b != nullptr};
+    return m_.gemm_->linear(shape, x, w, b, out, st_);
+  }
+
+  CudaModel& m_;
+  const StepPlan& plan_;
+  DType dt_ = DType::kBF16;
+  int64_t T_ = 0, H_ = 0;
+  float eps_ = 1e-6f;
+  cudaStream_t st_ = nullptr;
+  const int32_t* ids_ = nullptr;
+  const int32_t* lrows_ = nullptr;
+  cuda::AttentionArgs a_;
+  cuda::RopeCacheArgs r_;
+};
+
+Status CudaModel::run(const StepPlan& plan) {
+  Ops ops(*this, plan);
+  return run_stage(ops, plan_);
 }
 
 Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* rows) {
@@ -557,9 +486,9 @@ Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* 
   }
   TESSERA_ASSIGN_OR_RETURN(StepPlan plan, stage(batch, pad_to));
   if (decode) {
-    cuda::SplitPlan sp = cuda::plan_attention_splits(static_cast<int>(plan.seqs),
-                                                     static_cast<int>(config_.num_kv_heads),
-                                                     options_.max_model_len, num_sms_);
+    cuda::SplitPlan sp = cuda::plan_attention_splits(
+        static_cast<int>(plan.seqs), static_cast<int>(plan_.kv_heads), options_.max_model_len,
+        num_sms_);
     plan.num_splits = sp.num_splits;
     plan.split_size = sp.split_size;
   }
@@ -569,7 +498,11 @@ Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* 
         cudaGraphLaunch(g->second->exec, stream_),
         "launching the decode graph for batch " + std::to_string(plan.seqs));
   } else {
-    TESSERA_RETURN_IF_ERROR(run_layers(plan));
+    TESSERA_RETURN_IF_ERROR(run(plan));
+  }
+  if (!plan_.last_stage) {
+    *rows = 0;
+    return static_cast<float*>(nullptr);
   }
   *rows = plan.real_rows;
   return logits_.as<float>();
@@ -580,18 +513,19 @@ Status CudaModel::capture_graphs() {
     StepPlan plan;
     TESSERA_ASSIGN_OR_RETURN(plan, stage({}, size));
     cuda::SplitPlan sp =
-        cuda::plan_attention_splits(static_cast<int>(size), static_cast<int>(config_.num_kv_heads),
+        cuda::plan_attention_splits(static_cast<int>(size), static_cast<int>(plan_.kv_heads),
                                     options_.max_model_len, num_sms_);
     plan.num_splits = sp.num_splits;
     plan.split_size = sp.split_size;
-    // Warm-up in eager mode: the GEMMs pick (and time) their algorithms for this batch size.
-    TESSERA_RETURN_IF_ERROR(run_layers(plan));
+    // Warm-up in eager mode: the GEMMs pick (and time) their algorithms for this batch size,
+    // and every rank of the group runs the collectives together.
+    TESSERA_RETURN_IF_ERROR(run(plan));
     TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "warming up decode");
     if (options_.enforce_eager) continue;
     auto graph = std::make_unique<Graph>();
     TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
                                  "capturing the decode graph");
-    Status captured = run_layers(plan);
+    Status captured = run(plan);
     cudaError_t end = cudaStreamEndCapture(stream_, &graph->graph);
     TESSERA_RETURN_IF_ERROR(captured);
     TESSERA_CUDA_RETURN_IF_ERROR(end,
@@ -608,12 +542,12 @@ Status CudaModel::capture_graphs() {
 
 Status CudaModel::size_kv_cache() {
   const ModelConfig& c = config_;
-  const uint64_t block_bytes = 2ull * c.num_layers * options_.block_size * c.num_kv_heads *
+  const uint64_t block_bytes = 2ull * plan_.num_layers() * options_.block_size * plan_.kv_heads *
                                c.head_dim * dtype_size(options_.dtype);
   const int64_t min_blocks =
       (options_.max_model_len + options_.block_size - 1) / options_.block_size;
   // Profiling step: the largest step the scheduler may send, one sequence as long as fits,
-  // through a temporary cache.
+  // through a temporary cache. Every rank of the group runs it at once (the same ids).
   size_t free_before = 0, free_after = 0, total = 0;
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_before, &total), "querying GPU memory");
   {
@@ -633,39 +567,49 @@ Status CudaModel::size_kv_cache() {
     memory_.profile_peak =
         free_before > free_after + temp_kv ? free_before - free_after - temp_kv : 0;
     kv_storage_.reset();
+    kv_blocks_ = 0;
   }
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_after, &total), "querying GPU memory");
-  const uint64_t used_now = total - free_after + memory_.profile_peak;
+  // This rank's own use: what it took since it started (its context is in used_at_start).
+  const uint64_t own = free_at_start_ - free_after + memory_.profile_peak;
   memory_.graph_reserve = options_.enforce_eager ? 0 : kGraphReserve;
-  const uint64_t committed = used_now + memory_.graph_reserve;
-  const int64_t fit_blocks = memory_.budget > committed
-                                 ? static_cast<int64_t>((memory_.budget - committed) / block_bytes)
-                                 : 0;
-  int64_t blocks = options_.kv_blocks > 0 ? options_.kv_blocks : fit_blocks;
-  if (blocks > fit_blocks || blocks < min_blocks) {
+  const uint64_t committed = own + memory_.graph_reserve;
+  uint64_t room = memory_.budget > committed ? memory_.budget - committed : 0;
+  // Whatever the budget says, the cache must fit in what is really free.
+  const uint64_t free_now = free_after > memory_.graph_reserve + memory_.profile_peak
+                                ? free_after - memory_.graph_reserve - memory_.profile_peak
+                                : 0;
+  room = std::min(room, free_now);
+  const int64_t fit_blocks = static_cast<int64_t>(room / block_bytes);
+  if (fit_blocks < min_blocks) {
     const int64_t fit_len = fit_blocks * options_.block_size;
     std::string msg =
         "the KV cache does not fit on " + memory_.device_name + ": " +
         fmt::format(
-            "--gpu-memory-utilization {:.2f} allows {:.2f} GiB, of which weights take "
-            "{:.2f} GiB, activations {:.2f} GiB, CUDA graphs {:.2f} GiB and other "
-            "use {:.2f} GiB, leaving {} KV blocks ({} tokens); ",
+            "--gpu-memory-utilization {:.2f} allows this rank {:.2f} GiB, of which weights take "
+            "{:.2f} GiB, activations {:.2f} GiB and CUDA graphs {:.2f} GiB ({:.2f} GiB free on "
+            "the GPU), leaving {} KV blocks ({} tokens); ",
             options_.gpu_memory_utilization, gib(memory_.budget), gib(memory_.weights),
             gib(memory_.activations + memory_.profile_peak), gib(memory_.graph_reserve),
-            gib(used_now - memory_.weights - memory_.activations - memory_.profile_peak),
-            fit_blocks, fit_len);
-    if (blocks > fit_blocks && blocks >= min_blocks) {
-      msg += "--num-gpu-blocks-override " + std::to_string(blocks) + " asks for more";
-    } else {
-      msg += "one sequence of --max-model-len " + std::to_string(options_.max_model_len) +
-             " needs " + std::to_string(min_blocks) + " blocks. ";
-      msg +=
-          fit_len >= 16 ? "Lower --max-model-len to " + std::to_string(fit_len) + " or less, " : "";
-      msg +=
-          "raise --gpu-memory-utilization, spread the model over more GPUs "
-          "(--tensor-parallel-size) or use a quantized checkpoint (--quantization awq|gptq)";
-    }
+            gib(free_after), fit_blocks, fit_len);
+    msg += "one sequence of --max-model-len " + std::to_string(options_.max_model_len) +
+           " needs " + std::to_string(min_blocks) + " blocks. ";
+    msg += fit_len >= 16 ? "Lower --max-model-len to " + std::to_string(fit_len) + " or less, "
+                         : "";
+    msg +=
+        "raise --gpu-memory-utilization, spread the model over more GPUs "
+        "(--tensor-parallel-size, --pipeline-parallel-size) or use a quantized checkpoint "
+        "(--quantization awq|gptq)";
     return resource_exhausted(msg);
+  }
+  memory_.fit_blocks = fit_blocks;
+  return Status::ok();
+}
+
+Status CudaModel::init_cache(int64_t blocks) {
+  if (blocks < 1 || blocks > memory_.fit_blocks) {
+    return invalid_argument("init_cache: " + std::to_string(blocks) + " KV blocks asked, " +
+                            std::to_string(memory_.fit_blocks) + " fit");
   }
   TESSERA_RETURN_IF_ERROR(allocate_kv_cache(blocks));
   memory_.kv_cache = kv_storage_.bytes();
@@ -674,11 +618,31 @@ Status CudaModel::size_kv_cache() {
   spdlog::info("# GPU blocks: {} ({} tokens; max concurrency {:.2f}x at max-model-len {})", blocks,
                tokens, static_cast<double>(tokens) / static_cast<double>(options_.max_model_len),
                options_.max_model_len);
+  size_t free_a = 0, free_b = 0, total = 0;
+  cudaMemGetInfo(&free_a, &total);
+  TESSERA_RETURN_IF_ERROR(capture_graphs());
+  cudaMemGetInfo(&free_b, &total);
+  memory_.graphs = free_a > free_b ? free_a - free_b : 0;
+  const GpuMemoryReport& r = memory_;
+  spdlog::info(
+      "GPU ({}, {:.1f} GiB): weights {:.2f} GiB, activations {:.2f} GiB, CUDA graphs {:.0f} "
+      "MiB ({} sizes{}), KV cache {:.2f} GiB; this rank uses {:.2f} GiB of its {:.2f} GiB budget "
+      "(--gpu-memory-utilization {:.2f})",
+      r.device_name, gib(r.total), gib(r.weights), gib(r.activations + r.profile_peak),
+      static_cast<double>(r.graphs) / kMiB, graphs_.size(),
+      options_.enforce_eager ? ", --enforce-eager" : "", gib(r.kv_cache),
+      gib(free_at_start_ - free_b), gib(r.budget), options_.gpu_memory_utilization);
+  if (r.graphs > r.graph_reserve && !options_.enforce_eager) {
+    spdlog::warn("CUDA graphs took {:.0f} MiB, more than the {:.0f} MiB reserved for them",
+                 static_cast<double>(r.graphs) / kMiB, static_cast<double>(r.graph_reserve) / kMiB);
+  }
   return Status::ok();
 }
 
 Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config,
+                                                       const LayerPlan& plan,
                                                        const ModelWeights& host_weights,
+                                                       StageComms comms,
                                                        const CudaModelOptions& options) {
   if (!cuda::is_half_type(options.dtype)) {
     return invalid_argument("the CUDA backend runs in bfloat16 or float16, not " +
@@ -697,7 +661,7 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
                             "), which is not implemented yet: use --max-model-len " +
                             std::to_string(*config.sliding_window) + " or less");
   }
-  std::unique_ptr<CudaModel> m(new CudaModel(config, options));
+  std::unique_ptr<CudaModel> m(new CudaModel(config, plan, comms, options));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaSetDevice(0), "selecting GPU 0");
   TESSERA_CUDA_RETURN_IF_ERROR(cudaFree(nullptr), "creating the CUDA context");
   cudaDeviceProp prop{};
@@ -706,58 +670,58 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   m->memory_.device_name = prop.name;
   size_t free0 = 0, total = 0;
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free0, &total), "querying GPU memory");
+  m->free_at_start_ = free0;
   m->memory_.total = total;
   m->memory_.budget = static_cast<uint64_t>(options.gpu_memory_utilization * total);
   m->memory_.used_at_start = total - free0;
-  if (m->memory_.used_at_start >= m->memory_.budget) {
-    return resource_exhausted(fmt::format(
-        "{} has {:.2f} GiB of {:.2f} GiB in use before loading (other processes); "
-        "--gpu-memory-utilization {:.2f} caps this actor's GPU at {:.2f} GiB in total: free the "
-        "GPU or raise --gpu-memory-utilization",
-        prop.name, gib(m->memory_.used_at_start), gib(total), options.gpu_memory_utilization,
-        gib(m->memory_.budget)));
-  }
   m->max_tokens_ = std::max(options.max_num_batched_tokens, options.max_num_seqs);
   m->max_blocks_per_seq_ = (options.max_model_len + options.block_size - 1) / options.block_size;
   // Would the weights and activations fit at all? Check before touching the GPU's memory.
   {
     const size_t es = dtype_size(options.dtype);
-    const uint64_t weights =
-        static_cast<uint64_t>(host_weights.bytes /
-                              std::max<size_t>(1, dtype_size(host_weights.embed.dtype))) *
-        es;
+    const uint64_t weights = CudaWeights::bytes_needed(config, plan, options.dtype);
     const uint64_t per_token =
-        (4 * config.hidden_size + 2 * qkv_rows(config) + 3 * config.intermediate_size) * es;
-    const uint64_t activations =
-        m->max_tokens_ * per_token + options.max_num_seqs * config.vocab_size * 4 + 64 * kMiB;
-    const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * config.num_layers *
-                            options.block_size * config.num_kv_heads * config.head_dim * es;
-    const uint64_t need = m->memory_.used_at_start + weights + activations + min_kv;
-    if (need > m->memory_.budget) {
+        (4 * config.hidden_size + 2 * qkv_rows(config, plan) + 3 * plan.intermediate) * es;
+    const uint64_t logits = plan.last_stage
+                                ? options.max_num_seqs * config.vocab_size * 4 *
+                                      (plan.parallel.tp_size > 1 ? 2 : 1)
+                                : 0;
+    const uint64_t activations = m->max_tokens_ * per_token + logits + 64 * kMiB;
+    const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 *
+                            plan.num_layers() * options.block_size * plan.kv_heads *
+                            config.head_dim * es;
+    const uint64_t need = weights + activations + min_kv;
+    const uint64_t available = std::min<uint64_t>(m->memory_.budget, free0);
+    if (need > available) {
       return resource_exhausted(fmt::format(
-          "the model does not fit on {}: weights {:.2f} GiB + activations for "
+          "the model does not fit on {}: this rank's weights {:.2f} GiB + activations for "
           "--max-num-batched-tokens {} {:.2f} GiB + the KV cache of one --max-model-len {} "
-          "sequence {:.2f} GiB + {:.2f} GiB already in use = {:.2f} GiB, but "
-          "--gpu-memory-utilization {:.2f} allows {:.2f} GiB. Lower --max-model-len or "
+          "sequence {:.2f} GiB = {:.2f} GiB, but --gpu-memory-utilization {:.2f} allows {:.2f} "
+          "GiB ({:.2f} GiB are free: {:.2f} GiB are in use by others). Lower --max-model-len or "
           "--max-num-batched-tokens, raise --gpu-memory-utilization, spread the model over more "
-          "GPUs (--tensor-parallel-size) or use a quantized checkpoint (--quantization awq|gptq)",
+          "GPUs (--tensor-parallel-size, --pipeline-parallel-size) or use a quantized checkpoint "
+          "(--quantization awq|gptq)",
           prop.name, gib(weights), m->max_tokens_, gib(activations), options.max_model_len,
-          gib(min_kv), gib(m->memory_.used_at_start), gib(need), options.gpu_memory_utilization,
-          gib(m->memory_.budget)));
+          gib(min_kv), gib(need), options.gpu_memory_utilization, gib(m->memory_.budget),
+          gib(free0), gib(m->memory_.used_at_start)));
     }
   }
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&m->stream_, cudaStreamNonBlocking),
                                "creating the model's stream");
-  TESSERA_RETURN_IF_ERROR(m->upload_weights(host_weights));
+  TESSERA_ASSIGN_OR_RETURN(
+      m->weights_, CudaWeights::upload(config, plan, host_weights, options.dtype, m->stream_));
+  m->memory_.weights = m->weights_->bytes();
   // TESSERA_GEMM_AUTOTUNE=1 times cuBLASLt's candidates per shape (the default takes the
   // heuristic's first choice: reproducible across runs).
   const char* tune = std::getenv("TESSERA_GEMM_AUTOTUNE");
   TESSERA_ASSIGN_OR_RETURN(
       m->gemm_, cuda::Gemm::create(32u << 20, tune != nullptr && std::string(tune) == "1"));
   m->memory_.activations += 32 * kMiB;  // the GEMM workspace
-  TESSERA_ASSIGN_OR_RETURN(m->sampler_,
-                           cuda::GpuSampler::create(static_cast<int>(options.max_num_seqs),
-                                                    config.vocab_size, 20, m->stream_));
+  if (plan.last_stage && plan.parallel.tp_rank == 0) {
+    TESSERA_ASSIGN_OR_RETURN(m->sampler_,
+                             cuda::GpuSampler::create(static_cast<int>(options.max_num_seqs),
+                                                      config.vocab_size, kMaxLogprobs, m->stream_));
+  }
   TESSERA_RETURN_IF_ERROR(m->allocate_buffers());
   // Decode batch sizes: 1, 2, 4, 8, then multiples of 8, and max_num_seqs itself.
   for (int64_t b : {1, 2, 4}) {
@@ -768,24 +732,6 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
     m->decode_sizes_.push_back(options.max_num_seqs);
   }
   TESSERA_RETURN_IF_ERROR(m->size_kv_cache());
-  size_t free_a = 0, free_b = 0;
-  cudaMemGetInfo(&free_a, &total);
-  TESSERA_RETURN_IF_ERROR(m->capture_graphs());
-  cudaMemGetInfo(&free_b, &total);
-  m->memory_.graphs = free_a > free_b ? free_a - free_b : 0;
-  const GpuMemoryReport& r = m->memory_;
-  spdlog::info(
-      "GPU 0 ({}, {:.1f} GiB): weights {:.2f} GiB, activations {:.2f} GiB, CUDA graphs {:.0f} "
-      "MiB ({} sizes{}), KV cache {:.2f} GiB; {:.2f} GiB in use of the {:.2f} GiB budget "
-      "(--gpu-memory-utilization {:.2f})",
-      r.device_name, gib(r.total), gib(r.weights), gib(r.activations + r.profile_peak),
-      static_cast<double>(r.graphs) / kMiB, m->graphs_.size(),
-      options.enforce_eager ? ", --enforce-eager" : "", gib(r.kv_cache), gib(r.total - free_b),
-      gib(r.budget), options.gpu_memory_utilization);
-  if (r.graphs > r.graph_reserve && !options.enforce_eager) {
-    spdlog::warn("CUDA graphs took {:.0f} MiB, more than the {:.0f} MiB reserved for them",
-                 static_cast<double>(r.graphs) / kMiB, static_cast<double>(r.graph_reserve) / kMiB);
-  }
   return m;
 }
 

@@ -1,14 +1,15 @@
-// The forward pass on one GPU: the same layers as CpuModel (its oracle), in bf16/fp16 with fp32
-// accumulation, through kernels/cuda and cuBLASLt. q/k/v and gate/up projections are fused into
-// one GEMM each (their weights are stacked when uploaded). Decode steps replay CUDA graphs
-// captured for batch sizes 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs (a batch is padded to
-// the next captured size); eager mode pads the same way, so outputs are identical with and
-// without graphs.
+// One rank's stage of the forward pass on its GPU (actors/model/layer_loop.h, the same layers as
+// CpuModel, its oracle), in bf16/fp16 with fp32 accumulation through kernels/cuda and cuBLASLt,
+// with the tensor- and pipeline-parallel collectives on the model's stream. Decode steps replay
+// CUDA graphs captured for batch sizes 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs (a batch is
+// padded to the next captured size; eager mode pads the same way, so outputs are identical with
+// and without graphs); the collectives are captured with them.
 //
-// Memory: weights first, then fixed activation buffers for max_num_batched_tokens, then one
-// profiling step at that size; the KV cache takes what is left of
-// gpu_memory_utilization x total memory (everything this GPU already holds counts against it:
-// other processes, NCCL, the CUDA context), less a reserve for CUDA graphs.
+// Memory (vLLM's rule): this rank may use gpu_memory_utilization x the GPU's total memory, and
+// the GPU must have that much free when it starts (other processes are not charged to it, but
+// they must leave room). Weights first, then fixed activation buffers for
+// max_num_batched_tokens, then one profiling step at that size; the KV cache gets what is left
+// of the budget, less a reserve for the CUDA graphs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,8 +21,10 @@
 #include <string>
 #include <vector>
 
-#include "actors/model/cpu_model.h"
+#include "actors/model/backend.h"
+#include "actors/model/cuda_weights.h"
 #include "actors/model/weights.h"
+#include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/gemm.h"
@@ -36,7 +39,6 @@ struct CudaModelOptions {
   int64_t max_num_seqs = 256;
   int64_t max_num_batched_tokens = 8192;
   double gpu_memory_utilization = 0.9;
-  int64_t kv_blocks = 0;  // 0 = size the cache from memory
   bool enforce_eager = false;
 };
 
@@ -45,82 +47,91 @@ struct GpuMemoryReport {
   std::string device_name;
   uint64_t total = 0;
   uint64_t budget = 0;         // gpu_memory_utilization x total
-  uint64_t used_at_start = 0;  // by anything before the weights (other processes, context)
+  uint64_t used_at_start = 0;  // by anything before this rank (other processes, its context)
   uint64_t weights = 0;
   uint64_t activations = 0;   // fixed buffers, cuBLASLt workspace, sampler
   uint64_t profile_peak = 0;  // extra memory the profiling step took beyond the buffers
   uint64_t graph_reserve = 0;
   uint64_t graphs = 0;  // measured after capture
   uint64_t kv_cache = 0;
-  int64_t kv_blocks = 0;
+  int64_t fit_blocks = 0;  // KV blocks the budget holds
+  int64_t kv_blocks = 0;   // allocated
 };
 
 class CudaModel {
  public:
-  // Uploads the weights (converted to options.dtype), sizes and allocates the KV cache, warms up
-  // and captures the decode graphs. Errors: the memory figures and the flags that would fit.
+  // Uploads this rank's weights, allocates the activation buffers and runs the profiling step
+  // (every rank of a group at once: it runs the collectives), then sizes the KV cache
+  // (memory().fit_blocks). Errors: the memory figures and the flags that would fit.
   static Expected<std::unique_ptr<CudaModel>> create(const ModelConfig& config,
+                                                     const LayerPlan& plan,
                                                      const ModelWeights& host_weights,
+                                                     StageComms comms,
                                                      const CudaModelOptions& options);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
 
-  // Runs the batch (same contract as CpuModel::forward) and returns the logits of the rows with
-  // want_logits, fp32 [rows, vocab] in device memory, valid until the next call; *rows is set.
+  // Allocates `blocks` KV blocks (<= fit_blocks), warms up and captures the decode graphs
+  // (every rank of a group at once).
+  Status init_cache(int64_t blocks);
+
+  // Runs the batch through this rank's stage. On the last stage returns the logits of the rows
+  // with want_logits, fp32 [rows, vocab] in device memory, valid until the next call, and sets
+  // *rows; other stages return null and *rows = 0.
   Expected<float*> forward(std::span<const ForwardSeq> batch, int64_t* rows);
 
   const ModelConfig& config() const { return config_; }
+  const LayerPlan& plan() const { return plan_; }
   const CudaModelOptions& options() const { return options_; }
   const GpuMemoryReport& memory() const { return memory_; }
-  int64_t kv_blocks() const { return memory_.kv_blocks; }
-  cuda::GpuSampler& sampler() { return *sampler_; }
   cudaStream_t stream() const { return stream_; }
+  // The sampler of the rank that samples (the last stage's tp rank 0), else null.
+  cuda::GpuSampler* sampler() { return sampler_.get(); }
   // Decode batch sizes with a captured graph (empty with enforce_eager).
   std::vector<int64_t> graph_sizes() const;
 
  private:
-  struct Layer;
   struct Graph;
   struct StepPlan;
-  CudaModel(const ModelConfig& config, const CudaModelOptions& options);
+  class Ops;  // layer_loop.h's operations on this model's buffers
+  CudaModel(const ModelConfig& config, const LayerPlan& plan, StageComms comms,
+            const CudaModelOptions& options);
 
-  Status upload_weights(const ModelWeights& w);
   Status allocate_buffers();
   Status allocate_kv_cache(int64_t blocks);
   Status size_kv_cache();
   Status capture_graphs();
   // Fills the host staging area for a step and copies it to the device.
   Expected<StepPlan> stage(std::span<const ForwardSeq> batch, int64_t pad_to);
-  Status run_layers(const StepPlan& plan);
+  Status run(const StepPlan& plan);
 
   ModelConfig config_;
+  LayerPlan plan_;
+  StageComms comms_;
   CudaModelOptions options_;
   GpuMemoryReport memory_;
+  uint64_t free_at_start_ = 0;
   int num_sms_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<cuda::Gemm> gemm_;
+  std::unique_ptr<CudaWeights> weights_;
   std::unique_ptr<cuda::GpuSampler> sampler_;
-
-  cuda::DeviceBuffer weight_storage_;
-  std::vector<Layer> layers_;
-  const void* embed_ = nullptr;
-  const void* final_norm_ = nullptr;
-  const void* lm_head_ = nullptr;
   cuda::DeviceBuffer rope_cos_, rope_sin_;
 
   // Activation buffers, sized for max_tokens_ rows.
   int64_t max_tokens_ = 0;
   int64_t max_blocks_per_seq_ = 0;
-  cuda::DeviceBuffer residual_, hidden_, qkv_, q_, attn_, proj_, gate_up_, act_, rows_, logits_;
+  cuda::DeviceBuffer residual_, hidden_, qkv_, q_, attn_, proj_, gate_up_, act_, rows_;
+  cuda::DeviceBuffer shard_logits_;  // [T][max_num_seqs][vocab_shard] fp32 (T: tp ranks)
+  cuda::DeviceBuffer logits_;        // [max_num_seqs][vocab] fp32
   cuda::DeviceBuffer attn_workspace_;
   // Step metadata: one device block and its pinned host mirror, copied with one memcpy.
   cuda::DeviceBuffer meta_;
   void* meta_host_ = nullptr;
-  size_t meta_bytes_ = 0;
 
   cuda::DeviceBuffer kv_storage_;
-  std::vector<void*> k_cache_, v_cache_;  // per layer
+  std::vector<void*> k_cache_, v_cache_;  // per local layer
   int64_t kv_blocks_ = 0;
 
   std::map<int64_t, std::unique_ptr<Graph>> graphs_;  // by padded decode batch size

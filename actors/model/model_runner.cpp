@@ -2,10 +2,15 @@
 
 #include <spdlog/spdlog.h>
 
+#include <chrono>
+
+#include "actors/model/cpu_model.h"
+#include "actors/model/weights.h"
+
 namespace tessera {
 
 Expected<DType> resolve_dtype(const std::string& name, DType checkpoint_dtype, bool gpu) {
-  if (name == "auto") {
+  if (name == "auto" || name.empty()) {
     if (gpu && checkpoint_dtype == DType::kF32) return DType::kBF16;
     return checkpoint_dtype;
   }
@@ -30,21 +35,7 @@ Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& co
                             std::to_string(config.max_position_embeddings) + ")");
   }
   if (requested > 0) return requested;
-  return std::min<int64_t>(config.max_position_embeddings, 8192);
-}
-
-Status require_request_state(const RunnerSeq& seq, bool known) {
-  if (seq.first || known) return Status::ok();
-  return failed_precondition("request " + std::to_string(seq.request_id) +
-                             " has no state on this actor (its first step never came): the "
-                             "driver must send the prompt with first = true");
-}
-
-std::vector<ForwardSeq> forward_batch(const std::vector<RunnerSeq>& seqs) {
-  std::vector<ForwardSeq> batch;
-  batch.reserve(seqs.size());
-  for (const auto& s : seqs) batch.push_back({s.tokens, s.start_position, s.block_table, s.sample});
-  return batch;
+  return std::min<int64_t>(config.max_position_embeddings, kDefaultMaxModelLenCap);
 }
 
 int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len) {
@@ -52,114 +43,111 @@ int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len)
   return std::min<int64_t>(std::max<int64_t>(max_model_len, 2048), 16384);
 }
 
-namespace {
+ModelRunner::ModelRunner(ModelConfig config, LayerPlan plan, RequestLimits limits)
+    : config_(std::move(config)), plan_(std::move(plan)), requests_(limits) {}
 
-// The CPU backend: fp32 reference math, the per-request cpu::Sampler.
-class CpuRunner final : public ModelRunner {
- public:
-  static Expected<std::unique_ptr<ModelRunner>> load(const RunnerLoadSpec& spec) {
-    TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(spec.model_dir));
-    TESSERA_RETURN_IF_ERROR(resolve_dtype(spec.dtype, config.torch_dtype, false).status());
-    TESSERA_ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::open(spec.model_dir));
-    TESSERA_ASSIGN_OR_RETURN(ModelWeights weights, bind_weights(*checkpoint, config));
-    TESSERA_ASSIGN_OR_RETURN(int64_t max_len, resolve_max_model_len(spec.max_model_len, config));
-    int64_t blocks =
-        spec.kv_blocks > 0 ? spec.kv_blocks : (max_len + spec.block_size - 1) / spec.block_size + 1;
-    TESSERA_ASSIGN_OR_RETURN(auto model, CpuModel::create(config, std::move(weights), blocks,
-                                                          spec.block_size, max_len, spec.threads));
-    auto runner = std::unique_ptr<CpuRunner>(new CpuRunner());
-    runner->checkpoint_ = std::move(checkpoint);
-    runner->model_ = std::move(model);
-    runner->return_logits_ = spec.return_logits;
-    RunnerInfo& i = runner->info_;
-    i.backend = "cpu";
-    i.dtype = DType::kF32;
-    i.kv_blocks = blocks;
-    i.block_size = spec.block_size;
-    i.max_model_len = max_len;
-    i.max_num_seqs = spec.max_num_seqs;
-    i.max_num_batched_tokens = resolve_max_num_batched_tokens(spec.max_num_batched_tokens, max_len);
-    i.weight_bytes = runner->model_->weights().bytes;
-    spdlog::info(
-        "loaded {} from {}: {} layers, {:.1f} MiB of weights, KV cache {} blocks x {} "
-        "tokens (fp32 math on the CPU backend, checkpoint dtype {})",
-        architecture_name(config.arch), spec.model_dir, config.num_layers,
-        static_cast<double>(i.weight_bytes) / (1 << 20), blocks, spec.block_size,
-        dtype_name(config.torch_dtype));
-    return std::unique_ptr<ModelRunner>(std::move(runner));
-  }
-
-  Expected<std::vector<RunnerOutput>> execute(const std::vector<RunnerSeq>& seqs,
-                                              const std::vector<uint64_t>& finished,
-                                              std::vector<float>* logits) override {
-    for (uint64_t id : finished) requests_.erase(id);
-    // New requests get their sampler before any compute, so bad parameters fail fast.
-    for (const auto& s : seqs) {
-      if (!s.first) {
-        TESSERA_RETURN_IF_ERROR(require_request_state(s, requests_.count(s.request_id) > 0));
-        continue;
-      }
-      TESSERA_ASSIGN_OR_RETURN(cpu::Sampler sampler, cpu::Sampler::create(s.sampling));
-      requests_.erase(s.request_id);
-      requests_.emplace(s.request_id, Request{std::move(sampler), s.prompt, {}});
-    }
-    TESSERA_ASSIGN_OR_RETURN(std::vector<float> rows, model_->forward(forward_batch(seqs)));
-    const int64_t vocab = model_->config().vocab_size;
-    std::vector<RunnerOutput> out;
-    size_t row = 0;
-    for (const auto& s : seqs) {
-      if (!s.sample) continue;
-      Request& r = requests_.at(s.request_id);
-      const float* l = rows.data() + row * vocab;
-      ++row;
-      TESSERA_ASSIGN_OR_RETURN(cpu::SampleResult result,
-                               r.sampler.sample(l, vocab, r.prompt, r.output));
-      r.output.push_back(result.token);
-      out.push_back({s.request_id, std::move(result)});
-    }
-    if (return_logits_ && logits != nullptr) {
-      logits->insert(logits->end(), rows.begin(), rows.end());
-    }
-    return out;
-  }
-
-  const ModelConfig& config() const override { return model_->config(); }
-  const RunnerInfo& info() const override { return info_; }
-  size_t live_requests() const override { return requests_.size(); }
-
- private:
-  CpuRunner() = default;
-
-  struct Request {
-    cpu::Sampler sampler;
-    std::vector<int32_t> prompt;
-    std::vector<int32_t> output;
-  };
-  std::unique_ptr<Checkpoint> checkpoint_;  // the weights' storage (mmap); outlives model_
-  std::unique_ptr<CpuModel> model_;
-  bool return_logits_ = false;
-  RunnerInfo info_;
-  std::map<uint64_t, Request> requests_;
-};
-
-}  // namespace
-
-Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const RunnerLoadSpec& spec) {
+Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, StageComms comms) {
   if (spec.device != "auto" && spec.device != "cuda" && spec.device != "cpu") {
     return invalid_argument("--device '" + spec.device + "' is not one of auto, cuda, cpu");
   }
+  bool gpu = spec.device == "cuda";
 #ifdef TESSERA_WITH_CUDA
-  if (spec.device == "cuda" || (spec.device == "auto" && cuda_device_visible())) {
-    return load_cuda_runner(spec);
-  }
+  if (spec.device == "auto") gpu = cuda_device_visible();
 #else
-  if (spec.device == "cuda") {
+  if (gpu) {
     return failed_precondition(
         "--device cuda: this tessera-actor was built without CUDA (configure with "
         "-DTESSERA_CUDA=ON on a machine with nvcc)");
   }
 #endif
-  return CpuRunner::load(spec);
+  if (spec.block_size < 1 || spec.max_num_seqs < 1) {
+    return invalid_argument("block size and max-num-seqs must be positive");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(spec.model_dir));
+  TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(spec.dtype, config.torch_dtype, gpu));
+  TESSERA_ASSIGN_OR_RETURN(LayerPlan plan, LayerPlan::make(config, spec.parallel));
+  TESSERA_ASSIGN_OR_RETURN(int64_t max_len, resolve_max_model_len(spec.max_model_len, config));
+  const int64_t max_tokens = resolve_max_num_batched_tokens(spec.max_num_batched_tokens, max_len);
+  TESSERA_ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::open(spec.model_dir));
+  TESSERA_ASSIGN_OR_RETURN(ModelWeights weights, bind_weights(*checkpoint, config, plan));
+
+  RequestLimits limits;
+  limits.vocab_size = config.vocab_size;
+  limits.block_size = spec.block_size;
+  limits.max_model_len = max_len;
+  limits.max_num_seqs = spec.max_num_seqs;
+  limits.max_num_batched_tokens = max_tokens;
+  std::unique_ptr<ModelRunner> r(new ModelRunner(config, plan, limits));
+  r->return_logits_ = spec.return_logits;
+  if (gpu) {
+#ifdef TESSERA_WITH_CUDA
+    CudaLoad load{&r->config_, &r->plan_, &weights, comms, dtype, max_len, max_tokens};
+    TESSERA_ASSIGN_OR_RETURN(r->backend_, load_cuda_backend(spec, load));
+#endif
+  } else {
+    // The cpu backend (the oracle, and the backend of tests without a GPU) holds one sequence
+    // of max-model-len plus a block; the driver's scheduler preempts past that.
+    const int64_t blocks = (max_len + spec.block_size - 1) / spec.block_size + 1;
+    TESSERA_ASSIGN_OR_RETURN(auto model,
+                             CpuModel::create(config, plan, std::move(weights), comms, blocks,
+                                              spec.block_size, max_len, spec.threads));
+    r->backend_ = std::move(model);
+  }
+  r->checkpoint_ = std::move(checkpoint);
+  const ModelInfo info = r->backend_->info();
+  spdlog::info(
+      "loaded {} from {} in {:.1f} s: rank {} of {} (tp {}/{}, pp {}/{}), layers {}-{} of {}, "
+      "{:.1f} MiB of weights on the {} backend ({}), {} KV blocks fit",
+      architecture_name(config.arch), spec.model_dir,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+      plan.parallel.rank(), plan.parallel.world_size(), plan.parallel.tp_rank,
+      plan.parallel.tp_size, plan.parallel.pp_rank, plan.parallel.pp_size, plan.layer_begin,
+      plan.layer_end - 1, config.num_layers, static_cast<double>(info.weight_bytes) / (1 << 20),
+      info.backend, info.dtype, info.kv_blocks);
+  return r;
+}
+
+Status ModelRunner::init_cache(int64_t blocks) {
+  TESSERA_RETURN_IF_ERROR(backend_->init_cache(blocks));
+  requests_.set_num_blocks(blocks);
+  cache_ready_ = true;
+  return Status::ok();
+}
+
+ModelInfo ModelRunner::info() const {
+  ModelInfo i = backend_->info();
+  i.max_num_seqs = requests_.limits().max_num_seqs;
+  i.max_num_batched_tokens = requests_.limits().max_num_batched_tokens;
+  return i;
+}
+
+Expected<StepOutput> ModelRunner::execute(const StepInput& step) {
+  if (!cache_ready_) {
+    return failed_precondition("the KV cache is not allocated yet: call initCache after loadModel");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  TESSERA_RETURN_IF_ERROR(requests_.apply(step));
+  for (uint64_t id : requests_.forgotten()) backend_->forget(id);
+  StepOutput out;
+  out.step_id = step.step_id;
+  if (!step.seqs.empty()) {
+    const std::vector<ForwardSeq> batch = requests_.batch(step);
+    std::vector<SampleRequest> rows;
+    for (const SeqStep& s : step.seqs) {
+      if (s.sample) rows.push_back({s.request_id, &requests_.at(s.request_id)});
+    }
+    TESSERA_ASSIGN_OR_RETURN(std::vector<SampleResult> samples,
+                             backend_->step(batch, rows, return_logits_ ? &out.logits : nullptr));
+    for (size_t i = 0; i < samples.size(); ++i) {
+      out.outputs.push_back({rows[i].request_id, std::move(samples[i])});
+    }
+  }
+  out.actor_micros = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                               std::chrono::steady_clock::now() - t0)
+                                               .count());
+  out.gpu_micros = backend_->last_gpu_micros();
+  return out;
 }
 
 }  // namespace tessera

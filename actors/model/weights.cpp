@@ -1,5 +1,6 @@
 #include "actors/model/weights.h"
 
+#include <cstring>
 #include <set>
 
 namespace tessera {
@@ -8,60 +9,57 @@ std::string layer_tensor_name(int64_t layer, const std::string& suffix) {
   return "model.layers." + std::to_string(layer) + "." + suffix;
 }
 
-Expected<ModelWeights> bind_weights(const Checkpoint& ckpt, const ModelConfig& c) {
-  const int64_t hidden = c.hidden_size;
-  const int64_t q_out = c.num_heads * c.head_dim;
-  const int64_t kv_out = c.num_kv_heads * c.head_dim;
-  std::set<std::string> used;
-  ModelWeights w;
-  auto bind = [&](const std::string& name, std::vector<int64_t> shape, TensorView& out) -> Status {
-    auto t = ckpt.require(name, shape);
-    if (!t) return t.status();
-    out = *t;
-    used.insert(name);
-    w.bytes += out.bytes();
-    return Status::ok();
-  };
-  TESSERA_RETURN_IF_ERROR(bind("model.embed_tokens.weight", {c.vocab_size, hidden}, w.embed));
-  w.layers.resize(static_cast<size_t>(c.num_layers));
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    LayerWeights& l = w.layers[static_cast<size_t>(i)];
-    auto n = [&](const char* suffix) { return layer_tensor_name(i, suffix); };
-    TESSERA_RETURN_IF_ERROR(bind(n("input_layernorm.weight"), {hidden}, l.input_norm));
-    TESSERA_RETURN_IF_ERROR(bind(n("self_attn.q_proj.weight"), {q_out, hidden}, l.q_proj));
-    TESSERA_RETURN_IF_ERROR(bind(n("self_attn.k_proj.weight"), {kv_out, hidden}, l.k_proj));
-    TESSERA_RETURN_IF_ERROR(bind(n("self_attn.v_proj.weight"), {kv_out, hidden}, l.v_proj));
-    TESSERA_RETURN_IF_ERROR(bind(n("self_attn.o_proj.weight"), {hidden, q_out}, l.o_proj));
-    if (c.attention_bias) {
-      TESSERA_RETURN_IF_ERROR(bind(n("self_attn.q_proj.bias"), {q_out}, l.q_bias));
-      TESSERA_RETURN_IF_ERROR(bind(n("self_attn.k_proj.bias"), {kv_out}, l.k_bias));
-      TESSERA_RETURN_IF_ERROR(bind(n("self_attn.v_proj.bias"), {kv_out}, l.v_bias));
+namespace {
+
+// `shard` of `full` as a view: a row range is a view into the checkpoint, a column range is
+// copied into `owned`.
+TensorView slice(const TensorView& full, const WeightShard& shard,
+                 std::deque<std::vector<uint8_t>>& owned) {
+  TensorView v = full;
+  const size_t es = dtype_size(full.dtype);
+  switch (shard.spec.split) {
+    case Split::kNone:
+      return v;
+    case Split::kRows:
+    case Split::kVocab: {
+      int64_t row_elems = 1;
+      for (size_t d = 1; d < full.shape.size(); ++d) row_elems *= full.shape[d];
+      v.data = static_cast<const char*>(full.data) + shard.begin * row_elems * es;
+      v.shape[0] = shard.end - shard.begin;
+      return v;
     }
-    if (c.o_proj_bias) {
-      TESSERA_RETURN_IF_ERROR(bind(n("self_attn.o_proj.bias"), {hidden}, l.o_bias));
+    case Split::kColumns: {
+      const int64_t rows = full.shape[0], cols = full.shape[1];
+      const int64_t n = shard.end - shard.begin;
+      if (n == cols) return v;  // tp_size 1: the whole tensor, no copy
+      std::vector<uint8_t>& buf = owned.emplace_back(static_cast<size_t>(rows * n) * es);
+      const char* src = static_cast<const char*>(full.data);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(buf.data() + static_cast<size_t>(r * n) * es,
+                    src + static_cast<size_t>(r * cols + shard.begin) * es,
+                    static_cast<size_t>(n) * es);
+      }
+      v.data = buf.data();
+      v.shape[1] = n;
+      return v;
     }
-    if (c.qk_norm) {
-      TESSERA_RETURN_IF_ERROR(bind(n("self_attn.q_norm.weight"), {c.head_dim}, l.q_norm));
-      TESSERA_RETURN_IF_ERROR(bind(n("self_attn.k_norm.weight"), {c.head_dim}, l.k_norm));
-    }
-    TESSERA_RETURN_IF_ERROR(bind(n("post_attention_layernorm.weight"), {hidden}, l.post_norm));
-    TESSERA_RETURN_IF_ERROR(
-        bind(n("mlp.gate_proj.weight"), {c.intermediate_size, hidden}, l.gate_proj));
-    TESSERA_RETURN_IF_ERROR(
-        bind(n("mlp.up_proj.weight"), {c.intermediate_size, hidden}, l.up_proj));
-    TESSERA_RETURN_IF_ERROR(
-        bind(n("mlp.down_proj.weight"), {hidden, c.intermediate_size}, l.down_proj));
   }
-  TESSERA_RETURN_IF_ERROR(bind("model.norm.weight", {hidden}, w.final_norm));
-  if (c.tie_word_embeddings) {
-    w.lm_head = w.embed;
-  } else {
-    TESSERA_RETURN_IF_ERROR(bind("lm_head.weight", {c.vocab_size, hidden}, w.lm_head));
+  return v;
+}
+
+}  // namespace
+
+Expected<ModelWeights> bind_weights(const Checkpoint& ckpt, const ModelConfig& c,
+                                    const LayerPlan& plan) {
+  // The checkpoint as a whole must be this model's.
+  std::set<std::string> expected;
+  for (const WeightSpec& w : expected_weights(c)) {
+    TESSERA_RETURN_IF_ERROR(ckpt.require(w.name, w.shape).status());
+    expected.insert(w.name);
   }
-  // Tensors nobody uses mean the config and the checkpoint disagree.
   std::vector<std::string> unused;
   for (const auto& name : ckpt.names()) {
-    if (!used.count(name) && name.find("rotary_emb.inv_freq") == std::string::npos) {
+    if (!expected.count(name) && name.find("rotary_emb.inv_freq") == std::string::npos) {
       unused.push_back(name);
     }
   }
@@ -74,6 +72,49 @@ Expected<ModelWeights> bind_weights(const Checkpoint& ckpt, const ModelConfig& c
         architecture_name(c.arch) + " with this config.json (" + list +
         (file ? " in " + file->path() : std::string()) + "); is config.json from another model?");
   }
+  ModelWeights w;
+  w.layers.resize(static_cast<size_t>(plan.num_layers()));
+  for (const WeightShard& s : plan.weights) {
+    TESSERA_ASSIGN_OR_RETURN(TensorView full, ckpt.tensor(s.spec.name));
+    TensorView v = slice(full, s, w.owned);
+    w.bytes += v.bytes();
+    if (s.spec.layer < 0) {
+      switch (s.spec.kind) {
+        case WeightKind::kEmbed:
+          w.embed = v;
+          break;
+        case WeightKind::kFinalNorm:
+          w.final_norm = v;
+          break;
+        case WeightKind::kLmHead:
+          w.lm_head = v;
+          break;
+        default:
+          break;
+      }
+      continue;
+    }
+    LayerWeights& l = w.layers[static_cast<size_t>(s.spec.layer - plan.layer_begin)];
+    switch (s.spec.kind) {
+      case WeightKind::kQ: l.q_proj = v; break;
+      case WeightKind::kK: l.k_proj = v; break;
+      case WeightKind::kV: l.v_proj = v; break;
+      case WeightKind::kO: l.o_proj = v; break;
+      case WeightKind::kQBias: l.q_bias = v; break;
+      case WeightKind::kKBias: l.k_bias = v; break;
+      case WeightKind::kVBias: l.v_bias = v; break;
+      case WeightKind::kOBias: l.o_bias = v; break;
+      case WeightKind::kQNorm: l.q_norm = v; break;
+      case WeightKind::kKNorm: l.k_norm = v; break;
+      case WeightKind::kGate: l.gate_proj = v; break;
+      case WeightKind::kUp: l.up_proj = v; break;
+      case WeightKind::kDown: l.down_proj = v; break;
+      case WeightKind::kInputNorm: l.input_norm = v; break;
+      case WeightKind::kPostNorm: l.post_norm = v; break;
+      default: break;
+    }
+  }
+  if (plan.last_stage && c.tie_word_embeddings) w.lm_head = w.embed;
   return w;
 }
 

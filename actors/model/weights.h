@@ -1,12 +1,16 @@
-// A checkpoint's tensors bound to the layer structure every supported architecture shares.
-// Architectures differ only in which optional tensors exist (Qwen2's q/k/v biases, Qwen3's
-// q_norm/k_norm, an lm_head absent when tied): one weight-name map, no class per model.
+// One rank's share of a checkpoint, bound to the layer structure every supported architecture
+// shares. The LayerPlan (common/checkpoint/layer_plan.h) says which tensors and which slices;
+// this binds them: row slices are views into the mmapped checkpoint, column slices (row-parallel
+// layers under tensor parallelism) are copied out once. Architectures differ only in which
+// optional tensors exist (Qwen2's q/k/v biases, Qwen3's q_norm/k_norm, a tied lm_head).
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <vector>
 
+#include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
 #include "common/checkpoint/safetensors.h"
 #include "common/status.h"
@@ -14,38 +18,43 @@
 
 namespace tessera {
 
+// A layer's tensors on this rank (shapes are the rank's slices; data == null when absent).
 struct LayerWeights {
   TensorView input_norm;  // [hidden]
-  TensorView q_proj;      // [heads * head_dim, hidden]
+  TensorView q_proj;      // [heads * head_dim, hidden]       (this rank's heads)
   TensorView k_proj;      // [kv_heads * head_dim, hidden]
   TensorView v_proj;      // [kv_heads * head_dim, hidden]
-  TensorView o_proj;      // [hidden, heads * head_dim]
-  TensorView q_bias;      // [heads * head_dim]      (attention_bias only; else data == null)
-  TensorView k_bias;      // [kv_heads * head_dim]   (attention_bias only)
-  TensorView v_bias;      // [kv_heads * head_dim]   (attention_bias only)
-  TensorView o_bias;      // [hidden]                (o_proj_bias only: Llama/Qwen3 with bias)
-  TensorView q_norm;      // [head_dim]              (qk_norm only)
-  TensorView k_norm;      // [head_dim]              (qk_norm only)
+  TensorView o_proj;      // [hidden, heads * head_dim]       (its columns)
+  TensorView q_bias;      // [heads * head_dim]               (attention_bias only)
+  TensorView k_bias;      // [kv_heads * head_dim]
+  TensorView v_bias;      // [kv_heads * head_dim]
+  TensorView o_bias;      // [hidden]                         (tp rank 0, o_proj_bias only)
+  TensorView q_norm;      // [head_dim]                       (qk_norm only)
+  TensorView k_norm;      // [head_dim]
   TensorView post_norm;   // [hidden]
-  TensorView gate_proj;   // [intermediate, hidden]
+  TensorView gate_proj;   // [intermediate, hidden]           (this rank's rows)
   TensorView up_proj;     // [intermediate, hidden]
-  TensorView down_proj;   // [hidden, intermediate]
+  TensorView down_proj;   // [hidden, intermediate]           (its columns)
 };
 
 struct ModelWeights {
-  TensorView embed;  // [vocab, hidden]
-  std::vector<LayerWeights> layers;
-  TensorView final_norm;  // [hidden]
-  TensorView lm_head;     // [vocab, hidden] (the embedding when tied)
-  uint64_t bytes = 0;     // all bound tensors, the tied lm_head counted once
+  TensorView embed;       // [vocab_rows, hidden] this rank's vocabulary rows (first stage; a
+                          // tied last stage too), else data == null
+  std::vector<LayerWeights> layers;  // this stage's layers, layers[i] = layer layer_begin + i
+  TensorView final_norm;  // [hidden] (last stage)
+  TensorView lm_head;     // [vocab_rows, hidden] (last stage; the embedding when tied)
+  uint64_t bytes = 0;     // all bound tensors, a tied lm_head counted once
+  std::deque<std::vector<uint8_t>> owned;  // storage of the copied slices (stable addresses)
 };
 
-// The Hugging Face name of each tensor: "model.layers.3.self_attn.q_proj.weight", ...
+// The Hugging Face name of a layer tensor: "model.layers.3.self_attn.q_proj.weight".
 std::string layer_tensor_name(int64_t layer, const std::string& suffix);
 
-// Binds every tensor the config implies, checking shapes. Errors name the tensor, its file and
-// both shapes; a tensor the checkpoint has but the config does not use is reported too (a
-// mismatched config would otherwise be silently wrong).
-Expected<ModelWeights> bind_weights(const Checkpoint& checkpoint, const ModelConfig& config);
+// Checks the checkpoint against the whole model (every tensor expected_weights() names, with its
+// shape; a tensor the checkpoint has but the config does not use is an error too: the config
+// would be from another model) and binds `plan`'s slices. Errors name the tensor, its file and
+// both shapes.
+Expected<ModelWeights> bind_weights(const Checkpoint& checkpoint, const ModelConfig& config,
+                                    const LayerPlan& plan);
 
 }  // namespace tessera

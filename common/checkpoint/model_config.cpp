@@ -1,10 +1,12 @@
 #include "common/checkpoint/model_config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -153,7 +155,7 @@ Expected<json> parse_json_object(const std::string& text, const std::string& fil
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
     return invalid_argument(file + ": not valid JSON (" + e.what() + ")");
   }
   if (!j.is_object()) return invalid_argument(file + ": expected a JSON object at the top level");
@@ -254,6 +256,36 @@ Expected<DType> parse_dtype(const Fields& f) {
   if (s == "float16" || s == "half") return DType::kF16;
   if (s == "float32" || s == "float") return DType::kF32;
   return f.error(key, "must be \"bfloat16\", \"float16\" or \"float32\", got " + type_name(v));
+}
+
+// More parameters than this is not a model but a corrupt or hostile config.json; the weight
+// shapes multiply the sizes, and past this their products would overflow int64 downstream.
+constexpr int64_t kMaxParameters = int64_t{1} << 48;
+
+// a × b (a, b > 0), saturated just past kMaxParameters.
+int64_t saturated_product(int64_t a, int64_t b) {
+  return a > (kMaxParameters + 1) / b ? kMaxParameters + 1 : std::min(a * b, kMaxParameters + 1);
+}
+
+// The number of parameters the weights of `c` hold (the tensors expected_weights lists),
+// saturated just past kMaxParameters. Sizes are positive.
+int64_t parameter_count(const ModelConfig& c) {
+  auto mul = [](std::initializer_list<int64_t> factors) {
+    int64_t p = 1;
+    for (int64_t f : factors) p = saturated_product(p, f);
+    return p;
+  };
+  auto sum = [](std::initializer_list<int64_t> terms) {
+    int64_t s = 0;
+    for (int64_t t : terms) s = std::min(s + t, kMaxParameters + 1);
+    return s;
+  };
+  const int64_t q_out = mul({c.num_heads, c.head_dim});
+  const int64_t kv_out = mul({c.num_kv_heads, c.head_dim});
+  const int64_t layer = sum({mul({2, q_out, c.hidden_size}), mul({2, kv_out, c.hidden_size}),
+                             mul({3, c.intermediate_size, c.hidden_size}), q_out, mul({2, kv_out}),
+                             mul({3, c.hidden_size}), mul({2, c.head_dim})});
+  return sum({mul({c.num_layers, layer}), mul({2, c.vocab_size, c.hidden_size}), c.hidden_size});
 }
 
 Status parse_generation_config(const std::string& text, const std::string& file, ModelConfig* cfg,
@@ -396,6 +428,16 @@ Expected<ModelConfig> parse_model_config(const std::string& json_text, const std
     }
   }
 
+  if (parameter_count(cfg) > kMaxParameters) {
+    return invalid_argument(
+        file + ": the sizes describe a model of more than 2^48 parameters (vocab_size " +
+        std::to_string(cfg.vocab_size) + ", hidden_size " + std::to_string(cfg.hidden_size) +
+        ", intermediate_size " + std::to_string(cfg.intermediate_size) + ", num_hidden_layers " +
+        std::to_string(cfg.num_layers) + ", num_attention_heads " + std::to_string(cfg.num_heads) +
+        ", num_key_value_heads " + std::to_string(cfg.num_kv_heads) + ", head_dim " +
+        std::to_string(cfg.head_dim) + ")");
+  }
+
   TESSERA_ASSIGN_OR_RETURN(cfg.eos_token_ids, f.token_ids("eos_token_id"));
   TESSERA_ASSIGN_OR_RETURN(cfg.bos_token_id, f.token_id("bos_token_id"));
   TESSERA_ASSIGN_OR_RETURN(cfg.pad_token_id, f.token_id("pad_token_id"));
@@ -437,40 +479,6 @@ Expected<ModelConfig> load_model_config(const std::string& model_dir,
     }
   }
   return cfg;
-}
-
-std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
-  const int64_t h = c.hidden_size;
-  const int64_t q_out = c.num_heads * c.head_dim;
-  const int64_t kv_out = c.num_kv_heads * c.head_dim;
-  std::vector<WeightSpec> out;
-  out.reserve(4 + static_cast<size_t>(c.num_layers) * 16);
-  out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, WeightRole::kEmbedding});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    auto linear = [&](const std::string& name, int64_t out_f, int64_t in_f, bool bias) {
-      out.push_back({p + name + ".weight", {out_f, in_f}, WeightRole::kLinear});
-      if (bias) out.push_back({p + name + ".bias", {out_f}, WeightRole::kBias});
-    };
-    linear("self_attn.q_proj", q_out, h, c.attention_bias);
-    linear("self_attn.k_proj", kv_out, h, c.attention_bias);
-    linear("self_attn.v_proj", kv_out, h, c.attention_bias);
-    linear("self_attn.o_proj", h, q_out, c.o_proj_bias);
-    if (c.qk_norm) {
-      out.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, WeightRole::kNorm});
-      out.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, WeightRole::kNorm});
-    }
-    linear("mlp.gate_proj", c.intermediate_size, h, false);
-    linear("mlp.up_proj", c.intermediate_size, h, false);
-    linear("mlp.down_proj", h, c.intermediate_size, false);
-    out.push_back({p + "input_layernorm.weight", {h}, WeightRole::kNorm});
-    out.push_back({p + "post_attention_layernorm.weight", {h}, WeightRole::kNorm});
-  }
-  out.push_back({"model.norm.weight", {h}, WeightRole::kNorm});
-  if (!c.tie_word_embeddings) {
-    out.push_back({"lm_head.weight", {c.vocab_size, h}, WeightRole::kLinear});
-  }
-  return out;
 }
 
 }  // namespace tessera

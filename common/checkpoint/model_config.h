@@ -71,24 +71,6 @@ struct GenerationDefaults {
   bool do_sample = false;
 };
 
-// The role of one checkpoint tensor (what make-model initialises it as, what a loader expects).
-enum class WeightRole { kEmbedding, kLinear, kBias, kNorm };
-
-// One tensor a Hugging Face checkpoint of some config holds: its exact HF name and shape
-// (linear weights are [out_features, in_features], as nn.Linear stores them).
-struct WeightSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-  WeightRole role = WeightRole::kLinear;
-};
-
-// Every tensor a Hugging Face checkpoint of `config` holds, in the model's state_dict order:
-// model.embed_tokens.weight; per layer self_attn.{q,k,v,o}_proj.weight (+ .bias where the config
-// has biases), self_attn.{q,k}_norm.weight (qk_norm), mlp.{gate,up,down}_proj.weight,
-// input_layernorm.weight, post_attention_layernorm.weight; model.norm.weight; lm_head.weight
-// unless tie_word_embeddings. Precondition: `config` passed parse_model_config's validation.
-std::vector<WeightSpec> expected_weights(const ModelConfig& config);
-
 // Parses config.json text. Errors name the file and the field ("config.json: hidden_size must be
 // a positive integer, got -1"); an architecture we do not run (a trust_remote_code model such
 // as the original Qwen-72B's QWenLMHeadModel, say) is refused with its name and the supported

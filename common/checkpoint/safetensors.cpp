@@ -164,6 +164,73 @@ Expected<DType> parse_safetensors_dtype(std::string_view name) {
                           " is not supported (supported: F32, F16, BF16)");
 }
 
+Expected<SafetensorsHeader> parse_safetensors_header(std::span<const uint8_t> file,
+                                                     const std::string& origin) {
+  const uint64_t size = file.size();
+  if (size < 8) {
+    return invalid_argument(origin + ": file is " + std::to_string(size) +
+                            " bytes, too short for a safetensors header (truncated?)");
+  }
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | file[i];
+  if (header_len > kMaxSafetensorsHeaderBytes) {
+    return invalid_argument(origin + ": header length " + std::to_string(header_len) +
+                            " is over the " + std::to_string(kMaxSafetensorsHeaderBytes) +
+                            "-byte limit (not a safetensors file?)");
+  }
+  if (header_len > size - 8) {
+    return invalid_argument(origin + ": header length " + std::to_string(header_len) +
+                            " runs past the end of the file (" + std::to_string(size) +
+                            " bytes; truncated, or not a safetensors file)");
+  }
+  SafetensorsHeader out;
+  out.data_offset = 8 + header_len;
+  const uint64_t data_size = size - out.data_offset;
+  std::string_view text(reinterpret_cast<const char*>(file.data() + 8), header_len);
+  while (!text.empty() && (text.back() == ' ' || text.back() == '\0')) text.remove_suffix(1);
+  if (text.empty() || text.front() != '{') {
+    return invalid_argument(origin + ": header is not a JSON object (not a safetensors file?)");
+  }
+  json header;
+  try {
+    header = json::parse(text);
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
+    return invalid_argument(origin + ": header is not valid JSON (" + e.what() + ")");
+  }
+  if (!header.is_object()) return invalid_argument(origin + ": header is not a JSON object");
+
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (!it->is_object()) return invalid_argument(origin + ": __metadata__ must be an object");
+      for (auto m = it->begin(); m != it->end(); ++m) {
+        if (!m->is_string()) {
+          return invalid_argument(origin + ": __metadata__['" + m.key() + "'] must be a string");
+        }
+        out.metadata[m.key()] = m->get<std::string>();
+      }
+      continue;
+    }
+    TESSERA_ASSIGN_OR_RETURN(SafetensorsEntry e, parse_entry(it.key(), *it, origin, data_size));
+    out.entries.push_back(std::move(e));
+  }
+  std::sort(out.entries.begin(), out.entries.end(), [](const auto& a, const auto& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  // Sorted by begin, so an overlap is always between neighbours (ignoring empty tensors).
+  const SafetensorsEntry* prev = nullptr;
+  for (const SafetensorsEntry& e : out.entries) {
+    if (e.begin == e.end) continue;
+    if (prev != nullptr && e.begin < prev->end) {
+      return invalid_argument(origin + ": tensor '" + e.name + "' data_offsets [" +
+                              std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                              "] overlap tensor '" + prev->name + "' [" +
+                              std::to_string(prev->begin) + ", " + std::to_string(prev->end) + "]");
+    }
+    prev = &e;
+  }
+  return out;
+}
+
 // ---- SafetensorsFile --------------------------------------------------------------------------
 
 SafetensorsFile::~SafetensorsFile() {
@@ -199,63 +266,11 @@ Expected<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::stri
   f->path_ = path;
   f->map_ = static_cast<const uint8_t*>(map);
   f->size_ = size;
-
-  uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | f->map_[i];
-  if (header_len > kMaxSafetensorsHeaderBytes) {
-    return invalid_argument(path + ": header length " + std::to_string(header_len) +
-                            " is over the " + std::to_string(kMaxSafetensorsHeaderBytes) +
-                            "-byte limit (not a safetensors file?)");
-  }
-  if (header_len > size - 8) {
-    return invalid_argument(path + ": header length " + std::to_string(header_len) +
-                            " runs past the end of the file (" + std::to_string(size) +
-                            " bytes; truncated, or not a safetensors file)");
-  }
-  f->data_offset_ = 8 + header_len;
-  const uint64_t data_size = size - f->data_offset_;
-  std::string_view text(reinterpret_cast<const char*>(f->map_ + 8), header_len);
-  while (!text.empty() && (text.back() == ' ' || text.back() == '\0')) text.remove_suffix(1);
-  if (text.empty() || text.front() != '{') {
-    return invalid_argument(path + ": header is not a JSON object (not a safetensors file?)");
-  }
-  json header;
-  try {
-    header = json::parse(text);
-  } catch (const json::parse_error& e) {
-    return invalid_argument(path + ": header is not valid JSON (" + e.what() + ")");
-  }
-  if (!header.is_object()) return invalid_argument(path + ": header is not a JSON object");
-
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      if (!it->is_object()) return invalid_argument(path + ": __metadata__ must be an object");
-      for (auto m = it->begin(); m != it->end(); ++m) {
-        if (!m->is_string()) {
-          return invalid_argument(path + ": __metadata__['" + m.key() + "'] must be a string");
-        }
-        f->metadata_[m.key()] = m->get<std::string>();
-      }
-      continue;
-    }
-    TESSERA_ASSIGN_OR_RETURN(SafetensorsEntry e, parse_entry(it.key(), *it, path, data_size));
-    f->entries_.push_back(std::move(e));
-  }
-  std::sort(f->entries_.begin(), f->entries_.end(), [](const auto& a, const auto& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  // Sorted by begin, so an overlap is always between neighbours (ignoring empty tensors).
-  const SafetensorsEntry* prev = nullptr;
-  for (const SafetensorsEntry& e : f->entries_) {
-    if (e.begin == e.end) continue;
-    if (prev != nullptr && e.begin < prev->end) {
-      return invalid_argument(path + ": tensor '" + e.name + "' data_offsets [" +
-                              std::to_string(e.begin) + ", " + std::to_string(e.end) +
-                              "] overlap tensor '" + prev->name + "' [" +
-                              std::to_string(prev->begin) + ", " + std::to_string(prev->end) + "]");
-    }
-    prev = &e;
-  }
+  TESSERA_ASSIGN_OR_RETURN(SafetensorsHeader header,
+                           parse_safetensors_header(std::span(f->map_, size), path));
+  f->data_offset_ = header.data_offset;
+  f->entries_ = std::move(header.entries);
+  f->metadata_ = std::move(header.metadata);
   for (size_t i = 0; i < f->entries_.size(); ++i) f->index_[f->entries_[i].name] = i;
   return f;
 }
@@ -321,7 +336,7 @@ Expected<std::unique_ptr<Checkpoint>> Checkpoint::open(const std::string& model_
   json index;
   try {
     index = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
     return invalid_argument(index_path + ": not valid JSON (" + e.what() + ")");
   }
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {

@@ -42,6 +42,21 @@ struct SafetensorsEntry {
   uint64_t end = 0;
 };
 
+// What a safetensors header says, validated against the size of its file.
+struct SafetensorsHeader {
+  uint64_t data_offset = 0;                     // 8 + header length
+  std::vector<SafetensorsEntry> entries;        // ordered by begin offset
+  std::map<std::string, std::string> metadata;  // "__metadata__" (empty when absent)
+};
+
+// Parses and validates the header of the safetensors file whose bytes are `file` (all of them:
+// the data region's size bounds the offsets); `origin` (the path) starts every error message.
+// Checks are those of SafetensorsFile::open; a file shorter than 8 bytes, a header length over
+// kMaxSafetensorsHeaderBytes or past the end, a header that is not a JSON object, or any bad
+// entry → INVALID_ARGUMENT naming `origin` (and the tensor). Never throws.
+Expected<SafetensorsHeader> parse_safetensors_header(std::span<const uint8_t> file,
+                                                     const std::string& origin);
+
 // A safetensors file mapped read-only. The header is fully validated by open(): dtypes are
 // F32/F16/BF16, shapes are non-negative, offsets lie inside the data region, each tensor's byte
 // size is numel × dtype size and no two tensors overlap (gaps are allowed). Views returned point

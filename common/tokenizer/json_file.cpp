@@ -25,7 +25,7 @@ Expected<std::string> read_text_file(const std::string& path) {
 Expected<nlohmann::json> parse_json(std::string_view text, std::string_view origin) {
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
     return invalid_argument(std::string(origin) + ": malformed JSON: " + e.what());
   }
 }

@@ -6,6 +6,8 @@
 //   tessera stop                                     stop the daemons started here
 //   tessera generate --model DIR --prompt TEXT       one completion, end to end
 //   tessera make-model --arch A --preset P ...       a seeded random checkpoint of real shape
+//   tessera topo [--address HEAD:PORT] [--json]      GPU links per node, TP sizes on NVLink
+//   tessera plan --model DIR -tp T -pp P ...         TP x PP split, placement, memory per GPU
 //
 // Exit codes (decided here only): 0 success, 1 the operation failed, 2 bad usage.
 #include <CLI/CLI.hpp>
@@ -15,10 +17,12 @@
 
 #include "common/logging.h"
 #include "common/session.h"
+#include "daemon/resources.h"
 #include "daemon/start.h"
 #include "driver/bench.h"
 #include "driver/generate.h"
 #include "driver/make_model/make_model.h"
+#include "driver/plan/plan_command.h"
 #include "driver/status.h"
 #include "protocol/auth.h"
 #include "protocol/rpc.h"
@@ -155,6 +159,12 @@ int main(int argc, char** argv) {
     cmd->add_option("--max-num-seqs", e.max_num_seqs, "Most sequences in a step (256)");
     cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens,
                     "Most tokens in a step (default max(max-model-len, 2048), at most 16384)");
+    tessera::add_parallel_options(cmd, e.parallel);
+    cmd->add_option("--collectives", e.collectives,
+                    "auto|tcp|nccl|ipc: how the ranks talk (auto: tcp for CPU actors, nccl across "
+                    "GPUs, ipc when ranks share a GPU)");
+    cmd->add_option("--nccl-init-timeout", e.nccl_init_timeout_s,
+                    "Seconds every rank has to join the collectives at start-up (120)");
   };
 
   tessera::GenerateOptions gen;
@@ -201,10 +211,17 @@ int main(int argc, char** argv) {
   tessera::MakeModelOptions make;
   auto* make_cmd = tessera::add_make_model_subcommand(app, make);
 
+  tessera::TopoOptions topo_opts;
+  auto* topo_cmd = tessera::add_topo_subcommand(app, topo_opts);
+  tessera::PlanOptions plan_opts;
+  plan_opts.describe_this_machine = [] { return tessera::discover_resources(); };
+  auto* plan_cmd = tessera::add_plan_subcommand(app, plan_opts);
+
   auto* version_cmd = app.add_subcommand("version", "Print the version and protocol version");
 
+  tessera::ParallelFlagArgv args(argc, argv);  // vLLM's -tp / -pp, which CLI11 cannot define
   try {
-    app.parse(argc, argv);
+    app.parse(args.argc(), args.argv());
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
@@ -239,6 +256,8 @@ int main(int argc, char** argv) {
   if (*status_cmd) {
     return status_command(status_address, status_temp, status_token, status_json);
   }
+  if (*topo_cmd) return tessera::topo_command(topo_opts);
+  if (*plan_cmd) return tessera::plan_command(plan_opts);
   if (*version_cmd) {
     std::cout << "tessera " << TESSERA_VERSION << " (protocol v" << tessera::rpc::kProtocolVersion
               << ")\n";

@@ -5,52 +5,6 @@
 
 namespace tessera {
 
-Status validate_sampling(const SamplingOptions& s, int64_t vocab_size) {
-  if (!(s.temperature >= 0.0f) || !std::isfinite(s.temperature)) {
-    return invalid_argument("temperature must be a number >= 0, got " +
-                            std::to_string(s.temperature));
-  }
-  if (!(s.top_p > 0.0f && s.top_p <= 1.0f)) {
-    return invalid_argument("top_p must be in (0, 1], got " + std::to_string(s.top_p));
-  }
-  if (s.top_k == 0 || s.top_k < -1) {
-    return invalid_argument("top_k must be -1 (off) or at least 1, got " + std::to_string(s.top_k));
-  }
-  if (!(s.min_p >= 0.0f && s.min_p <= 1.0f)) {
-    return invalid_argument("min_p must be in [0, 1], got " + std::to_string(s.min_p));
-  }
-  if (!(s.repetition_penalty > 0.0f && s.repetition_penalty <= 2.0f)) {
-    return invalid_argument("repetition_penalty must be in (0, 2], got " +
-                            std::to_string(s.repetition_penalty));
-  }
-  if (!(s.presence_penalty >= -2.0f && s.presence_penalty <= 2.0f)) {
-    return invalid_argument("presence_penalty must be in [-2, 2], got " +
-                            std::to_string(s.presence_penalty));
-  }
-  if (!(s.frequency_penalty >= -2.0f && s.frequency_penalty <= 2.0f)) {
-    return invalid_argument("frequency_penalty must be in [-2, 2], got " +
-                            std::to_string(s.frequency_penalty));
-  }
-  if (s.max_tokens < 1) {
-    return invalid_argument("max_tokens must be at least 1, got " + std::to_string(s.max_tokens));
-  }
-  if (s.logprobs < -1 || s.logprobs > 20) {
-    return invalid_argument("logprobs must be between 0 and 20 (or -1 for none), got " +
-                            std::to_string(s.logprobs));
-  }
-  for (int32_t id : s.stop_token_ids) {
-    if (id < 0 || (vocab_size > 0 && id >= vocab_size)) {
-      return invalid_argument(
-          "stop token id " + std::to_string(id) + " is outside the vocabulary" +
-          (vocab_size > 0 ? " (" + std::to_string(vocab_size) + " tokens)" : std::string()));
-    }
-  }
-  for (const auto& stop : s.stop) {
-    if (stop.empty()) return invalid_argument("stop strings must not be empty");
-  }
-  return Status::ok();
-}
-
 LlmEngine::LlmEngine(EngineConfig config, StepExecutor& executor, const Detokenizer& detokenizer)
     : config_(std::move(config)),
       executor_(executor),
@@ -58,7 +12,7 @@ LlmEngine::LlmEngine(EngineConfig config, StepExecutor& executor, const Detokeni
       blocks_(config_.num_blocks, config_.block_size),
       scheduler_(config_.scheduler, blocks_) {}
 
-Expected<uint64_t> LlmEngine::add_request(std::vector<int32_t> prompt, SamplingOptions sampling) {
+Expected<uint64_t> LlmEngine::add_request(std::vector<int32_t> prompt, SamplingParams sampling) {
   if (prompt.empty()) return invalid_argument("the prompt is empty");
   const size_t max_len = config_.scheduler.max_model_len;
   if (prompt.size() >= max_len) {
@@ -78,7 +32,7 @@ Expected<uint64_t> LlmEngine::add_request(std::vector<int32_t> prompt, SamplingO
                               std::to_string(config_.vocab_size) + " tokens)");
     }
   }
-  TESSERA_RETURN_IF_ERROR(validate_sampling(sampling, config_.vocab_size));
+  TESSERA_RETURN_IF_ERROR(sampling.validate(config_.vocab_size));
   auto seq = std::make_unique<Sequence>();
   seq->id = next_id_++;
   seq->prompt = std::move(prompt);
@@ -88,61 +42,91 @@ Expected<uint64_t> LlmEngine::add_request(std::vector<int32_t> prompt, SamplingO
   return id;
 }
 
+StepInput LlmEngine::make_step(const std::vector<ScheduledChunk>& chunks) {
+  StepInput step;
+  step.step_id = next_step_++;
+  step.finished = std::move(finished_since_last_step_);
+  finished_since_last_step_.clear();
+  for (const auto& c : chunks) {
+    Sequence& seq = *c.seq;
+    SeqStep s;
+    s.request_id = seq.id;
+    for (size_t i = c.start; i < c.start + c.count; ++i) s.tokens.push_back(seq.token_at(i));
+    s.start_position = static_cast<int64_t>(c.start);
+    s.new_blocks.assign(seq.block_table.begin() + static_cast<std::ptrdiff_t>(seq.sent_blocks),
+                        seq.block_table.end());
+    seq.sent_blocks = seq.block_table.size();
+    s.sample = c.sample;
+    s.first = !seq.started;
+    if (s.first) {
+      s.prompt_len = static_cast<int64_t>(seq.prompt.size());
+      s.sampling = seq.sampling;
+      seq.started = true;
+    }
+    step.seqs.push_back(std::move(s));
+  }
+  return step;
+}
+
+void LlmEngine::fail(const std::vector<ScheduledChunk>& chunks, const Status& why,
+                     std::vector<RequestOutput>& outputs) {
+  for (const auto& c : chunks) {
+    auto seq = scheduler_.finish(c.seq->id);
+    if (!seq) continue;
+    RequestOutput out;
+    out.request_id = seq->id;
+    out.finished = true;
+    out.finish_reason = "error: " + why.message();
+    out.prompt_tokens = seq->prompt.size();
+    out.completion_tokens = seq->output.size();
+    finished_since_last_step_.push_back(seq->id);
+    outputs.push_back(std::move(out));
+  }
+}
+
 Expected<std::vector<RequestOutput>> LlmEngine::step() {
-  std::vector<ScheduledChunk> chunks = scheduler_.schedule();
   std::vector<RequestOutput> outputs;
-  if (chunks.empty()) {
+  // Fill the pipeline: one step per stage can be in flight, each with other sequences.
+  while (static_cast<int>(in_flight_.size()) < executor_.pipeline_depth()) {
+    std::vector<ScheduledChunk> chunks = scheduler_.schedule();
+    if (chunks.empty()) break;
+    Status sent = executor_.submit(make_step(chunks));
+    if (!sent) {
+      for (const auto& c : chunks) c.seq->in_flight = false;
+      fail(chunks, sent, outputs);
+      return outputs;
+    }
+    in_flight_.push_back(std::move(chunks));
+  }
+  if (in_flight_.empty()) {
     if (!scheduler_.idle() && scheduler_.running() == 0) {
       return resource_exhausted("no request fits in the free KV-cache blocks");
     }
     return outputs;
   }
-  StepBatch batch;
-  batch.finished = std::move(finished_since_last_step_);
-  finished_since_last_step_.clear();
-  for (const auto& c : chunks) {
-    SeqWork w;
-    w.request_id = c.seq->id;
-    for (size_t i = c.start; i < c.start + c.count; ++i) w.tokens.push_back(c.seq->token_at(i));
-    w.start_position = static_cast<uint32_t>(c.start);
-    w.block_table = c.seq->block_table;
-    w.sample = c.sample;
-    w.first = !c.seq->started;
-    if (w.first) {
-      w.prompt = c.seq->prompt;
-      w.sampling = c.seq->sampling;
-    }
-    batch.seqs.push_back(std::move(w));
-  }
-  auto result = executor_.execute(batch);
+  std::vector<ScheduledChunk> chunks = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  for (const auto& c : chunks) c.seq->in_flight = false;
+  auto result = executor_.collect();
   if (!result) {
     // The step failed: every request in it fails, the others (and the engine) go on.
-    for (const auto& c : chunks) {
-      auto seq = scheduler_.finish(c.seq->id);
-      RequestOutput out;
-      out.request_id = seq->id;
-      out.finished = true;
-      out.finish_reason = "error: " + result.status().message();
-      out.prompt_tokens = seq->prompt.size();
-      out.completion_tokens = seq->output.size();
-      finished_since_last_step_.push_back(seq->id);
-      outputs.push_back(std::move(out));
-    }
+    fail(chunks, result.status(), outputs);
     return outputs;
   }
   size_t next = 0;
   std::vector<uint64_t> done;
   for (const auto& c : chunks) {
-    c.seq->started = true;
     c.seq->computed = c.start + c.count;
     if (!c.sample) continue;
-    if (next >= result->sampled.size() || result->sampled[next].request_id != c.seq->id) {
-      return internal_error("the actor returned " + std::to_string(result->sampled.size()) +
+    if (next >= result->outputs.size() || result->outputs[next].request_id != c.seq->id) {
+      return internal_error("the actors returned " + std::to_string(result->outputs.size()) +
                             " samples for a step that asked for more, or out of order");
     }
+    const SampleResult& sampled = result->outputs[next++].sample;
+    TokenLogprobs token{sampled.token, sampled.logprob, sampled.top_logprobs};
     RequestOutput out;
     out.request_id = c.seq->id;
-    postprocess(*c.seq, result->sampled[next++].token, out);
+    postprocess(*c.seq, token, out);
     if (out.finished) done.push_back(c.seq->id);
     outputs.push_back(std::move(out));
   }
@@ -154,7 +138,7 @@ Expected<std::vector<RequestOutput>> LlmEngine::step() {
 }
 
 void LlmEngine::postprocess(Sequence& seq, const TokenLogprobs& sampled, RequestOutput& out) {
-  const SamplingOptions& s = seq.sampling;
+  const SamplingParams& s = seq.sampling;
   seq.output.push_back(sampled.token);
   out.new_tokens.push_back(sampled.token);
   if (s.logprobs >= 0) {

@@ -8,48 +8,30 @@
 
 #include <cstdint>
 #include <functional>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "common/step.h"
 #include "driver/engine/block_manager.h"
 #include "driver/engine/scheduler.h"
 #include "driver/engine/sequence.h"
 
 namespace tessera {
 
-// One sequence's work in a step, as the actors need it.
-struct SeqWork {
-  uint64_t request_id = 0;
-  std::vector<int32_t> tokens;        // the tokens computed in this step
-  uint32_t start_position = 0;        // position of tokens[0]
-  std::vector<uint32_t> block_table;  // the sequence's blocks so far
-  bool sample = false;
-  bool first = false;  // first step of the request: prompt and sampling follow
-  std::vector<int32_t> prompt;
-  SamplingOptions sampling;
-};
-
-struct StepBatch {
-  std::vector<SeqWork> seqs;
-  std::vector<uint64_t> finished;  // requests the actors may forget
-};
-
-struct SampledToken {
-  uint64_t request_id = 0;
-  TokenLogprobs token;
-};
-
-struct StepResult {
-  std::vector<SampledToken> sampled;  // one per SeqWork with sample = true, in order
-};
-
+// Runs steps on the model's actors (the worker group in production, a fake in tests). Steps
+// complete in the order they were submitted; up to pipeline_depth() may be in flight at once
+// (the number of pipeline stages: each stage works on a different step).
 class StepExecutor {
  public:
   virtual ~StepExecutor() = default;
-  virtual Expected<StepResult> execute(const StepBatch& batch) = 0;
+  virtual Status submit(StepInput step) = 0;
+  // The output of the oldest submitted step not collected yet.
+  virtual Expected<StepOutput> collect() = 0;
+  virtual int pipeline_depth() const { return 1; }
 };
 
 // Turns token ids into text; the tokenizer behind it is the model's.
@@ -78,24 +60,26 @@ struct RequestOutput {
   size_t completion_tokens = 0;
 };
 
-// Checks a request's sampling options; messages follow the OpenAI/vLLM wording.
-Status validate_sampling(const SamplingOptions& s, int64_t vocab_size = 0);
-
 class LlmEngine {
  public:
   LlmEngine(EngineConfig config, StepExecutor& executor, const Detokenizer& detokenizer);
 
   // Queues a request. INVALID_ARGUMENT for an empty prompt, a prompt that leaves no room in
   // max_model_len, token ids outside the vocabulary, or bad sampling options.
-  Expected<uint64_t> add_request(std::vector<int32_t> prompt, SamplingOptions sampling);
-  // Runs one step; returns the requests that produced output. A failed step fails the
-  // requests that were in it (finish_reason "error: ...") and the engine goes on.
+  Expected<uint64_t> add_request(std::vector<int32_t> prompt, SamplingParams sampling);
+  // Submits steps until pipeline_depth() are in flight (or nothing more can run), then collects
+  // the oldest and returns the requests that produced output. A failed step fails the requests
+  // that were in it (finish_reason "error: ...") and the engine goes on.
   Expected<std::vector<RequestOutput>> step();
   bool has_unfinished() const { return !scheduler_.idle(); }
   const EngineConfig& config() const { return config_; }
 
  private:
   void postprocess(Sequence& seq, const TokenLogprobs& sampled, RequestOutput& out);
+  // The actors' view of the scheduled chunks: new tokens and blocks only, sampling on first.
+  StepInput make_step(const std::vector<ScheduledChunk>& chunks);
+  void fail(const std::vector<ScheduledChunk>& chunks, const Status& why,
+            std::vector<RequestOutput>& outputs);
 
   EngineConfig config_;
   StepExecutor& executor_;
@@ -103,7 +87,9 @@ class LlmEngine {
   BlockManager blocks_;
   Scheduler scheduler_;
   uint64_t next_id_ = 1;
+  uint64_t next_step_ = 1;
   std::vector<uint64_t> finished_since_last_step_;
+  std::deque<std::vector<ScheduledChunk>> in_flight_;  // submitted steps, oldest first
 };
 
 }  // namespace tessera

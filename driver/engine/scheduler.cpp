@@ -18,12 +18,14 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
   // Running sequences: the rest of a chunked prompt, or one decode token.
   for (auto& seq : running_) {
     if (budget == 0) break;
+    if (seq->in_flight) continue;  // its previous step is still in the pipeline
     size_t remaining = seq->total() - seq->computed;
     size_t count = std::min(remaining, budget);
     if (count == 0) continue;
     if (!blocks_.can_grow(*seq, seq->computed + count)) continue;  // waits for blocks
     blocks_.grow(*seq, seq->computed + count);
     out.push_back({seq.get(), seq->computed, count, seq->computed + count == seq->total()});
+    seq->in_flight = true;
     budget -= count;
   }
   // Admit waiting sequences in arrival order while budget, seats and blocks last.
@@ -33,6 +35,7 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
     if (!blocks_.can_grow(seq, seq.computed + count)) break;
     blocks_.grow(seq, seq.computed + count);
     seq.status = SeqStatus::kRunning;
+    seq.in_flight = true;
     out.push_back({&seq, seq.computed, count, seq.computed + count == seq.total()});
     budget -= count;
     running_.push_back(std::move(waiting_.front()));

@@ -2,7 +2,9 @@
 //
 // Each step first gives every running sequence its next token (decode), then admits waiting
 // sequences' prompts in chunks while the token budget and the free KV blocks allow (chunked
-// prefill). A sequence whose next block cannot be had waits (it is not preempted yet).
+// prefill). A sequence whose next block cannot be had waits (it is not preempted yet). A
+// sequence is "in flight" from the step that schedules it until the engine has its result
+// (pipeline parallelism keeps several steps in flight): it is not scheduled again meanwhile.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +35,7 @@ class Scheduler {
   Scheduler(SchedulerConfig config, BlockManager& blocks);
 
   void add(std::unique_ptr<Sequence> seq);
-  // The next step's work; empty when nothing can run.
+  // The next step's work (its sequences are marked in flight); empty when nothing can run.
   std::vector<ScheduledChunk> schedule();
   // Marks a sequence finished and frees its blocks; it is handed back to the caller.
   std::unique_ptr<Sequence> finish(uint64_t id);

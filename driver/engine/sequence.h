@@ -7,25 +7,9 @@
 #include <string>
 #include <vector>
 
-namespace tessera {
+#include "common/sampling_params.h"
 
-// What a request asks of generation (OpenAI/vLLM semantics).
-struct SamplingOptions {
-  float temperature = 1.0f;  // 0 = greedy
-  float top_p = 1.0f;
-  int top_k = -1;            // -1 = off
-  float min_p = 0.0f;
-  std::optional<uint64_t> seed;
-  float repetition_penalty = 1.0f;
-  float presence_penalty = 0.0f;
-  float frequency_penalty = 0.0f;
-  int logprobs = -1;         // -1 = off, else top-N alternatives per token
-  int max_tokens = 16;
-  bool ignore_eos = false;
-  std::vector<int32_t> stop_token_ids;
-  std::vector<std::string> stop;  // stop strings; the output ends before them
-  bool skip_special_tokens = true;
-};
+namespace tessera {
 
 enum class SeqStatus { kWaiting, kRunning, kFinished };
 
@@ -39,11 +23,13 @@ struct Sequence {
   uint64_t id = 0;
   std::vector<int32_t> prompt;
   std::vector<int32_t> output;
-  SamplingOptions sampling;
+  SamplingParams sampling;
   SeqStatus status = SeqStatus::kWaiting;
   std::vector<uint32_t> block_table;
   size_t computed = 0;     // tokens whose K/V are in the cache
-  bool started = false;    // the actor has seen this request's first step
+  bool started = false;    // its first step was sent to the actors
+  size_t sent_blocks = 0;  // block_table entries the actors have been sent
+  bool in_flight = false;  // in a step submitted and not collected yet
   std::string text;        // detokenized output so far (before stop-string truncation)
   size_t emitted = 0;      // chars of `text` already handed to the caller
   std::string finish_reason;  // "stop", "length", "abort: ..."

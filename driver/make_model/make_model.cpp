@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/safetensors.h"
 
 namespace tessera {

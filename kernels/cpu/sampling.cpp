@@ -12,13 +12,6 @@ namespace {
 constexpr float kSamplingEps = 1e-5f;  // vLLM's _SAMPLING_EPS: below it, greedy
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-std::string num(double v) {
-  std::string s = std::to_string(v);
-  s.erase(s.find_last_not_of('0') + 1);
-  if (!s.empty() && s.back() == '.') s.pop_back();
-  return s;
-}
-
 // Strict weak order "ranks higher": larger logit first, lower id among equals. Only called on
 // logits without NaN.
 struct RanksHigher {
@@ -134,37 +127,6 @@ int64_t select_candidates(const float* l, int64_t vocab, const SamplingParams& p
 }
 
 }  // namespace
-
-Status SamplingParams::validate() const {
-  if (!(temperature >= 0.0f) || !std::isfinite(temperature)) {
-    return invalid_argument("temperature must be a non-negative number, got " + num(temperature));
-  }
-  if (top_k == 0 || top_k < -1) {
-    return invalid_argument("top_k must be -1 (disabled) or at least 1, got " +
-                            std::to_string(top_k));
-  }
-  if (!(top_p > 0.0f && top_p <= 1.0f)) {
-    return invalid_argument("top_p must be in (0, 1], got " + num(top_p));
-  }
-  if (!(min_p >= 0.0f && min_p <= 1.0f)) {
-    return invalid_argument("min_p must be in [0, 1], got " + num(min_p));
-  }
-  if (!(repetition_penalty > 0.0f) || !std::isfinite(repetition_penalty)) {
-    return invalid_argument("repetition_penalty must be a number greater than zero, got " +
-                            num(repetition_penalty));
-  }
-  if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f)) {
-    return invalid_argument("presence_penalty must be in [-2, 2], got " + num(presence_penalty));
-  }
-  if (!(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f)) {
-    return invalid_argument("frequency_penalty must be in [-2, 2], got " + num(frequency_penalty));
-  }
-  if (logprobs < -1) {
-    return invalid_argument("logprobs must be -1 (disabled) or non-negative, got " +
-                            std::to_string(logprobs));
-  }
-  return Status::ok();
-}
 
 Status apply_penalties(std::span<float> logits, std::span<const int32_t> prompt_ids,
                        std::span<const int32_t> output_ids, const SamplingParams& params) {

@@ -28,35 +28,14 @@
 #include <utility>
 #include <vector>
 
+#include "common/sampling_params.h"
 #include "common/status.h"
 
 namespace tessera::cpu {
 
-struct SamplingParams {
-  float temperature = 1.0f;         // >= 0; < 1e-5 means greedy
-  int top_k = -1;                   // -1 = off, else >= 1 (>= vocab is off too)
-  float top_p = 1.0f;               // (0, 1]; 1 = off
-  float min_p = 0.0f;               // [0, 1]; 0 = off
-  std::optional<uint64_t> seed;     // same seed, same logits -> same tokens; unset = random
-  float repetition_penalty = 1.0f;  // > 0; 1 = off
-  float presence_penalty = 0.0f;    // [-2, 2]
-  float frequency_penalty = 0.0f;   // [-2, 2]
-  int logprobs = -1;                // -1 = off; N >= 0: the sampled token's logprob and the top N
+// Requests sample with tessera::SamplingParams (common/sampling_params.h): its per-token fields
+// are what this sampler reads.
 
-  // INVALID_ARGUMENT naming the field, its range and the value when out of range (the ranges
-  // vLLM's SamplingParams accepts; top_k = 0 is refused rather than read as "off"). The cap on
-  // `logprobs` (vLLM's max_logprobs) is the server's to apply.
-  Status validate() const;
-};
-
-struct SampleResult {
-  int32_t token = -1;
-  // Raw logprob of `token` (see 1. above) when params.logprobs >= 0, NaN otherwise.
-  float logprob = 0.0f;
-  // The params.logprobs highest raw logprobs (fewer if the vocabulary is smaller), sorted by
-  // logprob descending, ties by id ascending; may or may not include `token`.
-  std::vector<std::pair<int32_t, float>> top_logprobs;
-};
 
 // Step 2 alone, in place (the oracle for a GPU penalties kernel):
 //   logits:     [vocab] fp32, in place

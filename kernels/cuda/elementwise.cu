@@ -459,6 +459,29 @@ __global__ void convert_kernel(const From* __restrict__ src, To* __restrict__ ds
   }
 }
 
+// ---- vocabulary-parallel embedding, residual add ----
+
+template <typename T>
+__global__ void embedding_shard_kernel(const int32_t* __restrict__ ids, int64_t num_tokens,
+                                       const T* __restrict__ table, int64_t first_id,
+                                       int64_t rows, int64_t hidden, T* __restrict__ out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= hidden) return;
+  for (int64_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
+    const int64_t r = static_cast<int64_t>(ids[t]) - first_id;
+    out[t * hidden + c] = (r >= 0 && r < rows) ? table[r * hidden + c] : dev::from_float<T>(0.0f);
+  }
+}
+
+template <typename T>
+__global__ void add_residual_kernel(const T* __restrict__ x, T* __restrict__ residual, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    residual[i] = dev::from_float<T>(dev::to_float(residual[i]) + dev::to_float(x[i]));
+  }
+}
+
 }  // namespace
 
 Status embedding(DType dtype, const int32_t* ids, int64_t num_tokens, const void* table,
@@ -474,6 +497,47 @@ Status embedding(DType dtype, const int32_t* ids, int64_t num_tokens, const void
   TESSERA_RETURN_IF_ERROR(check_not_null(out, kOp, "out"));
   return copy_rows(dtype, table, vocab, ids, num_tokens, hidden, out, stream,
                    "embedding (copy_rows_kernel)");
+}
+
+Status embedding_shard(DType dtype, const int32_t* ids, int64_t num_tokens, const void* table,
+                       int64_t first_id, int64_t rows, int64_t hidden, void* out,
+                       cudaStream_t stream) {
+  constexpr const char* kOp = "embedding_shard";
+  TESSERA_RETURN_IF_ERROR(check_half_dtype(dtype, kOp));
+  TESSERA_RETURN_IF_ERROR(check_non_negative(num_tokens, kOp, "num_tokens"));
+  TESSERA_RETURN_IF_ERROR(check_non_negative(rows, kOp, "rows"));
+  TESSERA_RETURN_IF_ERROR(check_positive(hidden, kOp, "hidden"));
+  if (num_tokens == 0) return Status::ok();
+  TESSERA_RETURN_IF_ERROR(check_not_null(ids, kOp, "ids"));
+  TESSERA_RETURN_IF_ERROR(check_not_null(out, kOp, "out"));
+  if (rows > 0) TESSERA_RETURN_IF_ERROR(check_not_null(table, kOp, "table"));
+  return with_half_type(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int kThreads = 128;
+    const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kThreads)),
+                    static_cast<unsigned>(std::min(num_tokens, kMaxGridY)));
+    embedding_shard_kernel<T><<<grid, kThreads, 0, stream>>>(
+        ids, num_tokens, static_cast<const T*>(table), first_id, rows, hidden,
+        static_cast<T*>(out));
+    return launch_status("embedding_shard_kernel");
+  });
+}
+
+Status add_residual(DType dtype, const void* x, void* residual, int64_t n, cudaStream_t stream) {
+  constexpr const char* kOp = "add_residual";
+  TESSERA_RETURN_IF_ERROR(check_half_dtype(dtype, kOp));
+  TESSERA_RETURN_IF_ERROR(check_non_negative(n, kOp, "n"));
+  if (n == 0) return Status::ok();
+  TESSERA_RETURN_IF_ERROR(check_not_null(x, kOp, "x"));
+  TESSERA_RETURN_IF_ERROR(check_not_null(residual, kOp, "residual"));
+  return with_half_type(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int kThreads = 256;
+    const int64_t blocks = std::min<int64_t>(ceil_div(n, kThreads), 65536);
+    add_residual_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<T*>(residual), n);
+    return launch_status("add_residual_kernel");
+  });
 }
 
 Status gather_rows(DType dtype, const void* src, int64_t src_rows, const int32_t* rows,

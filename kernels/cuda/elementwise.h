@@ -26,6 +26,21 @@ namespace tessera::cuda {
 Status embedding(DType dtype, const int32_t* ids, int64_t num_tokens, const void* table,
                  int64_t vocab, int64_t hidden, void* out, cudaStream_t stream);
 
+// The vocabulary-parallel embedding of one tensor-parallel rank: out[t, :] = table[ids[t] -
+// first_id, :] for ids in [first_id, first_id + rows), zeros for every other id (another rank
+// holds it; the group's all-reduce completes the row).
+//   ids:   [num_tokens] int32
+//   table: [rows, hidden] dtype (this rank's rows of the vocabulary)
+//   out:   [num_tokens, hidden] dtype
+Status embedding_shard(DType dtype, const int32_t* ids, int64_t num_tokens, const void* table,
+                       int64_t first_id, int64_t rows, int64_t hidden, void* out,
+                       cudaStream_t stream);
+
+// residual += x, rounded to the dtype once (what add_rms_norm writes to residual), for the
+// residual stream a pipeline stage hands to the next.
+//   x, residual: [n] dtype (kBF16 / kF16)
+Status add_residual(DType dtype, const void* x, void* residual, int64_t n, cudaStream_t stream);
+
 // dst[r, :] = src[rows[r], :]  (picks the rows whose logits are needed)
 //   rows: [num_rows] int32 in [0, src_rows) (clamped like embedding's ids);
 //   src: [src_rows, width];  dst: [num_rows, width]

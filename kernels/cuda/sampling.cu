@@ -832,7 +832,7 @@ Status GpuSampler::argmax(const float* logits, int rows, int32_t* ids, cudaStrea
   return launch_status("argmax_kernel");
 }
 
-Expected<std::vector<cpu::SampleResult>> GpuSampler::sample(float* logits,
+Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
                                                             std::span<const SampleRow> rows) {
   Impl& m = *impl_;
   if (rows.size() > static_cast<size_t>(m.max_rows)) {
@@ -841,7 +841,7 @@ Expected<std::vector<cpu::SampleResult>> GpuSampler::sample(float* logits,
                             std::to_string(m.max_rows));
   }
   const int n = static_cast<int>(rows.size());
-  if (n == 0) return std::vector<cpu::SampleResult>{};
+  if (n == 0) return std::vector<SampleResult>{};
   if (logits == nullptr) return invalid_argument("sample: no logits");
 
   // Validate everything before anything is enqueued.
@@ -852,7 +852,7 @@ Expected<std::vector<cpu::SampleResult>> GpuSampler::sample(float* logits,
   size_t n_ids = 0;
   for (int i = 0; i < n; ++i) {
     const SampleRow& r = rows[i];
-    const cpu::SamplingParams& sp = r.params;
+    const SamplingParams& sp = r.params;
     Status st = sp.validate();
     if (!st.is_ok()) return st.with_context("sample: row " + std::to_string(i));
     if (sp.logprobs > m.max_logprobs) {
@@ -915,7 +915,7 @@ Expected<std::vector<cpu::SampleResult>> GpuSampler::sample(float* logits,
       size_t off = 0;
       for (int i = 0; i < n; ++i) {
         const SampleRow& r = rows[i];
-        const cpu::SamplingParams& sp = r.params;
+        const SamplingParams& sp = r.params;
         const bool use_prompt = sp.repetition_penalty != 1.0f;
         const bool use_output =
             use_prompt || sp.frequency_penalty != 0.0f || sp.presence_penalty != 0.0f;
@@ -994,7 +994,7 @@ Expected<std::vector<cpu::SampleResult>> GpuSampler::sample(float* logits,
 
   const auto* h_results = reinterpret_cast<const RowResult*>(m.host_results.get());
   const auto* h_tops = reinterpret_cast<const TopEntry*>(m.host_results.get() + m.tops_offset());
-  std::vector<cpu::SampleResult> out(static_cast<size_t>(n));
+  std::vector<SampleResult> out(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
     const RowResult& r = h_results[i];
     if (r.status == kRowNoFiniteLogit) {
@@ -1004,7 +1004,7 @@ Expected<std::vector<cpu::SampleResult>> GpuSampler::sample(float* logits,
     if (r.status != kRowOk || r.token < 0 || r.token >= m.vocab) {
       return internal_error("sample: row " + std::to_string(i) + ": the draw found no token");
     }
-    cpu::SampleResult& res = out[i];
+    SampleResult& res = out[i];
     res.token = r.token;
     const int lp = rows[i].params.logprobs;
     if (lp < 0) {

@@ -23,14 +23,14 @@
 #include <vector>
 
 #include "common/status.h"
-#include "kernels/cpu/sampling.h"
+#include "common/sampling_params.h"
 #include "kernels/cuda/cuda_util.h"
 
 namespace tessera::cuda {
 
 // One row of the batch, on the host.
 struct SampleRow {
-  cpu::SamplingParams params;           // validated (params.validate() is OK)
+  SamplingParams params;           // validated (params.validate() is OK)
   uint64_t seed = 0;                    // the request's seed (the caller draws one if unset)
   uint64_t step = 0;                    // tokens this request has sampled before this one
   std::span<const int32_t> prompt_ids;  // repetition penalty (read only when it is != 1)
@@ -60,7 +60,7 @@ class GpuSampler {
   // read (prompt_ids only with a repetition penalty, output_ids only with some penalty on);
   // FAILED_PRECONDITION naming the first row with no finite logit (after the penalties and the
   // temperature; a +inf maximum counts as none for a sampled row). Not thread-safe.
-  Expected<std::vector<cpu::SampleResult>> sample(float* logits, std::span<const SampleRow> rows);
+  Expected<std::vector<SampleResult>> sample(float* logits, std::span<const SampleRow> rows);
 
   // Greedy only (every row temperature 0, no penalties, no logprobs): the argmax of each row
   // (cpu::greedy_argmax: NaN below -inf, ties to the lowest id), without synchronising: ids

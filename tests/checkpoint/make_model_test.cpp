@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <CLI/CLI.hpp>
+
+#include "common/checkpoint/layer_plan.h"
 #include <cmath>
 #include <cstring>
 #include <filesystem>

@@ -1,4 +1,5 @@
 #include "common/checkpoint/model_config.h"
+#include "common/checkpoint/layer_plan.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -266,6 +267,14 @@ TEST(ModelConfigTest, BadValuesNameFileAndField) {
       {{{"eos_token_id", 999999}}, {"eos_token_id", "vocab_size"}},
       {{{"architectures", "LlamaForCausalLM"}}, {"architectures", "list"}},
       {{{"architectures", {"GPT2LMHeadModel"}}}, {"'GPT2LMHeadModel'", "Qwen3ForCausalLM"}},
+      // Sizes whose weight shapes overflow int64: num_attention_heads × head_dim = 2^64 was a
+      // signed overflow in expected_weights (UBSan, through tests/fuzz/model_config_fuzz.cpp).
+      {{{"num_attention_heads", int64_t{1} << 32},
+        {"num_key_value_heads", int64_t{1} << 32},
+        {"head_dim", int64_t{1} << 32}},
+       {"more than 2^48 parameters", "head_dim 4294967296"}},
+      {{{"vocab_size", int64_t{1} << 40}},
+       {"more than 2^48 parameters", "vocab_size 1099511627776"}},
   };
   for (const Case& c : cases) {
     Status st = parse_error(patched(kLlama31_8B, c.patch));
@@ -275,6 +284,10 @@ TEST(ModelConfigTest, BadValuesNameFileAndField) {
     }
   }
   EXPECT_THAT(parse_error("{not json").message(), HasSubstr("config.json: not valid JSON"));
+  // A number out of double's range makes nlohmann throw out_of_range, not parse_error: it used
+  // to escape as an exception (found by the safetensors fuzzer; the same code is here).
+  EXPECT_THAT(parse_error(R"({"vocab_size": 1e999})").message(),
+              HasSubstr("config.json: not valid JSON"));
   EXPECT_THAT(parse_error("[1, 2]").message(), HasSubstr("JSON object"));
   EXPECT_THAT(parse_model_config("{}", "/m/config.json").status().message(),
               HasSubstr("/m/config.json"));

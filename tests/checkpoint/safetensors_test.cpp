@@ -284,6 +284,8 @@ TEST(SafetensorsTest, CorruptFilesGiveErrorsNamingFileAndTensor) {
   EXPECT_THAT(st.message(), HasSubstr("not a JSON object"));
   st = open_error(dir, raw_file("{\"a\": [1, 2,}", 0));
   EXPECT_THAT(st.message(), HasSubstr("not valid JSON"));
+  st = open_error(dir, raw_file("{\"a\": 1e999}", 0));  // out of double's range
+  EXPECT_THAT(st.message(), HasSubstr("not valid JSON"));
   st = open_error(dir, raw_file("{" + entry("BF16", "[4,8]", 0, 64) + "}", 40));
   EXPECT_THAT(st.message(), HasSubstr("tensor '" + t + "': data_offsets [0, 64] run past the end"));
   st = open_error(dir, raw_file("{" + entry("BF16", "[4,8]", 0, 60) + "}", 64));
@@ -318,6 +320,35 @@ TEST(SafetensorsTest, CorruptFilesGiveErrorsNamingFileAndTensor) {
                32));
   EXPECT_TRUE(SafetensorsFile::open(dir / "gap.safetensors").has_value());
   EXPECT_EQ(SafetensorsFile::open(dir / "absent.safetensors").status().code(), Code::kNotFound);
+}
+
+// Inputs the fuzzer (tests/fuzz/safetensors_fuzz.cpp) once crashed on, and the bytes-level
+// parser it drives.
+TEST(SafetensorsTest, HeaderParsedFromBytes) {
+  auto bytes = [](const std::string& s) {
+    return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+  };
+  const std::string file = raw_file(
+      R"({"__metadata__":{"format":"pt"},"b":{"dtype":"F16","shape":[2],"data_offsets":[8,12]},)"
+      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+      12);
+  Expected<SafetensorsHeader> h = parse_safetensors_header(bytes(file), "m.safetensors");
+  ASSERT_TRUE(h.has_value()) << h.status().to_string();
+  EXPECT_EQ(h->data_offset, file.size() - 12);
+  ASSERT_EQ(h->entries.size(), 2u);
+  EXPECT_EQ(h->entries[0].name, "a");  // ordered by offset
+  EXPECT_EQ(h->entries[1].name, "b");
+  EXPECT_EQ(h->metadata.at("format"), "pt");
+
+  // A number too large for a double is a JSON error, not an escaping exception.
+  Status st =
+      parse_safetensors_header(bytes(raw_file(R"({"a":{"dtype":1E400}})", 0)), "m.safetensors")
+          .status();
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("m.safetensors: header is not valid JSON"));
+  EXPECT_THAT(st.message(), HasSubstr("number overflow"));
+  st = parse_safetensors_header(bytes("1234567"), "m.safetensors").status();
+  EXPECT_THAT(st.message(), HasSubstr("m.safetensors: file is 7 bytes, too short"));
 }
 
 TEST(SafetensorsTest, CorruptShardedSetsNameShardAndTensor) {

@@ -40,28 +40,49 @@ class FakeDetokenizer final : public Detokenizer {
   }
 };
 
-// Plays back scripted tokens per request and records every batch.
+// Plays back scripted tokens per request and records every step. Steps complete in submission
+// order; up to `depth` may be in flight (pipeline parallelism).
 class FakeExecutor final : public StepExecutor {
  public:
   std::map<uint64_t, std::deque<int32_t>> script;
-  std::vector<StepBatch> batches;
+  std::vector<StepInput> batches;
+  // Every request's block table as the actors would rebuild it from the deltas.
+  std::map<uint64_t, std::vector<uint32_t>> tables;
   int fail_next = 0;
-  Expected<StepResult> execute(const StepBatch& batch) override {
-    batches.push_back(batch);
+  int depth = 1;
+  size_t max_in_flight = 0;
+  std::deque<StepInput> in_flight;
+
+  Status submit(StepInput step) override {
+    for (const auto& s : step.seqs) {
+      if (s.first) tables[s.request_id].clear();
+      auto& t = tables[s.request_id];
+      t.insert(t.end(), s.new_blocks.begin(), s.new_blocks.end());
+    }
+    batches.push_back(step);
+    in_flight.push_back(std::move(step));
+    max_in_flight = std::max(max_in_flight, in_flight.size());
+    return Status::ok();
+  }
+  Expected<StepOutput> collect() override {
+    StepInput step = std::move(in_flight.front());
+    in_flight.pop_front();
     if (fail_next > 0) {
       --fail_next;
       return unavailable("actor a-1 died (killed by signal 9)");
     }
-    StepResult r;
-    for (const auto& w : batch.seqs) {
+    StepOutput r;
+    r.step_id = step.step_id;
+    for (const auto& w : step.seqs) {
       if (!w.sample) continue;
       auto& q = script[w.request_id];
       int32_t t = q.empty() ? 1 : q.front();
       if (!q.empty()) q.pop_front();
-      r.sampled.push_back({w.request_id, {t, -0.5f, {}}});
+      r.outputs.push_back({w.request_id, {t, -0.5f, {}}});
     }
     return r;
   }
+  int pipeline_depth() const override { return depth; }
 };
 
 EngineConfig config(uint32_t blocks = 64, uint32_t budget = 2048, uint32_t max_len = 256) {
@@ -99,8 +120,8 @@ std::map<uint64_t, Run> run_all(LlmEngine& engine) {
   return runs;
 }
 
-SamplingOptions opts(int max_tokens) {
-  SamplingOptions s;
+SamplingParams opts(int max_tokens) {
+  SamplingParams s;
   s.max_tokens = max_tokens;
   return s;
 }
@@ -121,10 +142,15 @@ TEST(EngineTest, StopsAtMaxTokensWithLength) {
   EXPECT_EQ(ex.batches[0].seqs[0].tokens.size(), 3u);
   EXPECT_TRUE(ex.batches[0].seqs[0].first);
   EXPECT_EQ(ex.batches[1].seqs[0].tokens, (std::vector<int32_t>{1}));
-  EXPECT_EQ(ex.batches[1].seqs[0].start_position, 3u);
+  EXPECT_EQ(ex.batches[1].seqs[0].start_position, 3);
   EXPECT_FALSE(ex.batches[1].seqs[0].first);
-  EXPECT_EQ(ex.batches[4].seqs[0].start_position, 6u);
-  EXPECT_EQ(ex.batches[4].seqs[0].block_table.size(), 2u);  // 7 tokens in blocks of 4
+  EXPECT_EQ(ex.batches[4].seqs[0].start_position, 6);
+  EXPECT_EQ(ex.tables[*id].size(), 2u);  // 7 tokens in blocks of 4
+  // Only what changed goes out: the second block once, when the sequence grows into it.
+  size_t sent = 0;
+  for (const auto& b : ex.batches) sent += b.seqs[0].new_blocks.size();
+  EXPECT_EQ(sent, 2u);
+  EXPECT_TRUE(ex.batches[3].seqs[0].new_blocks.empty());
 }
 
 TEST(EngineTest, EosStopsUnlessIgnored) {
@@ -132,7 +158,7 @@ TEST(EngineTest, EosStopsUnlessIgnored) {
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
   auto a = engine.add_request({1}, opts(10));
-  SamplingOptions ignore = opts(4);
+  SamplingParams ignore = opts(4);
   ignore.ignore_eos = true;
   auto b = engine.add_request({1}, ignore);
   ex.script[*a] = {2, 9, 2};
@@ -155,7 +181,7 @@ TEST(EngineTest, StopStringTruncatesAndIsNeverStreamed) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  SamplingOptions s = opts(20);
+  SamplingParams s = opts(20);
   s.stop = {"STOP"};
   auto id = engine.add_request({1}, s);
   ex.script[*id] = {1, 5, 6, 7, 8};  // "a X" + "ST" + "OP" → stop before "STOP"
@@ -169,7 +195,7 @@ TEST(EngineTest, StopTokenIds) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  SamplingOptions s = opts(20);
+  SamplingParams s = opts(20);
   s.stop_token_ids = {10};
   auto id = engine.add_request({1}, s);
   ex.script[*id] = {1, 10, 1};
@@ -251,7 +277,7 @@ TEST(EngineTest, BadRequestsAreRefusedWithReasons) {
   EXPECT_NE(too_long.status().message().find("max-model-len is 16"), std::string::npos);
   EXPECT_NE(engine.add_request({100}, opts(1)).status().message().find("outside the vocab"),
             std::string::npos);
-  SamplingOptions bad = opts(1);
+  SamplingParams bad = opts(1);
   bad.top_p = 0;
   EXPECT_NE(engine.add_request({1}, bad).status().message().find("top_p"), std::string::npos);
   bad = opts(0);
@@ -261,6 +287,28 @@ TEST(EngineTest, BadRequestsAreRefusedWithReasons) {
   bad.temperature = -1;
   EXPECT_NE(engine.add_request({1}, bad).status().message().find("temperature"),
             std::string::npos);
+}
+
+TEST(EngineTest, PipelineKeepsSeveralStepsInFlightWithDisjointSequences) {
+  FakeExecutor ex;
+  ex.depth = 2;
+  FakeDetokenizer dt;
+  LlmEngine engine(config(64, 4), ex, dt);  // 4 tokens a step: two prompts cannot share one
+  auto a = engine.add_request({1, 2, 3, 4}, opts(3));
+  auto b = engine.add_request({1, 2, 3, 4}, opts(3));
+  ASSERT_TRUE(a && b);
+  ex.script[*a] = {1, 2, 8};
+  ex.script[*b] = {2, 1, 8};
+  auto runs = run_all(engine);
+  EXPECT_EQ(runs[*a].tokens, (std::vector<int32_t>{1, 2, 8}));
+  EXPECT_EQ(runs[*b].tokens, (std::vector<int32_t>{2, 1, 8}));
+  EXPECT_EQ(ex.max_in_flight, 2u);
+  // A sequence is never in two steps in flight at once (consecutive steps overlap).
+  for (size_t i = 1; i < ex.batches.size(); ++i) {
+    for (const auto& s : ex.batches[i].seqs) {
+      for (const auto& p : ex.batches[i - 1].seqs) EXPECT_NE(s.request_id, p.request_id);
+    }
+  }
 }
 
 }  // namespace

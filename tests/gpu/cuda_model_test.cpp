@@ -58,22 +58,51 @@ std::string tiny_model(const std::string& arch) {
   return dir;
 }
 
-RunnerLoadSpec spec_for(const std::string& dir, const std::string& device) {
-  RunnerLoadSpec s;
+LoadSpec spec_for(const std::string& dir, const std::string& device) {
+  LoadSpec s;
   s.model_dir = dir;
   s.device = device;
   s.max_model_len = 2048;
   s.return_logits = true;
   s.gpu_memory_utilization = 0.15;
   s.max_num_seqs = 16;
-  s.kv_blocks = device == "cpu" ? 2048 / 16 * 4 + 8 : 0;
   return s;
 }
 
-std::unique_ptr<ModelRunner> load(const RunnerLoadSpec& spec) {
-  auto r = ModelRunner::load(spec);
+// Loads one rank (no parallelism) and allocates every KV block that fits.
+std::unique_ptr<ModelRunner> load(const LoadSpec& spec) {
+  auto r = ModelRunner::load(spec, {});
   EXPECT_TRUE(r) << r.status().to_string();
-  return r ? std::move(*r) : nullptr;
+  if (!r) return nullptr;
+  Status st = (*r)->init_cache((*r)->info().kv_blocks);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  return st.is_ok() ? std::move(*r) : nullptr;
+}
+
+// One sequence of a step, as the driver sends it: the whole block table with the first step.
+SeqStep seq(uint64_t request, std::vector<int32_t> tokens, int64_t start, bool first,
+            int64_t prompt_len, const std::vector<uint32_t>& blocks, const SamplingParams& p,
+            bool sample = true) {
+  SeqStep s;
+  s.request_id = request;
+  s.tokens = std::move(tokens);
+  s.start_position = start;
+  if (first) s.new_blocks = blocks;
+  s.sample = sample;
+  s.first = first;
+  s.prompt_len = prompt_len;
+  s.sampling = p;
+  return s;
+}
+
+Expected<StepOutput> run(ModelRunner& r, std::vector<SeqStep> seqs, std::vector<float>* logits,
+                         std::vector<uint64_t> finished = {}) {
+  StepInput in;
+  in.seqs = std::move(seqs);
+  in.finished = std::move(finished);
+  auto out = r.execute(in);
+  if (out && logits != nullptr) logits->insert(logits->end(), out->logits.begin(), out->logits.end());
+  return out;
 }
 
 std::vector<int32_t> prompt_ids(int64_t n, int32_t salt) {
@@ -89,8 +118,8 @@ std::vector<uint32_t> blocks_for(int seq, int64_t tokens, int64_t stride = 128) 
   return t;
 }
 
-cpu::SamplingParams greedy() {
-  cpu::SamplingParams p;
+SamplingParams greedy() {
+  SamplingParams p;
   p.temperature = 0.0f;
   return p;
 }
@@ -101,37 +130,30 @@ cpu::SamplingParams greedy() {
 std::vector<std::vector<int32_t>> generate(ModelRunner& r,
                                            const std::vector<std::vector<int32_t>>& prompts,
                                            int steps, std::vector<float>* logits,
-                                           const std::vector<cpu::SamplingParams>& params = {}) {
+                                           const std::vector<SamplingParams>& params = {}) {
   std::vector<std::vector<int32_t>> out(prompts.size());
-  std::vector<RunnerSeq> seqs;
+  std::vector<SeqStep> seqs;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    RunnerSeq s;
-    s.request_id = 1000 + i;
-    s.tokens = prompts[i];
-    s.start_position = 0;
-    s.block_table =
-        blocks_for(static_cast<int>(i), static_cast<int64_t>(prompts[i].size()) + steps);
-    s.sample = true;
-    s.first = true;
-    s.prompt = prompts[i];
-    s.sampling = params.empty() ? greedy() : params[i];
-    seqs.push_back(s);
+    const int64_t n = static_cast<int64_t>(prompts[i].size());
+    seqs.push_back(seq(1000 + i, prompts[i], 0, true, n, blocks_for(static_cast<int>(i), n + steps),
+                       params.empty() ? greedy() : params[i]));
   }
   for (int step = 0; step < steps; ++step) {
-    auto res = r.execute(seqs, {}, logits);
+    auto res = run(r, seqs, logits);
     EXPECT_TRUE(res) << res.status().to_string();
     if (!res) return out;
     for (size_t i = 0; i < seqs.size(); ++i) {
-      const int32_t tok = (*res)[i].result.token;
+      const int32_t tok = res->outputs[i].sample.token;
       out[i].push_back(tok);
       seqs[i].start_position += static_cast<int64_t>(seqs[i].tokens.size());
       seqs[i].tokens = {tok};
       seqs[i].first = false;
+      seqs[i].new_blocks.clear();
     }
   }
   std::vector<uint64_t> done;
   for (const auto& s : seqs) done.push_back(s.request_id);
-  (void)r.execute({}, done, nullptr);
+  (void)run(r, {}, nullptr, done);
   return out;
 }
 
@@ -147,18 +169,12 @@ Compare teacher_forced(ModelRunner& cpu, ModelRunner& gpu, const std::vector<int
                        int steps) {
   Compare c;
   const int64_t vocab = cpu.config().vocab_size;
-  RunnerSeq s;
-  s.request_id = 7;
-  s.tokens = prompt;
-  s.block_table = blocks_for(0, static_cast<int64_t>(prompt.size()) + steps);
-  s.sample = true;
-  s.first = true;
-  s.prompt = prompt;
-  s.sampling = greedy();
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  SeqStep s = seq(7, prompt, 0, true, n, blocks_for(0, n + steps), greedy());
   for (int step = 0; step < steps; ++step) {
     std::vector<float> lc, lg;
-    auto rc = cpu.execute({s}, {}, &lc);
-    auto rg = gpu.execute({s}, {}, &lg);
+    auto rc = run(cpu, {s}, &lc);
+    auto rg = run(gpu, {s}, &lg);
     EXPECT_TRUE(rc && rg);
     if (!rc || !rg) return c;
     EXPECT_EQ(lc.size(), static_cast<size_t>(vocab));
@@ -167,14 +183,15 @@ Compare teacher_forced(ModelRunner& cpu, ModelRunner& gpu, const std::vector<int
       c.max_diff = std::max(c.max_diff, static_cast<double>(std::fabs(lc[v] - lg[v])));
       c.max_ref = std::max(c.max_ref, static_cast<double>(std::fabs(lc[v])));
     }
-    c.agree += (*rc)[0].result.token == (*rg)[0].result.token;
+    c.agree += rc->outputs[0].sample.token == rg->outputs[0].sample.token;
     ++c.steps;
     s.start_position += static_cast<int64_t>(s.tokens.size());
-    s.tokens = {(*rc)[0].result.token};
+    s.tokens = {rc->outputs[0].sample.token};
     s.first = false;
+    s.new_blocks.clear();
   }
-  (void)cpu.execute({}, {7}, nullptr);
-  (void)gpu.execute({}, {7}, nullptr);
+  (void)run(cpu, {}, nullptr, {7});
+  (void)run(gpu, {}, nullptr, {7});
   return c;
 }
 
@@ -187,8 +204,8 @@ TEST_P(CudaParityTest, LogitsTrackTheFp32CpuBackend) {
   auto gpu = load(spec_for(dir, "cuda"));
   ASSERT_TRUE(cpu && gpu);
   EXPECT_EQ(gpu->info().backend, "cuda");
-  EXPECT_EQ(gpu->info().dtype, DType::kBF16);
-  EXPECT_GT(gpu->kv_blocks(), 2048 / 16);
+  EXPECT_EQ(gpu->info().dtype, "BF16");
+  EXPECT_GT(gpu->info().kv_blocks, 2048 / 16);
   Compare c = teacher_forced(*cpu, *gpu, prompt_ids(37, 1), 24);
   std::printf(
       "[parity] %s: max |logit diff| GPU bf16 vs CPU fp32 = %.3e (max |logit| %.3f, "
@@ -221,7 +238,7 @@ TEST(CudaModelTest, GraphsGiveTheSameBitsAsEagerMode) {
   std::vector<float> eager_logits, graph_logits;
   std::vector<std::vector<int32_t>> eager_tokens, graph_tokens;
   {
-    RunnerLoadSpec s = spec_for(dir, "cuda");
+    LoadSpec s = spec_for(dir, "cuda");
     s.enforce_eager = true;
     auto r = load(s);
     ASSERT_TRUE(r);
@@ -245,25 +262,14 @@ TEST(CudaModelTest, ChunkedPrefillMatchesOneChunk) {
   ASSERT_TRUE(r);
   const std::vector<int32_t> prompt = prompt_ids(100, 6);
   std::vector<float> whole, chunked;
-  RunnerSeq s;
-  s.request_id = 1;
-  s.tokens = prompt;
-  s.block_table = blocks_for(0, 100);
-  s.sample = true;
-  s.first = true;
-  s.prompt = prompt;
-  s.sampling = greedy();
-  ASSERT_TRUE(r->execute({s}, {}, &whole));
-  ASSERT_TRUE(r->execute({}, {1}, nullptr));
-  s.request_id = 2;
-  s.block_table = blocks_for(1, 100);
+  ASSERT_TRUE(run(*r, {seq(1, prompt, 0, true, 100, blocks_for(0, 100), greedy())}, &whole));
+  ASSERT_TRUE(run(*r, {}, nullptr, {1}));
   for (int64_t start : {0, 37, 64}) {
     const int64_t end = start == 64 ? 100 : start == 37 ? 64 : 37;
-    s.tokens.assign(prompt.begin() + start, prompt.begin() + end);
-    s.start_position = start;
-    s.sample = end == 100;
-    s.first = start == 0;
-    ASSERT_TRUE(r->execute({s}, {}, &chunked));
+    ASSERT_TRUE(run(*r,
+                    {seq(2, {prompt.begin() + start, prompt.begin() + end}, start, start == 0, 100,
+                         blocks_for(1, 100), greedy(), end == 100)},
+                    &chunked));
   }
   ASSERT_EQ(whole.size(), chunked.size());
   double max_diff = 0, max_ref = 0;
@@ -279,12 +285,12 @@ TEST(CudaModelTest, SeededSamplingDoesNotDependOnTheBatch) {
   require_gpu();
   auto r = load(spec_for(tiny_model("mistral"), "cuda"));
   ASSERT_TRUE(r);
-  cpu::SamplingParams p;
+  SamplingParams p;
   p.temperature = 0.8f;
   p.top_p = 0.9f;
   p.top_k = 50;
   p.seed = 42;
-  cpu::SamplingParams other = p;
+  SamplingParams other = p;
   other.seed = 7;
   auto alone = generate(*r, {prompt_ids(12, 7)}, 16, nullptr, {p});
   auto batched = generate(*r, {prompt_ids(30, 8), prompt_ids(12, 7)}, 16, nullptr, {other, p});
@@ -295,19 +301,19 @@ TEST(CudaModelTest, SeededSamplingDoesNotDependOnTheBatch) {
 
 TEST(CudaModelTest, RefusesAModelThatDoesNotFitWithTheFigures) {
   require_gpu();
-  RunnerLoadSpec s = spec_for(tiny_model("llama"), "cuda");
+  LoadSpec s = spec_for(tiny_model("llama"), "cuda");
   s.gpu_memory_utilization = 0.0005;  // ~70 MiB of an H200
-  auto r = ModelRunner::load(s);
+  auto r = ModelRunner::load(s, {});
   ASSERT_FALSE(r);
   std::printf("[memory] %s\n", r.status().to_string().c_str());
   EXPECT_NE(r.status().message().find("--gpu-memory-utilization"), std::string::npos);
   s.gpu_memory_utilization = 1.5;
-  r = ModelRunner::load(s);
+  r = ModelRunner::load(s, {});
   ASSERT_FALSE(r);
   EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
   s.gpu_memory_utilization = 0.15;
   s.dtype = "float32";
-  r = ModelRunner::load(s);
+  r = ModelRunner::load(s, {});
   ASSERT_FALSE(r);
   EXPECT_NE(r.status().message().find("cpu backend only"), std::string::npos);
 }

@@ -214,7 +214,7 @@ TEST(SamplingTest, FiltersComposeInVllmOrder) {
   // p = 0.4, 0.3, 0.2, 0.1. top_k 3 -> 4/9, 3/9, 2/9; top_p 0.5: mass above token 1 is 4/9 <
   // 0.5 -> tokens 0, 1 remain.
   const std::vector<float> l = {std::log(0.4f), std::log(0.3f), std::log(0.2f), std::log(0.1f)};
-  Sampler s = make({.top_k = 3, .top_p = 0.5f, .seed = 1700});
+  Sampler s = make({.top_p = 0.5f, .top_k = 3, .seed = 1700});
   expect_matches_distribution(s, l, {4.0 / 7, 3.0 / 7, 0, 0}, 30000, "top_k 3 + top_p 0.5");
   // min_p 0.6 keeps p >= 0.24 -> tokens 0, 1; top_p 0.5 then keeps only token 0 (4/7 >= 0.5).
   std::vector<float> f = l;
@@ -302,7 +302,7 @@ TEST(SamplingTest, PenaltiesExactValues) {
 // rounds the final difference to fp32 (|logprob| < 20 here, so 1 ulp <= 2e-6 would be loose;
 // the values stay well within 1e-6 of the float64 reference).
 TEST(SamplingTest, LogprobsAreRawAndNormalised) {
-  const int64_t vocab = 64;
+  const int64_t vocab = kMaxLogprobs;  // every token's logprob comes back
   const std::vector<float> l = random_floats(vocab, 1900, -4.0f, 4.0f);
   std::vector<double> ld(l.begin(), l.end());
   const std::vector<double> p = softmax(ld);

@@ -24,8 +24,8 @@
 namespace tessera::cuda {
 namespace {
 
-using cpu::SampleResult;
-using cpu::SamplingParams;
+using ::tessera::SampleResult;
+using ::tessera::SamplingParams;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();

@@ -1,4 +1,4 @@
-// Parity of the CPU backend with Hugging Face transformers.
+// Parity of the CPU backend with Hugging Face transformers, on one rank and split over ranks.
 //
 // The goldens (tests/assets/goldens/model_<arch>.json) come from scripts/goldens/model_goldens.py
 // run on the GPU machine: transformers 5.17 / torch 2.11 load the tiny checkpoint that
@@ -6,12 +6,16 @@
 // logits at every prompt position for a fixed set of vocabulary ids, each position's argmax,
 // and 32 greedy tokens. Here the same checkpoint is made again from the same seed and run through
 // the CPU backend: prefill (one chunk), token-by-token decode through the paged cache, and
-// greedy generation.
+// greedy generation — on one rank, and split tensor-parallel (2 and 4 ranks: 4 is more ranks
+// than the tiny models' 2 KV heads, so pairs of ranks share a KV head), pipeline-parallel (2
+// stages) and both (2 x 2). The ranks are threads of this process joined by the tcp collectives
+// the actors use (actors/comm/rank_comms.h); every rank runs every step, as in the actors.
 //
-// Tolerance: both sides compute in fp32 from the same bf16 weights, differing only in summation
-// order (dot products of at most 176 terms, 4 layers). Rounding accounts for ~1e-6 on these
-// logits (|logit| < 1); 1e-4 absolute leaves room for the order differences of softmax and
-// norms while staying far below the gaps between top tokens that greedy decoding depends on.
+// Tolerance: every side computes in fp32 from the same bf16 weights, differing only in summation
+// order (dot products of at most 176 terms, 4 layers; a tensor-parallel split sums partial
+// products of 64/T or 176/T terms, then the group's all-reduce). Rounding accounts for ~1e-6 on
+// these logits (|logit| < 1); 1e-4 absolute leaves room for the order differences of softmax
+// and norms while staying far below the gaps between top tokens that greedy decoding depends on.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -19,7 +23,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
+#include "actors/comm/rank_comms.h"
 #include "actors/model/model_runner.h"
 #include "common/tokenizer/tokenizer.h"
 #include "driver/make_model/make_model.h"
@@ -28,6 +34,7 @@ namespace tessera {
 namespace {
 
 constexpr double kTolerance = 1e-4;
+constexpr int64_t kBlocks = 64;
 
 std::string source_dir() { return TESSERA_SOURCE_DIR; }
 
@@ -36,7 +43,7 @@ struct Golden {
   std::string model_dir;
 };
 
-Golden make(const std::string& arch) {
+Golden make(const std::string& arch, const std::string& tag = "") {
   Golden g;
   std::ifstream in(source_dir() + "/tests/assets/goldens/model_" + arch + ".json");
   EXPECT_TRUE(in) << "missing golden for " << arch;
@@ -46,7 +53,7 @@ Golden make(const std::string& arch) {
   EXPECT_TRUE(std::filesystem::exists(tok_dir + "/tokenizer.json"))
       << tok_dir << " is missing: run scripts/fetch-test-assets";
   g.model_dir = std::filesystem::temp_directory_path() /
-                ("tessera-parity-" + arch + "-" + std::to_string(::getpid()));
+                ("tessera-parity-" + arch + tag + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(g.model_dir);
   MakeModelOptions o;
   o.arch = arch;
@@ -60,110 +67,245 @@ Golden make(const std::string& arch) {
   return g;
 }
 
-class ParityTest : public ::testing::TestWithParam<std::string> {};
+LoadSpec cpu_spec(const std::string& model_dir, int64_t max_model_len) {
+  LoadSpec spec;
+  spec.model_dir = model_dir;
+  spec.device = "cpu";  // the fp32 oracle, on any machine
+  spec.max_model_len = max_model_len;
+  spec.return_logits = true;
+  spec.threads = 1;
+  return spec;
+}
+
+// Runs `fn(rank)` on every rank at once (the collectives block until all ranks take part).
+template <typename Fn>
+void on_every_rank(int world, Fn fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back([&fn, r] { fn(r); });
+  for (auto& t : threads) t.join();
+}
+
+// The ranks of one tp x pp group of CPU runners, as an actor group would hold them.
+class RankGroup {
+ public:
+  static Expected<std::unique_ptr<RankGroup>> load(const std::string& model_dir, int tp, int pp) {
+    auto g = std::unique_ptr<RankGroup>(new RankGroup);
+    const int world = tp * pp;
+    g->comms_.resize(world);
+    g->runners_.resize(world);
+    std::vector<Status> status(world, Status::ok());
+    std::vector<RankInfo> ranks(world);
+    if (world > 1) {
+      for (int r = 0; r < world; ++r) {
+        auto c = comm::RankComms::prepare("tcp", "127.0.0.1", 0, r, world);
+        if (!c) return c.status();
+        ranks[r].rank = r;
+        ranks[r].actor_id = "rank-" + std::to_string(r);
+        ranks[r].node_id = "n-test";
+        ranks[r].address = (*c)->address();
+        g->comms_[r] = std::move(*c);
+      }
+    }
+    on_every_rank(world, [&](int r) {
+      LoadSpec spec = cpu_spec(model_dir, 256);
+      spec.parallel.tp_size = tp;
+      spec.parallel.pp_size = pp;
+      spec.parallel.tp_rank = r % tp;
+      spec.parallel.pp_rank = r / tp;
+      StageComms stage;
+      if (world > 1) {
+        spec.comm.backend = "tcp";
+        spec.comm.ranks = ranks;
+        spec.comm.secret = "parity-test-secret-parity-test-secret";
+        spec.comm.init_timeout_ms = 30000;
+        status[r] = g->comms_[r]->join(spec);
+        if (!status[r].is_ok()) return;
+        stage = g->comms_[r]->stage();
+      }
+      auto runner = ModelRunner::load(spec, stage);
+      if (!runner) {
+        status[r] = runner.status();
+        return;
+      }
+      status[r] = (*runner)->init_cache(std::min<int64_t>(kBlocks, (*runner)->info().kv_blocks));
+      g->runners_[r] = std::move(*runner);
+    });
+    for (const Status& s : status) {
+      if (!s.is_ok()) return s;
+    }
+    return g;
+  }
+
+  // Runs the step on every rank; the sampling rank's output.
+  Expected<StepOutput> execute(const StepInput& step) {
+    const int world = static_cast<int>(runners_.size());
+    std::vector<Expected<StepOutput>> out(world, internal_error("not run"));
+    on_every_rank(world, [&](int r) { out[r] = runners_[r]->execute(step); });
+    int sampler = -1;
+    for (int r = 0; r < world; ++r) {
+      if (!out[r]) return out[r].status();
+      if (runners_[r]->samples()) sampler = r;
+    }
+    if (sampler < 0) return internal_error("no rank samples");
+    for (int r = 0; r < world; ++r) {
+      if (r != sampler && !out[r]->outputs.empty()) {
+        return internal_error("rank " + std::to_string(r) + " sampled but is not the sampler");
+      }
+    }
+    return std::move(out[sampler]);
+  }
+
+  const ModelRunner& rank(int r) const { return *runners_[r]; }
+  int64_t vocab() const { return runners_.front()->config().vocab_size; }
+
+ private:
+  RankGroup() = default;
+  std::vector<std::unique_ptr<comm::RankComms>> comms_;
+  std::vector<std::unique_ptr<ModelRunner>> runners_;
+};
+
+StepInput seq_step(uint64_t request, std::vector<int32_t> tokens, int64_t start, bool first,
+                   int64_t prompt_len, std::vector<uint32_t> new_blocks) {
+  SeqStep s;
+  s.request_id = request;
+  s.tokens = std::move(tokens);
+  s.start_position = start;
+  s.new_blocks = std::move(new_blocks);
+  s.sample = true;
+  s.first = first;
+  s.prompt_len = prompt_len;
+  s.sampling.temperature = 0.0f;  // greedy
+  StepInput step;
+  step.seqs.push_back(std::move(s));
+  return step;
+}
+
+StepInput finish(uint64_t request) {
+  StepInput step;
+  step.finished.push_back(request);
+  return step;
+}
+
+struct Split {
+  std::string arch;
+  int tp = 1;
+  int pp = 1;
+};
+
+std::string split_name(const ::testing::TestParamInfo<Split>& info) {
+  return info.param.arch + "_tp" + std::to_string(info.param.tp) + "_pp" +
+         std::to_string(info.param.pp);
+}
+
+class ParityTest : public ::testing::TestWithParam<Split> {};
 
 TEST_P(ParityTest, LogitsAndGreedyTokensMatchTransformers) {
-  const std::string arch = GetParam();
-  Golden g = make(arch);
+  const Split split = GetParam();
+  const std::string& arch = split.arch;
+  Golden g = make(arch, "-tp" + std::to_string(split.tp) + "pp" + std::to_string(split.pp));
   auto tokenizer = Tokenizer::load(g.model_dir);
   ASSERT_TRUE(tokenizer) << tokenizer.status().to_string();
-  RunnerLoadSpec spec;
-  spec.model_dir = g.model_dir;
-  spec.device = "cpu";  // the fp32 oracle, on any machine
-  spec.max_model_len = 256;
-  spec.kv_blocks = 64;
-  spec.return_logits = true;
-  auto runner = ModelRunner::load(spec);
-  ASSERT_TRUE(runner) << runner.status().to_string();
-  const int64_t vocab = (*runner)->config().vocab_size;
+  auto group = RankGroup::load(g.model_dir, split.tp, split.pp);
+  ASSERT_TRUE(group) << group.status().to_string();
+  const int64_t vocab = (*group)->vocab();
   std::vector<int64_t> probe = g.j["probe_ids"].get<std::vector<int64_t>>();
 
   double worst = 0.0;
   uint64_t request = 1;
   for (const auto& c : g.j["cases"]) {
     std::vector<int32_t> ids = c["ids"].get<std::vector<int32_t>>();
+    const int64_t n = static_cast<int64_t>(ids.size());
     // The tokenizer agrees with Hugging Face on the prompt.
     EXPECT_EQ((*tokenizer)->encode(c["prompt"].get<std::string>(), true), ids) << c["prompt"];
     std::vector<uint32_t> blocks;
     for (uint32_t b = 0; b < (ids.size() + 32 + 15) / 16; ++b) blocks.push_back(b);
 
     // Decode path: one token per step, logits at every position.
-    cpu::SamplingParams greedy;
-    greedy.temperature = 0.0f;
-    for (size_t pos = 0; pos < ids.size(); ++pos) {
-      RunnerSeq s;
-      s.request_id = request;
-      s.tokens = {ids[pos]};
-      s.start_position = static_cast<int64_t>(pos);
-      s.block_table = blocks;
-      s.sample = true;
-      s.first = pos == 0;
-      s.prompt = ids;
-      s.sampling = greedy;
-      std::vector<float> logits;
-      auto out = (*runner)->execute({s}, {}, &logits);
+    for (int64_t pos = 0; pos < n; ++pos) {
+      auto out = (*group)->execute(seq_step(request, {ids[pos]}, pos, pos == 0, n,
+                                            pos == 0 ? blocks : std::vector<uint32_t>{}));
       ASSERT_TRUE(out) << out.status().to_string();
-      ASSERT_EQ(static_cast<int64_t>(logits.size()), vocab);
+      ASSERT_EQ(out->outputs.size(), 1u);
+      ASSERT_EQ(static_cast<int64_t>(out->logits.size()), vocab);
       const auto& expected = c["probe_logits"][pos];
       for (size_t k = 0; k < probe.size(); ++k) {
-        double diff = std::abs(logits[static_cast<size_t>(probe[k])] - expected[k].get<double>());
+        double diff =
+            std::abs(out->logits[static_cast<size_t>(probe[k])] - expected[k].get<double>());
         worst = std::max(worst, diff);
         ASSERT_LT(diff, kTolerance) << arch << " position " << pos << " id " << probe[k];
       }
-      int64_t argmax = std::max_element(logits.begin(), logits.end()) - logits.begin();
+      int64_t argmax =
+          std::max_element(out->logits.begin(), out->logits.end()) - out->logits.begin();
       EXPECT_EQ(argmax, c["argmax"][pos].get<int64_t>()) << arch << " position " << pos;
+      EXPECT_EQ(out->outputs[0].sample.token, argmax) << "greedy samples the argmax";
     }
-    EXPECT_TRUE((*runner)->execute({}, {request}, nullptr)) << "forgetting a finished request";
+    ASSERT_TRUE((*group)->execute(finish(request))) << "forgetting a finished request";
     ++request;
 
     // Prefill in one chunk, then 32 greedy tokens through the paged cache.
-    RunnerSeq s;
-    s.request_id = request;
-    s.tokens = ids;
-    s.block_table = blocks;
-    s.sample = true;
-    s.first = true;
-    s.prompt = ids;
-    s.sampling = greedy;
     std::vector<int32_t> generated;
-    std::vector<float> logits;
-    auto out = (*runner)->execute({s}, {}, &logits);
+    auto out = (*group)->execute(seq_step(request, ids, 0, true, n, blocks));
     ASSERT_TRUE(out) << out.status().to_string();
+    ASSERT_EQ(static_cast<int64_t>(out->logits.size()), vocab);
     const auto& last = c["probe_logits"][ids.size() - 1];
     for (size_t k = 0; k < probe.size(); ++k) {
-      double diff = std::abs(logits[static_cast<size_t>(probe[k])] - last[k].get<double>());
+      double diff = std::abs(out->logits[static_cast<size_t>(probe[k])] - last[k].get<double>());
       worst = std::max(worst, diff);
       ASSERT_LT(diff, kTolerance) << arch << " prefill, id " << probe[k];
     }
-    generated.push_back((*out)[0].result.token);
+    generated.push_back(out->outputs[0].sample.token);
     for (int step = 1; step < 32; ++step) {
-      RunnerSeq d;
-      d.request_id = request;
-      d.tokens = {generated.back()};
-      d.start_position = static_cast<int64_t>(ids.size() + generated.size() - 1);
-      d.block_table = blocks;
-      d.sample = true;
-      auto o = (*runner)->execute({d}, {}, nullptr);
+      auto o = (*group)->execute(seq_step(request, {generated.back()},
+                                          n + static_cast<int64_t>(generated.size()) - 1, false,
+                                          0, {}));
       ASSERT_TRUE(o) << o.status().to_string();
-      generated.push_back((*o)[0].result.token);
+      generated.push_back(o->outputs[0].sample.token);
     }
     EXPECT_EQ(generated, c["greedy"].get<std::vector<int32_t>>()) << arch << ": " << c["prompt"];
-    EXPECT_TRUE((*runner)->execute({}, {request}, nullptr)) << "forgetting a finished request";
+    ASSERT_TRUE((*group)->execute(finish(request))) << "forgetting a finished request";
+    for (int r = 0; r < split.tp * split.pp; ++r) {
+      EXPECT_EQ((*group)->rank(r).live_requests(), 0u) << "rank " << r << " forgot the request";
+    }
     ++request;
   }
-  std::printf("%s: max |logit diff| vs transformers = %.3g (tolerance %.0e)\n", arch.c_str(), worst,
-              kTolerance);
+  std::printf("%s tp=%d pp=%d: max |logit diff| vs transformers = %.3g (tolerance %.0e)\n",
+              arch.c_str(), split.tp, split.pp, worst, kTolerance);
+  group->reset();
   std::filesystem::remove_all(g.model_dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Architectures, ParityTest,
-                         ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
+std::vector<Split> splits() {
+  std::vector<Split> all;
+  for (const char* arch : {"llama", "mistral", "qwen2", "qwen3"}) {
+    for (auto [tp, pp] : {std::pair{1, 1}, {2, 1}, {4, 1}, {1, 2}, {2, 2}}) {
+      all.push_back({arch, tp, pp});
+    }
+  }
+  return all;
+}
 
-}  // namespace
-}  // namespace tessera
+INSTANTIATE_TEST_SUITE_P(Architectures, ParityTest, ::testing::ValuesIn(splits()), split_name);
 
-namespace tessera {
-namespace {
+// Each rank holds its share: the stages' layers partition the model, the tensor-parallel ranks'
+// weights add up to the whole (the vocabulary shards once padded to a multiple of tp).
+TEST(ParallelLoadTest, RanksHoldTheirShare) {
+  Golden g = make("qwen3", "-share");
+  auto whole = RankGroup::load(g.model_dir, 1, 1);
+  ASSERT_TRUE(whole) << whole.status().to_string();
+  const ModelInfo one = (*whole)->rank(0).info();
+  auto split = RankGroup::load(g.model_dir, 2, 2);
+  ASSERT_TRUE(split) << split.status().to_string();
+  int64_t layers = 0;
+  for (int r = 0; r < 4; ++r) {
+    ModelInfo info = (*split)->rank(r).info();
+    EXPECT_EQ(info.layer_begin, r / 2 == 0 ? 0 : 2) << "rank " << r;
+    EXPECT_EQ(info.layer_end, r / 2 == 0 ? 2 : 4) << "rank " << r;
+    EXPECT_LT(info.weight_bytes, one.weight_bytes / 2) << "rank " << r << " holds a quarter-ish";
+    if (r % 2 == 0) layers += info.layer_end - info.layer_begin;
+  }
+  EXPECT_EQ(layers, one.num_layers);
+  std::filesystem::remove_all(g.model_dir);
+}
 
 // A config that disagrees with the checkpoint fails at load, naming the tensor and the file.
 TEST(WeightBindingTest, MismatchesNameTensorAndFile) {
@@ -176,12 +318,7 @@ TEST(WeightBindingTest, MismatchesNameTensorAndFile) {
     std::ofstream(g.model_dir + "/config.json") << config.dump(2);
   };
   auto load = [&]() {
-    RunnerLoadSpec spec;
-    spec.model_dir = g.model_dir;
-    spec.device = "cpu";
-    spec.device = "cpu";  // the fp32 oracle, on any machine
-    spec.max_model_len = 64;
-    return ModelRunner::load(spec);
+    return ModelRunner::load(cpu_spec(g.model_dir, 64), {});
   };
   edit("intermediate_size", 200);  // wrong shapes
   auto wrong_shape = load();

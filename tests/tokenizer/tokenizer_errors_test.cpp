@@ -60,6 +60,17 @@ TEST_F(TokenizerDir, MalformedJson) {
       << tok.status().message();
 }
 
+// A number out of double's range makes nlohmann throw out_of_range rather than parse_error;
+// it used to escape (found by the fuzzers, tests/fuzz/).
+TEST_F(TokenizerDir, NumberOutOfRangeIsMalformedJson) {
+  write("tokenizer.json", R"({"model": {"type": "BPE", "dropout": 1e999}})");
+  auto tok = load();
+  ASSERT_FALSE(tok);
+  EXPECT_EQ(tok.status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(tok.status().message().rfind(path("tokenizer.json") + ": malformed JSON", 0), 0u)
+      << tok.status().message();
+}
+
 TEST_F(TokenizerDir, UnsupportedModel) {
   write("tokenizer.json", R"({"model": {"type": "Unigram", "vocab": [["a", 0.0]]}})");
   auto tok = load();

@@ -1,0 +1,57 @@
+// One rank's model on one device: the forward pass of its pipeline stage over its shard of the
+// weights, its paged KV cache, and (on the rank that samples) token sampling. ModelRunner
+// (model_runner.h) drives a Backend step by step; the cpu backend (cpu_model.h) and the cuda
+// backend (cuda_model.h) implement it.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "actors/comm/communicator.h"
+#include "actors/model/requests.h"
+#include "common/load_spec.h"
+#include "common/sampling_params.h"
+#include "common/status.h"
+
+namespace tessera {
+
+// The groups a rank talks to (null when the group has one rank). Not owned: the actor keeps
+// them for the model's life.
+struct StageComms {
+  comm::Communicator* tp = nullptr;  // this stage's tensor-parallel ranks (group rank = tp_rank)
+  comm::Communicator* pp = nullptr;  // this column's stages (group rank = pp_rank)
+};
+
+// A row to sample: the request whose last forwarded token it follows.
+struct SampleRequest {
+  uint64_t request_id = 0;
+  const RequestState* state = nullptr;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // KV blocks this rank can hold (sized from memory on the GPU; what the spec asks on the CPU).
+  virtual int64_t fit_kv_blocks() const = 0;
+  // Allocates the KV cache with `blocks` (<= fit_kv_blocks(): the fewest any rank fits) and
+  // prepares for steps (the cuda backend captures its graphs here, every rank at once).
+  virtual Status init_cache(int64_t blocks) = 0;
+
+  // Runs the batch through this rank's stage. On the sampling rank (last stage, tp rank 0)
+  // returns one sample per `rows` entry (the rows with want_logits, in order) and, with
+  // `logits`, appends their fp32 logits [rows, vocab]; every other rank returns nothing.
+  virtual Expected<std::vector<SampleResult>> step(std::span<const ForwardSeq> batch,
+                                                   std::span<const SampleRequest> rows,
+                                                   std::vector<float>* logits) = 0;
+  // The request is gone: drop any per-request state.
+  virtual void forget(uint64_t request_id) { (void)request_id; }
+
+  // Backend, dtype, device, sizes (kv_blocks: allocated once init_cache ran, else what fits).
+  virtual ModelInfo info() const = 0;
+  // GPU time of the last step's forward pass in microseconds (0 on the cpu backend).
+  virtual uint32_t last_gpu_micros() const { return 0; }
+};
+
+}  // namespace tessera

@@ -1,0 +1,119 @@
+#include "actors/model/requests.h"
+
+#include <random>
+#include <set>
+#include <string>
+
+namespace tessera {
+
+RequestTable::RequestTable(RequestLimits limits)
+    : limits_(limits), seed_state_(std::random_device{}()) {}
+
+Status RequestTable::apply(const StepInput& step) {
+  const auto& L = limits_;
+  if (static_cast<int64_t>(step.seqs.size()) > L.max_num_seqs) {
+    return invalid_argument("the step has " + std::to_string(step.seqs.size()) +
+                            " sequences, more than max-num-seqs " +
+                            std::to_string(L.max_num_seqs));
+  }
+  std::set<uint64_t> finished(step.finished.begin(), step.finished.end());
+  std::set<uint64_t> in_step;
+  int64_t tokens = 0;
+  // Pass 1: check everything against the state as it will be after `finished` is dropped.
+  for (const SeqStep& s : step.seqs) {
+    const std::string who = "request " + std::to_string(s.request_id);
+    if (!in_step.insert(s.request_id).second) {
+      return invalid_argument(who + " appears twice in one step");
+    }
+    if (s.tokens.empty()) return invalid_argument(who + ": a step needs at least one token");
+    tokens += static_cast<int64_t>(s.tokens.size());
+    auto it = requests_.find(s.request_id);
+    const bool known = it != requests_.end() && !finished.count(s.request_id);
+    if (!s.first && !known) {
+      return failed_precondition(who +
+                                 " has no state on this actor (its first step never came): the "
+                                 "driver must send it with first = true");
+    }
+    if (s.first) {
+      TESSERA_RETURN_IF_ERROR(s.sampling.validate(L.vocab_size));
+      if (s.start_position != 0) {
+        return invalid_argument(who + ": a first step starts at position 0, not " +
+                                std::to_string(s.start_position));
+      }
+      if (s.prompt_len < 1) return invalid_argument(who + ": prompt_len must be at least 1");
+    }
+    const int64_t seen = s.first ? 0 : static_cast<int64_t>(it->second.tokens.size());
+    if (s.start_position != seen) {
+      return invalid_argument(who + " continues at position " + std::to_string(s.start_position) +
+                              " but this actor has " + std::to_string(seen) + " of its tokens");
+    }
+    const int64_t end = seen + static_cast<int64_t>(s.tokens.size());
+    if (end > L.max_model_len) {
+      return invalid_argument(who + ": positions up to " + std::to_string(end) +
+                              " exceed max-model-len " + std::to_string(L.max_model_len));
+    }
+    const int64_t blocks =
+        (s.first ? 0 : static_cast<int64_t>(it->second.blocks.size())) +
+        static_cast<int64_t>(s.new_blocks.size());
+    if (blocks * L.block_size < end) {
+      return invalid_argument(who + ": its block table holds " +
+                              std::to_string(blocks * L.block_size) + " tokens, it needs " +
+                              std::to_string(end));
+    }
+    for (uint32_t b : s.new_blocks) {
+      if (static_cast<int64_t>(b) >= L.num_blocks) {
+        return invalid_argument(who + ": block " + std::to_string(b) +
+                                " is outside the KV cache (" + std::to_string(L.num_blocks) +
+                                " blocks)");
+      }
+    }
+    for (int32_t t : s.tokens) {
+      if (t < 0 || t >= L.vocab_size) {
+        return invalid_argument(who + ": token id " + std::to_string(t) +
+                                " is outside the vocabulary (" + std::to_string(L.vocab_size) +
+                                " tokens)");
+      }
+    }
+  }
+  if (L.max_num_batched_tokens > 0 && tokens > L.max_num_batched_tokens) {
+    return invalid_argument("the step has " + std::to_string(tokens) +
+                            " tokens, more than max-num-batched-tokens " +
+                            std::to_string(L.max_num_batched_tokens));
+  }
+  // Pass 2: apply.
+  forgotten_.clear();
+  for (uint64_t id : step.finished) {
+    if (requests_.erase(id)) forgotten_.push_back(id);
+  }
+  for (const SeqStep& s : step.seqs) {
+    if (s.first) {
+      if (requests_.erase(s.request_id)) forgotten_.push_back(s.request_id);
+      RequestState r;
+      r.sampling = s.sampling;
+      if (s.sampling.seed) {
+        r.seed = *s.sampling.seed;
+      } else {
+        seed_state_ = seed_state_ * 6364136223846793005ull + 1442695040888963407ull;
+        r.seed = seed_state_ ^ (seed_state_ >> 29);
+      }
+      r.prompt_len = s.prompt_len;
+      requests_.emplace(s.request_id, std::move(r));
+    }
+    RequestState& r = requests_.at(s.request_id);
+    r.blocks.insert(r.blocks.end(), s.new_blocks.begin(), s.new_blocks.end());
+    r.tokens.insert(r.tokens.end(), s.tokens.begin(), s.tokens.end());
+  }
+  return Status::ok();
+}
+
+std::vector<ForwardSeq> RequestTable::batch(const StepInput& step) const {
+  std::vector<ForwardSeq> out;
+  out.reserve(step.seqs.size());
+  for (const SeqStep& s : step.seqs) {
+    const RequestState& r = requests_.at(s.request_id);
+    out.push_back({s.tokens, s.start_position, r.blocks, s.sample});
+  }
+  return out;
+}
+
+}  // namespace tessera

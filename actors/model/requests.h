@@ -1,0 +1,84 @@
+// The live requests of one actor: what the driver sent so far of each (its KV block table, its
+// tokens, its sampling parameters), so that a step only has to carry what changed. Shared by
+// every backend: a step is applied here first, then the backend runs the forward pass over the
+// batch view this table builds.
+//
+// Token history: the tokens of a request arrive in order as step inputs (prompt chunks, then
+// each sampled token fed back). The first prompt_len of them are the prompt; the rest are the
+// output so far — the history the penalties read when this rank samples. A request restarted
+// after preemption arrives again as a `first` step with its prompt_len, its output re-fed.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <vector>
+
+#include "common/sampling_params.h"
+#include "common/status.h"
+#include "common/step.h"
+
+namespace tessera {
+
+// One sequence's slice of a forward batch (views into the request table and the step).
+struct ForwardSeq {
+  std::span<const int32_t> tokens;  // the new tokens
+  int64_t start_position = 0;       // position of tokens[0]
+  std::span<const uint32_t> block_table;
+  bool want_logits = false;  // logits of the last new token are returned
+};
+
+struct RequestState {
+  SamplingParams sampling;
+  uint64_t seed = 0;  // sampling.seed, or one drawn when the request arrived
+  int64_t prompt_len = 0;
+  std::vector<uint32_t> blocks;
+  std::vector<int32_t> tokens;  // every token received, in position order
+  std::span<const int32_t> prompt() const {
+    return {tokens.data(), static_cast<size_t>(std::min<int64_t>(prompt_len, tokens.size()))};
+  }
+  std::span<const int32_t> output() const {
+    auto p = prompt().size();
+    return {tokens.data() + p, tokens.size() - p};
+  }
+};
+
+struct RequestLimits {
+  int64_t vocab_size = 0;
+  int64_t block_size = 16;
+  int64_t num_blocks = 0;     // KV blocks on this rank
+  int64_t max_model_len = 0;
+  int64_t max_num_seqs = 0;
+  int64_t max_num_batched_tokens = 0;
+};
+
+class RequestTable {
+ public:
+  explicit RequestTable(RequestLimits limits);
+
+  // Checks the whole step against the table and the limits, then applies it: forgets the
+  // finished requests, starts the new ones, appends tokens and blocks. On error nothing
+  // changes: INVALID_ARGUMENT for a malformed step (a token outside the vocabulary, a position
+  // that does not continue the request, a block outside the cache, too many tokens or
+  // sequences, bad sampling parameters), FAILED_PRECONDITION for a continuing request this
+  // actor has no state for.
+  Status apply(const StepInput& step);
+
+  // The forward batch of a step applied last (views valid until the next apply()).
+  std::vector<ForwardSeq> batch(const StepInput& step) const;
+
+  const RequestState& at(uint64_t request_id) const { return requests_.at(request_id); }
+  size_t size() const { return requests_.size(); }
+  // Requests forgotten by the last apply() (a backend drops its own per-request state for them).
+  const std::vector<uint64_t>& forgotten() const { return forgotten_; }
+  void set_num_blocks(int64_t blocks) { limits_.num_blocks = blocks; }
+  const RequestLimits& limits() const { return limits_; }
+
+ private:
+  RequestLimits limits_;
+  std::map<uint64_t, RequestState> requests_;
+  std::vector<uint64_t> forgotten_;
+  uint64_t seed_state_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,269 @@
+#include "common/checkpoint/layer_plan.h"
+
+#include <algorithm>
+
+namespace tessera {
+
+const char* fused_group(WeightKind kind) {
+  switch (kind) {
+    case WeightKind::kQ:
+    case WeightKind::kK:
+    case WeightKind::kV:
+    case WeightKind::kQBias:
+    case WeightKind::kKBias:
+    case WeightKind::kVBias:
+      return "qkv";
+    case WeightKind::kGate:
+    case WeightKind::kUp:
+      return "gate_up";
+    default:
+      return "";
+  }
+}
+
+std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
+  const int64_t h = c.hidden_size;
+  const int64_t q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim;
+  std::vector<WeightSpec> out;
+  out.reserve(4 + static_cast<size_t>(c.num_layers) * 16);
+  out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, WeightRole::kEmbedding,
+                 WeightKind::kEmbed, -1, Split::kVocab});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    auto linear = [&](const std::string& name, int64_t out_f, int64_t in_f, WeightKind kind,
+                      Split split, bool bias, WeightKind bias_kind) {
+      out.push_back({p + name + ".weight", {out_f, in_f}, WeightRole::kLinear, kind, i, split});
+      if (bias) {
+        // A column-parallel layer's bias splits with its rows; a row-parallel one's is whole
+        // (rank 0 adds it).
+        out.push_back({p + name + ".bias", {out_f}, WeightRole::kBias, bias_kind, i,
+                       split == Split::kRows ? Split::kRows : Split::kNone});
+      }
+    };
+    auto norm = [&](const std::string& name, int64_t n, WeightKind kind) {
+      out.push_back({p + name, {n}, WeightRole::kNorm, kind, i, Split::kNone});
+    };
+    linear("self_attn.q_proj", q_out, h, WeightKind::kQ, Split::kRows, c.attention_bias,
+           WeightKind::kQBias);
+    linear("self_attn.k_proj", kv_out, h, WeightKind::kK, Split::kRows, c.attention_bias,
+           WeightKind::kKBias);
+    linear("self_attn.v_proj", kv_out, h, WeightKind::kV, Split::kRows, c.attention_bias,
+           WeightKind::kVBias);
+    linear("self_attn.o_proj", h, q_out, WeightKind::kO, Split::kColumns, c.o_proj_bias,
+           WeightKind::kOBias);
+    if (c.qk_norm) {
+      norm("self_attn.q_norm.weight", c.head_dim, WeightKind::kQNorm);
+      norm("self_attn.k_norm.weight", c.head_dim, WeightKind::kKNorm);
+    }
+    linear("mlp.gate_proj", c.intermediate_size, h, WeightKind::kGate, Split::kRows, false,
+           WeightKind::kGate);
+    linear("mlp.up_proj", c.intermediate_size, h, WeightKind::kUp, Split::kRows, false,
+           WeightKind::kUp);
+    linear("mlp.down_proj", h, c.intermediate_size, WeightKind::kDown, Split::kColumns, false,
+           WeightKind::kDown);
+    norm("input_layernorm.weight", h, WeightKind::kInputNorm);
+    norm("post_attention_layernorm.weight", h, WeightKind::kPostNorm);
+  }
+  out.push_back(
+      {"model.norm.weight", {h}, WeightRole::kNorm, WeightKind::kFinalNorm, -1, Split::kNone});
+  if (!c.tie_word_embeddings) {
+    out.push_back({"lm_head.weight", {c.vocab_size, h}, WeightRole::kLinear, WeightKind::kLmHead,
+                   -1, Split::kVocab});
+  }
+  return out;
+}
+
+std::vector<int64_t> WeightShard::shape() const {
+  std::vector<int64_t> s = spec.shape;
+  switch (spec.split) {
+    case Split::kNone:
+      break;
+    case Split::kRows:
+    case Split::kVocab:
+      s[0] = end - begin;
+      break;
+    case Split::kColumns:
+      s[1] = end - begin;
+      break;
+  }
+  return s;
+}
+
+uint64_t LayerPlan::weight_bytes(DType dtype) const {
+  uint64_t total = 0;
+  for (const WeightShard& w : weights) {
+    int64_t n = 1;
+    for (int64_t d : w.shape()) n *= d;
+    total += static_cast<uint64_t>(n) * dtype_size(dtype);
+  }
+  return total;
+}
+
+Expected<std::vector<std::pair<int64_t, int64_t>>> stage_layers(
+    int64_t num_layers, int pp_size, const std::vector<int64_t>& partition) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (pp_size < 1) {
+    return invalid_argument("--pipeline-parallel-size must be at least 1, got " +
+                            std::to_string(pp_size));
+  }
+  if (pp_size > num_layers) {
+    return invalid_argument("--pipeline-parallel-size " + std::to_string(pp_size) +
+                            " is more than the model's " + std::to_string(num_layers) +
+                            " layers: every stage needs at least one");
+  }
+  if (!partition.empty()) {
+    if (static_cast<int>(partition.size()) != pp_size) {
+      return invalid_argument("--pipeline-layer-partition has " +
+                              std::to_string(partition.size()) + " stages, but "
+                              "--pipeline-parallel-size is " + std::to_string(pp_size));
+    }
+    int64_t at = 0;
+    for (int64_t n : partition) {
+      if (n < 1) {
+        return invalid_argument("--pipeline-layer-partition: every stage needs at least one "
+                                "layer, got " + std::to_string(n));
+      }
+      out.emplace_back(at, at + n);
+      at += n;
+    }
+    if (at != num_layers) {
+      return invalid_argument("--pipeline-layer-partition adds up to " + std::to_string(at) +
+                              " layers, the model has " + std::to_string(num_layers));
+    }
+    return out;
+  }
+  const int64_t base = num_layers / pp_size;
+  const int64_t extra = num_layers % pp_size;
+  int64_t at = 0;
+  for (int s = 0; s < pp_size; ++s) {
+    const int64_t n = base + (s < extra ? 1 : 0);
+    out.emplace_back(at, at + n);
+    at += n;
+  }
+  return out;
+}
+
+namespace {
+
+std::string divisors_of(int64_t n, int64_t up_to) {
+  std::string out;
+  for (int64_t d = 1; d <= std::min(n, up_to); ++d) {
+    if (n % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+Expected<LayerPlan> LayerPlan::make(const ModelConfig& c, const ParallelConfig& p) {
+  const int64_t T = p.tp_size;
+  if (T < 1) {
+    return invalid_argument("--tensor-parallel-size must be at least 1, got " + std::to_string(T));
+  }
+  if (p.tp_rank < 0 || p.tp_rank >= T || p.pp_rank < 0 || p.pp_rank >= p.pp_size) {
+    return invalid_argument("rank (tp " + std::to_string(p.tp_rank) + ", pp " +
+                            std::to_string(p.pp_rank) + ") is outside " + std::to_string(T) +
+                            " x " + std::to_string(p.pp_size));
+  }
+  if (c.num_heads % T != 0) {
+    return invalid_argument("--tensor-parallel-size " + std::to_string(T) + " does not divide the " +
+                            std::to_string(c.num_heads) +
+                            " attention heads; sizes that do: " + divisors_of(c.num_heads, 64));
+  }
+  if (c.num_kv_heads % T != 0 && T % c.num_kv_heads != 0) {
+    return invalid_argument("--tensor-parallel-size " + std::to_string(T) + " neither divides the " +
+                            std::to_string(c.num_kv_heads) +
+                            " KV heads nor is a multiple of them, so they can be neither split "
+                            "nor replicated evenly");
+  }
+  if (c.intermediate_size % T != 0) {
+    return invalid_argument("--tensor-parallel-size " + std::to_string(T) +
+                            " does not divide the MLP's intermediate size " +
+                            std::to_string(c.intermediate_size));
+  }
+  TESSERA_ASSIGN_OR_RETURN(auto stages, stage_layers(c.num_layers, p.pp_size, p.layer_partition));
+  LayerPlan plan;
+  plan.parallel = p;
+  plan.layer_begin = stages[static_cast<size_t>(p.pp_rank)].first;
+  plan.layer_end = stages[static_cast<size_t>(p.pp_rank)].second;
+  plan.first_stage = p.pp_rank == 0;
+  plan.last_stage = p.pp_rank == p.pp_size - 1;
+  plan.heads = c.num_heads / T;
+  plan.head_begin = p.tp_rank * plan.heads;
+  if (c.num_kv_heads % T == 0) {
+    plan.kv_heads = c.num_kv_heads / T;
+    plan.kv_head_begin = p.tp_rank * plan.kv_heads;
+  } else {
+    // Replicated: this rank's query heads all read one KV head.
+    plan.kv_heads = 1;
+    plan.kv_head_begin = plan.head_begin / (c.num_heads / c.num_kv_heads);
+  }
+  plan.intermediate = c.intermediate_size / T;
+  plan.intermediate_begin = p.tp_rank * plan.intermediate;
+  plan.vocab_padded = (c.vocab_size + T - 1) / T * T;
+  plan.vocab_shard = plan.vocab_padded / T;
+  plan.vocab_begin = p.tp_rank * plan.vocab_shard;
+  plan.vocab_rows = std::clamp<int64_t>(c.vocab_size - plan.vocab_begin, 0, plan.vocab_shard);
+  plan.o_bias = c.o_proj_bias && p.tp_rank == 0;
+
+  const int64_t hd = c.head_dim;
+  for (const WeightSpec& w : expected_weights(c)) {
+    const bool layer_here = w.layer >= plan.layer_begin && w.layer < plan.layer_end;
+    bool here = false;
+    switch (w.kind) {
+      case WeightKind::kEmbed:
+        // A tied lm_head reads the embedding too: the last stage needs it then.
+        here = plan.first_stage || (plan.last_stage && c.tie_word_embeddings);
+        break;
+      case WeightKind::kFinalNorm:
+      case WeightKind::kLmHead:
+        here = plan.last_stage;
+        break;
+      case WeightKind::kOBias:
+        here = layer_here && plan.o_bias;
+        break;
+      default:
+        here = layer_here;
+        break;
+    }
+    if (!here) continue;
+    WeightShard s{w, 0, 0};
+    switch (w.kind) {
+      case WeightKind::kQ:
+      case WeightKind::kQBias:
+        s.begin = plan.head_begin * hd;
+        s.end = (plan.head_begin + plan.heads) * hd;
+        break;
+      case WeightKind::kK:
+      case WeightKind::kV:
+      case WeightKind::kKBias:
+      case WeightKind::kVBias:
+        s.begin = plan.kv_head_begin * hd;
+        s.end = (plan.kv_head_begin + plan.kv_heads) * hd;
+        break;
+      case WeightKind::kO:
+        s.begin = plan.head_begin * hd;
+        s.end = (plan.head_begin + plan.heads) * hd;
+        break;
+      case WeightKind::kGate:
+      case WeightKind::kUp:
+      case WeightKind::kDown:
+        s.begin = plan.intermediate_begin;
+        s.end = plan.intermediate_begin + plan.intermediate;
+        break;
+      case WeightKind::kEmbed:
+      case WeightKind::kLmHead:
+        s.begin = std::min(plan.vocab_begin, c.vocab_size);
+        s.end = s.begin + plan.vocab_rows;
+        break;
+      default:
+        s.end = w.shape.empty() ? 0 : w.shape[0];
+        break;
+    }
+    plan.weights.push_back(std::move(s));
+  }
+  return plan;
+}
+
+}  // namespace tessera

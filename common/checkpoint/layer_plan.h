@@ -1,0 +1,127 @@
+// The single weight table of a model and each rank's share of it under tensor x pipeline
+// parallelism. Everything that names, checks, shards, binds or uploads a checkpoint tensor
+// reads this table: make-model writes expected_weights(), the actors bind and upload
+// LayerPlan::weights, the planner sizes ranks with it. Adding an architecture's tensor is one
+// row here.
+//
+// Sharding follows Megatron / vLLM:
+//   - column-parallel (split the output rows): q, k, v (and their biases), gate, up;
+//   - row-parallel (split the input columns): o_proj, down_proj — each rank's output is a partial
+//     sum that the tensor-parallel group all-reduces; o_proj's bias is added by tp rank 0 only;
+//   - vocab-parallel: embedding and lm_head rows, the vocabulary padded to a multiple of T; the
+//     embedding is all-reduced (each rank looks up the ids in its range), the logits all-gathered;
+//   - replicated: the norms.
+// KV heads are split when T divides them; when T > kv heads (and kv heads divide T) each rank
+// keeps the one KV head its query heads read, and T / kv_heads ranks share it (vLLM's rule).
+// Layers go to pipeline stages evenly (the first stages take the remainder) or as
+// --pipeline-layer-partition says; stage 0 holds the embedding, the last stage the final norm
+// and lm_head.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint/model_config.h"
+#include "common/status.h"
+
+namespace tessera {
+
+// How make-model initialises a tensor.
+enum class WeightRole { kEmbedding, kLinear, kBias, kNorm };
+
+// Which tensor of the architecture a checkpoint tensor is.
+enum class WeightKind : uint8_t {
+  kEmbed, kQ, kK, kV, kO, kQBias, kKBias, kVBias, kOBias, kQNorm, kKNorm,
+  kGate, kUp, kDown, kInputNorm, kPostNorm, kFinalNorm, kLmHead,
+};
+
+// How a tensor is divided among the tensor-parallel ranks.
+enum class Split : uint8_t {
+  kNone,     // every rank holds all of it
+  kRows,     // dimension 0 (output features): column-parallel layers
+  kColumns,  // dimension 1 (input features): row-parallel layers
+  kVocab,    // dimension 0 by vocabulary shard (embedding, lm_head)
+};
+
+// One tensor of a Hugging Face checkpoint: its exact HF name and shape (linear weights are
+// [out_features, in_features], as nn.Linear stores them), what it is and how it shards.
+struct WeightSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  WeightRole role = WeightRole::kLinear;  // how make-model initialises it
+  WeightKind kind = WeightKind::kEmbed;
+  int64_t layer = -1;  // -1 for model-wide tensors
+  Split split = Split::kNone;
+};
+
+// The GEMM a tensor is fused into when uploaded to a GPU: "qkv" (q, k, v and their biases stacked
+// along the output dimension), "gate_up", or "" (on its own).
+const char* fused_group(WeightKind kind);
+
+// Every tensor a Hugging Face checkpoint of `config` holds, in the model's state_dict order:
+// model.embed_tokens.weight; per layer self_attn.{q,k,v,o}_proj.weight (+ .bias where the config
+// has biases), self_attn.{q,k}_norm.weight (qk_norm), mlp.{gate,up,down}_proj.weight,
+// input_layernorm.weight, post_attention_layernorm.weight; model.norm.weight; lm_head.weight
+// unless tie_word_embeddings. Precondition: `config` passed parse_model_config's validation.
+std::vector<WeightSpec> expected_weights(const ModelConfig& config);
+
+// Where a rank sits: rank = pp_rank * tp_size + tp_rank.
+struct ParallelConfig {
+  int tp_size = 1;
+  int pp_size = 1;
+  int tp_rank = 0;
+  int pp_rank = 0;
+  std::vector<int64_t> layer_partition;  // layers per stage; empty = even
+
+  int rank() const { return pp_rank * tp_size + tp_rank; }
+  int world_size() const { return tp_size * pp_size; }
+};
+
+// One rank's slice of one tensor: [begin, end) along the tensor's split dimension (the whole
+// tensor for Split::kNone). For Split::kVocab, rows past the real vocabulary (padding) are not
+// in the checkpoint: `end` stops at the vocabulary and the rank pads.
+struct WeightShard {
+  WeightSpec spec;
+  int64_t begin = 0;
+  int64_t end = 0;
+  // The slice's shape: spec.shape with the split dimension cut to end - begin.
+  std::vector<int64_t> shape() const;
+};
+
+struct LayerPlan {
+  ParallelConfig parallel;
+  int64_t layer_begin = 0;  // this stage's layers: [layer_begin, layer_end)
+  int64_t layer_end = 0;
+  bool first_stage = true;  // holds the embedding
+  bool last_stage = true;   // holds the final norm and lm_head
+  int64_t heads = 0;        // query heads on this rank
+  int64_t head_begin = 0;   // the first of them (model numbering)
+  int64_t kv_heads = 0;     // KV heads on this rank
+  int64_t kv_head_begin = 0;
+  int64_t intermediate = 0;  // MLP width on this rank
+  int64_t intermediate_begin = 0;
+  int64_t vocab_padded = 0;  // the vocabulary rounded up to a multiple of tp_size
+  int64_t vocab_shard = 0;   // vocab_padded / tp_size: rows of embedding / lm_head per rank
+  int64_t vocab_begin = 0;   // this rank's first vocabulary row
+  int64_t vocab_rows = 0;    // of those, rows that exist (the rest is padding)
+  bool o_bias = false;       // this rank adds o_proj's bias (tp rank 0 of a model that has one)
+  std::vector<WeightShard> weights;  // this rank's tensors, in expected_weights() order
+
+  int64_t num_layers() const { return layer_end - layer_begin; }
+  // Bytes of this rank's shards in `dtype` (embedding and lm_head counted once when tied).
+  uint64_t weight_bytes(DType dtype) const;
+
+  // The plan of one rank. INVALID_ARGUMENT, naming the numbers and what would work, when the
+  // model cannot be split so (heads not divisible by tp_size, KV heads neither divisible by nor
+  // dividing it, intermediate size not divisible, more stages than layers, a partition that
+  // does not add up to the layers).
+  static Expected<LayerPlan> make(const ModelConfig& config, const ParallelConfig& parallel);
+};
+
+// The layers of each pipeline stage: [begin, end) pairs. Even by default, the first
+// num_layers % pp_size stages one layer more; `partition` (layers per stage) when given.
+Expected<std::vector<std::pair<int64_t, int64_t>>> stage_layers(
+    int64_t num_layers, int pp_size, const std::vector<int64_t>& partition);
+
+}  // namespace tessera

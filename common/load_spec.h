@@ -1,0 +1,81 @@
+// How an actor loads its share of a model, and what it reports back: one type each, from the
+// driver's flags to the actor's runner (protocol/convert.h carries them over the wire). The
+// engine defaults vLLM users know live here, once.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint/layer_plan.h"
+
+namespace tessera {
+
+inline constexpr int64_t kDefaultMaxNumSeqs = 256;
+inline constexpr int64_t kDefaultBlockSize = 16;
+inline constexpr double kDefaultGpuMemoryUtilization = 0.9;
+// max-model-len when none is given: min(the model's max_position_embeddings, this).
+inline constexpr int64_t kDefaultMaxModelLenCap = 8192;
+
+// One rank of a worker group as the driver placed it (error messages name these).
+struct RankInfo {
+  int rank = 0;
+  std::string actor_id;
+  std::string node_id;
+  int gpu = -1;          // node GPU index; -1 for a CPU actor
+  std::string address;   // its collective endpoint ("10.0.0.2:41022"), when it has one
+};
+
+// How the ranks of a group talk: "" (one rank, nothing to talk about), "tcp" (the cpu
+// backend), "nccl" or "ipc" (the cuda backend: NCCL across GPUs; the custom all-reduce through
+// CUDA-IPC buffers on one node, which also lets two ranks share one GPU).
+struct CommSpec {
+  std::string backend;
+  std::vector<RankInfo> ranks;   // by world rank
+  std::string secret;            // authenticates the ranks' connections (tcp)
+  std::string nccl_id;           // ncclUniqueId bytes made by rank 0 (nccl)
+  std::vector<std::string> ipc_handles;  // every rank's CUDA-IPC buffers, by rank (ipc)
+  uint32_t init_timeout_ms = 120000;  // a rank that does not join by then fails start-up
+};
+
+struct LoadSpec {
+  std::string model_dir;
+  std::string dtype = "auto";   // auto | bfloat16 | float16 | half | float32 | float
+  std::string device = "auto";  // auto (cuda when a GPU is visible) | cuda | cpu
+  int64_t block_size = kDefaultBlockSize;
+  int64_t max_model_len = 0;        // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
+  int64_t max_num_seqs = kDefaultMaxNumSeqs;
+  int64_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
+  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
+  bool enforce_eager = false;  // no CUDA graphs
+  bool return_logits = false;  // StepOutput carries the sampled rows' logits (tests)
+  int threads = 0;             // cpu backend threads (0 = hardware concurrency)
+  ParallelConfig parallel;
+  CommSpec comm;
+  // Steps arrive through the node's shared-memory ring when set (local actors), over RPC
+  // otherwise.
+  std::string step_ring;      // segment name of the driver's step ring
+  uint32_t step_ring_reader = 0;
+  std::string output_ring;    // segment name of this actor's output ring (it writes)
+};
+
+// What a rank reports after loading (kv_blocks: how many fit) and after its cache is allocated.
+struct ModelInfo {
+  std::string architecture;
+  int64_t vocab_size = 0;
+  int64_t num_layers = 0;
+  int64_t layer_begin = 0;  // this rank's layers
+  int64_t layer_end = 0;
+  int64_t kv_blocks = 0;
+  int64_t block_size = 0;
+  int64_t max_model_len = 0;
+  int64_t max_num_seqs = 0;
+  int64_t max_num_batched_tokens = 0;  // the largest step the actor takes (the scheduler's budget)
+  uint64_t weight_bytes = 0;           // this rank's
+  uint64_t kv_cache_bytes = 0;
+  std::string backend;      // "cpu" | "cuda"
+  std::string dtype;        // what the model computes in: "BF16", "F16", "F32"
+  std::string device_name;  // "NVIDIA H200"; empty on the cpu backend
+};
+
+}  // namespace tessera

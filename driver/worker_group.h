@@ -1,0 +1,91 @@
+// The actors that serve one model: T x P ranks placed on the cluster's nodes, each holding its
+// shard. The group spawns them (one lease per node), runs the rendezvous (collective endpoints
+// or the NCCL id or IPC handles, relayed over RPC), loads every rank at once, sizes the KV cache
+// to what the tightest rank holds, and runs steps:
+//   - ranks on this machine read each step from their node's shared-memory step ring and write
+//     their result to an output ring of their own (no RPC per step);
+//   - ranks on other machines get an execute RPC.
+// Steps complete in order; up to pipeline_depth() (the stages) can be in flight. When a rank
+// dies, the step fails with how it died ("actor a-… (GPU 1 on node n-…) was killed by signal 9
+// (SIGKILL); its log: …"), never a bare disconnection. Destroying the group ends its leases: its
+// actors are stopped and its rings unlinked.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/load_spec.h"
+#include "common/status.h"
+#include "common/step.h"
+#include "driver/client.h"
+#include "driver/engine/engine.h"
+
+namespace tessera {
+
+// Where one rank runs.
+struct RankPlacement {
+  std::string node_id;
+  int gpu = -1;  // node GPU index; -1 = a CPU actor
+};
+
+struct WorkerGroupSpec {
+  LoadSpec load;  // the model's fields; each rank's parallel position and comm are filled in
+  std::vector<RankPlacement> placement;  // by world rank (pp_rank * tp_size + tp_rank)
+  // "tcp" (cpu backend), "nccl", "ipc" (cuda); ignored for one rank.
+  std::string comm_backend = "tcp";
+  std::string owner = "driver";
+  bool use_rings = true;  // local ranks take steps through shared-memory rings
+  uint64_t ipc_buffer_bytes = 8ull << 20;
+};
+
+class WorkerGroup final : public StepExecutor {
+ public:
+  static Expected<std::unique_ptr<WorkerGroup>> start(EventLoop& loop, ClusterClient& cluster,
+                                                      WorkerGroupSpec spec);
+  ~WorkerGroup() override;
+
+  // Rank 0's view of the model, with kv_blocks the fewest any rank holds.
+  const ModelInfo& model() const { return model_; }
+  const std::vector<ActorView>& actors() const { return actors_; }
+  int world_size() const { return static_cast<int>(ranks_.size()); }
+
+  Status submit(StepInput step) override;
+  Expected<StepOutput> collect() override;
+  int pipeline_depth() const override { return spec_.load.parallel.pp_size; }
+
+  // Where the last collected step's time went, in microseconds: submit to collect as the
+  // driver saw it, the sampling rank's execute, and of that its GPU forward.
+  struct StepTimes {
+    uint32_t call_us = 0, actor_us = 0, gpu_us = 0;
+  };
+  const StepTimes& last_times() const { return last_times_; }
+  // Logits of the sampled rows of the last step, when loaded with return_logits.
+  const std::vector<float>& last_logits() const { return last_logits_; }
+
+  struct Rank;
+  struct Node;
+  struct Pending;
+
+ private:
+  WorkerGroup(EventLoop& loop, WorkerGroupSpec spec);
+  // `failed`, or how one of the group's actors died when that is why it failed.
+  Status explain(Status failed);
+  // The first death reported among this group's actors, if any.
+  const ActorView* first_death() const;
+
+  EventLoop& loop_;
+  WorkerGroupSpec spec_;
+  std::vector<std::unique_ptr<Node>> nodes_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::vector<ActorView> actors_;
+  ModelInfo model_;
+  int sampler_rank_ = 0;
+  std::vector<std::unique_ptr<Pending>> pending_;
+  StepTimes last_times_;
+  std::vector<float> last_logits_;
+};
+
+}  // namespace tessera
