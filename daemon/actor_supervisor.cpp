@@ -249,7 +249,11 @@ kj::Promise<Expected<SpawnedActor>> ActorSupervisor::spawn(const std::string& ow
           return Result(address.status());
         }
         if (it == live_.end()) {
-          return Result(unavailable("actor " + id + " died right after it started"));
+          std::string how = "died";
+          for (const auto& d : dead_) {
+            if (d.id == id) how = d.death_reason;
+          }
+          return Result(unavailable("actor " + id + " " + how + " right after it started"));
         }
         it->second->record.address = *address;
         // Say hello like its owner will: proves the actor serves, speaks our protocol and holds
@@ -259,7 +263,11 @@ kj::Promise<Expected<SpawnedActor>> ActorSupervisor::spawn(const std::string& ow
             .then([this, id](Expected<kj::Own<rpc::Connection>>&& conn) -> Result {
               auto it = live_.find(id);
               if (it == live_.end()) {
-                return Result(unavailable("actor " + id + " died while starting"));
+                std::string how = "died";
+                for (const auto& d : dead_) {
+                  if (d.id == id) how = d.death_reason;
+                }
+                return Result(unavailable("actor " + id + " " + how + " while starting"));
               }
               if (!conn) {
                 (void)kill(id, /*force=*/true);

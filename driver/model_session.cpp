@@ -70,6 +70,13 @@ Expected<Placement> share_gpus(const ClusterPlan& plan, const std::vector<Cluste
     pr.memory = {g.memory_total, g.memory_used};
     p.ranks.push_back(pr);
   }
+  // The stages' TP groups: on one GPU ("X"), or across GPUs of the node sharing them.
+  for (int64_t st = 0; st < plan.plan.pp; ++st) {
+    TpGroupLinks g;
+    g.stage = st;
+    g.worst.kind = gpus.size() == 1 ? LinkKind::kSelf : LinkKind::kUnknown;
+    p.groups.push_back(g);
+  }
   return p;
 }
 

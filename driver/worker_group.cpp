@@ -109,7 +109,13 @@ Status WorkerGroup::explain(Status failed) {
     dead = first_death();
   }
   if (dead == nullptr) return failed;
-  return unavailable(describe_death(*dead));
+  std::string rank;
+  for (const auto& r : ranks_) {
+    if (r->actor.actor_id == dead->actor_id && ranks_.size() > 1) {
+      rank = "rank " + std::to_string(r->rank) + ": ";
+    }
+  }
+  return unavailable(rank + describe_death(*dead));
 }
 
 Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, ClusterClient& cluster,

@@ -146,41 +146,58 @@ Expected<std::vector<std::pair<int64_t, int64_t>>> stage_layers(
 
 namespace {
 
-std::string divisors_of(int64_t n, int64_t up_to) {
-  std::string out;
-  for (int64_t d = 1; d <= std::min(n, up_to); ++d) {
-    if (n % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
+std::string tp_problem(const ModelConfig& c, int64_t tp) {
+  if (tp < 1) return "-tp must be at least 1, got " + std::to_string(tp);
+  if (c.num_heads % tp != 0) {
+    return "-tp " + std::to_string(tp) + ": the model's " + std::to_string(c.num_heads) +
+           " attention heads do not split over " + std::to_string(tp) + " ranks (" +
+           std::to_string(c.num_heads) + " % " + std::to_string(tp) + " = " +
+           std::to_string(c.num_heads % tp) + ")";
   }
-  return out;
+  const int64_t kv = c.num_kv_heads;
+  if (kv % tp != 0 && !(tp > kv && tp % kv == 0)) {
+    return "-tp " + std::to_string(tp) + ": the model's " + std::to_string(kv) +
+           " KV heads neither split over " + std::to_string(tp) + " ranks (" + std::to_string(kv) +
+           " % " + std::to_string(tp) + " = " + std::to_string(kv % tp) +
+           ") nor replicate evenly (" + std::to_string(tp) + " is not a multiple of " +
+           std::to_string(kv) + ")";
+  }
+  if (c.intermediate_size % tp != 0) {
+    return "-tp " + std::to_string(tp) + ": intermediate_size " +
+           std::to_string(c.intermediate_size) + " does not split over " + std::to_string(tp) +
+           " ranks (" + std::to_string(c.intermediate_size) + " % " + std::to_string(tp) + " = " +
+           std::to_string(c.intermediate_size % tp) + ")";
+  }
+  return "";
 }
 
 }  // namespace
 
+std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max) {
+  std::vector<int64_t> out;
+  for (int64_t t = 1; t <= max; ++t) {
+    if (tp_problem(config, t).empty()) out.push_back(t);
+  }
+  return out;
+}
+
+Status check_tensor_parallel(const ModelConfig& config, int64_t tp) {
+  std::string problem = tp_problem(config, tp);
+  if (problem.empty()) return Status::ok();
+  std::string valid;
+  for (int64_t t : valid_tensor_parallel_sizes(config, config.num_heads)) {
+    valid += (valid.empty() ? "" : ", ") + std::to_string(t);
+  }
+  return invalid_argument(problem + "; valid -tp values for this model: " + valid);
+}
+
 Expected<LayerPlan> LayerPlan::make(const ModelConfig& c, const ParallelConfig& p) {
   const int64_t T = p.tp_size;
-  if (T < 1) {
-    return invalid_argument("--tensor-parallel-size must be at least 1, got " + std::to_string(T));
-  }
+  TESSERA_RETURN_IF_ERROR(check_tensor_parallel(c, T));
   if (p.tp_rank < 0 || p.tp_rank >= T || p.pp_rank < 0 || p.pp_rank >= p.pp_size) {
     return invalid_argument("rank (tp " + std::to_string(p.tp_rank) + ", pp " +
                             std::to_string(p.pp_rank) + ") is outside " + std::to_string(T) +
                             " x " + std::to_string(p.pp_size));
-  }
-  if (c.num_heads % T != 0) {
-    return invalid_argument("--tensor-parallel-size " + std::to_string(T) + " does not divide the " +
-                            std::to_string(c.num_heads) +
-                            " attention heads; sizes that do: " + divisors_of(c.num_heads, 64));
-  }
-  if (c.num_kv_heads % T != 0 && T % c.num_kv_heads != 0) {
-    return invalid_argument("--tensor-parallel-size " + std::to_string(T) + " neither divides the " +
-                            std::to_string(c.num_kv_heads) +
-                            " KV heads nor is a multiple of them, so they can be neither split "
-                            "nor replicated evenly");
-  }
-  if (c.intermediate_size % T != 0) {
-    return invalid_argument("--tensor-parallel-size " + std::to_string(T) +
-                            " does not divide the MLP's intermediate size " +
-                            std::to_string(c.intermediate_size));
   }
   TESSERA_ASSIGN_OR_RETURN(auto stages, stage_layers(c.num_layers, p.pp_size, p.layer_partition));
   LayerPlan plan;

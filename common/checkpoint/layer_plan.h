@@ -78,6 +78,14 @@ struct ParallelConfig {
   int world_size() const { return tp_size * pp_size; }
 };
 
+// OK when `tp` splits the model: attention heads divisible by tp, KV heads split or replicated
+// evenly (see the file comment), intermediate_size divisible by tp. INVALID_ARGUMENT otherwise,
+// naming both numbers and the valid -tp values for the model.
+Status check_tensor_parallel(const ModelConfig& config, int64_t tp);
+
+// The -tp values check_tensor_parallel accepts, ascending, up to `max`.
+std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max);
+
 // One rank's slice of one tensor: [begin, end) along the tensor's split dimension (the whole
 // tensor for Split::kNone). For Split::kVocab, rows past the real vocabulary (padding) are not
 // in the checkpoint: `end` stops at the vocabulary and the rank pads.

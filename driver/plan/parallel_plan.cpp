@@ -15,16 +15,7 @@ constexpr uint64_t kCudaContext = 512 * kMiB;   // context + library handles, be
 constexpr uint64_t kGraphReserve = 512 * kMiB;  // CUDA graphs (cuda_model.cpp kGraphReserve)
 constexpr uint64_t kCommReserve = 256 * kMiB;   // NCCL / custom all-reduce buffers
 
-std::string join_ints(const std::vector<int64_t>& v) {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
-  return out;
-}
 
-std::string valid_tp_hint(const ModelConfig& config) {
-  return "valid -tp values for this model: " +
-         join_ints(valid_tensor_parallel_sizes(config, config.num_heads));
-}
 
 uint64_t numel(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
@@ -85,46 +76,7 @@ Expected<DType> resolve_run_dtype(const std::string& flag, DType checkpoint, boo
 namespace {
 
 // The first rule `tp` breaks, or "" when it splits the model.
-std::string tp_problem(const ModelConfig& c, int64_t tp) {
-  if (tp < 1) return "-tp must be at least 1, got " + std::to_string(tp);
-  if (c.num_heads % tp != 0) {
-    return "-tp " + std::to_string(tp) + ": the model's " + std::to_string(c.num_heads) +
-           " attention heads do not split over " + std::to_string(tp) + " ranks (" +
-           std::to_string(c.num_heads) + " % " + std::to_string(tp) + " = " +
-           std::to_string(c.num_heads % tp) + ")";
-  }
-  const int64_t kv = c.num_kv_heads;
-  if (kv % tp != 0 && !(tp > kv && tp % kv == 0)) {
-    return "-tp " + std::to_string(tp) + ": the model's " + std::to_string(kv) +
-           " KV heads neither split over " + std::to_string(tp) + " ranks (" + std::to_string(kv) +
-           " % " + std::to_string(tp) + " = " + std::to_string(kv % tp) +
-           ") nor replicate evenly (" + std::to_string(tp) + " is not a multiple of " +
-           std::to_string(kv) + ")";
-  }
-  if (c.intermediate_size % tp != 0) {
-    return "-tp " + std::to_string(tp) + ": intermediate_size " +
-           std::to_string(c.intermediate_size) + " does not split over " + std::to_string(tp) +
-           " ranks (" + std::to_string(c.intermediate_size) + " % " + std::to_string(tp) + " = " +
-           std::to_string(c.intermediate_size % tp) + ")";
-  }
-  return "";
-}
-
 }  // namespace
-
-std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max) {
-  std::vector<int64_t> out;
-  for (int64_t t = 1; t <= max; ++t) {
-    if (tp_problem(config, t).empty()) out.push_back(t);
-  }
-  return out;
-}
-
-Status check_tensor_parallel(const ModelConfig& config, int64_t tp) {
-  std::string problem = tp_problem(config, tp);
-  if (problem.empty()) return Status::ok();
-  return invalid_argument(problem + "; " + valid_tp_hint(config));
-}
 
 // ---- the plan --------------------------------------------------------------------------------
 

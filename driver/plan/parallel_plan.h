@@ -76,13 +76,7 @@ struct ParallelPlan {
   }
 };
 
-// OK when `tp` splits the model: attention heads divisible by tp, KV heads split or replicated
-// evenly (see the file comment), intermediate_size divisible by tp. INVALID_ARGUMENT otherwise,
-// naming both numbers and the valid -tp values for the model.
-Status check_tensor_parallel(const ModelConfig& config, int64_t tp);
-
-// The -tp values check_tensor_parallel accepts, ascending, up to `max`.
-std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max);
+// check_tensor_parallel and valid_tensor_parallel_sizes: common/checkpoint/layer_plan.h.
 
 // The plan for `parallel`'s tp_size x pp_size (and layer_partition; its tp_rank and pp_rank
 // are not read) with weights and KV cache in `dtype`. Errors: check_tensor_parallel's, then

@@ -472,11 +472,13 @@ std::string format_stages(const Placement& pl, int64_t tp, int64_t pp) {
               (tp > 1 ? "s" : "");
     } else {
       line += " " + describe_members(pl.ranks, first, tp);
-      const TpGroupLinks& g = pl.groups[static_cast<size_t>(s)];
-      if (g.cross_node) {
-        line += " [network]";
-      } else if (tp > 1) {
-        line += " [" + link_name(g.worst) + "]";
+      if (static_cast<size_t>(s) < pl.groups.size()) {
+        const TpGroupLinks& g = pl.groups[static_cast<size_t>(s)];
+        if (g.cross_node) {
+          line += " [network]";
+        } else if (tp > 1) {
+          line += " [" + link_name(g.worst) + "]";
+        }
       }
     }
     out += line + "\n";

@@ -255,9 +255,9 @@ TEST_P(ParityTest, LogitsAndGreedyTokensMatchTransformers) {
     }
     generated.push_back(out->outputs[0].sample.token);
     for (int step = 1; step < 32; ++step) {
-      auto o = (*group)->execute(seq_step(request, {generated.back()},
-                                          n + static_cast<int64_t>(generated.size()) - 1, false,
-                                          0, {}));
+      auto o =
+          (*group)->execute(seq_step(request, {generated.back()},
+                                     n + static_cast<int64_t>(generated.size()) - 1, false, 0, {}));
       ASSERT_TRUE(o) << o.status().to_string();
       generated.push_back(o->outputs[0].sample.token);
     }
@@ -317,9 +317,7 @@ TEST(WeightBindingTest, MismatchesNameTensorAndFile) {
     config[key] = value;
     std::ofstream(g.model_dir + "/config.json") << config.dump(2);
   };
-  auto load = [&]() {
-    return ModelRunner::load(cpu_spec(g.model_dir, 64), {});
-  };
+  auto load = [&]() { return ModelRunner::load(cpu_spec(g.model_dir, 64), {}); };
   edit("intermediate_size", 200);  // wrong shapes
   auto wrong_shape = load();
   ASSERT_FALSE(wrong_shape);

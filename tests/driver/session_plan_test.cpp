@@ -1,0 +1,71 @@
+// The plan a model session runs (driver/model_session.h): the planner's choice and placement for
+// the engine arguments, the one-GPU sharing that --collectives ipc allows, and its printout.
+#include <gtest/gtest.h>
+
+#include "driver/model_session.h"
+
+namespace tessera {
+namespace {
+
+ModelConfig tiny() {
+  ModelConfig c;
+  c.arch = Architecture::kLlama;
+  c.model_type = "llama";
+  c.vocab_size = 1000;
+  c.hidden_size = 64;
+  c.intermediate_size = 176;
+  c.num_layers = 4;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 16;
+  c.max_position_embeddings = 2048;
+  c.torch_dtype = DType::kBF16;
+  return c;
+}
+
+EngineArgs args(const std::string& tp, const std::string& pp = "") {
+  EngineArgs a;
+  a.model = "/nonexistent";
+  a.parallel.tensor_parallel_size = tp;
+  a.parallel.pipeline_parallel_size = pp;
+  return a;
+}
+
+TEST(SessionPlanTest, TwoRanksShareOneGpuOnlyWithIpcCollectives) {
+  auto nodes = synthetic_nodes(1, 1, 80ull << 30);
+  EngineArgs a = args("2");
+  auto refused = plan_session(tiny(), a, nodes);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.status().code(), Code::kResourceExhausted) << refused.status().to_string();
+
+  a.collectives = "ipc";
+  auto shared = plan_session(tiny(), a, nodes);
+  ASSERT_TRUE(shared) << shared.status().to_string();
+  ASSERT_EQ(shared->placement.ranks.size(), 2u);
+  EXPECT_EQ(shared->placement.ranks[0].gpu, 0);
+  EXPECT_EQ(shared->placement.ranks[1].gpu, 0);
+  EXPECT_EQ(shared->plan.tp, 2);
+  EXPECT_EQ(plan_summary(*shared), "plan: stage 0: node-0 gpu0 gpu0 [X]\n");
+}
+
+TEST(SessionPlanTest, PlansAreThePlannersAndPrintEveryStage) {
+  auto nodes = synthetic_nodes(2, 2, 80ull << 30);
+  auto plan = plan_session(tiny(), args("2", "2"), nodes);
+  ASSERT_TRUE(plan) << plan.status().to_string();
+  EXPECT_EQ(plan->placement.ranks.size(), 4u);
+  const std::string text = plan_summary(*plan);
+  EXPECT_NE(text.find("plan: stage 0: "), std::string::npos) << text;
+  EXPECT_NE(text.find("plan: stage 1: "), std::string::npos) << text;
+  auto chosen = plan_session(tiny(), args("auto"), nodes);
+  ASSERT_TRUE(chosen) << chosen.status().to_string();
+  EXPECT_NE(plan_summary(*chosen).find("plan: -tp auto"), std::string::npos)
+      << plan_summary(*chosen);
+  auto bad = plan_session(tiny(), args("3"), nodes);
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.status().message().find("attention heads do not split over 3 ranks"),
+            std::string::npos)
+      << bad.status().to_string();
+}
+
+}  // namespace
+}  // namespace tessera
