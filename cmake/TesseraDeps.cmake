@@ -24,10 +24,13 @@ find_path(SPDLOG_INCLUDE_DIR spdlog/spdlog.h REQUIRED)
 find_path(FMT_INCLUDE_DIR fmt/format.h REQUIRED)
 add_library(tessera_spdlog INTERFACE)
 target_include_directories(tessera_spdlog SYSTEM INTERFACE ${SPDLOG_INCLUDE_DIR} ${FMT_INCLUDE_DIR})
-# Builds that never leave this machine (the sanitizer stage) link Debian's shared libspdlog and
-# libfmt instead: compiling both header-only into every object is most of a build's time.
-option(TESSERA_SPDLOG_SHARED "Link the system's shared spdlog/fmt (binaries for this machine only)" OFF)
+# Debian's shared libspdlog and libfmt are linked by default: compiling both header-only into
+# every object was most of a build's time. Executables look for them in $ORIGIN/../lib first,
+# so a machine without them (the GPU machine) runs the binaries with the two libraries copied
+# beside them (scripts/pack-device does); OFF compiles them in, header-only.
+option(TESSERA_SPDLOG_SHARED "Link the system's shared spdlog/fmt (else header-only)" ON)
 if(TESSERA_SPDLOG_SHARED)
+  set(CMAKE_BUILD_RPATH "$ORIGIN/../lib" CACHE STRING "" FORCE)
   find_library(TESSERA_LIB_spdlog NAMES spdlog REQUIRED)
   find_library(TESSERA_LIB_fmt NAMES fmt REQUIRED)
   target_compile_definitions(tessera_spdlog INTERFACE SPDLOG_COMPILED_LIB SPDLOG_SHARED_LIB
