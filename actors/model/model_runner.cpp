@@ -86,6 +86,7 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
     TESSERA_ASSIGN_OR_RETURN(r->backend_, load_cuda_backend(spec, load));
 #endif
   } else {
+    (void)dtype;  // checked above; the cpu backend computes in fp32 whatever the checkpoint holds
     // The cpu backend (the oracle, and the backend of tests without a GPU) holds one sequence
     // of max-model-len plus a block; the driver's scheduler preempts past that.
     const int64_t blocks = (max_len + spec.block_size - 1) / spec.block_size + 1;
