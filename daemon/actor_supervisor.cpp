@@ -249,29 +249,31 @@ kj::Promise<Expected<SpawnedActor>> ActorSupervisor::spawn(const std::string& ow
           return Result(address.status());
         }
         if (it == live_.end()) {
-          std::string how = "died";
-          for (const auto& d : dead_) {
-            if (d.id == id) how = d.death_reason;
-          }
-          return Result(unavailable("actor " + id + " " + how + " right after it started"));
+          return Result(unavailable("actor " + id + " " + death_of(id) + " right after it started"));
         }
         it->second->record.address = *address;
         // Say hello like its owner will: proves the actor serves, speaks our protocol and holds
         // the key it was given.
         return rpc::connect(io_, *address, "node daemon " + config_.node_id, it->second->key,
                             10 * kj::SECONDS)
-            .then([this, id](Expected<kj::Own<rpc::Connection>>&& conn) -> Result {
+            .then([this, id](Expected<kj::Own<rpc::Connection>>&& conn) -> kj::Promise<Result> {
+              if (!conn && live_.count(id)) {
+                // A connection cut by the actor's death arrives before the exit report: give
+                // the report a moment, so the error says how it died.
+                Status failed = conn.status();
+                return io_.provider->getTimer().afterDelay(300 * kj::MILLISECONDS).then(
+                    [this, id, failed]() -> Result {
+                      if (live_.count(id)) {
+                        (void)kill(id, /*force=*/true);
+                        return Result(failed.with_context("actor " + id + " does not answer"));
+                      }
+                      return Result(unavailable("actor " + id + " " + death_of(id) +
+                                                " while starting"));
+                    });
+              }
               auto it = live_.find(id);
               if (it == live_.end()) {
-                std::string how = "died";
-                for (const auto& d : dead_) {
-                  if (d.id == id) how = d.death_reason;
-                }
-                return Result(unavailable("actor " + id + " " + how + " while starting"));
-              }
-              if (!conn) {
-                (void)kill(id, /*force=*/true);
-                return Result(conn.status().with_context("actor " + id + " does not answer"));
+                return Result(unavailable("actor " + id + " " + death_of(id) + " while starting"));
               }
               it->second->control = kj::mv(*conn);
               it->second->record.state = ActorState::kReady;
@@ -379,6 +381,13 @@ kj::Promise<Expected<std::string>> ActorSupervisor::wait_ready(std::string id, i
                                             tail_file(log, 1500)));
           })
       .attach(kj::mv(stream), kj::mv(buffer), kj::mv(chunk));
+}
+
+std::string ActorSupervisor::death_of(const std::string& id) const {
+  for (const auto& d : dead_) {
+    if (d.id == id) return d.death_reason;
+  }
+  return "died";
 }
 
 kj::Promise<void> ActorSupervisor::watch_exit(std::string id, kj::Promise<int> exit) {

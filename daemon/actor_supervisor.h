@@ -120,6 +120,8 @@ class ActorSupervisor final : private kj::TaskSet::ErrorHandler {
 
  private:
   struct Entry;
+  // How a dead actor died ("was killed by signal 9 (SIGKILL)"), or "died" when not recorded.
+  std::string death_of(const std::string& id) const;
   kj::Promise<void> watch_exit(std::string id, kj::Promise<int> exit);
   kj::Promise<void> read_beats(std::string id);
   kj::Promise<void> health_loop();
