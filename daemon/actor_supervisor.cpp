@@ -261,7 +261,7 @@ kj::Promise<Expected<SpawnedActor>> ActorSupervisor::spawn(const std::string& ow
                 // A connection cut by the actor's death arrives before the exit report: give
                 // the report a moment, so the error says how it died.
                 Status failed = conn.status();
-                return io_.provider->getTimer().afterDelay(300 * kj::MILLISECONDS).then(
+                return io_.provider->getTimer().afterDelay(1 * kj::SECONDS).then(
                     [this, id, failed]() -> Result {
                       if (live_.count(id)) {
                         (void)kill(id, /*force=*/true);

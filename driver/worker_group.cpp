@@ -160,9 +160,16 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
                                          where(rank->placement));
     }
     rank->actor = *actor;
-    TESSERA_ASSIGN_OR_RETURN(rank->handle, ActorHandle::connect(loop, actor->address, actor->key));
+    auto handle = ActorHandle::connect(loop, actor->address, actor->key);
     g->actors_.push_back(*actor);
     g->ranks_.push_back(std::move(rank));
+    if (!handle) {
+      // An actor that died just now cuts the connection before its death is reported: say how
+      // it died when it did.
+      return g->explain(handle.status().with_context("cannot connect to " +
+                                                     g->ranks_.back()->describe()));
+    }
+    g->ranks_.back()->handle = std::move(*handle);
   }
   // Rendezvous: every rank prepares its side of the collectives.
   std::string backend = world > 1 ? s.comm_backend : "";

@@ -192,6 +192,10 @@ struct Split {
   int pp = 1;
 };
 
+void PrintTo(const Split& s, std::ostream* os) {
+  *os << s.arch << " tp=" << s.tp << " pp=" << s.pp;
+}
+
 std::string split_name(const ::testing::TestParamInfo<Split>& info) {
   return info.param.arch + "_tp" + std::to_string(info.param.tp) + "_pp" +
          std::to_string(info.param.pp);
