@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/tokenizer/json_file.h"
 #include "common/tokenizer/regex.h"
 #include "common/tokenizer/unicode.h"
 
@@ -213,8 +214,12 @@ Expected<std::unique_ptr<Decoder>> make_strip(const json& spec) {
   if (content.empty()) return invalid_argument("Strip decoder with an empty content");
   uint32_t cp = next_code_point(content, pos);
   if (pos != content.size()) return invalid_argument("Strip decoder content is not one char");
-  return std::unique_ptr<Decoder>(std::make_unique<StripDecoder>(cp, spec.at("start").get<size_t>(),
-                                                                 spec.at("stop").get<size_t>()));
+  TESSERA_ASSIGN_OR_RETURN(int64_t start,
+                           json_integer(spec.at("start"), 0, 1 << 20, "Strip decoder start"));
+  TESSERA_ASSIGN_OR_RETURN(int64_t stop,
+                           json_integer(spec.at("stop"), 0, 1 << 20, "Strip decoder stop"));
+  return std::unique_ptr<Decoder>(std::make_unique<StripDecoder>(
+      cp, static_cast<size_t>(start), static_cast<size_t>(stop)));
 }
 
 }  // namespace

@@ -30,4 +30,23 @@ Expected<nlohmann::json> parse_json(std::string_view text, std::string_view orig
   }
 }
 
+Expected<int64_t> json_integer(const nlohmann::json& v, int64_t lo, int64_t hi,
+                               std::string_view what) {
+  bool ok = false;
+  int64_t value = 0;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    ok = u <= static_cast<uint64_t>(INT64_MAX);
+    value = ok ? static_cast<int64_t>(u) : 0;
+  } else if (v.is_number_integer()) {
+    value = v.get<int64_t>();
+    ok = true;
+  }
+  if (!ok || value < lo || value > hi) {
+    return invalid_argument(std::string(what) + " must be an integer in [" + std::to_string(lo) +
+                            ", " + std::to_string(hi) + "], got " + v.dump());
+  }
+  return value;
+}
+
 }  // namespace tessera::tokenizer

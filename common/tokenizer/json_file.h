@@ -18,4 +18,10 @@ Expected<std::string> read_text_file(const std::string& path);
 // error.
 Expected<nlohmann::json> parse_json(std::string_view text, std::string_view origin);
 
+// `v` as an integer in [lo, hi]. INVALID_ARGUMENT "<what> must be an integer in [lo, hi], got
+// <v>" for anything else: a float (whose conversion to an integer type would be undefined when
+// out of range), a string, an integer out of range.
+Expected<int64_t> json_integer(const nlohmann::json& v, int64_t lo, int64_t hi,
+                               std::string_view what);
+
 }  // namespace tessera::tokenizer

@@ -76,14 +76,21 @@ Status merge_generation_config(std::string_view json_text, std::string_view orig
   try {
     if (generation.contains("eos_token_id")) {
       const json& eos = generation["eos_token_id"];
+      auto add = [&](const json& id) -> Status {
+        TESSERA_ASSIGN_OR_RETURN(int64_t v, tokenizer::json_integer(id, 0, INT32_MAX, where + ": eos_token_id"));
+        config.generation_eos_ids.push_back(static_cast<int32_t>(v));
+        return Status::ok();
+      };
       if (eos.is_number_integer()) {
-        config.generation_eos_ids.push_back(eos.get<int32_t>());
+        TESSERA_RETURN_IF_ERROR(add(eos));
       } else if (eos.is_array()) {
-        for (const json& id : eos) config.generation_eos_ids.push_back(id.get<int32_t>());
+        for (const json& id : eos) TESSERA_RETURN_IF_ERROR(add(id));
       }
     }
     if (generation.contains("bos_token_id") && generation["bos_token_id"].is_number_integer()) {
-      config.generation_bos_id = generation["bos_token_id"].get<int32_t>();
+      TESSERA_ASSIGN_OR_RETURN(int64_t v, tokenizer::json_integer(generation["bos_token_id"], 0, INT32_MAX,
+                                                       where + ": bos_token_id"));
+      config.generation_bos_id = static_cast<int32_t>(v);
     }
   } catch (const json::exception& e) {
     return invalid_argument(where + ": unexpected structure: " + e.what());

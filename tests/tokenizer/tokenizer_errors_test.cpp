@@ -71,6 +71,31 @@ TEST_F(TokenizerDir, NumberOutOfRangeIsMalformedJson) {
       << tok.status().message();
 }
 
+// Ids that are not integers in range: a float id (2.2e104 was a float-to-int overflow, found by
+// tests/fuzz/tokenizer_fuzz.cpp under UBSan), an id past int32, a Strip decoder's float bounds.
+TEST_F(TokenizerDir, IdsMustBeIntegersInRange) {
+  const std::pair<const char*, const char*> cases[] = {
+      {R"({"model": {"type": "BPE", "vocab": {"a": 2.21889e+104}, "merges": []}})",
+       "the id of vocab token 'a' must be an integer in [0, 2147483646], got 2.21889e+104"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 1.5}, "merges": []}})",
+       "the id of vocab token 'a' must be an integer"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 4294967296}, "merges": []}})",
+       "the id of vocab token 'a' must be an integer in [0, 2147483646], got 4294967296"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": -1}, "merges": []}})",
+       "the id of vocab token 'a' must be an integer in [0, 2147483646], got -1"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+           "decoder": {"type": "Strip", "content": " ", "start": 1e300, "stop": 0}})",
+       "Strip decoder start must be an integer"},
+  };
+  for (const auto& [text, says] : cases) {
+    write("tokenizer.json", text);
+    auto tok = load();
+    ASSERT_FALSE(tok) << text;
+    EXPECT_EQ(tok.status().code(), Code::kInvalidArgument) << text;
+    EXPECT_NE(tok.status().message().find(says), std::string::npos) << tok.status().message();
+  }
+}
+
 TEST_F(TokenizerDir, UnsupportedModel) {
   write("tokenizer.json", R"({"model": {"type": "Unigram", "vocab": [["a", 0.0]]}})");
   auto tok = load();
