@@ -249,7 +249,8 @@ kj::Promise<Expected<SpawnedActor>> ActorSupervisor::spawn(const std::string& ow
           return Result(address.status());
         }
         if (it == live_.end()) {
-          return Result(unavailable("actor " + id + " " + death_of(id) + " right after it started"));
+          return Result(
+              unavailable("actor " + id + " " + death_of(id) + " right after it started"));
         }
         it->second->record.address = *address;
         // Say hello like its owner will: proves the actor serves, speaks our protocol and holds
@@ -261,14 +262,15 @@ kj::Promise<Expected<SpawnedActor>> ActorSupervisor::spawn(const std::string& ow
                 // A connection cut by the actor's death arrives before the exit report: give
                 // the report a moment, so the error says how it died.
                 Status failed = conn.status();
-                return io_.provider->getTimer().afterDelay(1 * kj::SECONDS).then(
-                    [this, id, failed]() -> Result {
+                return io_.provider->getTimer()
+                    .afterDelay(1 * kj::SECONDS)
+                    .then([this, id, failed]() -> Result {
                       if (live_.count(id)) {
                         (void)kill(id, /*force=*/true);
                         return Result(failed.with_context("actor " + id + " does not answer"));
                       }
-                      return Result(unavailable("actor " + id + " " + death_of(id) +
-                                                " while starting"));
+                      return Result(
+                          unavailable("actor " + id + " " + death_of(id) + " while starting"));
                     });
               }
               auto it = live_.find(id);

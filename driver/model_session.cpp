@@ -26,8 +26,10 @@ Status validate(const EngineArgs& a) {
                             std::to_string(a.gpu_memory_utilization));
   }
   if (a.max_num_batched_tokens != 0 && a.max_num_batched_tokens < 16) {
-    return invalid_argument("--max-num-batched-tokens must be at least 16 (or 0 for the "
-                            "default), got " + std::to_string(a.max_num_batched_tokens));
+    return invalid_argument(
+        "--max-num-batched-tokens must be at least 16 (or 0 for the "
+        "default), got " +
+        std::to_string(a.max_num_batched_tokens));
   }
   PlanRequest request;
   TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
@@ -52,8 +54,8 @@ namespace {
 Expected<Placement> share_gpus(const ClusterPlan& plan, const std::vector<ClusterNode>& nodes) {
   const ClusterNode* node = nullptr;
   for (const ClusterNode& n : nodes) {
-    if (!n.node.resources.gpus.empty() && (node == nullptr || n.node.resources.gpus.size() >
-                                                                  node->node.resources.gpus.size())) {
+    if (!n.node.resources.gpus.empty() &&
+        (node == nullptr || n.node.resources.gpus.size() > node->node.resources.gpus.size())) {
       node = &n;
     }
   }
@@ -122,9 +124,10 @@ Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& 
     TESSERA_ASSIGN_OR_RETURN(shared.placement, share_gpus(shared, nodes));
     std::set<int64_t> gpus;
     for (const PlacedRank& r : shared.placement.ranks) gpus.insert(r.gpu);
-    spdlog::warn("plan: {} ranks share {} GPU(s) of {} through CUDA IPC (--collectives ipc): for "
-                 "testing tensor parallelism, not for speed",
-                 shared.plan.world, gpus.size(), shared.placement.ranks.front().node_name);
+    spdlog::warn(
+        "plan: {} ranks share {} GPU(s) of {} through CUDA IPC (--collectives ipc): for "
+        "testing tensor parallelism, not for speed",
+        shared.plan.world, gpus.size(), shared.placement.ranks.front().node_name);
     shared.fit = Status::ok();
     return shared;
   }

@@ -26,10 +26,9 @@ std::vector<Expected<T>> wait_all(EventLoop& loop, std::vector<kj::Promise<T>> p
   }
   kj::Vector<kj::Promise<void>> all;
   for (size_t i = 0; i < promises.size(); ++i) {
-    all.add(promises[i].then([results, i](T&& v) { (*results)[i] = std::move(v); },
-                             [results, i](kj::Exception&& e) {
-                               (*results)[i] = rpc::to_status(e);
-                             }));
+    all.add(
+        promises[i].then([results, i](T&& v) { (*results)[i] = std::move(v); },
+                         [results, i](kj::Exception&& e) { (*results)[i] = rpc::to_status(e); }));
   }
   auto joined = kj::joinPromises(all.releaseAsArray());
   auto waited = wait_for(loop, joined.then([]() { return true; }), what, timeout);
@@ -68,8 +67,8 @@ struct WorkerGroup::Rank {
   std::optional<ShmRing> output_ring;
   std::optional<RingReader> reader;
   std::string describe() const {
-    return "rank " + std::to_string(rank) + " (actor " + actor.actor_id + ", " +
-           where(placement) + ")";
+    return "rank " + std::to_string(rank) + " (actor " + actor.actor_id + ", " + where(placement) +
+           ")";
   }
 };
 
@@ -136,8 +135,8 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     if (!by_node.count(id)) {
       auto node = std::make_unique<Node>();
       node->node_id = id;
-      auto handle = id == cluster.head_id() ? Expected<NodeHandle>(cluster.head_node())
-                                            : cluster.node(id);
+      auto handle =
+          id == cluster.head_id() ? Expected<NodeHandle>(cluster.head_node()) : cluster.node(id);
       if (!handle) return handle.status();
       TESSERA_ASSIGN_OR_RETURN(node->lease, handle->open_lease(s.owner));
       by_node[id] = node.get();
@@ -166,8 +165,8 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     if (!handle) {
       // An actor that died just now cuts the connection before its death is reported: say how
       // it died when it did.
-      return g->explain(handle.status().with_context("cannot connect to " +
-                                                     g->ranks_.back()->describe()));
+      return g->explain(
+          handle.status().with_context("cannot connect to " + g->ranks_.back()->describe()));
     }
     g->ranks_.back()->handle = std::move(*handle);
   }
@@ -203,9 +202,8 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
       s.load.max_num_batched_tokens > 0 ? s.load.max_num_batched_tokens : 16384;
   const uint64_t step_slot =
       (4ull << 20) + max_tokens * 4 + s.load.max_num_seqs * (512 + blocks_per_seq * 4);
-  const uint64_t out_slot =
-      (1ull << 20) + s.load.max_num_seqs * (64 + 24 * kMaxLogprobs) +
-      (s.load.return_logits ? s.load.max_num_seqs * 4ull * 262144 : 0);
+  const uint64_t out_slot = (1ull << 20) + s.load.max_num_seqs * (64 + 24 * kMaxLogprobs) +
+                            (s.load.return_logits ? s.load.max_num_seqs * 4ull * 262144 : 0);
   const uint32_t slots = static_cast<uint32_t>(std::max(4, 2 * shape.pp_size + 2));
   for (auto& node : g->nodes_) {
     if (!s.use_rings) break;
@@ -225,9 +223,9 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     node->local = true;
     for (int r : node->ranks) {
       Rank& rank = *g->ranks_[static_cast<size_t>(r)];
-      TESSERA_ASSIGN_OR_RETURN(auto out, node->lease->create_ring("out-" + std::to_string(r),
-                                                                  static_cast<uint32_t>(out_slot),
-                                                                  slots, 1));
+      TESSERA_ASSIGN_OR_RETURN(auto out,
+                               node->lease->create_ring("out-" + std::to_string(r),
+                                                        static_cast<uint32_t>(out_slot), slots, 1));
       TESSERA_ASSIGN_OR_RETURN(auto mapped, ShmRing::open(out));
       rank.output_ring.emplace(std::move(mapped));
       TESSERA_ASSIGN_OR_RETURN(auto reader, rank.output_ring->reader(0));
@@ -318,17 +316,16 @@ Status WorkerGroup::submit(StepInput step) {
       bytes = encode(step);
       encoded = true;
     }
-    Status st = node->writer->write(bytes, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                               kStepTimeout));
+    Status st = node->writer->write(
+        bytes, std::chrono::duration_cast<std::chrono::milliseconds>(kStepTimeout));
     if (!st) return explain(st.with_context("sending step " + std::to_string(step.step_id)));
   }
   for (auto& rank : ranks_) {
     if (rank->node->local) continue;
     auto req = rank->handle->capability().executeRequest();
     to_proto(step, req.initStep());
-    pending->rpc.emplace(rank->rank, req.send().then([](auto&& r) {
-      return from_proto(r.getOutput());
-    }));
+    pending->rpc.emplace(rank->rank,
+                         req.send().then([](auto&& r) { return from_proto(r.getOutput()); }));
   }
   pending_.push_back(std::move(pending));
   return Status::ok();

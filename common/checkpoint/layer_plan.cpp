@@ -27,8 +27,12 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
   const int64_t kv_out = c.num_kv_heads * c.head_dim;
   std::vector<WeightSpec> out;
   out.reserve(4 + static_cast<size_t>(c.num_layers) * 16);
-  out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, WeightRole::kEmbedding,
-                 WeightKind::kEmbed, -1, Split::kVocab});
+  out.push_back({"model.embed_tokens.weight",
+                 {c.vocab_size, h},
+                 WeightRole::kEmbedding,
+                 WeightKind::kEmbed,
+                 -1,
+                 Split::kVocab});
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     auto linear = [&](const std::string& name, int64_t out_f, int64_t in_f, WeightKind kind,
@@ -37,7 +41,11 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
       if (bias) {
         // A column-parallel layer's bias splits with its rows; a row-parallel one's is whole
         // (rank 0 adds it).
-        out.push_back({p + name + ".bias", {out_f}, WeightRole::kBias, bias_kind, i,
+        out.push_back({p + name + ".bias",
+                       {out_f},
+                       WeightRole::kBias,
+                       bias_kind,
+                       i,
                        split == Split::kRows ? Split::kRows : Split::kNone});
       }
     };
@@ -68,8 +76,12 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
   out.push_back(
       {"model.norm.weight", {h}, WeightRole::kNorm, WeightKind::kFinalNorm, -1, Split::kNone});
   if (!c.tie_word_embeddings) {
-    out.push_back({"lm_head.weight", {c.vocab_size, h}, WeightRole::kLinear, WeightKind::kLmHead,
-                   -1, Split::kVocab});
+    out.push_back({"lm_head.weight",
+                   {c.vocab_size, h},
+                   WeightRole::kLinear,
+                   WeightKind::kLmHead,
+                   -1,
+                   Split::kVocab});
   }
   return out;
 }
@@ -114,15 +126,18 @@ Expected<std::vector<std::pair<int64_t, int64_t>>> stage_layers(
   }
   if (!partition.empty()) {
     if (static_cast<int>(partition.size()) != pp_size) {
-      return invalid_argument("--pipeline-layer-partition has " +
-                              std::to_string(partition.size()) + " stages, but "
-                              "--pipeline-parallel-size is " + std::to_string(pp_size));
+      return invalid_argument("--pipeline-layer-partition has " + std::to_string(partition.size()) +
+                              " stages, but "
+                              "--pipeline-parallel-size is " +
+                              std::to_string(pp_size));
     }
     int64_t at = 0;
     for (int64_t n : partition) {
       if (n < 1) {
-        return invalid_argument("--pipeline-layer-partition: every stage needs at least one "
-                                "layer, got " + std::to_string(n));
+        return invalid_argument(
+            "--pipeline-layer-partition: every stage needs at least one "
+            "layer, got " +
+            std::to_string(n));
       }
       out.emplace_back(at, at + n);
       at += n;

@@ -55,8 +55,9 @@ Expected<std::unique_ptr<BpeModel>> BpeModel::from_json(const json& spec) {
   model->vocab_.reserve(vocab.size());
   int32_t max_id = -1;
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    TESSERA_ASSIGN_OR_RETURN(int64_t id64, json_integer(it.value(), 0, INT32_MAX - 1,
-                                                        "the id of vocab token '" + it.key() + "'"));
+    TESSERA_ASSIGN_OR_RETURN(
+        int64_t id64,
+        json_integer(it.value(), 0, INT32_MAX - 1, "the id of vocab token '" + it.key() + "'"));
     const auto id = static_cast<int32_t>(id64);
     model->vocab_[it.key()] = id;
     max_id = std::max(max_id, id);

@@ -218,8 +218,8 @@ Expected<std::unique_ptr<Decoder>> make_strip(const json& spec) {
                            json_integer(spec.at("start"), 0, 1 << 20, "Strip decoder start"));
   TESSERA_ASSIGN_OR_RETURN(int64_t stop,
                            json_integer(spec.at("stop"), 0, 1 << 20, "Strip decoder stop"));
-  return std::unique_ptr<Decoder>(std::make_unique<StripDecoder>(
-      cp, static_cast<size_t>(start), static_cast<size_t>(stop)));
+  return std::unique_ptr<Decoder>(
+      std::make_unique<StripDecoder>(cp, static_cast<size_t>(start), static_cast<size_t>(stop)));
 }
 
 }  // namespace

@@ -77,7 +77,8 @@ Status merge_generation_config(std::string_view json_text, std::string_view orig
     if (generation.contains("eos_token_id")) {
       const json& eos = generation["eos_token_id"];
       auto add = [&](const json& id) -> Status {
-        TESSERA_ASSIGN_OR_RETURN(int64_t v, tokenizer::json_integer(id, 0, INT32_MAX, where + ": eos_token_id"));
+        TESSERA_ASSIGN_OR_RETURN(
+            int64_t v, tokenizer::json_integer(id, 0, INT32_MAX, where + ": eos_token_id"));
         config.generation_eos_ids.push_back(static_cast<int32_t>(v));
         return Status::ok();
       };
@@ -88,7 +89,8 @@ Status merge_generation_config(std::string_view json_text, std::string_view orig
       }
     }
     if (generation.contains("bos_token_id") && generation["bos_token_id"].is_number_integer()) {
-      TESSERA_ASSIGN_OR_RETURN(int64_t v, tokenizer::json_integer(generation["bos_token_id"], 0, INT32_MAX,
+      TESSERA_ASSIGN_OR_RETURN(int64_t v,
+                               tokenizer::json_integer(generation["bos_token_id"], 0, INT32_MAX,
                                                        where + ": bos_token_id"));
       config.generation_bos_id = static_cast<int32_t>(v);
     }

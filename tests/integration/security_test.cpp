@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include <capnp/message.h>
-#include <deque>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <thread>
