@@ -119,7 +119,7 @@ Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& 
     pc.tp_size = static_cast<int>(*request.tensor_parallel);
     pc.pp_size = static_cast<int>(*request.pipeline_parallel);
     pc.layer_partition = request.layer_partition;
-    TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_run_dtype(a.dtype, config.torch_dtype, true));
+    TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(a.dtype, config.torch_dtype, true));
     TESSERA_ASSIGN_OR_RETURN(shared.plan, make_parallel_plan(config, pc, dtype));
     TESSERA_ASSIGN_OR_RETURN(shared.placement, share_gpus(shared, nodes));
     std::set<int64_t> gpus;

@@ -9,40 +9,6 @@
 
 namespace tessera {
 
-Expected<DType> resolve_dtype(const std::string& name, DType checkpoint_dtype, bool gpu) {
-  if (name == "auto" || name.empty()) {
-    if (gpu && checkpoint_dtype == DType::kF32) return DType::kBF16;
-    return checkpoint_dtype;
-  }
-  if (name == "bfloat16") return DType::kBF16;
-  if (name == "float16" || name == "half") return DType::kF16;
-  if (name == "float32" || name == "float") {
-    if (gpu) {
-      return invalid_argument(
-          "--dtype float32 is supported on the cpu backend only: use --dtype bfloat16 or "
-          "float16 on the GPU, or --device cpu");
-    }
-    return DType::kF32;
-  }
-  return invalid_argument("--dtype '" + name +
-                          "' is not one of auto, bfloat16, float16 (half), float32 (float)");
-}
-
-Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config) {
-  if (requested > config.max_position_embeddings) {
-    return invalid_argument("--max-model-len " + std::to_string(requested) +
-                            " exceeds the model's max_position_embeddings (" +
-                            std::to_string(config.max_position_embeddings) + ")");
-  }
-  if (requested > 0) return requested;
-  return std::min<int64_t>(config.max_position_embeddings, kDefaultMaxModelLenCap);
-}
-
-int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len) {
-  if (requested > 0) return requested;
-  return std::min<int64_t>(std::max<int64_t>(max_model_len, 2048), 16384);
-}
-
 ModelRunner::ModelRunner(ModelConfig config, LayerPlan plan, RequestLimits limits)
     : config_(std::move(config)), plan_(std::move(plan)), requests_(limits) {}
 

@@ -57,17 +57,8 @@ class ModelRunner {
   bool cache_ready_ = false;
 };
 
-// The dtype the model runs in ("auto" = the checkpoint's; a float32 checkpoint runs in
-// bfloat16 on the GPU), INVALID_ARGUMENT for an unknown name.
-Expected<DType> resolve_dtype(const std::string& name, DType checkpoint_dtype, bool gpu);
-
-// The max-model-len to use: spec's, or min(max_position_embeddings, kDefaultMaxModelLenCap);
-// INVALID_ARGUMENT past max_position_embeddings.
-Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config);
-
-// The largest step in tokens: spec's, or max(max_model_len, 2048) capped at 16384. Reported in
-// ModelInfo; the driver's scheduler uses the actor's figure.
-int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len);
+// resolve_dtype, resolve_max_model_len, resolve_max_num_batched_tokens: common/checkpoint/
+// layer_plan.h (the planner sizes ranks with the same rules).
 
 #ifdef TESSERA_WITH_CUDA
 // Defined by the cuda backend (actors/model/cuda_backend.cpp).

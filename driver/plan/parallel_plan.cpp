@@ -53,31 +53,6 @@ const char* run_dtype_name(DType dtype) {
   return "float32";
 }
 
-Expected<DType> resolve_run_dtype(const std::string& flag, DType checkpoint, bool gpu) {
-  if (flag.empty() || flag == "auto") {
-    return gpu && checkpoint == DType::kF32 ? DType::kBF16 : checkpoint;
-  }
-  if (flag == "bfloat16") return DType::kBF16;
-  if (flag == "float16" || flag == "half") return DType::kF16;
-  if (flag == "float32" || flag == "float") {
-    if (gpu) {
-      return invalid_argument(
-          "--dtype float32 is supported on the cpu backend only: use --dtype bfloat16 or "
-          "float16 on GPUs, or --device cpu");
-    }
-    return DType::kF32;
-  }
-  return invalid_argument("--dtype '" + flag +
-                          "' is not one of auto, bfloat16, float16 (half), float32 (float)");
-}
-
-// ---- validation -------------------------------------------------------------------------
-
-namespace {
-
-// The first rule `tp` breaks, or "" when it splits the model.
-}  // namespace
-
 // ---- the plan --------------------------------------------------------------------------------
 
 uint64_t model_weight_bytes(const ModelConfig& config, DType dtype) {
@@ -166,14 +141,7 @@ Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
     return invalid_argument("--max-model-len must be positive, got " +
                             std::to_string(o.max_model_len));
   }
-  if (o.max_model_len > config.max_position_embeddings) {
-    return invalid_argument("--max-model-len " + std::to_string(o.max_model_len) +
-                            " exceeds the model's max_position_embeddings (" +
-                            std::to_string(config.max_position_embeddings) + ")");
-  }
-  if (o.max_model_len == 0) {
-    o.max_model_len = std::min(config.max_position_embeddings, kDefaultMaxModelLenCap);
-  }
+  TESSERA_ASSIGN_OR_RETURN(o.max_model_len, resolve_max_model_len(o.max_model_len, config));
   if (!(o.gpu_memory_utilization > 0.0 && o.gpu_memory_utilization <= 1.0)) {
     char buf[64];
     std::snprintf(buf, sizeof(buf), "%g", o.gpu_memory_utilization);
@@ -187,9 +155,8 @@ Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
     return invalid_argument("--max-num-batched-tokens must be positive, got " +
                             std::to_string(o.max_num_batched_tokens));
   }
-  if (o.max_num_batched_tokens == 0) {
-    o.max_num_batched_tokens = std::min<int64_t>(std::max<int64_t>(o.max_model_len, 2048), 16384);
-  }
+  o.max_num_batched_tokens =
+      resolve_max_num_batched_tokens(o.max_num_batched_tokens, o.max_model_len);
   if (o.block_size < 1) return invalid_argument("the KV block size must be at least 1");
   return o;
 }

@@ -92,10 +92,7 @@ uint64_t model_weight_bytes(const ModelConfig& config, DType dtype);
 // TP ranks 0-1, KV head 1 on TP ranks 2-3".
 std::string describe_kv_heads(const ModelConfig& config, const ParallelPlan& plan);
 
-// The run dtype for --dtype `flag` (auto, bfloat16, float16/half, float32/float) given the
-// checkpoint's: "auto" keeps the checkpoint's, except float32 on a GPU runs in bfloat16; float32
-// on a GPU is refused (the CUDA backend runs in 16 bits). Mirrors the actor's choice.
-Expected<DType> resolve_run_dtype(const std::string& flag, DType checkpoint, bool gpu);
+// The run dtype: resolve_dtype (common/checkpoint/layer_plan.h), as the actors resolve it.
 
 // "bfloat16", "float16", "float32".
 const char* run_dtype_name(DType dtype);

@@ -608,7 +608,7 @@ Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const PlanReque
   } else {
     return invalid_argument("--device '" + request.device + "' is not one of auto, cuda, cpu");
   }
-  TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_run_dtype(request.dtype, config.torch_dtype, !cpu));
+  TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(request.dtype, config.torch_dtype, !cpu));
   TESSERA_ASSIGN_OR_RETURN(MemoryOptions memory, resolve_memory_options(config, request.memory));
   std::optional<int64_t> tp = request.tensor_parallel;
   std::optional<int64_t> pp = request.pipeline_parallel;

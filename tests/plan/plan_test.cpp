@@ -443,11 +443,11 @@ TEST(MemoryPlanTest, FlagsAreChecked) {
 }
 
 TEST(MemoryPlanTest, DtypeFollowsTheActor) {
-  EXPECT_EQ(*resolve_run_dtype("auto", DType::kF32, true), DType::kBF16);
-  EXPECT_EQ(*resolve_run_dtype("auto", DType::kF32, false), DType::kF32);
-  EXPECT_EQ(*resolve_run_dtype("half", DType::kBF16, true), DType::kF16);
-  EXPECT_FALSE(resolve_run_dtype("float32", DType::kBF16, true));
-  EXPECT_FALSE(resolve_run_dtype("int8", DType::kBF16, true));
+  EXPECT_EQ(*resolve_dtype("auto", DType::kF32, true), DType::kBF16);
+  EXPECT_EQ(*resolve_dtype("auto", DType::kF32, false), DType::kF32);
+  EXPECT_EQ(*resolve_dtype("half", DType::kBF16, true), DType::kF16);
+  EXPECT_FALSE(resolve_dtype("float32", DType::kBF16, true));
+  EXPECT_FALSE(resolve_dtype("int8", DType::kBF16, true));
 }
 
 // ---- synthetic clusters -----------------------------------------------------------------------
