@@ -39,8 +39,9 @@ class ActorImpl final : public proto::Actor::Server {
     auto r = service_.prepare_comm(p.getBackend().cStr(), p.getBufferBytes(), p.getRank(),
                                    p.getWorldSize());
     if (!r) rpc::throw_status(r.status());
-    context.getResults().setAddress(r->first);
-    context.getResults().setHandle(bytes_of(r->second));
+    context.getResults().setAddress(r->address);
+    context.getResults().setNcclId(bytes_of(r->nccl_id));
+    context.getResults().setIpcHandle(bytes_of(r->ipc_handle));
     return kj::READY_NOW;
   }
 
@@ -101,12 +102,13 @@ void ActorService::request_shutdown() {
   if (shutdown_fulfiller_->isWaiting()) shutdown_fulfiller_->fulfill();
 }
 
-Expected<std::pair<std::string, std::string>> ActorService::prepare_comm(
-    const std::string& backend, uint64_t buffer_bytes, int rank, int world_size) {
+Expected<ActorService::PreparedComm> ActorService::prepare_comm(const std::string& backend,
+                                                                uint64_t buffer_bytes, int tp_rank,
+                                                                int tp_size) {
   if (runner_) return failed_precondition("a model is loaded already: start a new actor");
-  TESSERA_ASSIGN_OR_RETURN(comms_, comm::RankComms::prepare(backend, identity_.host, buffer_bytes,
-                                                            rank, world_size));
-  return std::make_pair(comms_->address(), comms_->handle());
+  TESSERA_ASSIGN_OR_RETURN(
+      comms_, comm::RankComms::prepare(backend, identity_.host, buffer_bytes, tp_rank, tp_size));
+  return PreparedComm{comms_->address(), comms_->nccl_id(), comms_->ipc_handle()};
 }
 
 Expected<ModelInfo> ActorService::load_model(const LoadSpec& spec) {

@@ -43,9 +43,12 @@ class ActorService {
   const ActorIdentity& identity() const { return identity_; }
 
   // The RPC methods' work (each returns a Status the RPC layer turns into an error).
-  Expected<std::pair<std::string, std::string>> prepare_comm(const std::string& backend,
-                                                             uint64_t buffer_bytes, int rank,
-                                                             int world_size);
+  // The tcp endpoint's address, the NCCL id, the IPC buffers' handle (each when there is one).
+  struct PreparedComm {
+    std::string address, nccl_id, ipc_handle;
+  };
+  Expected<PreparedComm> prepare_comm(const std::string& backend, uint64_t buffer_bytes,
+                                      int tp_rank, int tp_size);
   Expected<ModelInfo> load_model(const LoadSpec& spec);
   Expected<ModelInfo> init_cache(int64_t blocks);
   Expected<StepOutput> execute(const StepInput& step);

@@ -22,8 +22,8 @@ struct RankInfo {
   int rank = 0;
   std::string actor_id;
   std::string node_id;
-  int gpu = -1;          // node GPU index; -1 for a CPU actor
-  std::string address;   // its collective endpoint ("10.0.0.2:41022"), when it has one
+  int gpu = -1;         // node GPU index; -1 for a CPU actor
+  std::string address;  // its collective endpoint ("10.0.0.2:41022"), when it has one
 };
 
 // How the ranks of a group talk: "" (one rank, nothing to talk about), "tcp" (the cpu
@@ -31,10 +31,14 @@ struct RankInfo {
 // CUDA-IPC buffers on one node, which also lets two ranks share one GPU).
 struct CommSpec {
   std::string backend;
-  std::vector<RankInfo> ranks;   // by world rank
-  std::string secret;            // authenticates the ranks' connections (tcp)
-  std::string nccl_id;           // ncclUniqueId bytes made by rank 0 (nccl)
-  std::vector<std::string> ipc_handles;  // every rank's CUDA-IPC buffers, by rank (ipc)
+  std::vector<RankInfo> ranks;           // by world rank
+  std::string secret;                    // authenticates the ranks' connections (tcp)
+  std::string nccl_id;                   // ncclUniqueId bytes made by rank 0 (nccl)
+  std::vector<std::string> ipc_handles;  // every rank's CUDA-IPC buffers, by world rank (ipc;
+                                         // nccl with the custom all-reduce)
+  // nccl: a tensor-parallel all-reduce of at most this many bytes goes through the custom
+  // all-reduce over the IPC buffers, larger ones through NCCL (0: NCCL only).
+  uint64_t custom_all_reduce_max_bytes = 0;
   uint32_t init_timeout_ms = 120000;  // a rank that does not join by then fails start-up
 };
 
@@ -43,7 +47,7 @@ struct LoadSpec {
   std::string dtype = "auto";   // auto | bfloat16 | float16 | half | float32 | float
   std::string device = "auto";  // auto (cuda when a GPU is visible) | cuda | cpu
   int64_t block_size = kDefaultBlockSize;
-  int64_t max_model_len = 0;        // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
+  int64_t max_model_len = 0;  // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
   int64_t max_num_seqs = kDefaultMaxNumSeqs;
   int64_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
@@ -54,9 +58,9 @@ struct LoadSpec {
   CommSpec comm;
   // Steps arrive through the node's shared-memory ring when set (local actors), over RPC
   // otherwise.
-  std::string step_ring;      // segment name of the driver's step ring
+  std::string step_ring;  // segment name of the driver's step ring
   uint32_t step_ring_reader = 0;
-  std::string output_ring;    // segment name of this actor's output ring (it writes)
+  std::string output_ring;  // segment name of this actor's output ring (it writes)
 };
 
 // What a rank reports after loading (kv_blocks: how many fit) and after its cache is allocated.

@@ -124,10 +124,11 @@ void print_step_breakdown(const BatchTiming& t) {
 
 Status run(const BenchLatencyOptions& o) {
   EngineArgs args = o.engine;
-  args.max_num_seqs = std::max(args.max_num_seqs, std::max<uint32_t>(o.batch_size, 1));
-  if (args.max_num_batched_tokens == 0) {
-    args.max_num_batched_tokens =
-        std::min<uint32_t>(16384, std::max({2048u, o.prefill_len, o.batch_size * o.input_len}));
+  MemoryOptions& mem = args.memory;
+  mem.max_num_seqs = std::max<int64_t>(mem.max_num_seqs, std::max<int64_t>(o.batch_size, 1));
+  if (mem.max_num_batched_tokens == 0) {
+    mem.max_num_batched_tokens = std::min<int64_t>(
+        16384, std::max<int64_t>({2048, o.prefill_len, int64_t{o.batch_size} * o.input_len}));
   }
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
   const ModelConfig& c = session->config();
@@ -219,7 +220,7 @@ Status run(const BenchLatencyOptions& o) {
                         {"backend", m.backend},
                         {"device", m.device_name},
                         {"hostname", host},
-                        {"enforce_eager", o.engine.enforce_eager},
+                        {"enforce_eager", o.engine.memory.enforce_eager},
                         {"detokenize", false},
                         {"weight_bytes", m.weight_bytes},
                         {"matmul_parameters", params},

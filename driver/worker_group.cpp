@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <thread>
 
@@ -63,7 +64,8 @@ struct WorkerGroup::Rank {
   ActorView actor;
   std::unique_ptr<ActorHandle> handle;
   std::string comm_address;
-  std::string comm_handle;
+  std::string nccl_id;
+  std::string ipc_handle;
   std::optional<ShmRing> output_ring;
   std::optional<RingReader> reader;
   std::string describe() const {
@@ -89,6 +91,17 @@ WorkerGroup::~WorkerGroup() {
   }
   ranks_.clear();
   nodes_.clear();  // the leases end: their actors are stopped, their rings unlinked
+}
+
+std::string WorkerGroup::death() const {
+  const ActorView* dead = first_death();
+  if (dead == nullptr) return {};
+  for (const auto& r : ranks_) {
+    if (r->actor.actor_id == dead->actor_id && ranks_.size() > 1) {
+      return "rank " + std::to_string(r->rank) + ": " + describe_death(*dead);
+    }
+  }
+  return describe_death(*dead);
 }
 
 const ActorView* WorkerGroup::first_death() const {
@@ -128,6 +141,10 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
   }
   std::unique_ptr<WorkerGroup> g(new WorkerGroup(loop, std::move(spec)));
   const WorkerGroupSpec& s = g->spec_;
+  const std::string backend = world > 1 ? s.comm_backend : "";
+  const bool custom_all_reduce =
+      backend == "nccl" && shape.tp_size > 1 && s.custom_all_reduce_max_bytes > 0;
+  const bool ipc_buffers = backend == "ipc" || custom_all_reduce;
   // Leases: one per node.
   std::map<std::string, Node*> by_node;
   for (int r = 0; r < world; ++r) {
@@ -151,7 +168,20 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     rank->placement = s.placement[static_cast<size_t>(r)];
     rank->node = by_node[rank->placement.node_id];
     SpawnOptions spawn;
-    if (rank->placement.gpu >= 0) spawn.gpus = {static_cast<uint32_t>(rank->placement.gpu)};
+    if (rank->placement.gpu >= 0) {
+      // Its own GPU first (the one it computes on), then, for CUDA IPC, the other GPUs of its
+      // TP group on this node: a process opens IPC memory only of GPUs it sees.
+      spawn.gpus = {static_cast<uint32_t>(rank->placement.gpu)};
+      const int stage = r / shape.tp_size;
+      for (int t = 0; ipc_buffers && t < shape.tp_size; ++t) {
+        const RankPlacement& peer = s.placement[static_cast<size_t>(stage * shape.tp_size + t)];
+        const auto gpu = static_cast<uint32_t>(peer.gpu);
+        if (peer.gpu >= 0 && peer.node_id == rank->placement.node_id &&
+            std::find(spawn.gpus.begin(), spawn.gpus.end(), gpu) == spawn.gpus.end()) {
+          spawn.gpus.push_back(gpu);
+        }
+      }
+    }
     spawn.name = s.owner + (world > 1 ? " rank " + std::to_string(r) : std::string());
     auto actor = rank->node->lease->spawn(spawn);
     if (!actor) {
@@ -171,19 +201,20 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     g->ranks_.back()->handle = std::move(*handle);
   }
   // Rendezvous: every rank prepares its side of the collectives.
-  std::string backend = world > 1 ? s.comm_backend : "";
   if (!backend.empty()) {
-    std::vector<kj::Promise<std::pair<std::string, std::string>>> calls;
+    std::vector<kj::Promise<std::array<std::string, 3>>> calls;
     for (auto& rank : g->ranks_) {
       auto req = rank->handle->capability().prepareCommRequest();
       req.setBackend(backend);
-      req.setBufferBytes(s.ipc_buffer_bytes);
-      req.setRank(rank->rank);
-      req.setWorldSize(world);
+      req.setBufferBytes(ipc_buffers ? s.ipc_buffer_bytes : 0);
+      req.setRank(rank->rank % shape.tp_size);  // its place in the TP group the buffers serve
+      req.setWorldSize(shape.tp_size);
       calls.push_back(req.send().then([](auto&& r) {
-        auto h = r.getHandle();
-        return std::make_pair(std::string(r.getAddress().cStr()),
-                              std::string(reinterpret_cast<const char*>(h.begin()), h.size()));
+        auto bytes = [](capnp::Data::Reader d) {
+          return std::string(reinterpret_cast<const char*>(d.begin()), d.size());
+        };
+        return std::array<std::string, 3>{std::string(r.getAddress().cStr()), bytes(r.getNcclId()),
+                                          bytes(r.getIpcHandle())};
       }));
     }
     auto prepared = wait_all(loop, std::move(calls), 60 * kj::SECONDS, "prepare collectives");
@@ -191,8 +222,9 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
       if (!prepared[r]) {
         return g->explain(prepared[r].status().with_context(g->ranks_[r]->describe()));
       }
-      g->ranks_[r]->comm_address = prepared[r]->first;
-      g->ranks_[r]->comm_handle = prepared[r]->second;
+      g->ranks_[r]->comm_address = (*prepared[r])[0];
+      g->ranks_[r]->nccl_id = (*prepared[r])[1];
+      g->ranks_[r]->ipc_handle = (*prepared[r])[2];
     }
   }
   // Rings for the nodes whose shared memory this process can map (this machine's).
@@ -253,9 +285,13 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
       info.gpu = other->placement.gpu;
       info.address = other->comm_address;
       spec.comm.ranks.push_back(info);
-      if (backend == "ipc") spec.comm.ipc_handles.push_back(other->comm_handle);
+      if (ipc_buffers) spec.comm.ipc_handles.push_back(other->ipc_handle);
     }
-    if (backend == "nccl") spec.comm.nccl_id = g->ranks_.front()->comm_handle;
+    if (backend == "nccl") spec.comm.nccl_id = g->ranks_.front()->nccl_id;
+    if (custom_all_reduce) {
+      spec.comm.custom_all_reduce_max_bytes =
+          std::min(s.custom_all_reduce_max_bytes, s.ipc_buffer_bytes);
+    }
     if (rank->node->local) {
       spec.step_ring = rank->node->step_ring->segment().name();
       auto& on_node = rank->node->ranks;
@@ -329,6 +365,19 @@ Status WorkerGroup::submit(StepInput step) {
   }
   pending_.push_back(std::move(pending));
   return Status::ok();
+}
+
+Expected<int> WorkerGroup::abort() {
+  int dropped = 0;
+  while (!pending_.empty()) {
+    auto out = collect();
+    if (!out) {
+      pending_.clear();
+      return out.status();
+    }
+    ++dropped;
+  }
+  return dropped;
 }
 
 Expected<StepOutput> WorkerGroup::collect() {

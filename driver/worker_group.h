@@ -39,6 +39,10 @@ struct WorkerGroupSpec {
   std::string owner = "driver";
   bool use_rings = true;  // local ranks take steps through shared-memory rings
   uint64_t ipc_buffer_bytes = 8ull << 20;
+  // nccl: tensor-parallel all-reduces up to this many bytes go through the custom all-reduce
+  // over CUDA-IPC buffers (every TP group must be on one node, its GPUs peer-capable); 0 = NCCL
+  // only. Capped at ipc_buffer_bytes.
+  uint64_t custom_all_reduce_max_bytes = 0;
 };
 
 class WorkerGroup final : public StepExecutor {
@@ -51,9 +55,18 @@ class WorkerGroup final : public StepExecutor {
   const ModelInfo& model() const { return model_; }
   const std::vector<ActorView>& actors() const { return actors_; }
   int world_size() const { return static_cast<int>(ranks_.size()); }
+  // No actor of the group has died (as its daemon reported; a stuck one is killed by the
+  // daemon's heartbeat watchdog and reported too). Events arrive as the loop runs.
+  bool alive() const { return first_death() == nullptr; }
+  // The first death reported, in words ("rank 1: actor a-… was killed by signal 9"), or "".
+  std::string death() const;
 
   Status submit(StepInput step) override;
   Expected<StepOutput> collect() override;
+  // Drops every step in flight: their outputs are read and thrown away as they arrive (a step
+  // the actors started runs to its end), so the group is idle and a later submit starts clean.
+  // How many were dropped, or how a rank failed meanwhile (as collect names it).
+  Expected<int> abort();
   int pipeline_depth() const override { return spec_.load.parallel.pp_size; }
 
   // Where the last collected step's time went, in microseconds: submit to collect as the

@@ -25,10 +25,12 @@ interface Actor {
   # Exits the process cleanly after replying.
 
   prepareComm @2 (backend :Text, bufferBytes :UInt64, rank :Int32, worldSize :Int32)
-      -> (address :Text, handle :Data);
+      -> (address :Text, ncclId :Data, ipcHandle :Data);
   # Before loading a multi-rank model: "tcp" opens this actor's collective endpoint and returns
-  # its address; "nccl" makes an ncclUniqueId (the driver asks rank 0 and hands it to all);
-  # "ipc" allocates this rank's CUDA-IPC buffers of bufferBytes and returns their handle.
+  # its address; "nccl" makes an ncclUniqueId (the driver takes rank 0's and hands it to all);
+  # "ipc", and "nccl" with bufferBytes > 0 (the custom all-reduce beside NCCL), allocate this
+  # rank's CUDA-IPC buffers of bufferBytes and return their handle. rank and worldSize are the
+  # rank's place in the group the IPC buffers serve: its tensor-parallel group.
 
   loadModel @3 (spec :S.LoadSpec) -> (info :S.ModelInfo);
   # Joins the collective groups the spec names (bounded by its init timeout, naming the rank

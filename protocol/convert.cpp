@@ -87,6 +87,7 @@ void to_proto(const StepInput& in, proto::StepInput::Builder out) {
     if (s.first) {
       b.setPromptLen(s.prompt_len);
       to_proto(s.sampling, b.initSampling());
+      fill_list(s.prefix_tokens, b.initPrefixTokens(static_cast<unsigned>(s.prefix_tokens.size())));
     }
   }
   fill_list(in.finished, out.initFinished(static_cast<unsigned>(in.finished.size())));
@@ -107,6 +108,7 @@ StepInput from_proto(proto::StepInput::Reader in) {
     if (s.first) {
       s.prompt_len = b.getPromptLen();
       s.sampling = from_proto(b.getSampling());
+      s.prefix_tokens = read_list<int32_t>(b.getPrefixTokens());
     }
     step.seqs.push_back(std::move(s));
   }
@@ -199,6 +201,7 @@ void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out) {
   }
   c.setSecret(bytes_of(in.comm.secret));
   c.setNcclId(bytes_of(in.comm.nccl_id));
+  c.setCustomAllReduceMaxBytes(in.comm.custom_all_reduce_max_bytes);
   c.setInitTimeoutMs(in.comm.init_timeout_ms);
   auto handles = c.initIpcHandles(static_cast<unsigned>(in.comm.ipc_handles.size()));
   for (size_t i = 0; i < in.comm.ipc_handles.size(); ++i) {
@@ -233,6 +236,7 @@ LoadSpec from_proto(proto::LoadSpec::Reader in) {
   for (auto r : c.getRanks()) s.comm.ranks.push_back(from_proto(r));
   s.comm.secret = string_of(c.getSecret());
   s.comm.nccl_id = string_of(c.getNcclId());
+  s.comm.custom_all_reduce_max_bytes = c.getCustomAllReduceMaxBytes();
   s.comm.init_timeout_ms = c.getInitTimeoutMs();
   for (auto h : c.getIpcHandles()) s.comm.ipc_handles.push_back(string_of(h));
   s.step_ring = in.getStepRing().cStr();
@@ -309,17 +313,15 @@ Expected<T> decode_flat(std::span<const std::byte> bytes, const char* what) {
                  capnp::FlatArrayMessageReader reader(words, limits);
                  value = from_proto(reader.getRoot<Proto>());
                })) {
-    return invalid_argument(std::string("a corrupt ") + what + " message: " +
-                            e->getDescription().cStr());
+    return invalid_argument(std::string("a corrupt ") + what +
+                            " message: " + e->getDescription().cStr());
   }
   return value;
 }
 
 }  // namespace
 
-std::vector<std::byte> encode(const StepInput& step) {
-  return encode_flat<proto::StepInput>(step);
-}
+std::vector<std::byte> encode(const StepInput& step) { return encode_flat<proto::StepInput>(step); }
 std::vector<std::byte> encode(const StepOutput& output) {
   return encode_flat<proto::StepOutput>(output);
 }

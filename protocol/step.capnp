@@ -32,6 +32,7 @@ struct SeqStep {
   first @5 :Bool;
   promptLen @6 :Int64;
   sampling @7 :SamplingParams;
+  prefixTokens @8 :List(Int32);  # first only: positions [0, startPosition), already cached
 }
 
 struct StepInput {
@@ -83,7 +84,8 @@ struct CommSpec {
   secret @2 :Data;
   ncclId @3 :Data;
   initTimeoutMs @4 :UInt32 = 120000;
-  ipcHandles @5 :List(Data);   # every rank's, by rank ("ipc")
+  ipcHandles @5 :List(Data);   # every rank's, by rank ("ipc"; "nccl" with the custom all-reduce)
+  customAllReduceMaxBytes @6 :UInt64;  # "nccl": TP all-reduces up to this size use the custom one
 }
 
 struct LoadSpec {

@@ -63,4 +63,14 @@ struct PeerInfo {
 
 std::string describe_peer(const PeerInfo& peer);
 
+// One group over two communicators of the same ranks, picked by size: all-reduces and
+// all-gathers of at most `small_max_bytes` (the gathered output for all-gather) go through
+// `small` (the custom all-reduce over CUDA-IPC buffers: one kernel, no protocol), larger ones
+// and everything else (send, recv, barrier) through `large` (NCCL). The choice depends only on
+// the size, the same on every rank, so the ranks never disagree on the path; every size has one
+// path, so a given shape gives the same bits each step. Both must have the same rank and size.
+std::unique_ptr<Communicator> by_size(std::unique_ptr<Communicator> small,
+                                      std::unique_ptr<Communicator> large,
+                                      uint64_t small_max_bytes);
+
 }  // namespace tessera::comm

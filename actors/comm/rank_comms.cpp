@@ -54,8 +54,8 @@ RankComms::~RankComms() {
 
 Expected<std::unique_ptr<RankComms>> RankComms::prepare(const std::string& backend,
                                                         const std::string& host,
-                                                        uint64_t buffer_bytes, int rank,
-                                                        int world_size) {
+                                                        uint64_t buffer_bytes, int tp_rank,
+                                                        int tp_size) {
   std::unique_ptr<RankComms> c(new RankComms());
   c->backend_ = backend;
   if (backend == "tcp") {
@@ -63,24 +63,46 @@ Expected<std::unique_ptr<RankComms>> RankComms::prepare(const std::string& backe
     return c;
   }
 #ifdef TESSERA_WITH_CUDA
-  if (backend == "nccl") {
-    TESSERA_ASSIGN_OR_RETURN(c->handle_, make_nccl_id());
-    return c;
-  }
-  if (backend == "ipc") {
-    TESSERA_ASSIGN_OR_RETURN(auto ipc, IpcCommunicator::create(rank, world_size, buffer_bytes));
-    c->handle_ = ipc->handle();
-    c->ipc_ = std::move(ipc);
+  if (backend == "nccl" || backend == "ipc") {
+    if (backend == "nccl") {
+      TESSERA_ASSIGN_OR_RETURN(c->nccl_id_, make_nccl_id());
+    }
+    if (backend == "ipc" || buffer_bytes > 0) {
+      TESSERA_ASSIGN_OR_RETURN(auto ipc, IpcCommunicator::create(tp_rank, tp_size, buffer_bytes));
+      c->ipc_handle_ = ipc->handle();
+      c->ipc_ = std::move(ipc);
+    }
     return c;
   }
 #else
   (void)buffer_bytes;
-  (void)rank;
-  (void)world_size;
+  (void)tp_rank;
+  (void)tp_size;
 #endif
   return invalid_argument("collective backend '" + backend +
                           "' is not one of tcp, nccl (with CUDA), ipc (with CUDA)");
 }
+
+#ifdef TESSERA_WITH_CUDA
+Expected<std::unique_ptr<Communicator>> RankComms::open_ipc(const CommSpec& comm,
+                                                            const ParallelConfig& p) {
+  if (!ipc_) {
+    return failed_precondition(
+        "the custom all-reduce was asked for but this rank prepared no "
+        "IPC buffers (prepareComm with bufferBytes > 0)");
+  }
+  if (static_cast<int>(comm.ipc_handles.size()) != p.world_size()) {
+    return invalid_argument("the spec has " + std::to_string(comm.ipc_handles.size()) +
+                            " IPC handles for a world of " + std::to_string(p.world_size()));
+  }
+  const std::vector<int> group = tp_group(p);
+  std::vector<std::string> handles;
+  for (int r : group) handles.push_back(comm.ipc_handles[static_cast<size_t>(r)]);
+  auto* ipc = static_cast<IpcCommunicator*>(ipc_.get());
+  TESSERA_RETURN_IF_ERROR(ipc->open(handles, members(comm, group)));
+  return std::move(ipc_);
+}
+#endif
 
 std::string RankComms::address() const { return endpoint_ ? endpoint_->address() : ""; }
 
@@ -118,6 +140,10 @@ Status RankComms::join(const LoadSpec& spec) {
     if (p.tp_size > 1) {
       TESSERA_ASSIGN_OR_RETURN(
           tp_, nccl_split(*world_, p.pp_rank, p.tp_rank, members(comm, tp_group(p)), timeout));
+      if (comm.custom_all_reduce_max_bytes > 0) {
+        TESSERA_ASSIGN_OR_RETURN(auto ipc, open_ipc(comm, p));
+        tp_ = by_size(std::move(ipc), std::move(tp_), comm.custom_all_reduce_max_bytes);
+      }
     }
     if (p.pp_size > 1) {
       TESSERA_ASSIGN_OR_RETURN(
@@ -131,11 +157,7 @@ Status RankComms::join(const LoadSpec& spec) {
           "the ipc collectives serve tensor parallelism within one node; pipeline stages need "
           "--collectives nccl");
     }
-    auto* ipc = static_cast<IpcCommunicator*>(ipc_.get());
-    std::vector<int> all;
-    for (int r = 0; r < p.world_size(); ++r) all.push_back(r);
-    TESSERA_RETURN_IF_ERROR(ipc->open(comm.ipc_handles, members(comm, all)));
-    tp_ = std::move(ipc_);
+    TESSERA_ASSIGN_OR_RETURN(tp_, open_ipc(comm, p));
     return Status::ok();
   }
 #endif

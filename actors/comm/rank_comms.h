@@ -2,9 +2,12 @@
 // rendezvous (driver/worker_group.h):
 //   prepare(backend)  before loading: "tcp" listens for peers (its address goes to the driver),
 //                     "nccl" makes the unique id (rank 0's goes to every rank), "ipc" allocates
-//                     this rank's CUDA-IPC buffers (their handle goes to every rank);
+//                     this rank's CUDA-IPC buffers (their handle goes to every rank), and so
+//                     does "nccl" given buffer bytes (the custom all-reduce beside NCCL);
 //   join(spec)        loading: connects the tensor-parallel group (ranks of this stage) and the
 //                     pipeline group (this column's stages), bounded by the spec's init timeout.
+//                     With nccl and spec.comm.custom_all_reduce_max_bytes, the tensor-parallel
+//                     group all-reduces up to that size through the IPC buffers (by_size).
 // Group order is the same on every rank (tensor-parallel, then pipeline), so joins never wait
 // on each other in a cycle.
 #pragma once
@@ -24,18 +27,22 @@ class TcpEndpoint;
 
 class RankComms {
  public:
-  // `host`: the address peers reach this actor at (tcp).
+  // `host`: the address peers reach this actor at (tcp). `buffer_bytes`, `tp_rank`, `tp_size`:
+  // the IPC buffers and this rank's place in the tensor-parallel group they serve (ipc; nccl
+  // when buffer_bytes > 0).
   static Expected<std::unique_ptr<RankComms>> prepare(const std::string& backend,
                                                       const std::string& host,
-                                                      uint64_t buffer_bytes, int rank,
-                                                      int world_size);
+                                                      uint64_t buffer_bytes, int tp_rank,
+                                                      int tp_size);
   ~RankComms();
 
   const std::string& backend() const { return backend_; }
   // tcp: "host:port" of the endpoint.
   std::string address() const;
-  // nccl: the unique id bytes (meaningful from the rank the driver picks as 0); ipc: the handle.
-  const std::string& handle() const { return handle_; }
+  // nccl: the unique id bytes (meaningful from the rank the driver picks as 0).
+  const std::string& nccl_id() const { return nccl_id_; }
+  // The handle of this rank's IPC buffers, when prepared with them; else empty.
+  const std::string& ipc_handle() const { return ipc_handle_; }
 
   // Joins the groups spec.parallel and spec.comm describe. INVALID_ARGUMENT when the spec's
   // backend is not the prepared one.
@@ -46,8 +53,11 @@ class RankComms {
 
  private:
   RankComms() = default;
+  // The prepared IPC buffers opened on the tensor-parallel group's handles (cuda builds).
+  Expected<std::unique_ptr<Communicator>> open_ipc(const CommSpec& comm, const ParallelConfig& p);
   std::string backend_;
-  std::string handle_;
+  std::string nccl_id_;
+  std::string ipc_handle_;
   std::unique_ptr<TcpEndpoint> endpoint_;
   std::unique_ptr<Communicator> world_, tp_, pp_;
   std::unique_ptr<Communicator> ipc_;  // prepared (buffers allocated), joined at join()

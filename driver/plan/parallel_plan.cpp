@@ -15,8 +15,6 @@ constexpr uint64_t kCudaContext = 512 * kMiB;   // context + library handles, be
 constexpr uint64_t kGraphReserve = 512 * kMiB;  // CUDA graphs (cuda_model.cpp kGraphReserve)
 constexpr uint64_t kCommReserve = 256 * kMiB;   // NCCL / custom all-reduce buffers
 
-
-
 uint64_t numel(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
   for (int64_t d : shape) n *= static_cast<uint64_t>(d);
@@ -134,30 +132,36 @@ std::string describe_kv_heads(const ModelConfig& c, const ParallelPlan& plan) {
 
 // ---- memory ----------------------------------------------------------------------------------
 
-Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
-                                               const MemoryOptions& options) {
-  MemoryOptions o = options;
+Status validate_memory_options(const MemoryOptions& o) {
   if (o.max_model_len < 0) {
     return invalid_argument("--max-model-len must be positive, got " +
                             std::to_string(o.max_model_len));
   }
-  TESSERA_ASSIGN_OR_RETURN(o.max_model_len, resolve_max_model_len(o.max_model_len, config));
   if (!(o.gpu_memory_utilization > 0.0 && o.gpu_memory_utilization <= 1.0)) {
     char buf[64];
     std::snprintf(buf, sizeof(buf), "%g", o.gpu_memory_utilization);
     return invalid_argument(std::string("--gpu-memory-utilization must be in (0, 1], got ") + buf);
   }
-  if (o.max_num_seqs < 1) {
-    return invalid_argument("--max-num-seqs must be at least 1, got " +
+  if (o.max_num_seqs < 1 || o.max_num_seqs > 65536) {
+    return invalid_argument("--max-num-seqs must be between 1 and 65536, got " +
                             std::to_string(o.max_num_seqs));
   }
-  if (o.max_num_batched_tokens < 0) {
-    return invalid_argument("--max-num-batched-tokens must be positive, got " +
-                            std::to_string(o.max_num_batched_tokens));
+  if (o.max_num_batched_tokens != 0 && o.max_num_batched_tokens < 16) {
+    return invalid_argument(
+        "--max-num-batched-tokens must be at least 16 (or 0 for the default), got " +
+        std::to_string(o.max_num_batched_tokens));
   }
+  if (o.block_size < 1) return invalid_argument("the KV block size must be at least 1");
+  return Status::ok();
+}
+
+Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
+                                               const MemoryOptions& options) {
+  TESSERA_RETURN_IF_ERROR(validate_memory_options(options));
+  MemoryOptions o = options;
+  TESSERA_ASSIGN_OR_RETURN(o.max_model_len, resolve_max_model_len(o.max_model_len, config));
   o.max_num_batched_tokens =
       resolve_max_num_batched_tokens(o.max_num_batched_tokens, o.max_model_len);
-  if (o.block_size < 1) return invalid_argument("the KV block size must be at least 1");
   return o;
 }
 

@@ -143,9 +143,14 @@ struct MemoryPlan {
   bool fits = false;              // every rank holds one sequence of max_model_len
 };
 
-// Resolves max_model_len and max_num_batched_tokens against the model and checks the flags:
-// INVALID_ARGUMENT naming the flag (--max-model-len above max_position_embeddings, utilization
-// outside (0, 1], sizes < 1).
+// OK when the flags make sense for any model (utilization in (0, 1], sizes in range);
+// INVALID_ARGUMENT naming the flag.
+Status validate_memory_options(const MemoryOptions& options);
+
+// Checks the flags (validate_memory_options) and resolves max_model_len and
+// max_num_batched_tokens against the model (--max-model-len above max_position_embeddings is
+// INVALID_ARGUMENT).
+
 Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
                                                const MemoryOptions& options);
 

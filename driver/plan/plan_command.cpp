@@ -28,6 +28,38 @@ void add_parallel_options(CLI::App* cmd, ParallelArgs& args) {
                   "Layers per stage, e.g. 10,12,10 (default: even)");
 }
 
+void add_model_options(CLI::App* cmd, ModelArgs& a) {
+  cmd->add_option("--model", a.model, "Hugging Face model directory")->required();
+  add_parallel_options(cmd, a.parallel);
+  cmd->add_option("--dtype", a.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
+  cmd->add_option("--device", a.device, "auto (GPUs when there are any)|cuda|cpu");
+  cmd->add_option("--max-model-len", a.memory.max_model_len,
+                  "Context length (default: the model's, at most 8192)");
+  cmd->add_option("--gpu-memory-utilization", a.memory.gpu_memory_utilization,
+                  "Fraction of each GPU's memory to use (0.9)");
+  cmd->add_option("--max-num-seqs", a.memory.max_num_seqs, "Most sequences in a step (256)");
+  cmd->add_option("--max-num-batched-tokens", a.memory.max_num_batched_tokens,
+                  "Most tokens in a step (default max(max-model-len, 2048), at most 16384)");
+  cmd->add_flag("--enforce-eager", a.memory.enforce_eager,
+                "Do not capture CUDA graphs (no memory kept for them)");
+}
+
+Status validate(const ModelArgs& a) {
+  if (a.model.empty()) return invalid_argument("--model: give a Hugging Face model directory");
+  if (a.device != "auto" && a.device != "cuda" && a.device != "cpu") {
+    return invalid_argument("--device '" + a.device + "' is not one of auto, cuda, cpu");
+  }
+  TESSERA_RETURN_IF_ERROR(validate_memory_options(a.memory));
+  PlanRequest request;
+  TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
+  for (const auto& size : {request.tensor_parallel, request.pipeline_parallel}) {
+    if (size && *size > 1024) {
+      return invalid_argument("-tp and -pp must be at most 1024, got " + std::to_string(*size));
+    }
+  }
+  return Status::ok();
+}
+
 namespace {
 
 Expected<std::optional<int64_t>> parse_size(const std::string& text, const std::string& flag) {
@@ -479,18 +511,7 @@ CLI::App* add_topo_subcommand(CLI::App& app, TopoOptions& o) {
 CLI::App* add_plan_subcommand(CLI::App& app, PlanOptions& o) {
   auto* cmd = app.add_subcommand(
       "plan", "Plan tensor x pipeline parallelism for a model on a cluster; starts nothing");
-  cmd->add_option("--model", o.model, "Hugging Face model directory")->required();
-  add_parallel_options(cmd, o.parallel);
-  cmd->add_option("--dtype", o.dtype, "auto|bfloat16|float16|half|float32");
-  cmd->add_option("--device", o.device, "auto (GPUs when the cluster has any)|cuda|cpu");
-  cmd->add_option("--max-model-len", o.max_model_len,
-                  "Context length (default: the model's, at most 8192)");
-  cmd->add_option("--gpu-memory-utilization", o.gpu_memory_utilization,
-                  "Fraction of each GPU's memory to use (0.9)");
-  cmd->add_option("--max-num-seqs", o.max_num_seqs, "Most sequences in a step (256)");
-  cmd->add_option("--max-num-batched-tokens", o.max_num_batched_tokens,
-                  "Most tokens in a step (default max(max-model-len, 2048), at most 16384)");
-  cmd->add_flag("--enforce-eager", o.enforce_eager, "No CUDA graphs (no memory kept for them)");
+  add_model_options(cmd, o);
   cmd->add_option("--address", o.address,
                   "A cluster's head HOST:PORT (default: the head started on this machine)");
   cmd->add_option("--temp-dir", o.temp_dir, "The root the head was started with");
@@ -614,17 +635,13 @@ Expected<std::pair<std::vector<ClusterNode>, std::string>> find_nodes(const Plan
 
 }  // namespace
 
-Expected<ClusterPlan> plan_for_nodes(const ModelConfig& config, const PlanOptions& o,
+Expected<ClusterPlan> plan_for_nodes(const ModelConfig& config, const ModelArgs& args,
                                      const std::vector<ClusterNode>& nodes) {
   PlanRequest request;
-  TESSERA_RETURN_IF_ERROR(apply_parallel_args(o.parallel, request));
-  request.dtype = o.dtype;
-  request.device = o.device;
-  request.memory.max_model_len = o.max_model_len;
-  request.memory.gpu_memory_utilization = o.gpu_memory_utilization;
-  request.memory.max_num_seqs = o.max_num_seqs;
-  request.memory.max_num_batched_tokens = o.max_num_batched_tokens;
-  request.memory.enforce_eager = o.enforce_eager;
+  TESSERA_RETURN_IF_ERROR(apply_parallel_args(args.parallel, request));
+  request.dtype = args.dtype;
+  request.device = args.device;
+  request.memory = args.memory;
   return plan_on_cluster(config, request, nodes);
 }
 

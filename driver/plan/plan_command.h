@@ -40,6 +40,24 @@ struct ParallelArgs {
 // (CLI11 takes one-letter short names only).
 void add_parallel_options(CLI::App* cmd, ParallelArgs& args);
 
+// The flags every model command shares (generate, bench, serve, plan), with vLLM's names and
+// meanings: one value, registered by add_model_options, validated by validate(ModelArgs), read
+// by the planner (plan_for_nodes) and the driver's session alike.
+struct ModelArgs {
+  std::string model;  // --model: a Hugging Face model directory
+  ParallelArgs parallel;
+  std::string dtype = "auto";   // --dtype: auto | bfloat16 | float16 | half | float32 | float
+  std::string device = "auto";  // --device: auto (GPUs when there are any) | cuda | cpu
+  MemoryOptions memory;         // --max-model-len, --gpu-memory-utilization, --max-num-seqs,
+                                // --max-num-batched-tokens, --enforce-eager
+};
+
+// Adds --model (required), the parallel options, --dtype, --device and the memory flags.
+void add_model_options(CLI::App* cmd, ModelArgs& args);
+
+// OK when the flags make sense before any model is read; INVALID_ARGUMENT naming the flag.
+Status validate(const ModelArgs& args);
+
 // Parses `args` into `request`'s tensor_parallel, pipeline_parallel (nullopt for "auto") and
 // layer_partition. INVALID_ARGUMENT naming the flag and the text.
 Status apply_parallel_args(const ParallelArgs& args, PlanRequest& request);
@@ -99,16 +117,7 @@ struct TopoOptions {
   bool json = false;
 };
 
-struct PlanOptions {
-  std::string model;  // Hugging Face model directory (config.json is all that is read)
-  ParallelArgs parallel;
-  std::string dtype = "auto";
-  std::string device = "auto";
-  int64_t max_model_len = 0;  // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
-  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
-  int64_t max_num_seqs = kDefaultMaxNumSeqs;
-  int64_t max_num_batched_tokens = 0;
-  bool enforce_eager = false;
+struct PlanOptions : ModelArgs {  // config.json is all that is read of the model
   // Where the nodes come from, first that applies: cluster_file; gpus >= 0 (made up); address;
   // the head started on this machine; this machine (describe_this_machine).
   std::string cluster_file;   // a `tessera topo --json` output
@@ -134,9 +143,9 @@ CLI::App* add_plan_subcommand(CLI::App& app, PlanOptions& options);
 int topo_command(const TopoOptions& options);
 int plan_command(const PlanOptions& options);
 
-// plan_command's planning step on given nodes, without printing: the options' flags turned into
+// plan_command's planning step on given nodes, without printing: the model flags turned into
 // a PlanRequest (apply_parallel_args, memory flags) and plan_on_cluster. Errors as theirs.
-Expected<ClusterPlan> plan_for_nodes(const ModelConfig& config, const PlanOptions& options,
+Expected<ClusterPlan> plan_for_nodes(const ModelConfig& config, const ModelArgs& args,
                                      const std::vector<ClusterNode>& nodes);
 
 }  // namespace tessera

@@ -310,6 +310,97 @@ TEST(CommThreads, AllGatherSendRecvAndBarrier) {
   for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
+// Counts what passes through a communicator (to see which path by_size took).
+class Counting final : public Communicator {
+ public:
+  explicit Counting(std::unique_ptr<Communicator> c) : c_(std::move(c)) {}
+  int rank() const override { return c_->rank(); }
+  int size() const override { return c_->size(); }
+  Status all_reduce_sum(void* d, int64_t n, DType t, void* s) override {
+    ++calls;
+    return c_->all_reduce_sum(d, n, t, s);
+  }
+  Status all_gather(const void* in, int64_t n, DType t, void* out, void* s) override {
+    ++calls;
+    return c_->all_gather(in, n, t, out, s);
+  }
+  Status send(const void* d, int64_t b, int p, void* s) override {
+    ++calls;
+    return c_->send(d, b, p, s);
+  }
+  Status recv(void* d, int64_t b, int p, void* s) override {
+    ++calls;
+    return c_->recv(d, b, p, s);
+  }
+  Status barrier() override {
+    ++calls;
+    return c_->barrier();
+  }
+  std::string describe(int p) const override { return c_->describe(p); }
+  std::atomic<int> calls{0};
+
+ private:
+  std::unique_ptr<Communicator> c_;
+};
+
+// The custom all-reduce beside NCCL, on the cpu backend's communicators: by size, the same path
+// on every rank, the same sums either way; point to point and barriers on the large path.
+TEST(CommThreads, BySizePicksThePathBySizeOnEveryRank) {
+  const int n = 2;
+  Endpoints e(n);
+  Joined small = join_group(e, "small");
+  Joined large = join_group(e, "large");
+  ASSERT_TRUE(small.ok() && large.ok());
+  std::vector<Counting*> small_count(n), large_count(n);
+  std::vector<std::unique_ptr<Communicator>> comms(n);
+  for (int r = 0; r < n; ++r) {
+    auto s = std::make_unique<Counting>(std::move(small.comms[r]));
+    auto l = std::make_unique<Counting>(std::move(large.comms[r]));
+    small_count[r] = s.get();
+    large_count[r] = l.get();
+    comms[r] = by_size(std::move(s), std::move(l), 4096);
+  }
+  std::vector<std::string> errors(n);
+  run_threads(n, [&](int r) {
+    auto fail = [&](const std::string& what) { errors[r] += what + "; "; };
+    Communicator& c = *comms[r];
+    if (c.rank() != r || c.size() != n) fail("rank/size");
+    // 1024 floats = 4096 bytes: small; 1025: large; 2048 halves = 4096 bytes: small.
+    int want_small = 0, want_large = 0;
+    for (int64_t count : {int64_t{1}, int64_t{1024}, int64_t{1025}, int64_t{1} << 16}) {
+      std::vector<float> data = inputs(r, count, 9);
+      if (!c.all_reduce_sum(data.data(), count, DType::kF32, nullptr)) fail("all_reduce");
+      std::vector<float> want = reference_sum(n, count, 9);
+      if (!same_bits(data.data(), want.data(), count * 4)) fail("sum " + std::to_string(count));
+      (count * 4 <= 4096 ? want_small : want_large)++;
+      if (small_count[r]->calls != want_small || large_count[r]->calls != want_large) {
+        fail("path of " + std::to_string(count) + " floats");
+      }
+    }
+    // all_gather: judged by the gathered size (512 floats x 2 ranks = 4096 bytes: small).
+    for (int64_t count : {int64_t{512}, int64_t{513}}) {
+      std::vector<float> in = inputs(r, count, 3), out(count * n);
+      if (!c.all_gather(in.data(), count, DType::kF32, out.data(), nullptr)) fail("all_gather");
+      (count * 4 * n <= 4096 ? want_small : want_large)++;
+      for (int p = 0; p < n; ++p) {
+        std::vector<float> w = inputs(p, count, 3);
+        if (!same_bits(out.data() + p * count, w.data(), count * 4)) fail("gathered");
+      }
+    }
+    std::vector<uint8_t> one(8, static_cast<uint8_t>(r));
+    if (r == 0 ? !c.send(one.data(), 8, 1, nullptr) : !c.recv(one.data(), 8, 0, nullptr)) {
+      fail("send/recv");
+    }
+    if (!c.barrier()) fail("barrier");
+    want_large += 2;
+    if (small_count[r]->calls != want_small || large_count[r]->calls != want_large) {
+      fail("paths: small " + std::to_string(small_count[r]->calls.load()) + " large " +
+           std::to_string(large_count[r]->calls.load()));
+    }
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
 // World of 4, TP groups {0,1} {2,3}, PP pairs {0,2} {1,3}, all over one endpoint per rank.
 TEST(CommThreads, SeveralGroupsOverOneEndpoint) {
   Endpoints e(4);

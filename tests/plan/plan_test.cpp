@@ -843,11 +843,67 @@ TEST(FlagsTest, ParsesThroughCli11) {
   EXPECT_EQ(req.pipeline_parallel, 1);
 }
 
+TEST(FlagsTest, ModelFlagsParseIntoOneValueAndAreValidatedOnce) {
+  CLI::App app;
+  ModelArgs args;
+  add_model_options(&app, args);
+  std::vector<const char*> argv = {"x",
+                                   "--model",
+                                   "/m",
+                                   "-tp",
+                                   "2",
+                                   "-pp=3",
+                                   "--dtype",
+                                   "float16",
+                                   "--device",
+                                   "cpu",
+                                   "--max-model-len",
+                                   "4096",
+                                   "--gpu-memory-utilization",
+                                   "0.5",
+                                   "--max-num-seqs",
+                                   "8",
+                                   "--max-num-batched-tokens",
+                                   "64",
+                                   "--enforce-eager"};
+  ParallelFlagArgv fixed(static_cast<int>(argv.size()), argv.data());
+  ASSERT_NO_THROW(app.parse(fixed.argc(), fixed.argv()));
+  EXPECT_EQ(args.model, "/m");
+  EXPECT_EQ(args.parallel.tensor_parallel_size, "2");
+  EXPECT_EQ(args.parallel.pipeline_parallel_size, "3");
+  EXPECT_EQ(args.dtype, "float16");
+  EXPECT_EQ(args.device, "cpu");
+  EXPECT_EQ(args.memory.max_model_len, 4096);
+  EXPECT_DOUBLE_EQ(args.memory.gpu_memory_utilization, 0.5);
+  EXPECT_EQ(args.memory.max_num_seqs, 8);
+  EXPECT_EQ(args.memory.max_num_batched_tokens, 64);
+  EXPECT_TRUE(args.memory.enforce_eager);
+  EXPECT_TRUE(validate(args));
+
+  // One validator: what the engine refuses, the planner refuses with the same words.
+  ModelArgs bad = args;
+  bad.memory.max_num_seqs = 0;
+  auto st = validate(bad);
+  ASSERT_FALSE(st);
+  auto planned = plan_for_nodes(llama3_8b(), bad, synthetic_nodes(1, 2, 80 * kGiB));
+  ASSERT_FALSE(planned);
+  EXPECT_EQ(planned.status().message(), st.message());
+  bad = args;
+  bad.memory.max_num_batched_tokens = 8;
+  EXPECT_TRUE(contains(validate(bad).message(), "--max-num-batched-tokens must be at least 16"));
+  bad = args;
+  bad.device = "tpu";
+  EXPECT_TRUE(contains(validate(bad).message(), "--device 'tpu'"));
+  bad = args;
+  bad.parallel.tensor_parallel_size = "2000";
+  EXPECT_TRUE(contains(validate(bad).message(), "at most 1024"));
+}
+
 TEST(FlagsTest, PlanForNodesReadsTheOptions) {
   PlanOptions o;
   o.parallel.tensor_parallel_size = "2";
-  o.max_model_len = 4096;
-  o.gpu_memory_utilization = 0.8;
+  o.memory.max_model_len = 4096;
+  o.memory.gpu_memory_utilization = 0.8;
   auto cp = plan_for_nodes(llama3_8b(), o, synthetic_nodes(2, 1, 80 * kGiB));
   ASSERT_TRUE(cp) << cp.status().message();
   EXPECT_EQ(cp->memory.options.max_model_len, 4096);

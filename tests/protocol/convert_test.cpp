@@ -68,7 +68,8 @@ TEST(ConvertTest, StepInputKeepsEverySequenceField) {
   SeqStep first;
   first.request_id = 7;
   first.tokens = {1, 2, 3};
-  first.start_position = 0;
+  first.prefix_tokens = {9, 8, 7, 6};
+  first.start_position = 4;
   first.new_blocks = {4, 5};
   first.sample = true;
   first.first = true;
@@ -94,6 +95,7 @@ TEST(ConvertTest, StepInputKeepsEverySequenceField) {
     EXPECT_EQ(out.seqs[i].first, in.seqs[i].first);
   }
   EXPECT_EQ(out.seqs[0].prompt_len, 3);
+  EXPECT_EQ(out.seqs[0].prefix_tokens, in.seqs[0].prefix_tokens);
   expect_equal(out.seqs[0].sampling, unusual_sampling());
   EXPECT_EQ(out.finished, in.finished);
 }
@@ -144,6 +146,7 @@ TEST(ConvertTest, LoadSpecEveryField) {
   in.comm.nccl_id = std::string(128, '\x7f');
   in.comm.init_timeout_ms = 4321;
   in.comm.ipc_handles = {std::string(64, 'a'), std::string("b\0c", 3)};
+  in.comm.custom_all_reduce_max_bytes = 3ull << 30;
   in.step_ring = "/tessera-1-2-ring-steps";
   in.step_ring_reader = 3;
   in.output_ring = "/tessera-1-2-ring-out-a-1";
@@ -175,6 +178,7 @@ TEST(ConvertTest, LoadSpecEveryField) {
   EXPECT_EQ(out.comm.nccl_id, in.comm.nccl_id);
   EXPECT_EQ(out.comm.init_timeout_ms, 4321u);
   EXPECT_EQ(out.comm.ipc_handles, in.comm.ipc_handles);
+  EXPECT_EQ(out.comm.custom_all_reduce_max_bytes, in.comm.custom_all_reduce_max_bytes);
   EXPECT_EQ(out.step_ring, in.step_ring);
   EXPECT_EQ(out.step_ring_reader, 3u);
   EXPECT_EQ(out.output_ring, in.output_ring);
