@@ -14,13 +14,17 @@ namespace tessera {
 
 struct SeqStep {
   uint64_t request_id = 0;
-  std::vector<int32_t> tokens;        // this step's tokens: a prompt chunk, or the last sampled
-  int64_t start_position = 0;         // position of tokens[0]
-  std::vector<uint32_t> new_blocks;   // appended to the request's block table, in order
-  bool sample = false;                // sample a token after these (last prefill chunk, decode)
-  bool first = false;                 // a new request: its table starts empty; the fields below
-  int64_t prompt_len = 0;             // first only: tokens of the request that are prompt
-  SamplingParams sampling;            // first only
+  std::vector<int32_t> tokens;       // this step's tokens: a prompt chunk, or the last sampled
+  int64_t start_position = 0;        // position of tokens[0]
+  std::vector<uint32_t> new_blocks;  // appended to the request's block table, in order
+  bool sample = false;               // sample a token after these (last prefill chunk, decode)
+  bool first = false;                // a new request: its table starts empty; the fields below
+  int64_t prompt_len = 0;            // first only: tokens of the request that are prompt
+  SamplingParams sampling;           // first only
+  // First only, on a prefix-cache hit (start_position > 0): the tokens of positions
+  // [0, start_position), whose K/V the leading new_blocks already hold. They are not computed;
+  // they join the request's history (penalties, the seeded sampler's position).
+  std::vector<int32_t> prefix_tokens;
 };
 
 struct StepInput {

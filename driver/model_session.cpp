@@ -1,43 +1,21 @@
 #include "driver/model_session.h"
 
 #include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <set>
 #include <sstream>
 
 #include "common/session.h"
+#include "driver/engine/tokenizer_detokenizer.h"
 #include "driver/status.h"
 #include "protocol/auth.h"
 
 namespace tessera {
 
 Status validate(const EngineArgs& a) {
-  if (a.model.empty()) return invalid_argument("--model: give a Hugging Face model directory");
-  if (a.device != "auto" && a.device != "cuda" && a.device != "cpu") {
-    return invalid_argument("--device '" + a.device + "' is not one of auto, cuda, cpu");
-  }
-  if (a.max_num_seqs < 1 || a.max_num_seqs > 65536) {
-    return invalid_argument("--max-num-seqs must be between 1 and 65536, got " +
-                            std::to_string(a.max_num_seqs));
-  }
-  if (!(a.gpu_memory_utilization > 0.0f && a.gpu_memory_utilization <= 1.0f)) {
-    return invalid_argument("--gpu-memory-utilization must be in (0, 1], got " +
-                            std::to_string(a.gpu_memory_utilization));
-  }
-  if (a.max_num_batched_tokens != 0 && a.max_num_batched_tokens < 16) {
-    return invalid_argument(
-        "--max-num-batched-tokens must be at least 16 (or 0 for the "
-        "default), got " +
-        std::to_string(a.max_num_batched_tokens));
-  }
-  PlanRequest request;
-  TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
-  for (const auto& size : {request.tensor_parallel, request.pipeline_parallel}) {
-    if (size && *size > 1024) {
-      return invalid_argument("-tp and -pp must be at most 1024, got " + std::to_string(*size));
-    }
-  }
+  TESSERA_RETURN_IF_ERROR(validate(static_cast<const ModelArgs&>(a)));
   if (a.collectives != "auto" && a.collectives != "tcp" && a.collectives != "nccl" &&
       a.collectives != "ipc") {
     return invalid_argument("--collectives '" + a.collectives +
@@ -45,6 +23,25 @@ Status validate(const EngineArgs& a) {
   }
   if (a.nccl_init_timeout_s < 1) return invalid_argument("--nccl-init-timeout must be >= 1 s");
   return Status::ok();
+}
+
+void add_engine_options(CLI::App* cmd, EngineArgs& e) {
+  add_model_options(cmd, e);
+  cmd->add_option("--address", e.address,
+                  "A cluster's head HOST:PORT (default: start a local node)");
+  cmd->add_option("--cluster-token-file", e.cluster_token_file,
+                  "With --address: the cluster token (default: $TESSERA_CLUSTER_TOKEN or this "
+                  "machine's)");
+  cmd->add_option("--collectives", e.collectives,
+                  "auto|tcp|nccl|ipc: how the ranks talk (auto: tcp for CPU actors, nccl across "
+                  "GPUs, ipc when ranks share a GPU)");
+  cmd->add_flag("--disable-custom-all-reduce", e.disable_custom_all_reduce,
+                "With nccl: NCCL for every all-reduce (default: the custom one for small "
+                "tensors when a stage's GPUs share a node)");
+  cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", e.enable_prefix_caching,
+                "Share the KV cache of common prompt prefixes (on by default)");
+  cmd->add_option("--nccl-init-timeout", e.nccl_init_timeout_s,
+                  "Seconds every rank has to join the collectives at start-up (120)");
 }
 
 namespace {
@@ -99,18 +96,9 @@ std::string plan_summary(const ClusterPlan& plan) {
 
 Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& a,
                                    const std::vector<ClusterNode>& nodes) {
-  PlanOptions o;  // what `tessera plan` would be asked for these arguments
-  o.parallel = a.parallel;
-  o.dtype = a.dtype;
-  o.device = a.device;
-  o.max_model_len = a.max_model_len;
-  o.gpu_memory_utilization = a.gpu_memory_utilization;
-  o.max_num_seqs = a.max_num_seqs;
-  o.max_num_batched_tokens = a.max_num_batched_tokens;
-  o.enforce_eager = a.enforce_eager;
   PlanRequest request;
   TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
-  auto planned = plan_for_nodes(config, o, nodes);
+  auto planned = plan_for_nodes(config, a, nodes);
   if (!planned && planned.status().code() == Code::kResourceExhausted && a.collectives == "ipc" &&
       request.tensor_parallel && request.pipeline_parallel) {
     // Too few free GPUs: with ipc collectives the ranks may share them.
@@ -140,23 +128,6 @@ Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& 
 
 namespace {
 
-class TokenizerDetokenizer final : public Detokenizer {
- public:
-  explicit TokenizerDetokenizer(const Tokenizer& t) : t_(t) {}
-  std::string decode(const std::vector<int32_t>& ids, bool skip_special) const override {
-    return t_.decode(ids, skip_special);
-  }
-
- private:
-  const Tokenizer& t_;
-};
-
-// For benchmarks: token ids only, no text (vLLM's detokenize=False).
-class NoDetokenizer final : public Detokenizer {
- public:
-  std::string decode(const std::vector<int32_t>&, bool) const override { return {}; }
-};
-
 // The collectives for a placement: what the user asked, else tcp for CPU actors, ipc when two
 // ranks share a GPU (NCCL refuses that), nccl otherwise.
 std::string pick_collectives(const std::string& asked, const std::vector<RankPlacement>& ranks) {
@@ -185,8 +156,8 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   std::unique_ptr<ModelSession> s(new ModelSession());
   TESSERA_ASSIGN_OR_RETURN(s->config_, load_model_config(a.model, &s->defaults_));
   TESSERA_ASSIGN_OR_RETURN(s->tokenizer_, Tokenizer::load(a.model));
-  if (a.max_model_len > s->config_.max_position_embeddings) {
-    return invalid_argument("--max-model-len " + std::to_string(a.max_model_len) +
+  if (a.memory.max_model_len > s->config_.max_position_embeddings) {
+    return invalid_argument("--max-model-len " + std::to_string(a.memory.max_model_len) +
                             " exceeds the model's max_position_embeddings (" +
                             std::to_string(s->config_.max_position_embeddings) + ")");
   }
@@ -234,15 +205,29 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
     spec.placement.push_back({r.node_id, static_cast<int>(r.gpu)});
   }
   spec.comm_backend = pick_collectives(a.collectives, spec.placement);
+  // Beside NCCL, the custom all-reduce for tensors up to its buffer's size, where every TP
+  // group's GPUs share a node and NVLink (vLLM's rule: PCIe peers gain nothing from it).
+  if (spec.comm_backend == "nccl" && !a.disable_custom_all_reduce && s->plan_.plan.tp > 1) {
+    bool on_nvlink = !s->plan_.placement.groups.empty();
+    for (const TpGroupLinks& g : s->plan_.placement.groups) on_nvlink &= g.on_nvlink();
+    if (on_nvlink) {
+      spec.custom_all_reduce_max_bytes = spec.ipc_buffer_bytes;
+    } else {
+      spdlog::info(
+          "custom all-reduce off: a TP group is not on one node's NVLink; NCCL does every "
+          "all-reduce");
+    }
+  }
   LoadSpec& load = spec.load;
   load.model_dir = a.model;
   load.dtype = a.dtype;
   load.device = spec.placement.front().gpu >= 0 ? a.device : "cpu";
-  load.max_model_len = a.max_model_len;
-  load.max_num_seqs = a.max_num_seqs;
-  load.max_num_batched_tokens = a.max_num_batched_tokens;
-  load.gpu_memory_utilization = a.gpu_memory_utilization;
-  load.enforce_eager = a.enforce_eager;
+  load.max_model_len = a.memory.max_model_len;
+  load.max_num_seqs = a.memory.max_num_seqs;
+  load.max_num_batched_tokens = a.memory.max_num_batched_tokens;
+  load.gpu_memory_utilization = a.memory.gpu_memory_utilization;
+  load.block_size = a.memory.block_size;
+  load.enforce_eager = a.memory.enforce_eager;
   load.return_logits = a.return_logits;
   load.parallel = parallel;
   load.comm.init_timeout_ms = a.nccl_init_timeout_s * 1000;
@@ -276,8 +261,9 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   EngineConfig ec;
   ec.num_blocks = static_cast<uint32_t>(m.kv_blocks);
   ec.block_size = static_cast<uint32_t>(m.block_size);
+  ec.enable_prefix_caching = a.enable_prefix_caching;
   ec.scheduler.max_model_len = static_cast<uint32_t>(m.max_model_len);
-  ec.scheduler.max_num_seqs = a.max_num_seqs;
+  ec.scheduler.max_num_seqs = static_cast<uint32_t>(a.memory.max_num_seqs);
   ec.scheduler.max_num_batched_tokens = static_cast<uint32_t>(m.max_num_batched_tokens);
   ec.vocab_size = m.vocab_size;
   for (int64_t id : s->config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));

@@ -19,24 +19,21 @@
 
 namespace tessera {
 
-// vLLM's engine arguments, as far as Tessera has them. Defaults come from common/load_spec.h.
-struct EngineArgs {
-  std::string model;    // Hugging Face model directory
-  std::string address;  // a cluster's head; "" = start a local node for this command
-  std::string cluster_token_file;  // with address: where the token is (else the environment
-                                   // or this machine's temp root, see protocol/auth.h)
-  std::string dtype = "auto";
-  std::string device = "auto";  // auto | cuda | cpu
-  uint32_t max_model_len = 0;   // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
-  float gpu_memory_utilization = static_cast<float>(kDefaultGpuMemoryUtilization);
-  bool enforce_eager = false;
-  uint32_t max_num_seqs = static_cast<uint32_t>(kDefaultMaxNumSeqs);
-  uint32_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
-  ParallelArgs parallel;  // -tp / -pp / --pipeline-layer-partition as typed ("auto" allowed)
+// vLLM's engine arguments, as far as Tessera has them: the model flags every command shares
+// (driver/plan/plan_command.h) and how this driver reaches the cluster and joins its ranks.
+struct EngineArgs : ModelArgs {
+  std::string address;               // a cluster's head; "" = start a local node for this command
+  std::string cluster_token_file;    // with address: where the token is (else the environment
+                                     // or this machine's temp root, see protocol/auth.h)
   std::string collectives = "auto";  // auto | tcp | nccl | ipc
+  bool disable_custom_all_reduce = false;  // nccl: NCCL for every all-reduce (vLLM's flag)
+  bool enable_prefix_caching = true;       // --no-enable-prefix-caching turns it off
   uint32_t nccl_init_timeout_s = 120;
   bool return_logits = false;  // tests
 };
+
+// Adds the flags of EngineArgs (add_model_options and the cluster's) to a model command.
+void add_engine_options(CLI::App* cmd, EngineArgs& args);
 
 // OK when the arguments make sense, before anything starts or loads; INVALID_ARGUMENT naming
 // the flag otherwise.
@@ -58,6 +55,7 @@ class ModelSession {
   const GenerationDefaults& defaults() const { return defaults_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   WorkerGroup& group() { return *group_; }
+  EventLoop& loop() { return *loop_; }
   double load_seconds() const { return load_seconds_; }
 
  private:

@@ -13,8 +13,7 @@ Status RequestTable::apply(const StepInput& step) {
   const auto& L = limits_;
   if (static_cast<int64_t>(step.seqs.size()) > L.max_num_seqs) {
     return invalid_argument("the step has " + std::to_string(step.seqs.size()) +
-                            " sequences, more than max-num-seqs " +
-                            std::to_string(L.max_num_seqs));
+                            " sequences, more than max-num-seqs " + std::to_string(L.max_num_seqs));
   }
   std::set<uint64_t> finished(step.finished.begin(), step.finished.end());
   std::set<uint64_t> in_step;
@@ -36,13 +35,21 @@ Status RequestTable::apply(const StepInput& step) {
     }
     if (s.first) {
       TESSERA_RETURN_IF_ERROR(s.sampling.validate(L.vocab_size));
-      if (s.start_position != 0) {
-        return invalid_argument(who + ": a first step starts at position 0, not " +
+      if (s.start_position != static_cast<int64_t>(s.prefix_tokens.size())) {
+        return invalid_argument(who + ": a first step starts after its cached prefix (" +
+                                std::to_string(s.prefix_tokens.size()) + " tokens), not at " +
                                 std::to_string(s.start_position));
+      }
+      for (int32_t t : s.prefix_tokens) {
+        if (t < 0 || t >= L.vocab_size) {
+          return invalid_argument(who + ": prefix token id " + std::to_string(t) +
+                                  " is outside the vocabulary");
+        }
       }
       if (s.prompt_len < 1) return invalid_argument(who + ": prompt_len must be at least 1");
     }
-    const int64_t seen = s.first ? 0 : static_cast<int64_t>(it->second.tokens.size());
+    const int64_t seen = s.first ? static_cast<int64_t>(s.prefix_tokens.size())
+                                 : static_cast<int64_t>(it->second.tokens.size());
     if (s.start_position != seen) {
       return invalid_argument(who + " continues at position " + std::to_string(s.start_position) +
                               " but this actor has " + std::to_string(seen) + " of its tokens");
@@ -52,9 +59,8 @@ Status RequestTable::apply(const StepInput& step) {
       return invalid_argument(who + ": positions up to " + std::to_string(end) +
                               " exceed max-model-len " + std::to_string(L.max_model_len));
     }
-    const int64_t blocks =
-        (s.first ? 0 : static_cast<int64_t>(it->second.blocks.size())) +
-        static_cast<int64_t>(s.new_blocks.size());
+    const int64_t blocks = (s.first ? 0 : static_cast<int64_t>(it->second.blocks.size())) +
+                           static_cast<int64_t>(s.new_blocks.size());
     if (blocks * L.block_size < end) {
       return invalid_argument(who + ": its block table holds " +
                               std::to_string(blocks * L.block_size) + " tokens, it needs " +
@@ -97,6 +103,7 @@ Status RequestTable::apply(const StepInput& step) {
         r.seed = seed_state_ ^ (seed_state_ >> 29);
       }
       r.prompt_len = s.prompt_len;
+      r.tokens = s.prefix_tokens;
       requests_.emplace(s.request_id, std::move(r));
     }
     RequestState& r = requests_.at(s.request_id);

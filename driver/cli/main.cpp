@@ -4,6 +4,7 @@
 //   tessera start --address HEAD:PORT [--block]      join a cluster with this machine
 //   tessera status [--address HEAD:PORT] [--json]    nodes, GPUs, links, actors
 //   tessera stop                                     stop the daemons started here
+//   tessera serve MODEL_DIR [--port 8000] [-tp T]    an OpenAI-compatible HTTP server
 //   tessera generate --model DIR --prompt TEXT       one completion, end to end
 //   tessera make-model --arch A --preset P ...       a seeded random checkpoint of real shape
 //   tessera topo [--address HEAD:PORT] [--json]      GPU links per node, TP sizes on NVLink
@@ -23,6 +24,7 @@
 #include "driver/generate.h"
 #include "driver/make_model/make_model.h"
 #include "driver/plan/plan_command.h"
+#include "driver/server/serve.h"
 #include "driver/status.h"
 #include "protocol/auth.h"
 #include "protocol/rpc.h"
@@ -141,38 +143,12 @@ int main(int argc, char** argv) {
                          "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
   status_cmd->add_flag("--json", status_json, "Print JSON");
 
-  // vLLM's engine flags, shared by generate and bench.
-  auto add_engine_args = [](CLI::App* cmd, tessera::EngineArgs& e) {
-    cmd->add_option("--model", e.model, "Hugging Face model directory")->required();
-    cmd->add_option("--address", e.address,
-                    "A cluster's head HOST:PORT (default: start a local node)");
-    cmd->add_option("--cluster-token-file", e.cluster_token_file,
-                    "With --address: the cluster token (default: $TESSERA_CLUSTER_TOKEN or this "
-                    "machine's)");
-    cmd->add_option("--dtype", e.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
-    cmd->add_option("--device", e.device, "auto (a GPU when the node has one)|cuda|cpu");
-    cmd->add_option("--max-model-len", e.max_model_len,
-                    "Context length (default: the model's, at most 8192)");
-    cmd->add_option("--gpu-memory-utilization", e.gpu_memory_utilization,
-                    "Fraction of each GPU's memory to use (0.9)");
-    cmd->add_flag("--enforce-eager", e.enforce_eager, "Do not capture CUDA graphs");
-    cmd->add_option("--max-num-seqs", e.max_num_seqs, "Most sequences in a step (256)");
-    cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens,
-                    "Most tokens in a step (default max(max-model-len, 2048), at most 16384)");
-    tessera::add_parallel_options(cmd, e.parallel);
-    cmd->add_option("--collectives", e.collectives,
-                    "auto|tcp|nccl|ipc: how the ranks talk (auto: tcp for CPU actors, nccl across "
-                    "GPUs, ipc when ranks share a GPU)");
-    cmd->add_option("--nccl-init-timeout", e.nccl_init_timeout_s,
-                    "Seconds every rank has to join the collectives at start-up (120)");
-  };
-
   tessera::GenerateOptions gen;
   std::vector<int32_t> stop_ids;
   std::optional<uint64_t> gen_seed;
   gen.sampling.max_tokens = 64;
   auto* gen_cmd = app.add_subcommand("generate", "Generate completions for one or more prompts");
-  add_engine_args(gen_cmd, gen.engine);
+  tessera::add_engine_options(gen_cmd, gen.engine);
   gen_cmd->add_option("--prompt", gen.prompts, "The prompt text (repeat for a batch)")->required();
   gen_cmd->add_option("--max-tokens", gen.sampling.max_tokens, "Tokens to generate (64)");
   gen_cmd->add_option("--temperature", gen.sampling.temperature, "0 = greedy (default 1.0)");
@@ -194,7 +170,7 @@ int main(int argc, char** argv) {
   bench_cmd->require_subcommand(1);
   auto* latency_cmd = bench_cmd->add_subcommand(
       "latency", "Batch-1 decode, long prefill and large-batch decode of one model");
-  add_engine_args(latency_cmd, bench.engine);
+  tessera::add_engine_options(latency_cmd, bench.engine);
   latency_cmd->add_option("--input-len", bench.input_len, "Prompt tokens (128)");
   latency_cmd->add_option("--output-len", bench.output_len, "New tokens (256)");
   latency_cmd->add_option("--num-iters", bench.num_iters, "Measured batch-1 runs (3)");
@@ -217,9 +193,17 @@ int main(int argc, char** argv) {
   plan_opts.describe_this_machine = [] { return tessera::discover_resources(); };
   auto* plan_cmd = tessera::add_plan_subcommand(app, plan_opts);
 
+  tessera::server::ServeOptions serve;
+  auto* serve_cmd = tessera::server::add_serve_subcommand(app, serve);
+
   auto* version_cmd = app.add_subcommand("version", "Print the version and protocol version");
 
-  tessera::ParallelFlagArgv args(argc, argv);  // vLLM's -tp / -pp, which CLI11 cannot define
+  // vLLM's spellings CLI11 cannot define: `serve MODEL`, -tp / -pp.
+  std::vector<std::string> raw(argv, argv + argc);
+  raw = tessera::server::serve_positional_model(std::move(raw));
+  std::vector<const char*> raw_ptrs;
+  for (const auto& a : raw) raw_ptrs.push_back(a.c_str());
+  tessera::ParallelFlagArgv args(static_cast<int>(raw_ptrs.size()), raw_ptrs.data());
   try {
     app.parse(args.argc(), args.argv());
   } catch (const CLI::ParseError& e) {
@@ -230,11 +214,14 @@ int main(int argc, char** argv) {
     start.log_level = log_level;
     return tessera::start_command(start);
   }
-  if (auto st = tessera::init_logging({"cli", "", log_level.empty() ? "warn" : log_level}); !st) {
+  // A server reports its requests (info); other commands stay quiet unless asked.
+  const std::string level = !log_level.empty() ? log_level : (*serve_cmd ? "info" : "warn");
+  if (auto st = tessera::init_logging({"cli", "", level}); !st) {
     std::cerr << "tessera: " << st.message() << "\n";
     return 2;
   }
   if (*stop_cmd) return tessera::stop_command(stop);
+  if (*serve_cmd) return tessera::server::serve_command(serve);
   if (*gen_cmd) {
     gen.sampling.seed = gen_seed;
     gen.sampling.stop_token_ids = stop_ids;

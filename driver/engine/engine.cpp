@@ -2,15 +2,44 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 
 namespace tessera {
+namespace {
+
+constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// Bytes at the end of `text` (after `from`) that could be the start of one of `stops`: the
+// longest proper prefix of a stop string that `text` ends with.
+size_t stop_prefix_at_end(std::string_view text, size_t from,
+                          const std::vector<std::string>& stops) {
+  size_t hold = 0;
+  for (const std::string& stop : stops) {
+    size_t k = std::min(stop.size() - std::min<size_t>(stop.size(), 1), text.size() - from);
+    for (; k > hold; --k) {
+      if (text.substr(text.size() - k) == std::string_view(stop).substr(0, k)) {
+        hold = k;
+        break;
+      }
+    }
+  }
+  return hold;
+}
+
+}  // namespace
 
 LlmEngine::LlmEngine(EngineConfig config, StepExecutor& executor, const Detokenizer& detokenizer)
     : config_(std::move(config)),
       executor_(executor),
       detokenizer_(detokenizer),
-      blocks_(config_.num_blocks, config_.block_size),
-      scheduler_(config_.scheduler, blocks_) {}
+      blocks_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),
+      scheduler_(config_.scheduler, blocks_),
+      max_len_(std::min<size_t>(config_.scheduler.max_model_len,
+                                static_cast<size_t>(config_.num_blocks) * config_.block_size)) {}
 
 Expected<uint64_t> LlmEngine::add_request(std::vector<int32_t> prompt, SamplingParams sampling) {
   if (prompt.empty()) return invalid_argument("the prompt is empty");
@@ -37,6 +66,7 @@ Expected<uint64_t> LlmEngine::add_request(std::vector<int32_t> prompt, SamplingP
   seq->id = next_id_++;
   seq->prompt = std::move(prompt);
   seq->sampling = std::move(sampling);
+  seq->text_stream = detokenizer_.start(seq->prompt, seq->sampling.skip_special_tokens);
   uint64_t id = seq->id;
   scheduler_.add(std::move(seq));
   return id;
@@ -47,6 +77,7 @@ StepInput LlmEngine::make_step(const std::vector<ScheduledChunk>& chunks) {
   step.step_id = next_step_++;
   step.finished = std::move(finished_since_last_step_);
   finished_since_last_step_.clear();
+  for (uint64_t id : scheduler_.take_preempted()) step.finished.push_back(id);
   for (const auto& c : chunks) {
     Sequence& seq = *c.seq;
     SeqStep s;
@@ -61,6 +92,7 @@ StepInput LlmEngine::make_step(const std::vector<ScheduledChunk>& chunks) {
     if (s.first) {
       s.prompt_len = static_cast<int64_t>(seq.prompt.size());
       s.sampling = seq.sampling;
+      for (size_t i = 0; i < c.start; ++i) s.prefix_tokens.push_back(seq.token_at(i));
       seq.started = true;
     }
     step.seqs.push_back(std::move(s));
@@ -68,20 +100,54 @@ StepInput LlmEngine::make_step(const std::vector<ScheduledChunk>& chunks) {
   return step;
 }
 
+RequestOutput LlmEngine::final_output(const Sequence& seq, std::string reason) {
+  RequestOutput out;
+  out.request_id = seq.id;
+  out.finished = true;
+  out.finish_reason = std::move(reason);
+  out.prompt_tokens = seq.prompt.size();
+  out.completion_tokens = seq.output.size();
+  out.cached_tokens = seq.cached_tokens;
+  return out;
+}
+
 void LlmEngine::fail(const std::vector<ScheduledChunk>& chunks, const Status& why,
                      std::vector<RequestOutput>& outputs) {
   for (const auto& c : chunks) {
+    if (c.seq->aborted) continue;  // already ended
     auto seq = scheduler_.finish(c.seq->id);
     if (!seq) continue;
-    RequestOutput out;
-    out.request_id = seq->id;
-    out.finished = true;
-    out.finish_reason = "error: " + why.message();
-    out.prompt_tokens = seq->prompt.size();
-    out.completion_tokens = seq->output.size();
     finished_since_last_step_.push_back(seq->id);
-    outputs.push_back(std::move(out));
+    outputs.push_back(final_output(*seq, "error: " + why.message()));
   }
+}
+
+std::vector<std::unique_ptr<Sequence>> LlmEngine::take_aborted(
+    const std::vector<ScheduledChunk>& chunks) {
+  std::vector<std::unique_ptr<Sequence>> out;
+  for (const auto& c : chunks) {
+    if (!c.seq->aborted) continue;
+    auto it = std::find_if(aborted_in_flight_.begin(), aborted_in_flight_.end(),
+                           [&](const auto& s) { return s.get() == c.seq; });
+    TESSERA_CHECK(it != aborted_in_flight_.end(), "an aborted sequence not kept until its step");
+    out.push_back(std::move(*it));
+    aborted_in_flight_.erase(it);
+  }
+  return out;
+}
+
+std::optional<RequestOutput> LlmEngine::abort_request(uint64_t id) {
+  std::unique_ptr<Sequence> seq = scheduler_.finish(id);
+  if (!seq) return std::nullopt;
+  // The actors forget it before the next step; one in flight is still computed by the steps
+  // ahead of that one, which is why its blocks can be reused from the next step on.
+  if (seq->started) finished_since_last_step_.push_back(id);
+  RequestOutput out = final_output(*seq, "abort");
+  if (seq->in_flight) {
+    seq->aborted = true;
+    aborted_in_flight_.push_back(std::move(seq));
+  }
+  return out;
 }
 
 Expected<std::vector<RequestOutput>> LlmEngine::step() {
@@ -90,8 +156,13 @@ Expected<std::vector<RequestOutput>> LlmEngine::step() {
   while (static_cast<int>(in_flight_.size()) < executor_.pipeline_depth()) {
     std::vector<ScheduledChunk> chunks = scheduler_.schedule();
     if (chunks.empty()) break;
-    Status sent = executor_.submit(make_step(chunks));
+    StepInput input = make_step(chunks);
+    std::vector<uint64_t> forget = input.finished;
+    Status sent = executor_.submit(std::move(input));
     if (!sent) {
+      // Whether the actors saw it is unknown: tell them again (forgetting twice is harmless).
+      finished_since_last_step_.insert(finished_since_last_step_.end(), forget.begin(),
+                                       forget.end());
       for (const auto& c : chunks) c.seq->in_flight = false;
       fail(chunks, sent, outputs);
       return outputs;
@@ -107,6 +178,8 @@ Expected<std::vector<RequestOutput>> LlmEngine::step() {
   std::vector<ScheduledChunk> chunks = std::move(in_flight_.front());
   in_flight_.pop_front();
   for (const auto& c : chunks) c.seq->in_flight = false;
+  // Sequences aborted meanwhile: alive until this step is handled, their results dropped.
+  std::vector<std::unique_ptr<Sequence>> aborted = take_aborted(chunks);
   auto result = executor_.collect();
   if (!result) {
     // The step failed: every request in it fails, the others (and the engine) go on.
@@ -116,13 +189,18 @@ Expected<std::vector<RequestOutput>> LlmEngine::step() {
   size_t next = 0;
   std::vector<uint64_t> done;
   for (const auto& c : chunks) {
-    c.seq->computed = c.start + c.count;
-    if (!c.sample) continue;
-    if (next >= result->outputs.size() || result->outputs[next].request_id != c.seq->id) {
-      return internal_error("the actors returned " + std::to_string(result->outputs.size()) +
-                            " samples for a step that asked for more, or out of order");
+    if (c.sample) {
+      if (next >= result->outputs.size() || result->outputs[next].request_id != c.seq->id) {
+        return internal_error("the actors returned " + std::to_string(result->outputs.size()) +
+                              " samples for a step that asked for more, or out of order");
+      }
+      ++next;
     }
-    const SampleResult& sampled = result->outputs[next++].sample;
+    if (c.seq->aborted) continue;  // its result is dropped
+    c.seq->computed = c.start + c.count;
+    blocks_.commit(*c.seq);  // its newly full blocks hold K/V now: cache them
+    if (!c.sample) continue;
+    const SampleResult& sampled = result->outputs[next - 1].sample;
     TokenLogprobs token{sampled.token, sampled.logprob, sampled.top_logprobs};
     RequestOutput out;
     out.request_id = c.seq->id;
@@ -141,6 +219,8 @@ void LlmEngine::postprocess(Sequence& seq, const TokenLogprobs& sampled, Request
   const SamplingParams& s = seq.sampling;
   seq.output.push_back(sampled.token);
   out.new_tokens.push_back(sampled.token);
+  ++generation_tokens_;
+  if (seq.output.size() == 1) prompt_tokens_ += seq.prompt.size();
   if (s.logprobs >= 0) {
     seq.logprobs.push_back(sampled);
     out.new_logprobs.push_back(sampled);
@@ -149,44 +229,41 @@ void LlmEngine::postprocess(Sequence& seq, const TokenLogprobs& sampled, Request
                           sampled.token) != config_.eos_token_ids.end();
   bool is_stop_id = std::find(s.stop_token_ids.begin(), s.stop_token_ids.end(), sampled.token) !=
                     s.stop_token_ids.end();
-  // Text: decode the whole output and hold back a trailing incomplete UTF-8 sequence (decoded
-  // as U+FFFD) until the next token completes it.
-  std::string text = detokenizer_.decode(seq.output, s.skip_special_tokens);
-  static const std::string kReplacement = "\xEF\xBF\xBD";
-  bool incomplete = text.size() >= 3 && text.compare(text.size() - 3, 3, kReplacement) == 0;
-  seq.text = text;
+  // Text: only this token's, from the request's stream (an incomplete character stays in the
+  // stream until a later token completes it).
+  const size_t searched = seq.text.size();  // text before this token, already searched
+  seq.text += seq.text_stream->push(sampled.token);
+  if ((is_eos && !s.ignore_eos) || is_stop_id) {
+    seq.finish_reason = "stop";
+  } else if (static_cast<int>(seq.output.size()) >= s.max_tokens) {
+    seq.finish_reason = "length";
+  } else if (seq.total() >= max_len_) {
+    seq.finish_reason = "length";
+  }
+  if (!seq.finish_reason.empty()) {
+    // The end: what the stream held back, but never a broken character.
+    std::string rest = seq.text_stream->flush();
+    if (ends_with(rest, kReplacement)) rest.resize(rest.size() - kReplacement.size());
+    seq.text += rest;
+  }
+  // Stop strings: a new match ends in the new text, so it starts at most size - 1 bytes before.
   size_t stop_at = std::string::npos;
-  size_t longest_stop = 0;
   for (const auto& stop : s.stop) {
-    longest_stop = std::max(longest_stop, stop.size());
-    size_t from = seq.emitted > stop.size() ? seq.emitted - stop.size() : 0;
+    if (stop.empty()) continue;
+    size_t from = searched - std::min(searched, stop.size() - 1);
     size_t pos = seq.text.find(stop, from);
     if (pos != std::string::npos) stop_at = std::min(stop_at, pos);
   }
   if (stop_at != std::string::npos) {
     seq.text.resize(stop_at);
     seq.finish_reason = "stop";
-  } else if ((is_eos && !s.ignore_eos) || is_stop_id) {
-    seq.finish_reason = "stop";
-    if (is_eos && s.skip_special_tokens) {
-      // The EOS token adds no text.
-    }
-  } else if (static_cast<int>(seq.output.size()) >= s.max_tokens) {
-    seq.finish_reason = "length";
-  } else if (seq.total() >= config_.scheduler.max_model_len) {
-    seq.finish_reason = "length";
   }
   out.finished = !seq.finish_reason.empty();
   out.finish_reason = seq.finish_reason;
-  // Emit what can no longer change: all of it when finished; otherwise hold back a partial
-  // UTF-8 character and anything that could still become the start of a stop string.
+  // Emit what can no longer change: all of it when finished; otherwise hold back a tail that
+  // could still become the start of a stop string.
   size_t emit_to = seq.text.size();
-  if (!out.finished) {
-    if (incomplete) emit_to -= std::min(emit_to, kReplacement.size());
-    if (longest_stop > 1) emit_to -= std::min(emit_to, longest_stop - 1);
-  } else if (incomplete && stop_at == std::string::npos) {
-    emit_to -= std::min(emit_to, kReplacement.size());  // never end on a broken character
-  }
+  if (!out.finished) emit_to -= stop_prefix_at_end(seq.text, seq.emitted, s.stop);
   // Never cut inside a UTF-8 sequence.
   while (emit_to > seq.emitted && emit_to < seq.text.size() &&
          (static_cast<unsigned char>(seq.text[emit_to]) & 0xC0) == 0x80) {
@@ -198,6 +275,24 @@ void LlmEngine::postprocess(Sequence& seq, const TokenLogprobs& sampled, Request
   }
   out.prompt_tokens = seq.prompt.size();
   out.completion_tokens = seq.output.size();
+  out.cached_tokens = seq.cached_tokens;
+}
+
+EngineStats LlmEngine::stats() const {
+  EngineStats s;
+  s.running = scheduler_.running();
+  s.waiting = scheduler_.waiting();
+  s.kv_blocks_total = blocks_.total_blocks();
+  s.kv_blocks_used = blocks_.used_blocks();
+  s.kv_cache_usage = s.kv_blocks_total == 0 ? 0.0
+                                            : static_cast<double>(s.kv_blocks_used) /
+                                                  static_cast<double>(s.kv_blocks_total);
+  s.prefix_cache_queries = blocks_.prefix_queries();
+  s.prefix_cache_hits = blocks_.prefix_hits();
+  s.prompt_tokens = prompt_tokens_;
+  s.generation_tokens = generation_tokens_;
+  s.preemptions = scheduler_.preemptions();
+  return s;
 }
 
 }  // namespace tessera

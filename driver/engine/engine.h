@@ -2,21 +2,32 @@
 //
 // The engine owns requests, the scheduler and the block manager; a StepExecutor runs each
 // step on the actors (over RPC in production, a fake in tests). Postprocessing appends sampled
-// tokens, detokenizes, applies stop conditions (EOS unless ignore_eos, stop token ids, stop
-// strings, max_tokens, max_model_len) and hands back text deltas for streaming.
+// tokens, detokenizes them incrementally (one TextStream per request), applies stop conditions
+// (EOS unless ignore_eos, stop token ids, stop strings, max_tokens, max_model_len — or the
+// whole KV cache when it holds fewer tokens, so that a request alone always fits) and hands back
+// text deltas for streaming.
+//
+// What the actors are told (common/step.h): a request's first step has `first` set, starts
+// after its cached prefix (start_position > 0 on a prefix-cache hit, whose blocks lead its
+// new_blocks) and carries its sampling parameters; later steps carry only new tokens and
+// blocks. `finished` lists the requests the actors forget: finished, failed, aborted and
+// preempted ones. A preempted request keeps its id and comes back as a `first` step that
+// recomputes prompt + output (actors/model/requests.h replaces a request's state on `first`).
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "common/step.h"
 #include "driver/engine/block_manager.h"
+#include "driver/engine/detokenizer.h"
 #include "driver/engine/scheduler.h"
 #include "driver/engine/sequence.h"
 
@@ -34,16 +45,10 @@ class StepExecutor {
   virtual int pipeline_depth() const { return 1; }
 };
 
-// Turns token ids into text; the tokenizer behind it is the model's.
-class Detokenizer {
- public:
-  virtual ~Detokenizer() = default;
-  virtual std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const = 0;
-};
-
 struct EngineConfig {
   uint32_t num_blocks = 0;
   uint32_t block_size = 16;
+  bool enable_prefix_caching = true;  // share cached KV blocks of common prompt prefixes
   SchedulerConfig scheduler;
   int64_t vocab_size = 0;
   std::vector<int32_t> eos_token_ids;
@@ -55,13 +60,31 @@ struct RequestOutput {
   std::vector<int32_t> new_tokens;
   std::vector<TokenLogprobs> new_logprobs;  // when logprobs were asked for
   bool finished = false;
-  std::string finish_reason;  // "stop", "length", or "error: ..."
+  std::string finish_reason;  // "stop", "length", "abort" or "error: ..."
   size_t prompt_tokens = 0;
   size_t completion_tokens = 0;
+  size_t cached_tokens = 0;  // prompt tokens found in the prefix cache (OpenAI's usage field)
+};
+
+// A snapshot of the engine for metrics (vLLM's gauges and counters); counters are cumulative
+// since the engine started.
+struct EngineStats {
+  size_t running = 0;  // requests admitted (holding KV blocks or in flight)
+  size_t waiting = 0;  // requests queued, preempted ones included
+  uint32_t kv_blocks_total = 0;
+  uint32_t kv_blocks_used = 0;        // held by requests (cached blocks nobody holds are free)
+  double kv_cache_usage = 0.0;        // kv_blocks_used / kv_blocks_total, in [0, 1]
+  uint64_t prefix_cache_queries = 0;  // tokens looked up at admissions (prompt, + output after
+                                      // a preemption); 0 with prefix caching off
+  uint64_t prefix_cache_hits = 0;     // of which found cached
+  uint64_t prompt_tokens = 0;         // prompt tokens of requests that produced a first token
+  uint64_t generation_tokens = 0;     // tokens sampled
+  uint64_t preemptions = 0;
 };
 
 class LlmEngine {
  public:
+  // `executor` and `detokenizer` are borrowed and must outlive the engine.
   LlmEngine(EngineConfig config, StepExecutor& executor, const Detokenizer& detokenizer);
 
   // Queues a request. INVALID_ARGUMENT for an empty prompt, a prompt that leaves no room in
@@ -71,7 +94,14 @@ class LlmEngine {
   // the oldest and returns the requests that produced output. A failed step fails the requests
   // that were in it (finish_reason "error: ...") and the engine goes on.
   Expected<std::vector<RequestOutput>> step();
-  bool has_unfinished() const { return !scheduler_.idle(); }
+  // Ends a request whatever its state (a client went away): waiting, running, or in a step in
+  // flight (whose result for it is then dropped). Its blocks are freed now, the actors forget it
+  // in the next step. Returns its final output (finished, finish_reason "abort", no new text or
+  // tokens); nullopt when no unfinished request has that id.
+  std::optional<RequestOutput> abort_request(uint64_t id);
+  // Requests not finished yet, or steps still to collect.
+  bool has_unfinished() const { return !scheduler_.idle() || !in_flight_.empty(); }
+  EngineStats stats() const;
   const EngineConfig& config() const { return config_; }
 
  private:
@@ -80,16 +110,25 @@ class LlmEngine {
   StepInput make_step(const std::vector<ScheduledChunk>& chunks);
   void fail(const std::vector<ScheduledChunk>& chunks, const Status& why,
             std::vector<RequestOutput>& outputs);
+  // The final output of a request that ends now, with no new tokens.
+  static RequestOutput final_output(const Sequence& seq, std::string reason);
+  // Hands over the sequences of a step that came back that were aborted while it was in flight.
+  std::vector<std::unique_ptr<Sequence>> take_aborted(const std::vector<ScheduledChunk>& chunks);
 
   EngineConfig config_;
   StepExecutor& executor_;
   const Detokenizer& detokenizer_;
   BlockManager blocks_;
   Scheduler scheduler_;
+  size_t max_len_;  // max_model_len, or fewer when the whole KV cache holds fewer tokens
   uint64_t next_id_ = 1;
   uint64_t next_step_ = 1;
   std::vector<uint64_t> finished_since_last_step_;
   std::deque<std::vector<ScheduledChunk>> in_flight_;  // submitted steps, oldest first
+  // Sequences aborted while in flight, kept alive until their step comes back.
+  std::vector<std::unique_ptr<Sequence>> aborted_in_flight_;
+  uint64_t prompt_tokens_ = 0;
+  uint64_t generation_tokens_ = 0;
 };
 
 }  // namespace tessera

@@ -12,31 +12,72 @@ void Scheduler::add(std::unique_ptr<Sequence> seq) {
   waiting_.push_back(std::move(seq));
 }
 
+void Scheduler::preempt(size_t index) {
+  std::unique_ptr<Sequence> seq = std::move(running_[index]);
+  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+  blocks_.release(*seq);
+  seq->computed = 0;
+  seq->sent_blocks = 0;
+  if (seq->started) preempted_.push_back(seq->id);
+  seq->started = false;
+  seq->status = SeqStatus::kWaiting;
+  ++seq->preemptions;
+  ++preemptions_;
+  waiting_.push_front(std::move(seq));
+}
+
+bool Scheduler::make_room(size_t index) {
+  for (size_t v = running_.size(); v-- > index + 1;) {
+    if (!running_[v]->in_flight) {
+      preempt(v);
+      return true;
+    }
+  }
+  for (size_t v = index + 1; v < running_.size(); ++v) {
+    if (running_[v]->in_flight) return false;  // it comes back soon; preempt it then
+  }
+  preempt(index);
+  return false;
+}
+
 std::vector<ScheduledChunk> Scheduler::schedule() {
   std::vector<ScheduledChunk> out;
   size_t budget = config_.max_num_batched_tokens;
+  const uint64_t preempted_before = preemptions_;
   // Running sequences: the rest of a chunked prompt, or one decode token.
-  for (auto& seq : running_) {
-    if (budget == 0) break;
-    if (seq->in_flight) continue;  // its previous step is still in the pipeline
-    size_t remaining = seq->total() - seq->computed;
-    size_t count = std::min(remaining, budget);
-    if (count == 0) continue;
-    if (!blocks_.can_grow(*seq, seq->computed + count)) continue;  // waits for blocks
-    blocks_.grow(*seq, seq->computed + count);
-    out.push_back({seq.get(), seq->computed, count, seq->computed + count == seq->total()});
-    seq->in_flight = true;
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence& seq = *running_[i];
+    size_t count = std::min(seq.total() - seq.computed, budget);
+    if (seq.in_flight || count == 0) {  // its previous step is still in the pipeline
+      ++i;
+      continue;
+    }
+    bool room = true;
+    while (room && !blocks_.can_grow(seq, seq.computed + count)) room = make_room(i);
+    if (!room) {
+      // Waits (running_[i] is still it) or was preempted (running_[i] is the next one).
+      if (i < running_.size() && running_[i].get() == &seq) ++i;
+      continue;
+    }
+    blocks_.grow(seq, seq.computed + count);
+    out.push_back({&seq, seq.computed, count, seq.computed + count == seq.total()});
+    seq.in_flight = true;
     budget -= count;
+    ++i;
   }
+  if (preemptions_ != preempted_before) return out;
   // Admit waiting sequences in arrival order while budget, seats and blocks last.
   while (!waiting_.empty() && budget > 0 && running_.size() < config_.max_num_seqs) {
     Sequence& seq = *waiting_.front();
-    size_t count = std::min(seq.total() - seq.computed, budget);
-    if (!blocks_.can_grow(seq, seq.computed + count)) break;
-    blocks_.grow(seq, seq.computed + count);
+    std::vector<uint32_t> hits = blocks_.match_prefix(seq);
+    size_t start = hits.size() * blocks_.block_size();
+    size_t count = std::min(seq.total() - start, budget);
+    if (!blocks_.can_admit(hits, start + count)) break;
+    blocks_.admit(seq, hits, start + count);
+    if (seq.preemptions == 0) seq.cached_tokens = start;
     seq.status = SeqStatus::kRunning;
     seq.in_flight = true;
-    out.push_back({&seq, seq.computed, count, seq.computed + count == seq.total()});
+    out.push_back({&seq, start, count, start + count == seq.total()});
     budget -= count;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
@@ -45,25 +86,25 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
 }
 
 std::unique_ptr<Sequence> Scheduler::finish(uint64_t id) {
-  for (auto it = running_.begin(); it != running_.end(); ++it) {
-    if ((*it)->id == id) {
+  auto take = [&](auto& queue) -> std::unique_ptr<Sequence> {
+    for (auto it = queue.begin(); it != queue.end(); ++it) {
+      if ((*it)->id != id) continue;
       auto seq = std::move(*it);
-      running_.erase(it);
+      queue.erase(it);
       seq->status = SeqStatus::kFinished;
       blocks_.release(*seq);
       return seq;
     }
-  }
-  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
-    if ((*it)->id == id) {
-      auto seq = std::move(*it);
-      waiting_.erase(it);
-      seq->status = SeqStatus::kFinished;
-      blocks_.release(*seq);
-      return seq;
-    }
-  }
-  return nullptr;
+    return nullptr;
+  };
+  if (auto seq = take(running_)) return seq;
+  return take(waiting_);
+}
+
+std::vector<uint64_t> Scheduler::take_preempted() {
+  std::vector<uint64_t> out = std::move(preempted_);
+  preempted_.clear();
+  return out;
 }
 
 }  // namespace tessera

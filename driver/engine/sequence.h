@@ -1,13 +1,16 @@
 // One request's state in the driver: its tokens, KV blocks and stop conditions (nano-vllm's
-// `Sequence`). Plain data; the scheduler and the engine move it between states.
+// `Sequence`). Plain data; the scheduler and the engine move it between states, the block
+// manager fills its block table.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "common/sampling_params.h"
+#include "driver/engine/detokenizer.h"
 
 namespace tessera {
 
@@ -25,14 +28,23 @@ struct Sequence {
   std::vector<int32_t> output;
   SamplingParams sampling;
   SeqStatus status = SeqStatus::kWaiting;
+  // KV blocks, in position order. Its first blocks may be shared with other sequences (prefix
+  // caching): those are full and never written again.
   std::vector<uint32_t> block_table;
-  size_t computed = 0;     // tokens whose K/V are in the cache
-  bool started = false;    // its first step was sent to the actors
-  size_t sent_blocks = 0;  // block_table entries the actors have been sent
-  bool in_flight = false;  // in a step submitted and not collected yet
-  std::string text;        // detokenized output so far (before stop-string truncation)
-  size_t emitted = 0;      // chars of `text` already handed to the caller
-  std::string finish_reason;  // "stop", "length", "abort: ..."
+  // Prefix-caching hash of each full, computed block of block_table (a chain: each hash covers
+  // every token before the block's end). Maintained by the block manager.
+  std::vector<uint64_t> block_hashes;
+  size_t computed = 0;       // tokens whose K/V are in the cache
+  size_t cached_tokens = 0;  // of the prompt, found in the prefix cache when first admitted
+  bool started = false;      // its first step was sent to the actors (since its last preemption)
+  size_t sent_blocks = 0;    // block_table entries the actors have been sent
+  bool in_flight = false;    // in a step submitted and not collected yet
+  bool aborted = false;      // aborted while in flight: the step's result is dropped
+  uint32_t preemptions = 0;
+  std::unique_ptr<TextStream> text_stream;  // the detokenizer's stream for `output`
+  std::string text;           // detokenized output so far (truncated at a stop string)
+  size_t emitted = 0;         // chars of `text` already handed to the caller
+  std::string finish_reason;  // "stop", "length", "abort", "error: ..."
   std::vector<TokenLogprobs> logprobs;
 
   size_t total() const { return prompt.size() + output.size(); }

@@ -1,130 +1,19 @@
 // The driver's engine loop with a fake executor: scheduling, KV blocks, stop conditions,
-// streaming text and failure handling — everything but the model.
+// streaming text, metrics and failure handling — everything but the model.
 #include "driver/engine/engine.h"
 
 #include <gtest/gtest.h>
 
-#include <deque>
-#include <map>
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "tests/driver/engine_fakes.h"
 
 namespace tessera {
 namespace {
 
-// Token i decodes to pieces_[i]; like Hugging Face, a trailing incomplete UTF-8 sequence
-// decodes to U+FFFD.
-class FakeDetokenizer final : public Detokenizer {
- public:
-  std::map<int32_t, std::string> pieces = {{1, "a"},   {2, "b"},    {3, "\xE4"}, {4, "\xBD\xA0"},
-                                           {5, " X"},  {6, "ST"},   {7, "OP"},   {8, "!"},
-                                           {9, "<eos>"}, {10, "c"}};
-  std::string decode(const std::vector<int32_t>& ids, bool skip_special) const override {
-    std::string s;
-    for (int32_t id : ids) {
-      if (id == 9 && skip_special) continue;
-      auto it = pieces.find(id);
-      s += it == pieces.end() ? "?" : it->second;
-    }
-    // Find a trailing incomplete sequence.
-    size_t i = s.size();
-    size_t back = 0;
-    while (i > 0 && back < 4 && (static_cast<unsigned char>(s[i - 1]) & 0xC0) == 0x80) {
-      --i;
-      ++back;
-    }
-    if (i > 0) {
-      unsigned char lead = static_cast<unsigned char>(s[i - 1]);
-      size_t need = lead >= 0xF0 ? 3 : lead >= 0xE0 ? 2 : lead >= 0xC0 ? 1 : 0;
-      if (need > back) s = s.substr(0, i - 1) + "\xEF\xBF\xBD";
-    }
-    return s;
-  }
-};
-
-// Plays back scripted tokens per request and records every step. Steps complete in submission
-// order; up to `depth` may be in flight (pipeline parallelism).
-class FakeExecutor final : public StepExecutor {
- public:
-  std::map<uint64_t, std::deque<int32_t>> script;
-  std::vector<StepInput> batches;
-  // Every request's block table as the actors would rebuild it from the deltas.
-  std::map<uint64_t, std::vector<uint32_t>> tables;
-  int fail_next = 0;
-  int depth = 1;
-  size_t max_in_flight = 0;
-  std::deque<StepInput> in_flight;
-
-  Status submit(StepInput step) override {
-    for (const auto& s : step.seqs) {
-      if (s.first) tables[s.request_id].clear();
-      auto& t = tables[s.request_id];
-      t.insert(t.end(), s.new_blocks.begin(), s.new_blocks.end());
-    }
-    batches.push_back(step);
-    in_flight.push_back(std::move(step));
-    max_in_flight = std::max(max_in_flight, in_flight.size());
-    return Status::ok();
-  }
-  Expected<StepOutput> collect() override {
-    StepInput step = std::move(in_flight.front());
-    in_flight.pop_front();
-    if (fail_next > 0) {
-      --fail_next;
-      return unavailable("actor a-1 died (killed by signal 9)");
-    }
-    StepOutput r;
-    r.step_id = step.step_id;
-    for (const auto& w : step.seqs) {
-      if (!w.sample) continue;
-      auto& q = script[w.request_id];
-      int32_t t = q.empty() ? 1 : q.front();
-      if (!q.empty()) q.pop_front();
-      r.outputs.push_back({w.request_id, {t, -0.5f, {}}});
-    }
-    return r;
-  }
-  int pipeline_depth() const override { return depth; }
-};
-
-EngineConfig config(uint32_t blocks = 64, uint32_t budget = 2048, uint32_t max_len = 256) {
-  EngineConfig c;
-  c.num_blocks = blocks;
-  c.block_size = 4;
-  c.scheduler.max_num_batched_tokens = budget;
-  c.scheduler.max_model_len = max_len;
-  c.vocab_size = 100;
-  c.eos_token_ids = {9};
-  return c;
-}
-
-struct Run {
-  std::string text;
-  std::vector<int32_t> tokens;
-  std::string finish;
-  std::vector<std::string> deltas;
-};
-
-std::map<uint64_t, Run> run_all(LlmEngine& engine) {
-  std::map<uint64_t, Run> runs;
-  for (int i = 0; i < 1000 && engine.has_unfinished(); ++i) {
-    auto outs = engine.step();
-    EXPECT_TRUE(outs) << outs.status().to_string();
-    if (!outs) break;
-    for (auto& o : *outs) {
-      auto& r = runs[o.request_id];
-      r.text += o.delta;
-      if (!o.delta.empty()) r.deltas.push_back(o.delta);
-      r.tokens.insert(r.tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
-      if (o.finished) r.finish = o.finish_reason;
-    }
-  }
-  return runs;
-}
-
-SamplingParams opts(int max_tokens) {
-  SamplingParams s;
-  s.max_tokens = max_tokens;
-  return s;
-}
+using namespace engine_testing;
 
 TEST(EngineTest, StopsAtMaxTokensWithLength) {
   FakeExecutor ex;
@@ -211,7 +100,9 @@ TEST(EngineTest, PartialUtf8IsHeldBackUntilComplete) {
   auto id = engine.add_request({1}, opts(3));
   ex.script[*id] = {3, 4, 1};  // E4 | BD A0 → "你", then "a"
   auto runs = run_all(engine);
-  EXPECT_EQ(runs[*id].text, "\xE4\xBD\xA0" "a");
+  EXPECT_EQ(runs[*id].text,
+            "\xE4\xBD\xA0"
+            "a");
   for (const auto& d : runs[*id].deltas) {
     EXPECT_EQ(d.find("\xEF\xBF\xBD"), std::string::npos);
   }
@@ -267,6 +158,31 @@ TEST(EngineTest, FailedStepFailsOnlyItsRequests) {
   EXPECT_EQ(runs[*b].finish, "length");
 }
 
+TEST(EngineTest, AFailedSubmitFailsItsRequestsAndForgetsNothing) {
+  FakeExecutor ex;
+  FakeDetokenizer dt;
+  LlmEngine engine(config(), ex, dt);
+  auto a = engine.add_request({30}, opts(1));
+  ASSERT_TRUE(a);
+  auto runs = run_all(engine);
+  EXPECT_EQ(runs[*a].finish, "length");
+  auto b = engine.add_request({31}, opts(2));
+  ex.fail_submit = 1;
+  runs = run_all(engine);
+  EXPECT_EQ(runs[*b].finish.rfind("error: ", 0), 0u) << runs[*b].finish;
+  // The step that was to tell the actors to forget a never arrived: the next one does.
+  auto c = engine.add_request({32}, opts(2));
+  runs = run_all(engine);
+  EXPECT_EQ(runs[*c].finish, "length");
+  std::vector<uint64_t> forget;  // the last step's that had some
+  for (const auto& batch : ex.batches) {
+    if (!batch.finished.empty()) forget = batch.finished;
+  }
+  EXPECT_NE(std::find(forget.begin(), forget.end(), *a), forget.end());
+  EXPECT_NE(std::find(forget.begin(), forget.end(), *b), forget.end());
+  EXPECT_TRUE(ex.violations.empty()) << ex.violations.front();
+}
+
 TEST(EngineTest, BadRequestsAreRefusedWithReasons) {
   FakeExecutor ex;
   FakeDetokenizer dt;
@@ -281,12 +197,10 @@ TEST(EngineTest, BadRequestsAreRefusedWithReasons) {
   bad.top_p = 0;
   EXPECT_NE(engine.add_request({1}, bad).status().message().find("top_p"), std::string::npos);
   bad = opts(0);
-  EXPECT_NE(engine.add_request({1}, bad).status().message().find("max_tokens"),
-            std::string::npos);
+  EXPECT_NE(engine.add_request({1}, bad).status().message().find("max_tokens"), std::string::npos);
   bad = opts(1);
   bad.temperature = -1;
-  EXPECT_NE(engine.add_request({1}, bad).status().message().find("temperature"),
-            std::string::npos);
+  EXPECT_NE(engine.add_request({1}, bad).status().message().find("temperature"), std::string::npos);
 }
 
 TEST(EngineTest, PipelineKeepsSeveralStepsInFlightWithDisjointSequences) {
@@ -309,6 +223,87 @@ TEST(EngineTest, PipelineKeepsSeveralStepsInFlightWithDisjointSequences) {
       for (const auto& p : ex.batches[i - 1].seqs) EXPECT_NE(s.request_id, p.request_id);
     }
   }
+}
+
+TEST(EngineTextTest, EachTokenIsDetokenizedOnce) {
+  FakeExecutor ex;
+  FakeDetokenizer dt;
+  LlmEngine engine(config(), ex, dt);
+  auto a = engine.add_request({1}, opts(40));
+  auto b = engine.add_request({2}, opts(25));
+  ASSERT_TRUE(a && b);
+  for (int i = 0; i < 40; ++i) ex.script[*a].push_back(i % 2 ? 1 : 2);
+  auto runs = run_all(engine);
+  EXPECT_EQ(runs[*a].text.size(), 40u);
+  EXPECT_EQ(dt.pushes, 65u);
+}
+
+TEST(EngineTextTest, OnlyWhatMayStartAStopStringIsHeldBack) {
+  FakeExecutor ex;
+  FakeDetokenizer dt;
+  LlmEngine engine(config(), ex, dt);
+  SamplingParams s = opts(20);
+  s.stop = {"STOP", "zz"};
+  auto id = engine.add_request({1}, s);
+  // "a" " X" "S" "T" "!" "S" "T" "O" "P": the stop string spans four tokens.
+  ex.script[*id] = {1, 5, 11, 12, 8, 11, 12, 13, 14, 1};
+  auto runs = run_all(engine);
+  EXPECT_EQ(runs[*id].text, "a XST!");
+  EXPECT_EQ(runs[*id].finish, "stop");
+  EXPECT_EQ(runs[*id].deltas, (std::vector<std::string>{"a", " X", "ST!"}));
+}
+
+TEST(EngineTextTest, AnUnfinishedCharacterAtTheEndIsDropped) {
+  FakeExecutor ex;
+  FakeDetokenizer dt;
+  LlmEngine engine(config(), ex, dt);
+  auto id = engine.add_request({1}, opts(2));
+  ex.script[*id] = {1, 3};  // "a", then the first byte of a 3-byte character
+  auto runs = run_all(engine);
+  EXPECT_EQ(runs[*id].text, "a");
+  EXPECT_EQ(runs[*id].finish, "length");
+}
+
+TEST(EngineTextTest, NoDetokenizerGivesTokensOnly) {
+  FakeExecutor ex;
+  NoDetokenizer none;
+  LlmEngine engine(config(), ex, none);
+  auto id = engine.add_request({1}, opts(3));
+  ex.script[*id] = {1, 2, 1};
+  auto runs = run_all(engine);
+  EXPECT_EQ(runs[*id].tokens, (std::vector<int32_t>{1, 2, 1}));
+  EXPECT_EQ(runs[*id].text, "");
+}
+
+TEST(EngineStatsTest, CountsRequestsBlocksAndTokens) {
+  FakeExecutor ex;
+  FakeDetokenizer dt;
+  EngineConfig c = config(/*blocks=*/10);
+  c.scheduler.max_num_seqs = 1;
+  LlmEngine engine(c, ex, dt);
+  EngineStats s = engine.stats();
+  EXPECT_EQ(s.kv_blocks_total, 10u);
+  EXPECT_EQ(s.kv_cache_usage, 0.0);
+  ASSERT_TRUE(engine.add_request({30, 31, 32, 33, 34}, opts(5)));
+  ASSERT_TRUE(engine.add_request({40, 41}, opts(4)));
+  ASSERT_TRUE(engine.step());
+  s = engine.stats();
+  EXPECT_EQ(s.running, 1u);
+  EXPECT_EQ(s.waiting, 1u);
+  EXPECT_EQ(s.kv_blocks_used, 2u);  // 5 prompt tokens in blocks of 4
+  EXPECT_DOUBLE_EQ(s.kv_cache_usage, 0.2);
+  EXPECT_EQ(s.prompt_tokens, 5u);
+  EXPECT_EQ(s.generation_tokens, 1u);
+  run_all(engine);
+  s = engine.stats();
+  EXPECT_EQ(s.running, 0u);
+  EXPECT_EQ(s.waiting, 0u);
+  EXPECT_EQ(s.kv_blocks_used, 0u);
+  EXPECT_EQ(s.prompt_tokens, 7u);
+  EXPECT_EQ(s.generation_tokens, 9u);
+  EXPECT_EQ(s.preemptions, 0u);
+  EXPECT_EQ(s.prefix_cache_queries, 7u);
+  EXPECT_EQ(s.prefix_cache_hits, 0u);
 }
 
 }  // namespace

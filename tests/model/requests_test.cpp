@@ -53,6 +53,35 @@ bool says(const Status& s, const std::string& part) {
   return s.message().find(part) != std::string::npos;
 }
 
+// A prefix-cache hit: the first step starts after the cached prefix, whose tokens join the
+// history (penalties and the seeded sampler see the whole prompt) without being computed.
+TEST(RequestTableTest, AFirstStepAfterACachedPrefixKeepsThePrefixInTheHistory) {
+  RequestTable t(limits());
+  SeqStep hit = first(1, {5, 6}, {3, 4}, 6);
+  hit.prefix_tokens = {1, 2, 3, 4};
+  hit.start_position = 4;
+  StepInput s = step({hit});
+  ASSERT_TRUE(t.apply(s).is_ok());
+  const RequestState& r = t.at(1);
+  EXPECT_EQ(r.tokens, (std::vector<int32_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(std::vector<int32_t>(r.prompt().begin(), r.prompt().end()),
+            (std::vector<int32_t>{1, 2, 3, 4, 5, 6}));
+  auto batch = t.batch(s);
+  EXPECT_EQ(batch[0].start_position, 4);
+  EXPECT_EQ(batch[0].tokens.size(), 2u);
+  ASSERT_TRUE(t.apply(step({next(1, {50}, 6)})).is_ok());
+  EXPECT_EQ(t.at(1).output().size(), 1u);
+
+  SeqStep wrong = first(2, {5}, {5}, 3);
+  wrong.prefix_tokens = {1, 2};
+  wrong.start_position = 3;
+  EXPECT_TRUE(says(t.apply(step({wrong})), "starts after its cached prefix (2 tokens)"));
+  SeqStep outside = first(2, {5}, {5}, 2);
+  outside.prefix_tokens = {100};
+  outside.start_position = 1;
+  EXPECT_TRUE(says(t.apply(step({outside})), "prefix token id 100"));
+}
+
 TEST(RequestTableTest, DeltasRebuildTheWholeRequest) {
   RequestTable t(limits());
   // A prompt of 6 in two chunks, then two decoded tokens; a block appended when the 9th arrives.
@@ -136,7 +165,7 @@ TEST(RequestTableTest, MalformedStepsAreRefusedWholeAndNamed) {
        "exceed max-model-len 24"},
       {step({bad_sampling}), Code::kInvalidArgument, "top_p"},
       {step({stop_outside}), Code::kInvalidArgument, "100"},
-      {step({late_first}), Code::kInvalidArgument, "starts at position 0"},
+      {step({late_first}), Code::kInvalidArgument, "starts after its cached prefix (0 tokens)"},
       {step({no_prompt}), Code::kInvalidArgument, "prompt_len"},
   };
   for (const Case& c : cases) {

@@ -1,0 +1,84 @@
+// The engine behind the server: a ModelSession (worker group + LlmEngine) running on its own
+// thread, which owns everything Cap'n Proto (the KJ event loop is bound to one thread), like
+// vLLM's EngineCore beside its API server. Other threads add and abort requests through a
+// queue; each request's outputs go to its own sink, called on the engine thread (a sink only
+// hands them over, e.g. posts them to the HTTP connection's executor).
+//
+// The loop: take queued adds/aborts, run one engine step when anything is unfinished (steps
+// keep running while requests arrive), else wait for work while processing the cluster's
+// events (an actor's death). A request is checked before it is queued (prompt and sampling
+// against the model), so a bad one is refused at once and never reaches the engine.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "driver/model_session.h"
+
+namespace tessera::server {
+
+class AsyncEngine {
+ public:
+  // Called on the engine thread with each output of one request; the last has finished set.
+  using Sink = std::function<void(RequestOutput)>;
+
+  // Opens the session (places the actors, loads the model) on the engine thread and starts the
+  // loop; returns when the model is ready or failed to load.
+  static Expected<std::unique_ptr<AsyncEngine>> start(EngineArgs args, std::string owner);
+  // Stops the loop (unfinished requests end with "abort") and closes the session.
+  ~AsyncEngine();
+
+  // Queues a request; its outputs go to `sink`. INVALID_ARGUMENT (nothing queued) when the prompt
+  // or the sampling parameters do not fit the model.
+  Expected<uint64_t> add(std::vector<int32_t> prompt, SamplingParams sampling, Sink sink);
+  // Ends a request (its client went away); its sink gets a last output with "abort". Unknown
+  // or finished ids are ignored.
+  void abort(uint64_t id);
+
+  // Every actor alive and the loop running.
+  bool healthy() const { return healthy_.load(); }
+  std::string unhealthy_reason() const;
+  EngineStats stats() const;
+
+  // Fixed once started (safe from any thread).
+  const ModelSession& session() const { return *session_; }
+
+ private:
+  AsyncEngine() = default;
+  void run();
+  void drain_commands();
+
+  struct Command {
+    bool abort = false;
+    uint64_t id = 0;
+    std::vector<int32_t> prompt;
+    SamplingParams sampling;
+    Sink sink;
+  };
+
+  std::unique_ptr<ModelSession> session_;
+  std::thread thread_;
+  mutable std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<Command> commands_;
+  bool stop_ = false;
+  std::atomic<bool> healthy_{false};
+  std::string unhealthy_;
+  EngineStats stats_;
+  std::atomic<uint64_t> next_id_{1};
+  // Engine thread only: our ids <-> the engine's, and the sinks.
+  std::unordered_map<uint64_t, uint64_t> engine_id_;  // ours -> engine's
+  std::unordered_map<uint64_t, std::pair<uint64_t, Sink>> by_engine_id_;
+};
+
+}  // namespace tessera::server

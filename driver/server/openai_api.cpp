@@ -1,0 +1,561 @@
+#include "driver/server/openai_api.h"
+
+#include <cmath>
+
+#include "common/tokenizer/tokenizer.h"
+#include "driver/chat/chat_template.h"
+
+namespace tessera::server {
+
+using nlohmann::json;
+
+std::string error_body(const ApiError& e) {
+  json err = {{"message", e.message},
+              {"type", e.type},
+              {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+              {"code", e.status}};
+  return json{{"error", err}}.dump();
+}
+
+ApiError bad_request(std::string message, std::string param) {
+  ApiError e;
+  e.status = 400;
+  e.message = std::move(message);
+  e.param = std::move(param);
+  return e;
+}
+
+namespace {
+
+const char* type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    default:
+      return "a number";
+  }
+}
+
+// Reads body[key] when present and not null; a wrong type is a 400 naming the field.
+template <typename T>
+std::optional<ApiError> field(const json& body, const char* key, std::optional<T>& out) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!it->is_boolean()) {
+      return bad_request(std::string(key) + " must be a boolean, got " + type_name(*it), key);
+    }
+    out = it->get<bool>();
+  } else if constexpr (std::is_integral_v<T>) {
+    if (!it->is_number_integer() &&
+        !(it->is_number_float() && std::floor(it->get<double>()) == it->get<double>())) {
+      return bad_request(std::string(key) + " must be an integer, got " + it->dump(), key);
+    }
+    const double v = it->get<double>();
+    if (v < -9.0e15 || v > 9.0e15) {
+      return bad_request(std::string(key) + " is out of range: " + it->dump(), key);
+    }
+    if constexpr (std::is_unsigned_v<T>) {
+      if (v < 0) return bad_request(std::string(key) + " must not be negative", key);
+      out = it->is_number_unsigned() ? it->get<T>() : static_cast<T>(v);
+    } else {
+      out = static_cast<T>(v);
+    }
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!it->is_number()) {
+      return bad_request(std::string(key) + " must be a number, got " + type_name(*it), key);
+    }
+    out = static_cast<T>(it->get<double>());
+  } else {
+    if (!it->is_string()) {
+      return bad_request(std::string(key) + " must be a string, got " + type_name(*it), key);
+    }
+    out = it->get<std::string>();
+  }
+  return std::nullopt;
+}
+
+#define TRY_FIELD(body, key, var)                                    \
+  do {                                                               \
+    if (auto e_ = field(body, key, var); e_.has_value()) return *e_; \
+  } while (0)
+
+bool is_int_array(const json& v) {
+  if (!v.is_array() || v.empty()) return false;
+  for (const auto& x : v) {
+    if (!x.is_number_integer()) return false;
+  }
+  return true;
+}
+
+std::optional<ApiError> token_ids(const json& v, const ServedModel& m, std::vector<int32_t>& out) {
+  for (const auto& x : v) {
+    const int64_t id = x.get<int64_t>();
+    if (id < 0 || id >= m.vocab_size) {
+      return bad_request("token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                             std::to_string(m.vocab_size) + ")",
+                         "prompt");
+    }
+    out.push_back(static_cast<int32_t>(id));
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> parse_prompts(const json& body, const ServedModel& m, ApiRequest& out) {
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) return bad_request("prompt is required", "prompt");
+  const json& p = *it;
+  auto add_text = [&](const std::string& text) {
+    out.prompt_texts.push_back(text);
+    out.prompts.push_back(m.tokenizer->encode(text, /*add_special_tokens=*/true));
+  };
+  if (p.is_string()) {
+    add_text(p.get<std::string>());
+  } else if (is_int_array(p)) {
+    out.prompts.emplace_back();
+    if (auto e = token_ids(p, m, out.prompts.back())) return e;
+    out.prompt_texts.push_back(m.tokenizer->decode(out.prompts.back(), false));
+  } else if (p.is_array() && !p.empty()) {
+    for (const auto& one : p) {
+      if (one.is_string()) {
+        add_text(one.get<std::string>());
+      } else if (is_int_array(one)) {
+        out.prompts.emplace_back();
+        if (auto e = token_ids(one, m, out.prompts.back())) return e;
+        out.prompt_texts.push_back(m.tokenizer->decode(out.prompts.back(), false));
+      } else {
+        return bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+            "of token ids",
+            "prompt");
+      }
+    }
+  } else {
+    return bad_request(
+        "prompt must be a non-empty string, list of strings, list of token ids or list of lists "
+        "of token ids",
+        "prompt");
+  }
+  if (out.prompts.size() > 1024) return bad_request("at most 1024 prompts per request", "prompt");
+  return std::nullopt;
+}
+
+std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, ApiRequest& out) {
+  auto it = body.find("messages");
+  if (it == body.end() || !it->is_array() || it->empty()) {
+    return bad_request("messages must be a non-empty list of messages", "messages");
+  }
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  for (const auto& msg : *it) {
+    if (!msg.is_object() || !msg.contains("role") || !msg["role"].is_string()) {
+      return bad_request("each message must be an object with a string role", "messages");
+    }
+    nlohmann::ordered_json one = nlohmann::ordered_json::parse(msg.dump());
+    auto content = msg.find("content");
+    if (content != msg.end() && content->is_array()) {
+      // Text parts are joined with newlines (vLLM's default content format "string").
+      std::string text;
+      for (const auto& part : *content) {
+        if (part.is_string()) {
+          text += (text.empty() ? "" : "\n") + part.get<std::string>();
+        } else if (part.is_object() && part.value("type", "") == "text" && part.contains("text") &&
+                   part["text"].is_string()) {
+          text += (text.empty() ? "" : "\n") + part["text"].get<std::string>();
+        } else {
+          return bad_request("only text content parts are supported (this model takes text)",
+                             "messages");
+        }
+      }
+      one["content"] = text;
+    } else if (content != msg.end() && !content->is_string() && !content->is_null()) {
+      return bad_request("message content must be a string, null or a list of parts", "messages");
+    }
+    messages.push_back(std::move(one));
+  }
+  if (m.chat_template == nullptr) {
+    return bad_request(
+        "this model has no chat template (tokenizer_config.json has none): give one with "
+        "--chat-template, or use /v1/completions");
+  }
+  std::optional<bool> add_generation_prompt, continue_final;
+  TRY_FIELD(body, "add_generation_prompt", add_generation_prompt);
+  TRY_FIELD(body, "continue_final_message", continue_final);
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();
+  if (auto kw = body.find("chat_template_kwargs"); kw != body.end() && !kw->is_null()) {
+    if (!kw->is_object()) {
+      return bad_request("chat_template_kwargs must be an object", "chat_template_kwargs");
+    }
+    extra = nlohmann::ordered_json::parse(kw->dump());
+    extra.erase("messages");
+    extra.erase("add_generation_prompt");
+  }
+  if (auto tools = body.find("tools"); tools != body.end() && !tools->is_null()) {
+    extra["tools"] = nlohmann::ordered_json::parse(tools->dump());
+  }
+  const bool gen_prompt = add_generation_prompt.value_or(!continue_final.value_or(false));
+  auto rendered = m.chat_template->render_json(messages, gen_prompt, extra);
+  if (!rendered) {
+    return bad_request("the chat template failed: " + rendered.status().message(), "messages");
+  }
+  std::string text = *rendered;
+  if (continue_final.value_or(false)) {
+    // The last message stays open: cut the template's end-of-turn after its content.
+    const auto& last = messages.back();
+    if (last.contains("content") && last["content"].is_string()) {
+      const std::string c = last["content"].get<std::string>();
+      const size_t at = text.rfind(c);
+      if (at != std::string::npos) text.resize(at + c.size());
+    }
+  }
+  out.prompt_texts.push_back(text);
+  // The template writes the special tokens itself.
+  out.prompts.push_back(m.tokenizer->encode(text, /*add_special_tokens=*/false));
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ApiError> parse_request(const json& body, bool chat, const ServedModel& m,
+                                      ApiRequest& out) {
+  if (!body.is_object()) return bad_request("the request body must be a JSON object");
+  out = ApiRequest{};
+  out.chat = chat;
+  out.model = m.names.empty() ? m.root : m.names.front();
+  std::optional<std::string> model;
+  TRY_FIELD(body, "model", model);
+  if (model) {
+    bool known = *model == m.root;
+    for (const auto& n : m.names) known |= *model == n;
+    if (!known) {
+      ApiError e;
+      e.status = 404;
+      e.type = "NotFoundError";
+      e.message = "The model `" + *model + "` does not exist.";
+      e.param = "model";
+      return e;
+    }
+    out.model = *model;
+  }
+  if (auto e = chat ? parse_messages(body, m, out) : parse_prompts(body, m, out)) return e;
+
+  // Sampling: generation_config.json's defaults, then the request's fields.
+  SamplingParams& s = out.sampling;
+  if (m.defaults.temperature) s.temperature = static_cast<float>(*m.defaults.temperature);
+  if (m.defaults.top_p) s.top_p = static_cast<float>(*m.defaults.top_p);
+  if (m.defaults.top_k) s.top_k = static_cast<int>(*m.defaults.top_k);
+  if (m.defaults.repetition_penalty) {
+    s.repetition_penalty = static_cast<float>(*m.defaults.repetition_penalty);
+  }
+  std::optional<double> temperature, top_p, min_p, presence, frequency, repetition;
+  std::optional<int64_t> top_k, max_tokens, max_completion_tokens, n, best_of, min_tokens;
+  std::optional<int64_t> logprobs_n, top_logprobs;
+  std::optional<uint64_t> seed;
+  std::optional<bool> stream, echo, ignore_eos, skip_special, include_stop, chat_logprobs;
+  TRY_FIELD(body, "temperature", temperature);
+  TRY_FIELD(body, "top_p", top_p);
+  TRY_FIELD(body, "min_p", min_p);
+  TRY_FIELD(body, "top_k", top_k);
+  TRY_FIELD(body, "presence_penalty", presence);
+  TRY_FIELD(body, "frequency_penalty", frequency);
+  TRY_FIELD(body, "repetition_penalty", repetition);
+  TRY_FIELD(body, "max_tokens", max_tokens);
+  TRY_FIELD(body, "max_completion_tokens", max_completion_tokens);
+  TRY_FIELD(body, "n", n);
+  TRY_FIELD(body, "best_of", best_of);
+  TRY_FIELD(body, "min_tokens", min_tokens);
+  TRY_FIELD(body, "seed", seed);
+  TRY_FIELD(body, "stream", stream);
+  TRY_FIELD(body, "echo", echo);
+  TRY_FIELD(body, "ignore_eos", ignore_eos);
+  TRY_FIELD(body, "skip_special_tokens", skip_special);
+  TRY_FIELD(body, "include_stop_str_in_output", include_stop);
+  if (chat) {
+    TRY_FIELD(body, "logprobs", chat_logprobs);
+    TRY_FIELD(body, "top_logprobs", top_logprobs);
+  } else {
+    TRY_FIELD(body, "logprobs", logprobs_n);
+  }
+  if (temperature) s.temperature = static_cast<float>(*temperature);
+  if (top_p) s.top_p = static_cast<float>(*top_p);
+  if (min_p) s.min_p = static_cast<float>(*min_p);
+  if (top_k) s.top_k = static_cast<int>(std::clamp<int64_t>(*top_k, -2, 1 << 30));
+  if (top_k && *top_k == 0) s.top_k = -1;  // vLLM treats 0 as off
+  if (presence) s.presence_penalty = static_cast<float>(*presence);
+  if (frequency) s.frequency_penalty = static_cast<float>(*frequency);
+  if (repetition) s.repetition_penalty = static_cast<float>(*repetition);
+  if (seed) s.seed = *seed;
+  if (ignore_eos) s.ignore_eos = *ignore_eos;
+  if (skip_special) s.skip_special_tokens = *skip_special;
+  if (include_stop.value_or(false)) {
+    return bad_request("include_stop_str_in_output is not supported", "include_stop_str_in_output");
+  }
+  if (min_tokens.value_or(0) != 0) {
+    return bad_request("min_tokens is not supported", "min_tokens");
+  }
+  out.stream = stream.value_or(false);
+  out.echo = echo.value_or(false);
+  if (n) {
+    if (*n < 1 || *n > 128) return bad_request("n must be between 1 and 128", "n");
+    out.n = static_cast<int>(*n);
+  }
+  if (best_of && *best_of != out.n) {
+    return bad_request("best_of other than n is not supported", "best_of");
+  }
+  if (chat) {
+    out.chat_logprobs = chat_logprobs.value_or(false);
+    if (top_logprobs && !out.chat_logprobs) {
+      return bad_request("top_logprobs needs logprobs: true", "top_logprobs");
+    }
+    if (out.chat_logprobs) {
+      s.logprobs = static_cast<int>(std::clamp<int64_t>(top_logprobs.value_or(0), -1, 1 << 20));
+    }
+    if (top_logprobs && (*top_logprobs < 0 || *top_logprobs > kMaxLogprobs)) {
+      return bad_request("top_logprobs must be between 0 and " + std::to_string(kMaxLogprobs),
+                         "top_logprobs");
+    }
+  } else if (logprobs_n) {
+    if (*logprobs_n < 0 || *logprobs_n > kMaxLogprobs) {
+      return bad_request("logprobs must be between 0 and " + std::to_string(kMaxLogprobs),
+                         "logprobs");
+    }
+    s.logprobs = static_cast<int>(*logprobs_n);
+  }
+  if (out.echo && s.logprobs >= 0) {
+    return bad_request("echo with logprobs (prompt logprobs) is not supported", "echo");
+  }
+  // stop: a string or a list of strings; stop_token_ids: integers.
+  if (auto stop = body.find("stop"); stop != body.end() && !stop->is_null()) {
+    if (stop->is_string()) {
+      s.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      for (const auto& x : *stop) {
+        if (!x.is_string())
+          return bad_request("stop must be a string or a list of strings", "stop");
+        s.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      return bad_request("stop must be a string or a list of strings", "stop");
+    }
+    std::erase_if(s.stop, [](const std::string& x) { return x.empty(); });
+  }
+  if (auto ids = body.find("stop_token_ids"); ids != body.end() && !ids->is_null()) {
+    if (!ids->is_array()) return bad_request("stop_token_ids must be a list of integers");
+    for (const auto& x : *ids) {
+      if (!x.is_number_integer()) {
+        return bad_request("stop_token_ids must be a list of integers", "stop_token_ids");
+      }
+      const int64_t id = x.get<int64_t>();
+      if (id < 0 || id >= m.vocab_size) {
+        return bad_request("stop token id " + std::to_string(id) + " is outside the vocabulary",
+                           "stop_token_ids");
+      }
+      s.stop_token_ids.push_back(static_cast<int32_t>(id));
+    }
+  }
+  // max_tokens: the request's (max_completion_tokens wins), else 16 for completions (the
+  // OpenAI default) and the rest of the context for chat, capped by generation_config.json.
+  size_t longest = 0;
+  for (const auto& p : out.prompts) {
+    if (p.empty()) return bad_request("the prompt is empty", chat ? "messages" : "prompt");
+    longest = std::max(longest, p.size());
+  }
+  const int64_t room = m.max_model_len - static_cast<int64_t>(longest);
+  std::optional<int64_t> asked = max_completion_tokens ? max_completion_tokens : max_tokens;
+  if (asked && *asked < 1) {
+    return bad_request("max_tokens must be at least 1, got " + std::to_string(*asked),
+                       max_completion_tokens ? "max_completion_tokens" : "max_tokens");
+  }
+  if (room < 1 || (asked && *asked > room)) {
+    return bad_request("This model's maximum context length is " + std::to_string(m.max_model_len) +
+                           " tokens. However, you requested " +
+                           std::to_string(static_cast<int64_t>(longest) + asked.value_or(1)) +
+                           " tokens (" + std::to_string(longest) + " in the " +
+                           (chat ? "messages" : "prompt") + ", " +
+                           std::to_string(asked.value_or(1)) +
+                           " in the completion). Please reduce the length of the " +
+                           (chat ? "messages" : "prompt") + " or completion.",
+                       chat ? "messages" : "prompt");
+  }
+  int64_t max = asked ? *asked : (chat ? room : std::min<int64_t>(16, room));
+  if (!asked && m.defaults.max_new_tokens) max = std::min(max, *m.defaults.max_new_tokens);
+  s.max_tokens = static_cast<int>(std::min<int64_t>(max, 1 << 30));
+  Status valid = s.validate(m.vocab_size);
+  if (!valid) return bad_request(valid.message());
+  auto opts = body.find("stream_options");
+  if (opts != body.end() && !opts->is_null()) {
+    if (!out.stream) return bad_request("stream_options needs stream: true", "stream_options");
+    if (!opts->is_object()) return bad_request("stream_options must be an object");
+    std::optional<bool> usage;
+    TRY_FIELD(*opts, "include_usage", usage);
+    out.include_usage = usage.value_or(false);
+  }
+  return std::nullopt;
+}
+
+std::string api_finish_reason(const std::string& r) {
+  if (r == "length" || r == "abort") return r;
+  return "stop";
+}
+
+namespace {
+
+std::string token_text(const ServedModel& m, int32_t id) {
+  const int32_t one[1] = {id};
+  return m.tokenizer->decode(one, false);
+}
+
+json bytes_of(const std::string& s) {
+  json out = json::array();
+  for (unsigned char c : s) out.push_back(static_cast<int>(c));
+  return out;
+}
+
+// Logprobs in the shape the endpoint answers with, for `lps` (the tokens of one choice's text
+// that starts at `text_offset`).
+json logprobs_json(const ApiRequest& req, const ServedModel& m,
+                   const std::vector<TokenLogprobs>& lps, size_t text_offset) {
+  if (req.chat) {
+    json content = json::array();
+    for (const auto& lp : lps) {
+      const std::string t = token_text(m, lp.token);
+      json top = json::array();
+      for (const auto& [id, v] : lp.top) {
+        const std::string tt = token_text(m, id);
+        top.push_back({{"token", tt}, {"logprob", v}, {"bytes", bytes_of(tt)}});
+      }
+      content.push_back(
+          {{"token", t}, {"logprob", lp.logprob}, {"bytes", bytes_of(t)}, {"top_logprobs", top}});
+    }
+    return {{"content", content}};
+  }
+  json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
+       offsets = json::array();
+  size_t offset = text_offset;
+  for (const auto& lp : lps) {
+    const std::string t = token_text(m, lp.token);
+    tokens.push_back(t);
+    token_logprobs.push_back(lp.logprob);
+    json alts = json::object();
+    for (const auto& [id, v] : lp.top) alts[token_text(m, id)] = v;
+    top.push_back(alts);
+    offsets.push_back(offset);
+    offset += t.size();
+  }
+  return {{"tokens", tokens},
+          {"token_logprobs", token_logprobs},
+          {"top_logprobs", top},
+          {"text_offset", offsets}};
+}
+
+}  // namespace
+
+json usage_json(const std::vector<ChoiceResult>& choices, int n) {
+  size_t prompt = 0, completion = 0, cached = 0;
+  for (size_t i = 0; i < choices.size(); ++i) {
+    if (i % static_cast<size_t>(n) == 0) {
+      prompt += choices[i].prompt_tokens;
+      cached += choices[i].cached_tokens;
+    }
+    completion += choices[i].tokens.size();
+  }
+  return {{"prompt_tokens", prompt},
+          {"completion_tokens", completion},
+          {"total_tokens", prompt + completion},
+          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+}
+
+json completion_response(const ApiRequest& req, const std::string& id,
+                         const std::vector<ChoiceResult>& choices, const ServedModel& m) {
+  json out_choices = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const ChoiceResult& c = choices[i];
+    const bool want_logprobs = req.sampling.logprobs >= 0;
+    if (req.chat) {
+      out_choices.push_back(
+          {{"index", i},
+           {"message", {{"role", "assistant"}, {"content", c.text}}},
+           {"logprobs", want_logprobs ? logprobs_json(req, m, c.logprobs, 0) : json(nullptr)},
+           {"finish_reason", api_finish_reason(c.finish_reason)}});
+    } else {
+      const std::string prefix =
+          req.echo ? req.prompt_texts[i / static_cast<size_t>(req.n)] : std::string();
+      out_choices.push_back(
+          {{"index", i},
+           {"text", prefix + c.text},
+           {"logprobs",
+            want_logprobs ? logprobs_json(req, m, c.logprobs, prefix.size()) : json(nullptr)},
+           {"finish_reason", api_finish_reason(c.finish_reason)},
+           {"stop_reason", nullptr}});
+    }
+  }
+  return {{"id", id},
+          {"object", req.chat ? "chat.completion" : "text_completion"},
+          {"created", m.created},
+          {"model", req.model},
+          {"choices", out_choices},
+          {"usage", usage_json(choices, req.n)}};
+}
+
+json stream_chunk(const ApiRequest& req, const std::string& id, int index,
+                  const std::string& delta_text, const std::vector<TokenLogprobs>& new_logprobs,
+                  const std::string& finish_reason, bool first, int64_t created,
+                  const ServedModel& m) {
+  const bool want_logprobs = req.sampling.logprobs >= 0;
+  json choice;
+  if (req.chat) {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (!delta_text.empty() || first) delta["content"] = delta_text;
+    choice = {{"index", index},
+              {"delta", delta},
+              {"logprobs", want_logprobs ? logprobs_json(req, m, new_logprobs, 0) : json(nullptr)},
+              {"finish_reason",
+               finish_reason.empty() ? json(nullptr) : json(api_finish_reason(finish_reason))}};
+  } else {
+    choice = {{"index", index},
+              {"text", delta_text},
+              {"logprobs", want_logprobs ? logprobs_json(req, m, new_logprobs, 0) : json(nullptr)},
+              {"finish_reason",
+               finish_reason.empty() ? json(nullptr) : json(api_finish_reason(finish_reason))},
+              {"stop_reason", nullptr}};
+  }
+  return {{"id", id},
+          {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", req.model},
+          {"choices", json::array({choice})}};
+}
+
+json usage_chunk(const ApiRequest& req, const std::string& id,
+                 const std::vector<ChoiceResult>& choices, int64_t created) {
+  return {{"id", id},
+          {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", req.model},
+          {"choices", json::array()},
+          {"usage", usage_json(choices, req.n)}};
+}
+
+json models_response(const ServedModel& m) {
+  json data = json::array();
+  for (const auto& name : m.names) {
+    data.push_back({{"id", name},
+                    {"object", "model"},
+                    {"created", m.created},
+                    {"owned_by", "tessera"},
+                    {"root", m.root},
+                    {"parent", nullptr},
+                    {"max_model_len", m.max_model_len}});
+  }
+  return {{"object", "list"}, {"data", data}};
+}
+
+}  // namespace tessera::server

@@ -1,0 +1,46 @@
+// `tessera serve`: an OpenAI-compatible HTTP server over the asynchronous engine, with vLLM's
+// flags, so that a vLLM command line works after changing the program name:
+//
+//   tessera serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--served-model-name NAME ...]
+//                 [--api-key KEY] [-tp T] [-pp P] [--dtype D] [--max-model-len L] ...
+//
+// Endpoints: POST /v1/completions, /v1/chat/completions (JSON or SSE streams ending in
+// "data: [DONE]"), GET /v1/models, /health, /version, /metrics (Prometheus, vLLM's metric
+// names), POST /tokenize, /detokenize and vLLM's legacy /generate. HTTP/1.1 with keep-alive on
+// Boost.Beast; C++20 coroutines on one I/O thread; the engine on its own (async_engine.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "driver/model_session.h"
+
+namespace CLI {
+class App;
+}
+
+namespace tessera::server {
+
+struct ServeOptions {
+  EngineArgs engine;
+  std::string host = "127.0.0.1";
+  uint16_t port = 8000;
+  std::vector<std::string> served_model_name;  // default: the --model argument as given
+  std::string api_key;                         // else $TESSERA_API_KEY; empty = no key
+  std::string chat_template;  // a file, or the template itself; default: the tokenizer's
+  std::string generation_config = "auto";  // auto: generation_config.json | vllm: none
+  uint64_t max_request_bytes = 32ull << 20;
+};
+
+// Adds `serve` with its flags to `app`.
+CLI::App* add_serve_subcommand(CLI::App& app, ServeOptions& options);
+
+// vLLM's `serve MODEL` spelling: a first positional argument after "serve" becomes --model.
+std::vector<std::string> serve_positional_model(std::vector<std::string> args);
+
+// Runs until SIGINT or SIGTERM; returns the exit code (errors printed to stderr prefixed
+// "tessera serve: ").
+int serve_command(const ServeOptions& options);
+
+}  // namespace tessera::server

@@ -1,0 +1,484 @@
+// `tessera serve` as users meet it: the real binary on a port, curl and the OpenAI SDK for
+// Node.js as clients, a raw socket where a client misbehaves (malformed HTTP, a disconnect in
+// the middle of a stream), and a SIGKILLed actor. The model is a tiny seeded llama whose greedy
+// tokens transformers computed (tests/assets/goldens/model_llama.json).
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/integration/test_cluster.h"
+
+namespace tessera {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using testing::BackgroundProcess;
+using testing::bin;
+using testing::children_of;
+using testing::CommandResult;
+using testing::run_command;
+using testing::wait_until;
+using namespace std::chrono_literals;
+
+std::string source(const std::string& rel) { return std::string(TESSERA_SOURCE_DIR) + "/" + rel; }
+
+// A program on $PATH (curl, node), as a shell would find it.
+std::string which(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path ? path : "/usr/bin:/bin");
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    const std::string p = dir + "/" + name;
+    if (::access(p.c_str(), X_OK) == 0) return p;
+  }
+  return name;
+}
+
+struct Reply {
+  int status = 0;
+  std::string body;
+  json j() const { return json::parse(body, nullptr, false); }
+};
+
+// A running server on a port of its own.
+class Server {
+ public:
+  Server(const std::string& model, const std::string& root, std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {bin("tessera"), "serve",  model, "--device",
+                                     "cpu",          "--port", "0",   "--served-model-name",
+                                     "tiny"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    process_ = std::make_unique<BackgroundProcess>(
+        argv, std::vector<std::string>{"TESSERA_TMPDIR=" + root});
+    wait_until(
+        [&] {
+          std::smatch m;
+          const std::string out = process_->out();
+          static const std::regex ready("ready on http://127\\.0\\.0\\.1:([0-9]+)");
+          if (std::regex_search(out, m, ready)) port_ = std::stoi(m[1]);
+          return port_ > 0 || process_->wait(0ms) != -1;
+        },
+        60s);
+  }
+  int port() const { return port_; }
+  BackgroundProcess& process() { return *process_; }
+  std::string url(const std::string& path) const {
+    return "http://127.0.0.1:" + std::to_string(port_) + path;
+  }
+
+  // curl, as a user would run it; `key` goes in the Authorization header when not empty.
+  Reply call(const std::string& method, const std::string& path, const std::string& body = "",
+             const std::string& key = "secret") const {
+    std::vector<std::string> argv = {which("curl"), "-sS",           "-N", "-X", method,
+                                     "-w",          "\n%{http_code}"};
+    if (!key.empty()) argv.insert(argv.end(), {"-H", "Authorization: Bearer " + key});
+    if (!body.empty())
+      argv.insert(argv.end(), {"-H", "Content-Type: application/json", "-d", body});
+    argv.push_back(url(path));
+    CommandResult r = run_command(argv, 120s);
+    Reply reply;
+    const size_t nl = r.out.rfind('\n');
+    if (nl == std::string::npos) return reply;
+    reply.status = std::atoi(r.out.c_str() + nl + 1);
+    reply.body = r.out.substr(0, nl);
+    return reply;
+  }
+  Reply post(const std::string& path, const json& body, const std::string& key = "secret") const {
+    return call("POST", path, body.dump(), key);
+  }
+
+  // A metric's value from /metrics (the first sample of that name).
+  double metric(const std::string& name) const {
+    Reply r = call("GET", "/metrics");
+    std::istringstream lines(r.body);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind(name + "{", 0) == 0 || line.rfind(name + " ", 0) == 0) {
+        return std::stod(line.substr(line.rfind(' ') + 1));
+      }
+    }
+    return -1;
+  }
+
+ private:
+  std::unique_ptr<BackgroundProcess> process_;
+  int port_ = -1;
+};
+
+// The text of an SSE stream's data events, the events themselves, and whether it ended in [DONE].
+struct Sse {
+  std::vector<json> events;
+  bool done = false;
+};
+Sse parse_sse(const std::string& body) {
+  Sse s;
+  std::istringstream lines(body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: ", 0) != 0) continue;
+    const std::string data = line.substr(6);
+    if (data == "[DONE]") {
+      s.done = true;
+    } else {
+      s.events.push_back(json::parse(data, nullptr, false));
+    }
+  }
+  return s;
+}
+
+class ServeTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    root_ = (fs::temp_directory_path() / ("tessera-serve-" + std::to_string(::getpid()))).string();
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+    std::ifstream in(source("tests/assets/goldens/model_llama.json"));
+    golden_ = json::parse(in);
+    model_ = root_ + "/model";
+    CommandResult r = run_command({bin("tessera"), "make-model", "--arch", "llama", "--preset",
+                                   "tiny", "--tokenizer", source("tests/assets/tokenizers/llama3"),
+                                   "--seed", std::to_string(golden_["seed"].get<int>()), "--dtype",
+                                   "bf16", "--out", model_});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    server_ = new Server(model_, root_, {"--api-key", "secret"});
+    ASSERT_GT(server_->port(), 0) << server_->process().err();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+    fs::remove_all(root_);
+  }
+
+  static inline std::string root_, model_;
+  static inline json golden_;
+  static inline Server* server_ = nullptr;
+};
+
+TEST_F(ServeTest, GreedyCompletionsAreTransformersTokens) {
+  for (const auto& c : golden_["cases"]) {
+    std::vector<int> want = c["greedy"].get<std::vector<int>>();
+    want.resize(12);
+    Reply text = server_->post("/detokenize", {{"tokens", want}});
+    ASSERT_EQ(text.status, 200) << text.body;
+    // Token ids in, and the prompt as text (tokenized by the server) in: the same answer.
+    for (const json& prompt : {c["ids"], c["prompt"]}) {
+      Reply r = server_->post("/v1/completions", {{"model", "tiny"},
+                                                  {"prompt", prompt},
+                                                  {"max_tokens", 12},
+                                                  {"temperature", 0},
+                                                  {"ignore_eos", true}});
+      ASSERT_EQ(r.status, 200) << r.body;
+      json j = r.j();
+      EXPECT_EQ(j["object"], "text_completion");
+      EXPECT_EQ(j["model"], "tiny");
+      EXPECT_EQ(j["choices"][0]["text"], text.j()["prompt"]) << c["prompt"];
+      EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+      EXPECT_EQ(j["usage"]["prompt_tokens"], c["ids"].size());
+      EXPECT_EQ(j["usage"]["completion_tokens"], 12);
+    }
+  }
+}
+
+TEST_F(ServeTest, AStreamAddsUpToTheAnswerAndEndsWithDone) {
+  json body = {{"prompt", "The capital of France is"},
+               {"max_tokens", 10},
+               {"temperature", 0},
+               {"ignore_eos", true},
+               {"logprobs", 2}};
+  Reply whole = server_->post("/v1/completions", body);
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  Reply streamed = server_->post("/v1/completions", body);
+  ASSERT_EQ(streamed.status, 200);
+  Sse s = parse_sse(streamed.body);
+  EXPECT_TRUE(s.done) << streamed.body;
+  std::string text;
+  size_t logprobs = 0;
+  for (const json& e : s.events) {
+    ASSERT_FALSE(e.is_discarded());
+    if (e["choices"].empty()) continue;
+    text += e["choices"][0]["text"].get<std::string>();
+    if (e["choices"][0]["logprobs"].is_object()) {
+      logprobs += e["choices"][0]["logprobs"]["tokens"].size();
+    }
+  }
+  EXPECT_EQ(text, whole.j()["choices"][0]["text"]);
+  EXPECT_EQ(logprobs, 10u);
+  ASSERT_FALSE(s.events.empty());
+  EXPECT_EQ(s.events.back()["usage"]["completion_tokens"], 10);  // include_usage: last, alone
+  EXPECT_TRUE(s.events.back()["choices"].empty());
+  json lp = whole.j()["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"].size(), 10u);
+  EXPECT_EQ(lp["top_logprobs"][0].size(), 2u);
+}
+
+TEST_F(ServeTest, ChatRendersTheModelsTemplate) {
+  json messages = json::array({{{"role", "system"}, {"content", "You are terse."}},
+                               {{"role", "user"}, {"content", "Hello!"}}});
+  Reply tokens = server_->post("/tokenize", {{"messages", messages}});
+  ASSERT_EQ(tokens.status, 200) << tokens.body;
+  Reply r = server_->post("/v1/chat/completions", {{"model", "tiny"},
+                                                   {"messages", messages},
+                                                   {"max_tokens", 5},
+                                                   {"temperature", 0},
+                                                   {"ignore_eos", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = r.j();
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], tokens.j()["count"]);
+  // The llama3 template starts with <|begin_of_text|> and ends with the assistant header.
+  std::vector<int> ids = tokens.j()["tokens"].get<std::vector<int>>();
+  ASSERT_FALSE(ids.empty());
+  EXPECT_EQ(ids.front(), 128000);
+  Reply text = server_->post("/detokenize", {{"tokens", ids}});
+  EXPECT_NE(
+      text.j()["prompt"].get<std::string>().find("<|start_header_id|>assistant<|end_header_id|>"),
+      std::string::npos)
+      << text.body;
+  // n = 2 with a seed: two choices, reproducible.
+  json sampled = {
+      {"messages", messages}, {"max_tokens", 6}, {"temperature", 1.0}, {"seed", 7}, {"n", 2},
+      {"ignore_eos", true}};
+  Reply a = server_->post("/v1/chat/completions", sampled);
+  Reply b = server_->post("/v1/chat/completions", sampled);
+  ASSERT_EQ(a.status, 200) << a.body;
+  EXPECT_EQ(a.j()["choices"].size(), 2u);
+  EXPECT_EQ(a.j()["choices"], b.j()["choices"]);
+  EXPECT_EQ(a.j()["usage"]["completion_tokens"], 12);
+}
+
+TEST_F(ServeTest, BadRequestsAreOpenAIErrorsAndTheServerGoesOn) {
+  struct Case {
+    std::string method, path, body;
+    int status;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"POST", "/v1/completions", "{not json", 400, "not valid JSON"},
+      {"POST", "/v1/completions", R"({"max_tokens": 4})", 400, "prompt is required"},
+      {"POST", "/v1/completions", R"({"prompt": "hi", "temperature": "hot"})", 400,
+       "temperature must be a number"},
+      {"POST", "/v1/completions", R"({"prompt": "hi", "max_tokens": 0})", 400,
+       "max_tokens must be at least 1"},
+      {"POST", "/v1/completions", R"({"prompt": "hi", "max_tokens": 100000000})", 400,
+       "maximum context length"},
+      {"POST", "/v1/completions", R"({"prompt": "hi", "top_p": 7})", 400, "top_p"},
+      {"POST", "/v1/completions", R"({"prompt": "hi", "logprobs": 50})", 400, "logprobs"},
+      {"POST", "/v1/completions", R"({"prompt": [999999999]})", 400, "outside the vocabulary"},
+      {"POST", "/v1/completions", R"({"prompt": []})", 400, "prompt"},
+      {"POST", "/v1/completions", R"({"prompt": "hi", "n": 0})", 400, "n must be"},
+      {"POST", "/v1/completions", R"({"prompt": "hi", "model": "gpt-9"})", 404, "does not exist"},
+      {"POST", "/v1/chat/completions", R"({"messages": []})", 400, "messages"},
+      {"POST", "/v1/chat/completions", R"({"messages": [{"content": "x"}]})", 400, "role"},
+      {"POST", "/v1/chat/completions",
+       R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", 400, "only text"},
+      {"GET", "/v1/completions", "", 405, "method not allowed"},
+      {"GET", "/v1/nothing", "", 404, "no route"},
+      {"POST", "/detokenize", R"({"tokens": [-1]})", 400, "tokens"},
+  };
+  for (const Case& c : cases) {
+    Reply r = server_->call(c.method, c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << c.body << " -> " << r.body;
+    json j = r.j();
+    ASSERT_FALSE(j.is_discarded()) << r.body;
+    EXPECT_NE(j["error"]["message"].get<std::string>().find(c.says), std::string::npos)
+        << c.body << " -> " << r.body;
+    EXPECT_EQ(j["error"]["code"], c.status);
+  }
+  // The API key: none, or a wrong one, is a 401; /health needs none.
+  EXPECT_EQ(server_->call("GET", "/v1/models", "", "").status, 401);
+  EXPECT_EQ(server_->call("GET", "/v1/models", "", "wrong").status, 401);
+  EXPECT_EQ(server_->call("GET", "/health", "", "").status, 200);
+  // Malformed HTTP on a raw socket: a 400, and the server goes on.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string junk = "GARBAGE / HTTP/9.9\r\nContent-Length: -5\r\n\r\n";
+  ASSERT_EQ(::send(fd, junk.data(), junk.size(), 0), static_cast<ssize_t>(junk.size()));
+  char buf[512] = {};
+  const ssize_t n = ::recv(fd, buf, sizeof(buf) - 1, 0);
+  ::close(fd);
+  EXPECT_GT(n, 0);
+  EXPECT_NE(std::string(buf).find(" 400 "), std::string::npos) << buf;
+  Reply ok = server_->post("/v1/completions", {{"prompt", "hi"}, {"max_tokens", 2}});
+  EXPECT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(server_->call("GET", "/version").j()["version"].is_string(), true);
+}
+
+TEST_F(ServeTest, ManyConcurrentStreamsGetWhatOneAtATimeGets) {
+  const int n = 12;
+  std::vector<std::string> alone(n), together(n);
+  auto body = [](int i) {
+    return json{{"prompt", "Request number " + std::to_string(i) + " says"},
+                {"max_tokens", 8 + i % 5},
+                {"temperature", 0},
+                {"ignore_eos", true}};
+  };
+  for (int i = 0; i < n; ++i) {
+    alone[i] = server_->post("/v1/completions", body(i)).j()["choices"][0]["text"];
+  }
+  std::vector<std::thread> clients;
+  for (int i = 0; i < n; ++i) {
+    clients.emplace_back([&, i] {
+      json b = body(i);
+      b["stream"] = true;
+      Sse s = parse_sse(server_->post("/v1/completions", b).body);
+      if (!s.done) return;
+      for (const json& e : s.events) together[i] += e["choices"][0]["text"].get<std::string>();
+    });
+  }
+  for (auto& t : clients) t.join();
+  for (int i = 0; i < n; ++i) EXPECT_EQ(together[i], alone[i]) << "request " << i;
+}
+
+TEST_F(ServeTest, AClientThatGoesAwayIsAbortedAndItsBlocksFreed) {
+  const double generated_before = server_->metric("vllm:generation_tokens_total");
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string body = json{
+      {"prompt", "Tell me everything"},
+      {"max_tokens", 4000},
+      {"ignore_eos", true},
+      {"stream", true}}.dump();
+  const std::string req =
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+      "secret\r\nContent-Type: application/json\r\nContent-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+  std::string got;
+  char buf[4096];
+  while (got.find("data: ") == std::string::npos) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    ASSERT_GT(n, 0);
+    got.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);  // mid-stream
+  EXPECT_TRUE(wait_until(
+      [&] {
+        return server_->metric("vllm:num_requests_running") == 0 &&
+               server_->metric("vllm:kv_cache_usage_perc") == 0;
+      },
+      10s))
+      << "running " << server_->metric("vllm:num_requests_running") << ", KV usage "
+      << server_->metric("vllm:kv_cache_usage_perc");
+  // Far fewer than the 4000 tokens it asked for were made.
+  EXPECT_LT(server_->metric("vllm:generation_tokens_total") - generated_before, 2000);
+}
+
+TEST_F(ServeTest, PrefixCacheHitsGiveTheSameAnswer) {
+  std::string prompt = "A long shared system prompt that many requests start with: ";
+  for (int i = 0; i < 6; ++i) prompt += "rule number " + std::to_string(i) + " is to be kind. ";
+  const double hits_before = server_->metric("vllm:prefix_cache_hits_total");
+  json body = {
+      {"prompt", prompt + "First"}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true}};
+  Reply cold = server_->post("/v1/completions", body);
+  Reply warm = server_->post("/v1/completions", body);
+  ASSERT_EQ(cold.status, 200) << cold.body;
+  EXPECT_EQ(warm.j()["choices"][0]["text"], cold.j()["choices"][0]["text"]);
+  EXPECT_GT(warm.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 15);
+  EXPECT_GT(server_->metric("vllm:prefix_cache_hits_total"), hits_before);
+  // Another question after the same prefix shares its blocks too.
+  body["prompt"] = prompt + "Second";
+  Reply other = server_->post("/v1/completions", body);
+  EXPECT_GT(other.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 15);
+}
+
+TEST_F(ServeTest, TheOpenAISdkForNodeWorks) {
+  const std::string sdk = source("tests/assets/node_modules/openai");
+  ASSERT_TRUE(fs::exists(sdk + "/index.mjs")) << "run scripts/fetch-test-assets";
+  CommandResult r = run_command(
+      {which("node"), source("tests/integration/openai_sdk_check.mjs")}, 120s,
+      {"OPENAI_SDK=" + sdk, "BASE_URL=" + server_->url("/v1"), "API_KEY=secret", "MODEL=tiny"});
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("ALL OK"), std::string::npos) << r.out << r.err;
+}
+
+// Its own server: the answers without prefix caching are the same, and a killed actor turns
+// /health to 503 and requests into errors, without taking the server down.
+TEST_F(ServeTest, NoPrefixCachingSameAnswersAndADeadActorIsUnhealthy) {
+  Server plain(model_, root_, {"--no-enable-prefix-caching", "--max-model-len", "512"});
+  ASSERT_GT(plain.port(), 0) << plain.process().err();
+  json body = {{"prompt", "The capital of France is"},
+               {"max_tokens", 8},
+               {"temperature", 0},
+               {"ignore_eos", true}};
+  Reply a = plain.post("/v1/completions", body, "");
+  Reply b = server_->post("/v1/completions", body);
+  ASSERT_EQ(a.status, 200) << a.body;
+  EXPECT_EQ(a.j()["choices"][0]["text"], b.j()["choices"][0]["text"]);
+  a = plain.post("/v1/completions", body, "");
+  EXPECT_EQ(a.j()["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  EXPECT_EQ(plain.call("GET", "/v1/models", "", "").j()["data"][0]["max_model_len"], 512);
+
+  // Its actor: a child of the embedded node's daemon, a child of the server.
+  std::vector<int> actors;
+  for (int daemon : children_of(plain.process().pid())) {
+    for (int actor : children_of(daemon)) actors.push_back(actor);
+  }
+  ASSERT_EQ(actors.size(), 1u);
+  ASSERT_EQ(::kill(actors[0], SIGKILL), 0);
+  EXPECT_TRUE(wait_until([&] { return plain.call("GET", "/health").status == 503; }, 15s));
+  Reply health = plain.call("GET", "/health");
+  EXPECT_NE(health.body.find("SIGKILL"), std::string::npos) << health.body;
+  Reply failed = plain.post("/v1/completions", body, "");
+  EXPECT_GE(failed.status, 500) << failed.body;
+  EXPECT_NE(failed.j()["error"]["message"].get<std::string>().find("killed"), std::string::npos)
+      << failed.body;
+  EXPECT_EQ(plain.call("GET", "/v1/models", "", "").status, 200);  // still serving
+  // SIGTERM: a clean exit, nothing left running.
+  ASSERT_EQ(::kill(plain.process().pid(), SIGTERM), 0);
+  const int status = plain.process().wait(20s);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << plain.process().err();
+}
+
+// SIGTERM while clients stream: the streams end, the server exits 0 and stops its actors.
+TEST_F(ServeTest, SigtermWhileStreamingExitsCleanly) {
+  Server s(model_, root_);
+  ASSERT_GT(s.port(), 0) << s.process().err();
+  std::vector<std::thread> clients;
+  std::atomic<int> ended{0};
+  for (int i = 0; i < 3; ++i) {
+    clients.emplace_back([&] {
+      s.post("/v1/completions",
+             {{"prompt", "Go on"}, {"max_tokens", 3000}, {"ignore_eos", true}, {"stream", true}},
+             "");
+      ended++;
+    });
+  }
+  ASSERT_TRUE(wait_until([&] { return s.metric("vllm:num_requests_running") == 3; }, 20s));
+  std::vector<int> actors;
+  for (int daemon : children_of(s.process().pid())) {
+    for (int actor : children_of(daemon)) actors.push_back(actor);
+  }
+  ASSERT_FALSE(actors.empty());
+  ASSERT_EQ(::kill(s.process().pid(), SIGTERM), 0);
+  const int status = s.process().wait(20s);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << s.process().err();
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(ended.load(), 3);
+  EXPECT_TRUE(wait_until([&] { return !testing::process_alive(actors[0]); }, 10s));
+}
+
+}  // namespace
+}  // namespace tessera
