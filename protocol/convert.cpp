@@ -96,8 +96,9 @@ void to_proto(const StepInput& in, proto::StepInput::Builder out) {
 StepInput from_proto(proto::StepInput::Reader in) {
   StepInput step;
   step.step_id = in.getStepId();
-  step.seqs.reserve(in.getSeqs().size());
-  for (auto b : in.getSeqs()) {
+  auto seqs = in.getSeqs();
+  step.seqs.reserve(seqs.size());
+  for (auto b : seqs) {
     SeqStep s;
     s.request_id = b.getRequestId();
     s.tokens = read_list<int32_t>(b.getTokens());
@@ -305,8 +306,10 @@ Expected<T> decode_flat(std::span<const std::byte> bytes, const char* what) {
   // Copy into aligned words (the ring's slot need not be 8-byte aligned for capnp's reader).
   auto words = kj::heapArray<capnp::word>(bytes.size() / sizeof(capnp::word));
   std::memcpy(words.begin(), bytes.data(), bytes.size());
+  // The traversal limit bounds what a hostile message can make us read to a multiple of its
+  // size; a list read twice (its size, then its items) counts twice, so the multiple is not 1.
   capnp::ReaderOptions limits;
-  limits.traversalLimitInWords = words.size() + 1024;
+  limits.traversalLimitInWords = 8 * words.size() + 1024;
   limits.nestingLimit = 16;
   T value;
   KJ_IF_MAYBE (e, kj::runCatchingExceptions([&]() {

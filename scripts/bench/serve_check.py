@@ -141,6 +141,8 @@ def main():
                         last, first = t, None
                         count = 0
                         for e in stream_events(resp):
+                            if e is not None and "error" in e:
+                                raise RuntimeError(e["error"]["message"])
                             if e is None or not e["choices"]:
                                 continue
                             now = time.time()

@@ -100,6 +100,37 @@ TEST(ConvertTest, StepInputKeepsEverySequenceField) {
   EXPECT_EQ(out.finished, in.finished);
 }
 
+// The flat encoding the shared-memory rings carry: a step of many sequences (a batch of 1024
+// decodes, 4 first steps with long cached prefixes) decodes whole; a truncated one is an error.
+TEST(ConvertTest, BigStepsRoundTripThroughTheFlatEncoding) {
+  StepInput in;
+  in.step_id = 7;
+  for (uint64_t i = 0; i < 1024; ++i) {
+    SeqStep s;
+    s.request_id = i;
+    s.tokens = {static_cast<int32_t>(i)};
+    s.start_position = 100 + static_cast<int64_t>(i);
+    s.sample = true;
+    if (i < 4) {
+      s.first = true;
+      s.prompt_len = 3000;
+      s.prefix_tokens.assign(2999, 5);
+      s.new_blocks.assign(200, 3);
+    }
+    in.seqs.push_back(std::move(s));
+  }
+  in.finished = {1, 2, 3};
+  auto bytes = encode(in);
+  auto out = decode_step_input(bytes);
+  ASSERT_TRUE(out) << out.status().to_string();
+  ASSERT_EQ(out->seqs.size(), 1024u);
+  EXPECT_EQ(out->seqs[1023].start_position, 1123);
+  EXPECT_EQ(out->seqs[0].prefix_tokens.size(), 2999u);
+  EXPECT_EQ(out->seqs[3].new_blocks.size(), 200u);
+  bytes.resize(bytes.size() / 2 / 8 * 8);
+  EXPECT_FALSE(decode_step_input(bytes));
+}
+
 TEST(ConvertTest, StepOutputKeepsSamplesLogitsTimesAndErrors) {
   StepOutput in;
   in.step_id = 5;
