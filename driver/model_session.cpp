@@ -257,23 +257,44 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   TESSERA_ASSIGN_OR_RETURN(s->group_, WorkerGroup::start(*s->loop_, *s->cluster_, spec));
   s->load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
+  s->spec_ = spec;
+  s->start_engine(a.enable_prefix_caching, static_cast<uint32_t>(a.memory.max_num_seqs),
+                  detokenize);
+  return s;
+}
+
+void ModelSession::start_engine(bool prefix_caching, uint32_t max_num_seqs, bool detokenize) {
+  ModelSession* s = this;
   const ModelInfo& m = s->group_->model();
   EngineConfig ec;
   ec.num_blocks = static_cast<uint32_t>(m.kv_blocks);
   ec.block_size = static_cast<uint32_t>(m.block_size);
-  ec.enable_prefix_caching = a.enable_prefix_caching;
+  ec.enable_prefix_caching = prefix_caching;
   ec.scheduler.max_model_len = static_cast<uint32_t>(m.max_model_len);
-  ec.scheduler.max_num_seqs = static_cast<uint32_t>(a.memory.max_num_seqs);
+  ec.scheduler.max_num_seqs = max_num_seqs;
   ec.scheduler.max_num_batched_tokens = static_cast<uint32_t>(m.max_num_batched_tokens);
   ec.vocab_size = m.vocab_size;
   for (int64_t id : s->config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));
-  if (detokenize) {
-    s->detokenizer_ = std::make_unique<TokenizerDetokenizer>(*s->tokenizer_);
-  } else {
-    s->detokenizer_ = std::make_unique<NoDetokenizer>();
+  if (!s->detokenizer_) {
+    if (detokenize) {
+      s->detokenizer_ = std::make_unique<TokenizerDetokenizer>(*s->tokenizer_);
+    } else {
+      s->detokenizer_ = std::make_unique<NoDetokenizer>();
+    }
   }
+  engine_config_ = ec;
   s->engine_ = std::make_unique<LlmEngine>(ec, *s->group_, *s->detokenizer_);
-  return s;
+}
+
+Status ModelSession::restart() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const EngineConfig ec = engine_config_;
+  engine_.reset();
+  group_.reset();  // the old actors stop, their leases end
+  TESSERA_ASSIGN_OR_RETURN(group_, WorkerGroup::start(*loop_, *cluster_, spec_));
+  start_engine(ec.enable_prefix_caching, ec.scheduler.max_num_seqs, true);
+  load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return Status::ok();
 }
 
 }  // namespace tessera

@@ -58,8 +58,14 @@ class ModelSession {
   EventLoop& loop() { return *loop_; }
   double load_seconds() const { return load_seconds_; }
 
+  // Starts the worker group again (new actors on the same placement, the model loaded anew)
+  // and a fresh engine over it (empty: no requests, no cached prefixes): how a served model
+  // recovers from a dead actor. The old engine and its requests are gone.
+  Status restart();
+
  private:
   ModelSession() = default;
+  void start_engine(bool prefix_caching, uint32_t max_num_seqs, bool detokenize);
 
   ModelConfig config_;
   ClusterPlan plan_;
@@ -69,6 +75,8 @@ class ModelSession {
   std::unique_ptr<EventLoop> loop_;
   std::unique_ptr<ClusterClient> cluster_;
   std::unique_ptr<WorkerGroup> group_;
+  WorkerGroupSpec spec_;  // what restart() starts again
+  EngineConfig engine_config_;
   std::unique_ptr<Detokenizer> detokenizer_;
   std::unique_ptr<LlmEngine> engine_;
   double load_seconds_ = 0.0;

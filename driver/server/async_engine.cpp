@@ -87,29 +87,57 @@ EngineStats AsyncEngine::stats() const {
   return stats_;
 }
 
+void AsyncEngine::set_unhealthy(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  unhealthy_ = why;
+  healthy_ = false;
+}
+
+void AsyncEngine::fail_all(const std::string& why) {
+  for (auto& [id, t] : tracked_) {
+    RequestOutput last;
+    last.request_id = id;
+    last.finished = true;
+    last.finish_reason = "error: " + why;
+    last.prompt_tokens = t.prompt.size();
+    t.sink(std::move(last));
+  }
+  tracked_.clear();
+  ours_.clear();
+}
+
 void AsyncEngine::drain_commands() {
   std::deque<Command> batch;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    batch.swap(commands_);
+    if (!healthy_ && !given_up_) {
+      // Recovering: adds wait for the new group; aborts are taken now.
+      std::deque<Command> later;
+      for (Command& c : commands_) (c.abort ? batch : later).push_back(std::move(c));
+      commands_.swap(later);
+    } else {
+      batch.swap(commands_);
+    }
   }
   LlmEngine& engine = session_->engine();
   for (Command& c : batch) {
     if (c.abort) {
-      auto it = engine_id_.find(c.id);
-      if (it == engine_id_.end()) continue;  // finished already (or never queued)
-      if (auto last = engine.abort_request(it->second)) {
-        auto sink = by_engine_id_.find(it->second);
-        if (sink != by_engine_id_.end()) {
-          last->request_id = c.id;
-          sink->second.second(std::move(*last));
-          by_engine_id_.erase(sink);
-        }
+      auto it = tracked_.find(c.id);
+      if (it == tracked_.end()) continue;  // finished already (or never queued)
+      std::optional<RequestOutput> last;
+      if (it->second.engine_id != 0) last = engine.abort_request(it->second.engine_id);
+      if (!last) {
+        last.emplace();
+        last->finished = true;
+        last->finish_reason = "abort";
       }
-      engine_id_.erase(it);
+      last->request_id = c.id;
+      it->second.sink(std::move(*last));
+      ours_.erase(it->second.engine_id);
+      tracked_.erase(it);
       continue;
     }
-    if (!healthy_) {
+    if (given_up_) {
       RequestOutput failed;
       failed.request_id = c.id;
       failed.finished = true;
@@ -117,7 +145,7 @@ void AsyncEngine::drain_commands() {
       c.sink(std::move(failed));
       continue;
     }
-    auto engine_id = engine.add_request(std::move(c.prompt), std::move(c.sampling));
+    auto engine_id = engine.add_request(c.prompt, c.sampling);
     if (!engine_id) {
       RequestOutput failed;
       failed.request_id = c.id;
@@ -126,80 +154,137 @@ void AsyncEngine::drain_commands() {
       c.sink(std::move(failed));
       continue;
     }
-    engine_id_[c.id] = *engine_id;
-    by_engine_id_[*engine_id] = {c.id, std::move(c.sink)};
+    tracked_[c.id] =
+        Tracked{std::move(c.prompt), std::move(c.sampling), std::move(c.sink), *engine_id, false};
+    ours_[*engine_id] = c.id;
   }
 }
 
+void AsyncEngine::recover() {
+  const std::string why = unhealthy_reason();
+  // Requests that streamed tokens fail; the others run again on the new group.
+  for (auto it = tracked_.begin(); it != tracked_.end();) {
+    if (it->second.emitted) {
+      RequestOutput last;
+      last.request_id = it->first;
+      last.finished = true;
+      last.finish_reason = "error: " + why;
+      last.prompt_tokens = it->second.prompt.size();
+      it->second.sink(std::move(last));
+      it = tracked_.erase(it);
+    } else {
+      it->second.engine_id = 0;
+      ++it;
+    }
+  }
+  ours_.clear();
+  for (int attempt = 1; attempt <= kMaxRestarts; ++attempt) {
+    spdlog::warn("restarting the worker group ({}), attempt {} of {}", why, attempt, kMaxRestarts);
+    Status st = session_->restart();
+    if (st) {
+      spdlog::info("worker group restarted in {:.1f} s; serving again ({} queued request(s) rerun)",
+                   session_->load_seconds(), tracked_.size());
+      LlmEngine& engine = session_->engine();
+      for (auto it = tracked_.begin(); it != tracked_.end();) {
+        auto id = engine.add_request(it->second.prompt, it->second.sampling);
+        if (!id) {
+          RequestOutput last;
+          last.request_id = it->first;
+          last.finished = true;
+          last.finish_reason = "error: " + id.status().message();
+          it->second.sink(std::move(last));
+          it = tracked_.erase(it);
+          continue;
+        }
+        it->second.engine_id = *id;
+        ours_[*id] = it->first;
+        ++it;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_ = session_->engine().stats();
+      healthy_ = true;
+      unhealthy_.clear();
+      return;
+    }
+    spdlog::error("restart failed: {}", st.message());
+    set_unhealthy(why + "; restart failed: " + st.message());
+    std::unique_lock<std::mutex> lock(mu_);
+    if (wake_.wait_for(lock, std::chrono::seconds(2 * attempt), [this] { return stop_; })) return;
+  }
+  spdlog::error("giving up after {} failed restarts: the served model is down; restart the server",
+                kMaxRestarts);
+  given_up_ = true;
+  fail_all(unhealthy_reason());
+}
+
 void AsyncEngine::run() {
-  LlmEngine& engine = session_->engine();
-  WorkerGroup& group = session_->group();
-  EventLoop& loop = session_->loop();
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (stop_) break;
     }
     drain_commands();
-    if (healthy_ && !group.alive()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      unhealthy_ = group.death();
-      healthy_ = false;
-      spdlog::error("serving stops: {}; restart the server", unhealthy_);
+    if (!given_up_ && !session_->group().alive()) {
+      const std::string why = session_->group().death();
+      spdlog::error("an actor of the served model died: {}", why);
+      set_unhealthy(why);
+      recover();
+      continue;
     }
-    if (engine.has_unfinished()) {
+    LlmEngine& engine = session_->engine();
+    if (!given_up_ && engine.has_unfinished()) {
       auto outputs = engine.step();
       if (!outputs) {
         // Not a failed step (those fail their requests): the engine itself cannot go on.
-        std::lock_guard<std::mutex> lock(mu_);
-        unhealthy_ = outputs.status().message();
-        healthy_ = false;
-        spdlog::error("engine step failed: {}", unhealthy_);
-      } else {
-        for (RequestOutput& out : *outputs) {
-          auto it = by_engine_id_.find(out.request_id);
-          if (it == by_engine_id_.end()) continue;
-          const uint64_t ours = it->second.first;
-          const bool finished = out.finished;
-          out.request_id = ours;
-          it->second.second(std::move(out));
-          if (finished) {
-            by_engine_id_.erase(it);
-            engine_id_.erase(ours);
-          }
-        }
+        spdlog::error("engine step failed: {}", outputs.status().message());
+        set_unhealthy(outputs.status().message());
+        recover();
+        continue;
       }
-      if (!healthy_) {
-        // Fail what is left: nothing will run it.
-        for (auto& [engine_request, entry] : by_engine_id_) {
-          if (auto last = engine.abort_request(engine_request)) {
-            last->request_id = entry.first;
-            last->finish_reason = "error: " + unhealthy_reason();
-            entry.second(std::move(*last));
-          }
+      for (RequestOutput& out : *outputs) {
+        auto o = ours_.find(out.request_id);
+        if (o == ours_.end()) continue;
+        const uint64_t ours = o->second;
+        auto t = tracked_.find(ours);
+        if (t == tracked_.end()) continue;
+        const bool finished = out.finished;
+        if (!out.new_tokens.empty()) t->second.emitted = true;
+        if (finished && out.finish_reason.rfind("error: ", 0) == 0 && !session_->group().alive()) {
+          // Failed because an actor died: recovery decides (rerun, or fail naming the cause).
+          continue;
         }
-        by_engine_id_.clear();
-        engine_id_.clear();
+        out.request_id = ours;
+        t->second.sink(std::move(out));
+        if (finished) {
+          ours_.erase(o);
+          tracked_.erase(t);
+        }
       }
     } else {
       // Idle: process the cluster's events (death reports) and wait briefly for work.
-      loop.wait_scope().poll();
+      session_->loop().wait_scope().poll();
       std::unique_lock<std::mutex> lock(mu_);
       wake_.wait_for(lock, std::chrono::milliseconds(2),
                      [this] { return stop_ || !commands_.empty(); });
     }
     std::lock_guard<std::mutex> lock(mu_);
-    stats_ = engine.stats();
+    stats_ = session_->engine().stats();
   }
   // Shutting down: every unfinished request ends, the steps in flight are dropped.
-  for (auto& [engine_request, entry] : by_engine_id_) {
-    if (auto last = engine.abort_request(engine_request)) {
-      last->request_id = entry.first;
-      entry.second(std::move(*last));
+  LlmEngine& engine = session_->engine();
+  for (auto& [id, t] : tracked_) {
+    std::optional<RequestOutput> last;
+    if (t.engine_id != 0) last = engine.abort_request(t.engine_id);
+    if (!last) {
+      last.emplace();
+      last->finished = true;
+      last->finish_reason = "abort";
     }
+    last->request_id = id;
+    t.sink(std::move(*last));
   }
-  by_engine_id_.clear();
-  auto dropped = group.abort();
+  tracked_.clear();
+  auto dropped = session_->group().abort();
   if (!dropped) spdlog::warn("stopping: {}", dropped.status().message());
 }
 

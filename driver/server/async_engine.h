@@ -8,6 +8,13 @@
 // keep running while requests arrive), else wait for work while processing the cluster's
 // events (an actor's death). A request is checked before it is queued (prompt and sampling
 // against the model), so a bad one is refused at once and never reaches the engine.
+//
+// When an actor dies, the requests that already streamed tokens fail naming the cause (their
+// KV cache is gone), the worker group is started again (new actors, the model reloaded: the
+// session's restart()), and the requests that had not produced anything yet run on it as if
+// nothing happened; requests that arrive meanwhile wait. Health is false from the death until
+// the group is back. After kMaxRestarts failed restarts in a row the engine gives up: every
+// request fails and health stays false.
 #pragma once
 
 #include <atomic>
@@ -76,9 +83,21 @@ class AsyncEngine {
   std::string unhealthy_;
   EngineStats stats_;
   std::atomic<uint64_t> next_id_{1};
-  // Engine thread only: our ids <-> the engine's, and the sinks.
-  std::unordered_map<uint64_t, uint64_t> engine_id_;  // ours -> engine's
-  std::unordered_map<uint64_t, std::pair<uint64_t, Sink>> by_engine_id_;
+  static constexpr int kMaxRestarts = 3;
+  void recover();
+  void fail_all(const std::string& why);
+  void set_unhealthy(const std::string& why);
+  // Engine thread only: every unfinished request, by our id, and the engine's ids to ours.
+  struct Tracked {
+    std::vector<int32_t> prompt;
+    SamplingParams sampling;
+    Sink sink;
+    uint64_t engine_id = 0;
+    bool emitted = false;  // it has streamed tokens: it cannot be rerun unnoticed
+  };
+  std::unordered_map<uint64_t, Tracked> tracked_;
+  std::unordered_map<uint64_t, uint64_t> ours_;  // engine id -> our id
+  bool given_up_ = false;
 };
 
 }  // namespace tessera::server

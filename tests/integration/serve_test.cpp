@@ -14,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -414,10 +415,101 @@ TEST_F(ServeTest, TheOpenAISdkForNodeWorks) {
   EXPECT_NE(r.out.find("ALL OK"), std::string::npos) << r.out << r.err;
 }
 
+// A raw-socket client: sends a request, reads the response until it ends (or `stop_after`
+// bytes, then closes: a client that goes away). What it read.
+std::string raw_request(int port, const std::string& method, const std::string& path,
+                        const std::string& body, size_t stop_after = 0,
+                        const std::string& key = "secret") {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return {};
+  }
+  std::string req = method + " " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n";
+  if (!key.empty()) req += "Authorization: Bearer " + key + "\r\n";
+  req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+         "\r\n\r\n" + body;
+  ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  std::string got;
+  char buf[4096];
+  while (stop_after == 0 || got.size() < stop_after) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return got;
+}
+
+// A bounded load with random cancellations: every stream completes or ends cleanly, nothing
+// leaks (no running request, the KV cache empty again), and the server still answers.
+TEST_F(ServeTest, LoadWithRandomCancellationsEndsCleanly) {
+  const int n = 100;
+  std::vector<std::string> got(n);
+  std::vector<bool> cancel(n);
+  std::mt19937 rng(5);
+  for (int i = 0; i < n; ++i) cancel[i] = rng() % 3 == 0;
+  std::vector<std::thread> clients;
+  for (int i = 0; i < n; ++i) {
+    clients.emplace_back([&, i] {
+      const std::string body = json{
+          {"prompt", "Client " + std::to_string(i) + " asks"},
+          {"max_tokens", 24 + i % 16},
+          {"ignore_eos", true},
+          {"stream", true}}.dump();
+      got[i] = raw_request(server_->port(), "POST", "/v1/completions", body,
+                           cancel[i] ? 600 + 37 * (i % 7) : 0);
+    });
+  }
+  for (auto& t : clients) t.join();
+  int completed = 0;
+  for (int i = 0; i < n; ++i) {
+    if (cancel[i]) continue;
+    EXPECT_NE(got[i].find("HTTP/1.1 200"), std::string::npos) << i << ": " << got[i];
+    EXPECT_NE(got[i].find("data: [DONE]"), std::string::npos) << i << ": " << got[i];
+    completed += got[i].find("data: [DONE]") != std::string::npos;
+  }
+  EXPECT_GT(completed, 50);
+  EXPECT_TRUE(wait_until(
+      [&] {
+        return server_->metric("vllm:num_requests_running") == 0 &&
+               server_->metric("vllm:num_requests_waiting") == 0 &&
+               server_->metric("vllm:kv_cache_usage_perc") == 0;
+      },
+      15s));
+  EXPECT_EQ(
+      server_->post("/v1/completions", {{"prompt", "still there?"}, {"max_tokens", 2}}).status,
+      200);
+}
+
+TEST_F(ServeTest, ABodyOverTheLimitIs413) {
+  // The header alone says it: the server answers before reading 64 MiB.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string head =
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer secret\r\n"
+      "Content-Length: 67108864\r\n\r\n{\"prompt\": \"";
+  ::send(fd, head.data(), head.size(), MSG_NOSIGNAL);
+  char buf[512] = {};
+  const ssize_t n = ::recv(fd, buf, sizeof(buf) - 1, 0);
+  ::close(fd);
+  ASSERT_GT(n, 0);
+  EXPECT_NE(std::string(buf).find(" 413 "), std::string::npos) << buf;
+}
+
 // Its own server: the answers without prefix caching are the same, and a killed actor turns
-// /health to 503 and requests into errors, without taking the server down.
-TEST_F(ServeTest, NoPrefixCachingSameAnswersAndADeadActorIsUnhealthy) {
-  Server plain(model_, root_, {"--no-enable-prefix-caching", "--max-model-len", "512"});
+// /health to 503, fails the stream it was serving naming the cause, and is replaced: /health
+// returns to 200 and requests are answered as before.
+TEST_F(ServeTest, NoPrefixCachingSameAnswersAndADeadActorIsReplaced) {
+  Server plain(model_, root_, {"--no-enable-prefix-caching", "--max-model-len", "4096"});
   ASSERT_GT(plain.port(), 0) << plain.process().err();
   json body = {{"prompt", "The capital of France is"},
                {"max_tokens", 8},
@@ -429,23 +521,42 @@ TEST_F(ServeTest, NoPrefixCachingSameAnswersAndADeadActorIsUnhealthy) {
   EXPECT_EQ(a.j()["choices"][0]["text"], b.j()["choices"][0]["text"]);
   a = plain.post("/v1/completions", body, "");
   EXPECT_EQ(a.j()["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-  EXPECT_EQ(plain.call("GET", "/v1/models", "", "").j()["data"][0]["max_model_len"], 512);
+  EXPECT_EQ(plain.call("GET", "/v1/models", "", "").j()["data"][0]["max_model_len"], 4096);
 
   // Its actor: a child of the embedded node's daemon, a child of the server.
-  std::vector<int> actors;
-  for (int daemon : children_of(plain.process().pid())) {
-    for (int actor : children_of(daemon)) actors.push_back(actor);
-  }
-  ASSERT_EQ(actors.size(), 1u);
-  ASSERT_EQ(::kill(actors[0], SIGKILL), 0);
-  EXPECT_TRUE(wait_until([&] { return plain.call("GET", "/health").status == 503; }, 15s));
-  Reply health = plain.call("GET", "/health");
-  EXPECT_NE(health.body.find("SIGKILL"), std::string::npos) << health.body;
-  Reply failed = plain.post("/v1/completions", body, "");
-  EXPECT_GE(failed.status, 500) << failed.body;
-  EXPECT_NE(failed.j()["error"]["message"].get<std::string>().find("killed"), std::string::npos)
-      << failed.body;
-  EXPECT_EQ(plain.call("GET", "/v1/models", "", "").status, 200);  // still serving
+  auto actors_of = [&] {
+    std::vector<int> actors;
+    for (int daemon : children_of(plain.process().pid())) {
+      for (int actor : children_of(daemon)) actors.push_back(actor);
+    }
+    return actors;
+  };
+  const std::vector<int> before = actors_of();
+  ASSERT_EQ(before.size(), 1u);
+  // A long stream is running when the actor dies.
+  std::string streamed;
+  std::thread client([&] {
+    streamed = raw_request(
+        plain.port(), "POST", "/v1/completions",
+        json{{"prompt", "Go on"}, {"max_tokens", 3000}, {"ignore_eos", true}, {"stream", true}}
+            .dump(),
+        0, "");
+  });
+  ASSERT_TRUE(wait_until([&] { return plain.metric("vllm:num_requests_running") == 1; }, 20s));
+  ASSERT_EQ(::kill(before[0], SIGKILL), 0);
+  EXPECT_TRUE(wait_until([&] { return plain.call("GET", "/health").status == 503; }, 5s));
+  client.join();
+  EXPECT_NE(streamed.find("\"error\""), std::string::npos) << streamed.substr(0, 2000);
+  EXPECT_NE(streamed.find("SIGKILL"), std::string::npos) << streamed.substr(0, 2000);
+  // Replaced: healthy again, a new actor, the same answers.
+  EXPECT_TRUE(wait_until([&] { return plain.call("GET", "/health").status == 200; }, 60s))
+      << plain.process().err();
+  const std::vector<int> after = actors_of();
+  ASSERT_EQ(after.size(), 1u);
+  EXPECT_NE(after[0], before[0]);
+  Reply again = plain.post("/v1/completions", body, "");
+  ASSERT_EQ(again.status, 200) << again.body;
+  EXPECT_EQ(again.j()["choices"][0]["text"], b.j()["choices"][0]["text"]);
   // SIGTERM: a clean exit, nothing left running.
   ASSERT_EQ(::kill(plain.process().pid(), SIGTERM), 0);
   const int status = plain.process().wait(20s);
