@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -9,83 +10,114 @@
 
 #include "common/tokenizer/tokenizer.h"
 #include "driver/engine/engine.h"
+#include "driver/llm.h"
 #include "driver/model_session.h"
 
 namespace tessera {
 
 namespace {
 
-struct PromptResult {
-  std::vector<int32_t> prompt;
-  std::string text;
-  std::vector<int32_t> output;
-  std::vector<TokenLogprobs> logprobs;
-  std::string finish;
-  std::optional<std::chrono::steady_clock::time_point> first_token;
-};
+// --input: one JSON object per line, {"prompt": "..."} or {"prompt_token_ids": [...]}.
+Status read_inputs(const std::string& path, std::vector<std::string>& texts,
+                   std::vector<std::vector<int32_t>>& ids, const Tokenizer& tokenizer) {
+  std::ifstream in(path);
+  if (!in) return not_found("--input: cannot read " + path);
+  std::string line;
+  for (size_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    const std::string where = path + " line " + std::to_string(n);
+    if (!j.is_object()) return invalid_argument(where + ": not a JSON object");
+    if (j.contains("prompt") && j["prompt"].is_string()) {
+      texts.push_back(j["prompt"].get<std::string>());
+      ids.push_back(tokenizer.encode(texts.back(), /*add_special_tokens=*/true));
+    } else if (j.contains("prompt_token_ids") && j["prompt_token_ids"].is_array()) {
+      std::vector<int32_t> p;
+      for (const auto& t : j["prompt_token_ids"]) {
+        if (!t.is_number_integer()) return invalid_argument(where + ": token ids are integers");
+        p.push_back(t.get<int32_t>());
+      }
+      texts.push_back(tokenizer.decode(p, false));
+      ids.push_back(std::move(p));
+    } else {
+      return invalid_argument(where + ": give \"prompt\" (text) or \"prompt_token_ids\"");
+    }
+  }
+  if (ids.empty()) return invalid_argument("--input " + path + " has no prompts");
+  return Status::ok();
+}
+
+nlohmann::json result_json(const GenerationResult& r) {
+  nlohmann::json lp = nlohmann::json::array();
+  for (const auto& l : r.logprobs) {
+    nlohmann::json top = nlohmann::json::array();
+    for (const auto& [t, p] : l.top) top.push_back({t, p});
+    lp.push_back({{"token", l.token}, {"logprob", l.logprob}, {"top", top}});
+  }
+  return {{"prompt_ids", r.prompt_token_ids},
+          {"output_ids", r.token_ids},
+          {"text", r.text},
+          {"finish_reason", r.finish_reason},
+          {"logprobs", lp}};
+}
 
 Status run(const GenerateOptions& o) {
-  if (o.prompts.empty()) return invalid_argument("give at least one --prompt");
+  if (o.prompts.empty() == o.input.empty()) {
+    return invalid_argument("give --prompt (one or more) or --input FILE.jsonl");
+  }
   // Everything that can be checked is checked before a node starts or a model loads.
   TESSERA_RETURN_IF_ERROR(validate(o.engine));
   TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(o.engine.model));
   TESSERA_RETURN_IF_ERROR(o.sampling.validate(config.vocab_size));
+  std::unique_ptr<std::ofstream> output;
+  if (!o.output.empty()) {
+    output = std::make_unique<std::ofstream>(o.output);
+    if (!*output) return invalid_argument("--output: cannot write " + o.output);
+  }
   auto t0 = std::chrono::steady_clock::now();
-  TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(o.engine, "tessera generate"));
+  TESSERA_ASSIGN_OR_RETURN(auto llm, LLM::open(o.engine, "tessera generate"));
+  ModelSession* session = &llm->session();
   auto t_loaded = std::chrono::steady_clock::now();
-  LlmEngine& engine = session->engine();
-  std::vector<PromptResult> results(o.prompts.size());
-  std::map<uint64_t, size_t> index;
-  for (size_t i = 0; i < o.prompts.size(); ++i) {
-    results[i].prompt = session->tokenizer().encode(o.prompts[i], /*add_special_tokens=*/true);
-    TESSERA_ASSIGN_OR_RETURN(uint64_t id, engine.add_request(results[i].prompt, o.sampling));
-    index[id] = i;
+  std::vector<std::string> texts = o.prompts;
+  std::vector<std::vector<int32_t>> ids;
+  if (!o.input.empty()) {
+    TESSERA_RETURN_IF_ERROR(read_inputs(o.input, texts, ids, session->tokenizer()));
+  } else {
+    for (const auto& p : texts) ids.push_back(session->tokenizer().encode(p, true));
   }
-  const bool stream = o.prompts.size() == 1 && !o.json;
-  while (engine.has_unfinished()) {
-    TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
-    for (auto& out : outs) {
-      PromptResult& r = results[index.at(out.request_id)];
-      if (!r.first_token) r.first_token = std::chrono::steady_clock::now();
-      r.text += out.delta;
-      r.output.insert(r.output.end(), out.new_tokens.begin(), out.new_tokens.end());
-      r.logprobs.insert(r.logprobs.end(), out.new_logprobs.begin(), out.new_logprobs.end());
-      if (stream) std::cout << out.delta << std::flush;
-      if (out.finished) r.finish = out.finish_reason;
-    }
-  }
+  const bool stream = texts.size() == 1 && !o.json && !output;
+  TESSERA_ASSIGN_OR_RETURN(auto results,
+                           llm->generate(ids, o.sampling, [&](size_t, const RequestOutput& out) {
+                             if (stream) std::cout << out.delta << std::flush;
+                           }));
   auto t_end = std::chrono::steady_clock::now();
-  for (const auto& r : results) {
-    if (r.finish.rfind("error: ", 0) == 0) return internal_error(r.finish.substr(7));
-  }
-  if (o.json) {
-    for (const auto& r : results) {
-      nlohmann::json lp = nlohmann::json::array();
-      for (const auto& l : r.logprobs) {
-        nlohmann::json top = nlohmann::json::array();
-        for (const auto& [t, p] : l.top) top.push_back({t, p});
-        lp.push_back({{"token", l.token}, {"logprob", l.logprob}, {"top", top}});
-      }
-      nlohmann::json j = {{"prompt_ids", r.prompt},
-                          {"output_ids", r.output},
-                          {"text", r.text},
-                          {"finish_reason", r.finish},
-                          {"logprobs", lp}};
-      std::cout << j.dump() << "\n";
+  if (output) {
+    for (size_t i = 0; i < results.size(); ++i) {
+      nlohmann::json j = result_json(results[i]);
+      j["prompt"] = texts[i];
+      *output << j.dump() << "\n";
     }
+    output->flush();
+    if (!*output) return unavailable("--output: writing " + o.output + " failed (disk full?)");
+    std::fprintf(stderr, "wrote %zu results to %s\n", results.size(), o.output.c_str());
+  }
+  if (output) {
+    // The results are in the file.
+  } else if (o.json) {
+    for (const auto& r : results) std::cout << result_json(r).dump() << "\n";
   } else if (stream) {
     std::cout << std::endl;  // before the summary on stderr
   } else {
     for (size_t i = 0; i < results.size(); ++i) {
-      std::cout << "[" << i << "] " << o.prompts[i] << results[i].text << "\n";
+      std::cout << "[" << i << "] " << texts[i] << results[i].text << "\n";
     }
   }
   using ms = std::chrono::duration<double, std::milli>;
   size_t prompt_tokens = 0, output_tokens = 0;
   std::optional<std::chrono::steady_clock::time_point> first;
   for (const auto& r : results) {
-    prompt_tokens += r.prompt.size();
-    output_tokens += r.output.size();
+    prompt_tokens += r.prompt_token_ids.size();
+    output_tokens += r.token_ids.size();
     if (r.first_token && (!first || *r.first_token < *first)) first = r.first_token;
   }
   const ModelInfo& m = session->model();
@@ -98,7 +130,7 @@ Status run(const GenerateOptions& o) {
                "load %.0f ms, first token %.0f ms, %.1f tok/s after it\n",
                m.architecture.c_str(), m.backend.c_str(), m.device_name.empty() ? "" : " on ",
                m.device_name.c_str(), m.dtype.c_str(), results.size(), prompt_tokens, output_tokens,
-               results.size() == 1 ? results[0].finish.c_str() : "batched",
+               results.size() == 1 ? results[0].finish_reason.c_str() : "batched",
                ms(t_loaded - t0).count(), first ? ms(*first - t_loaded).count() : 0.0,
                output_tokens > results.size() && decode_ms > 0
                    ? (output_tokens - results.size()) / (decode_ms / 1000.0)

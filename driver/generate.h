@@ -13,6 +13,8 @@ namespace tessera {
 struct GenerateOptions {
   EngineArgs engine;
   std::vector<std::string> prompts;
+  std::string input;   // --input: JSONL of {"prompt"} or {"prompt_token_ids"}, instead of prompts
+  std::string output;  // --output: JSONL results, a line per prompt in order (else stdout)
   SamplingParams sampling;
   bool json = false;  // print one JSON object per prompt (ids, text, logprobs) instead of text
 };

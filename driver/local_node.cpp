@@ -29,7 +29,18 @@ std::string self_exe() {
 }  // namespace
 
 Expected<std::unique_ptr<LocalNode>> LocalNode::start(const std::string& tessera_binary) {
-  std::string binary = tessera_binary.empty() ? self_exe() : tessera_binary;
+  std::string binary = tessera_binary;
+  if (binary.empty()) {
+    // The `tessera` program: this one, or the one beside it (a program on the driver library).
+    const std::string self = self_exe();
+    const size_t slash = self.rfind('/');
+    const std::string name = slash == std::string::npos ? self : self.substr(slash + 1);
+    binary = name == "tessera" ? self : self.substr(0, slash + 1) + "tessera";
+    if (::access(binary.c_str(), X_OK) != 0) {
+      return failed_precondition("cannot start a local node: no tessera program at " + binary +
+                                 " (install it beside " + name + ", or give --address)");
+    }
+  }
   TESSERA_ASSIGN_OR_RETURN(std::string user_root, open_root(""));
   cleanup_stale(user_root);  // what SIGKILLed commands left behind
   std::unique_ptr<LocalNode> node(new LocalNode());

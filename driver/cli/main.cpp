@@ -149,7 +149,10 @@ int main(int argc, char** argv) {
   gen.sampling.max_tokens = 64;
   auto* gen_cmd = app.add_subcommand("generate", "Generate completions for one or more prompts");
   tessera::add_engine_options(gen_cmd, gen.engine);
-  gen_cmd->add_option("--prompt", gen.prompts, "The prompt text (repeat for a batch)")->required();
+  gen_cmd->add_option("--prompt", gen.prompts, "The prompt text (repeat for a batch)");
+  gen_cmd->add_option("--input", gen.input,
+                      "A JSONL file of {\"prompt\": ...} or {\"prompt_token_ids\": [...]}");
+  gen_cmd->add_option("--output", gen.output, "Write the results as JSONL here");
   gen_cmd->add_option("--max-tokens", gen.sampling.max_tokens, "Tokens to generate (64)");
   gen_cmd->add_option("--temperature", gen.sampling.temperature, "0 = greedy (default 1.0)");
   gen_cmd->add_option("--top-p", gen.sampling.top_p, "Nucleus sampling mass (1.0 = off)");

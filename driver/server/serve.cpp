@@ -30,6 +30,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "driver/chat/chat_template.h"
 #include "driver/server/async_engine.h"
+#include "driver/server/metrics.h"
 #include "driver/server/openai_api.h"
 
 namespace tessera::server {
@@ -74,94 +75,6 @@ std::vector<std::string> serve_positional_model(std::vector<std::string> args) {
 }
 
 namespace {
-
-// ---- metrics --------------------------------------------------------------------------------
-
-struct Histogram {
-  std::vector<double> bounds;
-  std::vector<uint64_t> counts;  // per bucket (not cumulative); last = +Inf
-  double sum = 0;
-  uint64_t count = 0;
-  explicit Histogram(std::vector<double> b) : bounds(std::move(b)), counts(bounds.size() + 1) {}
-  void observe(double v) {
-    size_t i = 0;
-    while (i < bounds.size() && v > bounds[i]) ++i;
-    counts[i]++;
-    sum += v;
-    count++;
-  }
-};
-
-// vLLM's names and buckets; touched on the I/O thread only.
-struct Metrics {
-  Histogram ttft{{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,  0.5,   0.75,
-                  1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0}};
-  Histogram itl{{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                 10.0, 20.0, 40.0, 80.0}};
-  Histogram e2e{{0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,   5.0,   10.0,   15.0,  20.0,
-                 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}};
-  std::map<std::string, uint64_t> finished;  // by finished_reason
-  std::map<int, uint64_t> http_responses;    // by status
-};
-
-std::string prometheus(const Metrics& m, const EngineStats& s, const std::string& model) {
-  std::ostringstream o;
-  const std::string label = "{model_name=\"" + model + "\"}";
-  auto gauge = [&](const char* name, const char* help, double v) {
-    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " gauge\n"
-      << name << label << ' ' << v << '\n';
-  };
-  auto counter = [&](const char* name, const char* help, double v) {
-    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " counter\n"
-      << name << label << ' ' << v << '\n';
-  };
-  auto histogram = [&](const char* name, const char* help, const Histogram& h) {
-    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " histogram\n";
-    uint64_t cumulative = 0;
-    for (size_t i = 0; i < h.bounds.size(); ++i) {
-      cumulative += h.counts[i];
-      o << name << "_bucket{le=\"" << h.bounds[i] << "\",model_name=\"" << model << "\"} "
-        << cumulative << '\n';
-    }
-    cumulative += h.counts.back();
-    o << name << "_bucket{le=\"+Inf\",model_name=\"" << model << "\"} " << cumulative << '\n';
-    o << name << "_sum" << label << ' ' << h.sum << '\n';
-    o << name << "_count" << label << ' ' << h.count << '\n';
-  };
-  gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-        static_cast<double>(s.running));
-  gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-        static_cast<double>(s.waiting));
-  gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage);
-  counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of tokens.",
-          static_cast<double>(s.prefix_cache_queries));
-  counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of tokens.",
-          static_cast<double>(s.prefix_cache_hits));
-  counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
-          static_cast<double>(s.prompt_tokens));
-  counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
-          static_cast<double>(s.generation_tokens));
-  counter("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.",
-          static_cast<double>(s.preemptions));
-  o << "# HELP vllm:request_success_total Count of successfully processed requests.\n"
-    << "# TYPE vllm:request_success_total counter\n";
-  for (const auto& [reason, n] : m.finished) {
-    o << "vllm:request_success_total{finished_reason=\"" << reason << "\",model_name=\"" << model
-      << "\"} " << n << '\n';
-  }
-  histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            m.ttft);
-  histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            m.itl);
-  histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            m.e2e);
-  o << "# HELP tessera:http_responses_total HTTP responses by status.\n"
-    << "# TYPE tessera:http_responses_total counter\n";
-  for (const auto& [status, n] : m.http_responses) {
-    o << "tessera:http_responses_total{status=\"" << status << "\"} " << n << '\n';
-  }
-  return o.str();
-}
 
 // ---- one request's outputs, handed from the engine thread to the I/O thread ---------------
 
@@ -540,7 +453,7 @@ class Server {
             json chunk = stream_chunk(req, id, index, text, out.new_logprobs,
                                       out.finished ? out.finish_reason : "",
                                       chat && !started[index], created, model_);
-            data = "data: " + chunk.dump() + "\n\n";
+            data = sse_event(chunk.dump());
           }
           started[index] = true;
           if (!data.empty() && !co_await write_chunk(data)) open = false;
@@ -580,16 +493,15 @@ class Server {
     }
     if (!error.empty()) {
       const ApiError e = api_error(500, error, "InternalServerError");
-      if (!co_await write_chunk("data: " + error_body(e) + "\n\n")) co_return false;
+      if (!co_await write_chunk(sse_event(error_body(e)))) co_return false;
     }
     if (!legacy) {
       if (req.include_usage) {
-        if (!co_await write_chunk("data: " + usage_chunk(req, id, results, created).dump() +
-                                  "\n\n")) {
+        if (!co_await write_chunk(sse_event(usage_chunk(req, id, results, created).dump()))) {
           co_return false;
         }
       }
-      if (!co_await write_chunk("data: [DONE]\n\n")) co_return false;
+      if (!co_await write_chunk(sse_event("[DONE]"))) co_return false;
     }
     beast::error_code ec;
     co_await asio::async_write(c->stream, http::make_chunk_last(),

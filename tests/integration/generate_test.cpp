@@ -245,5 +245,60 @@ TEST_F(GenerateTest, BenchLatencyWritesItsJson) {
   std::filesystem::remove(json);
 }
 
+// Offline batches: --input JSONL (text or token ids) to --output JSONL, in order, each line the
+// same as that prompt's own run; a bad line is an error naming it.
+TEST_F(GenerateTest, JsonlInputGivesJsonlOutputInOrder) {
+  const std::string in = dir_ + "/prompts.jsonl", out = dir_ + "/results.jsonl";
+  std::vector<int> ids = golden_["cases"][0]["ids"].get<std::vector<int>>();
+  {
+    std::ofstream f(in);
+    f << nlohmann::json{{"prompt", "Once upon a time"}}.dump() << "\n\n"
+      << nlohmann::json{{"prompt_token_ids", ids}}.dump() << "\n";
+  }
+  CommandResult r =
+      run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu", "--input", in,
+                   "--output", out, "--temperature", "0", "--ignore-eos", "--max-tokens", "12"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream f(out);
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(f, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0]["prompt"], "Once upon a time");
+  auto alone = generate(
+      {"--prompt", "Once upon a time", "--temperature", "0", "--ignore-eos", "--max-tokens", "12"});
+  EXPECT_EQ(lines[0]["output_ids"], alone["output_ids"]);
+  std::vector<int> want = golden_["cases"][0]["greedy"].get<std::vector<int>>();
+  want.resize(12);
+  EXPECT_EQ(lines[1]["prompt_ids"].get<std::vector<int>>(), ids);
+  EXPECT_EQ(lines[1]["output_ids"].get<std::vector<int>>(), want);  // transformers' tokens
+  {
+    std::ofstream bad(in);
+    bad << "{\"prompt\": \"ok\"}\n{\"text\": 3}\n";
+  }
+  r = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu", "--input", in});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("prompts.jsonl line 2"), std::string::npos) << r.err;
+}
+
+// The offline C++ API's example program (driver/examples/offline_inference.cpp): four prompts
+// batched, each the completion `tessera generate` gives it.
+TEST_F(GenerateTest, TheOfflineApiExampleRuns) {
+  CommandResult r =
+      run_command({bin("tessera-example-offline"), dir_, "--device", "cpu", "--greedy"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto one = generate(
+      {"--prompt", "The capital of France is", "--temperature", "0", "--max-tokens", "16"});
+  ASSERT_FALSE(one.is_null());
+  const std::string line = "Prompt: \"The capital of France is\", Generated text: \"" +
+                           one["text"].get<std::string>() + "\"";
+  EXPECT_NE(r.out.find(line), std::string::npos) << r.out;
+  size_t prompts = 0;
+  for (size_t at = r.out.find("Prompt: "); at != std::string::npos;
+       at = r.out.find("Prompt: ", at + 1)) {
+    ++prompts;
+  }
+  EXPECT_EQ(prompts, 4u) << r.out;
+}
+
 }  // namespace
 }  // namespace tessera

@@ -1,0 +1,63 @@
+#include "driver/llm.h"
+
+#include <map>
+
+namespace tessera {
+
+Expected<std::unique_ptr<LLM>> LLM::open(const EngineArgs& args, const std::string& owner) {
+  TESSERA_RETURN_IF_ERROR(validate(args));
+  std::unique_ptr<LLM> llm(new LLM());
+  TESSERA_ASSIGN_OR_RETURN(llm->session_, ModelSession::open(args, owner));
+  return llm;
+}
+
+Expected<std::vector<GenerationResult>> LLM::generate(
+    const std::vector<std::string>& prompts, const SamplingParams& params,
+    const std::function<void(size_t, const RequestOutput&)>& on_output) {
+  std::vector<std::vector<int32_t>> ids;
+  ids.reserve(prompts.size());
+  for (const auto& p : prompts) {
+    ids.push_back(session_->tokenizer().encode(p, /*add_special_tokens=*/true));
+  }
+  return generate(ids, params, on_output);
+}
+
+Expected<std::vector<GenerationResult>> LLM::generate(
+    const std::vector<std::vector<int32_t>>& prompt_token_ids, const SamplingParams& params,
+    const std::function<void(size_t, const RequestOutput&)>& on_output) {
+  TESSERA_RETURN_IF_ERROR(params.validate(session_->model().vocab_size));
+  LlmEngine& engine = session_->engine();
+  std::vector<GenerationResult> results(prompt_token_ids.size());
+  std::map<uint64_t, size_t> index;
+  for (size_t i = 0; i < prompt_token_ids.size(); ++i) {
+    results[i].prompt_token_ids = prompt_token_ids[i];
+    auto id = engine.add_request(prompt_token_ids[i], params);
+    if (!id) {
+      // Nothing of this call may stay queued.
+      for (const auto& [queued, _] : index) engine.abort_request(queued);
+      return id.status().with_context("prompt " + std::to_string(i));
+    }
+    index[*id] = i;
+  }
+  while (engine.has_unfinished()) {
+    TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
+    for (auto& out : outs) {
+      auto it = index.find(out.request_id);
+      if (it == index.end()) continue;
+      GenerationResult& r = results[it->second];
+      if (!r.first_token && !out.new_tokens.empty())
+        r.first_token = std::chrono::steady_clock::now();
+      r.text += out.delta;
+      r.token_ids.insert(r.token_ids.end(), out.new_tokens.begin(), out.new_tokens.end());
+      r.logprobs.insert(r.logprobs.end(), out.new_logprobs.begin(), out.new_logprobs.end());
+      if (out.finished) r.finish_reason = out.finish_reason;
+      if (on_output) on_output(it->second, out);
+    }
+  }
+  for (const auto& r : results) {
+    if (r.finish_reason.rfind("error: ", 0) == 0) return internal_error(r.finish_reason.substr(7));
+  }
+  return results;
+}
+
+}  // namespace tessera

@@ -1,0 +1,78 @@
+#include "driver/server/metrics.h"
+
+#include <sstream>
+
+namespace tessera::server {
+
+Histogram::Histogram(std::vector<double> b) : bounds(std::move(b)), counts(bounds.size() + 1) {}
+
+void Histogram::observe(double v) {
+  size_t i = 0;
+  while (i < bounds.size() && v > bounds[i]) ++i;
+  counts[i]++;
+  sum += v;
+  count++;
+}
+
+std::string sse_event(const std::string& data) { return "data: " + data + "\n\n"; }
+
+std::string prometheus(const Metrics& m, const EngineStats& s, const std::string& model) {
+  std::ostringstream o;
+  const std::string label = "{model_name=\"" + model + "\"}";
+  auto gauge = [&](const char* name, const char* help, double v) {
+    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " gauge\n"
+      << name << label << ' ' << v << '\n';
+  };
+  auto counter = [&](const char* name, const char* help, double v) {
+    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " counter\n"
+      << name << label << ' ' << v << '\n';
+  };
+  auto histogram = [&](const char* name, const char* help, const Histogram& h) {
+    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " histogram\n";
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < h.bounds.size(); ++i) {
+      cumulative += h.counts[i];
+      o << name << "_bucket{le=\"" << h.bounds[i] << "\",model_name=\"" << model << "\"} "
+        << cumulative << '\n';
+    }
+    cumulative += h.counts.back();
+    o << name << "_bucket{le=\"+Inf\",model_name=\"" << model << "\"} " << cumulative << '\n';
+    o << name << "_sum" << label << ' ' << h.sum << '\n';
+    o << name << "_count" << label << ' ' << h.count << '\n';
+  };
+  gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+        static_cast<double>(s.running));
+  gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+        static_cast<double>(s.waiting));
+  gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage);
+  counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of tokens.",
+          static_cast<double>(s.prefix_cache_queries));
+  counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of tokens.",
+          static_cast<double>(s.prefix_cache_hits));
+  counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
+          static_cast<double>(s.prompt_tokens));
+  counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
+          static_cast<double>(s.generation_tokens));
+  counter("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.",
+          static_cast<double>(s.preemptions));
+  o << "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+    << "# TYPE vllm:request_success_total counter\n";
+  for (const auto& [reason, n] : m.finished) {
+    o << "vllm:request_success_total{finished_reason=\"" << reason << "\",model_name=\"" << model
+      << "\"} " << n << '\n';
+  }
+  histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            m.ttft);
+  histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            m.itl);
+  histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            m.e2e);
+  o << "# HELP tessera:http_responses_total HTTP responses by status.\n"
+    << "# TYPE tessera:http_responses_total counter\n";
+  for (const auto& [status, n] : m.http_responses) {
+    o << "tessera:http_responses_total{status=\"" << status << "\"} " << n << '\n';
+  }
+  return o.str();
+}
+
+}  // namespace tessera::server
