@@ -4,6 +4,7 @@
 
 #include "common/tokenizer/tokenizer.h"
 #include "driver/chat/chat_template.h"
+#include "driver/server/tool_parser.h"
 
 namespace tessera::server {
 
@@ -198,6 +199,23 @@ std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, A
     extra.erase("add_generation_prompt");
   }
   if (auto tools = body.find("tools"); tools != body.end() && !tools->is_null()) {
+    if (!tools->is_array()) return bad_request("tools must be a list of tools", "tools");
+    std::string choice = "auto";
+    if (auto c = body.find("tool_choice"); c != body.end() && !c->is_null()) {
+      choice = c->is_string() ? c->get<std::string>() : "a named function";
+    }
+    if (choice == "auto" && !tools->empty()) {
+      if (m.tool_call_parser.empty()) {
+        return bad_request(
+            "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to "
+            "be set",
+            "tool_choice");
+      }
+      out.parse_tools = true;
+    } else if (choice != "none" && choice != "auto") {
+      return bad_request("tool_choice " + choice + " is not supported: use \"auto\" or \"none\"",
+                         "tool_choice");
+    }
     extra["tools"] = nlohmann::ordered_json::parse(tools->dump());
   }
   const bool gen_prompt = add_generation_prompt.value_or(!continue_final.value_or(false));
@@ -294,6 +312,7 @@ std::optional<ApiError> parse_request(const json& body, bool chat, const ServedM
   if (seed) s.seed = *seed;
   if (ignore_eos) s.ignore_eos = *ignore_eos;
   if (skip_special) s.skip_special_tokens = *skip_special;
+  if (out.parse_tools) s.skip_special_tokens = false;  // <tool_call> may be a special token
   if (include_stop.value_or(false)) {
     return bad_request("include_stop_str_in_output is not supported", "include_stop_str_in_output");
   }
@@ -401,7 +420,7 @@ std::optional<ApiError> parse_request(const json& body, bool chat, const ServedM
 }
 
 std::string api_finish_reason(const std::string& r) {
-  if (r == "length" || r == "abort") return r;
+  if (r == "length" || r == "abort" || r == "tool_calls") return r;
   return "stop";
 }
 
@@ -479,11 +498,27 @@ json completion_response(const ApiRequest& req, const std::string& id,
     const ChoiceResult& c = choices[i];
     const bool want_logprobs = req.sampling.logprobs >= 0;
     if (req.chat) {
+      json message = {{"role", "assistant"}, {"content", c.text}};
+      std::string finish = api_finish_reason(c.finish_reason);
+      if (req.parse_tools) {
+        ToolOutput parsed = parse_hermes(c.text);
+        message["content"] = parsed.content ? json(*parsed.content) : json(nullptr);
+        if (!parsed.calls.empty()) {
+          json calls = json::array();
+          for (const ToolCall& t : parsed.calls) {
+            calls.push_back({{"id", t.id},
+                             {"type", "function"},
+                             {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
+          }
+          message["tool_calls"] = calls;
+          finish = "tool_calls";
+        }
+      }
       out_choices.push_back(
           {{"index", i},
-           {"message", {{"role", "assistant"}, {"content", c.text}}},
+           {"message", message},
            {"logprobs", want_logprobs ? logprobs_json(req, m, c.logprobs, 0) : json(nullptr)},
-           {"finish_reason", api_finish_reason(c.finish_reason)}});
+           {"finish_reason", finish}});
     } else {
       const std::string prefix =
           req.echo ? req.prompt_texts[i / static_cast<size_t>(req.n)] : std::string();
@@ -529,6 +564,26 @@ json stream_chunk(const ApiRequest& req, const std::string& id, int index,
   }
   return {{"id", id},
           {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", req.model},
+          {"choices", json::array({choice})}};
+}
+
+json tool_call_chunk(const ApiRequest& req, const std::string& id, int index,
+                     const std::vector<ToolCall>& calls, int first_index, int64_t created) {
+  json list = json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    list.push_back({{"index", first_index + static_cast<int>(k)},
+                    {"id", calls[k].id},
+                    {"type", "function"},
+                    {"function", {{"name", calls[k].name}, {"arguments", calls[k].arguments}}}});
+  }
+  json choice = {{"index", index},
+                 {"delta", {{"tool_calls", list}}},
+                 {"logprobs", nullptr},
+                 {"finish_reason", nullptr}};
+  return {{"id", id},
+          {"object", "chat.completion.chunk"},
           {"created", created},
           {"model", req.model},
           {"choices", json::array({choice})}};

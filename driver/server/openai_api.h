@@ -45,6 +45,9 @@ struct ServedModel {
   const Tokenizer* tokenizer = nullptr;
   const chat::ChatTemplate* chat_template = nullptr;  // null: chat requests are refused
   int64_t created = 0;                                // unix seconds the server started
+  // --enable-auto-tool-choice --tool-call-parser hermes: tool calls in the output become
+  // tool_calls (tool_parser.h); empty: a request with tools and tool_choice auto is refused.
+  std::string tool_call_parser;
 };
 
 // A parsed request: the prompts (a completions request may carry several), each sampled `n`
@@ -60,6 +63,7 @@ struct ApiRequest {
   bool include_usage = false;  // stream_options.include_usage
   bool echo = false;
   bool chat_logprobs = false;  // chat: "logprobs": true (top_logprobs gives how many)
+  bool parse_tools = false;    // chat with tools and tool_choice auto: parse tool calls
 };
 
 // Parses a request body. `chat` selects /v1/chat/completions. Errors are 400s naming the field
@@ -88,6 +92,12 @@ nlohmann::json stream_chunk(const ApiRequest& req, const std::string& id, int in
                             const std::vector<TokenLogprobs>& new_logprobs,
                             const std::string& finish_reason, bool first, int64_t created,
                             const ServedModel& model);
+// A chunk carrying tool calls completed in a stream (indexes from `first_index`).
+struct ToolCall;
+nlohmann::json tool_call_chunk(const ApiRequest& req, const std::string& id, int index,
+                               const std::vector<ToolCall>& calls, int first_index,
+                               int64_t created);
+
 // The usage chunk that ends a stream with include_usage: no choices.
 nlohmann::json usage_chunk(const ApiRequest& req, const std::string& id,
                            const std::vector<ChoiceResult>& choices, int64_t created);

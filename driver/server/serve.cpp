@@ -32,6 +32,7 @@
 #include "driver/server/async_engine.h"
 #include "driver/server/metrics.h"
 #include "driver/server/openai_api.h"
+#include "driver/server/tool_parser.h"
 
 namespace tessera::server {
 
@@ -58,6 +59,10 @@ CLI::App* add_serve_subcommand(CLI::App& app, ServeOptions& o) {
                   "A chat template file, or the template itself (default: the tokenizer's)");
   cmd->add_option("--generation-config", o.generation_config,
                   "auto: sampling defaults from generation_config.json; vllm: none");
+  cmd->add_flag("--enable-auto-tool-choice", o.enable_auto_tool_choice,
+                "Parse tool calls in chat output (needs --tool-call-parser)");
+  cmd->add_option("--tool-call-parser", o.tool_call_parser,
+                  "How tool calls are written: hermes (<tool_call>{...}</tool_call>)");
   cmd->footer("Example: tessera serve /models/Llama-3.1-8B-Instruct -tp 2 --port 8000");
   return cmd;
 }
@@ -370,6 +375,7 @@ class Server {
     asio::co_spawn(ioc_, watch(c, p), asio::detached);
 
     std::vector<ChoiceResult> results(choices);
+    std::vector<HermesStream> tool_streams(req.parse_tools ? choices : 0);
     std::vector<bool> started(choices, false);
     std::vector<Clock::time_point> last(choices, arrived);
     std::string error;
@@ -444,6 +450,29 @@ class Server {
           if (legacy) {
             const std::string& prompt = req.prompt_texts[static_cast<size_t>(index) / req.n];
             data = json{{"text", json::array({prompt + r.text})}}.dump() + std::string(1, '\0');
+          } else if (req.parse_tools) {
+            // Content as it comes, each tool call once it is complete.
+            HermesStream& tools = tool_streams[static_cast<size_t>(index)];
+            HermesStream::Delta d = tools.push(out.delta);
+            if (out.finished) {
+              HermesStream::Delta rest = tools.finish();
+              d.content += rest.content;
+            }
+            const int before = tools.calls() - static_cast<int>(d.calls.size());
+            if (!d.content.empty() || !started[index]) {
+              data += sse_event(stream_chunk(req, id, index, d.content, out.new_logprobs, "",
+                                             !started[index], created, model_)
+                                    .dump());
+            }
+            if (!d.calls.empty()) {
+              data += sse_event(tool_call_chunk(req, id, index, d.calls, before, created).dump());
+            }
+            if (out.finished) {
+              const std::string reason =
+                  tools.calls() > 0 ? std::string("tool_calls") : out.finish_reason;
+              data += sse_event(
+                  stream_chunk(req, id, index, "", {}, reason, false, created, model_).dump());
+            }
           } else if (!out.delta.empty() || !out.new_logprobs.empty() || out.finished ||
                      (chat && !started[index])) {
             std::string text = out.delta;
@@ -541,6 +570,15 @@ int serve_command(const ServeOptions& options) {
                                  "' is not one of auto, vllm"));
   }
   if (Status st = validate(o.engine); !st) return fail(st);
+  if (o.enable_auto_tool_choice != !o.tool_call_parser.empty()) {
+    return fail(
+        invalid_argument("--enable-auto-tool-choice and --tool-call-parser go together (e.g. "
+                         "--enable-auto-tool-choice --tool-call-parser hermes)"));
+  }
+  if (!o.tool_call_parser.empty() && o.tool_call_parser != "hermes") {
+    return fail(invalid_argument("--tool-call-parser '" + o.tool_call_parser +
+                                 "' is not one Tessera has: hermes"));
+  }
 
   // The port first: a busy one fails before a model loads for minutes.
   asio::io_context ioc(1);
@@ -572,6 +610,7 @@ int serve_command(const ServeOptions& options) {
   if (o.generation_config == "auto") model.defaults = session.defaults();
   model.tokenizer = &session.tokenizer();
   model.created = unix_now();
+  model.tool_call_parser = o.tool_call_parser;
   std::optional<chat::ChatTemplate> chat_template;
   if (!o.chat_template.empty()) {
     std::string source = o.chat_template;

@@ -31,6 +31,8 @@ struct ServeOptions {
   std::string chat_template;  // a file, or the template itself; default: the tokenizer's
   std::string generation_config = "auto";  // auto: generation_config.json | vllm: none
   uint64_t max_request_bytes = 32ull << 20;
+  bool enable_auto_tool_choice = false;  // with tool_call_parser: tool calls become tool_calls
+  std::string tool_call_parser;          // hermes
 };
 
 // Adds `serve` with its flags to `app`.

@@ -54,6 +54,29 @@ for await (const chunk of chatStream) {
 check(chatText === chat.choices[0].message.content, 'a chat stream equals the whole answer');
 check(usage && usage.completion_tokens === 6, 'stream_options.include_usage ends with usage');
 
+// Tools go through the chat template and the hermes parser (this random model writes no call,
+// so the answer is content; the parser's calls are checked in tests/server).
+const tools = [{ type: 'function', function: { name: 'get_weather', description: 'Weather',
+  parameters: { type: 'object', properties: { city: { type: 'string' } } } } }];
+const withTools = await client.chat.completions.create({
+  model, messages: [{ role: 'user', content: 'Weather in Paris?' }], tools, max_tokens: 6,
+  temperature: 0,
+});
+check(['stop', 'length', 'tool_calls'].includes(withTools.choices[0].finish_reason) &&
+      withTools.choices[0].message.role === 'assistant', 'chat with tools answers');
+const toolStream = await client.chat.completions.create({
+  model, messages: [{ role: 'user', content: 'Weather in Paris?' }], tools, max_tokens: 6,
+  temperature: 0, stream: true,
+});
+let toolText = '';
+let finish = null;
+for await (const chunk of toolStream) {
+  toolText += chunk.choices[0]?.delta?.content ?? '';
+  finish = chunk.choices[0]?.finish_reason ?? finish;
+}
+check(toolText === (withTools.choices[0].message.content ?? '') && finish !== null,
+      'a streamed chat with tools equals the whole answer');
+
 // Errors arrive as the SDK's typed errors with the status and message.
 try {
   await client.completions.create({ model, prompt: 'hi', max_tokens: 5, temperature: -1 });

@@ -153,7 +153,9 @@ class ServeTest : public ::testing::Test {
                                    "--seed", std::to_string(golden_["seed"].get<int>()), "--dtype",
                                    "bf16", "--out", model_});
     ASSERT_EQ(r.exit_code, 0) << r.err;
-    server_ = new Server(model_, root_, {"--api-key", "secret"});
+    server_ = new Server(
+        model_, root_,
+        {"--api-key", "secret", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"});
     ASSERT_GT(server_->port(), 0) << server_->process().err();
   }
   static void TearDownTestSuite() {

@@ -223,6 +223,61 @@ TEST_F(OpenAIApiTest, BadFieldsAre400sNamingThem) {
   EXPECT_NE(e->message.find("--chat-template"), std::string::npos);
 }
 
+TEST_F(OpenAIApiTest, ToolsGoThroughTheTemplateAndAutoNeedsTheParser) {
+  json tools = json::array({{{"type", "function"},
+                             {"function",
+                              {{"name", "get_weather"},
+                               {"description", "Weather of a city"},
+                               {"parameters", {{"type", "object"}}}}}}});
+  json body = {{"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}},
+               {"tools", tools}};
+  ApiRequest r;
+  auto e = parse(body, r, true);
+  ASSERT_TRUE(e);
+  EXPECT_NE(e->message.find("--enable-auto-tool-choice"), std::string::npos);
+  // Qwen3's template knows tools (it lists them in the system turn).
+  const std::string qwen = std::string(TESSERA_SOURCE_DIR) + "/tests/assets/tokenizers/qwen3";
+  auto qwen_tokenizer = Tokenizer::load(qwen);
+  ASSERT_TRUE(qwen_tokenizer);
+  auto qwen_template = chat::ChatTemplate::load(qwen + "/tokenizer_config.json");
+  ASSERT_TRUE(qwen_template);
+  ServedModel m = model();
+  m.max_model_len = 4096;
+  m.vocab_size = 151936;
+  m.tokenizer = qwen_tokenizer->get();
+  m.chat_template = &*qwen_template;
+  m.tool_call_parser = "hermes";
+  ASSERT_FALSE(parse(body, r, true, &m));
+  EXPECT_TRUE(r.parse_tools);
+  EXPECT_FALSE(r.sampling.skip_special_tokens);
+  const std::string prompt = m.tokenizer->decode(r.prompts[0], false);
+  EXPECT_NE(prompt.find("\"name\": \"get_weather\""), std::string::npos) << prompt;
+  EXPECT_NE(prompt.find("<tool_call>"), std::string::npos) << prompt;
+  body["tool_choice"] = "none";
+  ASSERT_FALSE(parse(body, r, true));
+  EXPECT_FALSE(r.parse_tools);
+  body["tool_choice"] = "required";
+  e = parse(body, r, true, &m);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->param, "tool_choice");
+  // A response whose text holds a call: tool_calls, no content, finish_reason tool_calls.
+  body.erase("tool_choice");
+  ASSERT_FALSE(parse(body, r, true, &m));
+  ChoiceResult c;
+  c.text =
+      "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>";
+  c.finish_reason = "stop";
+  json j = completion_response(r, "chatcmpl-1", {c}, m);
+  json msg = j["choices"][0]["message"];
+  EXPECT_TRUE(msg["content"].is_null());
+  ASSERT_EQ(msg["tool_calls"].size(), 1u);
+  EXPECT_EQ(msg["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            json({{"city", "Paris"}}));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls");
+}
+
 TEST_F(OpenAIApiTest, ChatRendersTheTemplateAndTextParts) {
   ApiRequest a, b;
   ASSERT_FALSE(parse({{"messages", {{{"role", "user"}, {"content", "Hi there"}}}}}, a, true));
