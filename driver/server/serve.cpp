@@ -654,10 +654,24 @@ int serve_command(const ServeOptions& options) {
   });
   asio::co_spawn(ioc, server.accept_loop(acceptor), asio::detached);
   const auto endpoint = acceptor.local_endpoint(ec);
+  {
+    const ModelInfo& m = session.model();
+    const int64_t kv_tokens = m.kv_blocks * m.block_size;
+    spdlog::info(
+        "model: {} in {} on the {} backend{}{}, {} rank(s); weights {:.2f} GiB, KV cache {:.2f} "
+        "GiB = {} blocks of {} tokens = {} tokens ({:.1f} sequences of --max-model-len {}); "
+        "loaded in {:.1f} s",
+        m.architecture, m.dtype, m.backend, m.device_name.empty() ? "" : " on ", m.device_name,
+        session.plan().plan.world, static_cast<double>(m.weight_bytes) / (1 << 30),
+        static_cast<double>(m.kv_cache_bytes) / (1 << 30), m.kv_blocks, m.block_size, kv_tokens,
+        m.max_model_len > 0 ? static_cast<double>(kv_tokens) / static_cast<double>(m.max_model_len)
+                            : 0.0,
+        m.max_model_len, session.load_seconds());
+  }
   spdlog::info(
-      "serving {} as '{}' on http://{}:{} (OpenAI API: /v1/completions, "
-      "/v1/chat/completions; {})",
-      o.engine.model, model.names.front(), o.host, endpoint.port(),
+      "API server on http://{}:{} serving {} as '{}' (/v1/completions, /v1/chat/completions, "
+      "/v1/models, /health, /metrics; {})",
+      o.host, endpoint.port(), o.engine.model, model.names.front(),
       o.api_key.empty() ? "no API key" : "API key required");
   // Tests and scripts wait for this line on stdout.
   std::cout << "tessera serve: ready on http://" << o.host << ":" << endpoint.port() << std::endl;

@@ -52,6 +52,72 @@ def percentile(xs, p):
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
+def health(port):
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return 0
+
+
+def children(pid):
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def kill_under_load(port, server_pid, body, expected_text):
+    """SIGKILLs the (first) actor while 32 streams run; times the 503 and the way back."""
+    import os
+    import signal
+    actors = [a for d in children(server_pid) for a in children(d)]
+    if not actors:
+        return {"ok": False, "why": "no actor process found"}
+    outcomes = []
+
+    def stream():
+        try:
+            resp, c = post(port, "/v1/completions",
+                           {"prompt": "Keep going", "max_tokens": 2000, "ignore_eos": True,
+                            "stream": True}, stream=True)
+            status = "done"
+            for e in stream_events(resp):
+                if e is not None and "error" in e:
+                    status = "error: " + e["error"]["message"][:120]
+            c.close()
+            outcomes.append(status)
+        except Exception as ex:  # noqa: BLE001
+            outcomes.append("exception: " + str(ex)[:120])
+
+    threads = [threading.Thread(target=stream) for _ in range(32)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    t0 = time.time()
+    os.kill(actors[0], signal.SIGKILL)
+    down = None
+    while time.time() - t0 < 30:
+        if health(port) == 503:
+            down = time.time() - t0
+            break
+        time.sleep(0.05)
+    up = None
+    while time.time() - t0 < 300:
+        if health(port) == 200:
+            up = time.time() - t0
+            break
+        time.sleep(0.2)
+    for t in threads:
+        t.join(timeout=120)
+    s, again = post(port, "/v1/completions", body)
+    same = s == 200 and again["choices"][0]["text"] == expected_text
+    errors = sum(1 for o in outcomes if o.startswith("error"))
+    return {"ok": down is not None and up is not None and same and errors == len(outcomes),
+            "seconds_to_503": down, "seconds_to_200": up, "same_answer_after": same,
+            "streams_failed_naming_cause": errors, "streams": len(outcomes),
+            "sample_error": next((o for o in outcomes if o.startswith("error")), None)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tessera", required=True)
@@ -62,6 +128,9 @@ def main():
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument("--kill-actor", action="store_true",
+                    help="then SIGKILL the actor under load: /health must turn 503, come back "
+                         "200, and answer as before")
     a = ap.parse_args()
 
     cmd = [a.tessera, "serve", a.model, "--port", "0", "--dtype", "bfloat16"] + a.extra_args.split()
@@ -180,6 +249,10 @@ def main():
             print(json.dumps(row))
             results["load"].append(row)
             errors[0] == 0 or failures.append(f"{errors[0]} failed requests at concurrency {conc}")
+        if a.kill_actor:
+            kill = kill_under_load(port, server.pid, body, r1["choices"][0]["text"])
+            results["kill_actor"] = kill
+            kill["ok"] or failures.append("recovery after a killed actor: " + json.dumps(kill))
         conn = http.client.HTTPConnection("127.0.0.1", port)
         conn.request("GET", "/metrics")
         results["metrics"] = [l for l in conn.getresponse().read().decode().splitlines()
