@@ -18,6 +18,10 @@ Expected<std::unique_ptr<AsyncEngine>> AsyncEngine::start(EngineArgs args, std::
       return;
     }
     self->session_ = std::move(*session);
+    self->loaded_ = self->session_->model();
+    self->load_seconds_ = self->session_->load_seconds();
+    self->vocab_size_ = self->session_->model().vocab_size;
+    self->max_model_len_ = self->session_->model().max_model_len;
     self->healthy_ = true;
     self->stats_ = self->session_->engine().stats();
     opened.set_value(Status::ok());
@@ -43,18 +47,18 @@ AsyncEngine::~AsyncEngine() {
 
 Expected<uint64_t> AsyncEngine::add(std::vector<int32_t> prompt, SamplingParams sampling,
                                     Sink sink) {
-  const ModelInfo& m = session_->model();
+  // Not session_->model(): the engine thread replaces the group when it restarts it.
   if (prompt.empty()) return invalid_argument("the prompt is empty");
   for (int32_t id : prompt) {
-    if (id < 0 || id >= m.vocab_size) {
+    if (id < 0 || id >= vocab_size_) {
       return invalid_argument("token id " + std::to_string(id) + " is outside the vocabulary");
     }
   }
-  if (static_cast<int64_t>(prompt.size()) >= m.max_model_len) {
+  if (static_cast<int64_t>(prompt.size()) >= max_model_len_) {
     return invalid_argument("the prompt has " + std::to_string(prompt.size()) +
-                            " tokens; the context holds " + std::to_string(m.max_model_len));
+                            " tokens; the context holds " + std::to_string(max_model_len_));
   }
-  TESSERA_RETURN_IF_ERROR(sampling.validate(m.vocab_size));
+  TESSERA_RETURN_IF_ERROR(sampling.validate(vocab_size_));
   const uint64_t id = next_id_++;
   {
     std::lock_guard<std::mutex> lock(mu_);

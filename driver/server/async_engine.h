@@ -57,8 +57,12 @@ class AsyncEngine {
   std::string unhealthy_reason() const;
   EngineStats stats() const;
 
-  // Fixed once started (safe from any thread).
+  // The session, for what does not change when the engine thread restarts the worker group:
+  // the tokenizer, the config, the plan. Its model() and engine() belong to the engine thread.
   const ModelSession& session() const { return *session_; }
+  // The model as it was loaded at start (a copy: safe from any thread).
+  const ModelInfo& loaded() const { return loaded_; }
+  double load_seconds() const { return load_seconds_; }
 
  private:
   AsyncEngine() = default;
@@ -83,6 +87,10 @@ class AsyncEngine {
   std::string unhealthy_;
   EngineStats stats_;
   std::atomic<uint64_t> next_id_{1};
+  int64_t vocab_size_ = 0;  // the model's, fixed at start (a restart loads the same model)
+  int64_t max_model_len_ = 0;
+  ModelInfo loaded_;  // as loaded at start
+  double load_seconds_ = 0;
   static constexpr int kMaxRestarts = 3;
   void recover();
   void fail_all(const std::string& why);

@@ -605,8 +605,8 @@ int serve_command(const ServeOptions& options) {
   model.names =
       o.served_model_name.empty() ? std::vector<std::string>{o.engine.model} : o.served_model_name;
   model.root = o.engine.model;
-  model.max_model_len = session.model().max_model_len;
-  model.vocab_size = session.model().vocab_size;
+  model.max_model_len = (*engine)->loaded().max_model_len;
+  model.vocab_size = (*engine)->loaded().vocab_size;
   if (o.generation_config == "auto") model.defaults = session.defaults();
   model.tokenizer = &session.tokenizer();
   model.created = unix_now();
@@ -655,7 +655,7 @@ int serve_command(const ServeOptions& options) {
   asio::co_spawn(ioc, server.accept_loop(acceptor), asio::detached);
   const auto endpoint = acceptor.local_endpoint(ec);
   {
-    const ModelInfo& m = session.model();
+    const ModelInfo& m = (*engine)->loaded();
     const int64_t kv_tokens = m.kv_blocks * m.block_size;
     spdlog::info(
         "model: {} in {} on the {} backend{}{}, {} rank(s); weights {:.2f} GiB, KV cache {:.2f} "
@@ -666,7 +666,7 @@ int serve_command(const ServeOptions& options) {
         static_cast<double>(m.kv_cache_bytes) / (1 << 30), m.kv_blocks, m.block_size, kv_tokens,
         m.max_model_len > 0 ? static_cast<double>(kv_tokens) / static_cast<double>(m.max_model_len)
                             : 0.0,
-        m.max_model_len, session.load_seconds());
+        m.max_model_len, (*engine)->load_seconds());
   }
   spdlog::info(
       "API server on http://{}:{} serving {} as '{}' (/v1/completions, /v1/chat/completions, "

@@ -450,7 +450,7 @@ std::string raw_request(int port, const std::string& method, const std::string& 
 // A bounded load with random cancellations: every stream completes or ends cleanly, nothing
 // leaks (no running request, the KV cache empty again), and the server still answers.
 TEST_F(ServeTest, LoadWithRandomCancellationsEndsCleanly) {
-  const int n = 100;
+  const int n = 64;
   std::vector<std::string> got(n);
   std::vector<bool> cancel(n);
   std::mt19937 rng(5);
@@ -475,7 +475,7 @@ TEST_F(ServeTest, LoadWithRandomCancellationsEndsCleanly) {
     EXPECT_NE(got[i].find("data: [DONE]"), std::string::npos) << i << ": " << got[i];
     completed += got[i].find("data: [DONE]") != std::string::npos;
   }
-  EXPECT_GT(completed, 50);
+  EXPECT_GT(completed, n / 2);
   EXPECT_TRUE(wait_until(
       [&] {
         return server_->metric("vllm:num_requests_running") == 0 &&
