@@ -5,7 +5,6 @@
 namespace tessera {
 
 Expected<std::unique_ptr<LLM>> LLM::open(const EngineArgs& args, const std::string& owner) {
-  TESSERA_RETURN_IF_ERROR(validate(args));
   std::unique_ptr<LLM> llm(new LLM());
   TESSERA_ASSIGN_OR_RETURN(llm->session_, ModelSession::open(args, owner));
   return llm;
@@ -25,7 +24,6 @@ Expected<std::vector<GenerationResult>> LLM::generate(
 Expected<std::vector<GenerationResult>> LLM::generate(
     const std::vector<std::vector<int32_t>>& prompt_token_ids, const SamplingParams& params,
     const std::function<void(size_t, const RequestOutput&)>& on_output) {
-  TESSERA_RETURN_IF_ERROR(params.validate(session_->model().vocab_size));
   LlmEngine& engine = session_->engine();
   std::vector<GenerationResult> results(prompt_token_ids.size());
   std::map<uint64_t, size_t> index;

@@ -20,8 +20,6 @@ Expected<std::unique_ptr<AsyncEngine>> AsyncEngine::start(EngineArgs args, std::
     self->session_ = std::move(*session);
     self->loaded_ = self->session_->model();
     self->load_seconds_ = self->session_->load_seconds();
-    self->vocab_size_ = self->session_->model().vocab_size;
-    self->max_model_len_ = self->session_->model().max_model_len;
     self->healthy_ = true;
     self->stats_ = self->session_->engine().stats();
     opened.set_value(Status::ok());
@@ -47,18 +45,19 @@ AsyncEngine::~AsyncEngine() {
 
 Expected<uint64_t> AsyncEngine::add(std::vector<int32_t> prompt, SamplingParams sampling,
                                     Sink sink) {
-  // Not session_->model(): the engine thread replaces the group when it restarts it.
+  // loaded_, not session_->model(): the engine thread replaces the group when it restarts it.
+  const int64_t vocab_size = loaded_.vocab_size, max_model_len = loaded_.max_model_len;
   if (prompt.empty()) return invalid_argument("the prompt is empty");
   for (int32_t id : prompt) {
-    if (id < 0 || id >= vocab_size_) {
+    if (id < 0 || id >= vocab_size) {
       return invalid_argument("token id " + std::to_string(id) + " is outside the vocabulary");
     }
   }
-  if (static_cast<int64_t>(prompt.size()) >= max_model_len_) {
+  if (static_cast<int64_t>(prompt.size()) >= max_model_len) {
     return invalid_argument("the prompt has " + std::to_string(prompt.size()) +
-                            " tokens; the context holds " + std::to_string(max_model_len_));
+                            " tokens; the context holds " + std::to_string(max_model_len));
   }
-  TESSERA_RETURN_IF_ERROR(sampling.validate(vocab_size_));
+  TESSERA_RETURN_IF_ERROR(sampling.validate(vocab_size));
   const uint64_t id = next_id_++;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -87,8 +87,6 @@ class AsyncEngine {
   std::string unhealthy_;
   EngineStats stats_;
   std::atomic<uint64_t> next_id_{1};
-  int64_t vocab_size_ = 0;  // the model's, fixed at start (a restart loads the same model)
-  int64_t max_model_len_ = 0;
   ModelInfo loaded_;  // as loaded at start
   double load_seconds_ = 0;
   static constexpr int kMaxRestarts = 3;

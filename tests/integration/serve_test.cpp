@@ -49,6 +49,20 @@ std::string which(const std::string& name) {
   return name;
 }
 
+// A TCP connection to 127.0.0.1:port, or -1.
+int connect_local(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 struct Reply {
   int status = 0;
   std::string body;
@@ -117,6 +131,31 @@ class Server {
  private:
   std::unique_ptr<BackgroundProcess> process_;
   int port_ = -1;
+};
+
+// Client threads of a test against `server`: joined when the test leaves, early too (a failed
+// ASSERT), after killing the server if it still runs so that they return; a thread left
+// joinable would end the binary with std::terminate and leave the server running.
+class Clients {
+ public:
+  explicit Clients(Server& server) : server_(server) {}
+  ~Clients() {
+    if (server_.process().wait(0ms) == -1) ::kill(server_.process().pid(), SIGKILL);
+    join();
+  }
+  template <typename F>
+  void spawn(F body) {
+    threads_.emplace_back(std::move(body));
+  }
+  void join() {
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
+ private:
+  Server& server_;
+  std::vector<std::thread> threads_;
 };
 
 // The text of an SSE stream's data events, the events themselves, and whether it ended in [DONE].
@@ -307,12 +346,8 @@ TEST_F(ServeTest, BadRequestsAreOpenAIErrorsAndTheServerGoesOn) {
   EXPECT_EQ(server_->call("GET", "/v1/models", "", "wrong").status, 401);
   EXPECT_EQ(server_->call("GET", "/health", "", "").status, 200);
   // Malformed HTTP on a raw socket: a 400, and the server goes on.
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const int fd = connect_local(server_->port());
+  ASSERT_GE(fd, 0);
   const std::string junk = "GARBAGE / HTTP/9.9\r\nContent-Length: -5\r\n\r\n";
   ASSERT_EQ(::send(fd, junk.data(), junk.size(), 0), static_cast<ssize_t>(junk.size()));
   char buf[512] = {};
@@ -353,12 +388,8 @@ TEST_F(ServeTest, ManyConcurrentStreamsGetWhatOneAtATimeGets) {
 
 TEST_F(ServeTest, AClientThatGoesAwayIsAbortedAndItsBlocksFreed) {
   const double generated_before = server_->metric("vllm:generation_tokens_total");
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const int fd = connect_local(server_->port());
+  ASSERT_GE(fd, 0);
   const std::string body = json{
       {"prompt", "Tell me everything"},
       {"max_tokens", 4000},
@@ -422,15 +453,8 @@ TEST_F(ServeTest, TheOpenAISdkForNodeWorks) {
 std::string raw_request(int port, const std::string& method, const std::string& path,
                         const std::string& body, size_t stop_after = 0,
                         const std::string& key = "secret") {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return {};
-  }
+  const int fd = connect_local(port);
+  if (fd < 0) return {};
   std::string req = method + " " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n";
   if (!key.empty()) req += "Authorization: Bearer " + key + "\r\n";
   req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
@@ -490,12 +514,8 @@ TEST_F(ServeTest, LoadWithRandomCancellationsEndsCleanly) {
 
 TEST_F(ServeTest, ABodyOverTheLimitIs413) {
   // The header alone says it: the server answers before reading 64 MiB.
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const int fd = connect_local(server_->port());
+  ASSERT_GE(fd, 0);
   const std::string head =
       "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer secret\r\n"
       "Content-Length: 67108864\r\n\r\n{\"prompt\": \"";
@@ -537,7 +557,8 @@ TEST_F(ServeTest, NoPrefixCachingSameAnswersAndADeadActorIsReplaced) {
   ASSERT_EQ(before.size(), 1u);
   // A long stream is running when the actor dies.
   std::string streamed;
-  std::thread client([&] {
+  Clients client(plain);
+  client.spawn([&] {
     streamed = raw_request(
         plain.port(), "POST", "/v1/completions",
         json{{"prompt", "Go on"}, {"max_tokens", 3000}, {"ignore_eos", true}, {"stream", true}}
@@ -569,10 +590,10 @@ TEST_F(ServeTest, NoPrefixCachingSameAnswersAndADeadActorIsReplaced) {
 TEST_F(ServeTest, SigtermWhileStreamingExitsCleanly) {
   Server s(model_, root_);
   ASSERT_GT(s.port(), 0) << s.process().err();
-  std::vector<std::thread> clients;
   std::atomic<int> ended{0};
+  Clients clients(s);
   for (int i = 0; i < 3; ++i) {
-    clients.emplace_back([&] {
+    clients.spawn([&] {
       s.post("/v1/completions",
              {{"prompt", "Go on"}, {"max_tokens", 3000}, {"ignore_eos", true}, {"stream", true}},
              "");
@@ -588,7 +609,7 @@ TEST_F(ServeTest, SigtermWhileStreamingExitsCleanly) {
   ASSERT_EQ(::kill(s.process().pid(), SIGTERM), 0);
   const int status = s.process().wait(20s);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << s.process().err();
-  for (auto& t : clients) t.join();
+  clients.join();
   EXPECT_EQ(ended.load(), 3);
   EXPECT_TRUE(wait_until([&] { return !testing::process_alive(actors[0]); }, 10s));
 }
