@@ -14,8 +14,6 @@ namespace tessera {
 inline constexpr int64_t kDefaultMaxNumSeqs = 256;
 inline constexpr int64_t kDefaultBlockSize = 16;
 inline constexpr double kDefaultGpuMemoryUtilization = 0.9;
-// max-model-len when none is given: min(the model's max_position_embeddings, this).
-inline constexpr int64_t kDefaultMaxModelLenCap = 8192;
 
 // One rank of a worker group as the driver placed it (error messages name these).
 struct RankInfo {
@@ -47,7 +45,7 @@ struct LoadSpec {
   std::string dtype = "auto";   // auto | bfloat16 | float16 | half | float32 | float
   std::string device = "auto";  // auto (cuda when a GPU is visible) | cuda | cpu
   int64_t block_size = kDefaultBlockSize;
-  int64_t max_model_len = 0;  // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
+  int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
   int64_t max_num_seqs = kDefaultMaxNumSeqs;
   int64_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;

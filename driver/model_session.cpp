@@ -156,11 +156,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   std::unique_ptr<ModelSession> s(new ModelSession());
   TESSERA_ASSIGN_OR_RETURN(s->config_, load_model_config(a.model, &s->defaults_));
   TESSERA_ASSIGN_OR_RETURN(s->tokenizer_, Tokenizer::load(a.model));
-  if (a.memory.max_model_len > s->config_.max_position_embeddings) {
-    return invalid_argument("--max-model-len " + std::to_string(a.memory.max_model_len) +
-                            " exceeds the model's max_position_embeddings (" +
-                            std::to_string(s->config_.max_position_embeddings) + ")");
-  }
+  TESSERA_RETURN_IF_ERROR(resolve_max_model_len(a.memory.max_model_len, s->config_).status());
   // A -tp / -pp that cannot split the model is refused before anything starts.
   {
     PlanRequest request;
@@ -222,7 +218,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   load.model_dir = a.model;
   load.dtype = a.dtype;
   load.device = spec.placement.front().gpu >= 0 ? a.device : "cpu";
-  load.max_model_len = a.memory.max_model_len;
+  load.max_model_len = s->plan_.memory.options.max_model_len;  // resolved: never 0
   load.max_num_seqs = a.memory.max_num_seqs;
   load.max_num_batched_tokens = a.memory.max_num_batched_tokens;
   load.gpu_memory_utilization = a.memory.gpu_memory_utilization;

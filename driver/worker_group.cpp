@@ -228,7 +228,10 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     }
   }
   // Rings for the nodes whose shared memory this process can map (this machine's).
-  const int64_t max_len = s.load.max_model_len > 0 ? s.load.max_model_len : kDefaultMaxModelLenCap;
+  if (s.load.max_model_len <= 0) {
+    return invalid_argument("the worker group's max_model_len is not resolved (0)");
+  }
+  const int64_t max_len = s.load.max_model_len;
   const int64_t blocks_per_seq = (max_len + s.load.block_size - 1) / s.load.block_size;
   const int64_t max_tokens =
       s.load.max_num_batched_tokens > 0 ? s.load.max_num_batched_tokens : 16384;

@@ -326,7 +326,7 @@ Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& co
                             std::to_string(config.max_position_embeddings) + ")");
   }
   if (requested > 0) return requested;
-  return std::min<int64_t>(config.max_position_embeddings, kDefaultMaxModelLenCap);
+  return config.max_position_embeddings;
 }
 
 int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len) {

@@ -136,7 +136,7 @@ Expected<std::vector<std::pair<int64_t, int64_t>>> stage_layers(
 // bfloat16 on the GPU), INVALID_ARGUMENT for an unknown name.
 Expected<DType> resolve_dtype(const std::string& name, DType checkpoint_dtype, bool gpu);
 
-// The max-model-len to use: spec's, or min(max_position_embeddings, kDefaultMaxModelLenCap);
+// The max-model-len to use: spec's, or the model's max_position_embeddings (vLLM's default);
 // INVALID_ARGUMENT past max_position_embeddings.
 Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config);
 

@@ -23,6 +23,60 @@ using tokenizer::Segment;
 Tokenizer::Tokenizer() = default;
 Tokenizer::~Tokenizer() = default;
 
+namespace {
+
+// Prompts must get the ids vLLM gets, and vLLM tokenizes with transformers' AutoTokenizer. Its
+// version 5 keeps only the vocabulary and merges of tokenizer.json for the classes that define
+// their own pipeline, and reads tokenizer_config.json for their options (measured against
+// transformers 5.17 in tests/tokenizer/tokenizer_flags_test.cpp):
+//  - LlamaTokenizer (and ...Fast): no normalizer, a Metaspace pre-tokenizer whose prepend scheme
+//    is "always" for legacy, "first" otherwise (legacy defaults to false), "never" without
+//    add_prefix_space (default true), and the decoder Replace, ByteFallback, Fuse (+ Strip one
+//    leading space with the prefix). transformers does this to byte-level vocabularies too,
+//    which breaks them; here it applies only to SentencePiece-style BPE (byte_fallback).
+//  - Qwen2Tokenizer: its byte-level pre-tokenizer takes add_prefix_space (default false).
+// add_bos_token and add_eos_token in the file change nothing there: tokenizer.json's
+// post-processor decides which special tokens encode adds.
+void apply_transformers_rules(const TokenizerConfig& config, json& spec) {
+  std::string cls = config.tokenizer_class;
+  if (cls.size() > 4 && cls.ends_with("Fast")) cls.resize(cls.size() - 4);
+  json& model = spec["model"];
+  if (cls == "LlamaTokenizer" && model.value("type", std::string()) == "BPE" &&
+      model.value("byte_fallback", false)) {
+    const bool prefix = config.add_prefix_space.value_or(true);
+    const bool legacy = config.legacy.value_or(false);
+    const std::string space = "\xe2\x96\x81";  // ▁
+    spec["normalizer"] = nullptr;
+    spec["pre_tokenizer"] = {{"type", "Metaspace"},
+                             {"replacement", space},
+                             {"prepend_scheme", prefix ? (legacy ? "always" : "first") : "never"},
+                             {"split", false}};
+    json decoders =
+        json::array({{{"type", "Replace"}, {"pattern", {{"String", space}}}, {"content", " "}},
+                     {{"type", "ByteFallback"}},
+                     {{"type", "Fuse"}}});
+    if (prefix)
+      decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+    spec["decoder"] = {{"type", "Sequence"}, {"decoders", std::move(decoders)}};
+    model["fuse_unk"] = true;
+  }
+  if (cls == "Qwen2Tokenizer") {
+    const bool prefix = config.add_prefix_space.value_or(false);
+    json& pre = spec["pre_tokenizer"];
+    auto set_prefix = [&](json& p) {
+      if (p.is_object() && p.value("type", std::string()) == "ByteLevel")
+        p["add_prefix_space"] = prefix;
+    };
+    if (pre.is_object() && pre.value("type", std::string()) == "Sequence") {
+      for (json& p : pre["pretokenizers"]) set_prefix(p);
+    } else {
+      set_prefix(pre);
+    }
+  }
+}
+
+}  // namespace
+
 Expected<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
   namespace fs = std::filesystem;
   std::string tokenizer_path = (fs::path(dir) / "tokenizer.json").string();
@@ -32,10 +86,8 @@ Expected<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
   if (std::error_code ec; fs::exists(config_path, ec)) {
     TESSERA_ASSIGN_OR_RETURN(config_json, tokenizer::read_text_file(config_path));
   }
-  TESSERA_ASSIGN_OR_RETURN(auto tok, from_json(tokenizer_json, {}, tokenizer_path));
-  if (!config_json.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(tok->config_, parse_tokenizer_config(config_json, config_path));
-  }
+  TESSERA_ASSIGN_OR_RETURN(auto tok,
+                           from_json(tokenizer_json, config_json, tokenizer_path, config_path));
   std::string generation_path = (fs::path(dir) / "generation_config.json").string();
   if (std::error_code ec; fs::exists(generation_path, ec)) {
     TESSERA_ASSIGN_OR_RETURN(std::string text, tokenizer::read_text_file(generation_path));
@@ -51,13 +103,18 @@ Expected<std::unique_ptr<Tokenizer>> Tokenizer::load(const std::string& dir) {
 
 Expected<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokenizer_json,
                                                           std::string_view config_json,
-                                                          std::string_view origin) {
+                                                          std::string_view origin,
+                                                          std::string_view config_origin) {
   std::string where(origin);
   TESSERA_ASSIGN_OR_RETURN(json spec, tokenizer::parse_json(tokenizer_json, origin));
   if (!spec.is_object()) return invalid_argument(where + ": not a JSON object");
   std::unique_ptr<Tokenizer> tok(new Tokenizer());
+  if (!config_json.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(tok->config_, parse_tokenizer_config(config_json, config_origin));
+  }
   auto located = [&](const Status& status) { return status.with_context(where); };
   try {
+    apply_transformers_rules(tok->config_, spec);
     if (spec.contains("version") && spec["version"] != "1.0") {
       return invalid_argument(where + ": unknown tokenizer version " + spec["version"].dump());
     }
@@ -100,10 +157,6 @@ Expected<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view token
         bpe.vocab_size(), tok->normalizer_.get());
   } catch (const json::exception& e) {
     return invalid_argument(where + ": unexpected structure: " + e.what());
-  }
-  if (!config_json.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(tok->config_,
-                             parse_tokenizer_config(config_json, "tokenizer_config.json"));
   }
   tok->derive_settings();
   return tok;

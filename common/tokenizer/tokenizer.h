@@ -50,10 +50,14 @@ class Tokenizer {
   static Expected<std::unique_ptr<Tokenizer>> load(const std::string& dir);
 
   // Builds a tokenizer from the texts of tokenizer.json and (optionally, empty for none)
-  // tokenizer_config.json. `origin` names the source in error messages.
-  static Expected<std::unique_ptr<Tokenizer>> from_json(std::string_view tokenizer_json,
-                                                        std::string_view config_json = {},
-                                                        std::string_view origin = "tokenizer.json");
+  // tokenizer_config.json; `origin` and `config_origin` name them in error messages. Without a
+  // config this is the `tokenizers` library's Tokenizer.from_file; with one, transformers'
+  // AutoTokenizer: the config's tokenizer class, legacy and add_prefix_space change the pipeline
+  // as transformers 5 does (tokenizer.cpp lists the rules).
+  static Expected<std::unique_ptr<Tokenizer>> from_json(
+      std::string_view tokenizer_json, std::string_view config_json = {},
+      std::string_view origin = "tokenizer.json",
+      std::string_view config_origin = "tokenizer_config.json");
 
   ~Tokenizer();
   Tokenizer(const Tokenizer&) = delete;

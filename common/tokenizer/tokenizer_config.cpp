@@ -40,6 +40,11 @@ Expected<TokenizerConfig> parse_tokenizer_config(std::string_view json_text,
     out.unk_token = token_field(config, "unk_token");
     out.add_bos_token = bool_field(config, "add_bos_token");
     out.add_eos_token = bool_field(config, "add_eos_token");
+    out.legacy = bool_field(config, "legacy");
+    out.add_prefix_space = bool_field(config, "add_prefix_space");
+    if (config.contains("tokenizer_class") && config["tokenizer_class"].is_string()) {
+      out.tokenizer_class = config["tokenizer_class"].get<std::string>();
+    }
     out.clean_up_tokenization_spaces = config.value("clean_up_tokenization_spaces", false);
     if (config.contains("chat_template")) {
       const json& templates = config["chat_template"];

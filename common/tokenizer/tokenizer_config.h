@@ -21,8 +21,14 @@ struct TokenizerConfig {
   std::optional<std::string> eos_token;
   std::optional<std::string> pad_token;
   std::optional<std::string> unk_token;
+  // As written; encode follows tokenizer.json's post-processor, as transformers 5 does.
   std::optional<bool> add_bos_token;
   std::optional<bool> add_eos_token;
+  // transformers' class ("LlamaTokenizerFast", ...), empty when absent; with `legacy` and
+  // `add_prefix_space` it changes the pipeline as transformers 5 does (see tokenizer.cpp).
+  std::string tokenizer_class;
+  std::optional<bool> legacy;
+  std::optional<bool> add_prefix_space;
   // The default chat template (Jinja source); empty when there is none. A config that lists
   // named templates gives the one named "default" here and all of them in named_chat_templates.
   std::string chat_template;

@@ -101,7 +101,7 @@ const char* run_dtype_name(DType dtype);
 
 // The engine flags that size memory (vLLM's names; the defaults of common/load_spec.h).
 struct MemoryOptions {
-  int64_t max_model_len = 0;  // 0 = min(max_position_embeddings, kDefaultMaxModelLenCap)
+  int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
   int64_t max_num_seqs = kDefaultMaxNumSeqs;
   int64_t max_num_batched_tokens = 0;      // 0 = max(max_model_len, 2048), at most 16384

@@ -34,7 +34,7 @@ void add_model_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_option("--dtype", a.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
   cmd->add_option("--device", a.device, "auto (GPUs when there are any)|cuda|cpu");
   cmd->add_option("--max-model-len", a.memory.max_model_len,
-                  "Context length (default: the model's, at most 8192)");
+                  "Context length (default: the model's max_position_embeddings)");
   cmd->add_option("--gpu-memory-utilization", a.memory.gpu_memory_utilization,
                   "Fraction of each GPU's memory to use (0.9)");
   cmd->add_option("--max-num-seqs", a.memory.max_num_seqs, "Most sequences in a step (256)");

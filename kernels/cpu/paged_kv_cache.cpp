@@ -26,10 +26,9 @@ Expected<PagedKvCache> PagedKvCache::create(const KvCacheShape& shape) {
   }
   PagedKvCache cache;
   cache.shape_ = shape;
-  try {
-    cache.k_.assign(static_cast<size_t>(elems), 0.0f);
-    cache.v_.assign(static_cast<size_t>(elems), 0.0f);
-  } catch (const std::bad_alloc&) {
+  cache.k_.reset(static_cast<float*>(std::calloc(static_cast<size_t>(elems), sizeof(float))));
+  cache.v_.reset(static_cast<float*>(std::calloc(static_cast<size_t>(elems), sizeof(float))));
+  if (!cache.k_ || !cache.v_) {
     return resource_exhausted("kv cache: cannot allocate 2 x " + std::to_string(elems) +
                               " floats (" + std::to_string(elems * 8 >> 20) + " MiB)");
   }
@@ -62,8 +61,8 @@ Status PagedKvCache::write(int64_t layer, std::span<const float> k, std::span<co
     const int64_t slot = slot_mapping[i];
     if (slot < 0) continue;
     const int64_t at = index(layer, slot / shape_.block_size, slot % shape_.block_size);
-    std::memcpy(k_.data() + at, k.data() + i * te, te * sizeof(float));
-    std::memcpy(v_.data() + at, v.data() + i * te, te * sizeof(float));
+    std::memcpy(k_.get() + at, k.data() + i * te, te * sizeof(float));
+    std::memcpy(v_.get() + at, v.data() + i * te, te * sizeof(float));
   }
   return Status::ok();
 }

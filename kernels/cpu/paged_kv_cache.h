@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -29,7 +31,9 @@ struct KvCacheShape {
 class PagedKvCache {
  public:
   // Allocates 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim floats, zeroed.
-  // INVALID_ARGUMENT for a non-positive dimension, RESOURCE_EXHAUSTED when it cannot allocate.
+  // They come from calloc: the kernel hands out zero pages as they are first written, so a cache
+  // sized for a long context costs memory only for the tokens stored. INVALID_ARGUMENT for a
+  // non-positive dimension, RESOURCE_EXHAUSTED when it cannot allocate.
   static Expected<PagedKvCache> create(const KvCacheShape& shape);
 
   PagedKvCache(PagedKvCache&&) = default;
@@ -52,10 +56,10 @@ class PagedKvCache {
   // K / V of one token: [num_kv_heads, head_dim] fp32. Preconditions (unchecked): layer, block
   // and offset in range.
   const float* key(int64_t layer, int64_t block, int64_t offset) const {
-    return k_.data() + index(layer, block, offset);
+    return k_.get() + index(layer, block, offset);
   }
   const float* value(int64_t layer, int64_t block, int64_t offset) const {
-    return v_.data() + index(layer, block, offset);
+    return v_.get() + index(layer, block, offset);
   }
 
  private:
@@ -66,8 +70,12 @@ class PagedKvCache {
   }
 
   KvCacheShape shape_;
-  std::vector<float> k_;  // [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-  std::vector<float> v_;  // same layout
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float[], Free>
+      k_;  // [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+  std::unique_ptr<float[], Free> v_;  // same layout
 };
 
 }  // namespace tessera::cpu

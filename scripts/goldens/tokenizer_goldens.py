@@ -10,7 +10,9 @@ gives with add_special_tokens true and false and the decoded strings (skip_speci
 false); decodes of fixed and random id sequences (byte tokens cut mid-character included); and an
 "added" section: the same tokenizer with extra added tokens (lstrip, rstrip, single_word,
 normalized, special), their JSON entries and the encodes of ADDED_CORPUS with them. When
-`transformers` loads the directory too, its ids are recorded for comparison (informational).
+`transformers` loads the directory too, its ids are recorded where they differ (the
+"transformers" section): Tessera's Tokenizer::load of the directory must give those (vLLM tokenizes
+with transformers), its Tokenizer::from_json of tokenizer.json alone the `tokenizers` ones.
 
 Needs python3 with `tokenizers` (and optionally `transformers`); no network. Run it on the GPU
 machine (it has both installed) and copy the outputs into tests/assets/goldens/.

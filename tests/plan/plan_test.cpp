@@ -357,6 +357,21 @@ std::vector<std::optional<GpuMemory>> gpus(size_t n, uint64_t total, uint64_t us
   return std::vector<std::optional<GpuMemory>>(n, GpuMemory{total, used});
 }
 
+// vLLM's default context is the model's whole max_position_embeddings (Llama 3.1: 131072), not
+// a cap; the batch-token budget stays at 16384.
+TEST(MemoryPlanTest, DefaultContextIsTheModels) {
+  ModelConfig c = llama3_8b();
+  c.max_position_embeddings = 131072;
+  MemoryOptions o = resolved(c);
+  EXPECT_EQ(o.max_model_len, 131072);
+  EXPECT_EQ(o.max_num_batched_tokens, 16384);
+  MemoryOptions lower;
+  lower.max_model_len = 4096;
+  auto r = resolve_memory_options(c, lower);
+  ASSERT_TRUE(r) << r.status().to_string();
+  EXPECT_EQ(r->max_model_len, 4096);
+}
+
 TEST(MemoryPlanTest, Llama3_8bOnOneGpu) {
   const ModelConfig c = llama3_8b();
   ParallelPlan p = must_plan(c, 1, 1);

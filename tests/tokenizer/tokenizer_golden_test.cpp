@@ -1,9 +1,11 @@
 // The real Llama 3, Qwen 3 and Llama 2 (SentencePiece-style) tokenizers against the goldens that
-// Hugging Face tokenizers wrote (scripts/goldens/tokenizer_goldens.py).
+// Hugging Face tokenizers wrote (scripts/goldens/tokenizer_goldens.py): their tokenizer.json alone
+// against the `tokenizers` library, and the whole directory against transformers' AutoTokenizer.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <thread>
 
 #include "common/tokenizer/tokenizer.h"
@@ -14,6 +16,7 @@ namespace {
 
 using nlohmann::json;
 using testing::golden;
+using testing::raw_tokenizer;
 using testing::real_tokenizer;
 using testing::show;
 
@@ -51,7 +54,7 @@ void check_cases(const Tokenizer& tok, const json& cases, const std::string& wha
 class GoldenTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenTest, EncodeAndDecodeCorpus) {
-  const Tokenizer* tok = real_tokenizer(GetParam());
+  const Tokenizer* tok = raw_tokenizer(GetParam());
   ASSERT_NE(tok, nullptr);
   const json& g = golden(GetParam());
   ASSERT_TRUE(g.contains("cases"));
@@ -60,7 +63,7 @@ TEST_P(GoldenTest, EncodeAndDecodeCorpus) {
 }
 
 TEST_P(GoldenTest, DecodeIdSequences) {
-  const Tokenizer* tok = real_tokenizer(GetParam());
+  const Tokenizer* tok = raw_tokenizer(GetParam());
   ASSERT_NE(tok, nullptr);
   const json& g = golden(GetParam());
   ASSERT_TRUE(g.contains("decode_cases"));
@@ -112,8 +115,28 @@ TEST_P(GoldenTest, Variants) {
   }
 }
 
-TEST_P(GoldenTest, ConcurrentEncodesAgree) {
+// The directory as transformers' AutoTokenizer loads it (tokenizer_config.json's class and flags
+// on top of tokenizer.json) gives the ids vLLM gets. The goldens keep transformers' ids only
+// where they differ from the `tokenizers` library's (Llama 2's legacy Metaspace: 7 of 50 texts).
+TEST_P(GoldenTest, IdsEqualTransformers) {
   const Tokenizer* tok = real_tokenizer(GetParam());
+  ASSERT_NE(tok, nullptr);
+  const json& g = golden(GetParam());
+  ASSERT_TRUE(g.contains("transformers") && g["transformers"].contains("cases"))
+      << "the goldens have no transformers section";
+  std::map<size_t, const json*> differing;
+  for (const json& c : g["transformers"]["cases"]) differing[c["index"].get<size_t>()] = &c;
+  const json& cases = g["cases"];
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const json& want = differing.count(i) ? *differing[i] : cases[i];
+    const std::string text = cases[i]["text"].get<std::string>();
+    EXPECT_EQ(tok->encode(text, true), ids_of(want["ids"])) << show(text);
+    EXPECT_EQ(tok->encode(text, false), ids_of(want["ids_no_special"])) << show(text);
+  }
+}
+
+TEST_P(GoldenTest, ConcurrentEncodesAgree) {
+  const Tokenizer* tok = raw_tokenizer(GetParam());
   ASSERT_NE(tok, nullptr);
   const json& cases = golden(GetParam())["cases"];
   ASSERT_FALSE(cases.empty());
@@ -137,7 +160,7 @@ TEST_P(GoldenTest, ConcurrentEncodesAgree) {
 
 // About 10 kB of varied text (prose, CJK, code, numbers, emoji) must encode in a few ms.
 TEST_P(GoldenTest, EncodeSpeed) {
-  const Tokenizer* tok = real_tokenizer(GetParam());
+  const Tokenizer* tok = raw_tokenizer(GetParam());
   ASSERT_NE(tok, nullptr);
   std::string text;
   const json& cases = golden(GetParam())["cases"];

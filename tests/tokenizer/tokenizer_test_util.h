@@ -34,7 +34,8 @@ inline std::string read_file(const std::string& path) {
   return s.str();
 }
 
-// The real tokenizer `name`, loaded once. Fails the test (null) when the assets are missing.
+// The real tokenizer `name` as Tokenizer::load reads its directory (tokenizer_config.json's flags
+// applied, as transformers does), loaded once. Fails the test (null) when the assets are missing.
 inline const Tokenizer* real_tokenizer(const std::string& name) {
   static std::mutex mu;
   static std::map<std::string, std::unique_ptr<Tokenizer>> loaded;
@@ -48,6 +49,26 @@ inline const Tokenizer* real_tokenizer(const std::string& name) {
   auto tok = Tokenizer::load(dir);
   if (!tok) {
     ADD_FAILURE() << "loading " << dir << ": " << tok.status().to_string();
+    return nullptr;
+  }
+  return (loaded[name] = std::move(tok).value()).get();
+}
+
+// The tokenizer.json of `name` alone, loaded once: what the `tokenizers` library's
+// Tokenizer.from_file builds, without tokenizer_config.json's flags (real_tokenizer has them).
+inline const Tokenizer* raw_tokenizer(const std::string& name) {
+  static std::mutex mu;
+  static std::map<std::string, std::unique_ptr<Tokenizer>> loaded;
+  std::lock_guard lock(mu);
+  if (auto it = loaded.find(name); it != loaded.end()) return it->second.get();
+  std::string path = tokenizer_dir(name) + "/tokenizer.json";
+  if (!std::filesystem::exists(path)) {
+    ADD_FAILURE() << path << " is missing: run scripts/fetch-test-assets";
+    return nullptr;
+  }
+  auto tok = Tokenizer::from_json(read_file(path), {}, path);
+  if (!tok) {
+    ADD_FAILURE() << "loading " << path << ": " << tok.status().to_string();
     return nullptr;
   }
   return (loaded[name] = std::move(tok).value()).get();
