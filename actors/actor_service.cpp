@@ -1,5 +1,7 @@
 #include "actors/actor_service.h"
 
+#include "actors/model/load_progress.h"
+
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -46,9 +48,17 @@ class ActorImpl final : public proto::Actor::Server {
   }
 
   kj::Promise<void> loadModel(LoadModelContext context) override {
-    auto info = service_.load_model(from_proto(context.getParams().getSpec()));
-    if (!info) rpc::throw_status(info.status());
-    to_proto(*info, context.getResults().initInfo());
+    return service_.load_model(from_proto(context.getParams().getSpec()))
+        .then([context](Expected<ModelInfo>&& info) mutable {
+          if (!info) rpc::throw_status(info.status());
+          to_proto(*info, context.getResults().initInfo());
+        });
+  }
+
+  kj::Promise<void> loadProgress(LoadProgressContext context) override {
+    auto [done, total] = service_.load_progress();
+    context.getResults().setBytesDone(done);
+    context.getResults().setBytesTotal(total);
     return kj::READY_NOW;
   }
 
@@ -80,6 +90,7 @@ ActorService::ActorService(ActorIdentity identity, CudaProbe probe)
 }
 
 ActorService::~ActorService() {
+  if (load_thread_.joinable()) load_thread_.join();  // a load cannot be interrupted: let it end
   stop_steps();
   runner_.reset();  // before the communicators it uses
   comms_.reset();
@@ -106,33 +117,59 @@ Expected<ActorService::PreparedComm> ActorService::prepare_comm(const std::strin
                                                                 uint64_t buffer_bytes, int tp_rank,
                                                                 int tp_size) {
   if (runner_) return failed_precondition("a model is loaded already: start a new actor");
+  if (load_thread_.joinable()) return failed_precondition("a model is loading already");
   TESSERA_ASSIGN_OR_RETURN(
       comms_, comm::RankComms::prepare(backend, identity_.host, buffer_bytes, tp_rank, tp_size));
   return PreparedComm{comms_->address(), comms_->nccl_id(), comms_->ipc_handle()};
 }
 
-Expected<ModelInfo> ActorService::load_model(const LoadSpec& spec) {
-  if (runner_) return failed_precondition("a model is loaded already: start a new actor");
-  StageComms stage;
-  if (spec.parallel.world_size() > 1) {
-    if (!comms_) {
-      return failed_precondition("a model of " + std::to_string(spec.parallel.world_size()) +
-                                 " ranks needs prepareComm first");
+kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
+  using Loaded = Expected<std::unique_ptr<ModelRunner>>;
+  if (runner_ || load_thread_.joinable()) {
+    return Expected<ModelInfo>(failed_precondition(
+        runner_ ? "a model is loaded already: start a new actor" : "a model is loading already"));
+  }
+  if (spec.parallel.world_size() > 1 && !comms_) {
+    return Expected<ModelInfo>(failed_precondition("a model of " +
+                                                   std::to_string(spec.parallel.world_size()) +
+                                                   " ranks needs prepareComm first"));
+  }
+  ::tessera::load_progress().start(0);
+  auto paf = kj::newPromiseAndCrossThreadFulfiller<Loaded>();
+  // The thread touches comms_ and the new runner only; the loop sees them again after it ends.
+  // (kj::Own's destructor may throw, which std::thread's state may not: a shared_ptr holds it.)
+  auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Loaded>>>(
+      kj::mv(paf.fulfiller));
+  load_thread_ = std::thread([this, spec, fulfiller]() {
+    Loaded loaded = [&]() -> Loaded {
+      StageComms stage;
+      if (spec.parallel.world_size() > 1) {
+        TESSERA_RETURN_IF_ERROR(comms_->join(spec));
+        stage = comms_->stage();
+      }
+      return ModelRunner::load(spec, stage);
+    }();
+    (*fulfiller)->fulfill(std::move(loaded));
+  });
+  return paf.promise.then([this, spec](Loaded&& runner) -> Expected<ModelInfo> {
+    load_thread_.join();
+    if (!runner) {
+      spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
+      return runner.status();
     }
-    TESSERA_RETURN_IF_ERROR(comms_->join(spec));
-    stage = comms_->stage();
-  }
-  auto runner = ModelRunner::load(spec, stage);
-  if (!runner) {
-    spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
-    return runner.status();
-  }
-  runner_ = std::move(*runner);
-  spec_ = spec;
-  return runner_->info();
+    runner_ = std::move(*runner);
+    spec_ = spec;
+    return runner_->info();
+  });
+}
+
+std::pair<uint64_t, uint64_t> ActorService::load_progress() const {
+  const LoadProgress& p = ::tessera::load_progress();
+  return {p.bytes_done.load(), p.bytes_total.load()};
 }
 
 Expected<ModelInfo> ActorService::init_cache(int64_t blocks) {
+  if (load_thread_.joinable()) return failed_precondition("the model is still loading");
   if (!runner_) return failed_precondition("no model is loaded on actor " + identity_.actor_id);
   TESSERA_RETURN_IF_ERROR(runner_->init_cache(blocks));
   if (!spec_.step_ring.empty() && !step_thread_.joinable()) {

@@ -49,7 +49,11 @@ class ActorService {
   };
   Expected<PreparedComm> prepare_comm(const std::string& backend, uint64_t buffer_bytes,
                                       int tp_rank, int tp_size);
-  Expected<ModelInfo> load_model(const LoadSpec& spec);
+  // Loads on a thread of its own (joining the collective groups, then the weights): this
+  // actor's loop keeps answering health and loadProgress calls meanwhile. Resolves on the loop.
+  kj::Promise<Expected<ModelInfo>> load_model(LoadSpec spec);
+  // Weight bytes in place and in all while a load runs (and after it).
+  std::pair<uint64_t, uint64_t> load_progress() const;
   Expected<ModelInfo> init_cache(int64_t blocks);
   Expected<StepOutput> execute(const StepInput& step);
 
@@ -74,6 +78,7 @@ class ActorService {
   std::atomic<int64_t> step_started_ns_{0};  // steady clock; 0 = no step runs
   std::atomic<bool> stopping_{false};
   std::thread step_thread_;
+  std::thread load_thread_;  // runs while a loadModel call is in flight
   kj::ForkedPromise<void> shutdown_;
   kj::Own<kj::PromiseFulfiller<void>> shutdown_fulfiller_;
 };

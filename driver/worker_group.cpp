@@ -7,6 +7,7 @@
 #include <map>
 #include <thread>
 
+#include "common/progress.h"
 #include "common/sha256.h"
 #include "common/shm_ring.h"
 #include "protocol/convert.h"
@@ -44,6 +45,36 @@ std::vector<Expected<T>> wait_all(EventLoop& loop, std::vector<kj::Promise<T>> p
 std::string where(const RankPlacement& p) {
   return (p.gpu < 0 ? std::string("CPU") : "GPU " + std::to_string(p.gpu)) + " on node " +
          p.node_id;
+}
+
+// Every half second until cancelled: the weight bytes all `actors` have in place, summed, into
+// `seen` and onto `progress`. An actor that does not answer counts as nothing yet.
+using Actors = std::shared_ptr<std::vector<proto::Actor::Client>>;
+using Bytes = std::pair<uint64_t, uint64_t>;  // done, total
+kj::Promise<void> show_load_progress(EventLoop& loop, Actors actors,
+                                     std::shared_ptr<Progress> progress,
+                                     std::shared_ptr<Bytes> seen) {
+  return loop.io().provider->getTimer().afterDelay(500 * kj::MILLISECONDS).then([=, &loop]() {
+    kj::Vector<kj::Promise<Bytes>> calls;
+    for (auto& actor : *actors) {
+      calls.add(actor.loadProgressRequest().send().then(
+          [](auto&& r) {
+            return Bytes{r.getBytesDone(), r.getBytesTotal()};
+          },
+          [](kj::Exception&&) {
+            return Bytes{0, 0};
+          }));
+    }
+    return kj::joinPromises(calls.releaseAsArray()).then([=, &loop](kj::Array<Bytes> got) {
+      *seen = {0, 0};
+      for (auto& [done, total] : got) {
+        seen->first += done;
+        seen->second += total;
+      }
+      progress->update(seen->first, seen->second);
+      return show_load_progress(loop, actors, progress, seen);
+    });
+  });
 }
 
 }  // namespace
@@ -306,7 +337,15 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     to_proto(spec, req.initSpec());
     loads.push_back(req.send().then([](auto&& r) { return from_proto(r.getInfo()); }));
   }
+  // A bar (or lines) while the weights load: the actors load on a thread and answer meanwhile.
+  auto progress = std::make_shared<Progress>("loading weights");
+  auto seen = std::make_shared<Bytes>(0, 0);
+  auto actors = std::make_shared<std::vector<proto::Actor::Client>>();
+  actors->reserve(g->ranks_.size());
+  for (auto& rank : g->ranks_) actors->emplace_back(rank->handle->capability());
+  auto poller = show_load_progress(loop, actors, progress, seen).eagerlyEvaluate(nullptr);
   auto loaded = wait_all(loop, std::move(loads), 30 * 60 * kj::SECONDS, "load model");
+  poller = kj::READY_NOW;  // cancels it
   int64_t blocks = INT64_MAX;
   for (size_t r = 0; r < loaded.size(); ++r) {
     if (!loaded[r]) return g->explain(loaded[r].status().with_context(g->ranks_[r]->describe()));
@@ -328,6 +367,9 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
   uint64_t weights = 0;
   for (auto& r : ready) weights += r->weight_bytes;
   g->model_.weight_bytes = weights;
+  if (seen->second > 0) {
+    progress->finish(seen->second, "on " + std::to_string(world) + " rank(s)");
+  }
   g->sampler_rank_ = (shape.pp_size - 1) * shape.tp_size;  // the last stage's tp rank 0
   if (world > 1) {
     std::string layout;

@@ -43,4 +43,9 @@ interface Actor {
 
   execute @5 (step :S.StepInput) -> (output :S.StepOutput);
   # Runs one step (actors without a step ring).
+
+  loadProgress @6 () -> (bytesDone :UInt64, bytesTotal :UInt64);
+  # While loadModel runs (on a thread of its own: this answers meanwhile) and after: the weight
+  # bytes in place on the device and this rank's total (0 until known, and on the CPU backend,
+  # which maps the checkpoint instead of copying it).
 }

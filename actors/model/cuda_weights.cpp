@@ -4,6 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "actors/model/load_progress.h"
+
 namespace tessera {
 
 namespace {
@@ -66,6 +68,7 @@ class Uploader {
                           static_cast<size_t>(count) * esize, cudaMemcpyHostToDevice, stream_),
           "uploading " + name);
       TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_[slot], stream_), "uploading " + name);
+      load_progress().bytes_done += static_cast<uint64_t>(count) * esize;
     }
     return Status::ok();
   }
@@ -127,8 +130,7 @@ uint64_t CudaWeights::bytes_needed(const ModelConfig& config, const LayerPlan& p
   return Layout::make(config, plan, dtype).bytes;
 }
 
-Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
-                                                           const LayerPlan& p,
+Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c, const LayerPlan& p,
                                                            const ModelWeights& w, DType dt,
                                                            cudaStream_t stream) {
   const Layout lo = Layout::make(c, p, dt);
@@ -141,6 +143,7 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
   // Padding rows (a vocabulary slice past the end of the vocabulary) stay zero.
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base, 0, lo.bytes, stream), "clearing the weights");
   TESSERA_ASSIGN_OR_RETURN(auto up, Uploader::create(stream));
+  load_progress().start(lo.bytes);
   auto put = [&](const TensorView& t, size_t offset, const std::string& name) -> Status {
     if (t.data == nullptr) return internal_error("no host tensor bound for " + name);
     return up->upload(t, dt, base + offset, name);
@@ -151,7 +154,8 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
   }
   if (p.last_stage) {
     TESSERA_RETURN_IF_ERROR(put(w.final_norm, lo.final_norm, "model.norm.weight"));
-    if (!c.tie_word_embeddings) TESSERA_RETURN_IF_ERROR(put(w.lm_head, lo.lm_head, "lm_head.weight"));
+    if (!c.tie_word_embeddings)
+      TESSERA_RETURN_IF_ERROR(put(w.lm_head, lo.lm_head, "lm_head.weight"));
     d->final_norm_ = base + lo.final_norm;
     d->lm_head_ = base + lo.lm_head;
   }
@@ -160,7 +164,8 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
     const LayerWeights& l = w.layers[i];
     const Layout::LayerOffsets& o = lo.layers[i];
     CudaLayer& x = d->layers_[i];
-    const std::string n = "model.layers." + std::to_string(p.layer_begin + static_cast<int64_t>(i)) + ".";
+    const std::string n =
+        "model.layers." + std::to_string(p.layer_begin + static_cast<int64_t>(i)) + ".";
     TESSERA_RETURN_IF_ERROR(put(l.input_norm, o.input_norm, n + "input_layernorm.weight"));
     TESSERA_RETURN_IF_ERROR(put(l.post_norm, o.post_norm, n + "post_attention_layernorm.weight"));
     // q | k | v stacked along the output dimension: one GEMM computes all three.

@@ -448,6 +448,60 @@ TEST_F(ServeTest, TheOpenAISdkForNodeWorks) {
   EXPECT_NE(r.out.find("ALL OK"), std::string::npos) << r.out << r.err;
 }
 
+// Every curl command of README.md's shell blocks, run as written against this server (its port
+// for localhost:8000, and this suite's API key): each succeeds and answers what its endpoint
+// answers. A README example that stops working fails here.
+TEST_F(ServeTest, ReadmeCurlExamplesWork) {
+  std::ifstream in(source("README.md"));
+  ASSERT_TRUE(in) << "no README.md";
+  std::vector<std::string> commands;
+  bool in_block = false;
+  std::string pending;
+  for (std::string line; std::getline(in, line);) {
+    const size_t start = line.find_first_not_of(' ');
+    const std::string text = start == std::string::npos ? "" : line.substr(start);
+    if (text.rfind("```", 0) == 0) {
+      in_block = !in_block && text.rfind("```sh", 0) == 0;
+      continue;
+    }
+    if (!in_block) continue;
+    pending += pending.empty() ? text : " " + text;
+    if (!pending.empty() && pending.back() == '\\') {
+      pending.pop_back();
+      continue;
+    }
+    if (pending.rfind("curl ", 0) == 0 && pending.find("localhost:8000") != std::string::npos) {
+      commands.push_back(pending);
+    }
+    pending.clear();
+  }
+  ASSERT_GE(commands.size(), 7u) << "README.md's serving examples are gone";
+  for (std::string command : commands) {
+    const std::string where = "localhost:8000";
+    command.replace(command.find(where), where.size(),
+                    "127.0.0.1:" + std::to_string(server_->port()));
+    command.replace(0, 5,
+                    "curl -sS --fail-with-body --max-time 60 -H 'Authorization: Bearer secret' ");
+    CommandResult r = run_command({"/bin/bash", "-c", command}, 90s);
+    ASSERT_EQ(r.exit_code, 0) << command << "\n" << r.out << r.err;
+    if (command.find("/health") != std::string::npos) continue;  // 200 with no body, as vLLM
+    ASSERT_FALSE(r.out.empty()) << command;
+    if (command.find("\"stream\": true") != std::string::npos) {
+      EXPECT_NE(r.out.find("data: "), std::string::npos) << command << "\n" << r.out;
+      EXPECT_NE(r.out.find("data: [DONE]"), std::string::npos) << command << "\n" << r.out;
+    } else if (command.find("/metrics") != std::string::npos) {
+      EXPECT_NE(r.out.find("vllm:num_requests_running"), std::string::npos) << r.out;
+    } else {
+      json j = json::parse(r.out, nullptr, false);
+      ASSERT_FALSE(j.is_discarded()) << command << "\n" << r.out;
+      if (command.find("/completions") != std::string::npos) {
+        EXPECT_FALSE(j["choices"].empty()) << r.out;
+        EXPECT_GT(j["usage"]["completion_tokens"].get<int>(), 0) << r.out;
+      }
+    }
+  }
+}
+
 // A raw-socket client: sends a request, reads the response until it ends (or `stop_after`
 // bytes, then closes: a client that goes away). What it read.
 std::string raw_request(int port, const std::string& method, const std::string& path,
