@@ -317,6 +317,109 @@ Run solo(std::vector<int32_t> prompt, int max_tokens) {
   return w.runs[0];
 }
 
+// ---- fairness: first come, first served, as vLLM's scheduler ---------------------------------
+
+// The first and the last step (index into the batches) that carried a request; -1 if none.
+struct Span {
+  int first = -1, last = -1;
+};
+Span steps_of(const Workload& w, uint64_t id) {
+  int first = -1, last = -1;
+  for (size_t i = 0; i < w.batches.size(); ++i) {
+    for (const auto& s : w.batches[i].seqs) {
+      if (s.request_id != id) continue;
+      if (first < 0) first = static_cast<int>(i);
+      last = static_cast<int>(i);
+    }
+  }
+  return Span{first, last};
+}
+
+// Six equal requests at once and blocks for two of them to finish side by side: they start in
+// the order they came, and when blocks run out the newest is preempted (vLLM's rule), so they
+// also finish in that order: nobody who came earlier waits on somebody who came later.
+TEST(EngineFairnessTest, ServesInArrivalOrder) {
+  std::vector<Arrival> six;
+  for (int i = 0; i < 6; ++i) six.push_back({0, {20 + i, 30 + i, 40 + i, 50 + i}, 4});
+  Workload w = run_workload(caching(false, 4), 1, six);  // a request needs 2 of the 4 blocks
+  EXPECT_TRUE(w.violations.empty()) << w.violations.front();
+  std::vector<Span> spans;
+  for (uint64_t id : w.ids) spans.push_back(steps_of(w, id));
+  for (size_t i = 1; i < spans.size(); ++i) {
+    EXPECT_GE(spans[i].first, spans[i - 1].first) << "request " << i << " started before " << i - 1;
+    EXPECT_GE(spans[i].last, spans[i - 1].last) << "request " << i << " finished before " << i - 1;
+  }
+  EXPECT_GT(spans[5].first, spans[0].last) << "the last one cannot have run beside the first";
+  for (const engine_testing::Run& r : w.runs) EXPECT_EQ(r.tokens.size(), 4u);
+}
+
+// A request at the head of the queue that does not fit yet is not overtaken by a smaller one
+// behind it (no starvation of long prompts): the small one waits its turn.
+TEST(EngineFairnessTest, TheHeadOfTheQueueIsNotOvertaken) {
+  std::vector<int32_t> big;
+  for (int i = 0; i < 16; ++i) big.push_back(20 + i);
+  const std::vector<Arrival> arrivals = {
+      {0, {60, 61, 62, 63}, 12},  // runs first, holds 4 of the 6 blocks for a while
+      {1, big, 2},                // needs 5 blocks: waits for the first to finish
+      {2, {70, 71}, 2},           // would fit at once, but came after the big one
+  };
+  Workload w = run_workload(caching(false, 6), 1, arrivals);
+  EXPECT_TRUE(w.violations.empty()) << w.violations.front();
+  const auto first = steps_of(w, w.ids[0]), head = steps_of(w, w.ids[1]),
+             small = steps_of(w, w.ids[2]);
+  ASSERT_GE(head.first, 0);
+  ASSERT_GE(small.first, 0);
+  EXPECT_GT(head.first, first.first);
+  EXPECT_GE(small.first, head.first) << "the small request jumped the queue";
+  for (const engine_testing::Run& r : w.runs) EXPECT_FALSE(r.tokens.empty());
+}
+
+// A preempted request goes back to the front of the queue: it runs again before requests that
+// arrived after it, however small.
+TEST(EngineFairnessTest, APreemptedRequestResumesBeforeNewerOnes) {
+  std::vector<Arrival> arrivals = {{0, {30, 31, 32, 33}, 8}, {0, {40, 41, 42, 43}, 8}};
+  for (int i = 0; i < 3; ++i) arrivals.push_back({3, {50 + i}, 2});
+  Workload w = run_workload(caching(false, 3), 1, arrivals);
+  EXPECT_TRUE(w.violations.empty()) << w.violations.front();
+  ASSERT_GE(w.stats.preemptions, 1u);
+  // B (the second) was preempted: find its restart (a first step after the first one).
+  const uint64_t b = w.ids[1];
+  int restart = -1, seen_first = 0;
+  for (size_t i = 0; i < w.batches.size() && restart < 0; ++i) {
+    for (const auto& s : w.batches[i].seqs) {
+      if (s.request_id == b && s.first && ++seen_first == 2) restart = static_cast<int>(i);
+    }
+  }
+  ASSERT_GE(restart, 0) << "B never restarted";
+  for (size_t k = 2; k < w.ids.size(); ++k) {
+    EXPECT_GE(steps_of(w, w.ids[k]).first, restart) << "newer request " << k << " ran first";
+  }
+}
+
+// Chunked prefill does not starve decodes: while a long prompt is computed in chunks under a
+// small token budget, a running request gets a token in every one of those steps.
+TEST(EngineFairnessTest, DecodesGoOnWhileALongPromptIsChunked) {
+  std::vector<int32_t> long_prompt;
+  for (int i = 0; i < 40; ++i) long_prompt.push_back(20 + i % 60);
+  const std::vector<Arrival> arrivals = {{0, {60, 61}, 30}, {2, long_prompt, 2}};
+  Workload w = run_workload(caching(false, 64, /*budget=*/8), 1, arrivals);
+  EXPECT_TRUE(w.violations.empty()) << w.violations.front();
+  const uint64_t decode = w.ids[0], prompt = w.ids[1];
+  int chunks = 0;
+  for (const StepInput& b : w.batches) {
+    bool has_prompt = false, has_decode = false;
+    for (const auto& s : b.seqs) {
+      has_prompt |= s.request_id == prompt && s.tokens.size() > 1;
+      has_decode |= s.request_id == decode;
+    }
+    if (!has_prompt) continue;
+    ++chunks;
+    EXPECT_TRUE(has_decode) << "a prompt chunk ran without the running request's decode";
+  }
+  EXPECT_GE(chunks, 5) << "40 tokens under a budget of 8 take several steps";
+  EXPECT_EQ(w.runs[0].tokens.size(), 30u);
+}
+
 TEST(EngineAbortTest, Waiting) {
   EngineConfig c = config();
   c.scheduler.max_num_seqs = 1;
