@@ -9,9 +9,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -21,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/checkpoint/safetensors.h"
+#include "common/tokenizer/tokenizer.h"
 #include "tests/integration/test_cluster.h"
 
 namespace tessera {
@@ -500,6 +504,155 @@ TEST_F(ServeTest, ReadmeCurlExamplesWork) {
       }
     }
   }
+}
+
+// A model that writes a tool call: a Llama of the tiny shape with Qwen 3's tokenizer and chat
+// template, whose weights make it a bigram chain. Each token of the answer has its own
+// one-hot embedding, the layers add nothing (o_proj and down_proj zero), and lm_head maps each
+// token's direction to the next token, so greedy decoding after the prompt's last token ("\n"
+// of "<|im_start|>assistant\n") writes exactly `answer`, then <|im_end|>.
+struct ScriptedModel {
+  std::string dir;
+  std::string answer;  // what it writes
+};
+
+ScriptedModel make_tool_call_model(const std::string& root) {
+  ScriptedModel m;
+  m.dir = root + "/tool-model";
+  CommandResult r = run_command({bin("tessera"), "make-model", "--arch", "llama", "--preset",
+                                 "tiny", "--tokenizer", source("tests/assets/tokenizers/qwen3"),
+                                 "--seed", "1", "--dtype", "fp32", "--out", m.dir});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  auto tok = Tokenizer::load(m.dir);
+  EXPECT_TRUE(tok) << tok.status().to_string();
+  if (!tok) return {};
+  const int32_t newline = (*tok)->encode("\n", false).at(0);
+  const int32_t im_end = *(*tok)->token_to_id("<|im_end|>");
+  // The first call whose tokens are all different (a bigram chain cannot repeat a token).
+  std::vector<int32_t> chain;
+  for (std::string call : {R"({"name": "get_weather", "arguments": {"city": "Paris"}})",
+                           R"({"name":"get_weather","arguments":{"days":3}})",
+                           R"({"name":"get_weather","arguments":{}})"}) {
+    std::vector<int32_t> ids = (*tok)->encode("<tool_call>" + call + "</tool_call>", false);
+    std::vector<int32_t> sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) continue;
+    if (std::find(ids.begin(), ids.end(), newline) != ids.end()) continue;
+    m.answer = "<tool_call>" + call + "</tool_call>";
+    chain = {newline};
+    chain.insert(chain.end(), ids.begin(), ids.end());
+    break;
+  }
+  EXPECT_FALSE(chain.empty()) << "no tool call of distinct tokens";
+  auto ckpt = Checkpoint::open(m.dir);
+  EXPECT_TRUE(ckpt) << ckpt.status().to_string();
+  if (!ckpt || chain.empty()) return {};
+  std::map<std::string, std::vector<float>> tensors;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const std::string& name : (*ckpt)->names()) {
+    auto t = (*ckpt)->tensor(name);
+    shapes[name] = t->shape;
+    std::vector<float>& v = tensors[name];
+    v.assign(static_cast<size_t>(t->numel()), 0.0f);
+    if (name.find("norm") != std::string::npos) std::fill(v.begin(), v.end(), 1.0f);
+  }
+  const int64_t hidden = shapes["model.embed_tokens.weight"][1];
+  EXPECT_LT(static_cast<int64_t>(chain.size()), hidden);
+  for (size_t i = 0; i < chain.size(); ++i) {
+    tensors["model.embed_tokens.weight"][static_cast<size_t>(chain[i] * hidden) + i] = 1.0f;
+    const int32_t next = i + 1 < chain.size() ? chain[i + 1] : im_end;
+    tensors["lm_head.weight"][static_cast<size_t>(next * hidden) + i] = 4.0f;
+  }
+  ckpt->reset();  // unmaps the file before it is replaced
+  SafetensorsWriter writer;
+  for (const auto& [name, v] : tensors) {
+    Status st = writer.add(name, DType::kF32, shapes[name],
+                           {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float)});
+    EXPECT_TRUE(st) << st.to_string();
+  }
+  Status st = writer.write(m.dir + "/model.safetensors");
+  EXPECT_TRUE(st) << st.to_string();
+  return m;
+}
+
+// With tools, the model's <tool_call>{...}</tool_call> comes back as tool_calls (finish_reason
+// tool_calls), whole and streamed, through curl and the OpenAI SDK for Node.
+TEST_F(ServeTest, AToolCallTheModelWritesComesBackAsToolCalls) {
+  ScriptedModel m = make_tool_call_model(root_);
+  ASSERT_FALSE(m.answer.empty());
+  Server server(
+      m.dir, root_ + "/tool-run",
+      {"--api-key", "secret", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"});
+  ASSERT_GT(server.port(), 0) << server.process().err();
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+      "description": "The weather in a city", "parameters": {"type": "object",
+      "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}])");
+  const json messages = {{{"role", "user"}, {"content", "What is the weather in Paris?"}}};
+  // The prompt ends with the chain's first token, and without tools the model writes the call
+  // as text (no parser runs).
+  Reply plain = server.post("/v1/chat/completions",
+                            {{"messages", messages}, {"max_tokens", 64}, {"temperature", 0}});
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  EXPECT_EQ(plain.j()["choices"][0]["message"]["content"], m.answer) << plain.body;
+  EXPECT_EQ(plain.j()["choices"][0]["finish_reason"], "stop");
+
+  const json want_call = json::parse(m.answer.substr(11, m.answer.size() - 11 - 12));
+  Reply r = server.post(
+      "/v1/chat/completions",
+      {{"messages", messages}, {"tools", tools}, {"max_tokens", 64}, {"temperature", 0}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json choice = r.j()["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls") << r.body;
+  ASSERT_EQ(choice["message"]["tool_calls"].size(), 1u) << r.body;
+  const json call = choice["message"]["tool_calls"][0];
+  EXPECT_EQ(call["type"], "function");
+  EXPECT_FALSE(call["id"].get<std::string>().empty());
+  EXPECT_EQ(call["function"]["name"], want_call["name"]);
+  EXPECT_EQ(json::parse(call["function"]["arguments"].get<std::string>()), want_call["arguments"]);
+  EXPECT_TRUE(choice["message"]["content"].is_null() || choice["message"]["content"] == "")
+      << r.body;
+
+  // Streamed: the call arrives in tool_calls deltas, never as content.
+  Reply s = server.post("/v1/chat/completions", {{"messages", messages},
+                                                 {"tools", tools},
+                                                 {"max_tokens", 64},
+                                                 {"temperature", 0},
+                                                 {"stream", true}});
+  ASSERT_EQ(s.status, 200) << s.body;
+  std::string name, arguments, content, finish;
+  std::istringstream lines(s.body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: {", 0) != 0) continue;
+    const json chunk = json::parse(line.substr(6));
+    for (const json& c : chunk["choices"]) {
+      const json& delta = c["delta"];
+      if (delta.contains("content") && delta["content"].is_string()) content += delta["content"];
+      if (delta.contains("tool_calls")) {
+        for (const json& t : delta["tool_calls"]) {
+          if (t["function"].contains("name")) name += t["function"]["name"].get<std::string>();
+          if (t["function"].contains("arguments")) {
+            arguments += t["function"]["arguments"].get<std::string>();
+          }
+        }
+      }
+      if (c.contains("finish_reason") && c["finish_reason"].is_string())
+        finish = c["finish_reason"];
+    }
+  }
+  EXPECT_EQ(name, want_call["name"]) << s.body;
+  EXPECT_EQ(json::parse(arguments), want_call["arguments"]) << s.body;
+  EXPECT_EQ(content, "") << s.body;
+  EXPECT_EQ(finish, "tool_calls") << s.body;
+  EXPECT_NE(s.body.find("data: [DONE]"), std::string::npos);
+
+  // The SDK, whole and streamed.
+  const std::string sdk = source("tests/assets/node_modules/openai");
+  CommandResult sdk_run =
+      run_command({which("node"), source("tests/integration/openai_sdk_tool_call.mjs")}, 120s,
+                  {"OPENAI_SDK=" + sdk, "BASE_URL=" + server.url("/v1"), "API_KEY=secret",
+                   "MODEL=tiny", "WANT_CALL=" + want_call.dump()});
+  EXPECT_EQ(sdk_run.exit_code, 0) << sdk_run.out << sdk_run.err;
+  EXPECT_NE(sdk_run.out.find("ALL OK"), std::string::npos) << sdk_run.out << sdk_run.err;
 }
 
 // A raw-socket client: sends a request, reads the response until it ends (or `stop_after`
