@@ -681,7 +681,7 @@ std::string raw_request(int port, const std::string& method, const std::string& 
 // A bounded load with random cancellations: every stream completes or ends cleanly, nothing
 // leaks (no running request, the KV cache empty again), and the server still answers.
 TEST_F(ServeTest, LoadWithRandomCancellationsEndsCleanly) {
-  const int n = 64;
+  const int n = 200;  // the bounded load: 200 concurrent streams
   std::vector<std::string> got(n);
   std::vector<bool> cancel(n);
   std::mt19937 rng(5);
@@ -691,11 +691,11 @@ TEST_F(ServeTest, LoadWithRandomCancellationsEndsCleanly) {
     clients.emplace_back([&, i] {
       const std::string body = json{
           {"prompt", "Client " + std::to_string(i) + " asks"},
-          {"max_tokens", 24 + i % 16},
+          {"max_tokens", 6 + i % 8},
           {"ignore_eos", true},
           {"stream", true}}.dump();
       got[i] = raw_request(server_->port(), "POST", "/v1/completions", body,
-                           cancel[i] ? 600 + 37 * (i % 7) : 0);
+                           cancel[i] ? 400 + 37 * (i % 7) : 0);
     });
   }
   for (auto& t : clients) t.join();
