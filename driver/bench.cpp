@@ -236,6 +236,167 @@ Status run(const BenchLatencyOptions& o) {
   return Status::ok();
 }
 
+// The prompts (token ids) and output lengths of a throughput run: random ids, or a dataset.
+struct Workload {
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<uint32_t> output_lens;
+};
+
+Expected<Workload> throughput_workload(const BenchThroughputOptions& o, const Tokenizer& tok,
+                                       int64_t vocab) {
+  Workload w;
+  if (o.dataset_path.empty()) {
+    std::mt19937_64 rng(o.seed);
+    for (uint32_t i = 0; i < o.num_prompts; ++i) {
+      w.prompts.push_back(random_prompt(rng, vocab, o.input_len));
+      w.output_lens.push_back(o.output_len);
+    }
+    return w;
+  }
+  std::ifstream in(o.dataset_path);
+  if (!in) return not_found("--dataset-path " + o.dataset_path + ": cannot open it");
+  size_t line_no = 0;
+  for (std::string line; w.prompts.size() < o.num_prompts && std::getline(in, line);) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = o.dataset_path + ":" + std::to_string(line_no);
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) return invalid_argument(where + ": not a JSON object");
+    std::vector<int32_t> ids;
+    if (j.contains("prompt_token_ids") && j["prompt_token_ids"].is_array()) {
+      for (const auto& id : j["prompt_token_ids"]) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
+          return invalid_argument(where + ": prompt_token_ids holds " + id.dump() +
+                                  ", not a token id below the vocabulary size " +
+                                  std::to_string(vocab));
+        }
+        ids.push_back(id.get<int32_t>());
+      }
+    } else if (j.contains("prompt") && j["prompt"].is_string()) {
+      ids = tok.encode(j["prompt"].get<std::string>(), true);
+    } else {
+      return invalid_argument(where + ": needs \"prompt\" (text) or \"prompt_token_ids\"");
+    }
+    if (ids.empty()) return invalid_argument(where + ": the prompt is empty");
+    uint32_t out = o.output_len;
+    if (j.contains("output_len")) {
+      if (!j["output_len"].is_number_integer() || j["output_len"].get<int64_t>() < 1) {
+        return invalid_argument(where + ": output_len must be a positive integer");
+      }
+      out = j["output_len"].get<uint32_t>();
+    }
+    w.prompts.push_back(std::move(ids));
+    w.output_lens.push_back(out);
+  }
+  if (w.prompts.empty())
+    return invalid_argument("--dataset-path " + o.dataset_path + ": no prompts");
+  return w;
+}
+
+Status run_throughput(const BenchThroughputOptions& o) {
+  if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
+  if (o.dataset_path.empty() && (o.input_len == 0 || o.output_len == 0)) {
+    return invalid_argument("--input-len and --output-len must be at least 1");
+  }
+  TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(o.engine, "tessera bench", true));
+  const ModelInfo& m = session->model();
+  TESSERA_ASSIGN_OR_RETURN(
+      Workload w, throughput_workload(o, session->tokenizer(), session->config().vocab_size));
+  std::printf("%s on %s (%s backend, %s), loaded in %.1f s: %zu requests\n", m.architecture.c_str(),
+              m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
+              m.dtype.c_str(), session->load_seconds(), w.prompts.size());
+  std::fflush(stdout);
+  LlmEngine& engine = session->engine();
+  size_t input_tokens = 0, output_tokens = 0, finished = 0, steps = 0;
+  double gpu_s = 0, actor_s = 0, call_s = 0;
+  const auto t0 = Clock::now();
+  for (size_t i = 0; i < w.prompts.size(); ++i) {
+    SamplingParams s;
+    s.temperature = 1.0f;  // sampled, as vLLM's benchmark does (seeded per request)
+    s.seed = o.seed + i;
+    s.max_tokens = static_cast<int>(w.output_lens[i]);
+    s.ignore_eos = true;
+    input_tokens += w.prompts[i].size();
+    TESSERA_RETURN_IF_ERROR(engine.add_request(w.prompts[i], s).status());
+  }
+  auto last_report = t0;
+  size_t next_tenth = 1;
+  while (engine.has_unfinished()) {
+    TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
+    ++steps;
+    const auto& t = session->group().last_times();
+    gpu_s += t.gpu_us / 1e6;
+    actor_s += t.actor_us / 1e6;
+    call_s += t.call_us / 1e6;
+    for (const auto& out : outs) {
+      if (out.finished && out.finish_reason.rfind("error: ", 0) == 0) {
+        return internal_error(out.finish_reason.substr(7));
+      }
+      output_tokens += out.new_tokens.size();
+      finished += out.finished;
+    }
+    const auto now = Clock::now();
+    if (finished * 10 >= next_tenth * w.prompts.size() ||
+        now - last_report > std::chrono::seconds(10)) {
+      while (finished * 10 >= next_tenth * w.prompts.size()) ++next_tenth;
+      last_report = now;
+      std::fprintf(
+          stderr,
+          "bench throughput: %zu of %zu requests done, %zu output tokens, %.0f tok/s so far\n",
+          finished, w.prompts.size(), output_tokens, output_tokens / seconds(now - t0));
+    }
+  }
+  const double wall = seconds(Clock::now() - t0);
+  const double rps = w.prompts.size() / wall, in_s = input_tokens / wall,
+               out_s = output_tokens / wall;
+  std::printf("Throughput: %.2f requests/s, %.1f total tokens/s, %.1f output tokens/s\n", rps,
+              (input_tokens + output_tokens) / wall, out_s);
+  std::printf("  %zu requests, %zu input + %zu output tokens in %.2f s, %zu steps (%.2f ms each)\n",
+              w.prompts.size(), input_tokens, output_tokens, wall, steps,
+              1000 * wall / std::max<size_t>(steps, 1));
+  std::printf(
+      "  GPU forward passes %.2f s = %.1f%% of the wall time; actor execute %.2f s, driver's "
+      "RPC/ring round trips %.2f s (summed per step)\n",
+      gpu_s, 100 * gpu_s / wall, actor_s, call_s);
+  if (!o.output_json.empty()) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    nlohmann::json j = {{"command", o.command_line},
+                        {"model", o.engine.model},
+                        {"architecture", m.architecture},
+                        {"dtype", m.dtype},
+                        {"backend", m.backend},
+                        {"device", m.device_name},
+                        {"hostname", host},
+                        {"tensor_parallel_size", session->plan().plan.tp},
+                        {"pipeline_parallel_size", session->plan().plan.pp},
+                        {"kv_blocks", m.kv_blocks},
+                        {"load_seconds", session->load_seconds()},
+                        {"num_requests", w.prompts.size()},
+                        {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
+                        {"input_len", o.dataset_path.empty() ? o.input_len : 0},
+                        {"output_len", o.dataset_path.empty() ? o.output_len : 0},
+                        {"input_tokens", input_tokens},
+                        {"output_tokens", output_tokens},
+                        {"elapsed_s", wall},
+                        {"requests_per_second", rps},
+                        {"input_tokens_per_second", in_s},
+                        {"output_tokens_per_second", out_s},
+                        {"total_tokens_per_second", in_s + out_s},
+                        {"steps", steps},
+                        {"gpu_forward_s", gpu_s},
+                        {"gpu_busy_fraction", gpu_s / wall},
+                        {"actor_execute_s", actor_s},
+                        {"driver_call_s", call_s},
+                        {"detokenize", true}};
+    std::ofstream f(o.output_json);
+    f << j.dump(2) << "\n";
+    if (!f) return internal_error("cannot write " + o.output_json);
+    std::printf("wrote %s\n", o.output_json.c_str());
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 int64_t matmul_parameters(const ModelConfig& c) {
@@ -252,6 +413,15 @@ int bench_latency_command(const BenchLatencyOptions& options) {
   Status st = run(options);
   if (!st) {
     std::cerr << "tessera bench latency: " << st.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+int bench_throughput_command(const BenchThroughputOptions& options) {
+  Status st = run_throughput(options);
+  if (!st) {
+    std::cerr << "tessera bench throughput: " << st.message() << "\n";
     return 1;
   }
   return 0;

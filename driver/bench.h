@@ -28,6 +28,25 @@ struct BenchLatencyOptions {
 
 int bench_latency_command(const BenchLatencyOptions& options);
 
+// `tessera bench throughput`: vLLM's benchmark_throughput, offline. --num-prompts requests of
+// --input-len random prompt tokens (or the prompts of --dataset-path, JSONL lines with "prompt"
+// text or "prompt_token_ids", and optionally "output_len") each generating --output-len tokens
+// (EOS ignored), all added at once to one engine, detokenized as vLLM's LLM.generate does.
+// Reports requests/s and input/output/total tokens/s, and where the wall time went: the GPU's
+// forward passes (summed over steps) against the whole, the rest being host work the GPU waited
+// for. --output-json writes every figure with the machine and command.
+struct BenchThroughputOptions {
+  EngineArgs engine;
+  uint32_t num_prompts = 1000;
+  uint32_t input_len = 1024;
+  uint32_t output_len = 128;
+  std::string dataset_path;
+  uint64_t seed = 0;
+  std::string output_json;
+  std::string command_line;  // recorded in the JSON
+};
+int bench_throughput_command(const BenchThroughputOptions& options);
+
 // Parameters a forward pass multiplies by (all weights but the input embedding; a tied
 // lm_head counted once), from the config.
 int64_t matmul_parameters(const ModelConfig& config);

@@ -187,6 +187,22 @@ int main(int argc, char** argv) {
   latency_cmd->add_option("--seed", bench.seed, "Seed of the random prompts (0)");
   latency_cmd->add_option("--output-json", bench.output_json, "Write the results as JSON here");
 
+  tessera::BenchThroughputOptions throughput;
+  auto* throughput_cmd = bench_cmd->add_subcommand(
+      "throughput", "Offline throughput: many requests at once through one engine (vLLM's)");
+  tessera::add_engine_options(throughput_cmd, throughput.engine);
+  throughput_cmd->add_option("--num-prompts", throughput.num_prompts, "Requests (1000)");
+  throughput_cmd->add_option("--input-len", throughput.input_len, "Random prompt tokens (1024)");
+  throughput_cmd->add_option("--output-len", throughput.output_len,
+                             "Tokens each request generates, EOS ignored (128)");
+  throughput_cmd->add_option("--dataset-path", throughput.dataset_path,
+                             "JSONL of prompts: \"prompt\" or \"prompt_token_ids\", optional "
+                             "\"output_len\" (default: random prompts)");
+  throughput_cmd->add_option("--seed", throughput.seed,
+                             "Seed of the random prompts and of request i's sampler (seed + i)");
+  throughput_cmd->add_option("--output-json", throughput.output_json,
+                             "Write the results as JSON here");
+
   tessera::MakeModelOptions make;
   auto* make_cmd = tessera::add_make_model_subcommand(app, make);
 
@@ -233,6 +249,10 @@ int main(int argc, char** argv) {
   if (*latency_cmd) {
     for (int i = 0; i < argc; ++i) bench.command_line += (i ? " " : "") + std::string(argv[i]);
     return tessera::bench_latency_command(bench);
+  }
+  if (*throughput_cmd) {
+    for (int i = 0; i < argc; ++i) throughput.command_line += (i ? " " : "") + std::string(argv[i]);
+    return tessera::bench_throughput_command(throughput);
   }
   if (*make_cmd) {
     tessera::Status st = tessera::make_model(make);

@@ -245,6 +245,45 @@ TEST_F(GenerateTest, BenchLatencyWritesItsJson) {
   std::filesystem::remove(json);
 }
 
+// `tessera bench throughput` on the CPU backend: random prompts and a JSONL dataset (text and
+// token ids, per-request output lengths), every token counted, the JSON written; a bad dataset
+// line is named.
+TEST_F(GenerateTest, BenchThroughputCountsEveryTokenAndNamesBadData) {
+  const std::string json = dir_ + "-throughput.json";
+  CommandResult r = run_command({bin("tessera"), "bench", "throughput", "--model", dir_, "--device",
+                                 "cpu", "--num-prompts", "12", "--input-len", "20", "--output-len",
+                                 "5", "--output-json", json});
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("output tokens/s"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("12 of 12 requests done"), std::string::npos) << r.err;
+  std::ifstream in(json);
+  ASSERT_TRUE(in) << json;
+  auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["num_requests"], 12);
+  EXPECT_EQ(j["input_tokens"], 12 * 20);
+  EXPECT_EQ(j["output_tokens"], 12 * 5);
+  EXPECT_GT(j["output_tokens_per_second"].get<double>(), 0.0);
+  EXPECT_NEAR(j["output_tokens_per_second"].get<double>() * j["elapsed_s"].get<double>(), 60, 1e-6);
+  EXPECT_EQ(j["command"].get<std::string>().find("bench throughput") != std::string::npos, true);
+
+  const std::string data = dir_ + "-prompts.jsonl";
+  std::ofstream(data) << "{\"prompt\": \"Hello there\"}\n\n"
+                      << "{\"prompt_token_ids\": [100, 200, 300], \"output_len\": 3}\n";
+  r = run_command({bin("tessera"), "bench", "throughput", "--model", dir_, "--device", "cpu",
+                   "--dataset-path", data, "--output-len", "4", "--output-json", json});
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream in2(json);
+  j = nlohmann::json::parse(in2);
+  EXPECT_EQ(j["num_requests"], 2);
+  EXPECT_EQ(j["output_tokens"], 4 + 3);
+
+  std::ofstream(data) << "{\"prompt\": \"fine\"}\n{\"prompt_token_ids\": [1, -2]}\n";
+  r = run_command({bin("tessera"), "bench", "throughput", "--model", dir_, "--device", "cpu",
+                   "--dataset-path", data});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find(data + ":2: prompt_token_ids holds -2"), std::string::npos) << r.err;
+}
+
 // Offline batches: --input JSONL (text or token ids) to --output JSONL, in order, each line the
 // same as that prompt's own run; a bad line is an error naming it.
 TEST_F(GenerateTest, JsonlInputGivesJsonlOutputInOrder) {
