@@ -24,6 +24,15 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+// What every bench JSON starts with: the command, the model, and the machine it ran on.
+nlohmann::json run_json(const std::string& command, const std::string& model, const ModelInfo& m) {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return {{"command", command}, {"model", model},       {"architecture", m.architecture},
+          {"dtype", m.dtype},   {"backend", m.backend}, {"device", m.device_name},
+          {"hostname", host}};
+}
+
 std::vector<int32_t> random_prompt(std::mt19937_64& rng, int64_t vocab, uint32_t len) {
   // Ids from the low part of the vocabulary: ordinary tokens, never special ones.
   std::uniform_int_distribution<int32_t> dist(
@@ -211,23 +220,15 @@ Status run(const BenchLatencyOptions& o) {
     print_step_breakdown(all);
   }
   if (!o.output_json.empty()) {
-    char host[256] = {0};
-    gethostname(host, sizeof(host) - 1);
-    nlohmann::json j = {{"command", o.command_line},
-                        {"model", o.engine.model},
-                        {"architecture", m.architecture},
-                        {"dtype", m.dtype},
-                        {"backend", m.backend},
-                        {"device", m.device_name},
-                        {"hostname", host},
-                        {"enforce_eager", o.engine.memory.enforce_eager},
-                        {"detokenize", false},
-                        {"weight_bytes", m.weight_bytes},
-                        {"matmul_parameters", params},
-                        {"decode_bytes_per_token", static_cast<uint64_t>(params) * es},
-                        {"kv_blocks", m.kv_blocks},
-                        {"load_seconds", session->load_seconds()},
-                        {"scenarios", scenarios}};
+    nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+    j.update({{"enforce_eager", o.engine.memory.enforce_eager},
+              {"detokenize", false},
+              {"weight_bytes", m.weight_bytes},
+              {"matmul_parameters", params},
+              {"decode_bytes_per_token", static_cast<uint64_t>(params) * es},
+              {"kv_blocks", m.kv_blocks},
+              {"load_seconds", session->load_seconds()},
+              {"scenarios", scenarios}});
     std::ofstream f(o.output_json);
     f << j.dump(2) << "\n";
     if (!f) return internal_error("cannot write " + o.output_json);
@@ -359,36 +360,28 @@ Status run_throughput(const BenchThroughputOptions& o) {
       "RPC/ring round trips %.2f s (summed per step)\n",
       gpu_s, 100 * gpu_s / wall, actor_s, call_s);
   if (!o.output_json.empty()) {
-    char host[256] = {0};
-    gethostname(host, sizeof(host) - 1);
-    nlohmann::json j = {{"command", o.command_line},
-                        {"model", o.engine.model},
-                        {"architecture", m.architecture},
-                        {"dtype", m.dtype},
-                        {"backend", m.backend},
-                        {"device", m.device_name},
-                        {"hostname", host},
-                        {"tensor_parallel_size", session->plan().plan.tp},
-                        {"pipeline_parallel_size", session->plan().plan.pp},
-                        {"kv_blocks", m.kv_blocks},
-                        {"load_seconds", session->load_seconds()},
-                        {"num_requests", w.prompts.size()},
-                        {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
-                        {"input_len", o.dataset_path.empty() ? o.input_len : 0},
-                        {"output_len", o.dataset_path.empty() ? o.output_len : 0},
-                        {"input_tokens", input_tokens},
-                        {"output_tokens", output_tokens},
-                        {"elapsed_s", wall},
-                        {"requests_per_second", rps},
-                        {"input_tokens_per_second", in_s},
-                        {"output_tokens_per_second", out_s},
-                        {"total_tokens_per_second", in_s + out_s},
-                        {"steps", steps},
-                        {"gpu_forward_s", gpu_s},
-                        {"gpu_busy_fraction", gpu_s / wall},
-                        {"actor_execute_s", actor_s},
-                        {"driver_call_s", call_s},
-                        {"detokenize", true}};
+    nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+    j.update({{"tensor_parallel_size", session->plan().plan.tp},
+              {"pipeline_parallel_size", session->plan().plan.pp},
+              {"kv_blocks", m.kv_blocks},
+              {"load_seconds", session->load_seconds()},
+              {"num_requests", w.prompts.size()},
+              {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
+              {"input_len", o.dataset_path.empty() ? o.input_len : 0},
+              {"output_len", o.dataset_path.empty() ? o.output_len : 0},
+              {"input_tokens", input_tokens},
+              {"output_tokens", output_tokens},
+              {"elapsed_s", wall},
+              {"requests_per_second", rps},
+              {"input_tokens_per_second", in_s},
+              {"output_tokens_per_second", out_s},
+              {"total_tokens_per_second", in_s + out_s},
+              {"steps", steps},
+              {"gpu_forward_s", gpu_s},
+              {"gpu_busy_fraction", gpu_s / wall},
+              {"actor_execute_s", actor_s},
+              {"driver_call_s", call_s},
+              {"detokenize", true}});
     std::ofstream f(o.output_json);
     f << j.dump(2) << "\n";
     if (!f) return internal_error("cannot write " + o.output_json);
