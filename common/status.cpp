@@ -1,5 +1,7 @@
 #include "common/status.h"
 
+#include <cstdio>
+
 namespace tessera {
 
 std::string_view code_name(Code code) {
@@ -46,6 +48,12 @@ void check_failed(const char* expr, const char* file, int line, std::string_view
                static_cast<int>(msg.size()), msg.data());
   std::fflush(stderr);
   std::abort();
+}
+
+int command_exit(const Status& st, const std::string& command) {
+  if (st) return 0;
+  std::fprintf(stderr, "%s: %s\n", command.c_str(), st.message().c_str());
+  return 1;
 }
 
 }  // namespace tessera

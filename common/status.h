@@ -55,6 +55,10 @@ inline Status not_found(std::string m) { return {Code::kNotFound, std::move(m)};
 inline Status unavailable(std::string m) { return {Code::kUnavailable, std::move(m)}; }
 inline Status deadline_exceeded(std::string m) { return {Code::kDeadlineExceeded, std::move(m)}; }
 inline Status resource_exhausted(std::string m) { return {Code::kResourceExhausted, std::move(m)}; }
+
+// The exit code of a command that ended with `st`: 0, or 1 after "<command>: <message>" on
+// stderr (e.g. command_exit(st, "tessera generate")).
+int command_exit(const Status& st, const std::string& command);
 inline Status failed_precondition(std::string m) {
   return {Code::kFailedPrecondition, std::move(m)};
 }

@@ -237,63 +237,6 @@ Status run(const BenchLatencyOptions& o) {
   return Status::ok();
 }
 
-// The prompts (token ids) and output lengths of a throughput run: random ids, or a dataset.
-struct Workload {
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<uint32_t> output_lens;
-};
-
-Expected<Workload> throughput_workload(const BenchThroughputOptions& o, const Tokenizer& tok,
-                                       int64_t vocab) {
-  Workload w;
-  if (o.dataset_path.empty()) {
-    std::mt19937_64 rng(o.seed);
-    for (uint32_t i = 0; i < o.num_prompts; ++i) {
-      w.prompts.push_back(random_prompt(rng, vocab, o.input_len));
-      w.output_lens.push_back(o.output_len);
-    }
-    return w;
-  }
-  std::ifstream in(o.dataset_path);
-  if (!in) return not_found("--dataset-path " + o.dataset_path + ": cannot open it");
-  size_t line_no = 0;
-  for (std::string line; w.prompts.size() < o.num_prompts && std::getline(in, line);) {
-    ++line_no;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = o.dataset_path + ":" + std::to_string(line_no);
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.is_object()) return invalid_argument(where + ": not a JSON object");
-    std::vector<int32_t> ids;
-    if (j.contains("prompt_token_ids") && j["prompt_token_ids"].is_array()) {
-      for (const auto& id : j["prompt_token_ids"]) {
-        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
-          return invalid_argument(where + ": prompt_token_ids holds " + id.dump() +
-                                  ", not a token id below the vocabulary size " +
-                                  std::to_string(vocab));
-        }
-        ids.push_back(id.get<int32_t>());
-      }
-    } else if (j.contains("prompt") && j["prompt"].is_string()) {
-      ids = tok.encode(j["prompt"].get<std::string>(), true);
-    } else {
-      return invalid_argument(where + ": needs \"prompt\" (text) or \"prompt_token_ids\"");
-    }
-    if (ids.empty()) return invalid_argument(where + ": the prompt is empty");
-    uint32_t out = o.output_len;
-    if (j.contains("output_len")) {
-      if (!j["output_len"].is_number_integer() || j["output_len"].get<int64_t>() < 1) {
-        return invalid_argument(where + ": output_len must be a positive integer");
-      }
-      out = j["output_len"].get<uint32_t>();
-    }
-    w.prompts.push_back(std::move(ids));
-    w.output_lens.push_back(out);
-  }
-  if (w.prompts.empty())
-    return invalid_argument("--dataset-path " + o.dataset_path + ": no prompts");
-  return w;
-}
-
 Status run_throughput(const BenchThroughputOptions& o) {
   if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
   if (o.dataset_path.empty() && (o.input_len == 0 || o.output_len == 0)) {
@@ -301,24 +244,35 @@ Status run_throughput(const BenchThroughputOptions& o) {
   }
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(o.engine, "tessera bench", true));
   const ModelInfo& m = session->model();
-  TESSERA_ASSIGN_OR_RETURN(
-      Workload w, throughput_workload(o, session->tokenizer(), session->config().vocab_size));
+  std::vector<BenchPrompt> w;
+  if (o.dataset_path.empty()) {
+    w = random_bench_prompts(o.num_prompts, o.input_len, o.output_len, o.seed,
+                             session->config().vocab_size);
+  } else {
+    TESSERA_ASSIGN_OR_RETURN(w, read_bench_dataset(o.dataset_path, o.num_prompts, o.output_len,
+                                                   session->config().vocab_size));
+  }
+  for (BenchPrompt& p : w) {
+    if (p.ids.empty()) p.ids = session->tokenizer().encode(p.text, true);
+  }
   std::printf("%s on %s (%s backend, %s), loaded in %.1f s: %zu requests\n", m.architecture.c_str(),
               m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
-              m.dtype.c_str(), session->load_seconds(), w.prompts.size());
+              m.dtype.c_str(), session->load_seconds(), w.size());
   std::fflush(stdout);
   LlmEngine& engine = session->engine();
   size_t input_tokens = 0, output_tokens = 0, finished = 0, steps = 0;
   double gpu_s = 0, actor_s = 0, call_s = 0;
   const auto t0 = Clock::now();
-  for (size_t i = 0; i < w.prompts.size(); ++i) {
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (w[i].ids.empty())
+      return invalid_argument("request " + std::to_string(i) + ": empty prompt");
     SamplingParams s;
     s.temperature = 1.0f;  // sampled, as vLLM's benchmark does (seeded per request)
     s.seed = o.seed + i;
-    s.max_tokens = static_cast<int>(w.output_lens[i]);
+    s.max_tokens = static_cast<int>(w[i].output_len);
     s.ignore_eos = true;
-    input_tokens += w.prompts[i].size();
-    TESSERA_RETURN_IF_ERROR(engine.add_request(w.prompts[i], s).status());
+    input_tokens += w[i].ids.size();
+    TESSERA_RETURN_IF_ERROR(engine.add_request(w[i].ids, s).status());
   }
   auto last_report = t0;
   size_t next_tenth = 1;
@@ -337,23 +291,21 @@ Status run_throughput(const BenchThroughputOptions& o) {
       finished += out.finished;
     }
     const auto now = Clock::now();
-    if (finished * 10 >= next_tenth * w.prompts.size() ||
-        now - last_report > std::chrono::seconds(10)) {
-      while (finished * 10 >= next_tenth * w.prompts.size()) ++next_tenth;
+    if (finished * 10 >= next_tenth * w.size() || now - last_report > std::chrono::seconds(10)) {
+      while (finished * 10 >= next_tenth * w.size()) ++next_tenth;
       last_report = now;
       std::fprintf(
           stderr,
           "bench throughput: %zu of %zu requests done, %zu output tokens, %.0f tok/s so far\n",
-          finished, w.prompts.size(), output_tokens, output_tokens / seconds(now - t0));
+          finished, w.size(), output_tokens, output_tokens / seconds(now - t0));
     }
   }
   const double wall = seconds(Clock::now() - t0);
-  const double rps = w.prompts.size() / wall, in_s = input_tokens / wall,
-               out_s = output_tokens / wall;
+  const double rps = w.size() / wall, in_s = input_tokens / wall, out_s = output_tokens / wall;
   std::printf("Throughput: %.2f requests/s, %.1f total tokens/s, %.1f output tokens/s\n", rps,
               (input_tokens + output_tokens) / wall, out_s);
   std::printf("  %zu requests, %zu input + %zu output tokens in %.2f s, %zu steps (%.2f ms each)\n",
-              w.prompts.size(), input_tokens, output_tokens, wall, steps,
+              w.size(), input_tokens, output_tokens, wall, steps,
               1000 * wall / std::max<size_t>(steps, 1));
   std::printf(
       "  GPU forward passes %.2f s = %.1f%% of the wall time; actor execute %.2f s, driver's "
@@ -365,7 +317,7 @@ Status run_throughput(const BenchThroughputOptions& o) {
               {"pipeline_parallel_size", session->plan().plan.pp},
               {"kv_blocks", m.kv_blocks},
               {"load_seconds", session->load_seconds()},
-              {"num_requests", w.prompts.size()},
+              {"num_requests", w.size()},
               {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
               {"input_len", o.dataset_path.empty() ? o.input_len : 0},
               {"output_len", o.dataset_path.empty() ? o.output_len : 0},
@@ -392,6 +344,59 @@ Status run_throughput(const BenchThroughputOptions& o) {
 
 }  // namespace
 
+std::vector<BenchPrompt> random_bench_prompts(uint32_t n, uint32_t input_len, uint32_t output_len,
+                                              uint64_t seed, int64_t vocab) {
+  std::mt19937_64 rng(seed);
+  std::vector<BenchPrompt> out(n);
+  for (BenchPrompt& p : out) {
+    p.ids = random_prompt(rng, vocab, input_len);
+    p.output_len = output_len;
+  }
+  return out;
+}
+
+Expected<std::vector<BenchPrompt>> read_bench_dataset(const std::string& path, uint32_t limit,
+                                                      uint32_t output_len, int64_t vocab) {
+  std::ifstream in(path);
+  if (!in) return not_found("--dataset-path " + path + ": cannot open it");
+  std::vector<BenchPrompt> out;
+  size_t line_no = 0;
+  for (std::string line; out.size() < limit && std::getline(in, line);) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(line_no);
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) return invalid_argument(where + ": not a JSON object");
+    BenchPrompt p;
+    if (j.contains("prompt_token_ids") && j["prompt_token_ids"].is_array()) {
+      for (const auto& id : j["prompt_token_ids"]) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
+          return invalid_argument(where + ": prompt_token_ids holds " + id.dump() +
+                                  ", not a token id below the vocabulary size " +
+                                  std::to_string(vocab));
+        }
+        p.ids.push_back(id.get<int32_t>());
+      }
+      if (p.ids.empty()) return invalid_argument(where + ": prompt_token_ids is empty");
+    } else if (j.contains("prompt") && j["prompt"].is_string() &&
+               !j["prompt"].get<std::string>().empty()) {
+      p.text = j["prompt"].get<std::string>();
+    } else {
+      return invalid_argument(where + ": needs \"prompt\" (text) or \"prompt_token_ids\"");
+    }
+    p.output_len = output_len;
+    if (j.contains("output_len")) {
+      if (!j["output_len"].is_number_integer() || j["output_len"].get<int64_t>() < 1) {
+        return invalid_argument(where + ": output_len must be a positive integer");
+      }
+      p.output_len = j["output_len"].get<uint32_t>();
+    }
+    out.push_back(std::move(p));
+  }
+  if (out.empty()) return invalid_argument("--dataset-path " + path + ": no prompts");
+  return out;
+}
+
 int64_t matmul_parameters(const ModelConfig& c) {
   const int64_t H = c.hidden_size, I = c.intermediate_size;
   const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
@@ -403,21 +408,11 @@ int64_t matmul_parameters(const ModelConfig& c) {
 }
 
 int bench_latency_command(const BenchLatencyOptions& options) {
-  Status st = run(options);
-  if (!st) {
-    std::cerr << "tessera bench latency: " << st.message() << "\n";
-    return 1;
-  }
-  return 0;
+  return command_exit(run(options), "tessera bench latency");
 }
 
 int bench_throughput_command(const BenchThroughputOptions& options) {
-  Status st = run_throughput(options);
-  if (!st) {
-    std::cerr << "tessera bench throughput: " << st.message() << "\n";
-    return 1;
-  }
-  return 0;
+  return command_exit(run_throughput(options), "tessera bench throughput");
 }
 
 }  // namespace tessera

@@ -47,6 +47,22 @@ struct BenchThroughputOptions {
 };
 int bench_throughput_command(const BenchThroughputOptions& options);
 
+// One request of a benchmark: token ids, or text for the engine (or server) to tokenize.
+struct BenchPrompt {
+  std::vector<int32_t> ids;  // empty when `text` is the prompt
+  std::string text;
+  uint32_t output_len = 0;
+};
+// `n` prompts of `input_len` random ids (ordinary tokens of the low vocabulary: 100 .. 31999,
+// below `vocab`), seeded, each asking `output_len` tokens.
+std::vector<BenchPrompt> random_bench_prompts(uint32_t n, uint32_t input_len, uint32_t output_len,
+                                              uint64_t seed, int64_t vocab = 32000);
+// The first `limit` prompts of a JSONL dataset: each line {"prompt": "text"} or
+// {"prompt_token_ids": [ids below `vocab`]}, optionally with "output_len" (else
+// `output_len`); blank lines skipped. Errors name the file and line.
+Expected<std::vector<BenchPrompt>> read_bench_dataset(const std::string& path, uint32_t limit,
+                                                      uint32_t output_len, int64_t vocab);
+
 // Parameters a forward pass multiplies by (all weights but the input embedding; a tied
 // lm_head counted once), from the config.
 int64_t matmul_parameters(const ModelConfig& config);

@@ -141,12 +141,7 @@ Status run(const GenerateOptions& o) {
 }  // namespace
 
 int generate_command(const GenerateOptions& options) {
-  Status st = run(options);
-  if (!st) {
-    std::cerr << "tessera generate: " << st.message() << "\n";
-    return 1;
-  }
-  return 0;
+  return command_exit(run(options), "tessera generate");
 }
 
 }  // namespace tessera

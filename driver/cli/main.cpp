@@ -24,6 +24,7 @@
 #include "driver/generate.h"
 #include "driver/make_model/make_model.h"
 #include "driver/plan/plan_command.h"
+#include "driver/server/bench_serve.h"
 #include "driver/server/serve.h"
 #include "driver/status.h"
 #include "protocol/auth.h"
@@ -203,6 +204,9 @@ int main(int argc, char** argv) {
   throughput_cmd->add_option("--output-json", throughput.output_json,
                              "Write the results as JSON here");
 
+  tessera::server::BenchServeOptions bench_serve;
+  auto* bench_serve_cmd = tessera::server::add_bench_serve_subcommand(*bench_cmd, bench_serve);
+
   tessera::MakeModelOptions make;
   auto* make_cmd = tessera::add_make_model_subcommand(app, make);
 
@@ -249,6 +253,11 @@ int main(int argc, char** argv) {
   if (*latency_cmd) {
     for (int i = 0; i < argc; ++i) bench.command_line += (i ? " " : "") + std::string(argv[i]);
     return tessera::bench_latency_command(bench);
+  }
+  if (*bench_serve_cmd) {
+    for (int i = 0; i < argc; ++i)
+      bench_serve.command_line += (i ? " " : "") + std::string(argv[i]);
+    return tessera::server::bench_serve_command(bench_serve);
   }
   if (*throughput_cmd) {
     for (int i = 0; i < argc; ++i) throughput.command_line += (i ? " " : "") + std::string(argv[i]);

@@ -655,6 +655,82 @@ TEST_F(ServeTest, AToolCallTheModelWritesComesBackAsToolCalls) {
   EXPECT_NE(sdk_run.out.find("ALL OK"), std::string::npos) << sdk_run.out << sdk_run.err;
 }
 
+// `tessera bench serve` against this server: at a fixed concurrency and at a Poisson rate,
+// every request completes with all its tokens, the latency percentiles are ordered, goodput
+// counts the requests within the SLOs; a wrong key or no server is a clear failure.
+TEST_F(ServeTest, BenchServeMeasuresTheServer) {
+  const std::string out = root_ + "/bench-serve.json";
+  const std::string base = "http://127.0.0.1:" + std::to_string(server_->port());
+  CommandResult r = run_command({bin("tessera"),
+                                 "bench",
+                                 "serve",
+                                 "--base-url",
+                                 base,
+                                 "--api-key",
+                                 "secret",
+                                 "--num-prompts",
+                                 "24",
+                                 "--input-len",
+                                 "12",
+                                 "--output-len",
+                                 "6",
+                                 "--max-concurrency",
+                                 "6",
+                                 "--ignore-eos",
+                                 "--goodput",
+                                 "ttft:60000",
+                                 "tpot:60000",
+                                 "--output-json",
+                                 out},
+                                120s);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("24 of 24 requests done"), std::string::npos) << r.err;
+  std::ifstream in(out);
+  json j = json::parse(in);
+  EXPECT_EQ(j["model"], "tiny");  // from /v1/models
+  EXPECT_EQ(j["completed"], 24);
+  EXPECT_EQ(j["failed"], 0);
+  EXPECT_EQ(j["total_input_tokens"], 24 * 12);
+  EXPECT_EQ(j["total_output_tokens"], 24 * 6);
+  EXPECT_EQ(j["max_concurrency"], 6);
+  EXPECT_NEAR(j["goodput"].get<double>(), j["request_throughput"].get<double>(), 1e-9);
+  for (const char* m : {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"}) {
+    const json& s = j[m];
+    EXPECT_GT(s["p50"].get<double>(), 0.0) << m;
+    EXPECT_LE(s["p50"].get<double>(), s["p90"].get<double>()) << m;
+    EXPECT_LE(s["p90"].get<double>(), s["p99"].get<double>()) << m;
+  }
+  EXPECT_LT(j["ttft_ms"]["p50"].get<double>(), j["e2el_ms"]["p50"].get<double>());
+
+  // Poisson arrivals, a goodput SLO nobody meets, and the dataset format of bench throughput.
+  const std::string data = root_ + "/bench-prompts.jsonl";
+  std::ofstream(data) << "{\"prompt\": \"Hello there\", \"output_len\": 3}\n"
+                      << "{\"prompt_token_ids\": [100, 200, 300]}\n";
+  r = run_command({bin("tessera"), "bench", "serve", "--base-url", base, "--api-key", "secret",
+                   "--dataset-path", data, "--output-len", "4", "--ignore-eos", "--request-rate",
+                   "20", "--goodput", "e2el:0.001", "--output-json", out},
+                  120s);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::ifstream in2(out);
+  j = json::parse(in2);
+  EXPECT_EQ(j["completed"], 2);
+  EXPECT_EQ(j["total_output_tokens"], 3 + 4);
+  EXPECT_EQ(j["request_rate"], 20.0);
+  EXPECT_EQ(j["goodput"], 0.0);
+
+  r = run_command({bin("tessera"), "bench", "serve", "--base-url", base, "--num-prompts", "2"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("wants an API key"), std::string::npos) << r.err;
+  r = run_command({bin("tessera"), "bench", "serve", "--base-url", base, "--model", "tiny",
+                   "--api-key", "wrong", "--num-prompts", "2"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("2 failed: HTTP 401"), std::string::npos) << r.out;
+  r = run_command({bin("tessera"), "bench", "serve", "--base-url", "http://127.0.0.1:1", "--model",
+                   "x", "--num-prompts", "1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("connecting to http://127.0.0.1:1"), std::string::npos) << r.err;
+}
+
 // A raw-socket client: sends a request, reads the response until it ends (or `stop_after`
 // bytes, then closes: a client that goes away). What it read.
 std::string raw_request(int port, const std::string& method, const std::string& path,

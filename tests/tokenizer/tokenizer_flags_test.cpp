@@ -39,7 +39,13 @@ TEST_P(FlagsTest, IdsAndTextEqualTransformers) {
   const std::string tokenizer_json = read_file(dir + "/tokenizer.json");
   const json base_config = json::parse(read_file(dir + "/tokenizer_config.json"));
   int checked = 0;
+  // The flags interact only in the SentencePiece pipeline (llama2): every combination there; on
+  // the byte-level tokenizers each flag alone (their combinations are as many full loads again,
+  // which the sanitizer stage of CI pays for twice over).
+  const bool sentencepiece = GetParam() == "llama2";
   for (const json& entry : g["tokenizers"][GetParam()]) {
+    if (!sentencepiece && entry["patch"].size() > 1) continue;
+    if (!sentencepiece && !entry["patch"].empty() && entry["patch"].begin()->is_null()) continue;
     const std::string what = GetParam() + " with " + entry["patch"].dump();
     if (entry.contains("error")) {
       ADD_FAILURE() << what << ": transformers did not load it:\n" << entry["error"];
@@ -68,7 +74,7 @@ TEST_P(FlagsTest, IdsAndTextEqualTransformers) {
       ++checked;
     }
   }
-  EXPECT_GT(checked, 100) << "too few cases: regenerate the goldens";
+  EXPECT_GT(checked, 100) << "too few cases: regenerate the goldens";  // 9 or 16 patches x 13
 }
 
 INSTANTIATE_TEST_SUITE_P(Real, FlagsTest, ::testing::Values("llama3", "qwen3", "llama2"),
