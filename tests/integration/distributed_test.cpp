@@ -24,6 +24,7 @@ namespace {
 using namespace std::chrono_literals;
 using testing::BackgroundProcess;
 using testing::bin;
+using testing::cmdline_of;
 using testing::CommandResult;
 using testing::process_alive;
 using testing::processes_matching;
@@ -283,9 +284,7 @@ class RendezvousTest : public DistributedTest {
     EXPECT_TRUE(wait_until(
         [&] {
           for (int pid : processes_matching("tessera")) {
-            std::ifstream cmdline("/proc/" + std::to_string(pid) + "/cmdline");
-            std::string cmd((std::istreambuf_iterator<char>(cmdline)), {});
-            if (cmd.find(root_) != std::string::npos) return false;
+            if (cmdline_of(pid).find(root_) != std::string::npos) return false;
           }
           return true;
         },

@@ -91,12 +91,25 @@ bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds tim
   }
 }
 
+namespace {
+// A /proc file's text, "" when it cannot be read: the process may exit between listing /proc and
+// reading it (ESRCH), which std::ifstream turns into an exception.
+std::string read_proc_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  std::string text;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fd, buf, sizeof(buf))) > 0;) text.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  return text;
+}
+}  // namespace
+
 bool process_alive(int pid) {
   if (pid <= 0) return false;
   if (::kill(pid, 0) != 0) return false;
   // A zombie is not alive: check /proc state.
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const std::string content = read_proc_file("/proc/" + std::to_string(pid) + "/stat");
   auto close_paren = content.rfind(')');
   if (close_paren != std::string::npos && close_paren + 2 < content.size()) {
     return content[close_paren + 2] != 'Z';
@@ -162,16 +175,20 @@ std::string BackgroundProcess::err() const {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+std::string cmdline_of(int pid) {
+  std::string cmd = read_proc_file("/proc/" + std::to_string(pid) + "/cmdline");
+  std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+  return cmd;
+}
+
 std::vector<int> processes_matching(const std::string& needle) {
   std::vector<int> out;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator("/proc", ec)) {
     std::string name = e.path().filename().string();
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(e.path() / "cmdline");
-    std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
     int pid = std::atoi(name.c_str());
+    const std::string cmd = cmdline_of(pid);
     if (cmd.find(needle) != std::string::npos && pid != ::getpid() && process_alive(pid)) {
       out.push_back(pid);
     }
@@ -185,8 +202,7 @@ std::vector<int> children_of(int parent) {
   for (const auto& e : fs::directory_iterator("/proc", ec)) {
     std::string name = e.path().filename().string();
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(e.path() / "stat");
-    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::string stat = read_proc_file((e.path() / "stat").string());
     auto paren = stat.rfind(')');
     if (paren == std::string::npos) continue;
     std::istringstream fields(stat.substr(paren + 2));

@@ -51,6 +51,8 @@ class BackgroundProcess {
 
 // PIDs of running processes whose command line contains `needle`.
 std::vector<int> processes_matching(const std::string& needle);
+// A process's command line, arguments joined by spaces; "" when it has exited.
+std::string cmdline_of(int pid);
 // PIDs of running processes whose parent is `pid`.
 std::vector<int> children_of(int pid);
 // Every file under `dir` (recursively) whose name starts with `prefix`, joined.
