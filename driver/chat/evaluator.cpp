@@ -510,7 +510,11 @@ class Evaluator {
     });
     add("raise_exception", [](CallArgs& args) -> Value {
       auto b = args.bind("raise_exception", {"message"}, 1);
-      throw RenderError(to_str(*b[0]));
+      std::string message = to_str(*b[0]);
+      // An empty message (raise_exception(''), or of an undefined name) still has to say what
+      // happened.
+      if (message.empty()) message = "the chat template raised an exception with no message";
+      throw RenderError(std::move(message));
     });
     add("strftime_now", [](CallArgs& args) {
       auto b = args.bind("strftime_now", {"format"}, 1);

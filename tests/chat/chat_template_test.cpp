@@ -145,6 +145,19 @@ TEST(ChatTemplateApiTest, RenderErrorsAreInvalidArgument) {
   EXPECT_EQ(sets_messages.status().code(), Code::kInvalidArgument);
 }
 
+// Found by the fuzzer: raise_exception of an undefined name (or of '') gave an empty message.
+TEST(ChatTemplateApiTest, AnExceptionWithNoMessageStillSaysWhatHappened) {
+  for (const char* source : {"{{ raise_exception(no_such_name) }}", "{{ raise_exception('') }}"}) {
+    auto t = ChatTemplate::parse(source, "", "");
+    ASSERT_TRUE(t.has_value());
+    auto out = t->render({{"user", "u"}}, false);
+    ASSERT_FALSE(out.has_value());
+    EXPECT_EQ(out.status().code(), Code::kInvalidArgument);
+    EXPECT_EQ(out.status().message(), "the chat template raised an exception with no message")
+        << source;
+  }
+}
+
 TEST(ChatTemplateApiTest, RenderJsonPassesOpenAiMessagesThrough) {
   auto t = ChatTemplate::parse(
       "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}"
