@@ -5,9 +5,13 @@
 // threads (4 warps x 16 rows). Row R of a sequence's packed rows is (token R / G, query head
 // kv_head * G + R % G), G = num_heads / num_kv_heads. Each warp keeps its 16 Q rows as A
 // fragments (registers for head_dim <= 128, shared memory for 256), walks the keys of its split
-// in tiles of kBlockN (K and V double-buffered in shared memory through cp.async, each key's
+// in tiles of kBlockN (K and V in a kStages-deep cp.async pipeline in shared memory, each key's
 // address looked up in the block table, keys past the end zero-filled), computes S = Q K^T,
 // an online softmax in the log2 domain and O += P V with P rounded to the input dtype.
+// A CTA with at most 16 rows (decode: one token x G heads) splits keys instead of rows: every
+// warp holds the same rows and takes 16 keys of each 64-key tile, and warp 0 merges the four
+// softmax states at the end. Decode attention reads K/V at 0.81 of the copy bandwidth this way
+// (batch 256 x 1536 keys, H200), against 0.65 with one computing warp per CTA and two stages.
 //
 // Split-K workspace (num_splits > 1), all fp32:
 //   o_part: [num_splits][total_q][num_heads][head_dim]  the split's output, already divided by
@@ -15,9 +19,10 @@
 //   lse:    [num_splits][total_q][num_heads]            natural-log sum-exp of the split's
 //                                                       scaled scores; -inf when it saw no key
 // A sequence spreads its context over the num_splits CTAs in whole 64-key tiles (seq_split_size)
-// and uses n_used = ceil(context_len / that) of them, computed on the device from context_lens (graphs replay one num_splits with varying lengths); splits past
-// n_used do nothing and the combine reads only the first n_used. When n_used == 1 the single
-// split writes `out` directly and the combine skips the sequence.
+// and uses n_used = ceil(context_len / that) of them, computed on the device from context_lens
+// (graphs replay one num_splits with varying lengths); splits past n_used do nothing and the
+// combine reads only the first n_used. When n_used == 1 the single split writes `out` directly and
+// the combine skips the sequence.
 #include "kernels/cuda/attention.h"
 
 #include <cuda_bf16.h>
@@ -26,6 +31,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_util.h"
 
@@ -47,15 +53,29 @@ template <int HD>
 struct Config {
   // Keys per tile. head_dim 256 uses 32 so that O (128 fp32 registers) + S fit without spills.
   static constexpr int kBlockN = HD > 128 ? 32 : 64;
+  // K/V tiles in flight: up to head_dim 128, two tiles load while a third is computed (the
+  // registers allow two CTAs per SM anyway, and the shared memory still does); head_dim 256
+  // keeps two stages so that two CTAs fit.
+  static constexpr int kStages = HD > 128 ? 2 : 3;
+  // A CTA whose rows fit one warp (decode: one token x the group's heads) spreads each tile's
+  // keys over its warps, 16 each, instead of leaving three warps idle; it needs 16 keys per warp.
+  static constexpr bool kCanSplitKeys = kBlockN == kWarps * 16;
   // Q fragments stay in registers up to head_dim 128; for 256 they are re-read from shared memory.
   static constexpr bool kQInSmem = HD > 128;
   // Shared-memory row stride in elements: +8 (16 bytes) makes the 8 rows an ldmatrix reads hit
   // 8 distinct 16-byte bank groups.
   static constexpr int kStride = HD + 8;
   static constexpr int kTileElems = kBlockN * kStride;
-  // K and V, two stages each, then Q (head_dim 256 only).
+  // K and V, kStages each, then Q (head_dim 256 only).
   static constexpr size_t kSmemBytes =
-      static_cast<size_t>(4 * kTileElems + (kQInSmem ? kRowsPerCta * kStride : 0)) * 2;
+      static_cast<size_t>(2 * kStages * kTileElems + (kQInSmem ? kRowsPerCta * kStride : 0)) * 2;
+  // The split-keys merge reuses the tiles' memory: warps 1.. write O [16][kMergeStride] and m,
+  // l [16][2] in fp32. +8 floats per row puts the 4 rows a half-warp's float2 accesses touch in
+  // distinct banks (a stride of HD floats made them 8-way conflicts).
+  static constexpr int kMergeStride = HD + 8;
+  static_assert(!kCanSplitKeys || (kWarps - 1) * 16 * (kMergeStride + 2) * sizeof(float) <=
+                                      2 * kStages * kTileElems * 2,
+                "split-keys merge must fit the tiles' shared memory");
 };
 
 struct Params {
@@ -189,14 +209,14 @@ __global__ void __launch_bounds__(kThreads)
   using C = Config<HD>;
   using Ops = HalfOps<T>;
   constexpr int kBlockN = C::kBlockN;
+  constexpr int kStages = C::kStages;
   constexpr int kStride = C::kStride;
   constexpr int kTile = C::kTileElems;
   constexpr bool kQInSmem = C::kQInSmem;
-  constexpr int kQkSteps = HD / 16;       // k-steps of S = Q K^T
-  constexpr int kSTiles = kBlockN / 8;    // n-tiles of S
-  constexpr int kPvSteps = kBlockN / 16;  // k-steps of O += P V
-  constexpr int kOTiles = HD / 8;         // n-tiles of O
-  constexpr int kChunksPerRow = HD / 8;   // 16-byte chunks per K/V row
+  constexpr int kQkSteps = HD / 16;      // k-steps of S = Q K^T
+  constexpr int kSTiles = kBlockN / 8;   // n-tiles of S
+  constexpr int kOTiles = HD / 8;        // n-tiles of O
+  constexpr int kChunksPerRow = HD / 8;  // 16-byte chunks per K/V row
   static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "tile load must split evenly");
   static_assert((kRowsPerCta * kChunksPerRow) % kThreads == 0, "Q load must split evenly");
 
@@ -230,7 +250,11 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int gid = lane >> 2;
   const int tig = lane & 3;
-  const int warp_row0 = tile_row0 + warp * 16;
+  // Split keys: every warp holds the CTA's (at most 16) rows and takes its own 16 keys of each
+  // tile; the warps' partial softmax states are merged at the end. Otherwise each warp takes 16
+  // rows and every key.
+  const bool split_keys = C::kCanSplitKeys && rows_valid - tile_row0 <= 16;
+  const int warp_row0 = split_keys ? tile_row0 : tile_row0 + warp * 16;
   const bool warp_active = warp_row0 < rows_valid;
   const int warp_last = min(warp_row0 + 15, rows_valid - 1);
   // Largest key any row of the warp may see, and the smallest key limit (below it no masking).
@@ -257,8 +281,8 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
   const uint32_t smem_base = smem_u32(smem);
-  // K stage s at smem + s * kTile, V stage s at smem + (2 + s) * kTile, Q at smem + 4 * kTile.
-  const uint32_t sq_base = smem_base + 4 * kTile * static_cast<uint32_t>(sizeof(T));
+  // K stage s at smem + s * kTile, V stage s at smem + (kStages + s) * kTile, Q after them.
+  const uint32_t sq_base = smem_base + 2 * kStages * kTile * static_cast<uint32_t>(sizeof(T));
 
   const T* q = static_cast<const T*>(p.q);
   const T* k_cache = static_cast<const T*>(p.k_cache);
@@ -269,7 +293,7 @@ __global__ void __launch_bounds__(kThreads)
   auto load_kv = [&](int tile, int stage) {
     const int n0 = kv_begin + tile * kBlockN;
     const uint32_t k_dst = smem_base + stage * kTile * static_cast<uint32_t>(sizeof(T));
-    const uint32_t v_dst = smem_base + (2 + stage) * kTile * static_cast<uint32_t>(sizeof(T));
+    const uint32_t v_dst = smem_base + (kStages + stage) * kTile * static_cast<uint32_t>(sizeof(T));
 #pragma unroll
     for (int i = 0; i < kBlockN * kChunksPerRow / kThreads; ++i) {
       const int c = static_cast<int>(threadIdx.x) + i * kThreads;
@@ -332,30 +356,25 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    load_kv(0, 0);
-    cp_async_commit();
+    // Group s holds tile s (Q joins group 0); a group may be empty, which keeps the count of
+    // groups the main loop waits on the same for every tile.
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < n_tiles) load_kv(st, st);
+      cp_async_commit();
+    }
   }
 
-  for (int t = 0; t < n_tiles; ++t) {
-    if (t + 1 < n_tiles) {
-      load_kv(t + 1, (t + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-
-    const int n0 = kv_begin + t * kBlockN;
-    if (warp_active && n0 <= warp_max_lim) {
-      const uint32_t sk = smem_base + (t & 1) * kTile * static_cast<uint32_t>(sizeof(T));
-      const uint32_t sv = smem_base + (2 + (t & 1)) * kTile * static_cast<uint32_t>(sizeof(T));
-
+  // One tile's S = Q K^T, online softmax and O += P V for this warp's rows, over the NT * 8 keys
+  // starting `key_off` into the tile (NT = kSTiles: the whole tile; 2: a split-keys warp's 16).
+  auto compute_tile = [&](auto nt, int n0, int key_off, uint32_t sk, uint32_t sv) {
+    constexpr int NT = decltype(nt)::value;
+    {
       // S = Q K^T. K tile [key][d] is B (col-major 16x8): one ldmatrix.x4 gives b0/b1 of two
       // n-tiles: matrices (keys +0, d +0), (keys +0, d +8), (keys +8, d +0), (keys +8, d +8).
-      float s[kSTiles][4];
+      float s[NT][4];
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
       const int k_row = (lane & 7) + ((lane >> 4) << 3);
       const int k_col = ((lane >> 3) & 1) << 3;
 #pragma unroll
@@ -373,9 +392,9 @@ __global__ void __launch_bounds__(kThreads)
           a[3] = q_frag[kk][3];
         }
 #pragma unroll
-        for (int j = 0; j < kSTiles / 2; ++j) {
+        for (int j = 0; j < NT / 2; ++j) {
           uint32_t b[4];
-          const int row = j * 16 + k_row;
+          const int row = key_off + j * 16 + k_row;
           const int col = kk * 16 + k_col;
           ldmatrix_x4(sk + static_cast<uint32_t>((row * kStride + col) * sizeof(T)), b);
           Ops::mma(s[2 * j], a, b[0], b[1]);
@@ -384,14 +403,14 @@ __global__ void __launch_bounds__(kThreads)
       }
 
       // Scale into the log2 domain and mask keys past each row's limit.
-      const bool need_mask = n0 + kBlockN - 1 > warp_min_lim;
+      const bool need_mask = n0 + key_off + NT * 8 - 1 > warp_min_lim;
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
+      for (int j = 0; j < NT; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float x = s[j][e] * p.scale_log2;
           if (need_mask) {
-            const int key = n0 + j * 8 + 2 * tig + (e & 1);
+            const int key = n0 + key_off + j * 8 + 2 * tig + (e & 1);
             if (key > row_lim[e >> 1]) x = neg_inf();
           }
           s[j][e] = x;
@@ -401,7 +420,7 @@ __global__ void __launch_bounds__(kThreads)
       // Online softmax. The 4 lanes of a quad hold the same two rows.
       float mx[2] = {m[0], m[1]};
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
+      for (int j = 0; j < NT; ++j) {
         mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
         mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
       }
@@ -418,7 +437,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       float row_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
+      for (int j = 0; j < NT; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           s[j][e] = fast_exp2(s[j][e] - m_use[e >> 1]);
@@ -441,7 +460,7 @@ __global__ void __launch_bounds__(kThreads)
       const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
       const int v_col = (lane >> 4) << 3;
 #pragma unroll
-      for (int kk = 0; kk < kPvSteps; ++kk) {
+      for (int kk = 0; kk < NT / 2; ++kk) {
         uint32_t a[4];
         a[0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
         a[1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
@@ -450,7 +469,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < HD / 16; ++j) {
           uint32_t b[4];
-          const int row = kk * 16 + v_row;
+          const int row = key_off + kk * 16 + v_row;
           const int col = j * 16 + v_col;
           ldmatrix_x4_trans(sv + static_cast<uint32_t>((row * kStride + col) * sizeof(T)), b);
           Ops::mma(o[2 * j], a, b[0], b[1]);
@@ -458,14 +477,103 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
+  };
+
+  for (int t = 0; t < n_tiles; ++t) {
+    // Tile t + kStages - 1 goes into the stage computed in iteration t - 1 (free since that
+    // iteration's closing barrier); then wait until at most kStages - 1 groups are pending,
+    // i.e. tile t has landed.
+    const int next = t + kStages - 1;
+    if (next < n_tiles) load_kv(next, next % kStages);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+
+    const int n0 = kv_begin + t * kBlockN;
+    const int stage = t % kStages;
+    const uint32_t sk = smem_base + stage * kTile * static_cast<uint32_t>(sizeof(T));
+    const uint32_t sv = smem_base + (kStages + stage) * kTile * static_cast<uint32_t>(sizeof(T));
+    if constexpr (C::kCanSplitKeys) {
+      if (split_keys) {
+        if (n0 + warp * 16 <= warp_max_lim) {
+          compute_tile(std::integral_constant<int, 2>{}, n0, warp * 16, sk, sv);
+        }
+      } else if (warp_active && n0 <= warp_max_lim) {
+        compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv);
+      }
+    } else if (warp_active && n0 <= warp_max_lim) {
+      compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv);
+    }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
+  cp_async_wait<0>();  // no copy may still target shared memory (only empty groups remain)
 
   // Full row denominators.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+
+  if constexpr (C::kCanSplitKeys) {
+    if (split_keys) {
+      // Merge the warps' states into warp 0: warps 1.. leave O, m and l in the tiles' memory
+      // (free: the loop ended on a barrier), warp 0 rescales everything to the common max.
+      // The fragment layout is the same in every warp, so each thread reads its own positions.
+      constexpr int kMs = C::kMergeStride;
+      float* red_o = reinterpret_cast<float*>(smem_raw);  // [kWarps - 1][16][kMs]
+      float* red_ml = red_o + (kWarps - 1) * 16 * kMs;    // [kWarps - 1][16][2]
+      if (warp > 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = gid + 8 * r;
+          float* dst = red_o + ((warp - 1) * 16 + row) * kMs;
+#pragma unroll
+          for (int j = 0; j < kOTiles; ++j) {
+            *reinterpret_cast<float2*>(dst + j * 8 + 2 * tig) =
+                make_float2(o[j][2 * r], o[j][2 * r + 1]);
+          }
+          if (tig == 0) {
+            red_ml[((warp - 1) * 16 + row) * 2] = m[r];
+            red_ml[((warp - 1) * 16 + row) * 2 + 1] = l[r];
+          }
+        }
+      }
+      __syncthreads();
+      if (warp > 0) return;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = gid + 8 * r;
+        float mw[kWarps - 1];
+        float mx = m[r];
+#pragma unroll
+        for (int w = 0; w < kWarps - 1; ++w) {
+          mw[w] = red_ml[(w * 16 + row) * 2];
+          mx = fmaxf(mx, mw[w]);
+        }
+        const float m_use = mx == neg_inf() ? 0.0f : mx;
+        const float own = fast_exp2(m[r] - m_use);
+        l[r] *= own;
+#pragma unroll
+        for (int j = 0; j < kOTiles; ++j) {
+          o[j][2 * r] *= own;
+          o[j][2 * r + 1] *= own;
+        }
+#pragma unroll
+        for (int w = 0; w < kWarps - 1; ++w) {
+          const float f = fast_exp2(mw[w] - m_use);
+          l[r] += red_ml[(w * 16 + row) * 2 + 1] * f;
+          const float* src = red_o + (w * 16 + row) * kMs;
+#pragma unroll
+          for (int j = 0; j < kOTiles; ++j) {
+            const float2 v = *reinterpret_cast<const float2*>(src + j * 8 + 2 * tig);
+            o[j][2 * r] += v.x * f;
+            o[j][2 * r + 1] += v.y * f;
+          }
+        }
+        m[r] = mx;
+      }
+    }
   }
   if (!warp_active) return;
 
