@@ -429,7 +429,7 @@ Status prepare_out_dir(const std::string& out) {
 }
 
 struct Plan {
-  const Shape* shape;
+  Shape shape;  // the preset's, with the options' overrides
   DType dtype;
   TokenizerInfo tok;
   json config;
@@ -438,19 +438,43 @@ struct Plan {
 
 Expected<Plan> plan(const MakeModelOptions& o) {
   Plan p;
-  TESSERA_ASSIGN_OR_RETURN(p.shape, find_shape(o));
+  TESSERA_ASSIGN_OR_RETURN(const Shape* preset, find_shape(o));
+  p.shape = *preset;
+  const MakeModelOptions::Overrides& ov = o.overrides;
+  for (int64_t v : {ov.hidden_size, ov.intermediate_size, ov.num_layers, ov.num_heads,
+                    ov.num_kv_heads, ov.head_dim, ov.vocab_size}) {
+    if (v < 0) return invalid_argument("make-model: shape overrides must be positive");
+  }
+  if (ov.hidden_size) p.shape.hidden = ov.hidden_size;
+  if (ov.intermediate_size) p.shape.intermediate = ov.intermediate_size;
+  if (ov.num_layers) p.shape.layers = ov.num_layers;
+  if (ov.num_heads) p.shape.heads = ov.num_heads;
+  if (ov.num_kv_heads) p.shape.kv_heads = ov.num_kv_heads;
+  if (ov.head_dim) p.shape.head_dim = ov.head_dim;
+  if (ov.vocab_size) p.shape.vocab = ov.vocab_size;
+  if (p.shape.heads <= 0 || (p.shape.head_dim == 0 && p.shape.hidden % p.shape.heads != 0)) {
+    return invalid_argument("make-model: hidden_size " + std::to_string(p.shape.hidden) +
+                            " is not a multiple of num_heads " + std::to_string(p.shape.heads) +
+                            ": give --head-dim");
+  }
+  if (p.shape.arch == Architecture::kQwen2 && p.shape.head_dim != 0 &&
+      p.shape.head_dim * p.shape.heads != p.shape.hidden) {
+    return invalid_argument(
+        "make-model: Qwen2 has no head_dim setting (it is hidden_size / "
+        "num_heads): change --hidden-size or --num-heads instead");
+  }
   TESSERA_ASSIGN_OR_RETURN(p.dtype, parse_dtype(o.dtype));
   if (o.tokenizer_dir.empty()) return invalid_argument("make-model: --tokenizer is required");
   TESSERA_ASSIGN_OR_RETURN(p.tok, read_tokenizer(o.tokenizer_dir));
   const TokenizerInfo& tok = p.tok;
-  const int64_t vocab = p.shape->vocab != 0 ? p.shape->vocab : tok.vocab_size;
+  const int64_t vocab = p.shape.vocab != 0 ? p.shape.vocab : tok.vocab_size;
   if (tok.vocab_size > vocab) {
     return invalid_argument("make-model: the tokenizer in '" + o.tokenizer_dir + "' has " +
                             std::to_string(tok.vocab_size) + " tokens, more than preset '" +
                             o.preset + "''s vocab_size " + std::to_string(vocab) +
                             " (use the model's own tokenizer)");
   }
-  p.config = build_config(*p.shape, tok, vocab, p.dtype);
+  p.config = build_config(p.shape, tok, vocab, p.dtype);
   // Parse what we are about to write: the reader is the judge of a valid config.
   Expected<ModelConfig> parsed = parse_model_config(p.config.dump(), "config.json (generated)");
   if (!parsed) return parsed.status().with_context("make-model: internal error");
@@ -485,9 +509,9 @@ Status make_model(const MakeModelOptions& o) {
         [init](uint64_t offset, std::span<uint8_t> bytes) { return fill(init, offset, bytes); }));
   }
   const uint64_t total = writer.total_bytes();
-  spdlog::info("make-model: {} {} ({}, {} tensors, {:.2f} GB {}) → {}",
-               model_type_of(p.shape->arch), o.preset, architecture_name(p.shape->arch),
-               weights.size(), total / 1e9, torch_dtype_name(p.dtype), o.out);
+  spdlog::info("make-model: {} {} ({}, {} tensors, {:.2f} GB {}) → {}", model_type_of(p.shape.arch),
+               o.preset, architecture_name(p.shape.arch), weights.size(), total / 1e9,
+               torch_dtype_name(p.dtype), o.out);
   writer.set_progress([](const std::string& path, uint64_t done, uint64_t all) {
     spdlog::info("make-model: wrote {} ({:.0f}%)", path, all ? 100.0 * done / all : 100.0);
   });
@@ -532,6 +556,18 @@ CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& o) {
   sub->add_option("--max-shard-size", o.max_shard_bytes,
                   "Largest shard before splitting, e.g. 5GB (10^9) or 4GiB (2^30); default 5GiB")
       ->transform(CLI::AsSizeValue(true));
+  MakeModelOptions::Overrides& ov = o.overrides;
+  sub->add_option("--hidden-size", ov.hidden_size, "Override the preset's hidden_size");
+  sub->add_option("--intermediate-size", ov.intermediate_size,
+                  "Override the preset's intermediate_size");
+  sub->add_option("--num-layers", ov.num_layers, "Override the preset's num_hidden_layers");
+  sub->add_option("--num-heads", ov.num_heads, "Override the preset's num_attention_heads");
+  sub->add_option("--num-kv-heads", ov.num_kv_heads, "Override the preset's num_key_value_heads");
+  sub->add_option("--head-dim", ov.head_dim,
+                  "Override the head size (default: the preset's, else hidden / heads)");
+  sub->add_option("--vocab-size", ov.vocab_size,
+                  "Override the vocabulary size (at least the tokenizer's; extra rows are "
+                  "padding, as many real models have)");
   return sub;
 }
 

@@ -44,6 +44,13 @@ struct MakeModelOptions {
   std::string dtype = "bf16";  // "bf16" | "fp16" | "fp32" (also bfloat16 / float16 / float32)
   std::string out;             // created if absent; refused if it exists and is not empty
   uint64_t max_shard_bytes = 5ull << 30;
+  // Replace the preset's figures where non-zero (tiny models of unusual shapes for tests:
+  // head sizes, GQA ratios, vocabulary sizes). head_dim 0 keeps the preset's rule (its explicit
+  // head_dim, else hidden_size / num_heads); vocab_size may not be below the tokenizer's.
+  struct Overrides {
+    int64_t hidden_size = 0, intermediate_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0,
+            head_dim = 0, vocab_size = 0;
+  } overrides;
 };
 
 // One preset: its name, architecture and the model whose published config.json it copies.

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/device_math.cuh"
 
 namespace tessera::cuda {
 
@@ -650,6 +651,99 @@ __global__ void __launch_bounds__(kCombineThreads)
   *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + index * HD + d) = packed;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The general kernel: any even head size up to kMaxHeadDim that the tensor-core kernel has no
+// instance for (e.g. 80, 96, 192, or sizes not a multiple of 8). One warp per (query token,
+// head) row, lane l holding elements l + 32 e (e < EPL) of q and of the output; keys one at a
+// time (a warp-sum dot product, an online softmax in the log2 domain, fp32 throughout). Slower
+// than the tile kernel but exact to the same tolerance; no split-K (it ignores num_splits).
+// Grid (ceil(max_query_len * num_heads / kGenericWarps), num_seqs), kGenericWarps warps.
+constexpr int kMaxHeadDim = 1024;
+constexpr int kGenericWarps = 4;
+
+template <typename T, int EPL>
+__global__ void __launch_bounds__(kGenericWarps * 32)
+    paged_attention_generic_kernel(const __grid_constant__ Params p, int head_dim) {
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int seq = blockIdx.y;
+  const int ctx = p.context_lens[seq];
+  if (ctx <= 0) return;  // padding sequence
+  const int q_start = p.cu_query_lens[seq];
+  const int qlen = p.cu_query_lens[seq + 1] - q_start;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + warp;
+  if (row >= static_cast<int64_t>(qlen) * p.num_heads) return;
+  const int token = static_cast<int>(row / p.num_heads);
+  const int head = static_cast<int>(row % p.num_heads);
+  const int kv_head = head / p.group;
+  const int last_key = min(ctx - 1, ctx - qlen + token);  // causal: the row's own position
+  const int64_t index = static_cast<int64_t>(q_start + token) * p.num_heads + head;
+  const T* q = static_cast<const T*>(p.q) + index * head_dim;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int32_t* table = p.block_tables + seq * p.block_table_stride;
+
+  float qv[EPL], o[EPL];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) {
+    const int d = lane + 32 * e;
+    qv[e] = d < head_dim ? dev::to_float(q[d]) * p.scale_log2 : 0.0f;
+    o[e] = 0.0f;
+  }
+  float m = neg_inf(), l = 0.0f;
+  for (int key = 0; key <= last_key; ++key) {
+    const int64_t page = table[key / p.block_size];
+    const int64_t slot = page * p.block_size + key % p.block_size;
+    const int64_t base = (slot * p.num_kv_heads + kv_head) * head_dim;
+    float dot = 0.0f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      const int d = lane + 32 * e;
+      if (d < head_dim) dot += qv[e] * dev::to_float(k_cache[base + d]);
+    }
+    const float s = dev::warp_sum(dot);
+    const float m_new = fmaxf(m, s);
+    const float alpha = fast_exp2(m - m_new);  // 0 while m is -inf
+    const float pe = fast_exp2(s - m_new);
+    l = l * alpha + pe;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      const int d = lane + 32 * e;
+      const float v = d < head_dim ? dev::to_float(v_cache[base + d]) : 0.0f;
+      o[e] = o[e] * alpha + pe * v;
+    }
+    m = m_new;
+  }
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  T* out = static_cast<T*>(p.out) + index * head_dim;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) {
+    const int d = lane + 32 * e;
+    if (d < head_dim) out[d] = dev::from_float<T>(o[e] * inv);
+  }
+}
+
+template <typename T, int EPL>
+Status launch_generic(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(args.max_query_len) * args.num_heads;
+  const dim3 grid(static_cast<unsigned>((rows + kGenericWarps - 1) / kGenericWarps),
+                  static_cast<unsigned>(args.num_seqs));
+  paged_attention_generic_kernel<T, EPL>
+      <<<grid, kGenericWarps * 32, 0, stream>>>(params, args.head_dim);
+  return launch_status("paged_attention (general head size)");
+}
+
+template <typename T>
+Status dispatch_generic(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
+  const int hd = args.head_dim;
+  if (hd <= 32) return launch_generic<T, 1>(params, args, stream);
+  if (hd <= 64) return launch_generic<T, 2>(params, args, stream);
+  if (hd <= 128) return launch_generic<T, 4>(params, args, stream);
+  if (hd <= 256) return launch_generic<T, 8>(params, args, stream);
+  if (hd <= 512) return launch_generic<T, 16>(params, args, stream);
+  return launch_generic<T, 32>(params, args, stream);
+}
+
 template <typename T, int HD>
 Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
   using C = Config<HD>;
@@ -693,7 +787,7 @@ Status dispatch_head_dim(const Params& params, const AttentionArgs& args, cudaSt
     case 256:
       return launch<T, 256>(params, args, stream);
     default:
-      return invalid_argument("paged_attention: unsupported head_dim");
+      return dispatch_generic<T>(params, args, stream);
   }
 }
 
@@ -710,9 +804,9 @@ Status check_args(const AttentionArgs& a) {
     return bad("q, out, k_cache and v_cache must be 16-byte aligned");
   }
   if (a.q == a.out) return bad("out must not overlap q");
-  if (a.head_dim != 16 && a.head_dim != 32 && a.head_dim != 64 && a.head_dim != 128 &&
-      a.head_dim != 256) {
-    return bad("head_dim " + std::to_string(a.head_dim) + " is not 16, 32, 64, 128 or 256");
+  if (a.head_dim < 2 || a.head_dim % 2 != 0 || a.head_dim > kMaxHeadDim) {
+    return bad("head_dim " + std::to_string(a.head_dim) + " is not an even number from 2 to " +
+               std::to_string(kMaxHeadDim));
   }
   if (a.num_heads <= 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) {
     return bad("num_heads " + std::to_string(a.num_heads) + " is not a positive multiple of " +

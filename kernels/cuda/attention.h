@@ -4,15 +4,19 @@
 //
 // Work decomposition (FlashAttention-2 style, with GQA packing): a CTA owns one KV head of one
 // sequence and a tile of 64 "rows", a row being (query token, query head of that KV head's
-// group), so K/V tiles loaded once serve the whole group; decode with group size 4 fills 4
-// rows. Keys are walked in tiles of 64 with an online softmax. For long contexts the keys can
+// group), so K/V tiles loaded once serve the whole group; a CTA of at most 16 rows (decode with
+// group size <= 16) spreads each tile's keys over its 4 warps instead. Keys are walked in tiles
+// of 64 with an online softmax. For long contexts the keys can
 // be split across CTAs (flash-decoding): each split writes a partial output and its log-sum-exp
 // to `workspace`, and a combine kernel merges them.
 //
 // Launch: grid (ceil(max_query_len * G / 64), num_seqs, num_kv_heads * num_splits), 128 threads
 // (4 warps x 16 rows), G = num_heads / num_kv_heads. Keys per tile: 64 (32 for head_dim 256).
-// K/V tiles are double-buffered in shared memory (cp.async); dynamic shared memory is
-// 4 * tile_keys * (head_dim + 8) * 2 bytes (+ 64 * (256 + 8) * 2 for Q at head_dim 256).
+// K/V tiles stream through shared memory in a cp.async pipeline 3 tiles deep (2 at head_dim
+// 256); dynamic shared memory is 2 * stages * tile_keys * (head_dim + 8) * 2 bytes
+// (+ 64 * (256 + 8) * 2 for Q at head_dim 256).
+// Other head sizes (any even one up to 1024: 80, 96, 192, ...) run on a general kernel, a warp
+// per (token, head) row and one key at a time, without split-K: slower, equally exact.
 // Precision: scores, softmax and O accumulate in fp32; the softmax weights P are rounded to the
 // input dtype before the P.V MMA (as FlashAttention does); the output is rounded once.
 #pragma once
@@ -53,7 +57,7 @@ struct AttentionArgs {
   int max_query_len = 0;  // >= every query_len in the batch (sizes the grid)
   int num_heads = 0;
   int num_kv_heads = 0;  // divides num_heads
-  int head_dim = 0;      // 16, 32, 64, 128 or 256
+  int head_dim = 0;      // even, 2 .. 1024; 16, 32, 64, 128 and 256 take the tile kernel
   float scale = 0.0f;    // usually 1 / sqrt(head_dim)
   // Split-K: num_splits CTAs per sequence and KV head share its keys. split_size (a multiple of
   // 64) is the capacity: num_splits * split_size >= every context_len. On the device each

@@ -390,8 +390,12 @@ Status launch_rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
     launch_rope_variant<T, 1>(a, grid, threads, stream);
   } else if (half <= 64) {
     launch_rope_variant<T, 2>(a, grid, threads, stream);
-  } else {
+  } else if (half <= 128) {
     launch_rope_variant<T, 4>(a, grid, threads, stream);
+  } else if (half <= 256) {
+    launch_rope_variant<T, 8>(a, grid, threads, stream);
+  } else {
+    launch_rope_variant<T, 16>(a, grid, threads, stream);
   }
   return launch_status("rope_and_cache_kernel");
 }
@@ -463,8 +467,8 @@ __global__ void convert_kernel(const From* __restrict__ src, To* __restrict__ ds
 
 template <typename T>
 __global__ void embedding_shard_kernel(const int32_t* __restrict__ ids, int64_t num_tokens,
-                                       const T* __restrict__ table, int64_t first_id,
-                                       int64_t rows, int64_t hidden, T* __restrict__ out) {
+                                       const T* __restrict__ table, int64_t first_id, int64_t rows,
+                                       int64_t hidden, T* __restrict__ out) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= hidden) return;
   for (int64_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
@@ -516,9 +520,9 @@ Status embedding_shard(DType dtype, const int32_t* ids, int64_t num_tokens, cons
     constexpr int kThreads = 128;
     const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kThreads)),
                     static_cast<unsigned>(std::min(num_tokens, kMaxGridY)));
-    embedding_shard_kernel<T><<<grid, kThreads, 0, stream>>>(
-        ids, num_tokens, static_cast<const T*>(table), first_id, rows, hidden,
-        static_cast<T*>(out));
+    embedding_shard_kernel<T><<<grid, kThreads, 0, stream>>>(ids, num_tokens,
+                                                             static_cast<const T*>(table), first_id,
+                                                             rows, hidden, static_cast<T*>(out));
     return launch_status("embedding_shard_kernel");
   });
 }
@@ -589,8 +593,8 @@ Status rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(check_positive(a.num_heads, kOp, "num_heads"));
   TESSERA_RETURN_IF_ERROR(check_positive(a.num_kv_heads, kOp, "num_kv_heads"));
   TESSERA_RETURN_IF_ERROR(check_positive(a.head_dim, kOp, "head_dim"));
-  if (a.head_dim % 2 != 0 || a.head_dim > 256) {
-    return invalid_argument("rope_and_cache: head_dim must be even and <= 256, got " +
+  if (a.head_dim % 2 != 0 || a.head_dim > 1024) {
+    return invalid_argument("rope_and_cache: head_dim must be even and <= 1024, got " +
                             std::to_string(a.head_dim));
   }
   if (ceil_div(a.num_heads + a.num_kv_heads, kRopeWarps) > kMaxGridY) {

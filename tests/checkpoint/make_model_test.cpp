@@ -5,12 +5,12 @@
 
 #include <CLI/CLI.hpp>
 
-#include "common/checkpoint/layer_plan.h"
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+#include "common/checkpoint/layer_plan.h"
 
 #include "common/checkpoint/safetensors.h"
 #include "tests/checkpoint/test_util.h"
@@ -324,6 +324,60 @@ TEST(MakeModelTest, Refusals) {
   bad.tokenizer_dir = ckpt_test::tokenizer_dir("qwen3");
   EXPECT_THAT(make_model(bad).message(), HasSubstr("151669 tokens, more than preset"));
   EXPECT_FALSE(fs::exists(dir / "x"));  // refused before creating anything
+}
+
+// Shape overrides give tiny models of unusual shapes; what the reader refuses, or a Qwen2 head
+// size its config cannot say, is refused before anything is written.
+TEST(MakeModelTest, ShapeOverrides) {
+  REQUIRE_TOKENIZERS();
+  MakeModelOptions o = tiny_options(kTiny[0], "");
+  o.overrides.hidden_size = 160;
+  o.overrides.num_heads = 2;
+  o.overrides.num_kv_heads = 1;
+  o.overrides.head_dim = 80;
+  o.overrides.intermediate_size = 200;
+  o.overrides.num_layers = 3;
+  o.overrides.vocab_size = 128259;
+  json j = json::parse(*make_model_config_json(o));
+  EXPECT_EQ(j["hidden_size"], 160);
+  EXPECT_EQ(j["num_attention_heads"], 2);
+  EXPECT_EQ(j["num_key_value_heads"], 1);
+  EXPECT_EQ(j["head_dim"], 80);
+  EXPECT_EQ(j["intermediate_size"], 200);
+  EXPECT_EQ(j["num_hidden_layers"], 3);
+  EXPECT_EQ(j["vocab_size"], 128259);
+
+  TempDir dir;
+  MakeModelOptions small = tiny_options(kTiny[3], dir / "q");  // qwen3
+  small.overrides.head_dim = 6;
+  small.overrides.num_heads = 6;
+  small.overrides.num_kv_heads = 2;
+  small.overrides.num_layers = 1;
+  ASSERT_TRUE(make_model(small).is_ok());
+  Expected<ModelConfig> cfg = load_model_config(dir / "q");
+  ASSERT_TRUE(cfg.has_value()) << cfg.status().to_string();
+  EXPECT_EQ(cfg->head_dim, 6);
+  EXPECT_EQ(cfg->num_heads, 6);
+  EXPECT_EQ(cfg->num_kv_heads, 2);
+  auto ckpt = open_checkpoint(dir / "q");
+  ASSERT_TRUE(ckpt);
+  EXPECT_TRUE(ckpt->require("model.layers.0.self_attn.q_proj.weight", {36, 64}).has_value());
+
+  MakeModelOptions bad = o;
+  bad.overrides.vocab_size = 1000;  // below the tokenizer's 128256
+  EXPECT_THAT(make_model_config_json(bad).status().message(), HasSubstr("128256 tokens"));
+  bad = o;
+  bad.overrides.num_kv_heads = 3;  // 2 heads over 3 KV heads
+  EXPECT_FALSE(make_model_config_json(bad).has_value());
+  bad = o;
+  bad.overrides.head_dim = 0;
+  bad.overrides.num_heads = 3;  // 160 / 3
+  EXPECT_THAT(make_model_config_json(bad).status().message(), HasSubstr("give --head-dim"));
+  bad = tiny_options(kTiny[2], "");  // qwen2: head size is hidden / heads
+  bad.overrides.head_dim = 32;
+  EXPECT_THAT(make_model_config_json(bad).status().message(), HasSubstr("Qwen2 has no head_dim"));
+  bad.overrides.head_dim = -4;
+  EXPECT_THAT(make_model_config_json(bad).status().message(), HasSubstr("must be positive"));
 }
 
 TEST(MakeModelTest, CommandLine) {

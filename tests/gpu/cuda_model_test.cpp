@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <numeric>
 
 #include "actors/model/model_runner.h"
@@ -101,7 +102,8 @@ Expected<StepOutput> run(ModelRunner& r, std::vector<SeqStep> seqs, std::vector<
   in.seqs = std::move(seqs);
   in.finished = std::move(finished);
   auto out = r.execute(in);
-  if (out && logits != nullptr) logits->insert(logits->end(), out->logits.begin(), out->logits.end());
+  if (out && logits != nullptr)
+    logits->insert(logits->end(), out->logits.begin(), out->logits.end());
   return out;
 }
 
@@ -229,6 +231,79 @@ TEST_P(CudaParityTest, LongContextSplitKDecodeTracksTheCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Architectures, CudaParityTest,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
+
+// Shapes no preset has, each with a tiny checkpoint of its own: head sizes the tile attention
+// kernel has no instance for (80, 24, 48, 6, 320), GQA ratios 2, 3, 5 and none, and vocabulary
+// sizes that are odd or just past the tokenizer's. The CUDA backend must load every model the
+// CPU backend loads and track it (eager and with graphs), short and long contexts.
+struct OddShape {
+  const char* name;
+  const char* arch;
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, extra_vocab;
+};
+
+class CudaOddShapeTest : public ::testing::TestWithParam<OddShape> {};
+
+TEST_P(CudaOddShapeTest, TracksTheFp32CpuBackend) {
+  require_gpu();
+  const OddShape& sh = GetParam();
+  std::string dir = std::filesystem::temp_directory_path() /
+                    (std::string("tessera-gpu-odd-") + sh.name + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  MakeModelOptions o;
+  o.arch = sh.arch;
+  o.preset = "tiny";
+  o.tokenizer_dir = source_dir() + "/tests/assets/tokenizers/" + tokenizer_for(sh.arch);
+  o.seed = 77;
+  o.dtype = "bf16";
+  o.out = dir;
+  o.overrides.hidden_size = sh.hidden;
+  o.overrides.num_heads = sh.heads;
+  o.overrides.num_kv_heads = sh.kv_heads;
+  o.overrides.head_dim = sh.head_dim;
+  o.overrides.intermediate_size = sh.intermediate;
+  o.overrides.num_layers = 2;
+  if (sh.extra_vocab > 0) {
+    // The tokenizer's size plus a few padding rows (as real checkpoints pad their vocabulary).
+    auto cfg = make_model_config_json(o);
+    ASSERT_TRUE(cfg) << cfg.status().to_string();
+    o.overrides.vocab_size =
+        nlohmann::json::parse(*cfg)["vocab_size"].get<int64_t>() + sh.extra_vocab;
+  }
+  Status st = make_model(o);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  auto cpu = load(spec_for(dir, "cpu"));
+  ASSERT_TRUE(cpu);
+  for (bool eager : {true, false}) {
+    LoadSpec gs = spec_for(dir, "cuda");
+    gs.enforce_eager = eager;
+    auto gpu = load(gs);
+    ASSERT_TRUE(gpu) << sh.name;
+    for (int64_t len : {int64_t{37}, int64_t{700}}) {
+      Compare c = teacher_forced(*cpu, *gpu, prompt_ids(len, 3), 8);
+      std::printf(
+          "[odd shape] %s (%s, head_dim %ld, heads %ld/%ld, vocab %ld), %s, %ld-token "
+          "prompt: max |logit diff| %.3e (max |logit| %.3f), greedy agreement %d/%d\n",
+          sh.name, sh.arch, static_cast<long>(cpu->config().head_dim), static_cast<long>(sh.heads),
+          static_cast<long>(sh.kv_heads), static_cast<long>(cpu->config().vocab_size),
+          eager ? "eager" : "graphs", static_cast<long>(len), c.max_diff, c.max_ref, c.agree,
+          c.steps);
+      EXPECT_EQ(c.steps, 8) << sh.name;
+      EXPECT_LE(c.max_diff, 0.05 * c.max_ref + 2e-3) << sh.name << " prompt " << len;
+      EXPECT_GE(c.agree, c.steps - 2) << sh.name << " prompt " << len;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaOddShapeTest,
+    ::testing::Values(OddShape{"hd80_gqa2_vocab_plus3", "llama", 160, 2, 1, 80, 200, 3},
+                      OddShape{"hd24_gqa3", "qwen3", 72, 6, 2, 24, 136, 0},
+                      OddShape{"hd48_gqa5_vocab_plus1", "mistral", 96, 5, 1, 48, 160, 1},
+                      OddShape{"hd6_no_gqa", "qwen2", 42, 7, 7, 0, 90, 0},
+                      OddShape{"hd320_mqa", "qwen3", 64, 2, 1, 320, 96, 5}),
+    [](const ::testing::TestParamInfo<OddShape>& info) { return std::string(info.param.name); });
 
 TEST(CudaModelTest, GraphsGiveTheSameBitsAsEagerMode) {
   require_gpu();

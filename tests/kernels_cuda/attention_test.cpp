@@ -439,6 +439,27 @@ TEST(CudaPagedAttention, HeadDim256) {
   }
 }
 
+// Head sizes without a tile-kernel instance run on the general kernel: decode, prefill and
+// chunked prefill, GQA ratios 1, 3 and 5, both dtypes; split plans are accepted and ignored.
+TEST(CudaPagedAttention, AnyEvenHeadDimMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> qlen = {1, 1, 37, 5, 1};
+  const std::vector<int> ctx = {1, 300, 100, 5, 1100};
+  int i = 0;
+  for (int head_dim : {2, 6, 24, 40, 48, 80, 96, 112, 192, 320, 1024}) {
+    const int group = std::vector<int>{1, 3, 5}[i % 3];
+    Shape sh;
+    sh.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+    sh.num_kv_heads = 2;
+    sh.num_heads = 2 * group;
+    sh.head_dim = head_dim;
+    sh.block_size = 16;
+    const Problem p = make_problem(sh, qlen, ctx, 800 + i);
+    check_problem(p, ctx, {{3, 448}}, "general kernel " + describe(sh));
+    ++i;
+  }
+}
+
 TEST(CudaPagedAttention, PaddingSequencesAreNotWritten) {
   REQUIRE_CUDA_DEVICE();
   // context_len 0 marks padding; its rows of q / out exist but must keep the sentinel.
@@ -527,8 +548,9 @@ TEST(CudaPagedAttention, InvalidArguments) {
   expect_invalid("null block_tables", [](AttentionArgs& a) { a.block_tables = nullptr; });
   expect_invalid("null context_lens", [](AttentionArgs& a) { a.context_lens = nullptr; });
   expect_invalid("null cu_query_lens", [](AttentionArgs& a) { a.cu_query_lens = nullptr; });
-  expect_invalid("head_dim 48", [](AttentionArgs& a) { a.head_dim = 48; });
-  expect_invalid("head_dim 512", [](AttentionArgs& a) { a.head_dim = 512; });
+  expect_invalid("head_dim 47", [](AttentionArgs& a) { a.head_dim = 47; });
+  expect_invalid("head_dim 0", [](AttentionArgs& a) { a.head_dim = 0; });
+  expect_invalid("head_dim 1026", [](AttentionArgs& a) { a.head_dim = 1026; });
   expect_invalid("heads 6 / kv 4", [](AttentionArgs& a) {
     a.num_heads = 6;
     a.num_kv_heads = 4;

@@ -530,7 +530,8 @@ const RopeCase kRopeCases[] = {
     {32, 8, 128, true, false},  // Qwen3-style qk-norm
     {4, 2, 16, false, false},  {4, 2, 16, true, true},  {4, 2, 32, false, true},
     {4, 2, 32, true, false},   {4, 2, 80, true, false}, {2, 1, 256, true, true},
-    {8, 8, 64, false, false},
+    {8, 8, 64, false, false},  {6, 2, 6, false, true},  {2, 1, 320, true, false},
+    {2, 1, 1024, false, true},
 };
 
 TEST(CudaRopeAndCache, MatchesCpu) {
@@ -860,7 +861,7 @@ TEST(CudaElementwise, BadArgumentsAreInvalidArgumentWithoutLaunching) {
   };
   bad([](RopeCacheArgs& a) { a.dtype = DType::kF32; }, "dtype F32");
   bad([](RopeCacheArgs& a) { a.head_dim = 15; }, "odd head_dim");
-  bad([](RopeCacheArgs& a) { a.head_dim = 258; }, "head_dim 258");
+  bad([](RopeCacheArgs& a) { a.head_dim = 1026; }, "head_dim 1026");
   bad([](RopeCacheArgs& a) { a.head_dim = 0; }, "head_dim 0");
   bad([](RopeCacheArgs& a) { a.num_heads = 0; }, "num_heads 0");
   bad([](RopeCacheArgs& a) { a.num_kv_heads = -1; }, "num_kv_heads -1");
