@@ -655,6 +655,11 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   if (options.max_num_seqs < 1 || options.block_size < 1 || options.max_model_len < 1) {
     return invalid_argument("max-num-seqs, block size and max-model-len must be positive");
   }
+  if (config.head_dim > 1024) {  // cuda::paged_attention's and rope_and_cache's bound
+    return invalid_argument("head_dim " + std::to_string(config.head_dim) +
+                            " is above the CUDA backend's 1024 (no released model has one): use "
+                            "--device cpu");
+  }
   if (config.sliding_window && *config.sliding_window < options.max_model_len) {
     return invalid_argument("this model uses sliding-window attention (window " +
                             std::to_string(*config.sliding_window) +
