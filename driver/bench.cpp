@@ -33,6 +33,19 @@ nlohmann::json run_json(const std::string& command, const std::string& model, co
           {"hostname", host}};
 }
 
+}  // namespace
+
+Status write_json(const std::string& path, const nlohmann::json& j) {
+  std::ofstream f(path);
+  f << j.dump(2) << "\n";
+  f.close();
+  if (!f) return internal_error("cannot write " + path);
+  std::printf("wrote %s\n", path.c_str());
+  return Status::ok();
+}
+
+namespace {
+
 std::vector<int32_t> random_prompt(std::mt19937_64& rng, int64_t vocab, uint32_t len) {
   // Ids from the low part of the vocabulary: ordinary tokens, never special ones.
   std::uniform_int_distribution<int32_t> dist(
@@ -131,7 +144,7 @@ void print_step_breakdown(const BatchTiming& t) {
       median(step_ms), median(t.call_ms), median(t.actor_ms), median(t.gpu_ms));
 }
 
-Status run(const BenchLatencyOptions& o) {
+Status run_report(const BenchReportOptions& o) {
   EngineArgs args = o.engine;
   MemoryOptions& mem = args.memory;
   mem.max_num_seqs = std::max<int64_t>(mem.max_num_seqs, std::max<int64_t>(o.batch_size, 1));
@@ -229,10 +242,158 @@ Status run(const BenchLatencyOptions& o) {
               {"kv_blocks", m.kv_blocks},
               {"load_seconds", session->load_seconds()},
               {"scenarios", scenarios}});
-    std::ofstream f(o.output_json);
-    f << j.dump(2) << "\n";
-    if (!f) return internal_error("cannot write " + o.output_json);
-    std::printf("wrote %s\n", o.output_json.c_str());
+    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, j));
+  }
+  return Status::ok();
+}
+
+// The q-th percentile (0..100) of `v`, interpolated linearly between ranks as numpy does.
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const double rank = q / 100.0 * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(rank);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (rank - static_cast<double>(lo));
+}
+
+Status run_latency(const BenchLatencyOptions& o) {
+  if (o.batch_size == 0) return invalid_argument("--batch-size must be at least 1");
+  if (o.input_len == 0 || o.output_len == 0) {
+    return invalid_argument("--input-len and --output-len must be at least 1");
+  }
+  if (o.num_iters == 0) return invalid_argument("--num-iters must be at least 1");
+  EngineArgs args = o.engine;
+  MemoryOptions& mem = args.memory;
+  // The whole batch runs in one step, as vLLM's benchmark sizes its engine for it.
+  mem.max_num_seqs = std::max<int64_t>(mem.max_num_seqs, o.batch_size);
+  if (mem.max_num_batched_tokens == 0) {
+    mem.max_num_batched_tokens =
+        std::min<int64_t>(16384, std::max<int64_t>(2048, int64_t{o.batch_size} * o.input_len));
+  }
+  TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
+  const ModelInfo& m = session->model();
+  const int64_t vocab = session->config().vocab_size;
+  std::printf("%s on %s (%s backend, %s), loaded in %.1f s: batch %u, %u in / %u out\n",
+              m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
+              m.backend.c_str(), m.dtype.c_str(), session->load_seconds(), o.batch_size,
+              o.input_len, o.output_len);
+  std::fflush(stdout);
+  LlmEngine& engine = session->engine();
+  const uint32_t total = o.num_iters_warmup + o.num_iters;
+  std::vector<double> latencies;
+  for (uint32_t i = 0; i < total; ++i) {
+    // Fresh prompts each iteration (seed + i), so the prefix cache never shortens a prefill.
+    const auto prompts =
+        random_bench_prompts(o.batch_size, o.input_len, o.output_len, o.seed + i, vocab);
+    const auto t0 = Clock::now();
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      SamplingParams s;
+      s.temperature = 1.0f;
+      s.seed = o.seed + i * o.batch_size + r;
+      s.max_tokens = static_cast<int>(o.output_len);
+      s.ignore_eos = true;
+      TESSERA_RETURN_IF_ERROR(engine.add_request(prompts[r].ids, s).status());
+    }
+    while (engine.has_unfinished()) {
+      TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
+      for (const auto& out : outs) {
+        if (out.finished && out.finish_reason.rfind("error: ", 0) == 0) {
+          return internal_error(out.finish_reason.substr(7));
+        }
+      }
+    }
+    const double s = seconds(Clock::now() - t0);
+    const bool warm = i < o.num_iters_warmup;
+    if (!warm) latencies.push_back(s);
+    std::fprintf(stderr, "bench latency: %s iteration %u of %u: %.4f s\n",
+                 warm ? "warm-up" : "measured", warm ? i + 1 : i + 1 - o.num_iters_warmup,
+                 warm ? o.num_iters_warmup : o.num_iters, s);
+  }
+  double sum = 0;
+  for (double l : latencies) sum += l;
+  const double avg = sum / static_cast<double>(latencies.size());
+  std::printf("Avg latency: %.6f seconds\n", avg);
+  nlohmann::json pct = nlohmann::json::object();
+  for (int q : {10, 25, 50, 75, 90, 99}) {
+    const double v = percentile(latencies, q);
+    std::printf("%d%% percentile latency: %.6f seconds\n", q, v);
+    pct[std::to_string(q)] = v;
+  }
+  if (!o.output_json.empty()) {
+    nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+    j.update({{"tensor_parallel_size", session->plan().plan.tp},
+              {"pipeline_parallel_size", session->plan().plan.pp},
+              {"batch_size", o.batch_size},
+              {"input_len", o.input_len},
+              {"output_len", o.output_len},
+              {"num_iters_warmup", o.num_iters_warmup},
+              {"num_iters", o.num_iters},
+              {"avg_latency", avg},
+              {"latencies", latencies},
+              {"percentiles", pct}});
+    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, j));
+  }
+  return Status::ok();
+}
+
+Status run_control_plane(const BenchControlPlaneOptions& o) {
+  if (o.transport != "ring" && o.transport != "rpc") {
+    return invalid_argument("--transport must be ring or rpc, got '" + o.transport + "'");
+  }
+  if (o.num_steps == 0) return invalid_argument("--num-steps must be at least 1");
+  EngineArgs args = o.engine;
+  args.step_rings = o.transport == "ring";
+  TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
+  const ModelInfo& m = session->model();
+  WorkerGroup& group = session->group();
+  std::printf("%s on %s (%s backend), %d rank(s), steps over %s: %u empty steps\n",
+              m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
+              m.backend.c_str(), group.world_size(),
+              o.transport == "ring" ? "shared-memory rings" : "execute RPCs", o.num_steps);
+  std::fflush(stdout);
+  std::vector<double> round_us, actor_us;
+  round_us.reserve(o.num_steps);
+  actor_us.reserve(o.num_steps);
+  const uint32_t total = o.num_warmup + o.num_steps;
+  for (uint32_t i = 0; i < total; ++i) {
+    StepInput step;
+    step.step_id = i + 1;
+    const auto t0 = Clock::now();
+    TESSERA_RETURN_IF_ERROR(group.submit(std::move(step)));
+    TESSERA_ASSIGN_OR_RETURN(StepOutput out, group.collect());
+    const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    if (out.step_id != i + 1) {
+      return internal_error("step " + std::to_string(i + 1) + " came back as step " +
+                            std::to_string(out.step_id));
+    }
+    if (i < o.num_warmup) continue;
+    round_us.push_back(us);
+    actor_us.push_back(group.last_times().actor_us);
+  }
+  double sum = 0;
+  for (double v : round_us) sum += v;
+  const double mean = sum / static_cast<double>(round_us.size());
+  nlohmann::json pct = nlohmann::json::object();
+  std::printf("round trip: mean %.1f us", mean);
+  for (int q : {50, 90, 99}) {
+    const double v = percentile(round_us, q);
+    pct["p" + std::to_string(q)] = v;
+    std::printf(", p%d %.1f us", q, v);
+  }
+  std::printf("; the actors' own part: p50 %.1f us\n", percentile(actor_us, 50));
+  if (!o.output_json.empty()) {
+    nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+    j.update({{"tensor_parallel_size", session->plan().plan.tp},
+              {"pipeline_parallel_size", session->plan().plan.pp},
+              {"world_size", group.world_size()},
+              {"transport", o.transport},
+              {"num_steps", o.num_steps},
+              {"num_warmup", o.num_warmup},
+              {"round_trip_us_mean", mean},
+              {"round_trip_us", pct},
+              {"actor_us_p50", percentile(actor_us, 50)}});
+    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, j));
   }
   return Status::ok();
 }
@@ -276,21 +437,57 @@ Status run_throughput(const BenchThroughputOptions& o) {
   }
   auto last_report = t0;
   size_t next_tenth = 1;
+  // The timeline: a sample every half second of what the steps in it did, and the bytes each
+  // step had to read at least (the weights once, the K/V of the tokens in the cache), from which
+  // scripts/bench-plot draws the fraction of the memory roofline over the run.
+  const ModelConfig& cfg = session->config();
+  const double kv_bytes_per_token = 2.0 * static_cast<double>(cfg.num_layers) * cfg.num_kv_heads *
+                                    cfg.head_dim * (m.dtype == "F32" ? 4 : 2);
+  const uint32_t block_size = engine.config().block_size;
+  nlohmann::json timeline = nlohmann::json::array();
+  struct Interval {
+    size_t steps = 0, output_tokens = 0;
+    double step_s = 0, gpu_s = 0, min_bytes = 0;
+  } iv;
+  auto iv_start = t0;
   while (engine.has_unfinished()) {
+    const auto step_t0 = Clock::now();
+    const EngineStats before = engine.stats();
     TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
     ++steps;
     const auto& t = session->group().last_times();
     gpu_s += t.gpu_us / 1e6;
     actor_s += t.actor_us / 1e6;
     call_s += t.call_us / 1e6;
+    ++iv.steps;
+    iv.step_s += seconds(Clock::now() - step_t0);
+    iv.gpu_s += t.gpu_us / 1e6;
+    iv.min_bytes += static_cast<double>(m.weight_bytes) +
+                    static_cast<double>(before.kv_blocks_used) * block_size * kv_bytes_per_token;
     for (const auto& out : outs) {
       if (out.finished && out.finish_reason.rfind("error: ", 0) == 0) {
         return internal_error(out.finish_reason.substr(7));
       }
       output_tokens += out.new_tokens.size();
+      iv.output_tokens += out.new_tokens.size();
       finished += out.finished;
     }
     const auto now = Clock::now();
+    if (now - iv_start >= std::chrono::milliseconds(500) || !engine.has_unfinished()) {
+      const EngineStats st = engine.stats();
+      const double span = seconds(now - iv_start);
+      timeline.push_back({{"t_s", seconds(now - t0)},
+                          {"steps", iv.steps},
+                          {"output_tok_s", iv.output_tokens / span},
+                          {"step_ms", 1000 * iv.step_s / iv.steps},
+                          {"gpu_forward_ms", 1000 * iv.gpu_s / iv.steps},
+                          {"min_bytes_per_step", iv.min_bytes / iv.steps},
+                          {"running", st.running},
+                          {"waiting", st.waiting},
+                          {"kv_cache_usage", st.kv_cache_usage}});
+      iv = Interval{};
+      iv_start = now;
+    }
     if (finished * 10 >= next_tenth * w.size() || now - last_report > std::chrono::seconds(10)) {
       while (finished * 10 >= next_tenth * w.size()) ++next_tenth;
       last_report = now;
@@ -333,11 +530,11 @@ Status run_throughput(const BenchThroughputOptions& o) {
               {"gpu_busy_fraction", gpu_s / wall},
               {"actor_execute_s", actor_s},
               {"driver_call_s", call_s},
-              {"detokenize", true}});
-    std::ofstream f(o.output_json);
-    f << j.dump(2) << "\n";
-    if (!f) return internal_error("cannot write " + o.output_json);
-    std::printf("wrote %s\n", o.output_json.c_str());
+              {"detokenize", true},
+              {"weight_bytes", m.weight_bytes},
+              {"kv_bytes_per_token", kv_bytes_per_token},
+              {"timeline", timeline}});
+    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, j));
   }
   return Status::ok();
 }
@@ -408,7 +605,15 @@ int64_t matmul_parameters(const ModelConfig& c) {
 }
 
 int bench_latency_command(const BenchLatencyOptions& options) {
-  return command_exit(run(options), "tessera bench latency");
+  return command_exit(run_latency(options), "tessera bench latency");
+}
+
+int bench_report_command(const BenchReportOptions& options) {
+  return command_exit(run_report(options), "tessera bench report");
+}
+
+int bench_control_plane_command(const BenchControlPlaneOptions& options) {
+  return command_exit(run_control_plane(options), "tessera bench control-plane");
 }
 
 int bench_throughput_command(const BenchThroughputOptions& options) {

@@ -1,10 +1,11 @@
-// `tessera bench latency`: the figures vLLM's benchmark_latency reports, for one model on one
-// actor, in one process so the model loads once: batch-1 decode (TTFT and tokens/s), one long
-// prefill (tokens/s and TFLOP/s) and a large-batch decode (tokens/s). Greedy, EOS ignored,
-// random prompt ids (seeded), no detokenization. Results print as a table and, with
-// --output-json, as JSON (machine, command and every measured iteration) for bench/results/.
+// `tessera bench latency`: vLLM's benchmark_latency. One batch of --batch-size requests of
+// --input-len random prompt tokens, each generating --output-len tokens (EOS ignored, sampled at
+// temperature 1, seeded), run --num-iters-warmup times unmeasured and --num-iters times
+// measured; reports the mean end-to-end latency of the batch and its 10/25/50/75/90/99th
+// percentiles. --output-json writes every iteration's latency with the machine and command.
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 
 #include "driver/model_session.h"
@@ -12,6 +13,25 @@
 namespace tessera {
 
 struct BenchLatencyOptions {
+  EngineArgs engine;
+  uint32_t input_len = 32;
+  uint32_t output_len = 128;
+  uint32_t batch_size = 8;
+  uint32_t num_iters_warmup = 10;
+  uint32_t num_iters = 30;
+  uint64_t seed = 0;
+  std::string output_json;
+  std::string command_line;  // recorded in the JSON
+};
+int bench_latency_command(const BenchLatencyOptions& options);
+
+// `tessera bench report`: Tessera's multi-part report of one model on one actor, in one process
+// so the model loads once: batch-1 decode (TTFT, tokens/s and where a decode step's time goes),
+// one long prefill (tokens/s and TFLOP/s) and a large-batch decode (tokens/s). Greedy, EOS
+// ignored, random prompt ids (seeded), no detokenization. Results print as a table and, with
+// --output-json, as JSON (machine, command and every measured iteration) for bench/results/,
+// which scripts/bench/report.py sets beside transformers' figures.
+struct BenchReportOptions {
   EngineArgs engine;
   uint32_t input_len = 128;
   uint32_t output_len = 256;
@@ -25,8 +45,7 @@ struct BenchLatencyOptions {
   std::string output_json;
   std::string command_line;  // recorded in the JSON
 };
-
-int bench_latency_command(const BenchLatencyOptions& options);
+int bench_report_command(const BenchReportOptions& options);
 
 // `tessera bench throughput`: vLLM's benchmark_throughput, offline. --num-prompts requests of
 // --input-len random prompt tokens (or the prompts of --dataset-path, JSONL lines with "prompt"
@@ -47,6 +66,22 @@ struct BenchThroughputOptions {
 };
 int bench_throughput_command(const BenchThroughputOptions& options);
 
+// `tessera bench control-plane`: the cost of the step channel alone. Loads the model as any
+// command does (e.g. -tp 2 on the CPU backend), then sends --num-steps empty steps (no sequences:
+// the actors apply them and answer at once) one at a time, each collected before the next, and
+// reports the round trip driver -> every rank -> driver (p50/p90/p99, mean) and the actors' own
+// share. --transport ring: local ranks read steps from the node's shared-memory ring and answer
+// on their output rings; rpc: every step is an execute RPC (what a rank on another node gets).
+struct BenchControlPlaneOptions {
+  EngineArgs engine;
+  std::string transport = "ring";  // ring | rpc
+  uint32_t num_steps = 10000;
+  uint32_t num_warmup = 200;
+  std::string output_json;
+  std::string command_line;  // recorded in the JSON
+};
+int bench_control_plane_command(const BenchControlPlaneOptions& options);
+
 // One request of a benchmark: token ids, or text for the engine (or server) to tokenize.
 struct BenchPrompt {
   std::vector<int32_t> ids;  // empty when `text` is the prompt
@@ -62,6 +97,9 @@ std::vector<BenchPrompt> random_bench_prompts(uint32_t n, uint32_t input_len, ui
 // `output_len`); blank lines skipped. Errors name the file and line.
 Expected<std::vector<BenchPrompt>> read_bench_dataset(const std::string& path, uint32_t limit,
                                                       uint32_t output_len, int64_t vocab);
+
+// Writes a bench result as indented JSON to `path` and says so on stdout.
+Status write_json(const std::string& path, const nlohmann::json& j);
 
 // Parameters a forward pass multiplies by (all weights but the input embedding; a tied
 // lm_head counted once), from the config.

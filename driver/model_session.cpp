@@ -201,6 +201,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
     spec.placement.push_back({r.node_id, static_cast<int>(r.gpu)});
   }
   spec.comm_backend = pick_collectives(a.collectives, spec.placement);
+  spec.use_rings = a.step_rings;
   // Beside NCCL, the custom all-reduce for tensors up to its buffer's size, where every TP
   // group's GPUs share a node and NVLink (vLLM's rule: PCIe peers gain nothing from it).
   if (spec.comm_backend == "nccl" && !a.disable_custom_all_reduce && s->plan_.plan.tp > 1) {

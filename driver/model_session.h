@@ -30,6 +30,10 @@ struct EngineArgs : ModelArgs {
   bool enable_prefix_caching = true;       // --no-enable-prefix-caching turns it off
   uint32_t nccl_init_timeout_s = 120;
   bool return_logits = false;  // tests
+  // Local ranks take steps through the node's shared-memory rings; false sends every step as an
+  // execute RPC, as ranks on other machines get them (`tessera bench control-plane --transport
+  // rpc` compares the two).
+  bool step_rings = true;
 };
 
 // Adds the flags of EngineArgs (add_model_options and the cluster's) to a model command.

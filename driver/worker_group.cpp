@@ -99,6 +99,9 @@ struct WorkerGroup::Rank {
   std::string ipc_handle;
   std::optional<ShmRing> output_ring;
   std::optional<RingReader> reader;
+  // Where its step outputs are copied out of the ring: one slot's size, allocated once (a fresh
+  // zeroed megabyte per step was most of an empty step's round trip).
+  std::vector<std::byte> out_buffer;
   std::string describe() const {
     return "rank " + std::to_string(rank) + " (actor " + actor.actor_id + ", " + where(placement) +
            ")";
@@ -435,7 +438,8 @@ Expected<StepOutput> WorkerGroup::collect() {
   for (auto& rank : ranks_) {
     StepOutput out;
     if (rank->node->local) {
-      std::vector<std::byte> buf(rank->reader->slot_bytes());
+      std::vector<std::byte>& buf = rank->out_buffer;
+      if (buf.size() != rank->reader->slot_bytes()) buf.resize(rank->reader->slot_bytes());
       while (true) {
         auto n = rank->reader->read(buf, std::chrono::milliseconds(20));
         if (n) {

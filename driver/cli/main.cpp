@@ -169,24 +169,40 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--logprobs", gen.sampling.logprobs, "Return top-N logprobs per token");
   gen_cmd->add_flag("--json", gen.json, "Print ids, text and logprobs as JSON, a line per prompt");
 
-  tessera::BenchLatencyOptions bench;
   auto* bench_cmd = app.add_subcommand("bench", "Benchmarks");
   bench_cmd->require_subcommand(1);
+  tessera::BenchLatencyOptions latency;
   auto* latency_cmd = bench_cmd->add_subcommand(
-      "latency", "Batch-1 decode, long prefill and large-batch decode of one model");
-  tessera::add_engine_options(latency_cmd, bench.engine);
-  latency_cmd->add_option("--input-len", bench.input_len, "Prompt tokens (128)");
-  latency_cmd->add_option("--output-len", bench.output_len, "New tokens (256)");
-  latency_cmd->add_option("--num-iters", bench.num_iters, "Measured batch-1 runs (3)");
-  latency_cmd->add_option("--num-iters-warmup", bench.num_iters_warmup, "Warm-up runs (1)");
-  latency_cmd->add_option("--prefill-len", bench.prefill_len,
-                          "Long prefill tokens (4096; 0 = skip)");
-  latency_cmd->add_option("--prefill-iters", bench.prefill_iters, "Measured prefills (5)");
-  latency_cmd->add_option("--batch-size", bench.batch_size,
-                          "Large-batch decode size (64; 0 = skip)");
-  latency_cmd->add_option("--batch-iters", bench.batch_iters, "Measured large-batch runs (2)");
-  latency_cmd->add_option("--seed", bench.seed, "Seed of the random prompts (0)");
-  latency_cmd->add_option("--output-json", bench.output_json, "Write the results as JSON here");
+      "latency", "End-to-end latency of one batch, over many iterations (vLLM's)");
+  tessera::add_engine_options(latency_cmd, latency.engine);
+  latency_cmd->add_option("--input-len", latency.input_len, "Random prompt tokens (32)");
+  latency_cmd->add_option("--output-len", latency.output_len,
+                          "Tokens each request generates, EOS ignored (128)");
+  latency_cmd->add_option("--batch-size", latency.batch_size, "Requests in the batch (8)");
+  latency_cmd->add_option("--num-iters-warmup", latency.num_iters_warmup,
+                          "Unmeasured iterations first (10)");
+  latency_cmd->add_option("--num-iters", latency.num_iters, "Measured iterations (30)");
+  latency_cmd->add_option("--seed", latency.seed, "Seed of the random prompts and samplers (0)");
+  latency_cmd->add_option("--output-json", latency.output_json, "Write the results as JSON here");
+
+  tessera::BenchReportOptions bench;
+  auto* report_cmd = bench_cmd->add_subcommand(
+      "report",
+      "Tessera's report: batch-1 decode (TTFT, step breakdown), a long prefill and a large-batch "
+      "decode of one model");
+  tessera::add_engine_options(report_cmd, bench.engine);
+  report_cmd->add_option("--input-len", bench.input_len, "Prompt tokens (128)");
+  report_cmd->add_option("--output-len", bench.output_len, "New tokens (256)");
+  report_cmd->add_option("--num-iters", bench.num_iters, "Measured batch-1 runs (3)");
+  report_cmd->add_option("--num-iters-warmup", bench.num_iters_warmup, "Warm-up runs (1)");
+  report_cmd->add_option("--prefill-len", bench.prefill_len,
+                         "Long prefill tokens (4096; 0 = skip)");
+  report_cmd->add_option("--prefill-iters", bench.prefill_iters, "Measured prefills (5)");
+  report_cmd->add_option("--batch-size", bench.batch_size,
+                         "Large-batch decode size (64; 0 = skip)");
+  report_cmd->add_option("--batch-iters", bench.batch_iters, "Measured large-batch runs (2)");
+  report_cmd->add_option("--seed", bench.seed, "Seed of the random prompts (0)");
+  report_cmd->add_option("--output-json", bench.output_json, "Write the results as JSON here");
 
   tessera::BenchThroughputOptions throughput;
   auto* throughput_cmd = bench_cmd->add_subcommand(
@@ -203,6 +219,18 @@ int main(int argc, char** argv) {
                              "Seed of the random prompts and of request i's sampler (seed + i)");
   throughput_cmd->add_option("--output-json", throughput.output_json,
                              "Write the results as JSON here");
+
+  tessera::BenchControlPlaneOptions control;
+  auto* control_cmd = bench_cmd->add_subcommand(
+      "control-plane", "Round trip of empty steps driver -> ranks -> driver (rings or RPC)");
+  tessera::add_engine_options(control_cmd, control.engine);
+  control_cmd
+      ->add_option("--transport", control.transport,
+                   "ring: shared-memory step rings; rpc: an execute RPC per step (ring)")
+      ->check(CLI::IsMember({"ring", "rpc"}));
+  control_cmd->add_option("--num-steps", control.num_steps, "Measured steps (10000)");
+  control_cmd->add_option("--num-warmup", control.num_warmup, "Unmeasured steps first (200)");
+  control_cmd->add_option("--output-json", control.output_json, "Write the results as JSON here");
 
   tessera::server::BenchServeOptions bench_serve;
   auto* bench_serve_cmd = tessera::server::add_bench_serve_subcommand(*bench_cmd, bench_serve);
@@ -251,8 +279,16 @@ int main(int argc, char** argv) {
     return tessera::generate_command(gen);
   }
   if (*latency_cmd) {
+    for (int i = 0; i < argc; ++i) latency.command_line += (i ? " " : "") + std::string(argv[i]);
+    return tessera::bench_latency_command(latency);
+  }
+  if (*control_cmd) {
+    for (int i = 0; i < argc; ++i) control.command_line += (i ? " " : "") + std::string(argv[i]);
+    return tessera::bench_control_plane_command(control);
+  }
+  if (*report_cmd) {
     for (int i = 0; i < argc; ++i) bench.command_line += (i ? " " : "") + std::string(argv[i]);
-    return tessera::bench_latency_command(bench);
+    return tessera::bench_report_command(bench);
   }
   if (*bench_serve_cmd) {
     for (int i = 0; i < argc; ++i)

@@ -380,10 +380,7 @@ Status run(const BenchServeOptions& o) {
   }
   for (const auto& [e, n] : errors) std::printf("  %zu failed: %s\n", n, e.c_str());
   if (!o.output_json.empty()) {
-    std::ofstream f(o.output_json);
-    f << out.dump(2) << "\n";
-    if (!f) return internal_error("cannot write " + o.output_json);
-    std::printf("wrote %s\n", o.output_json.c_str());
+    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, out));
   }
   if (completed == 0) {
     return unavailable("no request succeeded; the first error: " +

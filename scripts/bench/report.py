@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Combine a `tessera bench latency --output-json` result with a transformers baseline
+"""Combine a `tessera bench report --output-json` result with a transformers baseline
 (scripts/bench/transformers_latency.py) into one record with ratios against the targets.
 
     report.py --tessera TESSERA.json --transformers TRANSFORMERS.json --out bench/results/NAME.json
@@ -74,7 +74,7 @@ def git_commit():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tessera", required=True, help="tessera bench latency --output-json file")
+    ap.add_argument("--tessera", required=True, help="tessera bench report --output-json file")
     ap.add_argument("--transformers", required=True, help="transformers_latency.py output")
     ap.add_argument("--out", required=True, help="combined JSON to write")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a target is not met")

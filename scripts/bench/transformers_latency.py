@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Hugging Face transformers baseline latency/throughput on the current GPU, in bfloat16, for
-the checkpoint that `tessera bench latency` measures (run on the GPU machine).
+the checkpoint that `tessera bench report` measures (run on the GPU machine).
 
     transformers_latency.py --model DIR --out OUT.json [--quick] [--skip-compile]
 

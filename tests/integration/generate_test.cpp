@@ -2,6 +2,7 @@
 // loads a tiny seeded checkpoint there and generates — checked against transformers' goldens.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -192,13 +193,85 @@ TEST_F(GenerateTest, DeviceFlagIsHonoured) {
   EXPECT_NE(r.err.find("cpu backend"), std::string::npos) << r.err;
 }
 
-// `tessera bench latency` on the CPU backend: every scenario runs and the JSON carries the
+// `tessera bench latency` (vLLM's meaning) on the CPU backend: warm-up iterations are not
+// measured, every measured one is, and the percentiles are ordered and within the measured range.
+TEST_F(GenerateTest, BenchLatencyMeasuresEveryIterationOfOneBatch) {
+  const std::string json = dir_ + "-latency.json";
+  CommandResult r =
+      run_command({bin("tessera"), "bench", "latency", "--model", dir_, "--device", "cpu",
+                   "--batch-size", "3", "--input-len", "12", "--output-len", "5",
+                   "--num-iters-warmup", "2", "--num-iters", "4", "--output-json", json});
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("Avg latency: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("99% percentile latency: "), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("warm-up iteration 2 of 2"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("measured iteration 4 of 4"), std::string::npos) << r.err;
+  std::ifstream in(json);
+  ASSERT_TRUE(in) << json;
+  auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["backend"], "cpu");
+  EXPECT_EQ(j["batch_size"], 3);
+  ASSERT_EQ(j["latencies"].size(), 4u) << j.dump();
+  double lo = 1e9, hi = 0, sum = 0;
+  for (const auto& l : j["latencies"]) {
+    lo = std::min(lo, l.get<double>());
+    hi = std::max(hi, l.get<double>());
+    sum += l.get<double>();
+  }
+  EXPECT_GT(lo, 0.0);
+  EXPECT_NEAR(j["avg_latency"].get<double>(), sum / 4, 1e-9);
+  double prev = lo;
+  for (const char* q : {"10", "25", "50", "75", "90", "99"}) {
+    const double v = j["percentiles"][q].get<double>();
+    EXPECT_GE(v, prev) << q;
+    EXPECT_LE(v, hi) << q;
+    prev = v;
+  }
+  std::filesystem::remove(json);
+
+  CommandResult bad = run_command({bin("tessera"), "bench", "latency", "--model", dir_, "--device",
+                                   "cpu", "--batch-size", "0"});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--batch-size must be at least 1"), std::string::npos) << bad.err;
+}
+
+// `tessera bench control-plane` with two CPU ranks: empty steps round trip through the rings and
+// through RPCs, every measured step counted, the percentiles ordered; a bad transport is refused.
+TEST_F(GenerateTest, BenchControlPlaneTimesEmptyStepsOverRingsAndRpc) {
+  for (const std::string transport : {"ring", "rpc"}) {
+    const std::string json = dir_ + "-control-" + transport + ".json";
+    CommandResult r =
+        run_command({bin("tessera"), "bench", "control-plane", "--model", dir_, "--device", "cpu",
+                     "-tp", "2", "--transport", transport, "--num-steps", "300", "--num-warmup",
+                     "20", "--output-json", json});
+    ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+    EXPECT_NE(r.out.find("2 rank(s)"), std::string::npos) << r.out;
+    std::ifstream in(json);
+    ASSERT_TRUE(in) << json;
+    auto j = nlohmann::json::parse(in);
+    EXPECT_EQ(j["transport"], transport);
+    EXPECT_EQ(j["world_size"], 2);
+    EXPECT_EQ(j["num_steps"], 300);
+    const double p50 = j["round_trip_us"]["p50"].get<double>();
+    EXPECT_GT(p50, 0.0);
+    EXPECT_LE(p50, j["round_trip_us"]["p90"].get<double>());
+    EXPECT_LE(j["round_trip_us"]["p90"].get<double>(), j["round_trip_us"]["p99"].get<double>());
+    EXPECT_LE(j["actor_us_p50"].get<double>(), p50);
+    std::filesystem::remove(json);
+  }
+  CommandResult bad = run_command({bin("tessera"), "bench", "control-plane", "--model", dir_,
+                                   "--device", "cpu", "--transport", "carrier-pigeon"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("--transport"), std::string::npos) << bad.err;
+}
+
+// `tessera bench report` on the CPU backend: every scenario runs and the JSON carries the
 // figures, the step breakdown and the parameter count the roofline divides by.
-TEST_F(GenerateTest, BenchLatencyWritesItsJson) {
+TEST_F(GenerateTest, BenchReportWritesItsJson) {
   const std::string json = dir_ + "-bench.json";
   CommandResult r = run_command({bin("tessera"),
                                  "bench",
-                                 "latency",
+                                 "report",
                                  "--model",
                                  dir_,
                                  "--device",
@@ -265,6 +338,20 @@ TEST_F(GenerateTest, BenchThroughputCountsEveryTokenAndNamesBadData) {
   EXPECT_GT(j["output_tokens_per_second"].get<double>(), 0.0);
   EXPECT_NEAR(j["output_tokens_per_second"].get<double>() * j["elapsed_s"].get<double>(), 60, 1e-6);
   EXPECT_EQ(j["command"].get<std::string>().find("bench throughput") != std::string::npos, true);
+  // The timeline covers every step, ends with the run, and each step read at least the weights.
+  const auto& timeline = j["timeline"];
+  ASSERT_FALSE(timeline.empty()) << j.dump();
+  size_t timeline_steps = 0;
+  for (const auto& sample : timeline) {
+    timeline_steps += sample["steps"].get<size_t>();
+    EXPECT_GE(sample["min_bytes_per_step"].get<double>(), j["weight_bytes"].get<double>());
+    EXPECT_GT(sample["step_ms"].get<double>(), 0.0);
+  }
+  EXPECT_EQ(timeline_steps, j["steps"].get<size_t>());
+  EXPECT_NEAR(timeline.back()["t_s"].get<double>(), j["elapsed_s"].get<double>(), 0.05);
+  EXPECT_EQ(timeline.back()["running"], 0);
+  // Tiny llama: 4 layers x 2 KV heads x head_dim 16, K and V, fp32 on the CPU backend.
+  EXPECT_EQ(j["kv_bytes_per_token"].get<double>(), 2.0 * 4 * 2 * 16 * 4);
 
   const std::string data = dir_ + "-prompts.jsonl";
   std::ofstream(data) << "{\"prompt\": \"Hello there\"}\n\n"
