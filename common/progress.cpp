@@ -18,7 +18,16 @@ Progress::Sinks default_sinks() {
       std::fflush(stderr);
     };
   }
-  s.line = [](const std::string& text) { spdlog::info("{}", text); };
+  // Through the log where it shows info lines (serve); otherwise (commands that log warnings
+  // only, the CLI's default) as plain lines on stderr, so long work is never silent. A log level
+  // of error or quieter hides them.
+  s.line = [](const std::string& text) {
+    if (spdlog::should_log(spdlog::level::info)) {
+      spdlog::info("{}", text);
+    } else if (spdlog::should_log(spdlog::level::warn)) {
+      std::fprintf(stderr, "%s\n", text.c_str());
+    }
+  };
   return s;
 }
 

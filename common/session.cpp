@@ -203,11 +203,43 @@ Status write_head_address(const std::string& root, const std::string& address) {
 Expected<std::string> read_head_address(const std::string& root) {
   std::istringstream in(read_small_file(root + "/head_address"));
   std::string address;
-  if (!std::getline(in, address) || address.empty()) {
-    return not_found("no head was started from " + root +
-                     "; start one with `tessera start --head`, or pass --address HOST:PORT");
+  if (std::getline(in, address) && !address.empty()) return address;
+  for (const DaemonRecord& r : read_daemon_records(root)) {
+    if (!r.head_address.empty()) return r.head_address;
   }
-  return address;
+  return not_found("no cluster was started from " + root +
+                   "; start one with `tessera start --head`, or pass --address HOST:PORT "
+                   "(or set TESSERA_ADDRESS)");
+}
+
+Expected<std::string> find_cluster_root(const std::string& flag) {
+  if (!flag.empty()) return open_root(flag);
+  TESSERA_ASSIGN_OR_RETURN(std::string base, open_root(""));
+  auto has_cluster = [](const std::string& root) { return read_head_address(root).has_value(); };
+  if (has_cluster(base)) return base;
+  std::istringstream in(read_small_file(base + "/current_root"));
+  std::string recorded;
+  std::error_code ec;
+  if (std::getline(in, recorded) && !recorded.empty() && recorded != base &&
+      fs::is_directory(recorded, ec)) {
+    // The recorded root is only a hint: it must pass open_root's ownership checks again (and
+    // one that was deleted since is not created again).
+    Expected<std::string> other = open_root(recorded);
+    if (other && has_cluster(*other)) return other;
+  }
+  return base;
+}
+
+Status record_current_root(const std::string& root) {
+  TESSERA_ASSIGN_OR_RETURN(std::string base, open_root(""));
+  if (root == base) {
+    std::error_code ec;
+    fs::remove(base + "/current_root", ec);
+    return Status::ok();
+  }
+  std::error_code ec;
+  const std::string absolute = fs::absolute(root, ec).lexically_normal().string();
+  return write_file_atomically(base + "/current_root", (ec ? root : absolute) + "\n", 0600);
 }
 
 void remove_head_address(const std::string& root) {

@@ -4,6 +4,8 @@
 //   <root>/                        --temp-dir, else $TESSERA_TMPDIR, else /tmp/tessera-<uid>;
 //                                  mode 0700, owned by the user (checked on every use)
 //     head_address                 "host:port" of the head started here last
+//     current_root                 (default root only) the --temp-dir of the last `tessera start`
+//                                  given one, so status/stop/topo find that cluster unflagged
 //     cluster_token                the cluster token the daemons started here use (0600)
 //     session_<date>_<pid>/        one per daemon process (pid = the daemon's)
 //       owner                      "<pid> <start time>" of that daemon, written first
@@ -33,6 +35,15 @@ namespace tessera {
 // record, a token or a symlink there).
 Expected<std::string> open_root(const std::string& flag);
 
+// The root of the cluster this machine belongs to, for the commands that look one up (status,
+// stop, topo, plan, a driver given an address but no token), as `ray status` finds its cluster:
+// `flag` if set; else the default root when a daemon was started from it; else the root that
+// the last `tessera start --temp-dir DIR` recorded in the default root (current_root), when a
+// daemon was started from that one; else the default root.
+Expected<std::string> find_cluster_root(const std::string& flag);
+// Records `root` in the default root's current_root (a no-op when it is the default root).
+Status record_current_root(const std::string& root);
+
 // Creates <root>/session_<date>_<pid>/logs for this process and its owner file, and points
 // session_latest at it. Returns the session folder.
 Expected<std::string> create_session_dir(const std::string& root);
@@ -55,7 +66,9 @@ void remove_daemon_record(const DaemonRecord& record);
 std::vector<DaemonRecord> read_daemon_records(const std::string& root);
 
 Status write_head_address(const std::string& root, const std::string& address);
-// NOT_FOUND, with the fix in the message, when no head was started from this root.
+// The head of the cluster this root's daemons belong to: the head started here, else the head
+// a running member daemon started here joined. NOT_FOUND, with the fix in the message, when
+// there is neither.
 Expected<std::string> read_head_address(const std::string& root);
 void remove_head_address(const std::string& root);
 

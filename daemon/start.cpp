@@ -240,6 +240,10 @@ int start_command(const StartOptions& o) {
   ::close(pipefd[0]);
   if (reply.rfind("OK ", 0) == 0) {
     Started s = decode(reply.substr(0, reply.find('\n')));
+    // `tessera status` / `stop` / `topo` without --temp-dir find this cluster from now on.
+    if (!o.ephemeral) {
+      if (Status w = record_current_root(*root); !w) spdlog::warn("{}", w.message());
+    }
     std::string temp_flag = o.temp_dir.empty() ? "" : " --temp-dir " + o.temp_dir;
     auto host = s.bind_address.substr(0, s.bind_address.rfind(':'));
     std::string reach =
@@ -256,6 +260,8 @@ int start_command(const StartOptions& o) {
                 << "  add a node:  tessera start --address " << s.address
                 << " --cluster-token-file PATH\n"
                 << "  see it:      tessera status" << temp_flag << "\n"
+                << "  use it:      export TESSERA_ADDRESS=" << s.address
+                << "   (then generate, bench and serve run on this cluster)\n"
                 << "  stop it:     tessera stop" << temp_flag << "\n";
     } else {
       std::cout << "Started node " << s.node_id << " at " << s.address << " (pid " << pid
@@ -277,7 +283,7 @@ int start_command(const StartOptions& o) {
 }
 
 int stop_command(const StopOptions& o) {
-  auto root = open_root(o.temp_dir);
+  auto root = find_cluster_root(o.temp_dir);
   if (!root) {
     std::cerr << "tessera stop: " << root.status().message() << "\n";
     return 1;

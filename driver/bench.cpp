@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdarg>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -16,6 +17,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
@@ -35,12 +42,44 @@ nlohmann::json run_json(const std::string& command, const std::string& model, co
 
 }  // namespace
 
-Status write_json(const std::string& path, const nlohmann::json& j) {
+Status write_json(const std::string& path, const nlohmann::json& j, FILE* say_to) {
   std::ofstream f(path);
   f << j.dump(2) << "\n";
   f.close();
   if (!f) return internal_error("cannot write " + path);
-  std::printf("wrote %s\n", path.c_str());
+  std::fprintf(say_to, "wrote %s\n", path.c_str());
+  return Status::ok();
+}
+
+void BenchOutput::say(const char* format, ...) const {
+  va_list args;
+  va_start(args, format);
+  std::vfprintf(text_, format, args);
+  va_end(args);
+}
+
+void BenchOutput::table(const std::vector<std::vector<std::string>>& rows,
+                        const std::string& align) const {
+  std::vector<size_t> width;
+  for (const auto& row : rows) {
+    if (width.size() < row.size()) width.resize(row.size(), 0);
+    for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  for (const auto& row : rows) {
+    std::string line = " ";
+    for (size_t c = 0; c < row.size(); ++c) {
+      const std::string pad(width[c] - row[c].size(), ' ');
+      const bool left = c < align.size() ? align[c] == 'l' : false;
+      line += "  " + (left ? row[c] + pad : pad + row[c]);
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    std::fprintf(text_, "%s\n", line.c_str());
+  }
+}
+
+Status BenchOutput::finish(const std::string& output_json, const nlohmann::json& j) const {
+  if (!output_json.empty()) TESSERA_RETURN_IF_ERROR(write_json(output_json, j, text_));
+  if (json_) std::printf("%s\n", j.dump(2).c_str());
   return Status::ok();
 }
 
@@ -136,15 +175,19 @@ void add_step_breakdown(nlohmann::json& j, const BatchTiming& t) {
   j["gpu_forward_ms_median"] = median(t.gpu_ms);
 }
 
-void print_step_breakdown(const BatchTiming& t) {
+// The medians of the decode steps as rows of the report's table.
+void add_breakdown_rows(std::vector<std::vector<std::string>>& rows, const std::string& scenario,
+                        const BatchTiming& t) {
   std::vector<double> step_ms;
   for (double s : t.decode_steps_s) step_ms.push_back(s * 1000);
-  std::printf(
-      "  decode step %.3f ms: RPC call %.3f ms, actor execute %.3f ms, GPU forward %.3f ms\n",
-      median(step_ms), median(t.call_ms), median(t.actor_ms), median(t.gpu_ms));
+  rows.push_back({scenario, "decode step (median)", fixed(median(step_ms), 3), "ms"});
+  rows.push_back({"", "  RPC call", fixed(median(t.call_ms), 3), "ms"});
+  rows.push_back({"", "  actor execute", fixed(median(t.actor_ms), 3), "ms"});
+  rows.push_back({"", "  GPU forward", fixed(median(t.gpu_ms), 3), "ms"});
 }
 
 Status run_report(const BenchReportOptions& o) {
+  const BenchOutput text(o.json);
   EngineArgs args = o.engine;
   MemoryOptions& mem = args.memory;
   mem.max_num_seqs = std::max<int64_t>(mem.max_num_seqs, std::max<int64_t>(o.batch_size, 1));
@@ -159,10 +202,11 @@ Status run_report(const BenchReportOptions& o) {
   const int64_t params = matmul_parameters(c);
   const size_t es = m.dtype == "F32" ? 4 : 2;
   nlohmann::json scenarios = nlohmann::json::object();
-  std::printf("%s on %s (%s backend, %s), loaded in %.1f s\n", m.architecture.c_str(),
-              m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
-              m.dtype.c_str(), session->load_seconds());
+  text.say("%s on %s (%s backend, %s), loaded in %.1f s\n", m.architecture.c_str(),
+           m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
+           m.dtype.c_str(), session->load_seconds());
 
+  std::vector<std::vector<std::string>> rows = {{"scenario", "figure", "value", "unit"}};
   // Batch-1 decode.
   {
     std::vector<double> ttft, tok_s;
@@ -179,9 +223,11 @@ Status run_report(const BenchReportOptions& o) {
         {"batch_size", 1},           {"input_len", o.input_len}, {"output_len", o.output_len},
         {"iterations", o.num_iters}, {"ttft_ms", ttft},          {"decode_tok_s", tok_s}};
     add_step_breakdown(scenarios["batch1_decode"], all);
-    std::printf("batch 1, prompt %u, %u new: TTFT %.2f ms, decode %.1f tok/s\n", o.input_len,
-                o.output_len, median(ttft), median(tok_s));
-    print_step_breakdown(all);
+    const std::string name = "batch 1, " + std::to_string(o.input_len) + " in / " +
+                             std::to_string(o.output_len) + " out";
+    rows.push_back({name, "TTFT (median)", fixed(median(ttft), 2), "ms"});
+    rows.push_back({"", "decode (median)", fixed(median(tok_s), 1), "tok/s"});
+    add_breakdown_rows(rows, "", all);
   }
   // One long prefill: the time to its first token.
   if (o.prefill_len > 0) {
@@ -203,9 +249,10 @@ Status run_report(const BenchReportOptions& o) {
         {"tok_s", L / (best / 1000)},
         {"tflops", flops / (best / 1000) / 1e12},
         {"flops_formula", "2 * matmul_params * L + 4 * layers * heads * head_dim * L^2 / 2"}};
-    std::printf("prefill %u tokens: %.2f ms (best of %u) = %.0f tok/s, %.1f TFLOP/s\n",
-                o.prefill_len, best, o.prefill_iters, L / (best / 1000),
-                flops / (best / 1000) / 1e12);
+    const std::string name = "prefill " + std::to_string(o.prefill_len) + " tokens";
+    rows.push_back({name, "best of " + std::to_string(o.prefill_iters), fixed(best, 2), "ms"});
+    rows.push_back({"", "", fixed(L / (best / 1000), 0), "tok/s"});
+    rows.push_back({"", "", fixed(flops / (best / 1000) / 1e12, 1), "TFLOP/s"});
   }
   // Large-batch decode.
   if (o.batch_size > 0) {
@@ -229,21 +276,21 @@ Status run_report(const BenchReportOptions& o) {
                        {"iterations", o.batch_iters},
                        {"decode_tok_s", tok_s}};
     add_step_breakdown(scenarios[name], all);
-    std::printf("batch %u decode: %.0f tok/s\n", o.batch_size, median(tok_s));
-    print_step_breakdown(all);
+    const std::string label = "batch " + std::to_string(o.batch_size) + " decode";
+    rows.push_back({label, "decode (median)", fixed(median(tok_s), 0), "tok/s"});
+    add_breakdown_rows(rows, "", all);
   }
-  if (!o.output_json.empty()) {
-    nlohmann::json j = run_json(o.command_line, o.engine.model, m);
-    j.update({{"enforce_eager", o.engine.memory.enforce_eager},
-              {"detokenize", false},
-              {"weight_bytes", m.weight_bytes},
-              {"matmul_parameters", params},
-              {"decode_bytes_per_token", static_cast<uint64_t>(params) * es},
-              {"kv_blocks", m.kv_blocks},
-              {"load_seconds", session->load_seconds()},
-              {"scenarios", scenarios}});
-    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, j));
-  }
+  text.table(rows, "llrl");
+  nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+  j.update({{"enforce_eager", o.engine.memory.enforce_eager},
+            {"detokenize", false},
+            {"weight_bytes", m.weight_bytes},
+            {"matmul_parameters", params},
+            {"decode_bytes_per_token", static_cast<uint64_t>(params) * es},
+            {"kv_blocks", m.kv_blocks},
+            {"load_seconds", session->load_seconds()},
+            {"scenarios", scenarios}});
+  TESSERA_RETURN_IF_ERROR(text.finish(o.output_json, j));
   return Status::ok();
 }
 
@@ -258,6 +305,7 @@ double percentile(std::vector<double> v, double q) {
 }
 
 Status run_latency(const BenchLatencyOptions& o) {
+  const BenchOutput text(o.json);
   if (o.batch_size == 0) return invalid_argument("--batch-size must be at least 1");
   if (o.input_len == 0 || o.output_len == 0) {
     return invalid_argument("--input-len and --output-len must be at least 1");
@@ -274,10 +322,10 @@ Status run_latency(const BenchLatencyOptions& o) {
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
   const ModelInfo& m = session->model();
   const int64_t vocab = session->config().vocab_size;
-  std::printf("%s on %s (%s backend, %s), loaded in %.1f s: batch %u, %u in / %u out\n",
-              m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
-              m.backend.c_str(), m.dtype.c_str(), session->load_seconds(), o.batch_size,
-              o.input_len, o.output_len);
+  text.say("%s on %s (%s backend, %s), loaded in %.1f s: batch %u, %u in / %u out\n",
+           m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
+           m.backend.c_str(), m.dtype.c_str(), session->load_seconds(), o.batch_size, o.input_len,
+           o.output_len);
   std::fflush(stdout);
   LlmEngine& engine = session->engine();
   const uint32_t total = o.num_iters_warmup + o.num_iters;
@@ -313,31 +361,30 @@ Status run_latency(const BenchLatencyOptions& o) {
   double sum = 0;
   for (double l : latencies) sum += l;
   const double avg = sum / static_cast<double>(latencies.size());
-  std::printf("Avg latency: %.6f seconds\n", avg);
+  text.say("Avg latency: %.6f seconds\n", avg);
   nlohmann::json pct = nlohmann::json::object();
   for (int q : {10, 25, 50, 75, 90, 99}) {
     const double v = percentile(latencies, q);
-    std::printf("%d%% percentile latency: %.6f seconds\n", q, v);
+    text.say("%d%% percentile latency: %.6f seconds\n", q, v);
     pct[std::to_string(q)] = v;
   }
-  if (!o.output_json.empty()) {
-    nlohmann::json j = run_json(o.command_line, o.engine.model, m);
-    j.update({{"tensor_parallel_size", session->plan().plan.tp},
-              {"pipeline_parallel_size", session->plan().plan.pp},
-              {"batch_size", o.batch_size},
-              {"input_len", o.input_len},
-              {"output_len", o.output_len},
-              {"num_iters_warmup", o.num_iters_warmup},
-              {"num_iters", o.num_iters},
-              {"avg_latency", avg},
-              {"latencies", latencies},
-              {"percentiles", pct}});
-    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, j));
-  }
+  nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+  j.update({{"tensor_parallel_size", session->plan().plan.tp},
+            {"pipeline_parallel_size", session->plan().plan.pp},
+            {"batch_size", o.batch_size},
+            {"input_len", o.input_len},
+            {"output_len", o.output_len},
+            {"num_iters_warmup", o.num_iters_warmup},
+            {"num_iters", o.num_iters},
+            {"avg_latency", avg},
+            {"latencies", latencies},
+            {"percentiles", pct}});
+  TESSERA_RETURN_IF_ERROR(text.finish(o.output_json, j));
   return Status::ok();
 }
 
 Status run_control_plane(const BenchControlPlaneOptions& o) {
+  const BenchOutput text(o.json);
   if (o.transport != "ring" && o.transport != "rpc") {
     return invalid_argument("--transport must be ring or rpc, got '" + o.transport + "'");
   }
@@ -347,10 +394,10 @@ Status run_control_plane(const BenchControlPlaneOptions& o) {
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
   const ModelInfo& m = session->model();
   WorkerGroup& group = session->group();
-  std::printf("%s on %s (%s backend), %d rank(s), steps over %s: %u empty steps\n",
-              m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
-              m.backend.c_str(), group.world_size(),
-              o.transport == "ring" ? "shared-memory rings" : "execute RPCs", o.num_steps);
+  text.say("%s on %s (%s backend), %d rank(s), steps over %s: %u empty steps\n",
+           m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
+           m.backend.c_str(), group.world_size(),
+           o.transport == "ring" ? "shared-memory rings" : "execute RPCs", o.num_steps);
   std::fflush(stdout);
   std::vector<double> round_us, actor_us;
   round_us.reserve(o.num_steps);
@@ -375,30 +422,33 @@ Status run_control_plane(const BenchControlPlaneOptions& o) {
   for (double v : round_us) sum += v;
   const double mean = sum / static_cast<double>(round_us.size());
   nlohmann::json pct = nlohmann::json::object();
-  std::printf("round trip: mean %.1f us", mean);
+  std::vector<std::vector<std::string>> rows = {{"", "mean", "p50", "p90", "p99", ""}};
+  std::vector<std::string> round = {"round trip", fixed(mean, 1)};
   for (int q : {50, 90, 99}) {
     const double v = percentile(round_us, q);
     pct["p" + std::to_string(q)] = v;
-    std::printf(", p%d %.1f us", q, v);
+    round.push_back(fixed(v, 1));
   }
-  std::printf("; the actors' own part: p50 %.1f us\n", percentile(actor_us, 50));
-  if (!o.output_json.empty()) {
-    nlohmann::json j = run_json(o.command_line, o.engine.model, m);
-    j.update({{"tensor_parallel_size", session->plan().plan.tp},
-              {"pipeline_parallel_size", session->plan().plan.pp},
-              {"world_size", group.world_size()},
-              {"transport", o.transport},
-              {"num_steps", o.num_steps},
-              {"num_warmup", o.num_warmup},
-              {"round_trip_us_mean", mean},
-              {"round_trip_us", pct},
-              {"actor_us_p50", percentile(actor_us, 50)}});
-    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, j));
-  }
+  round.push_back("us");
+  rows.push_back(round);
+  rows.push_back({"actors' own part", "", fixed(percentile(actor_us, 50), 1), "", "", "us"});
+  text.table(rows, "lrrrrl");
+  nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+  j.update({{"tensor_parallel_size", session->plan().plan.tp},
+            {"pipeline_parallel_size", session->plan().plan.pp},
+            {"world_size", group.world_size()},
+            {"transport", o.transport},
+            {"num_steps", o.num_steps},
+            {"num_warmup", o.num_warmup},
+            {"round_trip_us_mean", mean},
+            {"round_trip_us", pct},
+            {"actor_us_p50", percentile(actor_us, 50)}});
+  TESSERA_RETURN_IF_ERROR(text.finish(o.output_json, j));
   return Status::ok();
 }
 
 Status run_throughput(const BenchThroughputOptions& o) {
+  const BenchOutput text(o.json);
   if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
   if (o.dataset_path.empty() && (o.input_len == 0 || o.output_len == 0)) {
     return invalid_argument("--input-len and --output-len must be at least 1");
@@ -416,9 +466,9 @@ Status run_throughput(const BenchThroughputOptions& o) {
   for (BenchPrompt& p : w) {
     if (p.ids.empty()) p.ids = session->tokenizer().encode(p.text, true);
   }
-  std::printf("%s on %s (%s backend, %s), loaded in %.1f s: %zu requests\n", m.architecture.c_str(),
-              m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
-              m.dtype.c_str(), session->load_seconds(), w.size());
+  text.say("%s on %s (%s backend, %s), loaded in %.1f s: %zu requests\n", m.architecture.c_str(),
+           m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
+           m.dtype.c_str(), session->load_seconds(), w.size());
   std::fflush(stdout);
   LlmEngine& engine = session->engine();
   size_t input_tokens = 0, output_tokens = 0, finished = 0, steps = 0;
@@ -499,43 +549,46 @@ Status run_throughput(const BenchThroughputOptions& o) {
   }
   const double wall = seconds(Clock::now() - t0);
   const double rps = w.size() / wall, in_s = input_tokens / wall, out_s = output_tokens / wall;
-  std::printf("Throughput: %.2f requests/s, %.1f total tokens/s, %.1f output tokens/s\n", rps,
-              (input_tokens + output_tokens) / wall, out_s);
-  std::printf("  %zu requests, %zu input + %zu output tokens in %.2f s, %zu steps (%.2f ms each)\n",
-              w.size(), input_tokens, output_tokens, wall, steps,
-              1000 * wall / std::max<size_t>(steps, 1));
-  std::printf(
-      "  GPU forward passes %.2f s = %.1f%% of the wall time; actor execute %.2f s, driver's "
-      "RPC/ring round trips %.2f s (summed per step)\n",
-      gpu_s, 100 * gpu_s / wall, actor_s, call_s);
-  if (!o.output_json.empty()) {
-    nlohmann::json j = run_json(o.command_line, o.engine.model, m);
-    j.update({{"tensor_parallel_size", session->plan().plan.tp},
-              {"pipeline_parallel_size", session->plan().plan.pp},
-              {"kv_blocks", m.kv_blocks},
-              {"load_seconds", session->load_seconds()},
-              {"num_requests", w.size()},
-              {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
-              {"input_len", o.dataset_path.empty() ? o.input_len : 0},
-              {"output_len", o.dataset_path.empty() ? o.output_len : 0},
-              {"input_tokens", input_tokens},
-              {"output_tokens", output_tokens},
-              {"elapsed_s", wall},
-              {"requests_per_second", rps},
-              {"input_tokens_per_second", in_s},
-              {"output_tokens_per_second", out_s},
-              {"total_tokens_per_second", in_s + out_s},
-              {"steps", steps},
-              {"gpu_forward_s", gpu_s},
-              {"gpu_busy_fraction", gpu_s / wall},
-              {"actor_execute_s", actor_s},
-              {"driver_call_s", call_s},
-              {"detokenize", true},
-              {"weight_bytes", m.weight_bytes},
-              {"kv_bytes_per_token", kv_bytes_per_token},
-              {"timeline", timeline}});
-    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, j));
-  }
+  // vLLM's summary line, then the figures as a table.
+  text.say("Throughput: %.2f requests/s, %.1f total tokens/s, %.1f output tokens/s\n", rps,
+           (input_tokens + output_tokens) / wall, out_s);
+  auto share = [&](double s) { return fixed(100 * s / wall, 1) + "% of the wall time"; };
+  text.table({{"requests", std::to_string(w.size()), "", ""},
+              {"input tokens", std::to_string(input_tokens), "", ""},
+              {"output tokens", std::to_string(output_tokens), "", ""},
+              {"elapsed", fixed(wall, 2), "s", ""},
+              {"steps", std::to_string(steps), "", ""},
+              {"step (mean)", fixed(1000 * wall / std::max<size_t>(steps, 1), 2), "ms", ""},
+              {"GPU forward passes", fixed(gpu_s, 2), "s", share(gpu_s)},
+              {"actor execute", fixed(actor_s, 2), "s", share(actor_s)},
+              {"driver's RPC/ring round trips", fixed(call_s, 2), "s", share(call_s)}},
+             "lrlr");
+  nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+  j.update({{"tensor_parallel_size", session->plan().plan.tp},
+            {"pipeline_parallel_size", session->plan().plan.pp},
+            {"kv_blocks", m.kv_blocks},
+            {"load_seconds", session->load_seconds()},
+            {"num_requests", w.size()},
+            {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
+            {"input_len", o.dataset_path.empty() ? o.input_len : 0},
+            {"output_len", o.dataset_path.empty() ? o.output_len : 0},
+            {"input_tokens", input_tokens},
+            {"output_tokens", output_tokens},
+            {"elapsed_s", wall},
+            {"requests_per_second", rps},
+            {"input_tokens_per_second", in_s},
+            {"output_tokens_per_second", out_s},
+            {"total_tokens_per_second", in_s + out_s},
+            {"steps", steps},
+            {"gpu_forward_s", gpu_s},
+            {"gpu_busy_fraction", gpu_s / wall},
+            {"actor_execute_s", actor_s},
+            {"driver_call_s", call_s},
+            {"detokenize", true},
+            {"weight_bytes", m.weight_bytes},
+            {"kv_bytes_per_token", kv_bytes_per_token},
+            {"timeline", timeline}});
+  TESSERA_RETURN_IF_ERROR(text.finish(o.output_json, j));
   return Status::ok();
 }
 

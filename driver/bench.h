@@ -5,8 +5,10 @@
 // percentiles. --output-json writes every iteration's latency with the machine and command.
 #pragma once
 
+#include <cstdio>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <vector>
 
 #include "driver/model_session.h"
 
@@ -21,6 +23,7 @@ struct BenchLatencyOptions {
   uint32_t num_iters = 30;
   uint64_t seed = 0;
   std::string output_json;
+  bool json = false;         // --json: the results as JSON on stdout, the human lines on stderr
   std::string command_line;  // recorded in the JSON
 };
 int bench_latency_command(const BenchLatencyOptions& options);
@@ -43,6 +46,7 @@ struct BenchReportOptions {
   uint32_t batch_iters = 2;
   uint64_t seed = 0;
   std::string output_json;
+  bool json = false;         // --json: the results as JSON on stdout, the human lines on stderr
   std::string command_line;  // recorded in the JSON
 };
 int bench_report_command(const BenchReportOptions& options);
@@ -62,6 +66,7 @@ struct BenchThroughputOptions {
   std::string dataset_path;
   uint64_t seed = 0;
   std::string output_json;
+  bool json = false;         // --json: the results as JSON on stdout, the human lines on stderr
   std::string command_line;  // recorded in the JSON
 };
 int bench_throughput_command(const BenchThroughputOptions& options);
@@ -78,6 +83,7 @@ struct BenchControlPlaneOptions {
   uint32_t num_steps = 10000;
   uint32_t num_warmup = 200;
   std::string output_json;
+  bool json = false;         // --json: the results as JSON on stdout, the human lines on stderr
   std::string command_line;  // recorded in the JSON
 };
 int bench_control_plane_command(const BenchControlPlaneOptions& options);
@@ -98,8 +104,27 @@ std::vector<BenchPrompt> random_bench_prompts(uint32_t n, uint32_t input_len, ui
 Expected<std::vector<BenchPrompt>> read_bench_dataset(const std::string& path, uint32_t limit,
                                                       uint32_t output_len, int64_t vocab);
 
-// Writes a bench result as indented JSON to `path` and says so on stdout.
-Status write_json(const std::string& path, const nlohmann::json& j);
+// Writes a bench result as indented JSON to `path` and says so on `say_to`.
+Status write_json(const std::string& path, const nlohmann::json& j, FILE* say_to = stdout);
+// Where a bench prints: its human-readable lines and tables on stdout, or on stderr with --json,
+// which keeps stdout for the result's JSON (finish() prints it).
+class BenchOutput {
+ public:
+  explicit BenchOutput(bool json) : json_(json), text_(json ? stderr : stdout) {}
+  void say(const char* format, ...) const __attribute__((format(printf, 2, 3)));
+  // Rows of cells as aligned columns, two spaces apart, indented two; `align` has an 'l' or 'r'
+  // per column (left for names and units, right for numbers; missing letters are 'r', and the
+  // first column defaults to 'l').
+  void table(const std::vector<std::vector<std::string>>& rows,
+             const std::string& align = "l") const;
+  // --output-json to its file, and with --json the JSON on stdout.
+  Status finish(const std::string& output_json, const nlohmann::json& j) const;
+  FILE* text() const { return text_; }
+
+ private:
+  bool json_;
+  FILE* text_;
+};
 
 // Parameters a forward pass multiplies by (all weights but the input embedding; a tied
 // lm_head counted once), from the config.

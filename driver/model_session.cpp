@@ -28,7 +28,9 @@ Status validate(const EngineArgs& a) {
 void add_engine_options(CLI::App* cmd, EngineArgs& e) {
   add_model_options(cmd, e);
   cmd->add_option("--address", e.address,
-                  "A cluster's head HOST:PORT (default: start a local node)");
+                  "A cluster's head HOST:PORT (default: $TESSERA_ADDRESS, else start a local "
+                  "node)")
+      ->envname("TESSERA_ADDRESS");
   cmd->add_option("--cluster-token-file", e.cluster_token_file,
                   "With --address: the cluster token (default: $TESSERA_CLUSTER_TOKEN or this "
                   "machine's)");
@@ -177,7 +179,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
     address = s->local_->address();
     token = s->local_->token();
   } else {
-    auto root = open_root("");
+    auto root = find_cluster_root("");
     TESSERA_ASSIGN_OR_RETURN(
         token, auth::resolve_cluster_token(a.cluster_token_file, root ? *root : std::string()));
   }

@@ -9,6 +9,12 @@
 //   tessera make-model --arch A --preset P ...       a seeded random checkpoint of real shape
 //   tessera topo [--address HEAD:PORT] [--json]      GPU links per node, TP sizes on NVLink
 //   tessera plan --model DIR -tp T -pp P ...         TP x PP split, placement, memory per GPU
+//   tessera bench latency|throughput|serve|report|control-plane ...   benchmarks (--json)
+//   tessera --version | version                       the version and protocol version
+//
+// --log-level, --version and --help go before or after the subcommand. A mistyped flag or
+// subcommand gets the nearest valid name (driver/cli/cli_help.h); every --help ends with an
+// example. --address defaults to $TESSERA_ADDRESS; status/stop/topo find this machine's cluster.
 //
 // Exit codes (decided here only): 0 success, 1 the operation failed, 2 bad usage.
 #include <CLI/CLI.hpp>
@@ -21,6 +27,7 @@
 #include "daemon/resources.h"
 #include "daemon/start.h"
 #include "driver/bench.h"
+#include "driver/cli/cli_help.h"
 #include "driver/generate.h"
 #include "driver/make_model/make_model.h"
 #include "driver/plan/plan_command.h"
@@ -34,7 +41,7 @@ namespace {
 
 int status_command(const std::string& address_flag, const std::string& temp_dir,
                    const std::string& token_file, bool json) {
-  auto root = tessera::open_root(temp_dir);
+  auto root = tessera::find_cluster_root(temp_dir);
   std::string address = address_flag;
   if (address.empty()) {
     auto found =
@@ -65,6 +72,11 @@ int status_command(const std::string& address_flag, const std::string& temp_dir,
 int main(int argc, char** argv) {
   CLI::App app{"Tessera: distributed LLM inference runtime"};
   app.require_subcommand(1);
+  // Flags of `tessera` itself (--log-level, --version, --help) are taken before or after the
+  // subcommand, as users type both; subcommands created below inherit this.
+  app.fallthrough();
+  app.set_version_flag("--version", std::string("tessera ") + TESSERA_VERSION + " (protocol v" +
+                                        std::to_string(tessera::rpc::kProtocolVersion) + ")");
   std::string log_level;
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error")
       ->envname("TESSERA_LOG_LEVEL");
@@ -137,8 +149,10 @@ int main(int argc, char** argv) {
   std::string status_address, status_temp, status_token;
   bool status_json = false;
   auto* status_cmd = app.add_subcommand("status", "Show the cluster: nodes, GPUs, actors");
-  status_cmd->add_option("--address", status_address,
-                         "Head HOST:PORT (default: the head started on this machine)");
+  status_cmd
+      ->add_option("--address", status_address,
+                   "Head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's cluster)")
+      ->envname("TESSERA_ADDRESS");
   status_cmd->add_option("--temp-dir", status_temp, "The root the head was started with");
   status_cmd->add_option("--cluster-token-file", status_token,
                          "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
@@ -159,7 +173,8 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--top-p", gen.sampling.top_p, "Nucleus sampling mass (1.0 = off)");
   gen_cmd->add_option("--top-k", gen.sampling.top_k, "Keep the k most likely (-1 = off)");
   gen_cmd->add_option("--min-p", gen.sampling.min_p, "Drop tokens below min_p x the top (0 = off)");
-  gen_cmd->add_option("--seed", gen_seed, "Seed of this request's sampler");
+  gen_cmd->add_option("--seed", gen_seed,
+                      "The run's random seed: every prompt's sampler (default: unseeded)");
   gen_cmd->add_option("--repetition-penalty", gen.sampling.repetition_penalty, "(1.0 = off)");
   gen_cmd->add_option("--presence-penalty", gen.sampling.presence_penalty, "(0 = off)");
   gen_cmd->add_option("--frequency-penalty", gen.sampling.frequency_penalty, "(0 = off)");
@@ -182,8 +197,11 @@ int main(int argc, char** argv) {
   latency_cmd->add_option("--num-iters-warmup", latency.num_iters_warmup,
                           "Unmeasured iterations first (10)");
   latency_cmd->add_option("--num-iters", latency.num_iters, "Measured iterations (30)");
-  latency_cmd->add_option("--seed", latency.seed, "Seed of the random prompts and samplers (0)");
+  latency_cmd->add_option("--seed", latency.seed,
+                          "The run's random seed: prompts and samplers (0)");
   latency_cmd->add_option("--output-json", latency.output_json, "Write the results as JSON here");
+  latency_cmd->add_flag("--json", latency.json,
+                        "Print the results as JSON on stdout (the text goes to stderr)");
 
   tessera::BenchReportOptions bench;
   auto* report_cmd = bench_cmd->add_subcommand(
@@ -201,8 +219,10 @@ int main(int argc, char** argv) {
   report_cmd->add_option("--batch-size", bench.batch_size,
                          "Large-batch decode size (64; 0 = skip)");
   report_cmd->add_option("--batch-iters", bench.batch_iters, "Measured large-batch runs (2)");
-  report_cmd->add_option("--seed", bench.seed, "Seed of the random prompts (0)");
+  report_cmd->add_option("--seed", bench.seed, "The run's random seed: the prompts (0)");
   report_cmd->add_option("--output-json", bench.output_json, "Write the results as JSON here");
+  report_cmd->add_flag("--json", bench.json,
+                       "Print the results as JSON on stdout (the text goes to stderr)");
 
   tessera::BenchThroughputOptions throughput;
   auto* throughput_cmd = bench_cmd->add_subcommand(
@@ -215,10 +235,13 @@ int main(int argc, char** argv) {
   throughput_cmd->add_option("--dataset-path", throughput.dataset_path,
                              "JSONL of prompts: \"prompt\" or \"prompt_token_ids\", optional "
                              "\"output_len\" (default: random prompts)");
-  throughput_cmd->add_option("--seed", throughput.seed,
-                             "Seed of the random prompts and of request i's sampler (seed + i)");
+  throughput_cmd->add_option(
+      "--seed", throughput.seed,
+      "The run's random seed: prompts, and request i's sampler (seed + i) (0)");
   throughput_cmd->add_option("--output-json", throughput.output_json,
                              "Write the results as JSON here");
+  throughput_cmd->add_flag("--json", throughput.json,
+                           "Print the results as JSON on stdout (the text goes to stderr)");
 
   tessera::BenchControlPlaneOptions control;
   auto* control_cmd = bench_cmd->add_subcommand(
@@ -231,6 +254,8 @@ int main(int argc, char** argv) {
   control_cmd->add_option("--num-steps", control.num_steps, "Measured steps (10000)");
   control_cmd->add_option("--num-warmup", control.num_warmup, "Unmeasured steps first (200)");
   control_cmd->add_option("--output-json", control.output_json, "Write the results as JSON here");
+  control_cmd->add_flag("--json", control.json,
+                        "Print the results as JSON on stdout (the text goes to stderr)");
 
   tessera::server::BenchServeOptions bench_serve;
   auto* bench_serve_cmd = tessera::server::add_bench_serve_subcommand(*bench_cmd, bench_serve);
@@ -249,6 +274,32 @@ int main(int argc, char** argv) {
 
   auto* version_cmd = app.add_subcommand("version", "Print the version and protocol version");
 
+  using tessera::add_examples;
+  add_examples(start_cmd, {"tessera start --head",
+                           "tessera start --address 10.0.0.1:6380 "
+                           "--cluster-token-file ./cluster_token"});
+  add_examples(stop_cmd, {"tessera stop"});
+  add_examples(status_cmd, {"tessera status", "tessera status --address 10.0.0.1:6380 --json"});
+  add_examples(gen_cmd, {"tessera generate --model ./Llama-3.1-8B-Instruct --prompt \"Hello\" "
+                         "--max-tokens 32 --temperature 0"});
+  add_examples(bench_cmd, {"tessera bench throughput --model ./llama3-8b --num-prompts 1000"});
+  add_examples(latency_cmd, {"tessera bench latency --model ./llama3-8b --batch-size 8 "
+                             "--input-len 32 --output-len 128"});
+  add_examples(report_cmd, {"tessera bench report --model ./llama3-8b --output-json report.json"});
+  add_examples(control_cmd,
+               {"tessera bench control-plane --model ./tiny -tp 2 --device cpu --transport ring"});
+  add_examples(throughput_cmd, {"tessera bench throughput --model ./llama3-8b --num-prompts 1000 "
+                                "--input-len 1000 --output-len 1000"});
+  add_examples(bench_serve_cmd, {"tessera bench serve --base-url http://127.0.0.1:8000 "
+                                 "--num-prompts 200 --max-concurrency 32"});
+  add_examples(make_cmd, {"tessera make-model --preset llama3-8b --tokenizer ./llama3-tokenizer "
+                          "--out ./llama3-8b"});
+  add_examples(topo_cmd, {"tessera topo", "tessera topo --json > cluster.json"});
+  add_examples(plan_cmd, {"tessera plan --model ./llama3-70b -tp auto",
+                          "tessera plan --model ./llama3-70b --gpus 8 -tp 4 -pp 2"});
+  add_examples(serve_cmd, {"tessera serve ./Llama-3.1-8B-Instruct --port 8000 -tp 2"});
+  add_examples(version_cmd, {"tessera version", "tessera --version"});
+
   // vLLM's spellings CLI11 cannot define: `serve MODEL`, -tp / -pp.
   std::vector<std::string> raw(argv, argv + argc);
   raw = tessera::server::serve_positional_model(std::move(raw));
@@ -258,7 +309,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(args.argc(), args.argv());
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
+    const int rc = app.exit(e);
+    if (rc != 0) std::cerr << tessera::unknown_argument_hints(app);
+    return rc == 0 ? 0 : 2;
   }
 
   if (*start_cmd) {

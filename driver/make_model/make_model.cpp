@@ -16,6 +16,7 @@
 
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/safetensors.h"
+#include "common/progress.h"
 
 namespace tessera {
 namespace {
@@ -502,11 +503,26 @@ Status make_model(const MakeModelOptions& o) {
 
   const std::vector<WeightSpec> weights = expected_weights(p.parsed);
   SafetensorsWriter writer;
+  // Bytes as the writer asks for them (in order, on this thread): a bar on a terminal, a line per
+  // tenth otherwise, and a summary.
+  auto progress = std::make_shared<Progress>("make-model: writing weights");
+  auto produced = std::make_shared<uint64_t>(0);
+  uint64_t all_bytes = 0;
+  for (const WeightSpec& w : weights) {
+    int64_t n = 1;
+    for (int64_t d : w.shape) n *= d;
+    all_bytes += static_cast<uint64_t>(n) * dtype_size(p.dtype);
+  }
   for (const WeightSpec& w : weights) {
     const Init init = init_for(w, p.parsed, o.seed, p.dtype);
     TESSERA_RETURN_IF_ERROR(writer.add(
         TensorSpec{w.name, p.dtype, w.shape},
-        [init](uint64_t offset, std::span<uint8_t> bytes) { return fill(init, offset, bytes); }));
+        [init, progress, produced, all_bytes](uint64_t offset, std::span<uint8_t> bytes) {
+          Status st = fill(init, offset, bytes);
+          *produced += bytes.size();
+          progress->update(*produced, all_bytes);
+          return st;
+        }));
   }
   const uint64_t total = writer.total_bytes();
   spdlog::info("make-model: {} {} ({}, {} tensors, {:.2f} GB {}) → {}", model_type_of(p.shape.arch),
@@ -528,7 +544,9 @@ Status make_model(const MakeModelOptions& o) {
                             ec.message() + ")");
     }
   }
-  TESSERA_RETURN_IF_ERROR(writer.write_sharded(o.out, o.max_shard_bytes).status());
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> files,
+                           writer.write_sharded(o.out, o.max_shard_bytes));
+  progress->finish(all_bytes, "in " + std::to_string(files.size()) + " file(s)");
 
   json gen = {{"_from_model_config", true},
               {"bos_token_id", p.config["bos_token_id"]},
@@ -549,7 +567,7 @@ CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& o) {
                   "Directory with tokenizer.json (+ tokenizer_config.json) to copy and size the "
                   "vocabulary from")
       ->required();
-  sub->add_option("--seed", o.seed, "Seed of the random weights")->capture_default_str();
+  sub->add_option("--seed", o.seed, "The run's random seed: the weights")->capture_default_str();
   sub->add_option("--dtype", o.dtype, "bf16 | fp16 | fp32")->capture_default_str();
   sub->add_option("--out", o.out, "Output directory (created; must be empty if it exists)")
       ->required();

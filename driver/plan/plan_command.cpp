@@ -500,7 +500,8 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
 CLI::App* add_topo_subcommand(CLI::App& app, TopoOptions& o) {
   auto* cmd = app.add_subcommand("topo", "Show each node's GPU links and the TP sizes on NVLink");
   cmd->add_option("--address", o.address,
-                  "Head HOST:PORT (default: the head started on this machine)");
+                  "Head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's cluster)")
+      ->envname("TESSERA_ADDRESS");
   cmd->add_option("--temp-dir", o.temp_dir, "The root the head was started with");
   cmd->add_option("--cluster-token-file", o.cluster_token_file,
                   "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
@@ -513,7 +514,9 @@ CLI::App* add_plan_subcommand(CLI::App& app, PlanOptions& o) {
       "plan", "Plan tensor x pipeline parallelism for a model on a cluster; starts nothing");
   add_model_options(cmd, o);
   cmd->add_option("--address", o.address,
-                  "A cluster's head HOST:PORT (default: the head started on this machine)");
+                  "A cluster's head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's "
+                  "cluster)")
+      ->envname("TESSERA_ADDRESS");
   cmd->add_option("--temp-dir", o.temp_dir, "The root the head was started with");
   cmd->add_option("--cluster-token-file", o.cluster_token_file,
                   "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
@@ -538,7 +541,7 @@ struct LiveCluster {
 
 Expected<LiveCluster> connect_cluster(const std::string& address_flag, const std::string& temp_dir,
                                       const std::string& token_file) {
-  auto root = open_root(temp_dir);
+  auto root = find_cluster_root(temp_dir);
   std::string address = address_flag;
   if (address.empty()) {
     auto found = root ? read_head_address(*root) : Expected<std::string>(root.status());

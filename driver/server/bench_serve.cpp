@@ -236,6 +236,7 @@ Expected<std::map<std::string, double>> parse_goodput(const std::vector<std::str
 }
 
 Status run(const BenchServeOptions& o) {
+  const BenchOutput text(o.json);
   if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
   if (o.request_rate < 0) return invalid_argument("--request-rate must be positive (or inf)");
   TESSERA_ASSIGN_OR_RETURN(Url url, parse_url(o.base_url));
@@ -271,12 +272,12 @@ Status run(const BenchServeOptions& o) {
     TESSERA_ASSIGN_OR_RETURN(
         prompts, read_bench_dataset(o.dataset_path, o.num_prompts, o.output_len, INT32_MAX));
   }
-  std::printf("bench serve: %zu requests to %s%s (model %s), %s, %s\n", prompts.size(),
-              o.base_url.c_str(), o.endpoint.c_str(), model.c_str(),
-              o.request_rate > 0 ? ("Poisson " + std::to_string(o.request_rate) + " req/s").c_str()
-                                 : "all at once",
-              o.max_concurrency > 0 ? ("at most " + std::to_string(o.max_concurrency)).c_str()
-                                    : "no concurrency limit");
+  text.say("bench serve: %zu requests to %s%s (model %s), %s, %s\n", prompts.size(),
+           o.base_url.c_str(), o.endpoint.c_str(), model.c_str(),
+           o.request_rate > 0 ? ("Poisson " + std::to_string(o.request_rate) + " req/s").c_str()
+                              : "all at once",
+           o.max_concurrency > 0 ? ("at most " + std::to_string(o.max_concurrency)).c_str()
+                                 : "no concurrency limit");
   std::fflush(stdout);
 
   std::vector<RequestResult> results(prompts.size());
@@ -363,25 +364,23 @@ Status run(const BenchServeOptions& o) {
   for (const auto& [e, n] : errors) errs[e] = n;
   out["errors"] = errs;
 
-  std::printf("%-32s %12zu\n%-32s %12zu\n%-32s %12.2f\n%-32s %12zu\n%-32s %12zu\n",
-              "Successful requests:", completed, "Failed requests:", prompts.size() - completed,
-              "Duration (s):", duration, "Total input tokens:", input_tokens,
-              "Total generated tokens:", output_tokens);
-  std::printf("%-32s %12.2f\n%-32s %12.2f\n%-32s %12.2f\n",
-              "Request throughput (req/s):", completed / duration,
-              "Output token throughput (tok/s):", output_tokens / duration,
-              "Total token throughput (tok/s):", (input_tokens + output_tokens) / duration);
-  if (!slo.empty()) std::printf("%-32s %12.2f\n", "Goodput (req/s):", good / duration);
+  text.say("%-32s %12zu\n%-32s %12zu\n%-32s %12.2f\n%-32s %12zu\n%-32s %12zu\n",
+           "Successful requests:", completed, "Failed requests:", prompts.size() - completed,
+           "Duration (s):", duration, "Total input tokens:", input_tokens,
+           "Total generated tokens:", output_tokens);
+  text.say("%-32s %12.2f\n%-32s %12.2f\n%-32s %12.2f\n",
+           "Request throughput (req/s):", completed / duration,
+           "Output token throughput (tok/s):", output_tokens / duration,
+           "Total token throughput (tok/s):", (input_tokens + output_tokens) / duration);
+  if (!slo.empty()) text.say("%-32s %12.2f\n", "Goodput (req/s):", good / duration);
   for (const char* name : {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"}) {
     const json& s = out[name];
-    std::printf("%-8s mean %10.2f  p50 %10.2f  p90 %10.2f  p99 %10.2f  (ms)\n", name,
-                s["mean"].get<double>(), s["p50"].get<double>(), s["p90"].get<double>(),
-                s["p99"].get<double>());
+    text.say("%-8s mean %10.2f  p50 %10.2f  p90 %10.2f  p99 %10.2f  (ms)\n", name,
+             s["mean"].get<double>(), s["p50"].get<double>(), s["p90"].get<double>(),
+             s["p99"].get<double>());
   }
-  for (const auto& [e, n] : errors) std::printf("  %zu failed: %s\n", n, e.c_str());
-  if (!o.output_json.empty()) {
-    TESSERA_RETURN_IF_ERROR(write_json(o.output_json, out));
-  }
+  for (const auto& [e, n] : errors) text.say("  %zu failed: %s\n", n, e.c_str());
+  TESSERA_RETURN_IF_ERROR(text.finish(o.output_json, out));
   if (completed == 0) {
     return unavailable("no request succeeded; the first error: " +
                        (errors.empty() ? std::string("none") : errors.begin()->first));
@@ -418,10 +417,11 @@ CLI::App* add_bench_serve_subcommand(CLI::App& bench, BenchServeOptions& o) {
   cmd->add_option_function<double>(
       "--temperature", [&o](double t) { o.temperature = t; },
       "Sampling temperature (default: the server's)");
-  cmd->add_option("--seed", o.seed, "Seed of the random prompts and arrival times (0)");
+  cmd->add_option("--seed", o.seed, "The run's random seed: prompts and arrival times (0)");
   cmd->add_option("--goodput", o.goodput, "SLOs for goodput: ttft:MS tpot:MS e2el:MS")
       ->expected(1, 3);
   cmd->add_option("--output-json", o.output_json, "Write the results as JSON here");
+  cmd->add_flag("--json", o.json, "Print the results as JSON on stdout (the text goes to stderr)");
   cmd->footer(
       "Example: tessera bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 "
       "--input-len 512 --output-len 128 --max-concurrency 32 --goodput ttft:500 tpot:50");

@@ -33,6 +33,7 @@ struct BenchServeOptions {
   uint64_t seed = 0;
   std::vector<std::string> goodput;  // "ttft:500" "tpot:50" "e2el:2000" (milliseconds)
   std::string output_json;
+  bool json = false;  // --json: the results as JSON on stdout, the text on stderr
   std::string command_line;
 };
 

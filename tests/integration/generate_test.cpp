@@ -229,6 +229,18 @@ TEST_F(GenerateTest, BenchLatencyMeasuresEveryIterationOfOneBatch) {
   }
   std::filesystem::remove(json);
 
+  // --json: the same result on stdout, the text on stderr.
+  CommandResult as_json =
+      run_command({bin("tessera"), "bench", "latency", "--model", dir_, "--device", "cpu",
+                   "--batch-size", "2", "--input-len", "8", "--output-len", "3",
+                   "--num-iters-warmup", "0", "--num-iters", "2", "--json"});
+  ASSERT_EQ(as_json.exit_code, 0) << as_json.err;
+  auto parsed = nlohmann::json::parse(as_json.out, nullptr, false);
+  ASSERT_FALSE(parsed.is_discarded()) << as_json.out;
+  EXPECT_EQ(parsed["latencies"].size(), 2u);
+  EXPECT_EQ(parsed["batch_size"], 2);
+  EXPECT_NE(as_json.err.find("Avg latency: "), std::string::npos) << as_json.err;
+
   CommandResult bad = run_command({bin("tessera"), "bench", "latency", "--model", dir_, "--device",
                                    "cpu", "--batch-size", "0"});
   EXPECT_NE(bad.exit_code, 0);
@@ -246,6 +258,13 @@ TEST_F(GenerateTest, BenchControlPlaneTimesEmptyStepsOverRingsAndRpc) {
                      "20", "--output-json", json});
     ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
     EXPECT_NE(r.out.find("2 rank(s)"), std::string::npos) << r.out;
+    // A table: a header row of the statistics, then the round trip in us.
+    const size_t header = r.out.find(" mean  ");
+    ASSERT_NE(header, std::string::npos) << r.out;
+    EXPECT_LT(header, r.out.find(" p99\n", header)) << r.out;
+    const size_t row = r.out.find("  round trip  ");
+    ASSERT_NE(row, std::string::npos) << r.out;
+    EXPECT_LT(row, r.out.find("  us\n", row)) << r.out;
     std::ifstream in(json);
     ASSERT_TRUE(in) << json;
     auto j = nlohmann::json::parse(in);
@@ -328,6 +347,7 @@ TEST_F(GenerateTest, BenchThroughputCountsEveryTokenAndNamesBadData) {
                                  "5", "--output-json", json});
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   EXPECT_NE(r.out.find("output tokens/s"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("GPU forward passes"), std::string::npos) << r.out;
   EXPECT_NE(r.err.find("12 of 12 requests done"), std::string::npos) << r.err;
   std::ifstream in(json);
   ASSERT_TRUE(in) << json;

@@ -708,11 +708,16 @@ TEST_F(ServeTest, BenchServeMeasuresTheServer) {
                       << "{\"prompt_token_ids\": [100, 200, 300]}\n";
   r = run_command({bin("tessera"), "bench", "serve", "--base-url", base, "--api-key", "secret",
                    "--dataset-path", data, "--output-len", "4", "--ignore-eos", "--request-rate",
-                   "20", "--goodput", "e2el:0.001", "--output-json", out},
+                   "20", "--goodput", "e2el:0.001", "--output-json", out, "--json"},
                   120s);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  // --json: stdout is the result alone (the text went to stderr), the same as the file's.
+  const json printed = json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(printed.is_discarded()) << r.out;
+  EXPECT_NE(r.err.find("ttft_ms"), std::string::npos) << r.err;
   std::ifstream in2(out);
   j = json::parse(in2);
+  EXPECT_EQ(printed, j);
   EXPECT_EQ(j["completed"], 2);
   EXPECT_EQ(j["total_output_tokens"], 3 + 4);
   EXPECT_EQ(j["request_rate"], 20.0);

@@ -263,7 +263,9 @@ std::string TestCluster::start_head(const std::vector<std::string>& extra) {
                                    "--missed-heartbeats",
                                    "5"};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto r = tessera(args);
+  // This root is also the daemons' default root, so `start` records nothing in the real one
+  // (the current_root pointer `tessera status` follows).
+  auto r = tessera(args, std::chrono::seconds(60), {"TESSERA_TMPDIR=" + root_});
   if (r.exit_code != 0) return "";
   std::ifstream in(root_ + "/head_address");
   std::getline(in, head_address_);
@@ -275,7 +277,7 @@ std::string TestCluster::start_member(const std::string& name,
   std::vector<std::string> args = {"start", "--address",   head_address_, "--temp-dir",
                                    root_,   "--node-name", name};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto r = tessera(args);
+  auto r = tessera(args, std::chrono::seconds(60), {"TESSERA_TMPDIR=" + root_});
   if (r.exit_code != 0) return "";
   // "Started node n-xxxx at ..."
   auto pos = r.out.find("Started node ");
