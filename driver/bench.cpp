@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdarg>
@@ -24,13 +25,6 @@ std::string fixed(double v, int digits) {
   return buf;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 // What every bench JSON starts with: the command, the model, and the machine it ran on.
 nlohmann::json run_json(const std::string& command, const std::string& model, const ModelInfo& m) {
   char host[256] = {0};
@@ -41,6 +35,20 @@ nlohmann::json run_json(const std::string& command, const std::string& model, co
 }
 
 }  // namespace
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const double rank = q / 100.0 * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(rank);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (rank - static_cast<double>(lo));
+}
+
+void add_bench_output_options(CLI::App* cmd, std::string& output_json, bool& json) {
+  cmd->add_option("--output-json", output_json, "Write the results as JSON here");
+  cmd->add_flag("--json", json, "Print the results as JSON on stdout (the text goes to stderr)");
+}
 
 Status write_json(const std::string& path, const nlohmann::json& j, FILE* say_to) {
   std::ofstream f(path);
@@ -169,10 +177,10 @@ void merge(BatchTiming& into, const BatchTiming& t) {
 void add_step_breakdown(nlohmann::json& j, const BatchTiming& t) {
   std::vector<double> step_ms;
   for (double s : t.decode_steps_s) step_ms.push_back(s * 1000);
-  j["step_ms_median"] = median(step_ms);
-  j["rpc_call_ms_median"] = median(t.call_ms);
-  j["actor_execute_ms_median"] = median(t.actor_ms);
-  j["gpu_forward_ms_median"] = median(t.gpu_ms);
+  j["step_ms_median"] = percentile(step_ms, 50);
+  j["rpc_call_ms_median"] = percentile(t.call_ms, 50);
+  j["actor_execute_ms_median"] = percentile(t.actor_ms, 50);
+  j["gpu_forward_ms_median"] = percentile(t.gpu_ms, 50);
 }
 
 // The medians of the decode steps as rows of the report's table.
@@ -180,10 +188,10 @@ void add_breakdown_rows(std::vector<std::vector<std::string>>& rows, const std::
                         const BatchTiming& t) {
   std::vector<double> step_ms;
   for (double s : t.decode_steps_s) step_ms.push_back(s * 1000);
-  rows.push_back({scenario, "decode step (median)", fixed(median(step_ms), 3), "ms"});
-  rows.push_back({"", "  RPC call", fixed(median(t.call_ms), 3), "ms"});
-  rows.push_back({"", "  actor execute", fixed(median(t.actor_ms), 3), "ms"});
-  rows.push_back({"", "  GPU forward", fixed(median(t.gpu_ms), 3), "ms"});
+  rows.push_back({scenario, "decode step (median)", fixed(percentile(step_ms, 50), 3), "ms"});
+  rows.push_back({"", "  RPC call", fixed(percentile(t.call_ms, 50), 3), "ms"});
+  rows.push_back({"", "  actor execute", fixed(percentile(t.actor_ms, 50), 3), "ms"});
+  rows.push_back({"", "  GPU forward", fixed(percentile(t.gpu_ms, 50), 3), "ms"});
 }
 
 Status run_report(const BenchReportOptions& o) {
@@ -225,8 +233,8 @@ Status run_report(const BenchReportOptions& o) {
     add_step_breakdown(scenarios["batch1_decode"], all);
     const std::string name = "batch 1, " + std::to_string(o.input_len) + " in / " +
                              std::to_string(o.output_len) + " out";
-    rows.push_back({name, "TTFT (median)", fixed(median(ttft), 2), "ms"});
-    rows.push_back({"", "decode (median)", fixed(median(tok_s), 1), "tok/s"});
+    rows.push_back({name, "TTFT (median)", fixed(percentile(ttft, 50), 2), "ms"});
+    rows.push_back({"", "decode (median)", fixed(percentile(tok_s, 50), 1), "tok/s"});
     add_breakdown_rows(rows, "", all);
   }
   // One long prefill: the time to its first token.
@@ -277,7 +285,7 @@ Status run_report(const BenchReportOptions& o) {
                        {"decode_tok_s", tok_s}};
     add_step_breakdown(scenarios[name], all);
     const std::string label = "batch " + std::to_string(o.batch_size) + " decode";
-    rows.push_back({label, "decode (median)", fixed(median(tok_s), 0), "tok/s"});
+    rows.push_back({label, "decode (median)", fixed(percentile(tok_s, 50), 0), "tok/s"});
     add_breakdown_rows(rows, "", all);
   }
   text.table(rows, "llrl");
@@ -292,16 +300,6 @@ Status run_report(const BenchReportOptions& o) {
             {"scenarios", scenarios}});
   TESSERA_RETURN_IF_ERROR(text.finish(o.output_json, j));
   return Status::ok();
-}
-
-// The q-th percentile (0..100) of `v`, interpolated linearly between ranks as numpy does.
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const double rank = q / 100.0 * static_cast<double>(v.size() - 1);
-  const size_t lo = static_cast<size_t>(rank);
-  const size_t hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (rank - static_cast<double>(lo));
 }
 
 Status run_latency(const BenchLatencyOptions& o) {
@@ -326,7 +324,7 @@ Status run_latency(const BenchLatencyOptions& o) {
            m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
            m.backend.c_str(), m.dtype.c_str(), session->load_seconds(), o.batch_size, o.input_len,
            o.output_len);
-  std::fflush(stdout);
+  std::fflush(text.text());
   LlmEngine& engine = session->engine();
   const uint32_t total = o.num_iters_warmup + o.num_iters;
   std::vector<double> latencies;
@@ -398,7 +396,7 @@ Status run_control_plane(const BenchControlPlaneOptions& o) {
            m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
            m.backend.c_str(), group.world_size(),
            o.transport == "ring" ? "shared-memory rings" : "execute RPCs", o.num_steps);
-  std::fflush(stdout);
+  std::fflush(text.text());
   std::vector<double> round_us, actor_us;
   round_us.reserve(o.num_steps);
   actor_us.reserve(o.num_steps);
@@ -469,7 +467,7 @@ Status run_throughput(const BenchThroughputOptions& o) {
   text.say("%s on %s (%s backend, %s), loaded in %.1f s: %zu requests\n", m.architecture.c_str(),
            m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
            m.dtype.c_str(), session->load_seconds(), w.size());
-  std::fflush(stdout);
+  std::fflush(text.text());
   LlmEngine& engine = session->engine();
   size_t input_tokens = 0, output_tokens = 0, finished = 0, steps = 0;
   double gpu_s = 0, actor_s = 0, call_s = 0;

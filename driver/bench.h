@@ -104,6 +104,13 @@ std::vector<BenchPrompt> random_bench_prompts(uint32_t n, uint32_t input_len, ui
 Expected<std::vector<BenchPrompt>> read_bench_dataset(const std::string& path, uint32_t limit,
                                                       uint32_t output_len, int64_t vocab);
 
+// The q-th percentile (0..100) of `v`, interpolated linearly between ranks as numpy does
+// (q = 50 is the median); 0 for no values.
+double percentile(std::vector<double> v, double q);
+
+// Adds --output-json FILE and --json (the result on stdout, the text on stderr) to a bench.
+void add_bench_output_options(CLI::App* cmd, std::string& output_json, bool& json);
+
 // Writes a bench result as indented JSON to `path` and says so on `say_to`.
 Status write_json(const std::string& path, const nlohmann::json& j, FILE* say_to = stdout);
 // Where a bench prints: its human-readable lines and tables on stdout, or on stderr with --json,

@@ -99,8 +99,8 @@ struct WorkerGroup::Rank {
   std::string ipc_handle;
   std::optional<ShmRing> output_ring;
   std::optional<RingReader> reader;
-  // Where its step outputs are copied out of the ring: one slot's size, allocated once (a fresh
-  // zeroed megabyte per step was most of an empty step's round trip).
+  // Where its step outputs are copied out of the ring: one slot's size, allocated with the ring
+  // (a fresh zeroed megabyte per step was most of an empty step's round trip).
   std::vector<std::byte> out_buffer;
   std::string describe() const {
     return "rank " + std::to_string(rank) + " (actor " + actor.actor_id + ", " + where(placement) +
@@ -299,6 +299,7 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
       rank.output_ring.emplace(std::move(mapped));
       TESSERA_ASSIGN_OR_RETURN(auto reader, rank.output_ring->reader(0));
       rank.reader.emplace(std::move(reader));
+      rank.out_buffer.resize(rank.reader->slot_bytes());
     }
   }
   // Load every rank at once (their collectives join each other).
@@ -439,7 +440,6 @@ Expected<StepOutput> WorkerGroup::collect() {
     StepOutput out;
     if (rank->node->local) {
       std::vector<std::byte>& buf = rank->out_buffer;
-      if (buf.size() != rank->reader->slot_bytes()) buf.resize(rank->reader->slot_bytes());
       while (true) {
         auto n = rank->reader->read(buf, std::chrono::milliseconds(20));
         if (n) {

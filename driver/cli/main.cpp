@@ -199,9 +199,7 @@ int main(int argc, char** argv) {
   latency_cmd->add_option("--num-iters", latency.num_iters, "Measured iterations (30)");
   latency_cmd->add_option("--seed", latency.seed,
                           "The run's random seed: prompts and samplers (0)");
-  latency_cmd->add_option("--output-json", latency.output_json, "Write the results as JSON here");
-  latency_cmd->add_flag("--json", latency.json,
-                        "Print the results as JSON on stdout (the text goes to stderr)");
+  tessera::add_bench_output_options(latency_cmd, latency.output_json, latency.json);
 
   tessera::BenchReportOptions bench;
   auto* report_cmd = bench_cmd->add_subcommand(
@@ -220,9 +218,7 @@ int main(int argc, char** argv) {
                          "Large-batch decode size (64; 0 = skip)");
   report_cmd->add_option("--batch-iters", bench.batch_iters, "Measured large-batch runs (2)");
   report_cmd->add_option("--seed", bench.seed, "The run's random seed: the prompts (0)");
-  report_cmd->add_option("--output-json", bench.output_json, "Write the results as JSON here");
-  report_cmd->add_flag("--json", bench.json,
-                       "Print the results as JSON on stdout (the text goes to stderr)");
+  tessera::add_bench_output_options(report_cmd, bench.output_json, bench.json);
 
   tessera::BenchThroughputOptions throughput;
   auto* throughput_cmd = bench_cmd->add_subcommand(
@@ -238,10 +234,7 @@ int main(int argc, char** argv) {
   throughput_cmd->add_option(
       "--seed", throughput.seed,
       "The run's random seed: prompts, and request i's sampler (seed + i) (0)");
-  throughput_cmd->add_option("--output-json", throughput.output_json,
-                             "Write the results as JSON here");
-  throughput_cmd->add_flag("--json", throughput.json,
-                           "Print the results as JSON on stdout (the text goes to stderr)");
+  tessera::add_bench_output_options(throughput_cmd, throughput.output_json, throughput.json);
 
   tessera::BenchControlPlaneOptions control;
   auto* control_cmd = bench_cmd->add_subcommand(
@@ -253,9 +246,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"ring", "rpc"}));
   control_cmd->add_option("--num-steps", control.num_steps, "Measured steps (10000)");
   control_cmd->add_option("--num-warmup", control.num_warmup, "Unmeasured steps first (200)");
-  control_cmd->add_option("--output-json", control.output_json, "Write the results as JSON here");
-  control_cmd->add_flag("--json", control.json,
-                        "Print the results as JSON on stdout (the text goes to stderr)");
+  tessera::add_bench_output_options(control_cmd, control.output_json, control.json);
 
   tessera::server::BenchServeOptions bench_serve;
   auto* bench_serve_cmd = tessera::server::add_bench_serve_subcommand(*bench_cmd, bench_serve);
@@ -324,6 +315,9 @@ int main(int argc, char** argv) {
     std::cerr << "tessera: " << st.message() << "\n";
     return 2;
   }
+  // The command as typed, recorded in the benches' JSON.
+  std::string command_line;
+  for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
   if (*stop_cmd) return tessera::stop_command(stop);
   if (*serve_cmd) return tessera::server::serve_command(serve);
   if (*gen_cmd) {
@@ -332,24 +326,23 @@ int main(int argc, char** argv) {
     return tessera::generate_command(gen);
   }
   if (*latency_cmd) {
-    for (int i = 0; i < argc; ++i) latency.command_line += (i ? " " : "") + std::string(argv[i]);
+    latency.command_line = command_line;
     return tessera::bench_latency_command(latency);
   }
   if (*control_cmd) {
-    for (int i = 0; i < argc; ++i) control.command_line += (i ? " " : "") + std::string(argv[i]);
+    control.command_line = command_line;
     return tessera::bench_control_plane_command(control);
   }
   if (*report_cmd) {
-    for (int i = 0; i < argc; ++i) bench.command_line += (i ? " " : "") + std::string(argv[i]);
+    bench.command_line = command_line;
     return tessera::bench_report_command(bench);
   }
   if (*bench_serve_cmd) {
-    for (int i = 0; i < argc; ++i)
-      bench_serve.command_line += (i ? " " : "") + std::string(argv[i]);
+    bench_serve.command_line = command_line;
     return tessera::server::bench_serve_command(bench_serve);
   }
   if (*throughput_cmd) {
-    for (int i = 0; i < argc; ++i) throughput.command_line += (i ? " " : "") + std::string(argv[i]);
+    throughput.command_line = command_line;
     return tessera::bench_throughput_command(throughput);
   }
   if (*make_cmd) {

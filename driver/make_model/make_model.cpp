@@ -507,12 +507,7 @@ Status make_model(const MakeModelOptions& o) {
   // tenth otherwise, and a summary.
   auto progress = std::make_shared<Progress>("make-model: writing weights");
   auto produced = std::make_shared<uint64_t>(0);
-  uint64_t all_bytes = 0;
-  for (const WeightSpec& w : weights) {
-    int64_t n = 1;
-    for (int64_t d : w.shape) n *= d;
-    all_bytes += static_cast<uint64_t>(n) * dtype_size(p.dtype);
-  }
+  auto all_bytes = std::make_shared<uint64_t>(0);  // the writer's total, known once all are added
   for (const WeightSpec& w : weights) {
     const Init init = init_for(w, p.parsed, o.seed, p.dtype);
     TESSERA_RETURN_IF_ERROR(writer.add(
@@ -520,11 +515,12 @@ Status make_model(const MakeModelOptions& o) {
         [init, progress, produced, all_bytes](uint64_t offset, std::span<uint8_t> bytes) {
           Status st = fill(init, offset, bytes);
           *produced += bytes.size();
-          progress->update(*produced, all_bytes);
+          progress->update(*produced, *all_bytes);
           return st;
         }));
   }
   const uint64_t total = writer.total_bytes();
+  *all_bytes = total;
   spdlog::info("make-model: {} {} ({}, {} tensors, {:.2f} GB {}) → {}", model_type_of(p.shape.arch),
                o.preset, architecture_name(p.shape.arch), weights.size(), total / 1e9,
                torch_dtype_name(p.dtype), o.out);
@@ -546,7 +542,7 @@ Status make_model(const MakeModelOptions& o) {
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> files,
                            writer.write_sharded(o.out, o.max_shard_bytes));
-  progress->finish(all_bytes, "in " + std::to_string(files.size()) + " file(s)");
+  progress->finish(total, "in " + std::to_string(files.size()) + " file(s)");
 
   json gen = {{"_from_model_config", true},
               {"bos_token_id", p.config["bos_token_id"]},

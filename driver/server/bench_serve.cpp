@@ -196,15 +196,6 @@ RequestResult run_request(const Url& u, const BenchServeOptions& o, const std::s
   return r;
 }
 
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const double pos = q / 100.0 * static_cast<double>(v.size() - 1);
-  const size_t lo = static_cast<size_t>(std::floor(pos));
-  const size_t hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
-}
-
 // mean, p50, p90, p99 in milliseconds of `seconds_values`.
 json summary(const std::vector<double>& seconds_values) {
   std::vector<double> ms;
@@ -420,8 +411,7 @@ CLI::App* add_bench_serve_subcommand(CLI::App& bench, BenchServeOptions& o) {
   cmd->add_option("--seed", o.seed, "The run's random seed: prompts and arrival times (0)");
   cmd->add_option("--goodput", o.goodput, "SLOs for goodput: ttft:MS tpot:MS e2el:MS")
       ->expected(1, 3);
-  cmd->add_option("--output-json", o.output_json, "Write the results as JSON here");
-  cmd->add_flag("--json", o.json, "Print the results as JSON on stdout (the text goes to stderr)");
+  add_bench_output_options(cmd, o.output_json, o.json);
   cmd->footer(
       "Example: tessera bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 "
       "--input-len 512 --output-len 128 --max-concurrency 32 --goodput ttft:500 tpot:50");
