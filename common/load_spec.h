@@ -49,9 +49,10 @@ struct LoadSpec {
   int64_t max_num_seqs = kDefaultMaxNumSeqs;
   int64_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
-  bool enforce_eager = false;  // no CUDA graphs
-  bool return_logits = false;  // StepOutput carries the sampled rows' logits (tests)
-  int threads = 0;             // cpu backend threads (0 = hardware concurrency)
+  bool enforce_eager = false;           // no CUDA graphs
+  std::string kv_cache_dtype = "auto";  // parse_kv_cache_dtype's spellings (the actor parses it)
+  bool return_logits = false;           // StepOutput carries the sampled rows' logits (tests)
+  int threads = 0;                      // cpu backend threads (0 = hardware concurrency)
   ParallelConfig parallel;
   CommSpec comm;
   // Steps arrive through the node's shared-memory ring when set (local actors), over RPC
@@ -75,9 +76,10 @@ struct ModelInfo {
   int64_t max_num_batched_tokens = 0;  // the largest step the actor takes (the scheduler's budget)
   uint64_t weight_bytes = 0;           // this rank's
   uint64_t kv_cache_bytes = 0;
-  std::string backend;      // "cpu" | "cuda"
-  std::string dtype;        // what the model computes in: "BF16", "F16", "F32"
-  std::string device_name;  // "NVIDIA H200"; empty on the cpu backend
+  std::string backend;         // "cpu" | "cuda"
+  std::string dtype;           // what the model computes in: "BF16", "F16", "F32"
+  std::string kv_cache_dtype;  // what its KV cache stores: the dtype's name, or "F8_E4M3"
+  std::string device_name;     // "NVIDIA H200"; empty on the cpu backend
 };
 
 }  // namespace tessera

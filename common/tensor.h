@@ -52,4 +52,11 @@ inline uint16_t float_to_bf16(float f) {
 float f16_to_float(uint16_t h);
 uint16_t float_to_f16(float f);
 
+// FP8 E4M3 (OCP / NVIDIA "fn": bias 7, no infinities, 0x7f / 0xff NaN, largest finite 448):
+// round to nearest even, saturating finite values at +-448 as CUDA's
+// __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) does; NaN stays NaN.
+uint8_t float_to_fp8_e4m3(float f);
+// Exact: every E4M3 value is a float.
+float fp8_e4m3_to_float(uint8_t v);
+
 }  // namespace tessera

@@ -29,8 +29,13 @@ std::string fixed(double v, int digits) {
 nlohmann::json run_json(const std::string& command, const std::string& model, const ModelInfo& m) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
-  return {{"command", command}, {"model", model},       {"architecture", m.architecture},
-          {"dtype", m.dtype},   {"backend", m.backend}, {"device", m.device_name},
+  return {{"command", command},
+          {"model", model},
+          {"architecture", m.architecture},
+          {"dtype", m.dtype},
+          {"kv_cache_dtype", m.kv_cache_dtype},
+          {"backend", m.backend},
+          {"device", m.device_name},
           {"hostname", host}};
 }
 
@@ -489,8 +494,10 @@ Status run_throughput(const BenchThroughputOptions& o) {
   // step had to read at least (the weights once, the K/V of the tokens in the cache), from which
   // scripts/bench-plot draws the fraction of the memory roofline over the run.
   const ModelConfig& cfg = session->config();
+  const double kv_element_bytes =
+      m.kv_cache_dtype == "F8_E4M3" ? 1.0 : (m.kv_cache_dtype == "F32" ? 4.0 : 2.0);
   const double kv_bytes_per_token = 2.0 * static_cast<double>(cfg.num_layers) * cfg.num_kv_heads *
-                                    cfg.head_dim * (m.dtype == "F32" ? 4 : 2);
+                                    cfg.head_dim * kv_element_bytes;
   const uint32_t block_size = engine.config().block_size;
   nlohmann::json timeline = nlohmann::json::array();
   struct Interval {

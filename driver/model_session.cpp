@@ -227,6 +227,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   load.gpu_memory_utilization = a.memory.gpu_memory_utilization;
   load.block_size = a.memory.block_size;
   load.enforce_eager = a.memory.enforce_eager;
+  load.kv_cache_dtype = kv_cache_dtype_name(a.memory.kv_cache_dtype);
   load.return_logits = a.return_logits;
   load.parallel = parallel;
   load.comm.init_timeout_ms = a.nccl_init_timeout_s * 1000;

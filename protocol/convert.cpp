@@ -185,6 +185,7 @@ void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out) {
   out.setMaxNumBatchedTokens(in.max_num_batched_tokens);
   out.setGpuMemoryUtilization(in.gpu_memory_utilization);
   out.setEnforceEager(in.enforce_eager);
+  out.setKvCacheDtype(in.kv_cache_dtype);
   out.setReturnLogits(in.return_logits);
   out.setThreads(in.threads);
   auto p = out.initParallel();
@@ -224,6 +225,7 @@ LoadSpec from_proto(proto::LoadSpec::Reader in) {
   s.max_num_batched_tokens = in.getMaxNumBatchedTokens();
   s.gpu_memory_utilization = in.getGpuMemoryUtilization();
   s.enforce_eager = in.getEnforceEager();
+  s.kv_cache_dtype = in.getKvCacheDtype().cStr();
   s.return_logits = in.getReturnLogits();
   s.threads = in.getThreads();
   auto p = in.getParallel();
@@ -262,6 +264,7 @@ void to_proto(const ModelInfo& in, proto::ModelInfo::Builder out) {
   out.setBackend(in.backend);
   out.setDtype(in.dtype);
   out.setDeviceName(in.device_name);
+  out.setKvCacheDtype(in.kv_cache_dtype);
 }
 
 ModelInfo from_proto(proto::ModelInfo::Reader in) {
@@ -281,6 +284,7 @@ ModelInfo from_proto(proto::ModelInfo::Reader in) {
   m.backend = in.getBackend().cStr();
   m.dtype = in.getDtype().cStr();
   m.device_name = in.getDeviceName().cStr();
+  m.kv_cache_dtype = in.getKvCacheDtype().cStr();
   return m;
 }
 

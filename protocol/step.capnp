@@ -105,6 +105,7 @@ struct LoadSpec {
   stepRing @13 :Text;
   stepRingReader @14 :UInt32;
   outputRing @15 :Text;
+  kvCacheDtype @16 :Text = "auto";  # --kv-cache-dtype: auto | fp8 | fp8_e4m3
 }
 
 struct ModelInfo {
@@ -123,4 +124,5 @@ struct ModelInfo {
   backend @12 :Text;
   dtype @13 :Text;
   deviceName @14 :Text;
+  kvCacheDtype @15 :Text;
 }

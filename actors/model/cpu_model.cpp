@@ -25,7 +25,8 @@ CpuModel::CpuModel(const ModelConfig& config, LayerPlan plan, ModelWeights weigh
 Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config, LayerPlan plan,
                                                      ModelWeights weights, StageComms comms,
                                                      int64_t kv_blocks, int64_t block_size,
-                                                     int64_t max_model_len, int threads) {
+                                                     int64_t max_model_len, int threads,
+                                                     KvCacheDtype kv_cache_dtype) {
   if (max_model_len <= 0 || max_model_len > config.max_position_embeddings) {
     return invalid_argument("max-model-len " + std::to_string(max_model_len) + " must be in [1, " +
                             std::to_string(config.max_position_embeddings) +
@@ -42,6 +43,7 @@ Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config, 
   m->fit_blocks_ = kv_blocks;
   m->block_size_ = block_size;
   m->max_model_len_ = max_model_len;
+  m->kv_cache_dtype_ = kv_cache_dtype;
   std::optional<cpu::Llama3RopeScaling> scaling;
   if (config.rope_scaling.type == "llama3") {
     scaling = cpu::Llama3RopeScaling{
@@ -65,6 +67,7 @@ Status CpuModel::init_cache(int64_t blocks) {
   shape.block_size = block_size_;
   shape.num_kv_heads = plan_.kv_heads;
   shape.head_dim = config_.head_dim;
+  shape.dtype = kv_cache_dtype_;
   TESSERA_ASSIGN_OR_RETURN(auto cache, cpu::PagedKvCache::create(shape));
   cache_ = std::make_unique<cpu::PagedKvCache>(std::move(cache));
   return Status::ok();
@@ -87,6 +90,7 @@ ModelInfo CpuModel::info() const {
              : 0;
   i.backend = "cpu";
   i.dtype = dtype_name(DType::kF32);
+  i.kv_cache_dtype = kv_cache_storage_name(kv_cache_dtype_, DType::kF32);
   return i;
 }
 
@@ -232,8 +236,8 @@ class CpuModel::Step {
   }
 
   Status post_norm(int64_t i) {
-    return cpu::add_rms_norm(m_.ctx_, proj_, residual_, layer(i).post_norm,
-                             m_.config_.rms_norm_eps, hidden_);
+    return cpu::add_rms_norm(m_.ctx_, proj_, residual_, layer(i).post_norm, m_.config_.rms_norm_eps,
+                             hidden_);
   }
 
   Status mlp(int64_t i) {
@@ -268,7 +272,8 @@ class CpuModel::Step {
     const int64_t V = c.vocab_size;
     logits_.assign(R * V, 0.0f);
     if (p.parallel.tp_size == 1) {
-      for (int64_t r = 0; r < R; ++r) std::copy_n(shard.begin() + r * Vs, V, logits_.begin() + r * V);
+      for (int64_t r = 0; r < R; ++r)
+        std::copy_n(shard.begin() + r * Vs, V, logits_.begin() + r * V);
       return Status::ok();
     }
     // Vocabulary-parallel: gather every rank's slice [T][R][Vs] and lay the rows out whole.

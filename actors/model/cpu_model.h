@@ -14,6 +14,7 @@
 #include "actors/model/weights.h"
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
+#include "common/kv_cache_dtype.h"
 #include "kernels/cpu/cpu_context.h"
 #include "kernels/cpu/paged_kv_cache.h"
 #include "kernels/cpu/rope.h"
@@ -24,10 +25,10 @@ namespace tessera {
 class CpuModel final : public Backend {
  public:
   // `kv_blocks` blocks of `block_size` tokens fit (the cache is allocated by init_cache).
-  static Expected<std::unique_ptr<CpuModel>> create(const ModelConfig& config, LayerPlan plan,
-                                                    ModelWeights weights, StageComms comms,
-                                                    int64_t kv_blocks, int64_t block_size,
-                                                    int64_t max_model_len, int threads = 0);
+  static Expected<std::unique_ptr<CpuModel>> create(
+      const ModelConfig& config, LayerPlan plan, ModelWeights weights, StageComms comms,
+      int64_t kv_blocks, int64_t block_size, int64_t max_model_len, int threads = 0,
+      KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto);
 
   // The forward pass alone: the logits [rows, vocab] of the sequences with want_logits, in
   // order, on the last stage (every tensor-parallel rank of it); empty on the other stages.
@@ -61,6 +62,7 @@ class CpuModel final : public Backend {
   int64_t fit_blocks_ = 0;
   int64_t block_size_ = 16;
   int64_t max_model_len_ = 0;
+  KvCacheDtype kv_cache_dtype_ = KvCacheDtype::kAuto;
   std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
 };
 

@@ -79,6 +79,8 @@ class CudaBackend final : public Backend {
     i.kv_cache_bytes = m.kv_cache;
     i.backend = "cuda";
     i.dtype = dtype_name(model_->options().dtype);
+    i.kv_cache_dtype =
+        kv_cache_storage_name(model_->options().kv_cache_dtype, model_->options().dtype);
     i.device_name = m.device_name;
     return i;
   }
@@ -111,8 +113,9 @@ Expected<std::unique_ptr<Backend>> load_cuda_backend(const LoadSpec& spec, const
   o.max_num_batched_tokens = load.max_num_batched_tokens;
   o.gpu_memory_utilization = spec.gpu_memory_utilization;
   o.enforce_eager = spec.enforce_eager;
-  TESSERA_ASSIGN_OR_RETURN(auto model, CudaModel::create(*load.config, *load.plan, *load.weights,
-                                                         load.comms, o));
+  o.kv_cache_dtype = load.kv_cache_dtype;
+  TESSERA_ASSIGN_OR_RETURN(
+      auto model, CudaModel::create(*load.config, *load.plan, *load.weights, load.comms, o));
   return std::unique_ptr<Backend>(new CudaBackend(std::move(model)));
 }
 

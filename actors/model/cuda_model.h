@@ -26,6 +26,7 @@
 #include "actors/model/weights.h"
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
+#include "common/kv_cache_dtype.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/sampling.h"
@@ -40,6 +41,7 @@ struct CudaModelOptions {
   int64_t max_num_batched_tokens = 8192;
   double gpu_memory_utilization = 0.9;
   bool enforce_eager = false;
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;  // kFp8E4M3: the cache stores E4M3 bytes
 };
 
 // Where this GPU's memory went, in bytes (logged, and reported to the driver).

@@ -32,6 +32,7 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
   const auto t0 = std::chrono::steady_clock::now();
   TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(spec.model_dir));
   TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(spec.dtype, config.torch_dtype, gpu));
+  TESSERA_ASSIGN_OR_RETURN(KvCacheDtype kv_dtype, parse_kv_cache_dtype(spec.kv_cache_dtype));
   TESSERA_ASSIGN_OR_RETURN(LayerPlan plan, LayerPlan::make(config, spec.parallel));
   TESSERA_ASSIGN_OR_RETURN(int64_t max_len, resolve_max_model_len(spec.max_model_len, config));
   const int64_t max_tokens = resolve_max_num_batched_tokens(spec.max_num_batched_tokens, max_len);
@@ -48,7 +49,7 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
   r->return_logits_ = spec.return_logits;
   if (gpu) {
 #ifdef TESSERA_WITH_CUDA
-    CudaLoad load{&r->config_, &r->plan_, &weights, comms, dtype, max_len, max_tokens};
+    CudaLoad load{&r->config_, &r->plan_, &weights, comms, dtype, kv_dtype, max_len, max_tokens};
     TESSERA_ASSIGN_OR_RETURN(r->backend_, load_cuda_backend(spec, load));
 #endif
   } else {
@@ -58,20 +59,20 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
     const int64_t blocks = (max_len + spec.block_size - 1) / spec.block_size + 1;
     TESSERA_ASSIGN_OR_RETURN(auto model,
                              CpuModel::create(config, plan, std::move(weights), comms, blocks,
-                                              spec.block_size, max_len, spec.threads));
+                                              spec.block_size, max_len, spec.threads, kv_dtype));
     r->backend_ = std::move(model);
   }
   r->checkpoint_ = std::move(checkpoint);
   const ModelInfo info = r->backend_->info();
   spdlog::info(
       "loaded {} from {} in {:.1f} s: rank {} of {} (tp {}/{}, pp {}/{}), layers {}-{} of {}, "
-      "{:.1f} MiB of weights on the {} backend ({}), {} KV blocks fit",
+      "{:.1f} MiB of weights on the {} backend ({}, KV cache {}), {} KV blocks fit",
       architecture_name(config.arch), spec.model_dir,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
       plan.parallel.rank(), plan.parallel.world_size(), plan.parallel.tp_rank,
       plan.parallel.tp_size, plan.parallel.pp_rank, plan.parallel.pp_size, plan.layer_begin,
       plan.layer_end - 1, config.num_layers, static_cast<double>(info.weight_bytes) / (1 << 20),
-      info.backend, info.dtype, info.kv_blocks);
+      info.backend, info.dtype, info.kv_cache_dtype, info.kv_blocks);
   return r;
 }
 
@@ -110,9 +111,9 @@ Expected<StepOutput> ModelRunner::execute(const StepInput& step) {
       out.outputs.push_back({rows[i].request_id, std::move(samples[i])});
     }
   }
-  out.actor_micros = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                               std::chrono::steady_clock::now() - t0)
-                                               .count());
+  out.actor_micros = static_cast<uint32_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
   out.gpu_micros = backend_->last_gpu_micros();
   return out;
 }

@@ -15,6 +15,7 @@
 #include "actors/model/weights.h"
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
+#include "common/kv_cache_dtype.h"
 #include "common/checkpoint/safetensors.h"
 #include "common/load_spec.h"
 #include "common/step.h"
@@ -68,6 +69,7 @@ struct CudaLoad {
   const ModelWeights* weights = nullptr;
   StageComms comms;
   DType dtype = DType::kBF16;
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   int64_t max_model_len = 0;
   int64_t max_num_batched_tokens = 0;
 };

@@ -102,8 +102,7 @@ Expected<ParallelPlan> make_parallel_plan(const ModelConfig& c, const ParallelCo
           static_cast<uint64_t>(vocab_tensors * (lp.vocab_shard - lp.vocab_rows) * c.hidden_size) *
           es;
       r.weight_bytes = lp.weight_bytes(dtype) + r.padding_bytes;
-      r.kv_bytes_per_token =
-          2ull * static_cast<uint64_t>(lp.num_layers() * lp.kv_heads * c.head_dim) * es;
+      r.kv_elems_per_token = 2 * lp.num_layers() * lp.kv_heads * c.head_dim;
       if (t == 0) {
         plan.stage_layers.push_back(lp.num_layers());
         plan.padded_vocab = lp.vocab_padded;
@@ -179,7 +178,8 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
     const RankPlan& r = plan.ranks[i];
     RankMemory m;
     m.weights = r.weight_bytes;
-    m.kv_bytes_per_token = r.kv_bytes_per_token;
+    m.kv_bytes_per_token = static_cast<uint64_t>(r.kv_elems_per_token) *
+                           kv_cache_element_size(options.kv_cache_dtype, plan.dtype);
     if (!gpus[i]) {
       m.gpu = false;
       m.kv_tokens = options.max_model_len;

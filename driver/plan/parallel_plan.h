@@ -26,6 +26,7 @@
 
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
+#include "common/kv_cache_dtype.h"
 #include "common/load_spec.h"
 #include "common/status.h"
 #include "common/tensor.h"
@@ -54,8 +55,8 @@ struct RankPlan {
   // shards as the checkpoint holds them, a tied embedding once) plus the zero padding rows of the
   // vocab-parallel tensors it holds.
   uint64_t weight_bytes = 0;
-  uint64_t padding_bytes = 0;       // of which vocab padding
-  uint64_t kv_bytes_per_token = 0;  // 2 (K, V) x its layers x kv_heads x head_dim x dtype size
+  uint64_t padding_bytes = 0;      // of which vocab padding
+  int64_t kv_elems_per_token = 0;  // 2 (K, V) x its layers x kv_heads x head_dim
 
   int64_t num_layers() const { return layer_end - layer_begin; }
 };
@@ -104,9 +105,10 @@ struct MemoryOptions {
   int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
   int64_t max_num_seqs = kDefaultMaxNumSeqs;
-  int64_t max_num_batched_tokens = 0;      // 0 = max(max_model_len, 2048), at most 16384
-  bool enforce_eager = false;              // no CUDA graphs: no graph memory reserved
-  int64_t block_size = kDefaultBlockSize;  // KV cache block, tokens
+  int64_t max_num_batched_tokens = 0;                 // 0 = max(max_model_len, 2048), at most 16384
+  bool enforce_eager = false;                         // no CUDA graphs: no graph memory reserved
+  int64_t block_size = kDefaultBlockSize;             // KV cache block, tokens
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;  // --kv-cache-dtype
 };
 
 // What a GPU has: total bytes and bytes already in use by anything (other processes).
@@ -129,9 +131,9 @@ struct RankMemory {
   // unless enforce_eager) and communicator buffers (256 MiB when world > 1). The actor measures
   // the real figure with a profiling step; this is what planning can know ahead.
   uint64_t activations = 0;
-  uint64_t kv_bytes_per_token = 0;
-  uint64_t kv_bytes = 0;  // what the KV cache gets (0 when nothing is left)
-  int64_t kv_tokens = 0;  // kv_bytes / kv_bytes_per_token, down to whole blocks
+  uint64_t kv_bytes_per_token = 0;  // kv_elems_per_token x the --kv-cache-dtype's size
+  uint64_t kv_bytes = 0;            // what the KV cache gets (0 when nothing is left)
+  int64_t kv_tokens = 0;            // kv_bytes / kv_bytes_per_token, down to whole blocks
 };
 
 struct MemoryPlan {

@@ -61,8 +61,15 @@ Status PagedKvCache::write(int64_t layer, std::span<const float> k, std::span<co
     const int64_t slot = slot_mapping[i];
     if (slot < 0) continue;
     const int64_t at = index(layer, slot / shape_.block_size, slot % shape_.block_size);
-    std::memcpy(k_.get() + at, k.data() + i * te, te * sizeof(float));
-    std::memcpy(v_.get() + at, v.data() + i * te, te * sizeof(float));
+    if (shape_.dtype == KvCacheDtype::kFp8E4M3) {
+      for (int64_t e = 0; e < te; ++e) {
+        k_[at + e] = fp8_e4m3_to_float(float_to_fp8_e4m3(k[i * te + e]));
+        v_[at + e] = fp8_e4m3_to_float(float_to_fp8_e4m3(v[i * te + e]));
+      }
+    } else {
+      std::memcpy(k_.get() + at, k.data() + i * te, te * sizeof(float));
+      std::memcpy(v_.get() + at, v.data() + i * te, te * sizeof(float));
+    }
   }
   return Status::ok();
 }

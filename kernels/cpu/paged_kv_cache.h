@@ -13,6 +13,7 @@
 #include <span>
 #include <vector>
 
+#include "common/kv_cache_dtype.h"
 #include "common/status.h"
 
 namespace tessera::cpu {
@@ -23,6 +24,9 @@ struct KvCacheShape {
   int64_t block_size = 16;  // tokens per block
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
+  // kFp8E4M3: write() rounds every value to E4M3 (stored as that float), so the cpu backend
+  // computes what the GPU's FP8 cache holds; kAuto stores the values as given.
+  KvCacheDtype dtype = KvCacheDtype::kAuto;
 
   int64_t token_elems() const { return num_kv_heads * head_dim; }
   int64_t num_slots() const { return num_blocks * block_size; }

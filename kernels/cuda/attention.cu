@@ -13,6 +13,10 @@
 // softmax states at the end. Decode attention reads K/V at 0.81 of the copy bandwidth this way
 // (batch 256 x 1536 keys, H200), against 0.65 with one computing warp per CTA and two stages.
 //
+// An FP8 (E4M3) cache: the stages hold bytes (HD per key, five stages deep up to head_dim 128,
+// so as many bytes are in flight as with two 16-bit stages); each tile's K is widened into one
+// 16-bit tile before S = Q K^T, and its V into the same tile after the softmax, before P V.
+//
 // Split-K workspace (num_splits > 1), all fp32:
 //   o_part: [num_splits][total_q][num_heads][head_dim]  the split's output, already divided by
 //                                                       its own softmax denominator
@@ -27,6 +31,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstring>
@@ -50,14 +55,20 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kCombineThreads = 128;
 
-template <int HD>
+// FP8 (an E4M3 cache): K/V tiles stream through shared memory as bytes (half the traffic of
+// a bf16 cache), and before each tile is computed the CTA widens it once into one K and one V
+// tile of the compute dtype, exactly (cvt.f16x2.e4m3x2), which the MMAs read as in the 16-bit
+// path.
+template <int HD, bool FP8 = false>
 struct Config {
   // Keys per tile. head_dim 256 uses 32 so that O (128 fp32 registers) + S fit without spills.
   static constexpr int kBlockN = HD > 128 ? 32 : 64;
   // K/V tiles in flight: up to head_dim 128, two tiles load while a third is computed (the
   // registers allow two CTAs per SM anyway, and the shared memory still does); head_dim 256
   // keeps two stages so that two CTAs fit.
-  static constexpr int kStages = HD > 128 ? 2 : 3;
+  // FP8 tiles are half the bytes: five stages (four in flight, as many bytes as the 16-bit
+  // path's two) up to head_dim 128, still two CTAs per SM.
+  static constexpr int kStages = FP8 ? (HD > 128 ? 3 : 5) : (HD > 128 ? 2 : 3);
   // A CTA whose rows fit one warp (decode: one token x the group's heads) spreads each tile's
   // keys over its warps, 16 each, instead of leaving three warps idle; it needs 16 keys per warp.
   static constexpr bool kCanSplitKeys = kBlockN == kWarps * 16;
@@ -67,15 +78,25 @@ struct Config {
   // 8 distinct 16-byte bank groups.
   static constexpr int kStride = HD + 8;
   static constexpr int kTileElems = kBlockN * kStride;
-  // K and V, kStages each, then Q (head_dim 256 only).
+  // An FP8 stage row: HD bytes, unpadded (a warp's 16-byte copies and reads cover whole
+  // consecutive rows, so they touch every bank once).
+  static constexpr int kRawStride = HD;
+  // Bytes of one pipeline stage's K (or V) tile, and of all the stages (K then V).
+  static constexpr size_t kStageTileBytes =
+      FP8 ? static_cast<size_t>(kBlockN * kRawStride) : static_cast<size_t>(kTileElems) * 2;
+  static constexpr size_t kStagesBytes = 2 * kStages * kStageTileBytes;
+  // FP8 only: the widened tile the MMAs read (K, then V of the same tile), after the stages.
+  static constexpr size_t kComputeBytes = FP8 ? static_cast<size_t>(kTileElems) * 2 : 0;
+  // The stages, the widened tiles (FP8), then Q (head_dim 256 only).
+  static constexpr size_t kQOffset = kStagesBytes + kComputeBytes;
   static constexpr size_t kSmemBytes =
-      static_cast<size_t>(2 * kStages * kTileElems + (kQInSmem ? kRowsPerCta * kStride : 0)) * 2;
+      kQOffset + (kQInSmem ? static_cast<size_t>(kRowsPerCta * kStride) * 2 : 0);
   // The split-keys merge reuses the tiles' memory: warps 1.. write O [16][kMergeStride] and m,
   // l [16][2] in fp32. +8 floats per row puts the 4 rows a half-warp's float2 accesses touch in
   // distinct banks (a stride of HD floats made them 8-way conflicts).
   static constexpr int kMergeStride = HD + 8;
-  static_assert(!kCanSplitKeys || (kWarps - 1) * 16 * (kMergeStride + 2) * sizeof(float) <=
-                                      2 * kStages * kTileElems * 2,
+  static_assert(!kCanSplitKeys ||
+                    (kWarps - 1) * 16 * (kMergeStride + 2) * sizeof(float) <= kQOffset,
                 "split-keys merge must fit the tiles' shared memory");
 };
 
@@ -89,6 +110,10 @@ struct Params {
   const int32_t* block_tables;
   int64_t block_table_stride;
   int block_size;
+  // key / block_size = (key * block_magic) >> block_shift for every key < 2^31 (a runtime
+  // integer division costs ~20 instructions per 16-byte K/V copy otherwise).
+  uint64_t block_magic;
+  int block_shift;
   int num_heads;
   int num_kv_heads;
   int group;
@@ -180,6 +205,36 @@ struct HalfOps<__half> {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Four E4M3 bytes (x's bytes 0..3, lowest first) widened exactly to T: two packed pairs, the
+// lower element in the low 16 bits. Integer ops and one multiply, no conversion instructions
+// (cvt runs at a quarter of the ALU rate on sm_90: widening through cvt.f16x2.e4m3x2 and fp32
+// made decode attention conversion-bound, no faster than a 16-bit cache). Each byte goes to the
+// top of a 16-bit lane (sign in place); its 7 exponent-mantissa bits are shifted under T's
+// exponent field, which leaves the value 2^-(bias_T - 7) times too small (2^-120 for bf16,
+// 2^-8 for fp16), subnormals included; one multiply by that power of two is exact. E4M3's NaN
+// (0x7f) is not preserved: the cache never holds one (writes saturate).
+template <typename T>
+__device__ __forceinline__ uint2 widen_fp8x4(uint32_t x) {
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  using T2 = std::conditional_t<kHalf, __half2, __nv_bfloat162>;
+  // fp16: sign | (exponent-mantissa << 7), times 2^8; bf16: << 4, times 2^120.
+  constexpr int kShift = kHalf ? 1 : 4;
+  constexpr uint32_t kBits = kHalf ? 0x3f803f80u : 0x07f007f0u;
+  constexpr uint32_t kScale = kHalf ? 0x5c005c00u : 0x7b807b80u;
+  const uint32_t lo = __byte_perm(x, 0u, 0x1404u);  // lanes: byte 0 << 8, byte 1 << 8
+  const uint32_t hi = __byte_perm(x, 0u, 0x3424u);  // lanes: byte 2 << 8, byte 3 << 8
+  const uint32_t in[2] = {(lo & 0x80008000u) | ((lo >> kShift) & kBits),
+                          (hi & 0x80008000u) | ((hi >> kShift) & kBits)};
+  T2 scale, v[2];
+  memcpy(&scale, &kScale, 4);
+  memcpy(v, in, 8);
+  v[0] = __hmul2(v[0], scale);
+  v[1] = __hmul2(v[1], scale);
+  uint2 r;
+  memcpy(&r, v, 8);
+  return r;
+}
+
 // Keys per split for a sequence of `ctx` keys: its context spread over all num_splits CTAs,
 // rounded up to whole 64-key tiles (never more than split_size, since num_splits * split_size
 // covers every context). Decided on the device from the actual context, so a CUDA graph captured
@@ -204,21 +259,20 @@ __device__ __forceinline__ int splits_used(const Params& p, int ctx) {
 //   C 16x8:  c0,c1 (row gid, cols 2tig..+1), c2,c3 (row gid+8, same cols)
 // ldmatrix.x4: lanes 8j..8j+7 give the row addresses of matrix j, register j receives it.
 
-template <typename T, int HD>
+template <typename T, int HD, bool FP8>
 __global__ void __launch_bounds__(kThreads)
     paged_attention_kernel(const __grid_constant__ Params p) {
-  using C = Config<HD>;
+  using C = Config<HD, FP8>;
   using Ops = HalfOps<T>;
   constexpr int kBlockN = C::kBlockN;
   constexpr int kStages = C::kStages;
   constexpr int kStride = C::kStride;
-  constexpr int kTile = C::kTileElems;
   constexpr bool kQInSmem = C::kQInSmem;
   constexpr int kQkSteps = HD / 16;      // k-steps of S = Q K^T
   constexpr int kSTiles = kBlockN / 8;   // n-tiles of S
   constexpr int kOTiles = HD / 8;        // n-tiles of O
-  constexpr int kChunksPerRow = HD / 8;  // 16-byte chunks per K/V row
-  static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "tile load must split evenly");
+  constexpr int kChunksPerRow = HD / 8;  // 16-byte chunks per Q row
+  constexpr uint32_t kStageBytes = static_cast<uint32_t>(C::kStageTileBytes);
   static_assert((kRowsPerCta * kChunksPerRow) % kThreads == 0, "Q load must split evenly");
 
   const int seq = blockIdx.y;
@@ -282,35 +336,46 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
   const uint32_t smem_base = smem_u32(smem);
-  // K stage s at smem + s * kTile, V stage s at smem + (kStages + s) * kTile, Q after them.
-  const uint32_t sq_base = smem_base + 2 * kStages * kTile * static_cast<uint32_t>(sizeof(T));
+  // K stage s at smem + s * kStageBytes, V stage s at smem + (kStages + s) * kStageBytes, then
+  // (FP8) the widened K and V tiles, then Q.
+  const uint32_t sq_base = smem_base + static_cast<uint32_t>(C::kQOffset);
+  const uint32_t sk_wide = smem_base + static_cast<uint32_t>(C::kStagesBytes);
 
   const T* q = static_cast<const T*>(p.q);
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
   const int32_t* table = p.block_tables + seq * p.block_table_stride;
   const int block_size = p.block_size;
 
+  // K/V rows move in 16-byte chunks: 8 elements of a 16-bit cache, 16 of an FP8 one; a stage
+  // row is kStride elements (16-bit) or HD bytes (FP8) apart.
+  constexpr int kKvElemBytes = FP8 ? 1 : static_cast<int>(sizeof(T));
+  constexpr int kKvChunks = HD * kKvElemBytes / 16;  // per K/V row
+  constexpr int kKvPerThread = (kBlockN * kKvChunks + kThreads - 1) / kThreads;
+  constexpr int kStageRowBytes = FP8 ? C::kRawStride : kStride * static_cast<int>(sizeof(T));
   auto load_kv = [&](int tile, int stage) {
     const int n0 = kv_begin + tile * kBlockN;
-    const uint32_t k_dst = smem_base + stage * kTile * static_cast<uint32_t>(sizeof(T));
-    const uint32_t v_dst = smem_base + (kStages + stage) * kTile * static_cast<uint32_t>(sizeof(T));
+    const uint32_t k_dst = smem_base + stage * kStageBytes;
+    const uint32_t v_dst = smem_base + (kStages + stage) * kStageBytes;
+    const auto* k_bytes = static_cast<const char*>(p.k_cache);
+    const auto* v_bytes = static_cast<const char*>(p.v_cache);
 #pragma unroll
-    for (int i = 0; i < kBlockN * kChunksPerRow / kThreads; ++i) {
+    for (int i = 0; i < kKvPerThread; ++i) {
       const int c = static_cast<int>(threadIdx.x) + i * kThreads;
-      const int row = c / kChunksPerRow;
-      const int chunk = c % kChunksPerRow;
+      if (kKvPerThread * kThreads != kBlockN * kKvChunks && c >= kBlockN * kKvChunks) break;
+      const int row = c / kKvChunks;
+      const int chunk = c % kKvChunks;
       const int key = n0 + row;
-      const uint32_t off = static_cast<uint32_t>((row * kStride + chunk * 8) * sizeof(T));
+      const uint32_t off = static_cast<uint32_t>(row * kStageRowBytes + chunk * 16);
       if (key < kv_end) {
-        const int64_t page = table[key / block_size];
-        const int64_t slot = page * block_size + key % block_size;
-        const int64_t src = (slot * p.num_kv_heads + kv_head) * HD + chunk * 8;
-        cp_async_16(k_dst + off, k_cache + src, true);
-        cp_async_16(v_dst + off, v_cache + src, true);
+        const int block = static_cast<int>(
+            (static_cast<uint64_t>(static_cast<uint32_t>(key)) * p.block_magic) >> p.block_shift);
+        const int64_t slot =
+            static_cast<int64_t>(table[block]) * block_size + (key - block * block_size);
+        const int64_t src = (slot * p.num_kv_heads + kv_head) * HD * kKvElemBytes + chunk * 16;
+        cp_async_16(k_dst + off, k_bytes + src, true);
+        cp_async_16(v_dst + off, v_bytes + src, true);
       } else {
-        cp_async_16(k_dst + off, k_cache, false);
-        cp_async_16(v_dst + off, v_cache, false);
+        cp_async_16(k_dst + off, k_bytes, false);
+        cp_async_16(v_dst + off, v_bytes, false);
       }
     }
   };
@@ -368,9 +433,14 @@ __global__ void __launch_bounds__(kThreads)
 
   // One tile's S = Q K^T, online softmax and O += P V for this warp's rows, over the NT * 8 keys
   // starting `key_off` into the tile (NT = kSTiles: the whole tile; 2: a split-keys warp's 16).
-  auto compute_tile = [&](auto nt, int n0, int key_off, uint32_t sk, uint32_t sv) {
+  // `active`: whether this warp computes (the hook runs in every thread either way: it may
+  // hold barriers); `between` runs after S and the softmax, before P V reads `sv` (FP8 widens V
+  // there, into the memory K was widened into).
+  auto compute_tile = [&](auto nt, int n0, int key_off, uint32_t sk, uint32_t sv, bool active,
+                          auto between) {
     constexpr int NT = decltype(nt)::value;
-    {
+    uint32_t pa[NT / 2][4];  // P, rounded to T: the A fragments of P V
+    if (active) {
       // S = Q K^T. K tile [key][d] is B (col-major 16x8): one ldmatrix.x4 gives b0/b1 of two
       // n-tiles: matrices (keys +0, d +0), (keys +0, d +8), (keys +8, d +0), (keys +8, d +8).
       float s[NT][4];
@@ -455,28 +525,62 @@ __global__ void __launch_bounds__(kThreads)
         o[j][3] *= alpha[1];
       }
 
-      // O += P V. P's C fragments of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk. V tile
-      // [key][d] is B (16 keys x 8 d), read transposed: matrices (keys +0, d +0),
-      // (keys +8, d +0), (keys +0, d +8), (keys +8, d +8).
+      // P's C fragments of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk of P V.
+#pragma unroll
+      for (int kk = 0; kk < NT / 2; ++kk) {
+        pa[kk][0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = Ops::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = Ops::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+    }
+    between();
+    if (active) {
+      // O += P V. V tile [key][d] is B (16 keys x 8 d), read transposed: matrices
+      // (keys +0, d +0), (keys +8, d +0), (keys +0, d +8), (keys +8, d +8).
       const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
       const int v_col = (lane >> 4) << 3;
 #pragma unroll
       for (int kk = 0; kk < NT / 2; ++kk) {
-        uint32_t a[4];
-        a[0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = Ops::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = Ops::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
         for (int j = 0; j < HD / 16; ++j) {
           uint32_t b[4];
           const int row = key_off + kk * 16 + v_row;
           const int col = j * 16 + v_col;
           ldmatrix_x4_trans(sv + static_cast<uint32_t>((row * kStride + col) * sizeof(T)), b);
-          Ops::mma(o[2 * j], a, b[0], b[1]);
-          Ops::mma(o[2 * j + 1], a, b[2], b[3]);
+          Ops::mma(o[2 * j], pa[kk], b[0], b[1]);
+          Ops::mma(o[2 * j + 1], pa[kk], b[2], b[3]);
         }
       }
+    }
+  };
+
+  // FP8: widens one stage tile (K or V bytes at `raw`) into the 16-bit tile at sk_wide, 16
+  // elements per 16-byte chunk.
+  auto widen_tile = [&](uint32_t raw_base) {
+#pragma unroll
+    for (int i = 0; i < kKvPerThread; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+      if (kKvPerThread * kThreads != kBlockN * kKvChunks && c >= kBlockN * kKvChunks) break;
+      const int row = c / kKvChunks;
+      const int chunk = c % kKvChunks;
+      uint4 bytes;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(bytes.x), "=r"(bytes.y), "=r"(bytes.z), "=r"(bytes.w)
+                   : "r"(raw_base + static_cast<uint32_t>(row * C::kRawStride + chunk * 16))
+                   : "memory");
+      const uint2 a = widen_fp8x4<T>(bytes.x);
+      const uint2 b = widen_fp8x4<T>(bytes.y);
+      const uint2 c2 = widen_fp8x4<T>(bytes.z);
+      const uint2 d = widen_fp8x4<T>(bytes.w);
+      const uint32_t dst =
+          sk_wide + static_cast<uint32_t>((row * kStride + chunk * 16) * sizeof(T));
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a.x), "r"(a.y),
+                   "r"(b.x), "r"(b.y)
+                   : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + 16u), "r"(c2.x),
+                   "r"(c2.y), "r"(d.x), "r"(d.y)
+                   : "memory");
     }
   };
 
@@ -492,18 +596,33 @@ __global__ void __launch_bounds__(kThreads)
 
     const int n0 = kv_begin + t * kBlockN;
     const int stage = t % kStages;
-    const uint32_t sk = smem_base + stage * kTile * static_cast<uint32_t>(sizeof(T));
-    const uint32_t sv = smem_base + (kStages + stage) * kTile * static_cast<uint32_t>(sizeof(T));
+    const uint32_t k_stage = smem_base + stage * kStageBytes;
+    const uint32_t v_stage = smem_base + (kStages + stage) * kStageBytes;
+    // FP8: K is widened now, V after S and the softmax, both into sk_wide, which the MMAs read.
+    auto between = [&] {
+      if constexpr (FP8) {
+        __syncthreads();  // every warp is done reading the widened K
+        widen_tile(v_stage);
+        __syncthreads();
+      }
+    };
+    if constexpr (FP8) {
+      widen_tile(k_stage);
+      __syncthreads();
+    }
+    const uint32_t sk = FP8 ? sk_wide : k_stage;
+    const uint32_t sv = FP8 ? sk_wide : v_stage;
     if constexpr (C::kCanSplitKeys) {
       if (split_keys) {
-        if (n0 + warp * 16 <= warp_max_lim) {
-          compute_tile(std::integral_constant<int, 2>{}, n0, warp * 16, sk, sv);
-        }
-      } else if (warp_active && n0 <= warp_max_lim) {
-        compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv);
+        compute_tile(std::integral_constant<int, 2>{}, n0, warp * 16, sk, sv,
+                     n0 + warp * 16 <= warp_max_lim, between);
+      } else {
+        compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv,
+                     warp_active && n0 <= warp_max_lim, between);
       }
-    } else if (warp_active && n0 <= warp_max_lim) {
-      compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv);
+    } else {
+      compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv,
+                   warp_active && n0 <= warp_max_lim, between);
     }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
@@ -661,7 +780,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 constexpr int kMaxHeadDim = 1024;
 constexpr int kGenericWarps = 4;
 
-template <typename T, int EPL>
+// KV: the cache's element type, T or __nv_fp8_e4m3.
+template <typename T, typename KV, int EPL>
 __global__ void __launch_bounds__(kGenericWarps * 32)
     paged_attention_generic_kernel(const __grid_constant__ Params p, int head_dim) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -679,8 +799,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
   const int last_key = min(ctx - 1, ctx - qlen + token);  // causal: the row's own position
   const int64_t index = static_cast<int64_t>(q_start + token) * p.num_heads + head;
   const T* q = static_cast<const T*>(p.q) + index * head_dim;
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const KV* k_cache = static_cast<const KV*>(p.k_cache);
+  const KV* v_cache = static_cast<const KV*>(p.v_cache);
   const int32_t* table = p.block_tables + seq * p.block_table_stride;
 
   float qv[EPL], o[EPL];
@@ -728,8 +848,13 @@ Status launch_generic(const Params& params, const AttentionArgs& args, cudaStrea
   const int64_t rows = static_cast<int64_t>(args.max_query_len) * args.num_heads;
   const dim3 grid(static_cast<unsigned>((rows + kGenericWarps - 1) / kGenericWarps),
                   static_cast<unsigned>(args.num_seqs));
-  paged_attention_generic_kernel<T, EPL>
-      <<<grid, kGenericWarps * 32, 0, stream>>>(params, args.head_dim);
+  if (args.kv_cache_dtype == KvCacheDtype::kFp8E4M3) {
+    paged_attention_generic_kernel<T, __nv_fp8_e4m3, EPL>
+        <<<grid, kGenericWarps * 32, 0, stream>>>(params, args.head_dim);
+  } else {
+    paged_attention_generic_kernel<T, T, EPL>
+        <<<grid, kGenericWarps * 32, 0, stream>>>(params, args.head_dim);
+  }
   return launch_status("paged_attention (general head size)");
 }
 
@@ -744,14 +869,14 @@ Status dispatch_generic(const Params& params, const AttentionArgs& args, cudaStr
   return launch_generic<T, 32>(params, args, stream);
 }
 
-template <typename T, int HD>
+template <typename T, int HD, bool FP8>
 Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
-  using C = Config<HD>;
+  using C = Config<HD, FP8>;
   const int64_t rows = static_cast<int64_t>(args.max_query_len) * params.group;
   const dim3 grid(static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta),
                   static_cast<unsigned>(args.num_seqs),
                   static_cast<unsigned>(args.num_kv_heads * args.num_splits));
-  auto* kernel = paged_attention_kernel<T, HD>;
+  auto* kernel = paged_attention_kernel<T, HD, FP8>;
   if constexpr (C::kSmemBytes > 48 * 1024) {
     // Per launch rather than once: the attribute is per device, and it is a host-side call
     // that is legal during stream capture.
@@ -775,17 +900,23 @@ Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stre
 
 template <typename T>
 Status dispatch_head_dim(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
+  const bool fp8 = args.kv_cache_dtype == KvCacheDtype::kFp8E4M3;
   switch (args.head_dim) {
     case 16:
-      return launch<T, 16>(params, args, stream);
+      return fp8 ? launch<T, 16, true>(params, args, stream)
+                 : launch<T, 16, false>(params, args, stream);
     case 32:
-      return launch<T, 32>(params, args, stream);
+      return fp8 ? launch<T, 32, true>(params, args, stream)
+                 : launch<T, 32, false>(params, args, stream);
     case 64:
-      return launch<T, 64>(params, args, stream);
+      return fp8 ? launch<T, 64, true>(params, args, stream)
+                 : launch<T, 64, false>(params, args, stream);
     case 128:
-      return launch<T, 128>(params, args, stream);
+      return fp8 ? launch<T, 128, true>(params, args, stream)
+                 : launch<T, 128, false>(params, args, stream);
     case 256:
-      return launch<T, 256>(params, args, stream);
+      return fp8 ? launch<T, 256, true>(params, args, stream)
+                 : launch<T, 256, false>(params, args, stream);
     default:
       return dispatch_generic<T>(params, args, stream);
   }
@@ -887,6 +1018,13 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   params.block_tables = args.block_tables;
   params.block_table_stride = args.block_table_stride;
   params.block_size = args.block_size;
+  // Round-up reciprocal: l = ceil(log2(block_size)), magic = floor(2^(32 + l) / block_size) + 1
+  // (33 bits); exact for keys below 2^31 since key * (magic * block_size - 2^(32 + l)) <
+  // 2^31 * 2^l.
+  int l = 0;
+  while ((1 << l) < args.block_size) ++l;
+  params.block_magic = ((uint64_t{1} << (32 + l)) / static_cast<uint64_t>(args.block_size)) + 1;
+  params.block_shift = 32 + l;
   params.num_heads = args.num_heads;
   params.num_kv_heads = args.num_kv_heads;
   params.group = args.num_heads / args.num_kv_heads;

@@ -15,6 +15,10 @@
 // K/V tiles stream through shared memory in a cp.async pipeline 3 tiles deep (2 at head_dim
 // 256); dynamic shared memory is 2 * stages * tile_keys * (head_dim + 8) * 2 bytes
 // (+ 64 * (256 + 8) * 2 for Q at head_dim 256).
+// An FP8 (E4M3) cache streams its tiles as bytes, 16 keys' elements per 16-byte copy, into
+// stages of (head_dim + 16)-byte rows; each tile is widened once into a 16-bit K and V tile
+// (exact) before the MMAs: dynamic shared memory is 2 * stages * tile_keys * (head_dim + 16)
+// + 2 * tile_keys * (head_dim + 8) * 2 bytes (+ Q at head_dim 256).
 // Other head sizes (any even one up to 1024: 80, 96, 192, ...) run on a general kernel, a warp
 // per (token, head) row and one key at a time, without split-K: slower, equally exact.
 // Precision: scores, softmax and O accumulate in fp32; the softmax weights P are rounded to the
@@ -26,13 +30,17 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/kv_cache_dtype.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
 namespace tessera::cuda {
 
 struct AttentionArgs {
-  DType dtype = DType::kBF16;  // of q, out and the cache: kBF16 or kF16
+  DType dtype = DType::kBF16;  // of q and out (and the cache unless it is FP8): kBF16 or kF16
+  // kFp8E4M3: k_cache / v_cache hold E4M3 bytes (scale 1), widened exactly to `dtype` in
+  // shared memory before the MMAs.
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   // q, out, k_cache, v_cache and workspace must be 16-byte aligned (cudaMalloc'd buffers are).
   // [total_q, num_heads, head_dim]; total_q = cu_query_lens[num_seqs]
   const void* q = nullptr;

@@ -293,7 +293,9 @@ constexpr int kRopeWarps = 4;  // head tasks per CTA (one warp each)
 // the per-head RMSNorm is a warp shuffle sum. No block-level barriers: idle warps return early.
 // QK_NORM is a template parameter so that the variant without q/k norms has no load through
 // the (null) norm pointers at all: nvcc was seen to issue those loads ahead of a runtime check.
-template <typename T, int P, bool QK_NORM>
+// KV is the cache's element type: T, or __nv_fp8_e4m3 for an FP8 cache (rounded from the dtype
+// value, nearest even, saturating).
+template <typename T, typename KV, int P, bool QK_NORM>
 __global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCacheArgs a) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t head =
@@ -345,8 +347,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCac
     }
 
     // q * cos + rotate_half(q) * sin in the dtype: cos/sin rounded, each product and sum rounded.
-    T* dst = is_q ? static_cast<T*>(a.q_out) + (t * a.num_heads + head) * hd
-                  : static_cast<T*>(a.k_cache) + (slot * a.num_kv_heads + kvh) * hd;
+    T* q_dst = static_cast<T*>(a.q_out) + (t * a.num_heads + head) * hd;
+    KV* k_dst = is_q ? nullptr : static_cast<KV*>(a.k_cache) + (slot * a.num_kv_heads + kvh) * hd;
     const float* cos_row = a.cos + pos * half;
     const float* sin_row = a.sin + pos * half;
 #pragma unroll
@@ -357,25 +359,43 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCac
         const float s = dev::round_to<T>(__ldg(sin_row + i));
         const float lo = dev::round_to<T>(x1[p] * c) + dev::round_to<T>(-x2[p] * s);
         const float hi = dev::round_to<T>(x2[p] * c) + dev::round_to<T>(x1[p] * s);
-        dst[i] = dev::from_float<T>(lo);
-        dst[i + half] = dev::from_float<T>(hi);
+        if (is_q) {
+          q_dst[i] = dev::from_float<T>(lo);
+          q_dst[i + half] = dev::from_float<T>(hi);
+        } else {
+          k_dst[i] = dev::from_float<KV>(dev::round_to<T>(lo));
+          k_dst[i + half] = dev::from_float<KV>(dev::round_to<T>(hi));
+        }
       }
     }
 
     if (!is_q) {  // v: stored as projected (no norm, no rotation)
       const T* v_src = row + (a.num_heads + a.num_kv_heads + kvh) * hd;
-      T* v_dst = static_cast<T*>(a.v_cache) + (slot * a.num_kv_heads + kvh) * hd;
-      for (int64_t i = lane; i < hd; i += 32) v_dst[i] = v_src[i];
+      KV* v_dst = static_cast<KV*>(a.v_cache) + (slot * a.num_kv_heads + kvh) * hd;
+      for (int64_t i = lane; i < hd; i += 32) {
+        if constexpr (std::is_same_v<KV, T>) {
+          v_dst[i] = v_src[i];
+        } else {
+          v_dst[i] = dev::from_float<KV>(dev::to_float(v_src[i]));
+        }
+      }
     }
   }
 }
 
 template <typename T, int P>
 void launch_rope_variant(const RopeCacheArgs& a, dim3 grid, int threads, cudaStream_t stream) {
+  const bool fp8 = a.kv_cache_dtype == KvCacheDtype::kFp8E4M3;
   if (a.q_norm != nullptr) {
-    rope_and_cache_kernel<T, P, true><<<grid, threads, 0, stream>>>(a);
+    if (fp8) {
+      rope_and_cache_kernel<T, __nv_fp8_e4m3, P, true><<<grid, threads, 0, stream>>>(a);
+    } else {
+      rope_and_cache_kernel<T, T, P, true><<<grid, threads, 0, stream>>>(a);
+    }
+  } else if (fp8) {
+    rope_and_cache_kernel<T, __nv_fp8_e4m3, P, false><<<grid, threads, 0, stream>>>(a);
   } else {
-    rope_and_cache_kernel<T, P, false><<<grid, threads, 0, stream>>>(a);
+    rope_and_cache_kernel<T, T, P, false><<<grid, threads, 0, stream>>>(a);
   }
 }
 

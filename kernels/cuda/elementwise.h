@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "common/kv_cache_dtype.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
@@ -77,6 +78,9 @@ Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weig
 // head_dim: even, <= 256. q_norm/k_norm use the rms_norm rounding: round(w * round(h * rsqrt)).
 struct RopeCacheArgs {
   DType dtype = DType::kBF16;
+  // kFp8E4M3: k and v are stored as E4M3 bytes, rounded from their dtype values (nearest even,
+  // saturating at +-448).
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   const void* qkv = nullptr;
   const void* q_norm = nullptr;
   const void* k_norm = nullptr;

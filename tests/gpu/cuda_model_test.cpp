@@ -229,6 +229,39 @@ TEST_P(CudaParityTest, LongContextSplitKDecodeTracksTheCpu) {
   EXPECT_LE(c.max_diff, 0.05 * c.max_ref + 2e-3);
 }
 
+// --kv-cache-dtype fp8: both backends round K/V to E4M3 the same way and the cache holds twice
+// the blocks in the same budget. The GPU rounds bf16 K/V, the CPU fp32 ones, so ~1 value in 30
+// lands on the neighbouring E4M3 code (1/8 apart): the bound is twice the bf16-vs-fp32 one,
+// which a wrong layout or conversion (errors of the logits' own size) still fails by far. The
+// drift fp8 adds over a 16-bit cache is printed (no bound: it is the format's, not ours).
+TEST_P(CudaParityTest, Fp8KvCacheTracksTheCpuBackendsFp8Cache) {
+  require_gpu();
+  const std::string dir = tiny_model(GetParam());
+  LoadSpec cpu_spec = spec_for(dir, "cpu"), gpu_spec = spec_for(dir, "cuda");
+  cpu_spec.kv_cache_dtype = gpu_spec.kv_cache_dtype = "fp8";
+  auto cpu = load(cpu_spec);
+  auto gpu = load(gpu_spec);
+  auto gpu_bf16 = load(spec_for(dir, "cuda"));
+  ASSERT_TRUE(cpu && gpu && gpu_bf16);
+  EXPECT_EQ(gpu->info().kv_cache_dtype, "F8_E4M3");
+  EXPECT_EQ(cpu->info().kv_cache_dtype, "F8_E4M3");
+  EXPECT_EQ(gpu_bf16->info().kv_cache_dtype, "BF16");
+  const double ratio =
+      static_cast<double>(gpu->info().kv_blocks) / static_cast<double>(gpu_bf16->info().kv_blocks);
+  EXPECT_NEAR(ratio, 2.0, 0.05) << gpu->info().kv_blocks << " vs " << gpu_bf16->info().kv_blocks;
+  for (int64_t len : {37, 1500}) {
+    const Compare c = teacher_forced(*cpu, *gpu, prompt_ids(len, 3), len > 100 ? 6 : 24);
+    const Compare drift = teacher_forced(*cpu, *gpu_bf16, prompt_ids(len, 3), len > 100 ? 6 : 24);
+    std::printf(
+        "[parity] %s, %lld tokens, fp8 KV cache: GPU vs CPU (both fp8) max |logit diff| %.3e "
+        "(max |logit| %.3f), greedy %d/%d; GPU bf16 cache vs CPU fp8 cache %.3e\n",
+        GetParam().c_str(), static_cast<long long>(len), c.max_diff, c.max_ref, c.agree, c.steps,
+        drift.max_diff);
+    EXPECT_LE(c.max_diff, 0.1 * c.max_ref + 2e-3);
+    EXPECT_GE(c.agree, c.steps * 2 / 3);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Architectures, CudaParityTest,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
 

@@ -229,6 +229,15 @@ int run(int argc, char** argv) {
       "%.0f GB/s = %.2f of the copy bandwidth (no split: %.2f)\n",
       copy_bw, kv_bytes / 1e6, attn_us, attn_bw, attn_bw / copy_bw,
       kv_bytes / rows.back().us / 1e3 / copy_bw);
+  // The same decode over an FP8 (E4M3) cache (--kv-cache-dtype fp8): half the bytes. The cache
+  // buffers are reused as bytes (their values do not change the timing).
+  AttentionArgs a8 = a;
+  a8.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
+  const double fp8_us = time_op(st, [&] { return paged_attention(a8, st); });
+  std::printf(
+      "attention decode, fp8 KV cache: %.1f us (%.2fx the bf16 cache) = %.0f GB/s = %.2f of the "
+      "copy bandwidth\n",
+      fp8_us, attn_us / fp8_us, kv_bytes / 2 / fp8_us / 1e3, kv_bytes / 2 / fp8_us / 1e3 / copy_bw);
   auto sampler = GpuSampler::create(static_cast<int>(B), V, 20, st);
   check(sampler.status(), "sampler");
   rows.push_back({"argmax",
@@ -268,6 +277,12 @@ int run(int argc, char** argv) {
   const double flops = 4.0 * heads * hd * 4096.0 * 4096.0 / 2.0;
   std::printf("attention prefill 4096 causal: %.1f us per layer = %.0f TFLOP/s (x32 = %.1f ms)\n",
               us, flops / us / 1e6, us * 32 / 1000);
+  AttentionArgs p8 = p;
+  p8.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
+  const double us8 = time_op(
+      st, [&] { return paged_attention(p8, st); }, 5);
+  std::printf("attention prefill 4096 causal, fp8 KV cache: %.1f us per layer = %.0f TFLOP/s\n",
+              us8, flops / us8 / 1e6);
   for (auto [n, k, w] : {std::tuple{qkv_n, H, w_qkv}, {H, H, w_o}, {2 * I, H, w_gu}, {H, I, w_d}}) {
     const double t = time_op(
         st,

@@ -193,6 +193,41 @@ TEST_F(GenerateTest, DeviceFlagIsHonoured) {
   EXPECT_NE(r.err.find("cpu backend"), std::string::npos) << r.err;
 }
 
+// --kv-cache-dtype fp8 on the cpu backend: the actor stores E4M3-rounded K/V (the log says so;
+// kernels_cpu_test checks the rounding, cuda_model_test the GPU against this backend) and
+// decodes deterministically. The tokens are not compared with the bf16 goldens: the tiny random
+// model's K/V (~0.1) lose ~6% to E4M3 and its near-flat logits flip. An unsupported value is
+// refused before anything starts.
+TEST_F(GenerateTest, Fp8KvCacheRunsDeterministically) {
+  const auto& c = golden_["cases"][0];
+  const std::vector<std::string> args = {"--prompt",
+                                         c["prompt"].get<std::string>(),
+                                         "--temperature",
+                                         "0",
+                                         "--ignore-eos",
+                                         "--max-tokens",
+                                         "12",
+                                         "--kv-cache-dtype",
+                                         "fp8"};
+  CommandResult raw;
+  auto fp8 = generate(args, &raw);
+  ASSERT_FALSE(fp8.is_null()) << raw.err;
+  EXPECT_NE(raw.err.find("KV cache F8_E4M3"), std::string::npos) << raw.err;
+  const std::vector<int> got = fp8["output_ids"].get<std::vector<int>>();
+  ASSERT_EQ(got.size(), 12u);
+  auto again = generate(args, &raw);
+  ASSERT_FALSE(again.is_null()) << raw.err;
+  EXPECT_EQ(again["output_ids"].get<std::vector<int>>(), got);
+  auto full = generate({"--prompt", c["prompt"].get<std::string>(), "--max-tokens", "1"}, &raw);
+  ASSERT_FALSE(full.is_null()) << raw.err;
+  EXPECT_NE(raw.err.find("KV cache F32"), std::string::npos) << raw.err;
+
+  CommandResult r = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu",
+                                 "--prompt", "hi", "--kv-cache-dtype", "fp8_e5m2"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("E5M2 is not supported"), std::string::npos) << r.err;
+}
+
 // `tessera bench latency` (vLLM's meaning) on the CPU backend: warm-up iterations are not
 // measured, every measured one is, and the percentiles are ordered and within the measured range.
 TEST_F(GenerateTest, BenchLatencyMeasuresEveryIterationOfOneBatch) {

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "tests/kernels/test_util.h"
@@ -51,6 +53,35 @@ TEST(PagedKvCacheTest, WriteStoresTokensAtTheirSlots) {
     EXPECT_EQ(cache->key(2, 9, 3)[e], 0.0f);
     EXPECT_EQ(cache->value(1, 0, 1)[e], 0.0f);
   }
+}
+
+TEST(PagedKvCacheTest, Fp8CacheStoresValuesRoundedToE4M3) {
+  KvCacheShape shape = kShape;
+  shape.dtype = KvCacheDtype::kFp8E4M3;
+  auto cache = PagedKvCache::create(shape);
+  ASSERT_TRUE(cache.has_value());
+  const std::vector<int64_t> slots = {3, 22};
+  const int64_t te = 16;
+  std::vector<float> k = random_floats(2 * te, 604), v = random_floats(2 * te, 605);
+  k[0] = 1000.0f;   // saturates at 448
+  v[1] = -1.0625f;  // a tie: to the even code, -1
+  ASSERT_TRUE(cache->write(0, k, v, slots).is_ok());
+  int changed = 0;
+  for (int64_t i = 0; i < 2; ++i) {
+    const float* kc = cache->key(0, slots[i] / 4, slots[i] % 4);
+    const float* vc = cache->value(0, slots[i] / 4, slots[i] % 4);
+    for (int64_t e = 0; e < te; ++e) {
+      const float kx = k[i * te + e], vx = v[i * te + e];
+      ASSERT_EQ(kc[e], fp8_e4m3_to_float(float_to_fp8_e4m3(kx)));
+      ASSERT_EQ(vc[e], fp8_e4m3_to_float(float_to_fp8_e4m3(vx)));
+      // E4M3 keeps 3 fraction bits: within 1/16 relative (or 2^-10 absolute near zero).
+      EXPECT_LE(std::fabs(vc[e] - vx), std::max(std::fabs(vx) / 16.0f, 0.0009765625f));
+      changed += kc[e] != kx;
+    }
+  }
+  EXPECT_EQ(cache->key(0, 0, 3)[0], 448.0f);
+  EXPECT_EQ(cache->value(0, 0, 3)[1], -1.0f);
+  EXPECT_GT(changed, 16);  // random floats are almost never E4M3 values already
 }
 
 TEST(PagedKvCacheTest, BadSlotIsAnErrorAndWritesNothing) {

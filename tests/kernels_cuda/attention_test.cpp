@@ -62,6 +62,7 @@ struct Shape {
   int num_kv_heads = 2;
   int head_dim = 64;
   int block_size = 16;
+  bool fp8 = false;  // an E4M3 cache (the reference reads the same values widened)
 };
 
 // A batch on the host: the cache (NaN where no sequence's token lives), block tables and q.
@@ -73,6 +74,7 @@ struct Problem {
   int table_stride = 0;
   std::vector<int32_t> block_tables;  // [num_seqs, table_stride]
   std::vector<uint16_t> k, v;         // [num_blocks, block_size, num_kv_heads, head_dim]
+  std::vector<uint8_t> k8, v8;        // the same values as E4M3 bytes (shape.fp8)
   std::vector<uint16_t> q;            // [total_q, num_heads, head_dim]
   std::vector<int> cu_query_lens;
   int64_t total_q = 0;
@@ -122,6 +124,18 @@ Problem make_problem(const Shape& shape, std::vector<int> query_lens, std::vecto
         p.k[slot * te + e] = to_half_bits(unit(rng), shape.dtype);
         p.v[slot * te + e] = to_half_bits(unit(rng), shape.dtype);
       }
+    }
+  }
+  if (shape.fp8) {
+    // Values in (-1, 1) span E4M3's normals and subnormals; every E4M3 value is exact in bf16
+    // and fp16, so the reference sees exactly what the GPU reads.
+    p.k8.resize(p.k.size());
+    p.v8.resize(p.v.size());
+    for (size_t i = 0; i < p.k.size(); ++i) {
+      p.k8[i] = float_to_fp8_e4m3(from_half_bits(p.k[i], shape.dtype));
+      p.v8[i] = float_to_fp8_e4m3(from_half_bits(p.v[i], shape.dtype));
+      p.k[i] = to_half_bits(fp8_e4m3_to_float(p.k8[i]), shape.dtype);
+      p.v[i] = to_half_bits(fp8_e4m3_to_float(p.v8[i]), shape.dtype);
     }
   }
 
@@ -204,8 +218,13 @@ void upload(DeviceBuffer* buf, const std::vector<T>& host, const char* what) {
 }
 
 void upload_problem(const Problem& p, DeviceProblem* d) {
-  upload(&d->k, p.k, "k cache");
-  upload(&d->v, p.v, "v cache");
+  if (p.shape.fp8) {
+    upload(&d->k, p.k8, "k cache");
+    upload(&d->v, p.v8, "v cache");
+  } else {
+    upload(&d->k, p.k, "k cache");
+    upload(&d->v, p.v, "v cache");
+  }
   upload(&d->q, p.q, "q");
   upload(&d->tables, p.block_tables, "block tables");
   upload(&d->cu, p.cu_query_lens, "cu_query_lens");
@@ -215,6 +234,7 @@ void upload_problem(const Problem& p, DeviceProblem* d) {
 AttentionArgs make_args(const Problem& p, const DeviceProblem& d, int num_splits, int split_size) {
   AttentionArgs a;
   a.dtype = p.shape.dtype;
+  a.kv_cache_dtype = p.shape.fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
   a.q = d.q.get();
   a.out = d.out.get();
   a.k_cache = d.k.get();
@@ -325,9 +345,9 @@ void check_problem(const Problem& p, const std::vector<int>& context_lens,
 }
 
 std::string describe(const Shape& s) {
-  return std::string(dtype_name(s.dtype)) + " heads " + std::to_string(s.num_heads) + "/" +
-         std::to_string(s.num_kv_heads) + " head_dim " + std::to_string(s.head_dim) + " block " +
-         std::to_string(s.block_size);
+  return std::string(dtype_name(s.dtype)) + (s.fp8 ? " fp8 cache" : "") + " heads " +
+         std::to_string(s.num_heads) + "/" + std::to_string(s.num_kv_heads) + " head_dim " +
+         std::to_string(s.head_dim) + " block " + std::to_string(s.block_size);
 }
 
 TEST(CudaPagedAttention, DecodeBatchMatchesCpu) {
@@ -457,6 +477,63 @@ TEST(CudaPagedAttention, AnyEvenHeadDimMatchesCpu) {
     const Problem p = make_problem(sh, qlen, ctx, 800 + i);
     check_problem(p, ctx, {{3, 448}}, "general kernel " + describe(sh));
     ++i;
+  }
+}
+
+// An E4M3 cache (--kv-cache-dtype fp8): decode (split and not), prefill and chunked prefill,
+// every tile-kernel head size and two general ones, GQA 1/4/8, both dtypes, block sizes 16
+// and 7, against the CPU attention over the same (widened) values.
+TEST(CudaPagedAttention, Fp8CacheMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> qlen = {1, 1, 1, 37, 200, 5, 1};
+  const std::vector<int> ctx = {1, 63, 2049, 100, 200, 5, 700};
+  int i = 0;
+  for (int head_dim : {128, 64, 256, 16, 32, 80, 6}) {
+    const int group = std::vector<int>{4, 1, 8}[i % 3];
+    Shape sh;
+    sh.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+    sh.num_kv_heads = 2;
+    sh.num_heads = 2 * group;
+    sh.head_dim = head_dim;
+    sh.block_size = i % 3 == 2 ? 7 : 16;
+    sh.fp8 = true;
+    const Problem p = make_problem(sh, qlen, ctx, 900 + i);
+    check_problem(p, ctx, {{4, 576}, {9, 256}}, describe(sh));
+    ++i;
+  }
+}
+
+// E4M3's subnormals (|x| < 2^-6, codes 1..7) widen exactly: a cache holding nothing else
+// gives outputs ~1e-3 that a flushed widening would turn into zeros, so the bound here is
+// relative to the outputs, not the usual absolute floor.
+TEST(CudaPagedAttention, Fp8SubnormalsWidenExactly) {
+  REQUIRE_CUDA_DEVICE();
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    Shape sh;
+    sh.dtype = dtype;
+    sh.head_dim = 128;
+    sh.fp8 = true;
+    const std::vector<int> qlen = {1, 3}, ctx = {300, 40};
+    Problem p = make_problem(sh, qlen, ctx, 77);
+    std::mt19937 rng(5);
+    for (size_t i = 0; i < p.k8.size(); ++i) {
+      if (std::isnan(from_half_bits(p.k[i], dtype))) continue;  // the unreferenced poison
+      p.k8[i] = static_cast<uint8_t>((rng() & 0x80u) | (1u + rng() % 7u));
+      p.v8[i] = static_cast<uint8_t>((rng() & 0x80u) | (1u + rng() % 7u));
+      p.k[i] = to_half_bits(fp8_e4m3_to_float(p.k8[i]), dtype);
+      p.v[i] = to_half_bits(fp8_e4m3_to_float(p.v8[i]), dtype);
+    }
+    const std::vector<float> ref = reference(p, ctx);
+    std::vector<uint16_t> out;
+    ASSERT_NO_FATAL_FAILURE(run_gpu(p, ctx, 1, 0, &out));
+    double max_ref = 0, max_err = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
+      max_err =
+          std::max(max_err, std::fabs(static_cast<double>(from_half_bits(out[i], dtype)) - ref[i]));
+    }
+    EXPECT_GT(max_ref, 1e-3);
+    EXPECT_LE(max_err, 0.02 * max_ref) << dtype_name(dtype) << ": max |out| " << max_ref;
   }
 }
 

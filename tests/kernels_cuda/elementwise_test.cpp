@@ -172,6 +172,7 @@ std::string label(DType d, const std::string& rest) {
 }
 
 constexpr uint16_t kSentinel = 0x5a5a;  // fills outputs that must stay untouched
+constexpr uint8_t kFp8Sentinel = 0x5a;  // the same, in an FP8 cache
 
 // ---- embedding / gather_rows ----
 
@@ -368,6 +369,7 @@ struct RopeRun {
   HalfTensor qkv, q_norm, k_norm;
   std::optional<cpu::RopeTable> table;
   std::vector<uint16_t> q_out, k_cache, v_cache;  // from the GPU (sentinel-filled before)
+  std::vector<uint8_t> k_fp8, v_fp8;              // instead of k_cache / v_cache, fp8 runs
   std::vector<float> pre_q, pre_k;                // reference after qk-norm, before RoPE
   std::vector<float> ref_q, ref_k;                // reference after RoPE
   Status status;
@@ -378,7 +380,7 @@ struct RopeRun {
 
 RopeRun run_rope(DType d, const RopeCase& c, std::vector<int32_t> positions,
                  std::vector<int64_t> slots, int64_t num_blocks, int64_t block_size,
-                 int64_t max_position, uint32_t seed) {
+                 int64_t max_position, uint32_t seed, bool fp8_cache = false) {
   RopeRun r;
   r.c = c;
   r.dtype = d;
@@ -440,10 +442,13 @@ RopeRun run_rope(DType d, const RopeCase& c, std::vector<int32_t> positions,
     d_kn = upload(r.k_norm.bits);
   }
   DeviceBuffer d_q = upload(std::vector<uint16_t>(q_elems, kSentinel));
-  DeviceBuffer d_k = upload(std::vector<uint16_t>(cache_elems, kSentinel));
-  DeviceBuffer d_v = upload(std::vector<uint16_t>(cache_elems, kSentinel));
+  DeviceBuffer d_k = fp8_cache ? upload(std::vector<uint8_t>(cache_elems, kFp8Sentinel))
+                               : upload(std::vector<uint16_t>(cache_elems, kSentinel));
+  DeviceBuffer d_v = fp8_cache ? upload(std::vector<uint8_t>(cache_elems, kFp8Sentinel))
+                               : upload(std::vector<uint16_t>(cache_elems, kSentinel));
   RopeCacheArgs a;
   a.dtype = d;
+  a.kv_cache_dtype = fp8_cache ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
   a.qkv = d_qkv.get();
   a.q_norm = d_qn.get();
   a.k_norm = d_kn.get();
@@ -464,8 +469,13 @@ RopeRun run_rope(DType d, const RopeCase& c, std::vector<int32_t> positions,
   a.block_size = block_size;
   r.status = rope_and_cache(a, nullptr);
   r.q_out = download<uint16_t>(d_q.get(), q_elems);
-  r.k_cache = download<uint16_t>(d_k.get(), cache_elems);
-  r.v_cache = download<uint16_t>(d_v.get(), cache_elems);
+  if (fp8_cache) {
+    r.k_fp8 = download<uint8_t>(d_k.get(), cache_elems);
+    r.v_fp8 = download<uint8_t>(d_v.get(), cache_elems);
+  } else {
+    r.k_cache = download<uint16_t>(d_k.get(), cache_elems);
+    r.v_cache = download<uint16_t>(d_v.get(), cache_elems);
+  }
   return r;
 }
 
@@ -632,6 +642,46 @@ TEST(CudaRopeAndCache, WritesExactlyTheGivenSlots) {
       for (int64_t i = 0; i < q_row; ++i) ASSERT_NE(r.q_out[t * q_row + i], kSentinel) << t;
     }
     for (int64_t i = 0; i < q_row; ++i) ASSERT_EQ(r.q_out[6 * q_row + i], kSentinel);
+  }
+}
+
+// An FP8 cache (--kv-cache-dtype fp8) holds exactly the E4M3 rounding (nearest even,
+// saturating; common/tensor.h's, which the CPU backend uses) of what a 16-bit cache holds, for
+// k after RoPE (and qk-norm) and for v; q is unchanged; other slots keep their bytes.
+TEST(CudaRopeAndCache, Fp8CacheHoldsTheE4M3RoundingOfTheDtypeValues) {
+  TESSERA_REQUIRE_GPU();
+  for (DType d : kHalfTypes) {
+    for (const RopeCase& c : {RopeCase{32, 8, 128, false, true}, RopeCase{4, 2, 80, true, false},
+                              RopeCase{2, 1, 256, true, true}, RopeCase{6, 2, 6, false, true}}) {
+      const std::vector<int32_t> positions = {0, 3, 17, 1000, 4095, 9};
+      const std::vector<int64_t> slots = {5, 0, -1, 2, 7, 3};
+      const RopeRun wide = run_rope(d, c, positions, slots, 2, 4, 4096, 91);
+      const RopeRun fp8 = run_rope(d, c, positions, slots, 2, 4, 4096, 91, true);
+      ASSERT_TRUE(wide.status.is_ok()) << wide.status.to_string();
+      ASSERT_TRUE(fp8.status.is_ok()) << fp8.status.to_string();
+      expect_bits_equal(fp8.q_out, wide.q_out, label(d, describe(c) + " fp8 run's q"));
+      const int64_t kv = wide.token_kv();
+      int64_t saturated_or_rounded = 0;
+      for (int64_t s = 0; s < 8; ++s) {
+        const bool stored = std::find(slots.begin(), slots.end(), s) != slots.end();
+        for (int64_t i = 0; i < kv; ++i) {
+          const size_t e = static_cast<size_t>(s * kv + i);
+          if (!stored) {
+            ASSERT_EQ(fp8.k_fp8[e], kFp8Sentinel) << label(d, describe(c)) << " slot " << s;
+            ASSERT_EQ(fp8.v_fp8[e], kFp8Sentinel) << label(d, describe(c)) << " slot " << s;
+            continue;
+          }
+          const float kw = from_bits(d, wide.k_cache[e]);
+          const float vw = from_bits(d, wide.v_cache[e]);
+          ASSERT_EQ(fp8.k_fp8[e], float_to_fp8_e4m3(kw))
+              << label(d, describe(c)) << " k slot " << s << " elem " << i << " value " << kw;
+          ASSERT_EQ(fp8.v_fp8[e], float_to_fp8_e4m3(vw))
+              << label(d, describe(c)) << " v slot " << s << " elem " << i << " value " << vw;
+          saturated_or_rounded += fp8_e4m3_to_float(fp8.k_fp8[e]) != kw;
+        }
+      }
+      EXPECT_GT(saturated_or_rounded, 0) << "no k value needed rounding: the test is vacuous";
+    }
   }
 }
 

@@ -150,7 +150,7 @@ TEST(ParallelPlanTest, TwoKvHeadsOverFourRanksAreEachOnTwoRanks) {
             "KV heads: 2 replicated over -tp 4, each on 2 ranks: KV head 0 on TP ranks 0-1, KV "
             "head 1 on TP ranks 2-3");
   // Each rank's KV cache holds its one head: 2 (K, V) x 4 layers x 1 head x 128 x 2 bytes.
-  EXPECT_EQ(p.ranks[0].kv_bytes_per_token, 2u * 4 * 1 * 128 * 2);
+  EXPECT_EQ(p.ranks[0].kv_elems_per_token, 2 * 4 * 1 * 128);
 }
 
 TEST(ParallelPlanTest, EightKvHeadsOverSixteenRanksReplicateAsVllmDoes) {
@@ -199,8 +199,8 @@ TEST(ParallelPlanTest, ExplicitLayerPartition) {
   EXPECT_EQ(stage_layers_of(c, 2, 3, {10, 12, 10}), (std::vector<int64_t>{10, 12, 10}));
   // The stage with more layers has more weights and more KV per token.
   ParallelPlan p = *make_parallel_plan(c, shape(1, 3, {10, 12, 10}), DType::kBF16);
-  EXPECT_GT(p.ranks[1].kv_bytes_per_token, p.ranks[2].kv_bytes_per_token);
-  EXPECT_EQ(p.ranks[1].kv_bytes_per_token, 2u * 12 * 8 * 128 * 2);
+  EXPECT_GT(p.ranks[1].kv_elems_per_token, p.ranks[2].kv_elems_per_token);
+  EXPECT_EQ(p.ranks[1].kv_elems_per_token, 2 * 12 * 8 * 128);
 }
 
 TEST(ParallelPlanTest, BadLayerPartitionsAreRefused) {
@@ -328,7 +328,7 @@ TEST(ParallelPlanTest, Llama3_8bTp2RankBytesByHand) {
   const uint64_t elements = 2 * 64128ull * 4096 + 32 * layer + 4096;
   EXPECT_EQ(p.ranks[0].weight_bytes, 2 * elements);
   EXPECT_EQ(p.ranks[1].weight_bytes, 2 * elements);
-  EXPECT_EQ(p.ranks[0].kv_bytes_per_token, 2u * 32 * 4 * 128 * 2);
+  EXPECT_EQ(p.ranks[0].kv_elems_per_token, 2 * 32 * 4 * 128);
   EXPECT_TRUE(p.ranks[0].embedding && p.ranks[0].lm_head);
 }
 
@@ -402,6 +402,20 @@ TEST(MemoryPlanTest, MoreTensorParallelRanksMeanMoreKvTokens) {
   MemoryPlan two = estimate_memory(c, must_plan(c, 2, 1), gpus(2, 80 * kGiB), o);
   EXPECT_EQ(two.ranks[0].kv_bytes_per_token, 65536u);
   EXPECT_GT(two.kv_tokens, 2 * one.kv_tokens);
+}
+
+// --kv-cache-dtype fp8: one byte per cached element, so twice the tokens in the same room.
+TEST(MemoryPlanTest, Fp8KvCacheHoldsTwiceTheTokens) {
+  const ModelConfig c = llama3_8b();
+  MemoryOptions o = resolved(c);
+  const MemoryPlan bf16 = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), o);
+  o.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
+  const MemoryPlan fp8 = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), o);
+  EXPECT_EQ(fp8.ranks[0].kv_bytes_per_token, 65536u);
+  EXPECT_EQ(fp8.ranks[0].activations, bf16.ranks[0].activations);
+  const uint64_t room = fp8.ranks[0].budget - fp8.ranks[0].weights - fp8.ranks[0].activations;
+  EXPECT_EQ(fp8.kv_tokens, static_cast<int64_t>(room / (16 * 65536) * 16));
+  EXPECT_NEAR(static_cast<double>(fp8.kv_tokens) / static_cast<double>(bf16.kv_tokens), 2.0, 1e-3);
 }
 
 TEST(MemoryPlanTest, TheLimitingRankDecides) {
