@@ -18,6 +18,7 @@
 //
 // Exit codes (decided here only): 0 success, 1 the operation failed, 2 bad usage.
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -55,6 +56,12 @@ int status_command(const std::string& address_flag, const std::string& temp_dir,
   auto token = tessera::auth::resolve_cluster_token(token_file, root ? *root : std::string());
   if (!token) {
     std::cerr << "tessera status: " << token.status().message() << "\n";
+    const char* env = std::getenv("TESSERA_ADDRESS");
+    if (address_flag.empty() || env == nullptr || address_flag != env) return 1;
+    // The address came from the environment: after `tessera stop` it names a cluster that is
+    // gone, the likelier reason than a token missing for a live one.
+    std::cerr << "  (the address " << address << " comes from $TESSERA_ADDRESS: if that cluster "
+              << "was stopped, unset TESSERA_ADDRESS or start one with `tessera start --head`)\n";
     return 1;
   }
   tessera::EventLoop loop;

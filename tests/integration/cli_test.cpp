@@ -164,6 +164,13 @@ TEST(CliTest, CommandsFindTheClusterFromTheEnvironmentOrTheLastStart) {
   EXPECT_EQ(stopped.exit_code, 0) << stopped.err;
   CommandResult after = cluster.tessera({"status"}, 60s, {"TESSERA_TMPDIR=" + home});
   EXPECT_NE(after.exit_code, 0) << after.out;
+  // A TESSERA_ADDRESS left over from the stopped cluster: the error says where the address
+  // came from and what to do, beside the missing token.
+  CommandResult stale =
+      cluster.tessera({"status"}, 60s, {"TESSERA_TMPDIR=" + home, "TESSERA_ADDRESS=" + address});
+  EXPECT_EQ(stale.exit_code, 1) << stale.out;
+  EXPECT_NE(stale.err.find("comes from $TESSERA_ADDRESS"), std::string::npos) << stale.err;
+  EXPECT_NE(stale.err.find("unset TESSERA_ADDRESS"), std::string::npos) << stale.err;
   fs::remove_all(home);
   fs::remove_all(elsewhere);
 }
