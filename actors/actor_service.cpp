@@ -138,8 +138,8 @@ kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
   auto paf = kj::newPromiseAndCrossThreadFulfiller<Loaded>();
   // The thread touches comms_ and the new runner only; the loop sees them again after it ends.
   // (kj::Own's destructor may throw, which std::thread's state may not: a shared_ptr holds it.)
-  auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Loaded>>>(
-      kj::mv(paf.fulfiller));
+  auto fulfiller =
+      std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Loaded>>>(kj::mv(paf.fulfiller));
   load_thread_ = std::thread([this, spec, fulfiller]() {
     Loaded loaded = [&]() -> Loaded {
       StageComms stage;
@@ -151,16 +151,23 @@ kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
     }();
     (*fulfiller)->fulfill(std::move(loaded));
   });
-  return paf.promise.then([this, spec](Loaded&& runner) -> Expected<ModelInfo> {
-    load_thread_.join();
-    if (!runner) {
-      spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
-      return runner.status();
-    }
-    runner_ = std::move(*runner);
-    spec_ = spec;
-    return runner_->info();
-  });
+  auto done =
+      paf.promise
+          .then([this, spec](Loaded&& runner) -> Expected<ModelInfo> {
+            load_thread_.join();
+            if (!runner) {
+              spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
+              return runner.status();
+            }
+            runner_ = std::move(*runner);
+            spec_ = spec;
+            return runner_->info();
+          })
+          .eagerlyEvaluate(nullptr)
+          .fork();
+  auto branch = done.addBranch();
+  load_done_ = kj::mv(done);
+  return branch;
 }
 
 std::pair<uint64_t, uint64_t> ActorService::load_progress() const {

@@ -79,6 +79,10 @@ class ActorService {
   std::atomic<bool> stopping_{false};
   std::thread step_thread_;
   std::thread load_thread_;  // runs while a loadModel call is in flight
+  // The end of the last load (join, keep the runner), held here rather than by the call: a
+  // caller that goes away mid-load (the driver died, the call was cancelled) must not leave
+  // load_thread_ unjoined and the actor refusing every later load as "still loading".
+  kj::Maybe<kj::ForkedPromise<Expected<ModelInfo>>> load_done_;
   kj::ForkedPromise<void> shutdown_;
   kj::Own<kj::PromiseFulfiller<void>> shutdown_fulfiller_;
 };

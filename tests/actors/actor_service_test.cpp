@@ -60,6 +60,32 @@ TEST(ActorServiceTest, ServesHealthAndShutsDownOnRequest) {
       << old.status().message();
 }
 
+// A loadModel call dropped mid-load (its caller went away) still ends the load: the thread is
+// joined on the actor's own loop, so the next loadModel is answered (here: the same bad model
+// directory's error), not refused as "a model is loading already" forever.
+TEST(ActorServiceTest, ACancelledLoadStillEnds) {
+  auto env = std::make_unique<Env>();
+  CudaProbe probe;
+  ActorService service({"a-test", "n-test"}, probe);
+  LoadSpec spec;
+  spec.model_dir = "/nonexistent/tessera-model";
+  spec.device = "cpu";
+  {
+    auto dropped = service.load_model(spec);  // cancelled when it goes out of scope
+  }
+  Expected<ModelInfo> again = failed_precondition("not answered");
+  for (int i = 0; i < 500; ++i) {  // the load fails fast; give its thread up to 5 s
+    env->io.provider->getTimer().afterDelay(10 * kj::MILLISECONDS).wait(env->io.waitScope);
+    again = service.load_model(spec).wait(env->io.waitScope);
+    if (again.status().message().find("loading already") == std::string::npos) break;
+  }
+  ASSERT_FALSE(again);
+  EXPECT_EQ(again.status().message().find("loading already"), std::string::npos)
+      << again.status().message();
+  EXPECT_NE(again.status().message().find("/nonexistent/tessera-model"), std::string::npos)
+      << again.status().message();
+}
+
 TEST(ActorServiceTest, CudaProbeNeverFails) {
   CudaProbe probe = probe_cuda();
   if (!probe.available) {
