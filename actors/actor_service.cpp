@@ -138,8 +138,8 @@ kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
   auto paf = kj::newPromiseAndCrossThreadFulfiller<Loaded>();
   // The thread touches comms_ and the new runner only; the loop sees them again after it ends.
   // (kj::Own's destructor may throw, which std::thread's state may not: a shared_ptr holds it.)
-  auto fulfiller =
-      std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Loaded>>>(kj::mv(paf.fulfiller));
+  auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Loaded>>>(
+      kj::mv(paf.fulfiller));
   load_thread_ = std::thread([this, spec, fulfiller]() {
     Loaded loaded = [&]() -> Loaded {
       StageComms stage;

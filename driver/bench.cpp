@@ -12,6 +12,9 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "common/checkpoint/safetensors.h"
+#include "common/kv_cache_dtype.h"
+
 namespace tessera {
 
 namespace {
@@ -494,10 +497,10 @@ Status run_throughput(const BenchThroughputOptions& o) {
   // step had to read at least (the weights once, the K/V of the tokens in the cache), from which
   // scripts/bench-plot draws the fraction of the memory roofline over the run.
   const ModelConfig& cfg = session->config();
-  const double kv_element_bytes =
-      m.kv_cache_dtype == "F8_E4M3" ? 1.0 : (m.kv_cache_dtype == "F32" ? 4.0 : 2.0);
-  const double kv_bytes_per_token = 2.0 * static_cast<double>(cfg.num_layers) * cfg.num_kv_heads *
-                                    cfg.head_dim * kv_element_bytes;
+  TESSERA_ASSIGN_OR_RETURN(DType run_dtype, parse_safetensors_dtype(m.dtype));
+  const double kv_bytes_per_token =
+      2.0 * static_cast<double>(cfg.num_layers) * cfg.num_kv_heads * cfg.head_dim *
+      static_cast<double>(kv_cache_element_size(o.engine.memory.kv_cache_dtype, run_dtype));
   const uint32_t block_size = engine.config().block_size;
   nlohmann::json timeline = nlohmann::json::array();
   struct Interval {

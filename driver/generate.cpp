@@ -127,8 +127,7 @@ Status run(const GenerateOptions& o) {
   double decode_ms = first ? ms(t_end - *first).count() : 0.0;
   std::fprintf(stderr,
                "[%s, %s backend%s%s, %s, KV cache %s] %zu prompt(s), %zu prompt tokens, %zu output "
-               "tokens (%s); "
-               "load %.0f ms, first token %.0f ms, %.1f tok/s after it\n",
+               "tokens (%s); load %.0f ms, first token %.0f ms, %.1f tok/s after it\n",
                m.architecture.c_str(), m.backend.c_str(), m.device_name.empty() ? "" : " on ",
                m.device_name.c_str(), m.dtype.c_str(), m.kv_cache_dtype.c_str(), results.size(),
                prompt_tokens, output_tokens,

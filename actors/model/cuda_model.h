@@ -101,6 +101,8 @@ class CudaModel {
             const CudaModelOptions& options);
 
   Status allocate_buffers();
+  // One KV block of one layer, K or V: block_size x kv_heads x head_dim in the cache's dtype.
+  uint64_t kv_block_bytes_per_layer() const;
   Status allocate_kv_cache(int64_t blocks);
   Status size_kv_cache();
   Status capture_graphs();

@@ -15,10 +15,10 @@
 // K/V tiles stream through shared memory in a cp.async pipeline 3 tiles deep (2 at head_dim
 // 256); dynamic shared memory is 2 * stages * tile_keys * (head_dim + 8) * 2 bytes
 // (+ 64 * (256 + 8) * 2 for Q at head_dim 256).
-// An FP8 (E4M3) cache streams its tiles as bytes, 16 keys' elements per 16-byte copy, into
-// stages of (head_dim + 16)-byte rows; each tile is widened once into a 16-bit K and V tile
-// (exact) before the MMAs: dynamic shared memory is 2 * stages * tile_keys * (head_dim + 16)
-// + 2 * tile_keys * (head_dim + 8) * 2 bytes (+ Q at head_dim 256).
+// An FP8 (E4M3) cache streams its tiles as bytes (head_dim per key, five stages up to head_dim
+// 128, three at 256); each tile's K, then its V, is widened exactly into one 16-bit tile before
+// the MMAs read it: dynamic shared memory is 2 * stages * tile_keys * head_dim
+// + tile_keys * (head_dim + 8) * 2 bytes (+ Q at head_dim 256).
 // Other head sizes (any even one up to 1024: 80, 96, 192, ...) run on a general kernel, a warp
 // per (token, head) row and one key at a time, without split-K: slower, equally exact.
 // Precision: scores, softmax and O accumulate in fp32; the softmax weights P are rounded to the

@@ -293,8 +293,18 @@ constexpr int kRopeWarps = 4;  // head tasks per CTA (one warp each)
 // the per-head RMSNorm is a warp shuffle sum. No block-level barriers: idle warps return early.
 // QK_NORM is a template parameter so that the variant without q/k norms has no load through
 // the (null) norm pointers at all: nvcc was seen to issue those loads ahead of a runtime check.
-// KV is the cache's element type: T, or __nv_fp8_e4m3 for an FP8 cache (rounded from the dtype
-// value, nearest even, saturating).
+// x as a cache of KV holds it: rounded to T, then (an FP8 cache) to E4M3, nearest even,
+// saturating.
+template <typename T, typename KV>
+__device__ __forceinline__ KV to_cache(float x) {
+  if constexpr (std::is_same_v<KV, T>) {
+    return dev::from_float<T>(x);
+  } else {
+    return dev::from_float<KV>(dev::round_to<T>(x));
+  }
+}
+
+// KV is the cache's element type: T, or __nv_fp8_e4m3 for an FP8 cache.
 template <typename T, typename KV, int P, bool QK_NORM>
 __global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCacheArgs a) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -363,8 +373,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCac
           q_dst[i] = dev::from_float<T>(lo);
           q_dst[i + half] = dev::from_float<T>(hi);
         } else {
-          k_dst[i] = dev::from_float<KV>(dev::round_to<T>(lo));
-          k_dst[i + half] = dev::from_float<KV>(dev::round_to<T>(hi));
+          k_dst[i] = to_cache<T, KV>(lo);
+          k_dst[i + half] = to_cache<T, KV>(hi);
         }
       }
     }
@@ -374,9 +384,9 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCac
       KV* v_dst = static_cast<KV*>(a.v_cache) + (slot * a.num_kv_heads + kvh) * hd;
       for (int64_t i = lane; i < hd; i += 32) {
         if constexpr (std::is_same_v<KV, T>) {
-          v_dst[i] = v_src[i];
+          v_dst[i] = v_src[i];  // bit for bit
         } else {
-          v_dst[i] = dev::from_float<KV>(dev::to_float(v_src[i]));
+          v_dst[i] = to_cache<T, KV>(dev::to_float(v_src[i]));
         }
       }
     }
