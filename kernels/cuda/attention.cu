@@ -9,14 +9,20 @@
 // address looked up in the block table, keys past the end zero-filled), computes S = Q K^T,
 // an online softmax in the log2 domain and O += P V with P rounded to the input dtype.
 // A CTA with at most 16 rows (decode: one token x G heads) splits keys instead of rows: every
-// warp holds the same rows and takes 16 keys of each 64-key tile, and warp 0 merges the four
-// softmax states at the end. Decode attention reads K/V at 0.96 of the copy bandwidth this way
+// warp holds the same rows and takes 16 keys of each 64-key tile (loading, awaiting and reading
+// only those, with __syncwarp instead of CTA barriers), and warp 0 merges the four softmax
+// states at the end. Decode attention reads K/V at 0.96 of the copy bandwidth this way
 // (batch 256 x 1536 keys, H200; 0.65 with one computing warp per CTA and two stages, 0.82 with a
 // runtime division by the block size per 16-byte copy instead of cache_slot's reciprocal).
 //
 // An FP8 (E4M3) cache: the stages hold bytes (HD per key, five stages deep up to head_dim 128,
-// so as many bytes are in flight as with two 16-bit stages); each tile's K is widened into one
-// 16-bit tile before S = Q K^T, and its V into the same tile after the softmax, before P V.
+// so as many bytes are in flight as with two 16-bit stages). Decode (split keys) reads each
+// lane's K and V bytes straight from the stage into registers and widens them with
+// cvt.rn.f16x2.e4m3x2 for fp16 MMAs, in a permuted head-dimension order that needs no shuffles
+// (compute_tile_regs): 0.71 of the copy bandwidth at batch 256 x 1536 keys, against 0.43 when
+// the CTA widened every tile into shared memory between barriers. Prefill still widens each
+// tile's K, then V, into one 16-bit tile that ldmatrix reads (the widening is shared by the
+// CTA's four warps there).
 //
 // Split-K workspace (num_splits > 1), all fp32:
 //   o_part: [num_splits][total_q][num_heads][head_dim]  the split's output, already divided by
@@ -81,6 +87,17 @@ struct Config {
   // An FP8 stage row: HD bytes, unpadded (a warp's 16-byte copies and reads cover whole
   // consecutive rows, so they touch every bank once).
   static constexpr int kRawStride = HD;
+  // FP8 stage chunk c of row r sits at chunk c ^ raw_swizzle(r). With head_dim 128 (a row is
+  // the 128 bytes of all banks) that spreads the split-keys register reads over the banks: a
+  // quarter warp reads K rows r, r + 1 (r even) at chunks 4 i + {0..3}, and V rows 2 tig + x at
+  // chunks {g, g + 1}; both land in 8 distinct chunks. Other head sizes are not swizzled.
+  static __device__ __forceinline__ int raw_swizzle(int row) {
+    if constexpr (FP8 && HD == 128) {
+      return ((row & 1) << 2) ^ (row & 6);
+    } else {
+      return 0;
+    }
+  }
   // Bytes of one pipeline stage's K (or V) tile, and of all the stages (K then V).
   static constexpr size_t kStageTileBytes =
       FP8 ? static_cast<size_t>(kBlockN * kRawStride) : static_cast<size_t>(kTileElems) * 2;
@@ -235,6 +252,62 @@ __device__ __forceinline__ uint2 widen_fp8x4(uint32_t x) {
   return r;
 }
 
+// Four E4M3 bytes (x's bytes 0..3) widened exactly to two fp16 pairs: lo gets bytes 0, 1 (byte 0
+// in the low half), hi bytes 2, 3. One cvt per pair.
+__device__ __forceinline__ void fp8x4_to_half2x2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  asm("{\n"
+      "  .reg .b16 l, h;\n"
+      "  mov.b32 {l, h}, %2;\n"
+      "  cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "  cvt.rn.f16x2.e4m3x2 %1, h;\n"
+      "}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(x));
+}
+
+// A packed pair of T as a packed fp16 pair: rounded, and clamped to fp16's finite range (a bf16
+// query beyond +-65504 would otherwise become inf and the row NaN).
+template <typename T>
+__device__ __forceinline__ uint32_t to_half2_bits(uint32_t pair) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return pair;
+  } else {
+    __nv_bfloat162 v;
+    memcpy(&v, &pair, 4);
+    float2 f = __bfloat1622float2(v);
+    f.x = fminf(fmaxf(f.x, -65504.0f), 65504.0f);
+    f.y = fminf(fmaxf(f.y, -65504.0f), 65504.0f);
+    const __half2 h = __float22half2_rn(f);
+    uint32_t r;
+    memcpy(&r, &h, 4);
+    return r;
+  }
+}
+
+// BYTES (2, 4, 8 or 16) of shared memory at addr into out[0..]: one load (2 bytes: the low half
+// of out[0], the high half zero).
+template <int BYTES>
+__device__ __forceinline__ void lds(uint32_t addr, uint32_t* out) {
+  if constexpr (BYTES == 16) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
+                 : "r"(addr)
+                 : "memory");
+  } else if constexpr (BYTES == 8) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                 : "=r"(out[0]), "=r"(out[1])
+                 : "r"(addr)
+                 : "memory");
+  } else if constexpr (BYTES == 4) {
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(out[0]) : "r"(addr) : "memory");
+  } else {
+    static_assert(BYTES == 2, "lds takes 2, 4, 8 or 16 bytes");
+    uint16_t v;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
+    out[0] = v;
+  }
+}
+
 // The cache slot of `key` of a sequence whose block table is `table`: key / block_size through
 // the reciprocal (Params::block_magic).
 __device__ __forceinline__ int64_t cache_slot(const Params& p, const int32_t* table, int key) {
@@ -358,34 +431,31 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kKvChunks = HD * kKvElemBytes / 16;  // per K/V row
   constexpr int kKvPerThread = (kBlockN * kKvChunks + kThreads - 1) / kThreads;
   constexpr int kStageRowBytes = FP8 ? C::kRawStride : kStride * static_cast<int>(sizeof(T));
-  // f(row, chunk) for this thread's chunks of a K or V tile.
-  auto for_my_kv_chunks = [&](auto&& f) {
-#pragma unroll
-    for (int i = 0; i < kKvPerThread; ++i) {
-      const int c = static_cast<int>(threadIdx.x) + i * kThreads;
-      if (kKvPerThread * kThreads != kBlockN * kKvChunks && c >= kBlockN * kKvChunks) break;
-      f(c / kKvChunks, c % kKvChunks);
-    }
+  // Byte offset of chunk `chunk` of row `row` in a stage (FP8 rows are swizzled, Config).
+  auto stage_offset = [](int row, int chunk) {
+    return static_cast<uint32_t>(row * kStageRowBytes + ((chunk ^ C::raw_swizzle(row)) * 16));
   };
-  auto load_kv = [&](int tile, int stage) {
-    const int n0 = kv_begin + tile * kBlockN;
-    const uint32_t k_dst = smem_base + stage * kStageBytes;
-    const uint32_t v_dst = smem_base + (kStages + stage) * kStageBytes;
-    const auto* k_bytes = static_cast<const char*>(p.k_cache);
-    const auto* v_bytes = static_cast<const char*>(p.v_cache);
-    for_my_kv_chunks([&](int row, int chunk) {
-      const int key = n0 + row;
-      const uint32_t off = static_cast<uint32_t>(row * kStageRowBytes + chunk * 16);
-      if (key < kv_end) {
-        const int64_t slot = cache_slot(p, table, key);
-        const int64_t src = (slot * p.num_kv_heads + kv_head) * HD * kKvElemBytes + chunk * 16;
-        cp_async_16(k_dst + off, k_bytes + src, true);
-        cp_async_16(v_dst + off, v_bytes + src, true);
-      } else {
-        cp_async_16(k_dst + off, k_bytes, false);
-        cp_async_16(v_dst + off, v_bytes, false);
-      }
-    });
+
+  // FP8 split keys (decode) computes from registers: each lane reads its K and V bytes of the
+  // stage directly and widens them with cvt.rn.f16x2.e4m3x2, so there is no widened tile and no
+  // barrier around one, and the MMAs are fp16 (E4M3 is exact in fp16; Q is rounded to fp16, P
+  // is kept in fp16). The head dimension is permuted (a dot product does not care about the
+  // order of its terms): k-step kk of S = Q K^T takes the lane's bytes [4s, 4s + 4) of its K load
+  // i (kk = i * kKStepsPerLoad + s), i.e. head dims k_dim(kk) + {0, 1} (b0) and + {2, 3} (b1), and
+  // Q's A fragments take the same dims. O's n-tile j, column n is head dim n * (HD / 8) + j, so a
+  // lane's V bytes of a key are HD / 8 consecutive ones (o_dim undoes it when O is written).
+  constexpr bool kRegs = FP8 && C::kCanSplitKeys;
+  constexpr int kKLoadBytes = HD / 4 < 16 ? HD / 4 : 16;  // K bytes per lane, key and load
+  constexpr int kKLoads = HD / 4 / kKLoadBytes;
+  constexpr int kKStepsPerLoad = kKLoadBytes / 4;
+  constexpr int kVBytes = HD / 8;  // V bytes per lane and key
+  constexpr int kVWords = kVBytes < 4 ? 1 : kVBytes / 4;
+  auto k_dim = [&](int kk) {
+    return kKLoadBytes * (4 * (kk / kKStepsPerLoad) + tig) + 4 * (kk % kKStepsPerLoad);
+  };
+  const bool regs_path = kRegs && split_keys;
+  auto o_dim = [&](int j, int e) {
+    return regs_path ? (2 * tig + e) * (HD / 8) + j : 8 * j + 2 * tig + e;
   };
 
   // Q fragments in registers (head_dim <= 128): rows past the sequence are zero.
@@ -397,8 +467,13 @@ __global__ void __launch_bounds__(kThreads)
           row_index[r] >= 0 ? reinterpret_cast<const uint32_t*>(q + row_index[r] * HD) : nullptr;
 #pragma unroll
       for (int kk = 0; kk < kQkSteps; ++kk) {
-        q_frag[kk][r] = src != nullptr ? src[(kk * 16 + 2 * tig) / 2] : 0u;
-        q_frag[kk][2 + r] = src != nullptr ? src[(kk * 16 + 8 + 2 * tig) / 2] : 0u;
+        if (regs_path) {
+          q_frag[kk][r] = src != nullptr ? to_half2_bits<T>(src[k_dim(kk) / 2]) : 0u;
+          q_frag[kk][2 + r] = src != nullptr ? to_half2_bits<T>(src[k_dim(kk) / 2 + 1]) : 0u;
+        } else {
+          q_frag[kk][r] = src != nullptr ? src[(kk * 16 + 2 * tig) / 2] : 0u;
+          q_frag[kk][2 + r] = src != nullptr ? src[(kk * 16 + 8 + 2 * tig) / 2] : 0u;
+        }
       }
     }
   } else {
@@ -411,39 +486,99 @@ __global__ void __launch_bounds__(kThreads)
   float m[2] = {neg_inf(), neg_inf()};  // running max of the row's log2-domain scores
   float l[2] = {0.0f, 0.0f};            // this thread's part of the row's denominator
 
-  if (n_tiles > 0) {
-    if constexpr (kQInSmem) {
+  if (n_tiles > 0 && kQInSmem) {
 #pragma unroll
-      for (int i = 0; i < kRowsPerCta * kChunksPerRow / kThreads; ++i) {
-        const int c = static_cast<int>(threadIdx.x) + i * kThreads;
-        const int row = c / kChunksPerRow;
-        const int chunk = c % kChunksPerRow;
-        const int prow = tile_row0 + row;
-        const uint32_t dst =
-            sq_base + static_cast<uint32_t>((row * kStride + chunk * 8) * sizeof(T));
-        if (prow < rows_valid) {
-          const int64_t index = static_cast<int64_t>(q_start + prow / group) * p.num_heads +
-                                kv_head * group + prow % group;
-          cp_async_16(dst, q + index * HD + chunk * 8, true);
-        } else {
-          cp_async_16(dst, q, false);
-        }
+    for (int i = 0; i < kRowsPerCta * kChunksPerRow / kThreads; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+      const int row = c / kChunksPerRow;
+      const int chunk = c % kChunksPerRow;
+      const int prow = tile_row0 + row;
+      const uint32_t dst = sq_base + static_cast<uint32_t>((row * kStride + chunk * 8) * sizeof(T));
+      if (prow < rows_valid) {
+        const int64_t index = static_cast<int64_t>(q_start + prow / group) * p.num_heads +
+                              kv_head * group + prow % group;
+        cp_async_16(dst, q + index * HD + chunk * 8, true);
+      } else {
+        cp_async_16(dst, q, false);
       }
-    }
-    // Group s holds tile s (Q joins group 0); a group may be empty, which keeps the count of
-    // groups the main loop waits on the same for every tile.
-#pragma unroll
-    for (int st = 0; st < kStages - 1; ++st) {
-      if (st < n_tiles) load_kv(st, st);
-      cp_async_commit();
     }
   }
 
+  // Online softmax over one tile's scores s (NT n-tiles, this warp's rows) whose first key is
+  // `key0`: scales into the log2 domain, masks, updates m, l and O, and returns P rounded to
+  // the MMA input type (Ops) as the A fragments of P V.
+  auto softmax = [&](auto ops, auto nt, float(&s)[decltype(nt)::value][4], int key0,
+                     uint32_t(&pa)[decltype(nt)::value / 2][4]) {
+    using POps = decltype(ops);
+    constexpr int NT = decltype(nt)::value;
+    const bool need_mask = key0 + NT * 8 - 1 > warp_min_lim;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e] * p.scale_log2;
+        if (need_mask) {
+          const int key = key0 + j * 8 + 2 * tig + (e & 1);
+          if (key > row_lim[e >> 1]) x = neg_inf();
+        }
+        s[j][e] = x;
+      }
+    }
+    // The 4 lanes of a quad hold the same two rows.
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+    }
+    float alpha[2];
+    float m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      // A row with no visible key so far keeps m = -inf; use 0 so -inf - m_use stays -inf.
+      m_use[r] = mx[r] == neg_inf() ? 0.0f : mx[r];
+      alpha[r] = fast_exp2(m[r] - m_use[r]);
+      m[r] = mx[r];
+    }
+    float row_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = fast_exp2(s[j][e] - m_use[e >> 1]);
+        row_sum[e >> 1] += s[j][e];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + row_sum[r];
+    // Once the running max settles (most tiles of a long context), O needs no rescaling.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+      }
+    }
+    // P's C fragments of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk of P V.
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+      pa[kk][0] = POps::pack(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = POps::pack(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = POps::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = POps::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+
   // One tile's S = Q K^T, online softmax and O += P V for this warp's rows, over the NT * 8 keys
-  // starting `key_off` into the tile (NT = kSTiles: the whole tile; 2: a split-keys warp's 16).
-  // `active`: whether this warp computes (the hook runs in every thread either way: it may
-  // hold barriers); `between` runs after S and the softmax, before P V reads `sv` (FP8 widens V
-  // there, into the memory K was widened into).
+  // starting `key_off` into the tile (NT = kSTiles: the whole tile; 2: a split-keys warp's 16),
+  // K and V read through ldmatrix from 16-bit tiles at sk / sv. `active`: whether this warp
+  // computes (the hook runs in every thread either way: it may hold barriers); `between` runs
+  // after S and the softmax, before P V reads `sv` (FP8 prefill widens V there, into the memory
+  // K was widened into).
   auto compute_tile = [&](auto nt, int n0, int key_off, uint32_t sk, uint32_t sv, bool active,
                           auto between) {
     constexpr int NT = decltype(nt)::value;
@@ -480,67 +615,7 @@ __global__ void __launch_bounds__(kThreads)
           Ops::mma(s[2 * j + 1], a, b[2], b[3]);
         }
       }
-
-      // Scale into the log2 domain and mask keys past each row's limit.
-      const bool need_mask = n0 + key_off + NT * 8 - 1 > warp_min_lim;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[j][e] * p.scale_log2;
-          if (need_mask) {
-            const int key = n0 + key_off + j * 8 + 2 * tig + (e & 1);
-            if (key > row_lim[e >> 1]) x = neg_inf();
-          }
-          s[j][e] = x;
-        }
-      }
-
-      // Online softmax. The 4 lanes of a quad hold the same two rows.
-      float mx[2] = {m[0], m[1]};
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
-        mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
-      }
-      float alpha[2];
-      float m_use[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        // A row with no visible key so far keeps m = -inf; use 0 so -inf - m_use stays -inf.
-        m_use[r] = mx[r] == neg_inf() ? 0.0f : mx[r];
-        alpha[r] = fast_exp2(m[r] - m_use[r]);
-        m[r] = mx[r];
-      }
-      float row_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = fast_exp2(s[j][e] - m_use[e >> 1]);
-          row_sum[e >> 1] += s[j][e];
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + row_sum[r];
-#pragma unroll
-      for (int j = 0; j < kOTiles; ++j) {
-        o[j][0] *= alpha[0];
-        o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1];
-        o[j][3] *= alpha[1];
-      }
-
-      // P's C fragments of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk of P V.
-#pragma unroll
-      for (int kk = 0; kk < NT / 2; ++kk) {
-        pa[kk][0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
-        pa[kk][1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
-        pa[kk][2] = Ops::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[kk][3] = Ops::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      }
+      softmax(Ops{}, nt, s, n0 + key_off, pa);
     }
     between();
     if (active) {
@@ -563,14 +638,82 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
 
-  // FP8: widens one stage tile (K or V bytes at `raw`) into the 16-bit tile at sk_wide, 16
-  // elements per 16-byte chunk.
+  // FP8 split keys: the warp's 16 keys at `key_off` of the raw stages k_raw / v_raw, K and V
+  // read into registers (kRegs above); fp16 MMAs.
+  auto compute_tile_regs = [&](int n0, int key_off, uint32_t k_raw, uint32_t v_raw) {
+    if constexpr (kRegs) {
+      using HOps = HalfOps<__half>;
+      // S = Q K^T: n-tile j's column n is key key_off + 8 j + n, read by the lanes with gid n.
+      uint32_t kw[2][kKLoads][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int row = key_off + 8 * j + gid;
+#pragma unroll
+        for (int i = 0; i < kKLoads; ++i) {
+          const int byte = kKLoadBytes * (4 * i + tig);
+          lds<kKLoadBytes>(k_raw + stage_offset(row, byte / 16) + byte % 16, kw[j][i]);
+        }
+      }
+      float s[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kQkSteps; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          uint32_t b0, b1;
+          fp8x4_to_half2x2(kw[j][kk / kKStepsPerLoad][kk % kKStepsPerLoad], b0, b1);
+          HOps::mma(s[j], q_frag[kk], b0, b1);
+        }
+      }
+      uint32_t pa[1][4];
+      softmax(HOps{}, std::integral_constant<int, 2>{}, s, n0 + key_off, pa);
+
+      // O += P V: B's k is the key (2 tig, 2 tig + 1 for b0, + 8 for b1), its n the head dim
+      // n * (HD / 8) + j of O's n-tile j: a lane reads HD / 8 bytes of each of its four keys and
+      // pairs the keys' bytes (prmt) before widening.
+      uint32_t vw[4][kVWords];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int row = key_off + 2 * tig + (k & 1) + 8 * (k >> 1);
+        if constexpr (kVBytes >= 16) {
+#pragma unroll
+          for (int c = 0; c < kVBytes / 16; ++c) {
+            lds<16>(v_raw + stage_offset(row, gid * (kVBytes / 16) + c), &vw[k][4 * c]);
+          }
+        } else {
+          const int byte = gid * kVBytes;
+          lds<kVBytes>(v_raw + stage_offset(row, byte / 16) + byte % 16, vw[k]);
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < kVWords; ++w) {
+#pragma unroll
+        for (int half = 0; half < (kVBytes >= 4 ? 2 : 1); ++half) {
+          const uint32_t sel = half == 0 ? 0x5140u : 0x7362u;
+          uint32_t b0[2], b1[2];  // n-tiles 4 w + 2 half + {0, 1}
+          fp8x4_to_half2x2(__byte_perm(vw[0][w], vw[1][w], sel), b0[0], b0[1]);
+          fp8x4_to_half2x2(__byte_perm(vw[2][w], vw[3][w], sel), b1[0], b1[1]);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) HOps::mma(o[4 * w + 2 * half + e], pa[0], b0[e], b1[e]);
+        }
+      }
+    }
+  };
+
+  // FP8 prefill: widens one stage tile (K or V bytes at `raw`) into the 16-bit tile at
+  // sk_wide, 16 elements per 16-byte chunk.
   auto widen_tile = [&](uint32_t raw_base) {
-    for_my_kv_chunks([&](int row, int chunk) {
+#pragma unroll
+    for (int i = 0; i < kKvPerThread; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+      if (kKvPerThread * kThreads != kBlockN * kKvChunks && c >= kBlockN * kKvChunks) break;
+      const int row = c / kKvChunks;
+      const int chunk = c % kKvChunks;
       uint4 bytes;
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(bytes.x), "=r"(bytes.y), "=r"(bytes.z), "=r"(bytes.w)
-                   : "r"(raw_base + static_cast<uint32_t>(row * C::kRawStride + chunk * 16))
+                   : "r"(raw_base + stage_offset(row, chunk))
                    : "memory");
       const uint2 a = widen_fp8x4<T>(bytes.x);
       const uint2 b = widen_fp8x4<T>(bytes.y);
@@ -584,50 +727,123 @@ __global__ void __launch_bounds__(kThreads)
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + 16u), "r"(c2.x),
                    "r"(c2.y), "r"(d.x), "r"(d.y)
                    : "memory");
-    });
+    }
   };
 
-  for (int t = 0; t < n_tiles; ++t) {
-    // Tile t + kStages - 1 goes into the stage computed in iteration t - 1 (free since that
-    // iteration's closing barrier); then wait until at most kStages - 1 groups are pending,
-    // i.e. tile t has landed.
-    const int next = t + kStages - 1;
-    if (next < n_tiles) load_kv(next, next % kStages);
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();
-    __syncthreads();
-
-    const int n0 = kv_begin + t * kBlockN;
-    const int stage = t % kStages;
-    const uint32_t k_stage = smem_base + stage * kStageBytes;
-    const uint32_t v_stage = smem_base + (kStages + stage) * kStageBytes;
-    // FP8: K is widened now, V after S and the softmax, both into sk_wide, which the MMAs read.
-    auto between = [&] {
-      if constexpr (FP8) {
-        __syncthreads();  // every warp is done reading the widened K
-        widen_tile(v_stage);
+  // The key loop, compiled once per mode: split keys (kSplit: each warp loads, waits for and
+  // reads only its own 16 rows of every tile, so the warps sync with __syncwarp and run apart)
+  // or rows (the CTA loads each tile together, __syncthreads).
+  auto run_tiles = [&](auto split_c) {
+    constexpr bool kSplit = decltype(split_c)::value;
+    auto sync_tile = [] {
+      if constexpr (kSplit) {
+        __syncwarp();
+      } else {
         __syncthreads();
       }
     };
-    if constexpr (FP8) {
-      widen_tile(k_stage);
-      __syncthreads();
-    }
-    const uint32_t sk = FP8 ? sk_wide : k_stage;
-    const uint32_t sv = FP8 ? sk_wide : v_stage;
-    if constexpr (C::kCanSplitKeys) {
-      if (split_keys) {
-        compute_tile(std::integral_constant<int, 2>{}, n0, warp * 16, sk, sv,
-                     n0 + warp * 16 <= warp_max_lim, between);
+    // f(row, chunk) for this thread's chunks of a K or V tile.
+    auto for_my_kv_chunks = [&](auto&& f) {
+      if constexpr (kSplit) {
+        constexpr int kWarpChunks = 16 * kKvChunks;
+        constexpr int kPerLane = (kWarpChunks + 31) / 32;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          const int c = lane + i * 32;
+          if (kPerLane * 32 != kWarpChunks && c >= kWarpChunks) break;
+          f(warp * 16 + c / kKvChunks, c % kKvChunks);
+        }
       } else {
-        compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv,
-                     warp_active && n0 <= warp_max_lim, between);
+#pragma unroll
+        for (int i = 0; i < kKvPerThread; ++i) {
+          const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+          if (kKvPerThread * kThreads != kBlockN * kKvChunks && c >= kBlockN * kKvChunks) break;
+          f(c / kKvChunks, c % kKvChunks);
+        }
       }
-    } else {
-      compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv,
-                   warp_active && n0 <= warp_max_lim, between);
+    };
+    auto load_kv = [&](int tile, int stage) {
+      const int n0 = kv_begin + tile * kBlockN;
+      const uint32_t k_dst = smem_base + stage * kStageBytes;
+      const uint32_t v_dst = smem_base + (kStages + stage) * kStageBytes;
+      const auto* k_bytes = static_cast<const char*>(p.k_cache);
+      const auto* v_bytes = static_cast<const char*>(p.v_cache);
+      for_my_kv_chunks([&](int row, int chunk) {
+        const int key = n0 + row;
+        const uint32_t off = stage_offset(row, chunk);
+        if (key < kv_end) {
+          const int64_t slot = cache_slot(p, table, key);
+          const int64_t src = (slot * p.num_kv_heads + kv_head) * HD * kKvElemBytes + chunk * 16;
+          cp_async_16(k_dst + off, k_bytes + src, true);
+          cp_async_16(v_dst + off, v_bytes + src, true);
+        } else {
+          cp_async_16(k_dst + off, k_bytes, false);
+          cp_async_16(v_dst + off, v_bytes, false);
+        }
+      });
+    };
+
+    if (n_tiles > 0) {
+      // Group s holds tile s (Q joins group 0); a group may be empty, which keeps the count of
+      // groups the main loop waits on the same for every tile.
+#pragma unroll
+      for (int st = 0; st < kStages - 1; ++st) {
+        if (st < n_tiles) load_kv(st, st);
+        cp_async_commit();
+      }
     }
-    __syncthreads();  // the next iteration's prefetch overwrites this stage
+
+    for (int t = 0; t < n_tiles; ++t) {
+      // Tile t + kStages - 1 goes into the stage computed in iteration t - 1 (free since that
+      // iteration's closing sync); then wait until at most kStages - 1 groups are pending,
+      // i.e. tile t has landed.
+      const int next = t + kStages - 1;
+      if (next < n_tiles) load_kv(next, next % kStages);
+      cp_async_commit();
+      cp_async_wait<kStages - 1>();
+      sync_tile();
+
+      const int n0 = kv_begin + t * kBlockN;
+      const int stage = t % kStages;
+      const uint32_t k_stage = smem_base + stage * kStageBytes;
+      const uint32_t v_stage = smem_base + (kStages + stage) * kStageBytes;
+      if constexpr (kSplit && kRegs) {
+        if (n0 + warp * 16 <= warp_max_lim) compute_tile_regs(n0, warp * 16, k_stage, v_stage);
+      } else {
+        // FP8: K is widened now, V after S and the softmax, both into sk_wide, which the MMAs
+        // read.
+        auto between = [&] {
+          if constexpr (FP8) {
+            sync_tile();  // every reader of the widened K is done
+            widen_tile(v_stage);
+            sync_tile();
+          }
+        };
+        if constexpr (FP8) {
+          widen_tile(k_stage);
+          sync_tile();
+        }
+        const uint32_t sk = FP8 ? sk_wide : k_stage;
+        const uint32_t sv = FP8 ? sk_wide : v_stage;
+        if constexpr (kSplit) {
+          compute_tile(std::integral_constant<int, 2>{}, n0, warp * 16, sk, sv,
+                       n0 + warp * 16 <= warp_max_lim, between);
+        } else {
+          compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv,
+                       warp_active && n0 <= warp_max_lim, between);
+        }
+      }
+      sync_tile();  // the next iteration's prefetch overwrites this stage
+    }
+  };
+  if constexpr (C::kCanSplitKeys) {
+    if (split_keys) {
+      run_tiles(std::true_type{});
+    } else {
+      run_tiles(std::false_type{});
+    }
+  } else {
+    run_tiles(std::false_type{});
   }
   cp_async_wait<0>();  // no copy may still target shared memory (only empty groups remain)
 
@@ -641,7 +857,9 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (C::kCanSplitKeys) {
     if (split_keys) {
       // Merge the warps' states into warp 0: warps 1.. leave O, m and l in the tiles' memory
-      // (free: the loop ended on a barrier), warp 0 rescales everything to the common max.
+      // (free once every warp is past its last tile: the barrier below the loop's), warp 0
+      // rescales everything to the common max.
+      __syncthreads();
       // The fragment layout is the same in every warp, so each thread reads its own positions.
       constexpr int kMs = C::kMergeStride;
       float* red_o = reinterpret_cast<float*>(smem_raw);  // [kWarps - 1][16][kMs]
@@ -700,25 +918,34 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (!warp_active) return;
 
+  // f(x, y, d) for each pair of row r's O values that sit at adjacent head dims d, d + 1.
+  auto for_o_pairs = [&](int r, auto&& f) {
+    if (kRegs && regs_path) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int j = 0; j < kOTiles; j += 2) f(o[j][2 * r + e], o[j + 1][2 * r + e], o_dim(j, e));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) f(o[j][2 * r], o[j][2 * r + 1], o_dim(j, 0));
+    }
+  };
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (row_index[r] < 0) continue;
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     if (direct) {
       T* dst = static_cast<T*>(p.out) + row_index[r] * HD;
-#pragma unroll
-      for (int j = 0; j < kOTiles; ++j) {
-        *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * tig) =
-            Ops::pack(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
-      }
+      for_o_pairs(r, [&](float x, float y, int d) {
+        *reinterpret_cast<uint32_t*>(dst + d) = Ops::pack(x * inv, y * inv);
+      });
     } else {
       const int64_t ws_row = static_cast<int64_t>(split) * p.total_q * p.num_heads + row_index[r];
       float* dst = p.ws_o + ws_row * HD;
-#pragma unroll
-      for (int j = 0; j < kOTiles; ++j) {
-        *reinterpret_cast<float2*>(dst + j * 8 + 2 * tig) =
-            make_float2(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
-      }
+      for_o_pairs(r, [&](float x, float y, int d) {
+        *reinterpret_cast<float2*>(dst + d) = make_float2(x * inv, y * inv);
+      });
       if (tig == 0) p.ws_lse[ws_row] = l[r] > 0.0f ? (m[r] + __log2f(l[r])) * kLn2 : neg_inf();
     }
   }
