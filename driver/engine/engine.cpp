@@ -30,10 +30,20 @@ size_t stop_prefix_at_end(std::string_view text, size_t from,
   return hold;
 }
 
+// The scheduler's per-step seats: with several pipeline stages, the running sequences split
+// into as many micro-batches, one per step in flight (scheduler.h).
+EngineConfig with_step_seats(EngineConfig config, int depth) {
+  if (depth > 1 && config.scheduler.max_seqs_per_step == 0) {
+    const uint32_t d = static_cast<uint32_t>(depth);
+    config.scheduler.max_seqs_per_step = (config.scheduler.max_num_seqs + d - 1) / d;
+  }
+  return config;
+}
+
 }  // namespace
 
 LlmEngine::LlmEngine(EngineConfig config, StepExecutor& executor, const Detokenizer& detokenizer)
-    : config_(std::move(config)),
+    : config_(with_step_seats(std::move(config), executor.pipeline_depth())),
       executor_(executor),
       detokenizer_(detokenizer),
       blocks_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),

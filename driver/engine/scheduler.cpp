@@ -43,9 +43,11 @@ bool Scheduler::make_room(size_t index) {
 std::vector<ScheduledChunk> Scheduler::schedule() {
   std::vector<ScheduledChunk> out;
   size_t budget = config_.max_num_batched_tokens;
+  const size_t seats = config_.max_seqs_per_step > 0 ? config_.max_seqs_per_step
+                                                     : config_.max_num_seqs;
   const uint64_t preempted_before = preemptions_;
   // Running sequences: the rest of a chunked prompt, or one decode token.
-  for (size_t i = 0; i < running_.size() && budget > 0;) {
+  for (size_t i = 0; i < running_.size() && budget > 0 && out.size() < seats;) {
     Sequence& seq = *running_[i];
     size_t count = std::min(seq.total() - seq.computed, budget);
     if (seq.in_flight || count == 0) {  // its previous step is still in the pipeline
@@ -67,7 +69,8 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
   }
   if (preemptions_ != preempted_before) return out;
   // Admit waiting sequences in arrival order while budget, seats and blocks last.
-  while (!waiting_.empty() && budget > 0 && running_.size() < config_.max_num_seqs) {
+  while (!waiting_.empty() && budget > 0 && running_.size() < config_.max_num_seqs &&
+         out.size() < seats) {
     Sequence& seq = *waiting_.front();
     std::vector<uint32_t> hits = blocks_.match_prefix(seq);
     size_t start = hits.size() * blocks_.block_size();

@@ -28,7 +28,12 @@
 namespace tessera {
 
 struct SchedulerConfig {
-  uint32_t max_num_seqs = 256;
+  uint32_t max_num_seqs = 256;  // sequences admitted (holding KV blocks) at once
+  // Sequences in one step; 0 = max_num_seqs. With several steps in flight (pipeline stages)
+  // the engine sets it to max_num_seqs / stages, so that the running sequences split into that
+  // many micro-batches, one per step, instead of the first step taking them all and leaving the
+  // other stages nothing to run.
+  uint32_t max_seqs_per_step = 0;
   uint32_t max_num_batched_tokens = 2048;  // tokens computed per step
   uint32_t max_model_len = 4096;
 };

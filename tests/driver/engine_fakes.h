@@ -110,6 +110,12 @@ class FakeExecutor final : public StepExecutor {
       --fail_submit;
       return unavailable("the connection to actor a-0 broke");
     }
+    for (const auto& s : step.seqs) {
+      if (in_flight_has(s.request_id)) {
+        violations.push_back("step " + std::to_string(step.step_id) + " has request " +
+                             std::to_string(s.request_id) + ", which a step in flight has too");
+      }
+    }
     batches.push_back(step);
     in_flight.push_back(std::move(step));
     max_in_flight = std::max(max_in_flight, in_flight.size());

@@ -28,6 +28,7 @@ struct Workload {
   std::vector<StepInput> batches;
   std::vector<std::string> violations;
   std::vector<uint64_t> ids;
+  size_t max_in_flight = 0;  // steps the executor had at once
 };
 
 // Runs `arrivals` through an engine over the content-computing fake, to the end.
@@ -66,6 +67,7 @@ Workload run_workload(const EngineConfig& c, int depth, const std::vector<Arriva
   w.stats = engine.stats();
   w.batches = ex.batches;
   w.violations = ex.violations;
+  w.max_in_flight = ex.max_in_flight;
   return w;
 }
 
@@ -219,6 +221,39 @@ TEST(EnginePreemptionTest, TinyBudgetFinishesEverythingLikeAnAmpleOne) {
       }
       EXPECT_EQ(tight.stats.generation_tokens, ample.stats.generation_tokens);
       EXPECT_EQ(tight.stats.kv_blocks_used, 0u);
+    }
+  }
+}
+
+// Two pipeline stages: two steps in flight, each with at most half the seats (the running
+// sequences split into micro-batches), never the same sequence in both, and every request's
+// output what the one-stage engine gives (with an ample cache, and with one so tight that
+// requests are preempted).
+TEST(EnginePipelineTest, TwoMicroBatchesInFlightGiveTheSameOutput) {
+  for (bool prefix : {false, true}) {
+    for (uint32_t blocks : {256u, 8u}) {
+      SCOPED_TRACE(std::string("prefix caching ") + (prefix ? "on" : "off") + ", " +
+                   std::to_string(blocks) + " blocks");
+      EngineConfig c = caching(prefix, blocks);
+      c.scheduler.max_num_seqs = 6;
+      Workload one = run_workload(c, 1, crowd(10, 12));
+      Workload two = run_workload(c, 2, crowd(10, 12));
+      EXPECT_TRUE(two.violations.empty()) << two.violations.front();
+      EXPECT_EQ(one.max_in_flight, 1u);
+      EXPECT_EQ(two.max_in_flight, 2u);
+      ASSERT_EQ(two.runs.size(), one.runs.size());
+      for (size_t i = 0; i < two.runs.size(); ++i) {
+        EXPECT_EQ(two.runs[i], one.runs[i]) << "request " << i;
+        EXPECT_EQ(two.runs[i].tokens.size(), 12u);
+      }
+      // (The fake records a step that has a sequence a step in flight has as a violation.)
+      size_t full_steps = 0;
+      for (size_t i = 0; i < two.batches.size(); ++i) {
+        EXPECT_LE(two.batches[i].seqs.size(), 3u) << "step " << i;
+        full_steps += two.batches[i].seqs.size() == 3;
+      }
+      EXPECT_GT(full_steps, 0u);
+      EXPECT_EQ(two.stats.kv_blocks_used, 0u);
     }
   }
 }
