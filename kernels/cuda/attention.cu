@@ -19,8 +19,9 @@
 // so as many bytes are in flight as with two 16-bit stages). Decode (split keys) reads each
 // lane's K and V bytes straight from the stage into registers and widens them with
 // cvt.rn.f16x2.e4m3x2 for fp16 MMAs, in a permuted head-dimension order that needs no shuffles
-// (compute_tile_regs): 0.71 of the copy bandwidth at batch 256 x 1536 keys, against 0.43 when
-// the CTA widened every tile into shared memory between barriers. Prefill still widens each
+// (compute_tile_regs): 0.81 of the copy bandwidth at batch 256 x 1536 keys with three CTAs per
+// SM (the DECODE instance, Config), 0.71 with two, against 0.43 when the CTA widened every tile
+// into shared memory between barriers. Prefill still widens each
 // tile's K, then V, into one 16-bit tile that ldmatrix reads (the widening is shared by the
 // CTA's four warps there).
 //
@@ -41,6 +42,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -63,9 +65,15 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kCombineThreads = 128;
 
 // FP8 (an E4M3 cache): K/V tiles stream through shared memory as bytes (half the traffic of
-// a bf16 cache); the CTA widens each tile's K, then its V, into one tile of the compute dtype
-// (widen_fp8x4), which the MMAs read as in the 16-bit path.
-template <int HD, bool FP8 = false>
+// a bf16 cache); decode reads them into registers (compute_tile_regs), prefill widens each
+// tile's K, then its V, into one tile of the compute dtype (widen_fp8x4) that the MMAs read as
+// in the 16-bit path.
+//
+// DECODE: the kernel instance for launches whose CTAs all split keys (max_query_len x G <= 16,
+// every decode step of a graph): only that loop is compiled, so its registers are not sized for
+// the row path too, and an FP8 cache gets no widened tile (decode reads registers) and four
+// stages, which lets three CTAs share an SM instead of two (__launch_bounds__ below).
+template <int HD, bool FP8 = false, bool DECODE = false>
 struct Config {
   // Keys per tile. head_dim 256 uses 32 so that O (128 fp32 registers) + S fit without spills.
   static constexpr int kBlockN = HD > 128 ? 32 : 64;
@@ -73,11 +81,15 @@ struct Config {
   // registers allow two CTAs per SM anyway, and the shared memory still does); head_dim 256
   // keeps two stages so that two CTAs fit.
   // FP8 tiles are half the bytes: five stages (four in flight, as many bytes as the 16-bit
-  // path's two) up to head_dim 128, still two CTAs per SM.
-  static constexpr int kStages = FP8 ? (HD > 128 ? 3 : 5) : (HD > 128 ? 2 : 3);
+  // path's two) up to head_dim 128, still two CTAs per SM; the FP8 decode instance four, so
+  // that three fit.
+  static constexpr int kStages = FP8 ? (HD > 128 ? 3 : (DECODE ? 4 : 5)) : (HD > 128 ? 2 : 3);
   // A CTA whose rows fit one warp (decode: one token x the group's heads) spreads each tile's
   // keys over its warps, 16 each, instead of leaving three warps idle; it needs 16 keys per warp.
   static constexpr bool kCanSplitKeys = kBlockN == kWarps * 16;
+  static_assert(!DECODE || kCanSplitKeys, "the decode instance splits keys");
+  // CTAs per SM the registers must allow (__launch_bounds__): three for the FP8 decode instance.
+  static constexpr int kMinCtasPerSm = FP8 && DECODE ? 3 : 1;
   // Q fragments stay in registers up to head_dim 128; for 256 they are re-read from shared memory.
   static constexpr bool kQInSmem = HD > 128;
   // Shared-memory row stride in elements: +8 (16 bytes) makes the 8 rows an ldmatrix reads hit
@@ -102,8 +114,9 @@ struct Config {
   static constexpr size_t kStageTileBytes =
       FP8 ? static_cast<size_t>(kBlockN * kRawStride) : static_cast<size_t>(kTileElems) * 2;
   static constexpr size_t kStagesBytes = 2 * kStages * kStageTileBytes;
-  // FP8 only: the widened tile the MMAs read (K, then V of the same tile), after the stages.
-  static constexpr size_t kComputeBytes = FP8 ? static_cast<size_t>(kTileElems) * 2 : 0;
+  // FP8 prefill only: the widened tile the MMAs read (K, then V of the same tile), after the
+  // stages.
+  static constexpr size_t kComputeBytes = FP8 && !DECODE ? static_cast<size_t>(kTileElems) * 2 : 0;
   // The stages, the widened tiles (FP8), then Q (head_dim 256 only).
   static constexpr size_t kQOffset = kStagesBytes + kComputeBytes;
   static constexpr size_t kSmemBytes =
@@ -340,10 +353,10 @@ __device__ __forceinline__ int splits_used(const Params& p, int ctx) {
 //   C 16x8:  c0,c1 (row gid, cols 2tig..+1), c2,c3 (row gid+8, same cols)
 // ldmatrix.x4: lanes 8j..8j+7 give the row addresses of matrix j, register j receives it.
 
-template <typename T, int HD, bool FP8>
-__global__ void __launch_bounds__(kThreads)
+template <typename T, int HD, bool FP8, bool DECODE>
+__global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPerSm))
     paged_attention_kernel(const __grid_constant__ Params p) {
-  using C = Config<HD, FP8>;
+  using C = Config<HD, FP8, DECODE>;
   using Ops = HalfOps<T>;
   constexpr int kBlockN = C::kBlockN;
   constexpr int kStages = C::kStages;
@@ -389,7 +402,7 @@ __global__ void __launch_bounds__(kThreads)
   // Split keys: every warp holds the CTA's (at most 16) rows and takes its own 16 keys of each
   // tile; the warps' partial softmax states are merged at the end. Otherwise each warp takes 16
   // rows and every key.
-  const bool split_keys = C::kCanSplitKeys && rows_valid - tile_row0 <= 16;
+  const bool split_keys = C::kCanSplitKeys && (DECODE || rows_valid - tile_row0 <= 16);
   const int warp_row0 = split_keys ? tile_row0 : tile_row0 + warp * 16;
   const bool warp_active = warp_row0 < rows_valid;
   const int warp_last = min(warp_row0 + 15, rows_valid - 1);
@@ -836,7 +849,9 @@ __global__ void __launch_bounds__(kThreads)
       sync_tile();  // the next iteration's prefetch overwrites this stage
     }
   };
-  if constexpr (C::kCanSplitKeys) {
+  if constexpr (DECODE) {
+    run_tiles(std::true_type{});
+  } else if constexpr (C::kCanSplitKeys) {
     if (split_keys) {
       run_tiles(std::true_type{});
     } else {
@@ -1098,14 +1113,11 @@ Status dispatch_generic(const Params& params, const AttentionArgs& args, cudaStr
   return launch_generic<T, 32>(params, args, stream);
 }
 
-template <typename T, int HD, bool FP8>
-Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
-  using C = Config<HD, FP8>;
-  const int64_t rows = static_cast<int64_t>(args.max_query_len) * params.group;
-  const dim3 grid(static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta),
-                  static_cast<unsigned>(args.num_seqs),
-                  static_cast<unsigned>(args.num_kv_heads * args.num_splits));
-  auto* kernel = paged_attention_kernel<T, HD, FP8>;
+// The main kernel's instance DECODE (Config) on `grid`.
+template <typename T, int HD, bool FP8, bool DECODE>
+Status launch_main(const Params& params, dim3 grid, cudaStream_t stream) {
+  using C = Config<HD, FP8, DECODE>;
+  auto* kernel = paged_attention_kernel<T, HD, FP8, DECODE>;
   if constexpr (C::kSmemBytes > 48 * 1024) {
     // Per launch rather than once: the attribute is per device, and it is a host-side call
     // that is legal during stream capture.
@@ -1115,7 +1127,51 @@ Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stre
         "paged_attention: raising the dynamic shared memory limit");
   }
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(params);
-  TESSERA_RETURN_IF_ERROR(launch_status("paged_attention"));
+  return launch_status("paged_attention");
+}
+
+// The current device's SM count (cached per device; a host query that is legal during capture).
+int current_sm_count() {
+  static std::atomic<int> cached[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  int n = cached[device].load(std::memory_order_relaxed);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+    cached[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// Whether a decode launch of `ctas` CTAs takes the DECODE instance (Config). With an FP8 cache
+// that instance runs three CTAs per SM instead of two, each 1.3x as long (so 1.15x the work per
+// SM), which wins unless its partial last wave costs more: waves x 1.3 against waves of two.
+// Measured on the H200 (132 SMs), three vs two per SM: 384 CTAs 77 vs 113 us, 512 CTAs 56 vs
+// 50 us, 2048 CTAs 235 vs 266 us.
+bool take_decode_instance(bool fp8, int64_t ctas) {
+  if (!fp8) return true;  // the same occupancy either way
+  const int64_t sms = current_sm_count();
+  if (sms <= 0) return true;
+  const int64_t waves3 = (ctas + 3 * sms - 1) / (3 * sms);
+  const int64_t waves2 = (ctas + 2 * sms - 1) / (2 * sms);
+  return static_cast<double>(waves3) * 1.3 <= static_cast<double>(waves2);
+}
+
+template <typename T, int HD, bool FP8>
+Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(args.max_query_len) * params.group;
+  const dim3 grid(static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta),
+                  static_cast<unsigned>(args.num_seqs),
+                  static_cast<unsigned>(args.num_kv_heads * args.num_splits));
+  if constexpr (Config<HD, FP8>::kCanSplitKeys) {
+    const int64_t ctas = static_cast<int64_t>(grid.y) * grid.z;
+    if (rows <= 16 && take_decode_instance(FP8, ctas)) {
+      TESSERA_RETURN_IF_ERROR((launch_main<T, HD, FP8, true>(params, grid, stream)));
+    } else {
+      TESSERA_RETURN_IF_ERROR((launch_main<T, HD, FP8, false>(params, grid, stream)));
+    }
+  } else {
+    TESSERA_RETURN_IF_ERROR((launch_main<T, HD, FP8, false>(params, grid, stream)));
+  }
   if (args.num_splits > 1) {
     constexpr int kRows = kCombineThreads / (HD / 4);
     const int64_t combine_rows = static_cast<int64_t>(args.max_query_len) * args.num_heads;

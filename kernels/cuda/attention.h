@@ -38,8 +38,9 @@ namespace tessera::cuda {
 
 struct AttentionArgs {
   DType dtype = DType::kBF16;  // of q and out (and the cache unless it is FP8): kBF16 or kF16
-  // kFp8E4M3: k_cache / v_cache hold E4M3 bytes (scale 1), widened exactly to `dtype` in
-  // shared memory before the MMAs.
+  // kFp8E4M3: k_cache / v_cache hold E4M3 bytes (scale 1), widened exactly: to `dtype` in
+  // shared memory before the MMAs (prefill), or to fp16 in registers (decode, whose MMAs are
+  // fp16 then, with q rounded to fp16).
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   // q, out, k_cache, v_cache and workspace must be 16-byte aligned (cudaMalloc'd buffers are).
   // [total_q, num_heads, head_dim]; total_q = cu_query_lens[num_seqs]

@@ -503,6 +503,29 @@ TEST(CudaPagedAttention, Fp8CacheMatchesCpu) {
   }
 }
 
+// FP8 decode at batch sizes that take each of the two kernel instances (attention.cu's
+// take_decode_instance: 3 CTAs per SM, or 2 when a partial last wave of three costs more, as
+// 3 or 64 sequences x 8 KV heads do on 132 SMs; 200 x 8 takes three), unsplit and split, and
+// every tile head size at the large batch.
+TEST(CudaPagedAttention, Fp8DecodeEveryBatchSizeMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<std::pair<int, int>> cases = {{3, 128},  {64, 128}, {200, 128},
+                                                  {200, 64}, {200, 32}, {200, 16}};
+  for (const auto& [batch, head_dim] : cases) {
+    Shape sh;
+    sh.dtype = batch % 2 ? DType::kF16 : DType::kBF16;
+    sh.num_heads = head_dim == 64 ? 8 : 32;  // GQA 1 once, 4 otherwise
+    sh.num_kv_heads = 8;
+    sh.head_dim = head_dim;
+    sh.fp8 = true;
+    std::vector<int> ctx;
+    for (int i = 0; i < batch; ++i) ctx.push_back(1 + (i * 37) % 300);
+    const std::vector<int> ones(ctx.size(), 1);
+    const Problem p = make_problem(sh, ones, ctx, 1000 + batch);
+    check_problem(p, ctx, {{2, 192}}, describe(sh) + " batch " + std::to_string(batch));
+  }
+}
+
 // E4M3's subnormals (|x| < 2^-6, codes 1..7) widen exactly: a cache holding nothing else
 // gives outputs ~1e-3 that a flushed widening would turn into zeros, so the bound here is
 // relative to the outputs, not the usual absolute floor.
