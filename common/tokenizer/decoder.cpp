@@ -11,27 +11,29 @@ namespace {
 
 using nlohmann::json;
 
+}  // namespace
+
+std::string byte_level_bytes(std::string_view token) {
+  std::string bytes;
+  bytes.reserve(token.size());
+  for (size_t pos = 0; pos < token.size();) {
+    const int byte = unicode_to_byte(next_code_point(token, pos));
+    if (byte < 0) return std::string(token);
+    bytes.push_back(static_cast<char>(byte));
+  }
+  return bytes;
+}
+
+namespace {
+
 class ByteLevelDecoder final : public Decoder {
  public:
   void decode_chain(std::vector<std::string>& tokens) const override {
     std::string bytes;
-    for (const std::string& token : tokens) {
-      // A token maps back to bytes only if every char of it is in the byte map; otherwise (an
-      // added token outside the alphabet) its UTF-8 is taken as is.
-      size_t start = bytes.size();
-      bool mapped = true;
-      for (size_t pos = 0; pos < token.size();) {
-        int byte = unicode_to_byte(next_code_point(token, pos));
-        if (byte < 0) {
-          mapped = false;
-          break;
-        }
-        bytes.push_back(static_cast<char>(byte));
-      }
-      if (!mapped) bytes.replace(start, std::string::npos, token);
-    }
+    for (const std::string& token : tokens) bytes += byte_level_bytes(token);
     tokens.assign(1, utf8_lossy(bytes));
   }
+  bool byte_level() const override { return true; }
 };
 
 class ReplaceDecoder final : public Decoder {

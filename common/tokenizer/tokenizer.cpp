@@ -182,6 +182,24 @@ void Tokenizer::derive_settings() {
   } else {
     add_bos_token_ = post_processor_ && post_processor_->leading_special().has_value();
   }
+  id_bytes_.clear();
+  id_special_.clear();
+  if (decoder_ && decoder_->byte_level()) {
+    size_t ids = vocab_size_;
+    for (const AddedToken& token : added_->tokens()) {
+      ids = std::max(ids, static_cast<size_t>(std::max(token.id, 0)) + 1);
+    }
+    id_bytes_.resize(ids);
+    id_special_.assign(ids, 0);
+    for (size_t id = 0; id < ids; ++id) {
+      const int32_t i = static_cast<int32_t>(id);
+      const std::string* token =
+          added_->find(i) != nullptr ? &added_->decode_form(i) : model_->id_to_token(i);
+      if (token == nullptr) continue;  // no such id: decodes to nothing, as below
+      id_bytes_[id] = tokenizer::byte_level_bytes(*token);
+      id_special_[id] = added_->is_special_content(*token) ? 1 : 0;
+    }
+  }
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view input, bool add_special_tokens) const {
@@ -220,6 +238,15 @@ std::vector<int32_t> Tokenizer::encode(std::string_view input, bool add_special_
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
+  if (!id_bytes_.empty()) {
+    std::string bytes;
+    for (int32_t id : ids) {
+      if (id < 0 || static_cast<size_t>(id) >= id_bytes_.size()) continue;
+      if (skip_special_tokens && id_special_[static_cast<size_t>(id)] != 0) continue;
+      bytes += id_bytes_[static_cast<size_t>(id)];
+    }
+    return tokenizer::utf8_lossy(bytes);
+  }
   std::vector<std::string> tokens;
   tokens.reserve(ids.size());
   for (int32_t id : ids) {

@@ -114,6 +114,11 @@ class Tokenizer {
   std::optional<int32_t> bos_id_;
   std::vector<int32_t> eos_ids_;
   bool add_bos_token_ = false;
+  // With a ByteLevel decoder alone (Llama 3, Qwen): each id's decoded bytes and whether it is
+  // special, so that decode (detokenization runs once per generated token) concatenates instead
+  // of copying token strings through the decoder. Empty otherwise.
+  std::vector<std::string> id_bytes_;
+  std::vector<uint8_t> id_special_;
 };
 
 }  // namespace tessera
