@@ -12,6 +12,11 @@
 
 namespace tessera {
 
+// In SeqStep::tokens (async scheduling, one rank): the token this actor sampled for the request in
+// the step before, which the driver does not know yet. Only as the one token of a continuing
+// request's decode step.
+constexpr int32_t kSampledToken = -1;
+
 struct SeqStep {
   uint64_t request_id = 0;
   std::vector<int32_t> tokens;       // this step's tokens: a prompt chunk, or the last sampled

@@ -569,13 +569,16 @@ Status run_throughput(const BenchThroughputOptions& o) {
               {"step (mean)", fixed(1000 * wall / std::max<size_t>(steps, 1), 2), "ms", ""},
               {"GPU forward passes", fixed(gpu_s, 2), "s", share(gpu_s)},
               {"actor execute", fixed(actor_s, 2), "s", share(actor_s)},
-              {"driver's RPC/ring round trips", fixed(call_s, 2), "s", share(call_s)}},
+              {engine.steps_in_flight() > 1 ? "steps' submit to collect (overlapping)"
+                                            : "driver's RPC/ring round trips",
+               fixed(call_s, 2), "s", share(call_s)}},
              "lrlr");
   nlohmann::json j = run_json(o.command_line, o.engine.model, m);
   j.update({{"tensor_parallel_size", session->plan().plan.tp},
             {"pipeline_parallel_size", session->plan().plan.pp},
             {"kv_blocks", m.kv_blocks},
             {"load_seconds", session->load_seconds()},
+            {"async_scheduling", engine.config().scheduler.async_scheduling},
             {"num_requests", w.size()},
             {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
             {"input_len", o.dataset_path.empty() ? o.input_len : 0},

@@ -42,6 +42,9 @@ void add_engine_options(CLI::App* cmd, EngineArgs& e) {
                 "tensors when a stage's GPUs share a node)");
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", e.enable_prefix_caching,
                 "Share the KV cache of common prompt prefixes (on by default)");
+  cmd->add_flag("--async-scheduling", e.async_scheduling,
+                "Schedule each decode step while the one before runs, its input the token that "
+                "step samples (one rank; vLLM's flag)");
   cmd->add_option("--nccl-init-timeout", e.nccl_init_timeout_s,
                   "Seconds every rank has to join the collectives at start-up (120)");
 }
@@ -192,6 +195,12 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
     std::stringstream lines(plan_summary(s->plan_));
     for (std::string line; std::getline(lines, line);) spdlog::info("{}", line);
   }
+  if (a.async_scheduling && s->plan_.plan.tp * s->plan_.plan.pp > 1) {
+    return invalid_argument(
+        "--async-scheduling needs one rank (tensor and pipeline parallel size 1): the token a "
+        "step samples stays on its rank; the plan has " +
+        std::to_string(s->plan_.plan.tp) + " x " + std::to_string(s->plan_.plan.pp));
+  }
   ParallelConfig parallel;
   parallel.tp_size = static_cast<int>(s->plan_.plan.tp);
   parallel.pp_size = static_cast<int>(s->plan_.plan.pp);
@@ -259,11 +268,12 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
 
   s->spec_ = spec;
   s->start_engine(a.enable_prefix_caching, static_cast<uint32_t>(a.memory.max_num_seqs),
-                  detokenize);
+                  a.async_scheduling, detokenize);
   return s;
 }
 
-void ModelSession::start_engine(bool prefix_caching, uint32_t max_num_seqs, bool detokenize) {
+void ModelSession::start_engine(bool prefix_caching, uint32_t max_num_seqs, bool async_scheduling,
+                                bool detokenize) {
   ModelSession* s = this;
   const ModelInfo& m = s->group_->model();
   EngineConfig ec;
@@ -272,6 +282,7 @@ void ModelSession::start_engine(bool prefix_caching, uint32_t max_num_seqs, bool
   ec.enable_prefix_caching = prefix_caching;
   ec.scheduler.max_model_len = static_cast<uint32_t>(m.max_model_len);
   ec.scheduler.max_num_seqs = max_num_seqs;
+  ec.scheduler.async_scheduling = async_scheduling;
   ec.scheduler.max_num_batched_tokens = static_cast<uint32_t>(m.max_num_batched_tokens);
   ec.vocab_size = m.vocab_size;
   for (int64_t id : s->config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));
@@ -292,7 +303,8 @@ Status ModelSession::restart() {
   engine_.reset();
   group_.reset();  // the old actors stop, their leases end
   TESSERA_ASSIGN_OR_RETURN(group_, WorkerGroup::start(*loop_, *cluster_, spec_));
-  start_engine(ec.enable_prefix_caching, ec.scheduler.max_num_seqs, true);
+  start_engine(ec.enable_prefix_caching, ec.scheduler.max_num_seqs, ec.scheduler.async_scheduling,
+               true);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return Status::ok();
 }

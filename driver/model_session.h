@@ -28,6 +28,7 @@ struct EngineArgs : ModelArgs {
   std::string collectives = "auto";  // auto | tcp | nccl | ipc
   bool disable_custom_all_reduce = false;  // nccl: NCCL for every all-reduce (vLLM's flag)
   bool enable_prefix_caching = true;       // --no-enable-prefix-caching turns it off
+  bool async_scheduling = false;           // SchedulerConfig::async_scheduling (one rank)
   uint32_t nccl_init_timeout_s = 120;
   bool return_logits = false;  // tests
   // Local ranks take steps through the node's shared-memory rings; false sends every step as an
@@ -69,7 +70,8 @@ class ModelSession {
 
  private:
   ModelSession() = default;
-  void start_engine(bool prefix_caching, uint32_t max_num_seqs, bool detokenize);
+  void start_engine(bool prefix_caching, uint32_t max_num_seqs, bool async_scheduling,
+                    bool detokenize);
 
   ModelConfig config_;
   ClusterPlan plan_;

@@ -108,6 +108,7 @@ Expected<StepOutput> ModelRunner::execute(const StepInput& step) {
     TESSERA_ASSIGN_OR_RETURN(std::vector<SampleResult> samples,
                              backend_->step(batch, rows, return_logits_ ? &out.logits : nullptr));
     for (size_t i = 0; i < samples.size(); ++i) {
+      requests_.record_sample(rows[i].request_id, samples[i].token);
       out.outputs.push_back({rows[i].request_id, std::move(samples[i])});
     }
   }

@@ -73,6 +73,14 @@ Status RequestTable::apply(const StepInput& step) {
                                 " blocks)");
       }
     }
+    if (!s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
+      if (!it->second.last_sampled) {
+        return failed_precondition(who +
+                                   " asks for the token this actor sampled last, but it "
+                                   "has none (async scheduling needs one rank)");
+      }
+      continue;
+    }
     for (int32_t t : s.tokens) {
       if (t < 0 || t >= L.vocab_size) {
         return invalid_argument(who + ": token id " + std::to_string(t) +
@@ -108,9 +116,19 @@ Status RequestTable::apply(const StepInput& step) {
     }
     RequestState& r = requests_.at(s.request_id);
     r.blocks.insert(r.blocks.end(), s.new_blocks.begin(), s.new_blocks.end());
-    r.tokens.insert(r.tokens.end(), s.tokens.begin(), s.tokens.end());
+    if (s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
+      r.tokens.push_back(*r.last_sampled);
+    } else {
+      r.tokens.insert(r.tokens.end(), s.tokens.begin(), s.tokens.end());
+    }
+    r.last_sampled.reset();
   }
   return Status::ok();
+}
+
+void RequestTable::record_sample(uint64_t request_id, int32_t token) {
+  auto it = requests_.find(request_id);
+  if (it != requests_.end()) it->second.last_sampled = token;
 }
 
 std::vector<ForwardSeq> RequestTable::batch(const StepInput& step) const {
@@ -118,7 +136,9 @@ std::vector<ForwardSeq> RequestTable::batch(const StepInput& step) const {
   out.reserve(step.seqs.size());
   for (const SeqStep& s : step.seqs) {
     const RequestState& r = requests_.at(s.request_id);
-    out.push_back({s.tokens, s.start_position, r.blocks, s.sample});
+    const std::span<const int32_t> tokens(r.tokens);
+    out.push_back({tokens.subspan(static_cast<size_t>(s.start_position), s.tokens.size()),
+                   s.start_position, r.blocks, s.sample});
   }
   return out;
 }

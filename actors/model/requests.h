@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -34,6 +35,9 @@ struct RequestState {
   int64_t prompt_len = 0;
   std::vector<uint32_t> blocks;
   std::vector<int32_t> tokens;  // every token received, in position order
+  // The token this rank sampled in the request's last step, until a step takes it as input
+  // (kSampledToken, async scheduling); none on a rank that does not sample.
+  std::optional<int32_t> last_sampled;
   std::span<const int32_t> prompt() const {
     return {tokens.data(), static_cast<size_t>(std::min<int64_t>(prompt_len, tokens.size()))};
   }
@@ -61,11 +65,15 @@ class RequestTable {
   // changes: INVALID_ARGUMENT for a malformed step (a token outside the vocabulary, a position
   // that does not continue the request, a block outside the cache, too many tokens or
   // sequences, bad sampling parameters), FAILED_PRECONDITION for a continuing request this
-  // actor has no state for.
+  // actor has no state for, or a kSampledToken it has no sample for (a step that is not one
+  // decode token right after a sampled one, or a rank that does not sample).
   Status apply(const StepInput& step);
 
-  // The forward batch of a step applied last (views valid until the next apply()).
+  // The forward batch of a step applied last (views valid until the next apply()); its tokens
+  // are the table's, with kSampledToken filled in.
   std::vector<ForwardSeq> batch(const StepInput& step) const;
+  // The token this rank sampled for a request (the next step may ask for it as kSampledToken).
+  void record_sample(uint64_t request_id, int32_t token);
 
   const RequestState& at(uint64_t request_id) const { return requests_.at(request_id); }
   size_t size() const { return requests_.size(); }

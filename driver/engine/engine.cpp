@@ -33,6 +33,7 @@ size_t stop_prefix_at_end(std::string_view text, size_t from,
 // The scheduler's per-step seats: with several pipeline stages, the running sequences split
 // into as many micro-batches, one per step in flight (scheduler.h).
 EngineConfig with_step_seats(EngineConfig config, int depth) {
+  if (config.scheduler.async_scheduling) return config;  // full steps, overlapping
   if (depth > 1 && config.scheduler.max_seqs_per_step == 0) {
     const uint32_t d = static_cast<uint32_t>(depth);
     config.scheduler.max_seqs_per_step = (config.scheduler.max_num_seqs + d - 1) / d;
@@ -44,6 +45,7 @@ EngineConfig with_step_seats(EngineConfig config, int depth) {
 
 LlmEngine::LlmEngine(EngineConfig config, StepExecutor& executor, const Detokenizer& detokenizer)
     : config_(with_step_seats(std::move(config), executor.pipeline_depth())),
+      depth_(std::max(executor.pipeline_depth(), config_.scheduler.async_scheduling ? 2 : 1)),
       executor_(executor),
       detokenizer_(detokenizer),
       blocks_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),
@@ -92,7 +94,10 @@ StepInput LlmEngine::make_step(const std::vector<ScheduledChunk>& chunks) {
     Sequence& seq = *c.seq;
     SeqStep s;
     s.request_id = seq.id;
-    for (size_t i = c.start; i < c.start + c.count; ++i) s.tokens.push_back(seq.token_at(i));
+    for (size_t i = c.start; i < c.start + c.count; ++i) {
+      // Async scheduling: the token the step in flight samples, which the actor fills in.
+      s.tokens.push_back(i < seq.total() ? seq.token_at(i) : kSampledToken);
+    }
     s.start_position = static_cast<int64_t>(c.start);
     s.new_blocks.assign(seq.block_table.begin() + static_cast<std::ptrdiff_t>(seq.sent_blocks),
                         seq.block_table.end());
@@ -129,14 +134,21 @@ void LlmEngine::fail(const std::vector<ScheduledChunk>& chunks, const Status& wh
     if (!seq) continue;
     finished_since_last_step_.push_back(seq->id);
     outputs.push_back(final_output(*seq, "error: " + why.message()));
+    keep_until_collected(std::move(seq));
   }
+}
+
+void LlmEngine::keep_until_collected(std::unique_ptr<Sequence> seq) {
+  if (seq == nullptr || seq->in_flight == 0) return;
+  seq->aborted = true;
+  aborted_in_flight_.push_back(std::move(seq));
 }
 
 std::vector<std::unique_ptr<Sequence>> LlmEngine::take_aborted(
     const std::vector<ScheduledChunk>& chunks) {
   std::vector<std::unique_ptr<Sequence>> out;
   for (const auto& c : chunks) {
-    if (!c.seq->aborted) continue;
+    if (!c.seq->aborted || c.seq->in_flight > 0) continue;  // still in a later step
     auto it = std::find_if(aborted_in_flight_.begin(), aborted_in_flight_.end(),
                            [&](const auto& s) { return s.get() == c.seq; });
     TESSERA_CHECK(it != aborted_in_flight_.end(), "an aborted sequence not kept until its step");
@@ -153,17 +165,15 @@ std::optional<RequestOutput> LlmEngine::abort_request(uint64_t id) {
   // ahead of that one, which is why its blocks can be reused from the next step on.
   if (seq->started) finished_since_last_step_.push_back(id);
   RequestOutput out = final_output(*seq, "abort");
-  if (seq->in_flight) {
-    seq->aborted = true;
-    aborted_in_flight_.push_back(std::move(seq));
-  }
+  keep_until_collected(std::move(seq));
   return out;
 }
 
 Expected<std::vector<RequestOutput>> LlmEngine::step() {
   std::vector<RequestOutput> outputs;
-  // Fill the pipeline: one step per stage can be in flight, each with other sequences.
-  while (static_cast<int>(in_flight_.size()) < executor_.pipeline_depth()) {
+  // Fill the pipeline: one step per stage can be in flight, each with other sequences (with
+  // async scheduling two, the second continuing the first's decodes).
+  while (static_cast<int>(in_flight_.size()) < depth_) {
     std::vector<ScheduledChunk> chunks = scheduler_.schedule();
     if (chunks.empty()) break;
     StepInput input = make_step(chunks);
@@ -173,7 +183,7 @@ Expected<std::vector<RequestOutput>> LlmEngine::step() {
       // Whether the actors saw it is unknown: tell them again (forgetting twice is harmless).
       finished_since_last_step_.insert(finished_since_last_step_.end(), forget.begin(),
                                        forget.end());
-      for (const auto& c : chunks) c.seq->in_flight = false;
+      for (const auto& c : chunks) --c.seq->in_flight;
       fail(chunks, sent, outputs);
       return outputs;
     }
@@ -187,7 +197,7 @@ Expected<std::vector<RequestOutput>> LlmEngine::step() {
   }
   std::vector<ScheduledChunk> chunks = std::move(in_flight_.front());
   in_flight_.pop_front();
-  for (const auto& c : chunks) c.seq->in_flight = false;
+  for (const auto& c : chunks) --c.seq->in_flight;
   // Sequences aborted meanwhile: alive until this step is handled, their results dropped.
   std::vector<std::unique_ptr<Sequence>> aborted = take_aborted(chunks);
   auto result = executor_.collect();
@@ -219,7 +229,9 @@ Expected<std::vector<RequestOutput>> LlmEngine::step() {
     outputs.push_back(std::move(out));
   }
   for (uint64_t id : done) {
-    scheduler_.finish(id);
+    // With async scheduling the next step may hold it already: kept until that one is collected,
+    // its result dropped; the actors forget it after that step.
+    keep_until_collected(scheduler_.finish(id));
     finished_since_last_step_.push_back(id);
   }
   return outputs;

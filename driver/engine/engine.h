@@ -101,6 +101,8 @@ class LlmEngine {
   std::optional<RequestOutput> abort_request(uint64_t id);
   // Requests not finished yet, or steps still to collect.
   bool has_unfinished() const { return !scheduler_.idle() || !in_flight_.empty(); }
+  // Steps kept in flight: the executor's pipeline stages, 2 with async scheduling on one.
+  int steps_in_flight() const { return depth_; }
   EngineStats stats() const;
   const EngineConfig& config() const { return config_; }
 
@@ -112,10 +114,14 @@ class LlmEngine {
             std::vector<RequestOutput>& outputs);
   // The final output of a request that ends now, with no new tokens.
   static RequestOutput final_output(const Sequence& seq, std::string reason);
+  // A sequence that ended (finished, failed, aborted) while a step in flight still holds it: kept
+  // alive, marked aborted, until that step is collected (its result is dropped).
+  void keep_until_collected(std::unique_ptr<Sequence> seq);
   // Hands over the sequences of a step that came back that were aborted while it was in flight.
   std::vector<std::unique_ptr<Sequence>> take_aborted(const std::vector<ScheduledChunk>& chunks);
 
   EngineConfig config_;
+  int depth_;  // steps kept in flight: the stages, or 2 with async scheduling
   StepExecutor& executor_;
   const Detokenizer& detokenizer_;
   BlockManager blocks_;

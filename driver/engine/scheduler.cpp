@@ -49,8 +49,25 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
   // Running sequences: the rest of a chunked prompt, or one decode token.
   for (size_t i = 0; i < running_.size() && budget > 0 && out.size() < seats;) {
     Sequence& seq = *running_[i];
+    if (seq.in_flight > 0) {
+      // Async scheduling: the next decode step, whose input is the token the step in flight
+      // samples, unless that token already ends the sequence by length. No preemption for it:
+      // without a free block it waits for its step to come back.
+      const size_t next = seq.total();  // the position of the token being sampled
+      if (config_.async_scheduling && seq.in_flight == 1 && seq.sample_in_flight &&
+          seq.computed < next &&
+          static_cast<int>(seq.output.size()) + 1 < seq.sampling.max_tokens &&
+          next + 1 < config_.max_model_len && blocks_.can_grow(seq, next + 1)) {
+        blocks_.grow(seq, next + 1);
+        out.push_back({&seq, next, 1, true});
+        ++seq.in_flight;
+        budget -= 1;
+      }
+      ++i;
+      continue;
+    }
     size_t count = std::min(seq.total() - seq.computed, budget);
-    if (seq.in_flight || count == 0) {  // its previous step is still in the pipeline
+    if (count == 0) {
       ++i;
       continue;
     }
@@ -63,7 +80,8 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
     }
     blocks_.grow(seq, seq.computed + count);
     out.push_back({&seq, seq.computed, count, seq.computed + count == seq.total()});
-    seq.in_flight = true;
+    seq.in_flight = 1;
+    seq.sample_in_flight = out.back().sample;
     budget -= count;
     ++i;
   }
@@ -79,8 +97,9 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
     blocks_.admit(seq, hits, start + count);
     if (seq.preemptions == 0) seq.cached_tokens = start;
     seq.status = SeqStatus::kRunning;
-    seq.in_flight = true;
+    seq.in_flight = 1;
     out.push_back({&seq, start, count, start + count == seq.total()});
+    seq.sample_in_flight = out.back().sample;
     budget -= count;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();

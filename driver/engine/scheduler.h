@@ -12,9 +12,10 @@
 // forget it (take_preempted()). No new sequence is admitted in a step that preempted.
 //
 // A sequence is "in flight" from the step that schedules it until the engine has its result
-// (pipeline parallelism keeps several steps in flight): it is neither scheduled again nor
-// preempted meanwhile (its blocks are in use). A sequence that needs a block while the only
-// candidates to preempt are in flight waits for them to come back.
+// (pipeline parallelism keeps several steps in flight): it is not preempted meanwhile (its
+// blocks are in use) and not scheduled again, except for one decode step ahead with async
+// scheduling. A sequence that needs a block while the only candidates to preempt are in flight
+// waits for them to come back.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,12 @@ struct SchedulerConfig {
   // many micro-batches, one per step, instead of the first step taking them all and leaving the
   // other stages nothing to run.
   uint32_t max_seqs_per_step = 0;
+  // Async scheduling (vLLM's --async-scheduling): a decoding sequence whose step is still in
+  // flight is scheduled again, for the token that step samples (kSampledToken), so that two
+  // full steps are in flight and the driver's work hides behind the GPU's. The actor fills the
+  // token in from its own sample, so this needs a single rank. A token that turns out to end the
+  // sequence (EOS, a stop string) costs one discarded step for it.
+  bool async_scheduling = false;
   uint32_t max_num_batched_tokens = 2048;  // tokens computed per step
   uint32_t max_model_len = 4096;
 };

@@ -38,7 +38,11 @@ struct Sequence {
   size_t cached_tokens = 0;  // of the prompt, found in the prefix cache when first admitted
   bool started = false;      // its first step was sent to the actors (since its last preemption)
   size_t sent_blocks = 0;    // block_table entries the actors have been sent
-  bool in_flight = false;    // in a step submitted and not collected yet
+  int in_flight = 0;         // steps submitted and not collected yet that hold it (2 at most,
+                             // with async scheduling)
+  // The last step scheduled for it samples its next token (async scheduling may then schedule
+  // the step after, whose input is that token, before it is known).
+  bool sample_in_flight = false;
   bool aborted = false;      // aborted while in flight: the step's result is dropped
   uint32_t preemptions = 0;
   std::unique_ptr<TextStream> text_stream;  // the detokenizer's stream for `output`

@@ -111,7 +111,8 @@ class FakeExecutor final : public StepExecutor {
       return unavailable("the connection to actor a-0 broke");
     }
     for (const auto& s : step.seqs) {
-      if (in_flight_has(s.request_id)) {
+      const bool ahead = s.tokens.size() == 1 && s.tokens[0] == kSampledToken;  // async
+      if (in_flight_has(s.request_id) && !ahead) {
         violations.push_back("step " + std::to_string(step.step_id) + " has request " +
                              std::to_string(s.request_id) + ", which a step in flight has too");
       }
@@ -165,6 +166,7 @@ class FakeExecutor final : public StepExecutor {
     for (uint64_t id : step.finished) {
       tables.erase(id);
       seen_.erase(id);
+      sampled_.erase(id);
     }
     StepOutput r;
     r.step_id = step.step_id;
@@ -184,8 +186,22 @@ class FakeExecutor final : public StepExecutor {
       }
       auto& table = tables[w.request_id];
       table.insert(table.end(), w.new_blocks.begin(), w.new_blocks.end());
+      // Async scheduling: kSampledToken is the token sampled for it in the step before, as the
+      // actors fill it in.
+      std::vector<int32_t> tokens = w.tokens;
+      const auto sampled = sampled_.find(w.request_id);
+      for (int32_t& t : tokens) {
+        if (t != kSampledToken) continue;
+        if (tokens.size() != 1 || w.first || sampled == sampled_.end()) {
+          violations.push_back(who + "asks for a sampled token the actors do not have");
+          t = 0;
+        } else {
+          t = sampled->second;
+        }
+      }
+      sampled_.erase(w.request_id);
       uint64_t last = 0;
-      for (size_t i = 0; i < w.tokens.size(); ++i) {
+      for (size_t i = 0; i < tokens.size(); ++i) {
         int64_t p = w.start_position + static_cast<int64_t>(i);
         uint64_t previous = 7;
         if (p > 0) {
@@ -203,9 +219,9 @@ class FakeExecutor final : public StepExecutor {
         if (held_by_other(w.request_id, table[static_cast<size_t>(p) / block_size_])) {
           violations.push_back(who + "writes a block another request holds");
         }
-        *write = last = content(previous, w.tokens[i], p);
+        *write = last = content(previous, tokens[i], p);
       }
-      seen_[w.request_id] += static_cast<int64_t>(w.tokens.size());
+      seen_[w.request_id] += static_cast<int64_t>(tokens.size());
       if (!w.sample) continue;
       auto& q = script[w.request_id];
       int32_t t = static_cast<int32_t>(20 + last % 70);  // never EOS (9) or a text piece
@@ -213,6 +229,7 @@ class FakeExecutor final : public StepExecutor {
         t = q.front();
         q.pop_front();
       }
+      sampled_[w.request_id] = t;
       r.outputs.push_back({w.request_id, {t, -0.5f, {}}});
     }
     return r;
@@ -221,6 +238,7 @@ class FakeExecutor final : public StepExecutor {
   uint32_t block_size_;
   std::vector<uint64_t> kv_;
   std::map<uint64_t, int64_t> seen_;  // tokens each live request has sent
+  std::map<uint64_t, int32_t> sampled_;  // the token sampled in each request's last step
 };
 
 inline EngineConfig config(uint32_t blocks = 64, uint32_t budget = 2048, uint32_t max_len = 256) {

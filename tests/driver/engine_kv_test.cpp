@@ -258,6 +258,38 @@ TEST(EnginePipelineTest, TwoMicroBatchesInFlightGiveTheSameOutput) {
   }
 }
 
+// Async scheduling over the content-computing fake: every request's output is what one step at a
+// time gives, with an ample cache and with one so tight that requests are preempted, with and
+// without prefix caching; two full steps in flight.
+TEST(EngineAsyncTest, SameOutputAsOneStepAtATime) {
+  for (bool prefix : {false, true}) {
+    for (uint32_t blocks : {256u, 8u}) {
+      SCOPED_TRACE(std::string("prefix caching ") + (prefix ? "on" : "off") + ", " +
+                   std::to_string(blocks) + " blocks");
+      EngineConfig c = caching(prefix, blocks);
+      EngineConfig a = c;
+      a.scheduler.async_scheduling = true;
+      Workload one = run_workload(c, 1, crowd(10, 12));
+      Workload two = run_workload(a, 1, crowd(10, 12));
+      EXPECT_TRUE(two.violations.empty()) << two.violations.front();
+      EXPECT_EQ(two.max_in_flight, 2u);
+      ASSERT_EQ(two.runs.size(), one.runs.size());
+      for (size_t i = 0; i < two.runs.size(); ++i) {
+        EXPECT_EQ(two.runs[i], one.runs[i]) << "request " << i;
+      }
+      EXPECT_EQ(two.stats.generation_tokens, one.stats.generation_tokens);
+      EXPECT_EQ(two.stats.kv_blocks_used, 0u);
+      if (blocks == 256) {
+        // Ample blocks: each step holds every running request (full batches, unlike the
+        // micro-batches of pipeline stages).
+        size_t widest = 0;
+        for (const auto& b : two.batches) widest = std::max(widest, b.seqs.size());
+        EXPECT_EQ(widest, 10u);
+      }
+    }
+  }
+}
+
 TEST(EnginePreemptionTest, PreemptsTheMostRecentlyAdmittedAndRestartsItFresh) {
   // 3 blocks of 4: after their prompts, A and B each need a second block and only one is left.
   std::vector<Arrival> two = {{0, {30, 31, 32, 33}, 8}, {0, {40, 41, 42, 43}, 8}};

@@ -225,6 +225,105 @@ TEST(EngineTest, PipelineKeepsSeveralStepsInFlightWithDisjointSequences) {
   }
 }
 
+EngineConfig async_config() {
+  EngineConfig c = config();
+  c.scheduler.async_scheduling = true;
+  return c;
+}
+
+// Async scheduling: each decode step is submitted while the one before is in flight, its input
+// the token that step samples (kSampledToken, filled in by the fake as the actor does). Stop
+// conditions found in a token end the request with exactly the tokens one step at a time gives;
+// the step already in flight for it is computed and its result dropped.
+TEST(EngineAsyncTest, StopConditionsGiveTheSameOutput) {
+  for (bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "one step at a time");
+    FakeExecutor ex;
+    FakeDetokenizer dt;
+    LlmEngine engine(async ? async_config() : config(), ex, dt);
+    auto length = engine.add_request({1, 2, 3}, opts(5));
+    auto eos = engine.add_request({1}, opts(10));
+    SamplingParams stop_string = opts(20);
+    stop_string.stop = {"STOP"};
+    auto stop = engine.add_request({1}, stop_string);
+    SamplingParams stop_id = opts(20);
+    stop_id.stop_token_ids = {10};
+    auto id10 = engine.add_request({1}, stop_id);
+    ASSERT_TRUE(length && eos && stop && id10);
+    ex.script[*length] = {1, 2, 1, 2, 1, 2, 1};
+    ex.script[*eos] = {2, 9, 2, 2};
+    ex.script[*stop] = {1, 5, 6, 7, 8, 1, 1};
+    ex.script[*id10] = {1, 10, 1, 1};
+    auto runs = run_all(engine);
+    EXPECT_EQ(runs[*length].tokens, (std::vector<int32_t>{1, 2, 1, 2, 1}));
+    EXPECT_EQ(runs[*length].finish, "length");
+    EXPECT_EQ(runs[*eos].tokens, (std::vector<int32_t>{2, 9}));
+    EXPECT_EQ(runs[*eos].finish, "stop");
+    EXPECT_EQ(runs[*stop].text, "a X");
+    EXPECT_EQ(runs[*stop].finish, "stop");
+    EXPECT_EQ(runs[*id10].tokens, (std::vector<int32_t>{1, 10}));
+    EXPECT_TRUE(ex.violations.empty()) << ex.violations.front();
+    EXPECT_EQ(engine.stats().kv_blocks_used, 0u);
+    EXPECT_EQ(ex.max_in_flight, async ? 2u : 1u);
+    size_t ahead = 0;  // decode steps sent before their input token was known
+    for (const auto& b : ex.batches) {
+      for (const auto& s : b.seqs) ahead += s.tokens == std::vector<int32_t>{kSampledToken};
+    }
+    if (async) {
+      EXPECT_GT(ahead, 0u);
+    } else {
+      EXPECT_EQ(ahead, 0u);
+    }
+    // max_tokens is known ahead: no step is sent for a token past it.
+    size_t length_steps = 0;
+    for (const auto& b : ex.batches) {
+      for (const auto& s : b.seqs) length_steps += s.request_id == *length;
+    }
+    EXPECT_EQ(length_steps, 5u);
+  }
+}
+
+// A failed step with async scheduling fails its requests, also those the step after it holds
+// (whose result is dropped), and the engine goes on; an abort while a step in flight holds a
+// request ends it at once, the others unaffected.
+TEST(EngineAsyncTest, FailuresAndAbortsWithTwoStepsInFlight) {
+  FakeExecutor ex;
+  FakeDetokenizer dt;
+  LlmEngine engine(async_config(), ex, dt);
+  auto a = engine.add_request({1}, opts(6));
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(engine.step());  // the prompt's step, then the first decode ahead of it
+  ASSERT_TRUE(engine.step());
+  ex.fail_next = 1;
+  auto runs = run_all(engine);
+  EXPECT_EQ(runs[*a].finish.rfind("error: ", 0), 0u) << runs[*a].finish;
+  EXPECT_FALSE(engine.has_unfinished());
+  // The step after the failed one continued `a` past the step the fake dropped (real actors
+  // refuse that: a position that does not continue the request); its result was dropped.
+  ex.violations.clear();
+  auto b = engine.add_request({1}, opts(8));
+  auto c = engine.add_request({2}, opts(8));
+  ASSERT_TRUE(b && c);
+  size_t c_tokens = 0, b_tokens = 0;
+  for (int i = 0; i < 2; ++i) {
+    auto outs = engine.step();
+    ASSERT_TRUE(outs);
+    for (const auto& o : *outs) (o.request_id == *c ? c_tokens : b_tokens) += o.new_tokens.size();
+  }
+  ASSERT_EQ(ex.in_flight.size(), 1u);  // the decode step ahead, holding b and c
+  auto aborted = engine.abort_request(*b);
+  ASSERT_TRUE(aborted);
+  EXPECT_EQ(aborted->finish_reason, "abort");
+  runs = run_all(engine);
+  EXPECT_EQ(runs[*c].finish, "length");
+  EXPECT_EQ(c_tokens + runs[*c].tokens.size(), 8u);
+  EXPECT_EQ(b_tokens, 2u);
+  EXPECT_TRUE(runs[*b].tokens.empty());  // nothing after the abort
+  EXPECT_FALSE(engine.has_unfinished());
+  EXPECT_EQ(engine.stats().kv_blocks_used, 0u);
+  EXPECT_TRUE(ex.violations.empty()) << ex.violations.front();
+}
+
 TEST(EngineTextTest, EachTokenIsDetokenizedOnce) {
   FakeExecutor ex;
   FakeDetokenizer dt;

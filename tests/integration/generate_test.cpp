@@ -88,6 +88,67 @@ TEST_F(GenerateTest, SeededSamplingIsReproducibleAndLogprobsComeBack) {
   }
 }
 
+// --async-scheduling: each decode step goes out before the token it takes is known, and the
+// actor fills it in from its own sample. Greedy tokens still equal transformers'; seeded
+// sampling with penalties (which read the actor's token history) and a stop string gives what
+// one step at a time gives; a plan of more than one rank is refused up front.
+TEST_F(GenerateTest, AsyncSchedulingGivesTheSameTokens) {
+  for (const auto& c : golden_["cases"]) {
+    CommandResult raw;
+    auto j = generate({"--prompt", c["prompt"].get<std::string>(), "--temperature", "0",
+                       "--ignore-eos", "--max-tokens", "12", "--async-scheduling"},
+                      &raw);
+    ASSERT_FALSE(j.is_null()) << raw.err;
+    std::vector<int> expected = c["greedy"].get<std::vector<int>>();
+    expected.resize(12);
+    EXPECT_EQ(j["output_ids"].get<std::vector<int>>(), expected) << c["prompt"];
+  }
+  const std::vector<std::string> sampled = {"--prompt",
+                                            "Once upon a time",
+                                            "--prompt",
+                                            "1, 2, 3,",
+                                            "--temperature",
+                                            "0.8",
+                                            "--seed",
+                                            "7",
+                                            "--repetition-penalty",
+                                            "1.3",
+                                            "--max-tokens",
+                                            "16",
+                                            "--stop",
+                                            " the"};
+  auto run = [&](bool async) {
+    std::vector<std::string> argv = {bin("tessera"), "generate", "--model", dir_,
+                                     "--device",     "cpu",      "--json"};
+    argv.insert(argv.end(), sampled.begin(), sampled.end());
+    if (async) argv.push_back("--async-scheduling");
+    return run_command(argv);
+  };
+  CommandResult one = run(false), two = run(true);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  auto lines = [](const std::string& out) {
+    std::vector<nlohmann::json> v;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty() && line[0] == '{') v.push_back(nlohmann::json::parse(line));
+    }
+    return v;
+  };
+  auto a = lines(one.out), b = lines(two.out);
+  ASSERT_EQ(a.size(), 2u) << one.out;
+  ASSERT_EQ(b.size(), 2u) << two.out;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(b[i]["output_ids"], a[i]["output_ids"]) << i;
+    EXPECT_EQ(b[i]["text"], a[i]["text"]) << i;
+    EXPECT_EQ(b[i]["finish_reason"], a[i]["finish_reason"]) << i;
+  }
+  CommandResult tp2 = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu",
+                                   "--prompt", "hi", "-tp", "2", "--async-scheduling"});
+  EXPECT_NE(tp2.exit_code, 0);
+  EXPECT_NE(tp2.err.find("--async-scheduling needs one rank"), std::string::npos) << tp2.err;
+}
+
 TEST_F(GenerateTest, StopStringEndsTheOutputBeforeIt) {
   auto full = generate({"--prompt", "The capital of France is", "--temperature", "0",
                         "--ignore-eos", "--max-tokens", "16"});

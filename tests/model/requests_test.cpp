@@ -53,6 +53,37 @@ bool says(const Status& s, const std::string& part) {
   return s.message().find(part) != std::string::npos;
 }
 
+// Async scheduling: a decode step whose token is kSampledToken takes the token this actor
+// sampled for the request in the step before: it joins the history and the forward batch. With
+// no sample recorded (a rank that does not sample, or the token already consumed) the step is
+// refused, nothing of it applied.
+TEST(RequestTableTest, TheSampledTokenFillsAnAsyncDecodeStep) {
+  RequestTable t(limits());
+  ASSERT_TRUE(t.apply(step({first(1, {5, 6, 7}, {0}, 3)})));
+  const StepInput ahead = step({next(1, {kSampledToken}, 3)});
+  Status none = t.apply(ahead);
+  EXPECT_EQ(none.code(), Code::kFailedPrecondition);
+  EXPECT_TRUE(says(none, "async scheduling needs one rank")) << none.message();
+  EXPECT_EQ(t.at(1).tokens.size(), 3u);
+  t.record_sample(1, 42);
+  ASSERT_TRUE(t.apply(ahead));
+  EXPECT_EQ(t.at(1).tokens, (std::vector<int32_t>{5, 6, 7, 42}));
+  EXPECT_EQ(std::vector<int32_t>(t.at(1).output().begin(), t.at(1).output().end()),
+            (std::vector<int32_t>{42}));
+  const std::vector<ForwardSeq> batch = t.batch(ahead);
+  ASSERT_EQ(batch.size(), 1u);
+  EXPECT_EQ(std::vector<int32_t>(batch[0].tokens.begin(), batch[0].tokens.end()),
+            (std::vector<int32_t>{42}));
+  EXPECT_EQ(batch[0].start_position, 3);
+  // Consumed: the next step ahead needs a new sample.
+  EXPECT_EQ(t.apply(step({next(1, {kSampledToken}, 4, {1})})).code(), Code::kFailedPrecondition);
+  // Only as the one token of a decode step.
+  t.record_sample(1, 43);
+  EXPECT_EQ(t.apply(step({next(1, {kSampledToken, 8}, 4, {1})})).code(), Code::kInvalidArgument);
+  ASSERT_TRUE(t.apply(step({next(1, {kSampledToken}, 4, {1})})));
+  EXPECT_EQ(t.at(1).tokens.back(), 43);
+}
+
 // A prefix-cache hit: the first step starts after the cached prefix, whose tokens join the
 // history (penalties and the seeded sampler see the whole prompt) without being computed.
 TEST(RequestTableTest, AFirstStepAfterACachedPrefixKeepsThePrefixInTheHistory) {
@@ -154,7 +185,7 @@ TEST(RequestTableTest, MalformedStepsAreRefusedWholeAndNamed) {
       {step({next(1, {4, 5}, 3)}), Code::kInvalidArgument, "block table holds 4 tokens"},
       {step({next(1, {4}, 3, {8})}), Code::kInvalidArgument, "block 8 is outside the KV cache"},
       {step({next(1, {100}, 3)}), Code::kInvalidArgument, "token id 100 is outside"},
-      {step({next(1, {-1}, 3)}), Code::kInvalidArgument, "token id -1 is outside"},
+      {step({next(1, {-2}, 3)}), Code::kInvalidArgument, "token id -2 is outside"},
       {step({next(1, {}, 3)}), Code::kInvalidArgument, "at least one token"},
       {step({next(1, {4}, 3), next(1, {5}, 4)}), Code::kInvalidArgument, "appears twice"},
       {step({next(1, {4}, 3), first(2, {1}, {1}, 1), first(3, {1}, {2}, 1)}),
