@@ -8,9 +8,12 @@ namespace tessera {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
   }
   return "?";
 }
@@ -31,9 +34,12 @@ std::string TensorView::describe() const {
 
 float TensorView::at(int64_t i) const {
   switch (dtype) {
-    case DType::kF32: return static_cast<const float*>(data)[i];
-    case DType::kF16: return f16_to_float(static_cast<const uint16_t*>(data)[i]);
-    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DType::kF32:
+      return static_cast<const float*>(data)[i];
+    case DType::kF16:
+      return f16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DType::kBF16:
+      return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
   }
   return 0.f;
 }
@@ -90,13 +96,13 @@ uint16_t float_to_f16(float f) {
   std::memcpy(&bits, &f, sizeof(bits));
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;           // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;          // overflow → inf (incl. rounding)
-  if (abs < 0x38800000u) {                                // subnormal or zero
-    if (abs < 0x33000000u) return sign;                   // rounds to zero
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // overflow → inf (incl. rounding)
+  if (abs < 0x38800000u) {                        // subnormal or zero
+    if (abs < 0x33000000u) return sign;           // rounds to zero
     const uint32_t exp = abs >> 23;
     const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - exp;                     // 14..24
+    const uint32_t shift = 126 - exp;  // 14..24
     uint32_t half = mant >> shift;
     const uint32_t rem = mant & ((1u << shift) - 1);
     const uint32_t halfway = 1u << (shift - 1);

@@ -236,8 +236,8 @@ class CpuModel::Step {
   }
 
   Status post_norm(int64_t i) {
-    return cpu::add_rms_norm(m_.ctx_, proj_, residual_, layer(i).post_norm,
-                             m_.config_.rms_norm_eps, hidden_);
+    return cpu::add_rms_norm(m_.ctx_, proj_, residual_, layer(i).post_norm, m_.config_.rms_norm_eps,
+                             hidden_);
   }
 
   Status mlp(int64_t i) {
@@ -272,7 +272,8 @@ class CpuModel::Step {
     const int64_t V = c.vocab_size;
     logits_.assign(R * V, 0.0f);
     if (p.parallel.tp_size == 1) {
-      for (int64_t r = 0; r < R; ++r) std::copy_n(shard.begin() + r * Vs, V, logits_.begin() + r * V);
+      for (int64_t r = 0; r < R; ++r)
+        std::copy_n(shard.begin() + r * Vs, V, logits_.begin() + r * V);
       return Status::ok();
     }
     // Vocabulary-parallel: gather every rank's slice [T][R][Vs] and lay the rows out whole.

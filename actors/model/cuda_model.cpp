@@ -128,10 +128,10 @@ Status CudaModel::allocate_buffers() {
   }
   int max_splits = 1;
   for (int64_t b = 1; b <= S; b *= 2) {
-    max_splits = std::max(max_splits, cuda::plan_attention_splits(static_cast<int>(b),
-                                                                  static_cast<int>(p.kv_heads),
-                                                                  options_.max_model_len, num_sms_)
-                                          .num_splits);
+    max_splits = std::max(
+        max_splits, cuda::plan_attention_splits(static_cast<int>(b), static_cast<int>(p.kv_heads),
+                                                options_.max_model_len, num_sms_)
+                        .num_splits);
   }
   const size_t ws = cuda::attention_workspace_bytes(S, static_cast<int>(p.heads),
                                                     static_cast<int>(c.head_dim), max_splits);
@@ -171,7 +171,8 @@ Status CudaModel::allocate_kv_cache(int64_t blocks) {
   const size_t per_layer = static_cast<size_t>(blocks) * kv_block_bytes_per_layer();
   const size_t stride = align_up(per_layer);
   const int64_t L = plan_.num_layers();
-  TESSERA_ASSIGN_OR_RETURN(kv_storage_, cuda::DeviceBuffer::allocate(stride * 2 * L, "the KV cache"));
+  TESSERA_ASSIGN_OR_RETURN(kv_storage_,
+                           cuda::DeviceBuffer::allocate(stride * 2 * L, "the KV cache"));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(kv_storage_.get(), 0, kv_storage_.bytes(), stream_),
                                "clearing the KV cache");
   k_cache_.assign(L, nullptr);
@@ -406,8 +407,7 @@ class CudaModel::Ops {
 
   Status post_norm(int64_t i) {
     return cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
-                              m_.weights_->layer(i).post_norm, T_, H_, eps_, m_.hidden_.get(),
-                              st_);
+                              m_.weights_->layer(i).post_norm, T_, H_, eps_, m_.hidden_.get(), st_);
   }
 
   Status mlp(int64_t i) {
@@ -490,9 +490,9 @@ Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* 
   }
   TESSERA_ASSIGN_OR_RETURN(StepPlan plan, stage(batch, pad_to));
   if (decode) {
-    cuda::SplitPlan sp = cuda::plan_attention_splits(
-        static_cast<int>(plan.seqs), static_cast<int>(plan_.kv_heads), options_.max_model_len,
-        num_sms_);
+    cuda::SplitPlan sp =
+        cuda::plan_attention_splits(static_cast<int>(plan.seqs), static_cast<int>(plan_.kv_heads),
+                                    options_.max_model_len, num_sms_);
     plan.num_splits = sp.num_splits;
     plan.split_size = sp.split_size;
   }
@@ -516,9 +516,8 @@ Status CudaModel::capture_graphs() {
   for (int64_t size : decode_sizes_) {
     StepPlan plan;
     TESSERA_ASSIGN_OR_RETURN(plan, stage({}, size));
-    cuda::SplitPlan sp =
-        cuda::plan_attention_splits(static_cast<int>(size), static_cast<int>(plan_.kv_heads),
-                                    options_.max_model_len, num_sms_);
+    cuda::SplitPlan sp = cuda::plan_attention_splits(
+        static_cast<int>(size), static_cast<int>(plan_.kv_heads), options_.max_model_len, num_sms_);
     plan.num_splits = sp.num_splits;
     plan.split_size = sp.split_size;
     // Warm-up in eager mode: the GEMMs pick (and time) their algorithms for this batch size,
@@ -595,10 +594,10 @@ Status CudaModel::size_kv_cache() {
             options_.gpu_memory_utilization, gib(memory_.budget), gib(memory_.weights),
             gib(memory_.activations + memory_.profile_peak), gib(memory_.graph_reserve),
             gib(free_after), fit_blocks, fit_len);
-    msg += "one sequence of --max-model-len " + std::to_string(options_.max_model_len) +
-           " needs " + std::to_string(min_blocks) + " blocks. ";
-    msg += fit_len >= 16 ? "Lower --max-model-len to " + std::to_string(fit_len) + " or less, "
-                         : "";
+    msg += "one sequence of --max-model-len " + std::to_string(options_.max_model_len) + " needs " +
+           std::to_string(min_blocks) + " blocks. ";
+    msg +=
+        fit_len >= 16 ? "Lower --max-model-len to " + std::to_string(fit_len) + " or less, " : "";
     msg +=
         "raise --gpu-memory-utilization, spread the model over more GPUs "
         "(--tensor-parallel-size, --pipeline-parallel-size) or use a quantized checkpoint "
@@ -690,10 +689,9 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
     const uint64_t weights = CudaWeights::bytes_needed(config, plan, options.dtype);
     const uint64_t per_token =
         (4 * config.hidden_size + 2 * qkv_rows(config, plan) + 3 * plan.intermediate) * es;
-    const uint64_t logits = plan.last_stage
-                                ? options.max_num_seqs * config.vocab_size * 4 *
-                                      (plan.parallel.tp_size > 1 ? 2 : 1)
-                                : 0;
+    const uint64_t logits = plan.last_stage ? options.max_num_seqs * config.vocab_size * 4 *
+                                                  (plan.parallel.tp_size > 1 ? 2 : 1)
+                                            : 0;
     const uint64_t activations = m->max_tokens_ * per_token + logits + 64 * kMiB;
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *
                             m->kv_block_bytes_per_layer();

@@ -112,9 +112,9 @@ Expected<StepOutput> ModelRunner::execute(const StepInput& step) {
       out.outputs.push_back({rows[i].request_id, std::move(samples[i])});
     }
   }
-  out.actor_micros = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                               std::chrono::steady_clock::now() - t0)
-                                               .count());
+  out.actor_micros = static_cast<uint32_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
   out.gpu_micros = backend_->last_gpu_micros();
   return out;
 }

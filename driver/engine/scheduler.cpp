@@ -55,7 +55,6 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
       // without a free block it waits for its step to come back.
       const size_t next = seq.total();  // the position of the token being sampled
       if (config_.async_scheduling && seq.in_flight == 1 && seq.sample_in_flight &&
-          seq.computed < next &&
           static_cast<int>(seq.output.size()) + 1 < seq.sampling.max_tokens &&
           next + 1 < config_.max_model_len && blocks_.can_grow(seq, next + 1)) {
         blocks_.grow(seq, next + 1);

@@ -225,6 +225,21 @@ TEST(EnginePreemptionTest, TinyBudgetFinishesEverythingLikeAnAmpleOne) {
   }
 }
 
+// `got` ran the crowd workload with two steps in flight, `want` one step at a time: no violation,
+// every request's output the same (all 12 tokens), no block left held.
+void expect_same_output_two_in_flight(const Workload& got, const Workload& want) {
+  EXPECT_TRUE(got.violations.empty()) << got.violations.front();
+  EXPECT_EQ(want.max_in_flight, 1u);
+  EXPECT_EQ(got.max_in_flight, 2u);
+  ASSERT_EQ(got.runs.size(), want.runs.size());
+  for (size_t i = 0; i < got.runs.size(); ++i) {
+    EXPECT_EQ(got.runs[i], want.runs[i]) << "request " << i;
+    EXPECT_EQ(got.runs[i].tokens.size(), 12u);
+  }
+  EXPECT_EQ(got.stats.generation_tokens, want.stats.generation_tokens);
+  EXPECT_EQ(got.stats.kv_blocks_used, 0u);
+}
+
 // Two pipeline stages: two steps in flight, each with at most half the seats (the running
 // sequences split into micro-batches), never the same sequence in both, and every request's
 // output what the one-stage engine gives (with an ample cache, and with one so tight that
@@ -238,14 +253,7 @@ TEST(EnginePipelineTest, TwoMicroBatchesInFlightGiveTheSameOutput) {
       c.scheduler.max_num_seqs = 6;
       Workload one = run_workload(c, 1, crowd(10, 12));
       Workload two = run_workload(c, 2, crowd(10, 12));
-      EXPECT_TRUE(two.violations.empty()) << two.violations.front();
-      EXPECT_EQ(one.max_in_flight, 1u);
-      EXPECT_EQ(two.max_in_flight, 2u);
-      ASSERT_EQ(two.runs.size(), one.runs.size());
-      for (size_t i = 0; i < two.runs.size(); ++i) {
-        EXPECT_EQ(two.runs[i], one.runs[i]) << "request " << i;
-        EXPECT_EQ(two.runs[i].tokens.size(), 12u);
-      }
+      expect_same_output_two_in_flight(two, one);
       // (The fake records a step that has a sequence a step in flight has as a violation.)
       size_t full_steps = 0;
       for (size_t i = 0; i < two.batches.size(); ++i) {
@@ -253,7 +261,6 @@ TEST(EnginePipelineTest, TwoMicroBatchesInFlightGiveTheSameOutput) {
         full_steps += two.batches[i].seqs.size() == 3;
       }
       EXPECT_GT(full_steps, 0u);
-      EXPECT_EQ(two.stats.kv_blocks_used, 0u);
     }
   }
 }
@@ -271,14 +278,7 @@ TEST(EngineAsyncTest, SameOutputAsOneStepAtATime) {
       a.scheduler.async_scheduling = true;
       Workload one = run_workload(c, 1, crowd(10, 12));
       Workload two = run_workload(a, 1, crowd(10, 12));
-      EXPECT_TRUE(two.violations.empty()) << two.violations.front();
-      EXPECT_EQ(two.max_in_flight, 2u);
-      ASSERT_EQ(two.runs.size(), one.runs.size());
-      for (size_t i = 0; i < two.runs.size(); ++i) {
-        EXPECT_EQ(two.runs[i], one.runs[i]) << "request " << i;
-      }
-      EXPECT_EQ(two.stats.generation_tokens, one.stats.generation_tokens);
-      EXPECT_EQ(two.stats.kv_blocks_used, 0u);
+      expect_same_output_two_in_flight(two, one);
       if (blocks == 256) {
         // Ample blocks: each step holds every running request (full batches, unlike the
         // micro-batches of pipeline stages).
