@@ -54,13 +54,26 @@ Expected<std::unique_ptr<BpeModel>> BpeModel::from_json(const json& spec) {
   const json& vocab = spec.at("vocab");
   model->vocab_.reserve(vocab.size());
   int32_t max_id = -1;
+  std::string max_token;
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
     TESSERA_ASSIGN_OR_RETURN(
         int64_t id64,
         json_integer(it.value(), 0, INT32_MAX - 1, "the id of vocab token '" + it.key() + "'"));
     const auto id = static_cast<int32_t>(id64);
     model->vocab_[it.key()] = id;
-    max_id = std::max(max_id, id);
+    if (id > max_id) {
+      max_id = id;
+      max_token = it.key();
+    }
+  }
+  // Ids index tables (id -> token, id -> bytes): a vocabulary's ids are 0..n-1, give or take
+  // gaps. One id far past the rest would make those tables gigabytes (found by the fuzzer).
+  constexpr int64_t kMaxIdGap = 1 << 20;
+  if (max_id >= static_cast<int64_t>(vocab.size()) + kMaxIdGap) {
+    return invalid_argument("vocab token '" + max_token + "' has id " + std::to_string(max_id) +
+                            ", but the vocabulary has " + std::to_string(vocab.size()) +
+                            " tokens: ids must be below its size plus " +
+                            std::to_string(kMaxIdGap) + " (a corrupt tokenizer.json?)");
   }
   model->id_to_token_.assign(static_cast<size_t>(max_id + 1), nullptr);
   for (const auto& [token, id] : model->vocab_) model->id_to_token_[id] = &token;

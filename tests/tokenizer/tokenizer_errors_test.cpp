@@ -83,6 +83,10 @@ TEST_F(TokenizerDir, IdsMustBeIntegersInRange) {
        "the id of vocab token 'a' must be an integer in [0, 2147483646], got 4294967296"},
       {R"({"model": {"type": "BPE", "vocab": {"a": -1}, "merges": []}})",
        "the id of vocab token 'a' must be an integer in [0, 2147483646], got -1"},
+      // Far past the vocabulary's size: the id tables would take gigabytes (found by the fuzzer).
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 666666666}, "merges": []}})",
+       "vocab token 'b' has id 666666666, but the vocabulary has 2 tokens: ids must be below its "
+       "size plus 1048576"},
       {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
            "decoder": {"type": "Strip", "content": " ", "start": 1e300, "stop": 0}})",
        "Strip decoder start must be an integer"},
