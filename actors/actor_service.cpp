@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <optional>
+#include <thread>
 
 #include "common/shm_ring.h"
 #include "protocol/convert.h"
@@ -217,43 +219,102 @@ void ActorService::step_loop() {
     return;
   }
   std::vector<std::byte> buffer(reader->slot_bytes());
-  while (!stopping_) {
-    auto n = reader->read(buffer, std::chrono::milliseconds(100));
-    if (!n) {
-      if (n.status().code() == Code::kDeadlineExceeded) continue;
-      if (n.status().code() != Code::kUnavailable) {
-        spdlog::error("actor {}: step ring: {}", identity_.actor_id, n.status().message());
-      }
-      break;  // the driver closed the ring: no more steps
-    }
+  // Hands back the oldest running step's output (or its error); false when that fails.
+  auto hand_back = [&]() -> bool {
+    const uint64_t step_id = runner_->oldest_step_id();
+    auto done = runner_->collect();
     StepOutput result;
-    auto step = decode_step_input(std::span<const std::byte>(buffer.data(), *n));
-    if (!step) {
-      result.error = step.status().to_string();
+    if (done) {
+      result = std::move(*done);
     } else {
-      result.step_id = step->step_id;
-      step_started();
-      auto done = runner_->execute(*step);
+      result.step_id = step_id;
+      result.error = done.status().to_string();
+      spdlog::warn("step {} failed on actor {}: {}", step_id, identity_.actor_id,
+                   done.status().message());
+    }
+    if (runner_->running() > 0) {
+      step_started();  // the next one's time counts from here
+    } else {
       step_finished();
-      if (done) {
-        result = std::move(*done);
-      } else {
-        result.error = done.status().to_string();
-        spdlog::warn("step {} failed on actor {}: {}", step->step_id, identity_.actor_id,
-                     done.status().message());
-      }
     }
     if (!runner_->samples()) {
       result.outputs.clear();  // only the sampling rank's tokens matter
       result.logits.clear();
     }
-    std::vector<std::byte> bytes = encode(result);
-    Status st = writer->write(bytes, std::chrono::minutes(10));
+    Status st = writer->write(encode(result), std::chrono::minutes(10));
     if (!st) {
       spdlog::error("actor {}: cannot hand back step {}: {}", identity_.actor_id, result.step_id,
                     st.message());
-      break;
     }
+    return st.is_ok();
+  };
+  auto submit = [&](const StepInput& step) {
+    if (runner_->running() == 0) step_started();
+    runner_->submit(step);
+  };
+  // Async scheduling (a step takes a sample as kSampledToken): the driver sends the next step
+  // before it collects this one. The step is left running, and the next one is launched while it
+  // runs, so the GPU goes from one to the next without waiting for the host.
+  auto followed = [](const StepInput& step) {
+    for (const SeqStep& s : step.seqs) {
+      if (s.tokens.size() == 1 && s.tokens[0] == kSampledToken) return true;
+    }
+    return false;
+  };
+  bool open = true;
+  while (!stopping_ && open) {
+    std::optional<size_t> message;
+    const bool running = runner_->running() > 0;
+    if (running) {
+      // Wait for the next step or the end of this one on the device, whichever comes first.
+      while (!stopping_) {
+        auto n = reader->read(buffer, std::chrono::milliseconds(0));
+        if (n) {
+          message = *n;
+          break;
+        }
+        if (n.status().code() != Code::kDeadlineExceeded) {
+          if (n.status().code() != Code::kUnavailable) {
+            spdlog::error("actor {}: step ring: {}", identity_.actor_id, n.status().message());
+          }
+          open = false;  // the driver closed the ring: no more steps
+          break;
+        }
+        if (runner_->ready()) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    } else {
+      auto n = reader->read(buffer, std::chrono::milliseconds(100));
+      if (!n) {
+        if (n.status().code() == Code::kDeadlineExceeded) continue;
+        if (n.status().code() != Code::kUnavailable) {
+          spdlog::error("actor {}: step ring: {}", identity_.actor_id, n.status().message());
+        }
+        break;  // the driver closed the ring: no more steps
+      }
+      message = *n;
+    }
+    Expected<StepInput> step = failed_precondition("no step");
+    if (message) step = decode_step_input(std::span<const std::byte>(buffer.data(), *message));
+    if (running) {
+      if (message && step && runner_->can_launch_ahead(*step)) {
+        submit(*step);
+        message.reset();
+      }
+      if (!hand_back()) return;
+      if (!message) continue;
+    }
+    if (!step) {
+      StepOutput result;
+      result.error = step.status().to_string();
+      if (!writer->write(encode(result), std::chrono::minutes(10))) return;
+      continue;
+    }
+    submit(*step);
+    if (!followed(*step) && !hand_back()) return;
+  }
+  while (runner_->running() > 0) {
+    if (!hand_back()) return;
   }
 }
 

@@ -42,6 +42,10 @@ struct SamplingParams {
 
   // Greedy: temperature below vLLM's epsilon.
   bool greedy() const { return temperature < 1e-5f; }
+  // A penalty is on: sampling reads the request's token history.
+  bool penalised() const {
+    return repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f;
+  }
 };
 
 // What sampling one token gives back.

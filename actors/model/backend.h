@@ -29,6 +29,14 @@ struct SampleRequest {
   const RequestState* state = nullptr;
 };
 
+// A token of a batch that is the sample of the step launched before, still running (async
+// scheduling): batch[seq].tokens holds one kSampledToken, which the backend replaces with that
+// step's sample of row `row` before the forward pass reads it.
+struct TokenFill {
+  size_t seq = 0;
+  size_t row = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -39,12 +47,18 @@ class Backend {
   // prepares for steps (the cuda backend captures its graphs here, every rank at once).
   virtual Status init_cache(int64_t blocks) = 0;
 
-  // Runs the batch through this rank's stage. On the sampling rank (last stage, tp rank 0)
-  // returns one sample per `rows` entry (the rows with want_logits, in order) and, with
-  // `logits`, appends their fp32 logits [rows, vocab]; every other rank returns nothing.
-  virtual Expected<std::vector<SampleResult>> step(std::span<const ForwardSeq> batch,
-                                                   std::span<const SampleRequest> rows,
-                                                   std::vector<float>* logits) = 0;
+  // Starts the batch through this rank's stage; collect() waits for it. At most two launches
+  // are outstanding; the second may fill tokens from the first's samples (`fills`). With
+  // `want_logits` (only with nothing outstanding) collect() hands back the fp32 logits of the
+  // rows. An error leaves nothing outstanding for this launch (the one before still is).
+  virtual Status launch(std::span<const ForwardSeq> batch, std::span<const SampleRequest> rows,
+                        std::span<const TokenFill> fills, bool want_logits) = 0;
+  // Waits for the oldest outstanding launch. On the sampling rank (last stage, tp rank 0)
+  // returns one sample per row of it (the rows with want_logits, in order) and, if it asked,
+  // appends their logits [rows, vocab] to `logits`; every other rank returns nothing.
+  virtual Expected<std::vector<SampleResult>> collect(std::vector<float>* logits) = 0;
+  // The oldest outstanding launch has finished (collect() would not wait).
+  virtual bool collect_ready() const { return true; }
   // The request is gone: drop any per-request state.
   virtual void forget(uint64_t request_id) { (void)request_id; }
 

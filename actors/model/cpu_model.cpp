@@ -313,9 +313,39 @@ Expected<std::vector<float>> CpuModel::forward(std::span<const ForwardSeq> batch
   return step.take_logits();
 }
 
-Expected<std::vector<SampleResult>> CpuModel::step(std::span<const ForwardSeq> batch,
-                                                   std::span<const SampleRequest> rows,
-                                                   std::vector<float>* logits) {
+Status CpuModel::launch(std::span<const ForwardSeq> batch, std::span<const SampleRequest> rows,
+                        std::span<const TokenFill> fills, bool want_logits) {
+  if (launched_.size() >= 2) {
+    return failed_precondition("two steps are running on this rank already");
+  }
+  std::vector<ForwardSeq> filled(batch.begin(), batch.end());
+  std::vector<int32_t> tokens(fills.size());
+  for (size_t i = 0; i < fills.size(); ++i) {
+    const TokenFill& f = fills[i];
+    if (launched_.empty() || f.row >= launched_.back().samples.size() || f.seq >= batch.size() ||
+        batch[f.seq].tokens.size() != 1) {
+      return failed_precondition("a token to fill from a sample that the step before has not got");
+    }
+    tokens[i] = launched_.back().samples[f.row].token;
+    filled[f.seq].tokens = std::span<const int32_t>(&tokens[i], 1);
+  }
+  Launch l;
+  TESSERA_ASSIGN_OR_RETURN(l.samples, run_step(filled, rows, want_logits ? &l.logits : nullptr));
+  launched_.push_back(std::move(l));
+  return Status::ok();
+}
+
+Expected<std::vector<SampleResult>> CpuModel::collect(std::vector<float>* logits) {
+  if (launched_.empty()) return failed_precondition("no step is running on this rank");
+  Launch l = std::move(launched_.front());
+  launched_.pop_front();
+  if (logits != nullptr) logits->insert(logits->end(), l.logits.begin(), l.logits.end());
+  return std::move(l.samples);
+}
+
+Expected<std::vector<SampleResult>> CpuModel::run_step(std::span<const ForwardSeq> batch,
+                                                       std::span<const SampleRequest> rows,
+                                                       std::vector<float>* logits) {
   TESSERA_ASSIGN_OR_RETURN(std::vector<float> all, forward(batch));
   std::vector<SampleResult> out;
   const bool samples = plan_.last_stage && plan_.parallel.tp_rank == 0;
@@ -330,9 +360,14 @@ Expected<std::vector<SampleResult>> CpuModel::step(std::span<const ForwardSeq> b
       TESSERA_ASSIGN_OR_RETURN(cpu::Sampler sampler, cpu::Sampler::create(params));
       it = samplers_.emplace(q.request_id, std::move(sampler)).first;
     }
+    // Only the penalties read the history (which holds a placeholder while a step that samples
+    // its last token runs: such steps are not launched ahead with a penalty on).
+    const bool history = q.state->sampling.penalised();
     TESSERA_ASSIGN_OR_RETURN(
         SampleResult result,
-        it->second.sample(all.data() + r * vocab, vocab, q.state->prompt(), q.state->output()));
+        it->second.sample(all.data() + r * vocab, vocab,
+                          history ? q.state->prompt() : std::span<const int32_t>{},
+                          history ? q.state->output() : std::span<const int32_t>{}));
     out.push_back(std::move(result));
   }
   if (logits != nullptr) logits->insert(logits->end(), all.begin(), all.end());

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <span>
@@ -37,9 +38,10 @@ class CpuModel final : public Backend {
 
   int64_t fit_kv_blocks() const override { return fit_blocks_; }
   Status init_cache(int64_t blocks) override;
-  Expected<std::vector<SampleResult>> step(std::span<const ForwardSeq> batch,
-                                           std::span<const SampleRequest> rows,
-                                           std::vector<float>* logits) override;
+  // Runs the step at once (the samples wait in the launch for collect()).
+  Status launch(std::span<const ForwardSeq> batch, std::span<const SampleRequest> rows,
+                std::span<const TokenFill> fills, bool want_logits) override;
+  Expected<std::vector<SampleResult>> collect(std::vector<float>* logits) override;
   void forget(uint64_t request_id) override { samplers_.erase(request_id); }
   ModelInfo info() const override;
 
@@ -51,6 +53,13 @@ class CpuModel final : public Backend {
   CpuModel(const ModelConfig& config, LayerPlan plan, ModelWeights weights, StageComms comms,
            int threads);
   class Step;  // one forward pass's buffers and ops (layer_loop.h's Ops)
+  struct Launch {
+    std::vector<SampleResult> samples;
+    std::vector<float> logits;
+  };
+  Expected<std::vector<SampleResult>> run_step(std::span<const ForwardSeq> batch,
+                                               std::span<const SampleRequest> rows,
+                                               std::vector<float>* logits);
 
   ModelConfig config_;
   LayerPlan plan_;
@@ -64,6 +73,7 @@ class CpuModel final : public Backend {
   int64_t max_model_len_ = 0;
   KvCacheDtype kv_cache_dtype_ = KvCacheDtype::kAuto;
   std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
+  std::deque<Launch> launched_;                // not collected yet, oldest first
 };
 
 }  // namespace tessera

@@ -14,37 +14,42 @@ namespace {
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(std::unique_ptr<CudaModel> model) : model_(std::move(model)) {
-    for (cudaEvent_t& e : ev_) cudaEventCreate(&e);
+    for (Launch& l : launches_) {
+      for (cudaEvent_t& e : l.ev) cudaEventCreate(&e);
+    }
   }
   ~CudaBackend() override {
-    for (cudaEvent_t e : ev_) {
-      if (e != nullptr) cudaEventDestroy(e);
+    for (Launch& l : launches_) {
+      for (cudaEvent_t e : l.ev) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
     }
   }
 
   int64_t fit_kv_blocks() const override { return model_->memory().fit_blocks; }
   Status init_cache(int64_t blocks) override { return model_->init_cache(blocks); }
 
-  Expected<std::vector<SampleResult>> step(std::span<const ForwardSeq> batch,
-                                           std::span<const SampleRequest> rows,
-                                           std::vector<float>* logits) override {
-    std::vector<SampleResult> results;
+  Status launch(std::span<const ForwardSeq> batch, std::span<const SampleRequest> rows,
+                std::span<const TokenFill> fills, bool want_logits) override {
+    if (outstanding_ >= 2) return failed_precondition("two steps are running on this GPU already");
+    Launch& l = launches_[(oldest_ + outstanding_) % 2];
+    l.ticket = {};
+    l.logits.clear();
+    cudaStream_t stream = model_->stream();
     int64_t computed = 0;
-    cudaEventRecord(ev_[0], model_->stream());
-    TESSERA_ASSIGN_OR_RETURN(float* dev_logits, model_->forward(batch, &computed));
-    cudaEventRecord(ev_[1], model_->stream());
+    cudaEventRecord(l.ev[0], stream);
+    TESSERA_ASSIGN_OR_RETURN(float* dev_logits, model_->forward(batch, &computed, fills));
+    cudaEventRecord(l.ev[1], stream);
     cuda::GpuSampler* sampler = model_->sampler();
-    if (sampler == nullptr || rows.empty()) {
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(model_->stream()), "running the step");
-    } else {
+    if (sampler != nullptr && !rows.empty()) {
       const int64_t vocab = model_->config().vocab_size;
-      if (logits != nullptr && computed > 0) {
-        const size_t before = logits->size();
-        logits->resize(before + static_cast<size_t>(computed * vocab));
+      if (want_logits && computed > 0) {  // before the sampler, which overwrites them
+        l.logits.resize(static_cast<size_t>(computed * vocab));
         TESSERA_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(logits->data() + before, dev_logits, sizeof(float) * computed * vocab,
-                            cudaMemcpyDeviceToHost, model_->stream()),
+            cudaMemcpyAsync(l.logits.data(), dev_logits, sizeof(float) * computed * vocab,
+                            cudaMemcpyDeviceToHost, stream),
             "copying logits to the host");
+        TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "copying logits to the host");
       }
       std::vector<cuda::SampleRow> sample_rows;
       sample_rows.reserve(rows.size());
@@ -53,13 +58,34 @@ class CudaBackend final : public Backend {
         sample_rows.push_back(
             {s.sampling, s.seed, static_cast<uint64_t>(s.output().size()), s.prompt(), s.output()});
       }
-      TESSERA_ASSIGN_OR_RETURN(results, sampler->sample(dev_logits, sample_rows));
+      TESSERA_ASSIGN_OR_RETURN(l.ticket, sampler->enqueue(dev_logits, sample_rows));
     }
-    float gpu_ms = 0;  // both events are complete: the stream was synchronised
-    if (cudaEventElapsedTime(&gpu_ms, ev_[0], ev_[1]) == cudaSuccess) {
+    cudaEventRecord(l.ev[2], stream);
+    ++outstanding_;
+    return Status::ok();
+  }
+
+  Expected<std::vector<SampleResult>> collect(std::vector<float>* logits) override {
+    if (outstanding_ == 0) return failed_precondition("no step is running on this GPU");
+    Launch& l = launches_[oldest_];
+    oldest_ = (oldest_ + 1) % 2;
+    --outstanding_;
+    const cudaError_t waited = cudaEventSynchronize(l.ev[2]);
+    // The sampler's call is finished either way (it would stay outstanding otherwise).
+    Expected<std::vector<SampleResult>> results = std::vector<SampleResult>{};
+    if (l.ticket.slot >= 0) results = model_->sampler()->finish(l.ticket);
+    TESSERA_CUDA_RETURN_IF_ERROR(waited, "running the step");
+    if (!results) return results.status();
+    if (logits != nullptr) logits->insert(logits->end(), l.logits.begin(), l.logits.end());
+    float gpu_ms = 0;  // both events are complete
+    if (cudaEventElapsedTime(&gpu_ms, l.ev[0], l.ev[1]) == cudaSuccess) {
       last_gpu_micros_ = static_cast<uint32_t>(gpu_ms * 1000.0f);
     }
-    return results;
+    return std::move(*results);
+  }
+
+  bool collect_ready() const override {
+    return outstanding_ == 0 || cudaEventQuery(launches_[oldest_].ev[2]) != cudaErrorNotReady;
   }
 
   ModelInfo info() const override {
@@ -88,9 +114,18 @@ class CudaBackend final : public Backend {
   uint32_t last_gpu_micros() const override { return last_gpu_micros_; }
 
  private:
+  // A launch not collected: events around its forward pass (its GPU time) and after its last
+  // work, its sampling call, its logits when asked for. Two, used in turn.
+  struct Launch {
+    cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+    cuda::SampleTicket ticket;
+    std::vector<float> logits;
+  };
   std::unique_ptr<CudaModel> model_;
   uint32_t last_gpu_micros_ = 0;
-  cudaEvent_t ev_[2] = {nullptr, nullptr};  // around the forward pass (its GPU time)
+  Launch launches_[2];
+  int oldest_ = 0;
+  int outstanding_ = 0;
 };
 
 }  // namespace

@@ -27,7 +27,7 @@ double gib(uint64_t b) { return static_cast<double>(b) / static_cast<double>(kGi
 // Offsets of the step metadata inside one device block (and its pinned mirror).
 struct MetaLayout {
   size_t ids = 0, positions = 0, slots = 0, cu_q = 0, ctx = 0, logit_rows = 0, tables = 0,
-         bytes = 0;
+         fills = 0, bytes = 0;
   static MetaLayout make(int64_t tokens, int64_t seqs, int64_t blocks_per_seq) {
     MetaLayout m;
     size_t at = 0;
@@ -43,6 +43,7 @@ struct MetaLayout {
     m.ctx = take(sizeof(int32_t) * seqs);
     m.logit_rows = take(sizeof(int32_t) * seqs);
     m.tables = take(sizeof(int32_t) * seqs * blocks_per_seq);
+    m.fills = take(sizeof(int32_t) * 2 * seqs);  // (token, sampler row) pairs
     m.bytes = at;
     return m;
   }
@@ -64,6 +65,7 @@ struct CudaModel::StepPlan {
   int64_t seqs = 0;    // sequences (padded for decode)
   int64_t rows = 0;    // logit rows computed
   int64_t real_rows = 0;
+  int64_t fills = 0;  // tokens the sampler fills in (async scheduling)
   int max_query_len = 0;
   int num_splits = 1;
   int split_size = 0;
@@ -76,7 +78,9 @@ CudaModel::CudaModel(const ModelConfig& config, const LayerPlan& plan, StageComm
 CudaModel::~CudaModel() {
   graphs_.clear();
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-  if (meta_host_ != nullptr) cudaFreeHost(meta_host_);
+  for (void* host : meta_host_) {
+    if (host != nullptr) cudaFreeHost(host);
+  }
   sampler_.reset();
   gemm_.reset();
   weights_.reset();
@@ -138,9 +142,11 @@ Status CudaModel::allocate_buffers() {
   TESSERA_RETURN_IF_ERROR(alloc(attn_workspace_, ws, "split-K attention"));
   MetaLayout m = MetaLayout::make(T, S, max_blocks_per_seq_);
   TESSERA_RETURN_IF_ERROR(alloc(meta_, m.bytes, "step metadata"));
-  TESSERA_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&meta_host_, m.bytes, cudaHostAllocDefault),
-                               "allocating pinned step metadata");
-  std::memset(meta_host_, 0, m.bytes);
+  for (void*& host : meta_host_) {
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host, m.bytes, cudaHostAllocDefault),
+                                 "allocating pinned step metadata");
+    std::memset(host, 0, m.bytes);
+  }
   // The RoPE tables, computed on the host exactly as the CPU backend does.
   std::optional<cpu::Llama3RopeScaling> scaling;
   if (c.rope_scaling.type == "llama3") {
@@ -185,7 +191,8 @@ Status CudaModel::allocate_kv_cache(int64_t blocks) {
   return Status::ok();
 }
 
-Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch, int64_t pad_to) {
+Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch, int64_t pad_to,
+                                               std::span<const TokenFill> fills) {
   const int64_t bs = options_.block_size;
   const int64_t S_real = static_cast<int64_t>(batch.size());
   const int64_t S = std::max(pad_to, S_real);
@@ -194,7 +201,20 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
                             "max-num-seqs " + std::to_string(options_.max_num_seqs));
   }
   MetaLayout m = MetaLayout::make(max_tokens_, options_.max_num_seqs, max_blocks_per_seq_);
-  char* h = static_cast<char*>(meta_host_);
+  // The two host images in turn: the copies of the step before may not have run yet.
+  char* h = static_cast<char*>(meta_host_[meta_turn_]);
+  meta_turn_ ^= 1;
+  std::vector<int32_t> fill_row(static_cast<size_t>(S_real), -1);
+  for (const TokenFill& f : fills) {
+    if (f.seq >= static_cast<size_t>(S_real) || batch[f.seq].tokens.size() != 1 ||
+        sampler_ == nullptr) {
+      return invalid_argument(
+          "a token to fill from the step before is not one decode token of "
+          "this batch on the rank that samples");
+    }
+    fill_row[f.seq] = static_cast<int32_t>(f.row);
+  }
+  auto* fill_pairs = reinterpret_cast<int32_t*>(h + m.fills);
   auto* ids = reinterpret_cast<int32_t*>(h + m.ids);
   auto* pos = reinterpret_cast<int32_t*>(h + m.positions);
   auto* slots = reinterpret_cast<int64_t*>(h + m.slots);
@@ -236,8 +256,13 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
       tables[s * max_blocks_per_seq_ + b] = static_cast<int32_t>(seq.block_table[b]);
     }
     for (int64_t i = 0; i < n; ++i) {
-      const int32_t id = seq.tokens[i];
-      if (id < 0 || id >= config_.vocab_size) {
+      int32_t id = seq.tokens[i];
+      if (fill_row[s] >= 0) {  // the sampler writes it in on the device
+        fill_pairs[2 * plan.fills] = static_cast<int32_t>(t);
+        fill_pairs[2 * plan.fills + 1] = fill_row[s];
+        ++plan.fills;
+        id = 0;
+      } else if (id < 0 || id >= config_.vocab_size) {
         return invalid_argument("token id " + std::to_string(id) + " is outside the vocabulary (" +
                                 std::to_string(config_.vocab_size) + ")");
       }
@@ -283,6 +308,12 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
   TESSERA_RETURN_IF_ERROR(copy(m.ctx, sizeof(int32_t) * S));
   TESSERA_RETURN_IF_ERROR(copy(m.logit_rows, sizeof(int32_t) * r));
   TESSERA_RETURN_IF_ERROR(copy(m.tables, sizeof(int32_t) * S * max_blocks_per_seq_));
+  TESSERA_RETURN_IF_ERROR(copy(m.fills, sizeof(int32_t) * 2 * plan.fills));
+  if (plan.fills > 0) {
+    TESSERA_RETURN_IF_ERROR(sampler_->fill_tokens(reinterpret_cast<int32_t*>(d + m.ids),
+                                                  reinterpret_cast<int32_t*>(d + m.fills),
+                                                  static_cast<int>(plan.fills), stream_));
+  }
   return plan;
 }
 
@@ -479,7 +510,8 @@ Status CudaModel::run(const StepPlan& plan) {
   return run_stage(ops, plan_);
 }
 
-Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* rows) {
+Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* rows,
+                                    std::span<const TokenFill> fills) {
   bool decode = !batch.empty() && static_cast<int64_t>(batch.size()) <= options_.max_num_seqs;
   for (const ForwardSeq& s : batch) decode = decode && s.tokens.size() == 1 && s.want_logits;
   int64_t pad_to = 0;
@@ -488,7 +520,7 @@ Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* 
                                static_cast<int64_t>(batch.size()));
     pad_to = it != decode_sizes_.end() ? *it : static_cast<int64_t>(batch.size());
   }
-  TESSERA_ASSIGN_OR_RETURN(StepPlan plan, stage(batch, pad_to));
+  TESSERA_ASSIGN_OR_RETURN(StepPlan plan, stage(batch, pad_to, fills));
   if (decode) {
     cuda::SplitPlan sp =
         cuda::plan_attention_splits(static_cast<int>(plan.seqs), static_cast<int>(plan_.kv_heads),

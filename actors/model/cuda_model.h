@@ -78,10 +78,12 @@ class CudaModel {
   // (every rank of a group at once).
   Status init_cache(int64_t blocks);
 
-  // Runs the batch through this rank's stage. On the last stage returns the logits of the rows
-  // with want_logits, fp32 [rows, vocab] in device memory, valid until the next call, and sets
-  // *rows; other stages return null and *rows = 0.
-  Expected<float*> forward(std::span<const ForwardSeq> batch, int64_t* rows);
+  // Enqueues the batch through this rank's stage on stream(). On the last stage returns the
+  // logits of the rows with want_logits, fp32 [rows, vocab] in device memory, valid until the
+  // next call, and sets *rows; other stages return null and *rows = 0. `fills`: tokens the
+  // sampler writes in from its last call (async scheduling; the rank that samples).
+  Expected<float*> forward(std::span<const ForwardSeq> batch, int64_t* rows,
+                           std::span<const TokenFill> fills = {});
 
   const ModelConfig& config() const { return config_; }
   const LayerPlan& plan() const { return plan_; }
@@ -106,8 +108,9 @@ class CudaModel {
   Status allocate_kv_cache(int64_t blocks);
   Status size_kv_cache();
   Status capture_graphs();
-  // Fills the host staging area for a step and copies it to the device.
-  Expected<StepPlan> stage(std::span<const ForwardSeq> batch, int64_t pad_to);
+  // Fills a host staging area for a step and copies it to the device (then the sampler fills).
+  Expected<StepPlan> stage(std::span<const ForwardSeq> batch, int64_t pad_to,
+                           std::span<const TokenFill> fills = {});
   Status run(const StepPlan& plan);
 
   ModelConfig config_;
@@ -130,9 +133,11 @@ class CudaModel {
   cuda::DeviceBuffer shard_logits_;  // [T][max_num_seqs][vocab_shard] fp32 (T: tp ranks)
   cuda::DeviceBuffer logits_;        // [max_num_seqs][vocab] fp32
   cuda::DeviceBuffer attn_workspace_;
-  // Step metadata: one device block and its pinned host mirror, copied with one memcpy.
+  // Step metadata: one device block and two pinned host images used in turn (a step is staged
+  // while the one before runs, whose copies read their image when they run).
   cuda::DeviceBuffer meta_;
-  void* meta_host_ = nullptr;
+  void* meta_host_[2] = {nullptr, nullptr};
+  int meta_turn_ = 0;
 
   cuda::DeviceBuffer kv_storage_;
   std::vector<void*> k_cache_, v_cache_;  // per local layer

@@ -91,32 +91,111 @@ ModelInfo ModelRunner::info() const {
 }
 
 Expected<StepOutput> ModelRunner::execute(const StepInput& step) {
+  if (!running_.empty()) {
+    return failed_precondition("steps are running on this actor: collect them first");
+  }
+  submit(step);
+  return collect();
+}
+
+void ModelRunner::submit(const StepInput& step) {
+  Running r;
+  r.step_id = step.step_id;
+  r.submitted = std::chrono::steady_clock::now();
+  r.error = launch(step, r);
+  running_.push_back(std::move(r));
+}
+
+Status ModelRunner::launch(const StepInput& step, Running& r) {
   if (!cache_ready_) {
     return failed_precondition("the KV cache is not allocated yet: call initCache after loadModel");
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  if (running_.size() >= 2 || (!running_.empty() && !can_launch_ahead(step))) {
+    return failed_precondition("step " + std::to_string(step.step_id) +
+                               " cannot start before the step running is collected");
+  }
   TESSERA_RETURN_IF_ERROR(requests_.apply(step));
   for (uint64_t id : requests_.forgotten()) backend_->forget(id);
-  StepOutput out;
-  out.step_id = step.step_id;
-  if (!step.seqs.empty()) {
-    const std::vector<ForwardSeq> batch = requests_.batch(step);
-    std::vector<SampleRequest> rows;
-    for (const SeqStep& s : step.seqs) {
-      if (s.sample) rows.push_back({s.request_id, &requests_.at(s.request_id)});
-    }
-    TESSERA_ASSIGN_OR_RETURN(std::vector<SampleResult> samples,
-                             backend_->step(batch, rows, return_logits_ ? &out.logits : nullptr));
-    for (size_t i = 0; i < samples.size(); ++i) {
-      requests_.record_sample(rows[i].request_id, samples[i].token);
-      out.outputs.push_back({rows[i].request_id, std::move(samples[i])});
-    }
+  if (step.seqs.empty()) return Status::ok();
+  const std::vector<ForwardSeq> batch = requests_.batch(step);
+  std::vector<SampleRequest> rows;
+  for (const SeqStep& s : step.seqs) {
+    if (s.sample) rows.push_back({s.request_id, &requests_.at(s.request_id)});
   }
+  std::vector<TokenFill> fills;
+  for (size_t seq : requests_.placeholders()) {
+    const Running* before = running_.empty() ? nullptr : &running_.back();
+    auto row = before != nullptr ? before->row_of.find(step.seqs[seq].request_id)
+                                 : std::unordered_map<uint64_t, size_t>::const_iterator{};
+    if (before == nullptr || row == before->row_of.end()) {
+      return internal_error("request " + std::to_string(step.seqs[seq].request_id) +
+                            " waits for a sample that no running step takes");
+    }
+    fills.push_back({seq, row->second});
+  }
+  TESSERA_RETURN_IF_ERROR(backend_->launch(batch, rows, fills, return_logits_));
+  r.launched = true;
+  if (!samples()) return Status::ok();
+  r.rows.reserve(rows.size());
+  for (const SampleRequest& q : rows) {
+    requests_.expect_sample(q.request_id);
+    r.row_of.emplace(q.request_id, r.rows.size());
+    r.rows.push_back(q.request_id);
+  }
+  return Status::ok();
+}
+
+Expected<StepOutput> ModelRunner::collect() {
+  if (running_.empty()) return failed_precondition("no step is running on this actor");
+  Running r = std::move(running_.front());
+  running_.pop_front();
+  // The actor's time of this step: from its submit, or from when the step before it was handed
+  // back if that was later (two running steps overlap; their times add up to the wall time).
+  const auto begin = std::max(r.submitted, last_collected_);
+  StepOutput out;
+  out.step_id = r.step_id;
+  if (!r.error.is_ok()) {
+    last_collected_ = std::chrono::steady_clock::now();
+    return r.error;
+  }
+  if (r.launched) {
+    auto samples = backend_->collect(return_logits_ ? &out.logits : nullptr);
+    if (!samples) {
+      last_collected_ = std::chrono::steady_clock::now();
+      return samples.status();
+    }
+    for (size_t i = 0; i < samples->size() && i < r.rows.size(); ++i) {
+      requests_.record_sample(r.rows[i], (*samples)[i].token);
+      out.outputs.push_back({r.rows[i], std::move((*samples)[i])});
+    }
+    out.gpu_micros = backend_->last_gpu_micros();
+  }
+  last_collected_ = std::chrono::steady_clock::now();
   out.actor_micros = static_cast<uint32_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
-          .count());
-  out.gpu_micros = backend_->last_gpu_micros();
+      std::chrono::duration_cast<std::chrono::microseconds>(last_collected_ - begin).count());
   return out;
+}
+
+bool ModelRunner::ready() const {
+  return running_.empty() || !running_.front().launched || backend_->collect_ready();
+}
+
+bool ModelRunner::can_launch_ahead(const StepInput& step) const {
+  if (running_.size() != 1 || return_logits_) return false;
+  auto pending = [&](uint64_t id) {
+    auto it = requests_.find(id);
+    return it != nullptr && it->pending_samples > 0 ? it : nullptr;
+  };
+  for (uint64_t id : step.finished) {
+    if (pending(id) != nullptr) return false;
+  }
+  for (const SeqStep& s : step.seqs) {
+    const RequestState* r = pending(s.request_id);
+    if (r == nullptr) continue;
+    const bool takes_sample = !s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken;
+    if (!takes_sample || r->sampling.penalised()) return false;
+  }
+  return true;
 }
 
 }  // namespace tessera

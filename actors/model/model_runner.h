@@ -6,9 +6,12 @@
 // fits.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
+#include <unordered_map>
 
 #include "actors/model/backend.h"
 #include "actors/model/requests.h"
@@ -33,10 +36,31 @@ class ModelRunner {
   // Allocates the KV cache with `blocks` KV blocks (<= info().kv_blocks after load).
   Status init_cache(int64_t blocks);
 
-  // Runs one step. A malformed step is refused before anything of it is applied; a failure in
-  // the forward pass (a peer gone, a CUDA error) leaves its requests unusable: the driver fails
-  // them.
+  // Runs one step (nothing else running): submit() then collect(). A malformed step is refused
+  // before anything of it is applied; a failure in the forward pass (a peer gone, a CUDA error)
+  // leaves its requests unusable: the driver fails them.
   Expected<StepOutput> execute(const StepInput& step);
+
+  // Async scheduling: the step after the one running is launched before that one is collected,
+  // so the backend starts it as soon as the device is free, and a decoding request's next token
+  // (kSampledToken) is filled in on the device from the running step's sample.
+  //
+  // Applies the step and launches it; collect() hands back its output (or its error) after
+  // those of the steps submitted before. With a step running, submit only a step for which
+  // can_launch_ahead() holds (else collect first).
+  void submit(const StepInput& step);
+  // The output of the oldest step submitted and not collected (waits for the device).
+  Expected<StepOutput> collect();
+  // Steps submitted and not collected.
+  size_t running() const { return running_.size(); }
+  // The step id of the oldest of them (0 if none).
+  uint64_t oldest_step_id() const { return running_.empty() ? 0 : running_.front().step_id; }
+  // The oldest running step has finished on the device: collect() would not wait.
+  bool ready() const;
+  // `step` may be launched while the one running is not collected: one step runs, no logits
+  // are returned, and the step's requests that the running one samples only take its sample
+  // (kSampledToken) without a penalty on (the penalties read the history on the host).
+  bool can_launch_ahead(const StepInput& step) const;
 
   ModelInfo info() const;
   const ModelConfig& config() const { return config_; }
@@ -48,6 +72,16 @@ class ModelRunner {
 
  private:
   ModelRunner(ModelConfig config, LayerPlan plan, RequestLimits limits);
+  // A step submitted and not collected.
+  struct Running {
+    uint64_t step_id = 0;
+    Status error;                                 // refused or failed to launch: its output is this
+    bool launched = false;                        // the backend has a launch of it to collect
+    std::vector<uint64_t> rows;                   // the requests it samples, in row order
+    std::unordered_map<uint64_t, size_t> row_of;  // request -> row (to fill the next step)
+    std::chrono::steady_clock::time_point submitted;
+  };
+  Status launch(const StepInput& step, Running& r);
 
   ModelConfig config_;
   LayerPlan plan_;
@@ -56,6 +90,8 @@ class ModelRunner {
   std::unique_ptr<Backend> backend_;
   bool return_logits_ = false;
   bool cache_ready_ = false;
+  std::deque<Running> running_;
+  std::chrono::steady_clock::time_point last_collected_{};
 };
 
 // resolve_dtype, resolve_max_model_len, resolve_max_num_batched_tokens: common/checkpoint/

@@ -74,7 +74,17 @@ Status RequestTable::apply(const StepInput& step) {
       }
     }
     if (!s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
-      if (!it->second.last_sampled) {
+      const RequestState& r = it->second;
+      const bool recorded = r.pending_samples == 0 && r.last_sampled;
+      const bool pending = r.pending_samples == 1 && !r.placeholder;
+      if (!recorded && !pending) {
+        if (r.pending_samples > 0) {
+          return failed_precondition(
+              who + " asks for the token this actor sampled last while " +
+              std::to_string(r.pending_samples) +
+              " samples of it are pending: only the step right after the one that samples it "
+              "may take it");
+        }
         return failed_precondition(who +
                                    " asks for the token this actor sampled last, but it "
                                    "has none (async scheduling needs one rank)");
@@ -96,10 +106,12 @@ Status RequestTable::apply(const StepInput& step) {
   }
   // Pass 2: apply.
   forgotten_.clear();
+  placeholders_.clear();
   for (uint64_t id : step.finished) {
     if (requests_.erase(id)) forgotten_.push_back(id);
   }
-  for (const SeqStep& s : step.seqs) {
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const SeqStep& s = step.seqs[i];
     if (s.first) {
       if (requests_.erase(s.request_id)) forgotten_.push_back(s.request_id);
       RequestState r;
@@ -117,7 +129,13 @@ Status RequestTable::apply(const StepInput& step) {
     RequestState& r = requests_.at(s.request_id);
     r.blocks.insert(r.blocks.end(), s.new_blocks.begin(), s.new_blocks.end());
     if (s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
-      r.tokens.push_back(*r.last_sampled);
+      if (r.pending_samples == 0) {
+        r.tokens.push_back(*r.last_sampled);
+      } else {
+        r.placeholder = r.tokens.size();
+        r.tokens.push_back(kSampledToken);
+        placeholders_.push_back(i);
+      }
     } else {
       r.tokens.insert(r.tokens.end(), s.tokens.begin(), s.tokens.end());
     }
@@ -126,9 +144,22 @@ Status RequestTable::apply(const StepInput& step) {
   return Status::ok();
 }
 
+void RequestTable::expect_sample(uint64_t request_id) {
+  auto it = requests_.find(request_id);
+  if (it != requests_.end()) ++it->second.pending_samples;
+}
+
 void RequestTable::record_sample(uint64_t request_id, int32_t token) {
   auto it = requests_.find(request_id);
-  if (it != requests_.end()) it->second.last_sampled = token;
+  if (it == requests_.end()) return;
+  RequestState& r = it->second;
+  if (r.pending_samples > 0) --r.pending_samples;
+  if (r.placeholder) {
+    r.tokens[*r.placeholder] = token;
+    r.placeholder.reset();
+  } else {
+    r.last_sampled = token;
+  }
 }
 
 std::vector<ForwardSeq> RequestTable::batch(const StepInput& step) const {

@@ -35,9 +35,15 @@ struct RequestState {
   int64_t prompt_len = 0;
   std::vector<uint32_t> blocks;
   std::vector<int32_t> tokens;  // every token received, in position order
-  // The token this rank sampled in the request's last step, until a step takes it as input
-  // (kSampledToken, async scheduling); none on a rank that does not sample.
+  // Async scheduling. The token this rank sampled in the request's last step, until a step takes
+  // it as input (kSampledToken); none on a rank that does not sample.
   std::optional<int32_t> last_sampled;
+  // Steps running on this rank that sample the request (expect_sample), not recorded yet.
+  int pending_samples = 0;
+  // Where in `tokens` a kSampledToken went whose sample was still pending when its step was
+  // applied (the step before it was still running): the backend fills the token in from that
+  // step's sample, and record_sample() writes it here. Holds kSampledToken until then.
+  std::optional<size_t> placeholder;
   std::span<const int32_t> prompt() const {
     return {tokens.data(), static_cast<size_t>(std::min<int64_t>(prompt_len, tokens.size()))};
   }
@@ -67,15 +73,29 @@ class RequestTable {
   // sequences, bad sampling parameters), FAILED_PRECONDITION for a continuing request this
   // actor has no state for, or a kSampledToken it has no sample for (a step that is not one
   // decode token right after a sampled one, or a rank that does not sample).
+  //
+  // A kSampledToken is the request's last recorded sample, or, while exactly one step that
+  // samples it is in flight (pending), a placeholder for that step's sample (placeholders()).
   Status apply(const StepInput& step);
 
   // The forward batch of a step applied last (views valid until the next apply()); its tokens
-  // are the table's, with kSampledToken filled in.
+  // are the table's: a kSampledToken is the sample, or kSampledToken where it is a placeholder.
   std::vector<ForwardSeq> batch(const StepInput& step) const;
-  // The token this rank sampled for a request (the next step may ask for it as kSampledToken).
+  // The indices in step.seqs of the last applied step's placeholders.
+  const std::vector<size_t>& placeholders() const { return placeholders_; }
+  // This rank is to sample the request in a step it is running (after apply(); one call per
+  // step that samples it, on the rank that samples).
+  void expect_sample(uint64_t request_id);
+  // The token this rank sampled for a request in its oldest pending step: fills the placeholder
+  // waiting for it, or is kept for the next step's kSampledToken.
   void record_sample(uint64_t request_id, int32_t token);
 
   const RequestState& at(uint64_t request_id) const { return requests_.at(request_id); }
+  // The request's state, or null.
+  const RequestState* find(uint64_t request_id) const {
+    auto it = requests_.find(request_id);
+    return it != requests_.end() ? &it->second : nullptr;
+  }
   size_t size() const { return requests_.size(); }
   // Requests forgotten by the last apply() (a backend drops its own per-request state for them).
   const std::vector<uint64_t>& forgotten() const { return forgotten_; }
@@ -86,6 +106,7 @@ class RequestTable {
   RequestLimits limits_;
   std::map<uint64_t, RequestState> requests_;
   std::vector<uint64_t> forgotten_;
+  std::vector<size_t> placeholders_;
   uint64_t seed_state_;
 };
 

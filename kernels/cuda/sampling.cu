@@ -754,8 +754,20 @@ struct GpuSampler::Impl {
   DeviceBuffer results;      // RowResult[max_rows], then TopEntry[max_rows * max_logprobs]
   DeviceBuffer lse;          // double[max_rows]
   DeviceBuffer top_scratch;  // u64[max_rows * max_logprobs]
-  PinnedBytes staging;       // host image of `upload`
-  PinnedBytes host_results;  // host image of `results`
+  // Two of each host image, used in turn: two calls may be outstanding (enqueue() twice, then
+  // finish() the first), and a copy reads or writes its pinned buffer when it runs, not when it
+  // is enqueued.
+  PinnedBytes staging[2];                    // host image of `upload`
+  PinnedBytes host_results[2];               // host image of `results`
+  cudaEvent_t done[2] = {nullptr, nullptr};  // after each slot's copy back
+  bool busy[2] = {false, false};             // enqueued, not finished
+  int next = 0;                              // the slot of the next enqueue
+
+  ~Impl() {
+    for (cudaEvent_t e : done) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+  }
 
   size_t ids_offset() const { return align_up(sizeof(RowParams) * max_rows, 256); }
   size_t tops_offset() const { return align_up(sizeof(RowResult) * max_rows, 256); }
@@ -763,19 +775,25 @@ struct GpuSampler::Impl {
     return tops_offset() + sizeof(TopEntry) * static_cast<size_t>(max_rows) * max_logprobs;
   }
 
-  // Grows the id buffers (the previous step has synchronised: nothing is in flight).
+  // Grows the id buffers, after the stream has run everything enqueued (a call outstanding may
+  // still read them).
   Status reserve_ids(size_t n) {
     if (n <= id_capacity && upload.get() != nullptr) return Status::ok();
     size_t cap = std::max<size_t>(id_capacity, 4096);
     while (cap < n) cap *= 2;
     const size_t bytes = ids_offset() + cap * sizeof(int32_t);
+    if (stream != nullptr) {
+      TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "growing the sampler buffers");
+    }
     upload.reset();
     saved.reset();
-    staging.reset();
+    for (PinnedBytes& p : staging) p.reset();
     id_capacity = 0;
     TESSERA_ASSIGN_OR_RETURN(upload, DeviceBuffer::allocate(bytes, "sampler parameters"));
     TESSERA_ASSIGN_OR_RETURN(saved, DeviceBuffer::allocate(cap * sizeof(float), "sampler ids"));
-    TESSERA_ASSIGN_OR_RETURN(staging, pinned_alloc(bytes, "sampler parameters"));
+    for (PinnedBytes& p : staging) {
+      TESSERA_ASSIGN_OR_RETURN(p, pinned_alloc(bytes, "sampler parameters"));
+    }
     id_capacity = cap;
     return Status::ok();
   }
@@ -811,7 +829,12 @@ Expected<std::unique_ptr<GpuSampler>> GpuSampler::create(int max_rows, int64_t v
         DeviceBuffer::allocate(sizeof(u64) * static_cast<size_t>(max_rows) * max_logprobs,
                                "sampler top logprobs"));
   }
-  TESSERA_ASSIGN_OR_RETURN(m.host_results, pinned_alloc(m.results_bytes(), "sampler results"));
+  for (int slot = 0; slot < 2; ++slot) {
+    TESSERA_ASSIGN_OR_RETURN(m.host_results[slot],
+                             pinned_alloc(m.results_bytes(), "sampler results"));
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&m.done[slot], cudaEventDisableTiming),
+                                 "sampler events");
+  }
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(m.counts.get(), 0, cells * sizeof(int32_t), stream),
                                "zeroing sampler counts");
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "GpuSampler::create");
@@ -833,7 +856,35 @@ Status GpuSampler::argmax(const float* logits, int rows, int32_t* ids, cudaStrea
 }
 
 Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
-                                                            std::span<const SampleRow> rows) {
+                                                       std::span<const SampleRow> rows) {
+  TESSERA_ASSIGN_OR_RETURN(SampleTicket ticket, enqueue(logits, rows));
+  return finish(ticket);
+}
+
+__global__ void fill_tokens_kernel(int32_t* ids, const int32_t* pairs, int n,
+                                   const RowResult* results) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) ids[pairs[2 * i]] = results[pairs[2 * i + 1]].token;
+}
+
+Status GpuSampler::fill_tokens(int32_t* ids, const int32_t* pairs, int n,
+                               cudaStream_t stream) const {
+  if (n < 0 || (n > 0 && (ids == nullptr || pairs == nullptr))) {
+    return invalid_argument("GpuSampler::fill_tokens: need ids and pairs for " + std::to_string(n) +
+                            " tokens");
+  }
+  if (n == 0) return Status::ok();
+  const Impl& m = *impl_;
+  fill_tokens_kernel<<<(n + 127) / 128, 128, 0, stream>>>(ids, pairs, n, m.results.as<RowResult>());
+  return launch_status("fill_tokens_kernel");
+}
+
+bool GpuSampler::finished(const SampleTicket& ticket) const {
+  if (ticket.slot < 0) return true;
+  return cudaEventQuery(impl_->done[ticket.slot]) != cudaErrorNotReady;
+}
+
+Expected<SampleTicket> GpuSampler::enqueue(float* logits, std::span<const SampleRow> rows) {
   Impl& m = *impl_;
   if (rows.size() > static_cast<size_t>(m.max_rows)) {
     return invalid_argument("sample: " + std::to_string(rows.size()) +
@@ -841,8 +892,13 @@ Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
                             std::to_string(m.max_rows));
   }
   const int n = static_cast<int>(rows.size());
-  if (n == 0) return std::vector<SampleResult>{};
+  SampleTicket ticket;
+  if (n == 0) return ticket;
   if (logits == nullptr) return invalid_argument("sample: no logits");
+  const int slot = m.next;
+  if (m.busy[slot]) {
+    return failed_precondition("sample: two calls are outstanding already (finish one first)");
+  }
 
   // Validate everything before anything is enqueued.
   bool any_logprobs = false;
@@ -910,8 +966,8 @@ Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
       TESSERA_RETURN_IF_ERROR(launch_status("argmax_kernel"));
     } else {
       TESSERA_RETURN_IF_ERROR(m.reserve_ids(n_ids));
-      auto* h_params = reinterpret_cast<RowParams*>(m.staging.get());
-      auto* h_ids = reinterpret_cast<int32_t*>(m.staging.get() + m.ids_offset());
+      auto* h_params = reinterpret_cast<RowParams*>(m.staging[slot].get());
+      auto* h_ids = reinterpret_cast<int32_t*>(m.staging[slot].get() + m.ids_offset());
       size_t off = 0;
       for (int i = 0; i < n; ++i) {
         const SampleRow& r = rows[i];
@@ -949,7 +1005,7 @@ Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
       auto* d_ids = reinterpret_cast<int32_t*>(m.upload.as<unsigned char>() + m.ids_offset());
       const size_t up_bytes = n_ids > 0 ? m.ids_offset() + n_ids * sizeof(int32_t)
                                         : sizeof(RowParams) * static_cast<size_t>(n);
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.upload.get(), m.staging.get(), up_bytes,
+      TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.upload.get(), m.staging[slot].get(), up_bytes,
                                                    cudaMemcpyHostToDevice, m.stream),
                                    "uploading sampler parameters");
       if (any_logprobs) {
@@ -980,9 +1036,10 @@ Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
         TESSERA_RETURN_IF_ERROR(launch_status("finalize_kernel"));
       }
     }
-    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.host_results.get(), m.results.get(), back_bytes,
-                                                 cudaMemcpyDeviceToHost, m.stream),
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.host_results[slot].get(), m.results.get(),
+                                                 back_bytes, cudaMemcpyDeviceToHost, m.stream),
                                  "copying sampler results");
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.done[slot], m.stream), "sampler event");
     return Status::ok();
   }();
   if (!enqueued.is_ok()) {
@@ -990,10 +1047,25 @@ Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
     cudaGetLastError();
     return enqueued;
   }
-  TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream), "sample");
+  m.busy[slot] = true;
+  m.next = 1 - slot;
+  ticket.slot = slot;
+  ticket.logprobs.reserve(rows.size());
+  for (const SampleRow& r : rows) ticket.logprobs.push_back(r.params.logprobs);
+  return ticket;
+}
 
-  const auto* h_results = reinterpret_cast<const RowResult*>(m.host_results.get());
-  const auto* h_tops = reinterpret_cast<const TopEntry*>(m.host_results.get() + m.tops_offset());
+Expected<std::vector<SampleResult>> GpuSampler::finish(const SampleTicket& ticket) {
+  if (ticket.slot < 0) return std::vector<SampleResult>{};
+  Impl& m = *impl_;
+  const int slot = ticket.slot;
+  if (!m.busy[slot]) return failed_precondition("sample: this call was finished already");
+  m.busy[slot] = false;
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(m.done[slot]), "sample");
+  const int n = static_cast<int>(ticket.logprobs.size());
+  const auto* h_results = reinterpret_cast<const RowResult*>(m.host_results[slot].get());
+  const auto* h_tops =
+      reinterpret_cast<const TopEntry*>(m.host_results[slot].get() + m.tops_offset());
   std::vector<SampleResult> out(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
     const RowResult& r = h_results[i];
@@ -1006,7 +1078,7 @@ Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
     }
     SampleResult& res = out[i];
     res.token = r.token;
-    const int lp = rows[i].params.logprobs;
+    const int lp = ticket.logprobs[i];
     if (lp < 0) {
       res.logprob = std::numeric_limits<float>::quiet_NaN();
       continue;

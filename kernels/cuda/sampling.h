@@ -37,6 +37,12 @@ struct SampleRow {
   std::span<const int32_t> output_ids;  // all three penalties (read only when one is on)
 };
 
+// A sampling call enqueued and not finished (GpuSampler::enqueue).
+struct SampleTicket {
+  int slot = -1;              // -1: no rows
+  std::vector<int> logprobs;  // each row's SamplingParams::logprobs
+};
+
 class GpuSampler {
  public:
   // Buffers for up to max_rows rows of `vocab` logits and up to max_logprobs alternatives
@@ -61,6 +67,20 @@ class GpuSampler {
   // FAILED_PRECONDITION naming the first row with no finite logit (after the penalties and the
   // temperature; a +inf maximum counts as none for a sampled row). Not thread-safe.
   Expected<std::vector<SampleResult>> sample(float* logits, std::span<const SampleRow> rows);
+
+  // sample() in two halves, so the host can go on while the GPU samples: enqueue() validates
+  // (the same errors, nothing enqueued on one) and enqueues the kernels and the copy back;
+  // finish() waits for that copy and returns what sample() would. Two calls may be outstanding
+  // (FAILED_PRECONDITION for a third); finish them in order. `rows` need not outlive enqueue().
+  Expected<SampleTicket> enqueue(float* logits, std::span<const SampleRow> rows);
+  Expected<std::vector<SampleResult>> finish(const SampleTicket& ticket);
+  // The ticket's results are back on the host (finish() would not wait).
+  bool finished(const SampleTicket& ticket) const;
+
+  // Async scheduling: ids[pairs[2i]] = the token the last enqueued call sampled for its row
+  // pairs[2i + 1], for i < n, on `stream` (the sampler's, after that call): a step's input
+  // token taken from the step before without a trip to the host. pairs: device memory.
+  Status fill_tokens(int32_t* ids, const int32_t* pairs, int n, cudaStream_t stream) const;
 
   // Greedy only (every row temperature 0, no penalties, no logprobs): the argmax of each row
   // (cpu::greedy_argmax: NaN below -inf, ties to the lowest id), without synchronising: ids

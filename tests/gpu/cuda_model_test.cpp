@@ -20,6 +20,7 @@
 
 #include "actors/model/model_runner.h"
 #include "driver/make_model/make_model.h"
+#include "tests/model/launch_ahead.h"
 
 namespace tessera {
 namespace {
@@ -405,6 +406,37 @@ TEST(CudaModelTest, SeededSamplingDoesNotDependOnTheBatch) {
   EXPECT_EQ(alone[0], batched[1]);
   auto again = generate(*r, {prompt_ids(12, 7)}, 16, nullptr, {p});
   EXPECT_EQ(alone[0], again[0]);
+}
+
+// Async scheduling on the GPU: each decode step launched while the one before runs, its tokens
+// filled in on the device from that step's samples, gives the tokens of one step at a time —
+// greedy, and seeded sampling (whose draw counts the request's tokens, placeholder included) —
+// through the decode graphs and in eager mode.
+TEST(CudaModelTest, LaunchingAheadGivesTheTokensOfOneStepAtATime) {
+  require_gpu();
+  for (bool eager : {false, true}) {
+    LoadSpec spec = spec_for(tiny_model("llama"), "cuda");
+    spec.return_logits = false;  // logits keep steps one at a time
+    spec.enforce_eager = eager;
+    auto r = load(spec);
+    ASSERT_TRUE(r);
+    SamplingParams s = greedy();
+    s.temperature = 0.9f;
+    s.top_p = 0.95f;
+    s.seed = 11;
+    SamplingParams t = s;
+    t.seed = 12;
+    const std::vector<std::vector<int32_t>> prompts = {prompt_ids(9, 1), prompt_ids(33, 2),
+                                                       prompt_ids(17, 3)};
+    for (const auto& params : {std::vector<SamplingParams>{greedy(), greedy(), greedy()},
+                               std::vector<SamplingParams>{s, greedy(), t}}) {
+      auto one = testing::generate_steps(*r, prompts, 24, params, false);
+      auto ahead = testing::generate_steps(*r, prompts, 24, params, true);
+      ASSERT_EQ(one.size(), 3u);
+      EXPECT_EQ(one[0].size(), 24u);
+      EXPECT_EQ(one, ahead) << (eager ? "eager" : "graphs");
+    }
+  }
 }
 
 TEST(CudaModelTest, RefusesAModelThatDoesNotFitWithTheFigures) {

@@ -351,8 +351,7 @@ TEST_F(SecurityTest, ASigkilledDaemonsSegmentsAreRemovedByTheNextStart) {
     bool left = std::filesystem::exists("/dev/shm" + *object) &&
                 std::filesystem::exists("/dev/shm" + *ring);
     // The next start on this machine removes them, and says so.
-    auto again =
-        cluster.tessera({"start", "--head", "--port", "0", "--temp-dir", cluster.root()});
+    auto again = cluster.tessera({"start", "--head", "--port", "0", "--temp-dir", cluster.root()});
     ASSERT_EQ(again.exit_code, 0) << again.err;
     EXPECT_FALSE(std::filesystem::exists("/dev/shm" + *object));
     EXPECT_FALSE(std::filesystem::exists("/dev/shm" + *ring));

@@ -84,6 +84,46 @@ TEST(RequestTableTest, TheSampledTokenFillsAnAsyncDecodeStep) {
   EXPECT_EQ(t.at(1).tokens.back(), 43);
 }
 
+// A step launched while the one that samples its token still runs: the token is a placeholder
+// (the backend fills it in from that step's sample), recorded into the history when the sample
+// comes back. Only one sample may be outstanding per placeholder; the next sample is kept for the
+// step after.
+TEST(RequestTableTest, APendingSampleLeavesAPlaceholderThatItsSampleFills) {
+  RequestTable t(limits());
+  ASSERT_TRUE(t.apply(step({first(1, {5, 6, 7}, {0}, 3), first(2, {9}, {1}, 1)})));
+  t.expect_sample(1);
+  t.expect_sample(2);
+  EXPECT_TRUE(t.placeholders().empty());
+  const StepInput ahead = step({next(2, {kSampledToken}, 1), next(1, {kSampledToken}, 3)});
+  ASSERT_TRUE(t.apply(ahead));
+  EXPECT_EQ(t.placeholders(), (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(t.at(1).tokens, (std::vector<int32_t>{5, 6, 7, kSampledToken}));
+  const std::vector<ForwardSeq> batch = t.batch(ahead);
+  ASSERT_EQ(batch.size(), 2u);
+  EXPECT_EQ(batch[1].tokens[0], kSampledToken);
+  EXPECT_EQ(batch[1].start_position, 3);
+  t.expect_sample(1);  // the step ahead samples too
+  // Its sample is not back: a third step cannot take it.
+  Status early = t.apply(step({next(1, {kSampledToken}, 4, {1})}));
+  EXPECT_EQ(early.code(), Code::kFailedPrecondition);
+  EXPECT_TRUE(says(early, "while 2 samples of it are pending")) << early.message();
+  t.record_sample(1, 42);  // the first step's
+  EXPECT_EQ(t.at(1).tokens, (std::vector<int32_t>{5, 6, 7, 42}));
+  EXPECT_EQ(t.at(1).pending_samples, 1);
+  EXPECT_FALSE(t.at(1).last_sampled);
+  t.record_sample(1, 43);  // the second's: for the step after
+  EXPECT_EQ(t.at(1).last_sampled, 43);
+  ASSERT_TRUE(t.apply(step({next(1, {kSampledToken}, 4, {2})})));
+  EXPECT_EQ(t.at(1).tokens, (std::vector<int32_t>{5, 6, 7, 42, 43}));
+  EXPECT_TRUE(t.placeholders().empty());
+  // A request forgotten while its sample is pending: the sample is dropped.
+  t.record_sample(2, 11);
+  EXPECT_EQ(t.at(2).tokens, (std::vector<int32_t>{9, 11}));
+  ASSERT_TRUE(t.apply(step({}, {2})));
+  t.record_sample(2, 12);
+  EXPECT_EQ(t.size(), 1u);
+}
+
 // A prefix-cache hit: the first step starts after the cached prefix, whose tokens join the
 // history (penalties and the seeded sampler see the whole prompt) without being computed.
 TEST(RequestTableTest, AFirstStepAfterACachedPrefixKeepsThePrefixInTheHistory) {
