@@ -585,6 +585,67 @@ TEST(GpuSampling, DrawsDependOnSeedAndStepNotOnTheBatch) {
   EXPECT_GE(by_seed.size(), 24u);
 }
 
+// Async scheduling: two calls outstanding (enqueue, enqueue, then finish in order) give what each
+// gives alone, each from its own host image; fill_tokens copies the last call's tokens into a
+// step's ids on the device; a third call, or a second finish, is refused.
+TEST(GpuSampling, TwoCallsOutstandingGiveWhatEachGivesAlone) {
+  REQUIRE_GPU();
+  constexpr int64_t kVocab = 500;
+  auto sampler = make_sampler(8, kVocab, 5);
+  ASSERT_NE(sampler, nullptr);
+  std::mt19937_64 rng(21);
+  const std::vector<float> a = random_logits(rng, 3 * kVocab, 2.0f);
+  const std::vector<float> b = random_logits(rng, 2 * kVocab, 2.0f);
+  SamplingParams drawn;
+  drawn.temperature = 0.8f;
+  drawn.top_k = 50;
+  drawn.logprobs = 3;
+  SamplingParams penalised = greedy_params(1);
+  penalised.repetition_penalty = 1.5f;
+  Rows ra, rb;
+  ra.add(greedy_params(), 0, 0);
+  ra.add(drawn, 99, 4);
+  ra.add(penalised, 0, 0, {1, 2, 3}, {4, 5});
+  rb.add(drawn, 7, 1);
+  rb.add(greedy_params(2), 0, 0);
+  auto alone_a = gpu_sample(*sampler, a, ra.rows);
+  auto alone_b = gpu_sample(*sampler, b, rb.rows);
+  ASSERT_TRUE(alone_a && alone_b);
+  DeviceLogits da(a), db(b), dc(b);
+  auto ta = sampler->enqueue(da.get(), ra.rows);
+  auto tb = sampler->enqueue(db.get(), rb.rows);
+  ASSERT_TRUE(ta && tb) << (ta ? tb.status() : ta.status()).to_string();
+  auto third = sampler->enqueue(dc.get(), rb.rows);
+  ASSERT_FALSE(third);
+  EXPECT_EQ(third.status().code(), Code::kFailedPrecondition);
+  // The ids of a next step: token 0 from b's row 1, token 2 from b's row 0.
+  auto ids = DeviceBuffer::allocate(4 * sizeof(int32_t), "ids");
+  auto pairs = DeviceBuffer::allocate(4 * sizeof(int32_t), "pairs");
+  ASSERT_TRUE(ids && pairs);
+  const std::vector<int32_t> host_ids = {-1, 11, -1, 13}, host_pairs = {0, 1, 2, 0};
+  ASSERT_EQ(cudaMemcpy(ids->get(), host_ids.data(), 16, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(pairs->get(), host_pairs.data(), 16, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE(sampler->fill_tokens(ids->as<int32_t>(), pairs->as<int32_t>(), 2, nullptr));
+  auto got_a = sampler->finish(*ta);
+  auto got_b = sampler->finish(*tb);
+  ASSERT_TRUE(got_a && got_b);
+  auto same = [](const std::vector<SampleResult>& x, const std::vector<SampleResult>& y) {
+    ASSERT_EQ(x.size(), y.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      EXPECT_EQ(x[i].token, y[i].token) << "row " << i;
+      EXPECT_EQ(std::isnan(x[i].logprob), std::isnan(y[i].logprob)) << "row " << i;
+      if (!std::isnan(x[i].logprob)) EXPECT_EQ(x[i].logprob, y[i].logprob) << "row " << i;
+      EXPECT_EQ(x[i].top_logprobs, y[i].top_logprobs) << "row " << i;
+    }
+  };
+  same(*got_a, *alone_a);
+  same(*got_b, *alone_b);
+  std::vector<int32_t> filled(4);
+  ASSERT_EQ(cudaMemcpy(filled.data(), ids->get(), 16, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(filled, (std::vector<int32_t>{(*got_b)[1].token, 11, (*got_b)[0].token, 13}));
+  EXPECT_EQ(sampler->finish(*ta).status().code(), Code::kFailedPrecondition);
+}
+
 // ---- (f) errors ------------------------------------------------------------------------------
 
 TEST(GpuSampling, Errors) {
