@@ -634,7 +634,9 @@ TEST(GpuSampling, TwoCallsOutstandingGiveWhatEachGivesAlone) {
     for (size_t i = 0; i < x.size(); ++i) {
       EXPECT_EQ(x[i].token, y[i].token) << "row " << i;
       EXPECT_EQ(std::isnan(x[i].logprob), std::isnan(y[i].logprob)) << "row " << i;
-      if (!std::isnan(x[i].logprob)) EXPECT_EQ(x[i].logprob, y[i].logprob) << "row " << i;
+      if (!std::isnan(x[i].logprob)) {
+        EXPECT_EQ(x[i].logprob, y[i].logprob) << "row " << i;
+      }
       EXPECT_EQ(x[i].top_logprobs, y[i].top_logprobs) << "row " << i;
     }
   };
