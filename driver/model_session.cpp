@@ -44,7 +44,7 @@ void add_engine_options(CLI::App* cmd, EngineArgs& e) {
                 "Share the KV cache of common prompt prefixes (on by default)");
   cmd->add_flag("--async-scheduling", e.async_scheduling,
                 "Schedule each decode step while the one before runs, its input the token that "
-                "step samples (one rank; vLLM's flag)");
+                "step samples (pipeline parallel size 1; vLLM's flag)");
   cmd->add_option("--nccl-init-timeout", e.nccl_init_timeout_s,
                   "Seconds every rank has to join the collectives at start-up (120)");
 }
@@ -195,11 +195,11 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
     std::stringstream lines(plan_summary(s->plan_));
     for (std::string line; std::getline(lines, line);) spdlog::info("{}", line);
   }
-  if (a.async_scheduling && s->plan_.plan.tp * s->plan_.plan.pp > 1) {
+  if (a.async_scheduling && s->plan_.plan.pp > 1) {
     return invalid_argument(
-        "--async-scheduling needs one rank (tensor and pipeline parallel size 1): the token a "
-        "step samples stays on its rank; the plan has " +
-        std::to_string(s->plan_.plan.tp) + " x " + std::to_string(s->plan_.plan.pp));
+        "--async-scheduling needs pipeline parallel size 1: the token a step samples on the last "
+        "stage is not at the first stage when the next step starts there; the plan has " +
+        std::to_string(s->plan_.plan.pp) + " stages");
   }
   ParallelConfig parallel;
   parallel.tp_size = static_cast<int>(s->plan_.plan.tp);

@@ -320,17 +320,36 @@ Status CpuModel::launch(std::span<const ForwardSeq> batch, std::span<const Sampl
   }
   std::vector<ForwardSeq> filled(batch.begin(), batch.end());
   std::vector<int32_t> tokens(fills.size());
-  for (size_t i = 0; i < fills.size(); ++i) {
-    const TokenFill& f = fills[i];
-    if (launched_.empty() || f.row >= launched_.back().samples.size() || f.seq >= batch.size() ||
-        batch[f.seq].tokens.size() != 1) {
+  if (!fills.empty()) {
+    // The samples of the launch before: this rank's, or with tensor parallelism rank 0's,
+    // gathered (every rank of the step has the same fills, so all take part).
+    size_t count = 0;
+    for (const TokenFill& f : fills) count = std::max(count, f.row + 1);
+    std::vector<int32_t> source(count, 0);
+    const bool have = last_tokens_.size() >= count;
+    if (have) std::copy_n(last_tokens_.begin(), count, source.begin());
+    if (comms_.tp != nullptr) {
+      std::vector<int32_t> gathered(count * static_cast<size_t>(comms_.tp->size()));
+      // Bits copied as they are (a gather does no arithmetic on them).
+      TESSERA_RETURN_IF_ERROR(comms_.tp->all_gather(source.data(), static_cast<int64_t>(count),
+                                                    DType::kF32, gathered.data(), nullptr));
+      source.assign(gathered.begin(), gathered.begin() + static_cast<ptrdiff_t>(count));
+    } else if (!have) {
       return failed_precondition("a token to fill from a sample that the step before has not got");
     }
-    tokens[i] = launched_.back().samples[f.row].token;
-    filled[f.seq].tokens = std::span<const int32_t>(&tokens[i], 1);
+    for (size_t i = 0; i < fills.size(); ++i) {
+      const TokenFill& f = fills[i];
+      if (f.seq >= batch.size() || batch[f.seq].tokens.size() != 1) {
+        return invalid_argument("a token to fill is not one decode token of the batch");
+      }
+      tokens[i] = source[f.row];
+      filled[f.seq].tokens = std::span<const int32_t>(&tokens[i], 1);
+    }
   }
   Launch l;
   TESSERA_ASSIGN_OR_RETURN(l.samples, run_step(filled, rows, want_logits ? &l.logits : nullptr));
+  last_tokens_.clear();
+  for (const SampleResult& r : l.samples) last_tokens_.push_back(r.token);
   launched_.push_back(std::move(l));
   return Status::ok();
 }

@@ -73,6 +73,7 @@ class CpuModel final : public Backend {
   int64_t max_model_len_ = 0;
   KvCacheDtype kv_cache_dtype_ = KvCacheDtype::kAuto;
   std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
+  std::vector<int32_t> last_tokens_;           // sampled by the last launch (async scheduling)
   std::deque<Launch> launched_;                // not collected yet, oldest first
 };
 

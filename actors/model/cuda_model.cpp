@@ -130,6 +130,10 @@ Status CudaModel::allocate_buffers() {
                                     "vocabulary-parallel logits"));
     }
   }
+  if (p.parallel.tp_size > 1) {  // async scheduling: the sampled tokens, packed and gathered
+    TESSERA_RETURN_IF_ERROR(
+        alloc(sampled_tokens_, (1 + p.parallel.tp_size) * S * sizeof(int32_t), "sampled tokens"));
+  }
   int max_splits = 1;
   for (int64_t b = 1; b <= S; b *= 2) {
     max_splits = std::max(
@@ -207,10 +211,10 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
   std::vector<int32_t> fill_row(static_cast<size_t>(S_real), -1);
   for (const TokenFill& f : fills) {
     if (f.seq >= static_cast<size_t>(S_real) || batch[f.seq].tokens.size() != 1 ||
-        sampler_ == nullptr) {
+        f.row >= static_cast<size_t>(options_.max_num_seqs)) {
       return invalid_argument(
           "a token to fill from the step before is not one decode token of "
-          "this batch on the rank that samples");
+          "this batch, or its row is out of range");
     }
     fill_row[f.seq] = static_cast<int32_t>(f.row);
   }
@@ -310,9 +314,35 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
   TESSERA_RETURN_IF_ERROR(copy(m.tables, sizeof(int32_t) * S * max_blocks_per_seq_));
   TESSERA_RETURN_IF_ERROR(copy(m.fills, sizeof(int32_t) * 2 * plan.fills));
   if (plan.fills > 0) {
-    TESSERA_RETURN_IF_ERROR(sampler_->fill_tokens(reinterpret_cast<int32_t*>(d + m.ids),
-                                                  reinterpret_cast<int32_t*>(d + m.fills),
-                                                  static_cast<int>(plan.fills), stream_));
+    // The samples of the step before: the sampler's own, or with tensor parallelism its rank's,
+    // gathered (every rank fills the same tokens: the same step has the same fills everywhere).
+    int stride = 1;
+    const int32_t* tokens = sampler_ != nullptr ? sampler_->tokens(&stride) : nullptr;
+    if (comms_.tp != nullptr) {
+      const int64_t S_max = options_.max_num_seqs;
+      int32_t* packed = sampled_tokens_.as<int32_t>();
+      int32_t* gathered = packed + S_max;
+      if (tokens != nullptr) {
+        TESSERA_RETURN_IF_ERROR(
+            cuda::pack_tokens(tokens, stride, static_cast<int>(S_max), packed, stream_));
+      } else {
+        TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(packed, 0, sizeof(int32_t) * S_max, stream_),
+                                     "sampled tokens");
+      }
+      // Bits copied as they are (a gather does no arithmetic on them).
+      TESSERA_RETURN_IF_ERROR(comms_.tp->all_gather(packed, S_max, DType::kF32, gathered, stream_));
+      const int sampler_rank = 0;  // the last stage's tensor-parallel rank 0 samples
+      tokens = gathered + sampler_rank * S_max;
+      stride = 1;
+    }
+    if (tokens == nullptr) {
+      return failed_precondition(
+          "a step takes sampled tokens on a rank with no sampler and no "
+          "tensor-parallel peer that has one");
+    }
+    TESSERA_RETURN_IF_ERROR(cuda::fill_tokens(
+        reinterpret_cast<int32_t*>(d + m.ids), reinterpret_cast<int32_t*>(d + m.fills),
+        static_cast<int>(plan.fills), tokens, stride, stream_));
   }
   return plan;
 }

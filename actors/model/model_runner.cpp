@@ -46,6 +46,7 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
   limits.max_num_seqs = spec.max_num_seqs;
   limits.max_num_batched_tokens = max_tokens;
   std::unique_ptr<ModelRunner> r(new ModelRunner(config, plan, limits));
+  r->requests_.set_samples(r->samples());
   r->return_logits_ = spec.return_logits;
   if (gpu) {
 #ifdef TESSERA_WITH_CUDA
@@ -114,6 +115,17 @@ Status ModelRunner::launch(const StepInput& step, Running& r) {
     return failed_precondition("step " + std::to_string(step.step_id) +
                                " cannot start before the step running is collected");
   }
+  if (plan_.parallel.pp_size > 1) {
+    for (const SeqStep& s : step.seqs) {
+      if (s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
+        return failed_precondition(
+            "a step takes a sampled token (async scheduling) on a pipeline of " +
+            std::to_string(plan_.parallel.pp_size) +
+            " stages: the first stage never sees the last one's samples (run it with "
+            "--pipeline-parallel-size 1)");
+      }
+    }
+  }
   TESSERA_RETURN_IF_ERROR(requests_.apply(step));
   for (uint64_t id : requests_.forgotten()) backend_->forget(id);
   if (step.seqs.empty()) return Status::ok();
@@ -122,24 +134,38 @@ Status ModelRunner::launch(const StepInput& step, Running& r) {
   for (const SeqStep& s : step.seqs) {
     if (s.sample) rows.push_back({s.request_id, &requests_.at(s.request_id)});
   }
+  // The tokens the backend takes from the samples of the launch before: the placeholders, or
+  // with tensor parallelism every kSampledToken, on every rank alike (the ranks that do not
+  // sample get them from the one that does, in a collective all of them must join).
+  std::vector<size_t> from_samples;
+  if (plan_.parallel.tp_size > 1) {
+    for (size_t i = 0; i < step.seqs.size(); ++i) {
+      const SeqStep& s = step.seqs[i];
+      if (!s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
+        from_samples.push_back(i);
+      }
+    }
+  } else {
+    from_samples = requests_.placeholders();
+  }
   std::vector<TokenFill> fills;
-  for (size_t seq : requests_.placeholders()) {
-    const Running* before = running_.empty() ? nullptr : &running_.back();
-    auto row = before != nullptr ? before->row_of.find(step.seqs[seq].request_id)
-                                 : std::unordered_map<uint64_t, size_t>::const_iterator{};
-    if (before == nullptr || row == before->row_of.end()) {
-      return internal_error("request " + std::to_string(step.seqs[seq].request_id) +
-                            " waits for a sample that no running step takes");
+  for (size_t seq : from_samples) {
+    auto row = last_rows_.find(step.seqs[seq].request_id);
+    if (row == last_rows_.end()) {
+      return failed_precondition("request " + std::to_string(step.seqs[seq].request_id) +
+                                 " takes the token sampled in the step before, which did not "
+                                 "sample it");
     }
     fills.push_back({seq, row->second});
   }
   TESSERA_RETURN_IF_ERROR(backend_->launch(batch, rows, fills, return_logits_));
   r.launched = true;
+  last_rows_.clear();
+  for (const SampleRequest& q : rows) last_rows_.emplace(q.request_id, last_rows_.size());
   if (!samples()) return Status::ok();
   r.rows.reserve(rows.size());
   for (const SampleRequest& q : rows) {
     requests_.expect_sample(q.request_id);
-    r.row_of.emplace(q.request_id, r.rows.size());
     r.rows.push_back(q.request_id);
   }
   return Status::ok();

@@ -77,8 +77,7 @@ class ModelRunner {
     uint64_t step_id = 0;
     Status error;                                 // refused or failed to launch: its output is this
     bool launched = false;                        // the backend has a launch of it to collect
-    std::vector<uint64_t> rows;                   // the requests it samples, in row order
-    std::unordered_map<uint64_t, size_t> row_of;  // request -> row (to fill the next step)
+    std::vector<uint64_t> rows;  // the requests it samples, in row order (the sampling rank)
     std::chrono::steady_clock::time_point submitted;
   };
   Status launch(const StepInput& step, Running& r);
@@ -91,6 +90,8 @@ class ModelRunner {
   bool return_logits_ = false;
   bool cache_ready_ = false;
   std::deque<Running> running_;
+  // The rows of the last launch, by request: where a kSampledToken of the next one comes from.
+  std::unordered_map<uint64_t, size_t> last_rows_;
   std::chrono::steady_clock::time_point last_collected_{};
 };
 

@@ -74,6 +74,7 @@ Status RequestTable::apply(const StepInput& step) {
       }
     }
     if (!s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
+      if (!samples_) continue;  // a placeholder, always
       const RequestState& r = it->second;
       const bool recorded = r.pending_samples == 0 && r.last_sampled;
       const bool pending = r.pending_samples == 1 && !r.placeholder;
@@ -129,7 +130,10 @@ Status RequestTable::apply(const StepInput& step) {
     RequestState& r = requests_.at(s.request_id);
     r.blocks.insert(r.blocks.end(), s.new_blocks.begin(), s.new_blocks.end());
     if (s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
-      if (r.pending_samples == 0) {
+      if (!samples_) {
+        r.tokens.push_back(kSampledToken);
+        placeholders_.push_back(i);
+      } else if (r.pending_samples == 0) {
         r.tokens.push_back(*r.last_sampled);
       } else {
         r.placeholder = r.tokens.size();

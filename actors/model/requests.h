@@ -83,6 +83,10 @@ class RequestTable {
   std::vector<ForwardSeq> batch(const StepInput& step) const;
   // The indices in step.seqs of the last applied step's placeholders.
   const std::vector<size_t>& placeholders() const { return placeholders_; }
+  // A rank that does not sample (tensor parallelism) never has the sample on the host: every
+  // kSampledToken is a placeholder there, which the backend fills in from the sampling rank's
+  // samples. Set once, before the first step.
+  void set_samples(bool samples) { samples_ = samples; }
   // This rank is to sample the request in a step it is running (after apply(); one call per
   // step that samples it, on the rank that samples).
   void expect_sample(uint64_t request_id);
@@ -107,6 +111,7 @@ class RequestTable {
   std::map<uint64_t, RequestState> requests_;
   std::vector<uint64_t> forgotten_;
   std::vector<size_t> placeholders_;
+  bool samples_ = true;
   uint64_t seed_state_;
 };
 

@@ -861,22 +861,41 @@ Expected<std::vector<SampleResult>> GpuSampler::sample(float* logits,
   return finish(ticket);
 }
 
-__global__ void fill_tokens_kernel(int32_t* ids, const int32_t* pairs, int n,
-                                   const RowResult* results) {
+__global__ void fill_tokens_kernel(int32_t* ids, const int32_t* pairs, int n, const int32_t* tokens,
+                                   int stride) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) ids[pairs[2 * i]] = results[pairs[2 * i + 1]].token;
+  if (i < n) ids[pairs[2 * i]] = tokens[static_cast<int64_t>(pairs[2 * i + 1]) * stride];
 }
 
-Status GpuSampler::fill_tokens(int32_t* ids, const int32_t* pairs, int n,
-                               cudaStream_t stream) const {
-  if (n < 0 || (n > 0 && (ids == nullptr || pairs == nullptr))) {
-    return invalid_argument("GpuSampler::fill_tokens: need ids and pairs for " + std::to_string(n) +
+__global__ void pack_tokens_kernel(const int32_t* tokens, int stride, int n, int32_t* out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = tokens[static_cast<int64_t>(i) * stride];
+}
+
+Status fill_tokens(int32_t* ids, const int32_t* pairs, int n, const int32_t* tokens, int stride,
+                   cudaStream_t stream) {
+  if (n < 0 || stride < 1 || (n > 0 && (ids == nullptr || pairs == nullptr || tokens == nullptr))) {
+    return invalid_argument("fill_tokens: need ids, pairs and tokens for " + std::to_string(n) +
                             " tokens");
   }
   if (n == 0) return Status::ok();
-  const Impl& m = *impl_;
-  fill_tokens_kernel<<<(n + 127) / 128, 128, 0, stream>>>(ids, pairs, n, m.results.as<RowResult>());
+  fill_tokens_kernel<<<(n + 127) / 128, 128, 0, stream>>>(ids, pairs, n, tokens, stride);
   return launch_status("fill_tokens_kernel");
+}
+
+Status pack_tokens(const int32_t* tokens, int stride, int n, int32_t* out, cudaStream_t stream) {
+  if (n < 0 || stride < 1 || (n > 0 && (tokens == nullptr || out == nullptr))) {
+    return invalid_argument("pack_tokens: need tokens and room for " + std::to_string(n));
+  }
+  if (n == 0) return Status::ok();
+  pack_tokens_kernel<<<(n + 127) / 128, 128, 0, stream>>>(tokens, stride, n, out);
+  return launch_status("pack_tokens_kernel");
+}
+
+const int32_t* GpuSampler::tokens(int* stride) const {
+  static_assert(sizeof(RowResult) % sizeof(int32_t) == 0 && offsetof(RowResult, token) == 0);
+  *stride = static_cast<int>(sizeof(RowResult) / sizeof(int32_t));
+  return reinterpret_cast<const int32_t*>(impl_->results.get());
 }
 
 bool GpuSampler::finished(const SampleTicket& ticket) const {

@@ -77,10 +77,10 @@ class GpuSampler {
   // The ticket's results are back on the host (finish() would not wait).
   bool finished(const SampleTicket& ticket) const;
 
-  // Async scheduling: ids[pairs[2i]] = the token the last enqueued call sampled for its row
-  // pairs[2i + 1], for i < n, on `stream` (the sampler's, after that call): a step's input
-  // token taken from the step before without a trip to the host. pairs: device memory.
-  Status fill_tokens(int32_t* ids, const int32_t* pairs, int n, cudaStream_t stream) const;
+  // The tokens the last enqueued call samples, in device memory (written on the sampler's stream
+  // by that call): row r's at tokens[r * *stride]. Async scheduling takes a step's input tokens
+  // from there without a trip to the host (fill_tokens below).
+  const int32_t* tokens(int* stride) const;
 
   // Greedy only (every row temperature 0, no penalties, no logprobs): the argmax of each row
   // (cpu::greedy_argmax: NaN below -inf, ties to the lowest id), without synchronising: ids
@@ -93,5 +93,12 @@ class GpuSampler {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Async scheduling, on `stream`: ids[pairs[2i]] = tokens[pairs[2i + 1] * stride] for i < n (a
+// step's input tokens from the samples of the step before; pairs in device memory), and
+// out[i] = tokens[i * stride] for i < n (the samples packed, for the tensor-parallel peers).
+Status fill_tokens(int32_t* ids, const int32_t* pairs, int n, const int32_t* tokens, int stride,
+                   cudaStream_t stream);
+Status pack_tokens(const int32_t* tokens, int stride, int n, int32_t* out, cudaStream_t stream);
 
 }  // namespace tessera::cuda

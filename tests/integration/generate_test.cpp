@@ -89,44 +89,33 @@ TEST_F(GenerateTest, SeededSamplingIsReproducibleAndLogprobsComeBack) {
 }
 
 // --async-scheduling: each decode step goes out before the token it takes is known, and the
-// actor fills it in from its own sample. Greedy tokens still equal transformers'; seeded
-// sampling with penalties (which read the actor's token history) and a stop string gives what
-// one step at a time gives; a plan of more than one rank is refused up front.
+// actor fills it in from its own sample (with tensor parallelism, the ranks that do not sample
+// get it from the one that does). Greedy tokens still equal transformers', on one rank and on
+// two; seeded sampling with penalties (which read the actor's token history), without them, and
+// a stop string gives what one step at a time gives; a pipeline of stages is refused up front.
 TEST_F(GenerateTest, AsyncSchedulingGivesTheSameTokens) {
   for (const auto& c : golden_["cases"]) {
-    CommandResult raw;
-    auto j = generate({"--prompt", c["prompt"].get<std::string>(), "--temperature", "0",
-                       "--ignore-eos", "--max-tokens", "12", "--async-scheduling"},
-                      &raw);
-    ASSERT_FALSE(j.is_null()) << raw.err;
-    std::vector<int> expected = c["greedy"].get<std::vector<int>>();
-    expected.resize(12);
-    EXPECT_EQ(j["output_ids"].get<std::vector<int>>(), expected) << c["prompt"];
+    for (const char* tp : {"1", "2"}) {
+      CommandResult raw;
+      auto j = generate({"--prompt", c["prompt"].get<std::string>(), "--temperature", "0",
+                         "--ignore-eos", "--max-tokens", "12", "--async-scheduling", "-tp", tp},
+                        &raw);
+      ASSERT_FALSE(j.is_null()) << raw.err;
+      std::vector<int> expected = c["greedy"].get<std::vector<int>>();
+      expected.resize(12);
+      EXPECT_EQ(j["output_ids"].get<std::vector<int>>(), expected) << c["prompt"] << " tp " << tp;
+    }
   }
-  const std::vector<std::string> sampled = {"--prompt",
-                                            "Once upon a time",
-                                            "--prompt",
-                                            "1, 2, 3,",
-                                            "--temperature",
-                                            "0.8",
-                                            "--seed",
-                                            "7",
-                                            "--repetition-penalty",
-                                            "1.3",
-                                            "--max-tokens",
-                                            "16",
-                                            "--stop",
-                                            " the"};
-  auto run = [&](bool async) {
+  const std::vector<std::string> sampled = {
+      "--prompt", "Once upon a time", "--prompt", "1, 2, 3,", "--temperature", "0.8", "--seed",
+      "7",        "--max-tokens",     "16",       "--stop",   " the"};
+  auto run = [&](std::vector<std::string> extra) {
     std::vector<std::string> argv = {bin("tessera"), "generate", "--model", dir_,
                                      "--device",     "cpu",      "--json"};
     argv.insert(argv.end(), sampled.begin(), sampled.end());
-    if (async) argv.push_back("--async-scheduling");
+    argv.insert(argv.end(), extra.begin(), extra.end());
     return run_command(argv);
   };
-  CommandResult one = run(false), two = run(true);
-  ASSERT_EQ(one.exit_code, 0) << one.err;
-  ASSERT_EQ(two.exit_code, 0) << two.err;
   auto lines = [](const std::string& out) {
     std::vector<nlohmann::json> v;
     std::istringstream in(out);
@@ -135,18 +124,28 @@ TEST_F(GenerateTest, AsyncSchedulingGivesTheSameTokens) {
     }
     return v;
   };
-  auto a = lines(one.out), b = lines(two.out);
-  ASSERT_EQ(a.size(), 2u) << one.out;
-  ASSERT_EQ(b.size(), 2u) << two.out;
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(b[i]["output_ids"], a[i]["output_ids"]) << i;
-    EXPECT_EQ(b[i]["text"], a[i]["text"]) << i;
-    EXPECT_EQ(b[i]["finish_reason"], a[i]["finish_reason"]) << i;
+  const std::vector<std::vector<std::string>> setups = {
+      {"--repetition-penalty", "1.3"}, {"-tp", "2", "--repetition-penalty", "1.3"}, {"-tp", "2"}};
+  for (const auto& setup : setups) {
+    std::vector<std::string> async = setup;
+    async.push_back("--async-scheduling");
+    CommandResult one = run(setup), two = run(async);
+    ASSERT_EQ(one.exit_code, 0) << one.err;
+    ASSERT_EQ(two.exit_code, 0) << two.err;
+    auto a = lines(one.out), b = lines(two.out);
+    ASSERT_EQ(a.size(), 2u) << one.out;
+    ASSERT_EQ(b.size(), 2u) << two.out;
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(b[i]["output_ids"], a[i]["output_ids"]) << i << " " << setup[1];
+      EXPECT_EQ(b[i]["text"], a[i]["text"]) << i;
+      EXPECT_EQ(b[i]["finish_reason"], a[i]["finish_reason"]) << i;
+    }
   }
-  CommandResult tp2 = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu",
-                                   "--prompt", "hi", "-tp", "2", "--async-scheduling"});
-  EXPECT_NE(tp2.exit_code, 0);
-  EXPECT_NE(tp2.err.find("--async-scheduling needs one rank"), std::string::npos) << tp2.err;
+  CommandResult pp2 = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu",
+                                   "--prompt", "hi", "-pp", "2", "--async-scheduling"});
+  EXPECT_NE(pp2.exit_code, 0);
+  EXPECT_NE(pp2.err.find("--async-scheduling needs pipeline parallel size 1"), std::string::npos)
+      << pp2.err;
 }
 
 TEST_F(GenerateTest, StopStringEndsTheOutputBeforeIt) {

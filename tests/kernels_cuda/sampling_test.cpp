@@ -587,7 +587,8 @@ TEST(GpuSampling, DrawsDependOnSeedAndStepNotOnTheBatch) {
 
 // Async scheduling: two calls outstanding (enqueue, enqueue, then finish in order) give what each
 // gives alone, each from its own host image; fill_tokens copies the last call's tokens into a
-// step's ids on the device; a third call, or a second finish, is refused.
+// step's ids on the device (pack_tokens: in row order); a third call, or a second finish, is
+// refused.
 TEST(GpuSampling, TwoCallsOutstandingGiveWhatEachGivesAlone) {
   REQUIRE_GPU();
   constexpr int64_t kVocab = 500;
@@ -625,7 +626,12 @@ TEST(GpuSampling, TwoCallsOutstandingGiveWhatEachGivesAlone) {
   const std::vector<int32_t> host_ids = {-1, 11, -1, 13}, host_pairs = {0, 1, 2, 0};
   ASSERT_EQ(cudaMemcpy(ids->get(), host_ids.data(), 16, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(pairs->get(), host_pairs.data(), 16, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_TRUE(sampler->fill_tokens(ids->as<int32_t>(), pairs->as<int32_t>(), 2, nullptr));
+  int stride = 0;
+  const int32_t* tokens = sampler->tokens(&stride);
+  ASSERT_TRUE(fill_tokens(ids->as<int32_t>(), pairs->as<int32_t>(), 2, tokens, stride, nullptr));
+  auto packed = DeviceBuffer::allocate(2 * sizeof(int32_t), "packed");
+  ASSERT_TRUE(packed);
+  ASSERT_TRUE(pack_tokens(tokens, stride, 2, packed->as<int32_t>(), nullptr));
   auto got_a = sampler->finish(*ta);
   auto got_b = sampler->finish(*tb);
   ASSERT_TRUE(got_a && got_b);
@@ -645,6 +651,9 @@ TEST(GpuSampling, TwoCallsOutstandingGiveWhatEachGivesAlone) {
   std::vector<int32_t> filled(4);
   ASSERT_EQ(cudaMemcpy(filled.data(), ids->get(), 16, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(filled, (std::vector<int32_t>{(*got_b)[1].token, 11, (*got_b)[0].token, 13}));
+  std::vector<int32_t> in_order(2);
+  ASSERT_EQ(cudaMemcpy(in_order.data(), packed->get(), 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(in_order, (std::vector<int32_t>{(*got_b)[0].token, (*got_b)[1].token}));
   EXPECT_EQ(sampler->finish(*ta).status().code(), Code::kFailedPrecondition);
 }
 

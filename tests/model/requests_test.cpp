@@ -124,6 +124,20 @@ TEST(RequestTableTest, APendingSampleLeavesAPlaceholderThatItsSampleFills) {
   EXPECT_EQ(t.size(), 1u);
 }
 
+// A tensor-parallel rank that does not sample never has the sample on the host: each
+// kSampledToken is a placeholder, filled in by the backend from the sampling rank's samples.
+TEST(RequestTableTest, ARankThatDoesNotSampleKeepsPlaceholders) {
+  RequestTable t(limits());
+  t.set_samples(false);
+  ASSERT_TRUE(t.apply(step({first(1, {5, 6, 7}, {0}, 3)})));
+  ASSERT_TRUE(t.apply(step({next(1, {kSampledToken}, 3)})));
+  EXPECT_EQ(t.placeholders(), (std::vector<size_t>{0}));
+  ASSERT_TRUE(t.apply(step({next(1, {kSampledToken}, 4, {1})})));
+  EXPECT_EQ(t.at(1).tokens, (std::vector<int32_t>{5, 6, 7, kSampledToken, kSampledToken}));
+  // Still only as the one token of a decode step.
+  EXPECT_EQ(t.apply(step({next(1, {kSampledToken, 8}, 5)})).code(), Code::kInvalidArgument);
+}
+
 // A prefix-cache hit: the first step starts after the cached prefix, whose tokens join the
 // history (penalties and the seeded sampler see the whole prompt) without being computed.
 TEST(RequestTableTest, AFirstStepAfterACachedPrefixKeepsThePrefixInTheHistory) {
