@@ -50,12 +50,23 @@ class FaultsTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(root_); }
 
   // A long greedy generate through a local node whose files live under root_.
-  std::unique_ptr<BackgroundProcess> start_long_generate() {
-    return std::make_unique<BackgroundProcess>(
-        std::vector<std::string>{bin("tessera"), "generate", "--model", model_, "--device", "cpu",
-                                 "--prompt", "Once upon a time", "--max-tokens", "6000",
-                                 "--ignore-eos", "--temperature", "0"},
-        std::vector<std::string>{"TESSERA_TMPDIR=" + root_});
+  std::unique_ptr<BackgroundProcess> start_long_generate(bool async_scheduling = false) {
+    std::vector<std::string> argv = {bin("tessera"),
+                                     "generate",
+                                     "--model",
+                                     model_,
+                                     "--device",
+                                     "cpu",
+                                     "--prompt",
+                                     "Once upon a time",
+                                     "--max-tokens",
+                                     "6000",
+                                     "--ignore-eos",
+                                     "--temperature",
+                                     "0"};
+    if (async_scheduling) argv.push_back("--async-scheduling");
+    return std::make_unique<BackgroundProcess>(argv,
+                                               std::vector<std::string>{"TESSERA_TMPDIR=" + root_});
   }
 
   // Waits until the driver streams text: the local daemon and its actor are up and stepping.
@@ -131,20 +142,23 @@ TEST_F(FaultsTest, SigkillOfGenerateLeavesNothingBehind) {
   expect_nothing_left(daemon, actor);
 }
 
+// Also with --async-scheduling, where the actor has two steps running when it dies.
 TEST_F(FaultsTest, AKilledActorFailsGenerateWithHowItDied) {
-  auto p = start_long_generate();
-  auto [daemon, actor] = wait_until_generating(*p);
-  ASSERT_GT(actor, 0);
-  ASSERT_EQ(::kill(actor, SIGKILL), 0);
-  int status = p->wait(30s);
-  ASSERT_NE(status, -1);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
-  std::string err = p->err();
-  EXPECT_NE(err.find("tessera generate: actor a-"), std::string::npos) << err;
-  EXPECT_NE(err.find("(CPU on node n-"), std::string::npos) << err;
-  EXPECT_NE(err.find("was killed by signal 9 (SIGKILL); its log: "), std::string::npos) << err;
-  EXPECT_EQ(err.find("Peer disconnected"), std::string::npos) << err;
-  expect_nothing_left(daemon, actor);
+  for (bool async_scheduling : {false, true}) {
+    auto p = start_long_generate(async_scheduling);
+    auto [daemon, actor] = wait_until_generating(*p);
+    ASSERT_GT(actor, 0);
+    ASSERT_EQ(::kill(actor, SIGKILL), 0);
+    int status = p->wait(30s);
+    ASSERT_NE(status, -1);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+    std::string err = p->err();
+    EXPECT_NE(err.find("tessera generate: actor a-"), std::string::npos) << err;
+    EXPECT_NE(err.find("(CPU on node n-"), std::string::npos) << err;
+    EXPECT_NE(err.find("was killed by signal 9 (SIGKILL); its log: "), std::string::npos) << err;
+    EXPECT_EQ(err.find("Peer disconnected"), std::string::npos) << err;
+    expect_nothing_left(daemon, actor);
+  }
 }
 
 TEST_F(FaultsTest, OptionsThatMakeNoSenseAreRefusedBeforeAnythingStarts) {
