@@ -257,7 +257,7 @@ void ActorService::step_loop() {
   // runs, so the GPU goes from one to the next without waiting for the host.
   auto followed = [](const StepInput& step) {
     for (const SeqStep& s : step.seqs) {
-      if (s.tokens.size() == 1 && s.tokens[0] == kSampledToken) return true;
+      if (takes_sampled_token(s)) return true;
     }
     return false;
   };

@@ -32,6 +32,12 @@ struct SeqStep {
   std::vector<int32_t> prefix_tokens;
 };
 
+// The sequence's one token is kSampledToken: a continuing request's decode step taking the
+// token the step before samples.
+inline bool takes_sampled_token(const SeqStep& s) {
+  return !s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken;
+}
+
 struct StepInput {
   uint64_t step_id = 0;
   std::vector<SeqStep> seqs;

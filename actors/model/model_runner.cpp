@@ -117,7 +117,7 @@ Status ModelRunner::launch(const StepInput& step, Running& r) {
   }
   if (plan_.parallel.pp_size > 1) {
     for (const SeqStep& s : step.seqs) {
-      if (s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
+      if (takes_sampled_token(s)) {
         return failed_precondition(
             "a step takes a sampled token (async scheduling) on a pipeline of " +
             std::to_string(plan_.parallel.pp_size) +
@@ -140,10 +140,7 @@ Status ModelRunner::launch(const StepInput& step, Running& r) {
   std::vector<size_t> from_samples;
   if (plan_.parallel.tp_size > 1) {
     for (size_t i = 0; i < step.seqs.size(); ++i) {
-      const SeqStep& s = step.seqs[i];
-      if (!s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
-        from_samples.push_back(i);
-      }
+      if (takes_sampled_token(step.seqs[i])) from_samples.push_back(i);
     }
   } else {
     from_samples = requests_.placeholders();
@@ -218,8 +215,7 @@ bool ModelRunner::can_launch_ahead(const StepInput& step) const {
   for (const SeqStep& s : step.seqs) {
     const RequestState* r = pending(s.request_id);
     if (r == nullptr) continue;
-    const bool takes_sample = !s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken;
-    if (!takes_sample || r->sampling.penalised()) return false;
+    if (!takes_sampled_token(s) || r->sampling.penalised()) return false;
   }
   return true;
 }

@@ -73,7 +73,7 @@ Status RequestTable::apply(const StepInput& step) {
                                 " blocks)");
       }
     }
-    if (!s.first && s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
+    if (takes_sampled_token(s)) {
       if (!samples_) continue;  // a placeholder, always
       const RequestState& r = it->second;
       const bool recorded = r.pending_samples == 0 && r.last_sampled;
@@ -129,7 +129,7 @@ Status RequestTable::apply(const StepInput& step) {
     }
     RequestState& r = requests_.at(s.request_id);
     r.blocks.insert(r.blocks.end(), s.new_blocks.begin(), s.new_blocks.end());
-    if (s.tokens.size() == 1 && s.tokens[0] == kSampledToken) {
+    if (takes_sampled_token(s)) {
       if (!samples_) {
         r.tokens.push_back(kSampledToken);
         placeholders_.push_back(i);
