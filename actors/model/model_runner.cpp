@@ -177,23 +177,21 @@ Expected<StepOutput> ModelRunner::collect() {
   const auto begin = std::max(r.submitted, last_collected_);
   StepOutput out;
   out.step_id = r.step_id;
-  if (!r.error.is_ok()) {
-    last_collected_ = std::chrono::steady_clock::now();
-    return r.error;
-  }
-  if (r.launched) {
+  Status st = r.error;
+  if (st.is_ok() && r.launched) {
     auto samples = backend_->collect(return_logits_ ? &out.logits : nullptr);
-    if (!samples) {
-      last_collected_ = std::chrono::steady_clock::now();
-      return samples.status();
+    if (samples) {
+      for (size_t i = 0; i < samples->size() && i < r.rows.size(); ++i) {
+        requests_.record_sample(r.rows[i], (*samples)[i].token);
+        out.outputs.push_back({r.rows[i], std::move((*samples)[i])});
+      }
+      out.gpu_micros = backend_->last_gpu_micros();
+    } else {
+      st = samples.status();
     }
-    for (size_t i = 0; i < samples->size() && i < r.rows.size(); ++i) {
-      requests_.record_sample(r.rows[i], (*samples)[i].token);
-      out.outputs.push_back({r.rows[i], std::move((*samples)[i])});
-    }
-    out.gpu_micros = backend_->last_gpu_micros();
   }
   last_collected_ = std::chrono::steady_clock::now();
+  if (!st.is_ok()) return st;
   out.actor_micros = static_cast<uint32_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(last_collected_ - begin).count());
   return out;

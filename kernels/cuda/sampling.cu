@@ -898,11 +898,6 @@ const int32_t* GpuSampler::tokens(int* stride) const {
   return reinterpret_cast<const int32_t*>(impl_->results.get());
 }
 
-bool GpuSampler::finished(const SampleTicket& ticket) const {
-  if (ticket.slot < 0) return true;
-  return cudaEventQuery(impl_->done[ticket.slot]) != cudaErrorNotReady;
-}
-
 Expected<SampleTicket> GpuSampler::enqueue(float* logits, std::span<const SampleRow> rows) {
   Impl& m = *impl_;
   if (rows.size() > static_cast<size_t>(m.max_rows)) {

@@ -74,8 +74,6 @@ class GpuSampler {
   // (FAILED_PRECONDITION for a third); finish them in order. `rows` need not outlive enqueue().
   Expected<SampleTicket> enqueue(float* logits, std::span<const SampleRow> rows);
   Expected<std::vector<SampleResult>> finish(const SampleTicket& ticket);
-  // The ticket's results are back on the host (finish() would not wait).
-  bool finished(const SampleTicket& ticket) const;
 
   // The tokens the last enqueued call samples, in device memory (written on the sampler's stream
   // by that call): row r's at tokens[r * *stride]. Async scheduling takes a step's input tokens

@@ -203,6 +203,19 @@ std::vector<Arrival> crowd(size_t n, int max_tokens) {
   return a;
 }
 
+// `got` and `want` ran the crowd workload: no violation in `got`, every request's output the same
+// (all 12 tokens), no block left held.
+void expect_same_runs(const Workload& got, const Workload& want) {
+  EXPECT_TRUE(got.violations.empty()) << got.violations.front();
+  ASSERT_EQ(got.runs.size(), want.runs.size());
+  for (size_t i = 0; i < got.runs.size(); ++i) {
+    EXPECT_EQ(got.runs[i], want.runs[i]) << "request " << i;
+    EXPECT_EQ(got.runs[i].tokens.size(), 12u);
+  }
+  EXPECT_EQ(got.stats.generation_tokens, want.stats.generation_tokens);
+  EXPECT_EQ(got.stats.kv_blocks_used, 0u);
+}
+
 TEST(EnginePreemptionTest, TinyBudgetFinishesEverythingLikeAnAmpleOne) {
   for (bool prefix : {false, true}) {
     for (int depth : {1, 2}) {
@@ -211,33 +224,18 @@ TEST(EnginePreemptionTest, TinyBudgetFinishesEverythingLikeAnAmpleOne) {
       Workload ample = run_workload(caching(prefix, 256), depth, crowd(10, 12));
       // 8 blocks of 4 = 32 tokens for ten requests of up to 19 tokens each.
       Workload tight = run_workload(caching(prefix, 8), depth, crowd(10, 12));
-      EXPECT_TRUE(tight.violations.empty()) << tight.violations.front();
       EXPECT_EQ(ample.stats.preemptions, 0u);
       EXPECT_GT(tight.stats.preemptions, 0u);
-      ASSERT_EQ(tight.runs.size(), ample.runs.size());
-      for (size_t i = 0; i < tight.runs.size(); ++i) {
-        EXPECT_EQ(tight.runs[i], ample.runs[i]) << "request " << i;
-        EXPECT_EQ(tight.runs[i].tokens.size(), 12u);
-      }
-      EXPECT_EQ(tight.stats.generation_tokens, ample.stats.generation_tokens);
-      EXPECT_EQ(tight.stats.kv_blocks_used, 0u);
+      expect_same_runs(tight, ample);
     }
   }
 }
 
-// `got` ran the crowd workload with two steps in flight, `want` one step at a time: no violation,
-// every request's output the same (all 12 tokens), no block left held.
+// `got` ran the crowd workload with two steps in flight, `want` one step at a time.
 void expect_same_output_two_in_flight(const Workload& got, const Workload& want) {
-  EXPECT_TRUE(got.violations.empty()) << got.violations.front();
   EXPECT_EQ(want.max_in_flight, 1u);
   EXPECT_EQ(got.max_in_flight, 2u);
-  ASSERT_EQ(got.runs.size(), want.runs.size());
-  for (size_t i = 0; i < got.runs.size(); ++i) {
-    EXPECT_EQ(got.runs[i], want.runs[i]) << "request " << i;
-    EXPECT_EQ(got.runs[i].tokens.size(), 12u);
-  }
-  EXPECT_EQ(got.stats.generation_tokens, want.stats.generation_tokens);
-  EXPECT_EQ(got.stats.kv_blocks_used, 0u);
+  expect_same_runs(got, want);
 }
 
 // Two pipeline stages: two steps in flight, each with at most half the seats (the running
