@@ -115,6 +115,8 @@ Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& 
     TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(a.dtype, config.torch_dtype, true));
     TESSERA_ASSIGN_OR_RETURN(shared.plan, make_parallel_plan(config, pc, dtype));
     TESSERA_ASSIGN_OR_RETURN(shared.placement, share_gpus(shared, nodes));
+    // The actors size their KV caches themselves; the load needs the resolved lengths.
+    TESSERA_ASSIGN_OR_RETURN(shared.memory.options, resolve_memory_options(config, a.memory));
     std::set<int64_t> gpus;
     for (const PlacedRank& r : shared.placement.ranks) gpus.insert(r.gpu);
     spdlog::warn(
