@@ -356,6 +356,8 @@ __device__ __forceinline__ int splits_used(const Params& p, int ctx) {
 template <typename T, int HD, bool FP8, bool DECODE>
 __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPerSm))
     paged_attention_kernel(const __grid_constant__ Params p) {
+  dev::pdl_wait();  // q and the cache are written by the kernel before
+  dev::pdl_launch_dependents();
   using C = Config<HD, FP8, DECODE>;
   using Ops = HalfOps<T>;
   constexpr int kBlockN = C::kBlockN;
@@ -972,6 +974,8 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
 template <typename T, int HD>
 __global__ void __launch_bounds__(kCombineThreads)
     attention_combine_kernel(const __grid_constant__ Params p) {
+  dev::pdl_wait();  // the partial results are the kernel before's
+  dev::pdl_launch_dependents();
   constexpr int kThreadsPerRow = HD / 4;
   constexpr int kRowsPerCtaCombine = kCombineThreads / kThreadsPerRow;
   const int seq = blockIdx.y;
@@ -1029,6 +1033,8 @@ constexpr int kGenericWarps = 4;
 template <typename T, typename KV, int EPL>
 __global__ void __launch_bounds__(kGenericWarps * 32)
     paged_attention_generic_kernel(const __grid_constant__ Params p, int head_dim) {
+  dev::pdl_wait();  // q and the cache are written by the kernel before
+  dev::pdl_launch_dependents();
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int seq = blockIdx.y;
@@ -1093,11 +1099,11 @@ Status launch_generic(const Params& params, const AttentionArgs& args, cudaStrea
   const dim3 grid(static_cast<unsigned>((rows + kGenericWarps - 1) / kGenericWarps),
                   static_cast<unsigned>(args.num_seqs));
   if (args.kv_cache_dtype == KvCacheDtype::kFp8E4M3) {
-    paged_attention_generic_kernel<T, __nv_fp8_e4m3, EPL>
-        <<<grid, kGenericWarps * 32, 0, stream>>>(params, args.head_dim);
+    launch_pdl(paged_attention_generic_kernel<T, __nv_fp8_e4m3, EPL>, grid, kGenericWarps * 32, 0,
+               stream, params, args.head_dim);
   } else {
-    paged_attention_generic_kernel<T, T, EPL>
-        <<<grid, kGenericWarps * 32, 0, stream>>>(params, args.head_dim);
+    launch_pdl(paged_attention_generic_kernel<T, T, EPL>, grid, kGenericWarps * 32, 0, stream,
+               params, args.head_dim);
   }
   return launch_status("paged_attention (general head size)");
 }
@@ -1126,7 +1132,7 @@ Status launch_main(const Params& params, dim3 grid, cudaStream_t stream) {
                              static_cast<int>(C::kSmemBytes)),
         "paged_attention: raising the dynamic shared memory limit");
   }
-  kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(params);
+  launch_pdl(kernel, grid, kThreads, C::kSmemBytes, stream, params);
   return launch_status("paged_attention");
 }
 
@@ -1177,7 +1183,7 @@ Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stre
     const int64_t combine_rows = static_cast<int64_t>(args.max_query_len) * args.num_heads;
     const dim3 combine_grid(static_cast<unsigned>((combine_rows + kRows - 1) / kRows),
                             static_cast<unsigned>(args.num_seqs));
-    attention_combine_kernel<T, HD><<<combine_grid, kCombineThreads, 0, stream>>>(params);
+    launch_pdl(attention_combine_kernel<T, HD>, combine_grid, kCombineThreads, 0, stream, params);
     TESSERA_RETURN_IF_ERROR(launch_status("paged_attention combine"));
   }
   return Status::ok();

@@ -28,6 +28,26 @@ Status launch_status(const char* kernel);
       return ::tessera::cuda::cuda_status(tessera_cuda_err_, (what)); \
   } while (0)
 
+// Launches `kernel` with programmatic stream serialization: it may start while the kernel before
+// it on `stream` runs (see dev::pdl_wait in device_math.cuh, which every kernel launched this way
+// must call before it touches what earlier kernels write). Inside a graph capture the overlap
+// becomes a programmatic edge of the graph. The arguments convert to the kernel's parameter types.
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                       cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(std::forward<Args>(args))...);
+}
+
 // Owns `bytes` of device memory (cudaMalloc / cudaFree). Move-only.
 class DeviceBuffer {
  public:

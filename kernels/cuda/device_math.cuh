@@ -106,6 +106,21 @@ __device__ __forceinline__ void store8(T* p, const float (&in)[kHalfVec]) {
   *reinterpret_cast<uint4*>(p) = pack8<T>(in);
 }
 
+// ---- programmatic dependent launch (sm_90) ----
+//
+// A kernel launched with launch_pdl (cuda_util.h) may start while the kernel before it on the
+// stream is still running, so that its launch and its reads of constant data (weights) overlap
+// that kernel's tail. Every such kernel calls pdl_wait() before it reads anything an earlier
+// kernel wrote and before it writes anything at all: the wait returns once the kernel before has
+// finished and its writes are visible. Since each kernel waits before it finishes, a finished
+// kernel implies every earlier one finished too. pdl_launch_dependents() lets the next kernel's
+// blocks be scheduled once every block of this one has called it (or finished). Both are no-ops
+// for a kernel launched the ordinary way.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // ---- reductions ----
 
 // Sum over the 32 lanes of a full warp; every lane gets the (bitwise identical) total.

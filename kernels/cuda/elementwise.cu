@@ -86,6 +86,8 @@ template <typename V>
 __global__ void copy_rows_kernel(const V* __restrict__ src, int64_t src_rows,
                                  const int32_t* __restrict__ idx, int64_t num_rows,
                                  int64_t row_vecs, V* __restrict__ dst) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= row_vecs) return;
   for (int64_t r = blockIdx.y; r < num_rows; r += gridDim.y) {
@@ -102,8 +104,8 @@ Status launch_copy_rows(const void* src, int64_t src_rows, const int32_t* idx, i
   const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
   const dim3 grid(static_cast<unsigned>(ceil_div(row_vecs, kThreads)),
                   static_cast<unsigned>(std::min(num_rows, kMaxGridY)));
-  copy_rows_kernel<V><<<grid, kThreads, 0, stream>>>(static_cast<const V*>(src), src_rows, idx,
-                                                     num_rows, row_vecs, static_cast<V*>(dst));
+  launch_pdl(copy_rows_kernel<V>, grid, kThreads, 0, stream, static_cast<const V*>(src), src_rows,
+             idx, num_rows, row_vecs, static_cast<V*>(dst));
   return launch_status(name);
 }
 
@@ -152,6 +154,9 @@ __global__ void __launch_bounds__(512)
     const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
     w[k] = j < nvec ? __ldg(reinterpret_cast<const uint4*>(weight) + j) : make_uint4(0, 0, 0, 0);
   }
+  // The weights are constant: loaded before the wait for the kernel that writes x.
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t base = row * hidden;
     uint4 hv[V];  // the row's values as the dtype holds them (x, or the rounded residual sum)
@@ -201,6 +206,8 @@ __global__ void __launch_bounds__(256)
     rms_norm_any_kernel(const T* x, T* residual, const T* __restrict__ weight, int64_t rows,
                         int64_t hidden, float eps, T* out) {
   __shared__ float scratch[32];
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const float inv_hidden = 1.0f / static_cast<float>(hidden);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t base = row * hidden;
@@ -245,27 +252,27 @@ Status launch_norm(const void* xv, void* residualv, const void* weightv, int64_t
   }
   if (v == 0) {
     const int threads = static_cast<int>(std::min<int64_t>(256, ceil_div(hidden, 32) * 32));
-    rms_norm_any_kernel<T, kAdd>
-        <<<grid, threads, 0, stream>>>(x, residual, weight, rows, hidden, eps, out);
+    launch_pdl(rms_norm_any_kernel<T, kAdd>, grid, threads, 0, stream, x, residual, weight, rows,
+               hidden, eps, out);
     return launch_status(name);
   }
   const int threads = static_cast<int>(ceil_div(ceil_div(nvec, v), 32) * 32);
   switch (v) {
     case 1:
-      rms_norm_vec_kernel<T, 1, kAdd>
-          <<<grid, threads, 0, stream>>>(x, residual, weight, rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 1, kAdd>, grid, threads, 0, stream, x, residual, weight,
+                 rows, hidden, eps, out);
       break;
     case 2:
-      rms_norm_vec_kernel<T, 2, kAdd>
-          <<<grid, threads, 0, stream>>>(x, residual, weight, rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 2, kAdd>, grid, threads, 0, stream, x, residual, weight,
+                 rows, hidden, eps, out);
       break;
     case 4:
-      rms_norm_vec_kernel<T, 4, kAdd>
-          <<<grid, threads, 0, stream>>>(x, residual, weight, rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 4, kAdd>, grid, threads, 0, stream, x, residual, weight,
+                 rows, hidden, eps, out);
       break;
     default:
-      rms_norm_vec_kernel<T, 8, kAdd>
-          <<<grid, threads, 0, stream>>>(x, residual, weight, rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 8, kAdd>, grid, threads, 0, stream, x, residual, weight,
+                 rows, hidden, eps, out);
       break;
   }
   return launch_status(name);
@@ -307,6 +314,8 @@ __device__ __forceinline__ KV to_cache(float x) {
 // KV is the cache's element type: T, or __nv_fp8_e4m3 for an FP8 cache.
 template <typename T, typename KV, int P, bool QK_NORM>
 __global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCacheArgs a) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t head =
       static_cast<int64_t>(blockIdx.y) * kRopeWarps + (static_cast<int>(threadIdx.x) >> 5);
@@ -398,14 +407,14 @@ void launch_rope_variant(const RopeCacheArgs& a, dim3 grid, int threads, cudaStr
   const bool fp8 = a.kv_cache_dtype == KvCacheDtype::kFp8E4M3;
   if (a.q_norm != nullptr) {
     if (fp8) {
-      rope_and_cache_kernel<T, __nv_fp8_e4m3, P, true><<<grid, threads, 0, stream>>>(a);
+      launch_pdl(rope_and_cache_kernel<T, __nv_fp8_e4m3, P, true>, grid, threads, 0, stream, a);
     } else {
-      rope_and_cache_kernel<T, T, P, true><<<grid, threads, 0, stream>>>(a);
+      launch_pdl(rope_and_cache_kernel<T, T, P, true>, grid, threads, 0, stream, a);
     }
   } else if (fp8) {
-    rope_and_cache_kernel<T, __nv_fp8_e4m3, P, false><<<grid, threads, 0, stream>>>(a);
+    launch_pdl(rope_and_cache_kernel<T, __nv_fp8_e4m3, P, false>, grid, threads, 0, stream, a);
   } else {
-    rope_and_cache_kernel<T, T, P, false><<<grid, threads, 0, stream>>>(a);
+    launch_pdl(rope_and_cache_kernel<T, T, P, false>, grid, threads, 0, stream, a);
   }
 }
 
@@ -436,6 +445,8 @@ Status launch_rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
 template <typename T>
 __global__ void silu_mul_vec_kernel(const T* __restrict__ gate_up, int64_t rows, int64_t inter,
                                     T* __restrict__ out) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= inter / kHalfVec) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -455,6 +466,8 @@ __global__ void silu_mul_vec_kernel(const T* __restrict__ gate_up, int64_t rows,
 template <typename T>
 __global__ void silu_mul_any_kernel(const T* __restrict__ gate_up, int64_t rows, int64_t inter,
                                     T* __restrict__ out) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= inter) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -474,11 +487,11 @@ Status launch_silu_mul(const void* gate_upv, int64_t rows, int64_t inter, void* 
   const unsigned grid_y = static_cast<unsigned>(std::min(rows, kMaxGridY));
   if (inter % kHalfVec == 0 && aligned(gate_up, 16) && aligned(out, 16)) {
     const dim3 grid(static_cast<unsigned>(ceil_div(inter / kHalfVec, kThreads)), grid_y);
-    silu_mul_vec_kernel<T><<<grid, kThreads, 0, stream>>>(gate_up, rows, inter, out);
+    launch_pdl(silu_mul_vec_kernel<T>, grid, kThreads, 0, stream, gate_up, rows, inter, out);
     return launch_status("silu_mul_vec_kernel");
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(inter, kThreads)), grid_y);
-  silu_mul_any_kernel<T><<<grid, kThreads, 0, stream>>>(gate_up, rows, inter, out);
+  launch_pdl(silu_mul_any_kernel<T>, grid, kThreads, 0, stream, gate_up, rows, inter, out);
   return launch_status("silu_mul_any_kernel");
 }
 
@@ -499,6 +512,8 @@ template <typename T>
 __global__ void embedding_shard_kernel(const int32_t* __restrict__ ids, int64_t num_tokens,
                                        const T* __restrict__ table, int64_t first_id, int64_t rows,
                                        int64_t hidden, T* __restrict__ out) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= hidden) return;
   for (int64_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
@@ -509,6 +524,8 @@ __global__ void embedding_shard_kernel(const int32_t* __restrict__ ids, int64_t 
 
 template <typename T>
 __global__ void add_residual_kernel(const T* __restrict__ x, T* __restrict__ residual, int64_t n) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
@@ -550,9 +567,8 @@ Status embedding_shard(DType dtype, const int32_t* ids, int64_t num_tokens, cons
     constexpr int kThreads = 128;
     const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kThreads)),
                     static_cast<unsigned>(std::min(num_tokens, kMaxGridY)));
-    embedding_shard_kernel<T><<<grid, kThreads, 0, stream>>>(ids, num_tokens,
-                                                             static_cast<const T*>(table), first_id,
-                                                             rows, hidden, static_cast<T*>(out));
+    launch_pdl(embedding_shard_kernel<T>, grid, kThreads, 0, stream, ids, num_tokens,
+               static_cast<const T*>(table), first_id, rows, hidden, static_cast<T*>(out));
     return launch_status("embedding_shard_kernel");
   });
 }
@@ -568,8 +584,8 @@ Status add_residual(DType dtype, const void* x, void* residual, int64_t n, cudaS
     using T = typename decltype(tag)::type;
     constexpr int kThreads = 256;
     const int64_t blocks = std::min<int64_t>(ceil_div(n, kThreads), 65536);
-    add_residual_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<T*>(residual), n);
+    launch_pdl(add_residual_kernel<T>, dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream,
+               static_cast<const T*>(x), static_cast<T*>(residual), n);
     return launch_status("add_residual_kernel");
   });
 }

@@ -125,22 +125,37 @@ int run(int argc, char** argv) {
     int per_step;
   };
   std::vector<Row> rows;
-  auto g = [&](int64_t n, int64_t k, const void* w, DType out) {
-    return [&, n, k, w, out] {
-      return gemm.value()->linear({B, n, k, bf, out, false}, x, w, nullptr, out == bf ? y : logits,
-                                  st);
-    };
+  // The linear layers through Gemm::linear (the skinny kernel for B <= 16) and through cuBLASLt
+  // alone, side by side; the first count in the step sum.
+  auto cublas = Gemm::create();
+  check(cublas.status(), "gemm");
+  cublas.value()->set_skinny_max_m(0);
+  struct Linear {
+    std::string name;
+    int64_t n, k;
+    const void* w;
+    DType out;
+    int per_step;
+    double us = 0, cublas_us = 0;
   };
-  rows.push_back({"gemm qkv  [" + std::to_string(B) + " x 6144 x 4096]",
-                  time_op(st, g(qkv_n, H, w_qkv, bf)), 32});
-  rows.push_back(
-      {"gemm o    [" + std::to_string(B) + " x 4096 x 4096]", time_op(st, g(H, H, w_o, bf)), 32});
-  rows.push_back({"gemm gate_up [" + std::to_string(B) + " x 28672 x 4096]",
-                  time_op(st, g(2 * I, H, w_gu, bf)), 32});
-  rows.push_back(
-      {"gemm down [" + std::to_string(B) + " x 4096 x 14336]", time_op(st, g(H, I, w_d, bf)), 32});
-  rows.push_back({"gemm lm_head fp32 [" + std::to_string(B) + " x 128256 x 4096]",
-                  time_op(st, g(V, H, w_lm, DType::kF32)), 1});
+  std::vector<Linear> linears = {{"qkv", qkv_n, H, w_qkv, bf, 32},
+                                 {"o", H, H, w_o, bf, 32},
+                                 {"gate_up", 2 * I, H, w_gu, bf, 32},
+                                 {"down", H, I, w_d, bf, 32},
+                                 {"lm_head fp32", V, H, w_lm, DType::kF32, 1}};
+  for (Linear& l : linears) {
+    auto op = [&](Gemm& gm) {
+      return [&] {
+        return gm.linear({B, l.n, l.k, bf, l.out, false}, x, l.w, nullptr, l.out == bf ? y : logits,
+                         st);
+      };
+    };
+    l.us = time_op(st, op(*gemm.value()));
+    l.cublas_us = time_op(st, op(*cublas.value()));
+    rows.push_back({"gemm " + l.name + " [" + std::to_string(B) + " x " + std::to_string(l.n) +
+                        " x " + std::to_string(l.k) + "]",
+                    l.us, l.per_step});
+  }
   rows.push_back({"rms_norm",
                   time_op(st, [&] { return rms_norm(bf, resid, norm_w, B, H, 1e-5f, y, st); }), 1});
   rows.push_back(
@@ -229,6 +244,14 @@ int run(int argc, char** argv) {
       "%.0f GB/s = %.2f of the copy bandwidth (no split: %.2f)\n",
       copy_bw, kv_bytes / 1e6, attn_us, attn_bw, attn_bw / copy_bw,
       kv_bytes / rows.back().us / 1e3 / copy_bw);
+  for (const Linear& l : linears) {
+    const double gbs = static_cast<double>(l.n * l.k * 2) / l.us / 1e3;
+    std::printf(
+        "gemm %-12s [%ld x %ld x %ld]: %.2f us = %.0f GB/s = %.2f of the copy bandwidth; cuBLASLt "
+        "%.2f us (%.2fx)\n",
+        l.name.c_str(), static_cast<long>(B), static_cast<long>(l.n), static_cast<long>(l.k), l.us,
+        gbs, gbs / copy_bw, l.cublas_us, l.cublas_us / l.us);
+  }
   // The same decode over an FP8 (E4M3) cache (--kv-cache-dtype fp8): half the bytes. The cache
   // buffers are reused as bytes (their values do not change the timing).
   AttentionArgs a8 = a;
