@@ -794,11 +794,6 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   const char* tune = std::getenv("TESSERA_GEMM_AUTOTUNE");
   TESSERA_ASSIGN_OR_RETURN(
       m->gemm_, cuda::Gemm::create(32u << 20, tune != nullptr && std::string(tune) == "1"));
-  // TESSERA_SKINNY_MAX_M=N sends linear layers of up to N rows to the skinny kernel (0: none;
-  // the default is Gemm's), for comparing the two paths in one build.
-  if (const char* skinny = std::getenv("TESSERA_SKINNY_MAX_M"); skinny != nullptr) {
-    m->gemm_->set_skinny_max_m(std::strtoll(skinny, nullptr, 10));
-  }
   m->memory_.activations += 32 * kMiB;  // the GEMM workspace
   if (plan.last_stage && plan.parallel.tp_rank == 0) {
     TESSERA_ASSIGN_OR_RETURN(m->sampler_,

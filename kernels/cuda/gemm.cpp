@@ -322,9 +322,6 @@ Expected<Gemm::Plan*> Gemm::plan(const GemmShape& shape, cudaStream_t stream, co
 Status Gemm::linear(const GemmShape& shape, const void* x, const void* w, const void* bias,
                     void* out, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(validate(shape, x, w, bias, out));
-  if (shape.m <= skinny_max_m_ && skinny_linear_applies(shape.m, shape.k, x, w)) {
-    return skinny_linear(shape.m, shape.n, shape.k, shape.in, shape.out, x, w, bias, out, stream);
-  }
   TESSERA_ASSIGN_OR_RETURN(Plan * p, plan(shape, stream, x, w, bias, out));
   return lt_status(matmul(*p, p->algo, x, w, out, stream), "cublasLtMatmul " + describe(shape));
 }

@@ -1,5 +1,4 @@
-// GEMMs for the linear layers: out[M, N] = x[M, K] . w[N, K]^T (+ bias[N]), through cuBLASLt
-// (and skinny_gemm.h's kernel for small M),
+// GEMMs through cuBLASLt for the linear layers: out[M, N] = x[M, K] . w[N, K]^T (+ bias[N]),
 // bf16/fp16 inputs, fp32 accumulation, output in the input dtype or fp32 (the logits).
 // The algorithm for each (M, N, K, dtypes, bias) is chosen once — the heuristic's candidates
 // are timed on the first eager call of that shape — and cached; inside a CUDA-graph capture
@@ -18,7 +17,6 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/cuda/cuda_util.h"
-#include "kernels/cuda/skinny_gemm.h"
 
 namespace tessera::cuda {
 
@@ -54,11 +52,6 @@ class Gemm {
   Status linear(const GemmShape& shape, const void* x, const void* w, const void* bias, void* out,
                 cudaStream_t stream);
 
-  // Calls with m <= this (and 16-byte aligned x and w, k a multiple of 8) go to skinny_linear
-  // (skinny_gemm.h) instead of cuBLASLt; 0 sends every call to cuBLASLt (benchmarks, tests).
-  void set_skinny_max_m(int64_t m) { skinny_max_m_ = m; }
-  int64_t skinny_max_m() const { return skinny_max_m_; }
-
   // Shapes whose algorithm is cached (for logs and tests): one plan per shape and alignment
   // class of the pointers it was called with (see PlanKey).
   size_t cached_shapes() const;
@@ -89,7 +82,6 @@ class Gemm {
                         const void* w, void* out, cudaStream_t stream) const;
 
   bool autotune_ = false;
-  int64_t skinny_max_m_ = kSkinnyMaxM;
   cublasLtHandle_t handle_ = nullptr;
   DeviceBuffer workspace_;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;  // timing of the candidates

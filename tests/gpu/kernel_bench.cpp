@@ -125,18 +125,14 @@ int run(int argc, char** argv) {
     int per_step;
   };
   std::vector<Row> rows;
-  // The linear layers through Gemm::linear (the skinny kernel for B <= 16) and through cuBLASLt
-  // alone, side by side; the first count in the step sum.
-  auto cublas = Gemm::create();
-  check(cublas.status(), "gemm");
-  cublas.value()->set_skinny_max_m(0);
+  // The linear layers (cuBLASLt), each also as a fraction of the copy bandwidth below.
   struct Linear {
     std::string name;
     int64_t n, k;
     const void* w;
     DType out;
     int per_step;
-    double us = 0, cublas_us = 0;
+    double us = 0;
   };
   std::vector<Linear> linears = {{"qkv", qkv_n, H, w_qkv, bf, 32},
                                  {"o", H, H, w_o, bf, 32},
@@ -144,14 +140,10 @@ int run(int argc, char** argv) {
                                  {"down", H, I, w_d, bf, 32},
                                  {"lm_head fp32", V, H, w_lm, DType::kF32, 1}};
   for (Linear& l : linears) {
-    auto op = [&](Gemm& gm) {
-      return [&] {
-        return gm.linear({B, l.n, l.k, bf, l.out, false}, x, l.w, nullptr, l.out == bf ? y : logits,
-                         st);
-      };
-    };
-    l.us = time_op(st, op(*gemm.value()));
-    l.cublas_us = time_op(st, op(*cublas.value()));
+    l.us = time_op(st, [&] {
+      return gemm.value()->linear({B, l.n, l.k, bf, l.out, false}, x, l.w, nullptr,
+                                  l.out == bf ? y : logits, st);
+    });
     rows.push_back({"gemm " + l.name + " [" + std::to_string(B) + " x " + std::to_string(l.n) +
                         " x " + std::to_string(l.k) + "]",
                     l.us, l.per_step});
@@ -246,11 +238,9 @@ int run(int argc, char** argv) {
       kv_bytes / rows.back().us / 1e3 / copy_bw);
   for (const Linear& l : linears) {
     const double gbs = static_cast<double>(l.n * l.k * 2) / l.us / 1e3;
-    std::printf(
-        "gemm %-12s [%ld x %ld x %ld]: %.2f us = %.0f GB/s = %.2f of the copy bandwidth; cuBLASLt "
-        "%.2f us (%.2fx)\n",
-        l.name.c_str(), static_cast<long>(B), static_cast<long>(l.n), static_cast<long>(l.k), l.us,
-        gbs, gbs / copy_bw, l.cublas_us, l.cublas_us / l.us);
+    std::printf("gemm %-12s [%ld x %ld x %ld]: %.2f us = %.0f GB/s = %.2f of the copy bandwidth\n",
+                l.name.c_str(), static_cast<long>(B), static_cast<long>(l.n),
+                static_cast<long>(l.k), l.us, gbs, gbs / copy_bw);
   }
   // The same decode over an FP8 (E4M3) cache (--kv-cache-dtype fp8): half the bytes. The cache
   // buffers are reused as bytes (their values do not change the timing).

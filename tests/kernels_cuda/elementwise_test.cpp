@@ -977,5 +977,63 @@ TEST(CudaElementwise, CapturesIntoACudaGraph) {
   cudaStreamDestroy(stream);
 }
 
+// The kernels start while the one before them finishes (programmatic dependent launch) and must
+// wait for its writes: eight rounds of residual += d (add_residual) then out_i =
+// rms_norm(residual), back to back on a stream and in a graph, give the bits of the same ops run
+// one at a time with the device idle between them.
+TEST(CudaElementwise, ChainedKernelsSeeTheWritesOfTheOneBefore) {
+  TESSERA_REQUIRE_GPU();
+  const DType d = DType::kBF16;
+  const int64_t rows = 64, hidden = 4096, n = rows * hidden;
+  constexpr int kRounds = 8;
+  const HalfTensor x = random_half(d, n, 11), delta = random_half(d, n, 12, -0.25f, 0.25f);
+  const HalfTensor w = random_half(d, hidden, 13, 0.5f, 1.5f);
+  DeviceBuffer d_delta = upload(delta.bits), d_w = upload(w.bits);
+  auto run = [&](cudaStream_t stream, bool one_at_a_time) {
+    DeviceBuffer d_x = upload(x.bits);
+    std::vector<DeviceBuffer> outs;
+    for (int i = 0; i < kRounds; ++i) outs.push_back(alloc(n * 2));
+    for (int i = 0; i < kRounds; ++i) {
+      EXPECT_TRUE(add_residual(d, d_delta.get(), d_x.get(), n, stream).is_ok());
+      if (one_at_a_time) sync();
+      EXPECT_TRUE(
+          rms_norm(d, d_x.get(), d_w.get(), rows, hidden, 1e-5f, outs[i].get(), stream).is_ok());
+      if (one_at_a_time) sync();
+    }
+    return outs;
+  };
+  auto bits = [&](const std::vector<DeviceBuffer>& outs) {
+    std::vector<std::vector<uint16_t>> r;
+    for (const DeviceBuffer& b : outs) r.push_back(download<uint16_t>(b.get(), n));
+    return r;
+  };
+  const auto want = bits(run(nullptr, true));
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const auto streamed = run(stream, false);
+  check_cuda(cudaStreamSynchronize(stream), "stream sync");
+  EXPECT_TRUE(bits(streamed) == want) << "back to back on a stream";
+
+  DeviceBuffer d_x = upload(x.bits);
+  std::vector<DeviceBuffer> outs;
+  for (int i = 0; i < kRounds; ++i) outs.push_back(alloc(n * 2));
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  for (int i = 0; i < kRounds; ++i) {
+    EXPECT_TRUE(add_residual(d, d_delta.get(), d_x.get(), n, stream).is_ok());
+    EXPECT_TRUE(
+        rms_norm(d, d_x.get(), d_w.get(), rows, hidden, 1e-5f, outs[i].get(), stream).is_ok());
+  }
+  cudaGraph_t graph = nullptr;
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  cudaGraphExec_t exec = nullptr;
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  check_cuda(cudaGraphLaunch(exec, stream), "graph launch");
+  check_cuda(cudaStreamSynchronize(stream), "stream sync");
+  EXPECT_TRUE(bits(outs) == want) << "in a graph";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 }  // namespace
 }  // namespace tessera::cuda

@@ -1,5 +1,4 @@
-// Gemm::linear against cpu::linear on the same (rounded) bf16/fp16 inputs: the cuBLASLt path
-// (GemmTest, with the skinny kernel turned off) and the skinny kernel of M <= 16 (SkinnyGemmTest).
+// cuBLASLt GEMMs against cpu::linear on the same (rounded) bf16/fp16 inputs.
 //
 // Tolerance per output element, with S = K/4 + 4*sqrt(K) + 1 a bound on sum_k |x_k||w_nk| +
 // |bias| for inputs in U(-1, 1) (its mean is K/4, its standard deviation 0.22*sqrt(K)):
@@ -26,7 +25,6 @@
 #include "kernels/cpu/cpu_context.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cuda/cuda_util.h"
-#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 
 namespace tessera::cuda {
@@ -168,14 +166,10 @@ void check_linear(Gemm& gemm, const GemmShape& s, const Operand& x, const Operan
   expect_close(s, download(s, out.get()), reference(s, x, w, bias), name(s));
 }
 
-// GemmTest's Gemm sends every call to cuBLASLt (skinny = false); SkinnyGemmTest's is the model's.
-std::unique_ptr<Gemm> make_gemm(size_t workspace = 32u << 20, bool autotune = true,
-                                bool skinny = false) {
+std::unique_ptr<Gemm> make_gemm(size_t workspace = 32u << 20, bool autotune = true) {
   auto g = Gemm::create(workspace, autotune);
   EXPECT_TRUE(g.has_value()) << g.status().to_string();
-  if (!g.has_value()) return nullptr;
-  if (!skinny) g.value()->set_skinny_max_m(0);
-  return std::move(g).value();
+  return g.has_value() ? std::move(g).value() : nullptr;
 }
 
 // Decode-like and prefill-like shapes of Llama-3-8B's projections, both input dtypes, with and
@@ -423,139 +417,6 @@ TEST(GemmTest, InvalidArguments) {
   Status st = gemm->linear(good, xp, wp, nullptr, op, nullptr);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-}
-
-// ---- the skinny kernel (M <= 16) ----
-
-std::unique_ptr<Gemm> make_skinny_gemm() { return make_gemm(32u << 20, false, /*skinny=*/true); }
-
-// Every M from 1 to 16 at Llama-3-8B's projection shapes (the fp16 one with a bias), and M = 17,
-// which goes to cuBLASLt: the only plans made are M = 17's.
-TEST(SkinnyGemmTest, EveryBatchSizeUpTo16) {
-  REQUIRE_CUDA_DEVICE();
-  auto gemm = make_skinny_gemm();
-  ASSERT_NE(gemm, nullptr);
-  struct Case {
-    int64_t n, k;
-    DType dt;
-    bool bias;
-  };
-  const Case cases[] = {{6144, 4096, DType::kBF16, false},
-                        {4096, 14336, DType::kBF16, false},
-                        {4096, 4096, DType::kF16, true}};
-  for (const Case& c : cases) {
-    Operand w, bias, x;
-    make_operand(&w, c.n * c.k, c.dt, 500 + c.n + c.k, false);
-    make_operand(&bias, c.n, c.dt, 9 + c.n, false);
-    make_operand(&x, 17 * c.k, c.dt, 77 + c.k, true);
-    for (int64_t m = 1; m <= 17; ++m) {
-      check_linear(*gemm, GemmShape{m, c.n, c.k, c.dt, c.dt, c.bias}, x, w,
-                   c.bias ? &bias : nullptr);
-    }
-  }
-  EXPECT_EQ(gemm->cached_shapes(), 3u);
-}
-
-// Shapes off the kernel's tiles: n not a multiple of its 16 rows, k a multiple of 8 but not of
-// its 128-value chunks (down to k = 8), fp32 logits, a bias, both input types. All of them take
-// the kernel (no cuBLASLt plan is made).
-TEST(SkinnyGemmTest, OddShapes) {
-  REQUIRE_CUDA_DEVICE();
-  auto gemm = make_skinny_gemm();
-  ASSERT_NE(gemm, nullptr);
-  const int64_t ns[] = {1, 17, 70, 1000}, ks[] = {8, 40, 136, 1032};
-  for (DType in : {DType::kBF16, DType::kF16}) {
-    for (int64_t n : ns) {
-      for (int64_t k : ks) {
-        Operand x, w, bias;
-        make_operand(&x, 16 * k, in, 3 + n * k, true);
-        make_operand(&w, n * k, in, 5 + n * k, false);
-        make_operand(&bias, n, in, 7 + n, false);
-        for (int64_t m : {1, 7, 9, 16}) {
-          check_linear(*gemm, GemmShape{m, n, k, in, in, m % 2 == 1}, x, w,
-                       m % 2 == 1 ? &bias : nullptr);
-          check_linear(*gemm, GemmShape{m, n, k, in, DType::kF32, false}, x, w, nullptr);
-        }
-      }
-    }
-  }
-  EXPECT_EQ(gemm->cached_shapes(), 0u);
-}
-
-// A batch row's output does not depend on the rows beside it (M = 1 gives, bit for bit, what the
-// same row gives inside M = 16), nor on the run: decode results do not change with the batch.
-TEST(SkinnyGemmTest, RowsDoNotDependOnTheBatch) {
-  REQUIRE_CUDA_DEVICE();
-  auto gemm = make_skinny_gemm();
-  ASSERT_NE(gemm, nullptr);
-  const int64_t n = 6144, k = 4096;
-  Operand x, w;
-  make_operand(&x, 16 * k, DType::kBF16, 41, true);
-  make_operand(&w, n * k, DType::kBF16, 42, false);
-  auto run = [&](int64_t m, int64_t first_row) {
-    const GemmShape s{m, n, k, DType::kBF16, DType::kF32, false};
-    DeviceBuffer out = alloc_out(s);
-    const auto* xp = static_cast<const uint16_t*>(x.dev.get()) + first_row * k;
-    EXPECT_TRUE(gemm->linear(s, xp, w.dev.get(), nullptr, out.get(), nullptr).is_ok());
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    return download(s, out.get());
-  };
-  const std::vector<float> all = run(16, 0);
-  EXPECT_EQ(run(16, 0), all);
-  for (int64_t r = 0; r < 16; ++r) {
-    const std::vector<float> one = run(1, r);
-    const std::vector<float> row(all.begin() + r * n, all.begin() + (r + 1) * n);
-    EXPECT_EQ(one, row) << "row " << r;
-  }
-  EXPECT_EQ(gemm->cached_shapes(), 0u);
-}
-
-// The kernel starts before the one that writes x has finished (programmatic dependent launch)
-// and must wait for it: eight times in one graph, add_residual changes x and the GEMM reads it.
-// Each output must be the product with that step's x.
-TEST(SkinnyGemmTest, WaitsForTheKernelThatWritesX) {
-  REQUIRE_CUDA_DEVICE();
-  auto gemm = make_skinny_gemm();
-  ASSERT_NE(gemm, nullptr);
-  const int64_t n = 4096, k = 4096, m = 4, steps = 8;
-  Operand x, d, w;
-  make_operand(&x, m * k, DType::kBF16, 61, true);
-  make_operand(&d, m * k, DType::kBF16, 62, true);
-  make_operand(&w, n * k, DType::kBF16, 63, false);
-  // d scaled to U(-1/16, 1/16) (exact in bf16), so x stays within the tolerance's U(-1.5, 1.5).
-  for (size_t j = 0; j < d.bits.size(); ++j) {
-    d.values[j] /= 16;
-    d.bits[j] = float_to_bf16(d.values[j]);
-  }
-  ASSERT_EQ(cudaMemcpy(d.dev.get(), d.bits.data(), d.bits.size() * 2, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  const GemmShape s{m, n, k, DType::kBF16, DType::kF32, false};
-  std::vector<DeviceBuffer> outs;
-  for (int i = 0; i < steps; ++i) outs.push_back(alloc_out(s));
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  for (int i = 0; i < steps; ++i) {
-    ASSERT_TRUE(add_residual(DType::kBF16, d.dev.get(), x.dev.get(), m * k, stream).is_ok());
-    ASSERT_TRUE(gemm->linear(s, x.dev.get(), w.dev.get(), nullptr, outs[i].get(), stream).is_ok());
-  }
-  cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  std::vector<float> xi = x.values;
-  for (int i = 0; i < steps; ++i) {
-    for (size_t j = 0; j < xi.size(); ++j) {
-      xi[j] = bf16_to_float(float_to_bf16(xi[j] + d.values[j]));
-    }
-    expect_close(s, download(s, outs[i].get()), reference(s, xi.data(), w, nullptr),
-                 "step " + std::to_string(i));
-  }
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 }  // namespace
