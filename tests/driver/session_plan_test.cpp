@@ -46,6 +46,16 @@ TEST(SessionPlanTest, TwoRanksShareOneGpuOnlyWithIpcCollectives) {
   EXPECT_EQ(shared->placement.ranks[1].gpu, 0);
   EXPECT_EQ(shared->plan.tp, 2);
   EXPECT_EQ(plan_summary(*shared), "plan: stage 0: node-0 gpu0 gpu0 [X]\n");
+  // The load takes its lengths from the plan: resolved as any plan's (the model's context by
+  // default, --max-model-len when given), never 0.
+  EXPECT_EQ(shared->memory.options.max_model_len, 2048);
+  EXPECT_GT(shared->memory.options.max_num_batched_tokens, 0);
+  a.memory.max_model_len = 512;
+  auto capped = plan_session(tiny(), a, nodes);
+  ASSERT_TRUE(capped) << capped.status().to_string();
+  EXPECT_EQ(capped->memory.options.max_model_len, 512);
+  a.memory.max_model_len = 4096;  // beyond the model's 2048
+  EXPECT_FALSE(plan_session(tiny(), a, nodes));
 }
 
 TEST(SessionPlanTest, PlansAreThePlannersAndPrintEveryStage) {
