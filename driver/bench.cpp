@@ -126,6 +126,8 @@ struct BatchTiming {
   std::vector<double> decode_steps_s;  // steps after every request had its first token
   // Of those steps: the RPC call as the driver saw it, the actor's execute, its GPU forward.
   std::vector<double> call_ms, actor_ms, gpu_ms;
+  // The same, summed over the steps before (the prompts' prefill, the first tokens).
+  double first_call_ms = 0, first_actor_ms = 0, first_gpu_ms = 0;
   size_t tokens = 0;
 };
 
@@ -157,12 +159,16 @@ Expected<BatchTiming> run_batch(ModelSession& session,
         if (--waiting == 0) t.all_first_s = seconds(s1 - t0);
       }
     }
+    const auto& times = session.group().last_times();
     if (decoding) {
       t.decode_steps_s.push_back(seconds(s1 - s0));
-      const auto& times = session.group().last_times();
       t.call_ms.push_back(times.call_us / 1000.0);
       t.actor_ms.push_back(times.actor_us / 1000.0);
       t.gpu_ms.push_back(times.gpu_us / 1000.0);
+    } else {
+      t.first_call_ms += times.call_us / 1000.0;
+      t.first_actor_ms += times.actor_us / 1000.0;
+      t.first_gpu_ms += times.gpu_us / 1000.0;
     }
   }
   t.end_s = seconds(Clock::now() - t0);
@@ -247,11 +253,17 @@ Status run_report(const BenchReportOptions& o) {
   }
   // One long prefill: the time to its first token.
   if (o.prefill_len > 0) {
-    std::vector<double> ms;
+    // TTFT, and of it the RPC calls, the actor's execute and the GPU forward of the steps up to
+    // the first token (one step unless --max-num-batched-tokens chunks the prompt).
+    std::vector<double> ms, call_ms, actor_ms, gpu_ms;
     for (uint32_t i = 0; i < 1 + o.prefill_iters; ++i) {
       std::vector<std::vector<int32_t>> prompts{random_prompt(rng, c.vocab_size, o.prefill_len)};
       TESSERA_ASSIGN_OR_RETURN(BatchTiming t, run_batch(*session, prompts, 1));
-      if (i > 0) ms.push_back(t.ttft_s * 1000);
+      if (i == 0) continue;
+      ms.push_back(t.ttft_s * 1000);
+      call_ms.push_back(t.first_call_ms);
+      actor_ms.push_back(t.first_actor_ms);
+      gpu_ms.push_back(t.first_gpu_ms);
     }
     const double best = *std::min_element(ms.begin(), ms.end());
     const double L = o.prefill_len;
@@ -264,11 +276,17 @@ Status run_report(const BenchReportOptions& o) {
         {"best_ms", best},
         {"tok_s", L / (best / 1000)},
         {"tflops", flops / (best / 1000) / 1e12},
-        {"flops_formula", "2 * matmul_params * L + 4 * layers * heads * head_dim * L^2 / 2"}};
+        {"flops_formula", "2 * matmul_params * L + 4 * layers * heads * head_dim * L^2 / 2"},
+        {"rpc_call_ms_median", percentile(call_ms, 50)},
+        {"actor_execute_ms_median", percentile(actor_ms, 50)},
+        {"gpu_forward_ms_median", percentile(gpu_ms, 50)}};
     const std::string name = "prefill " + std::to_string(o.prefill_len) + " tokens";
     rows.push_back({name, "best of " + std::to_string(o.prefill_iters), fixed(best, 2), "ms"});
     rows.push_back({"", "", fixed(L / (best / 1000), 0), "tok/s"});
     rows.push_back({"", "", fixed(flops / (best / 1000) / 1e12, 1), "TFLOP/s"});
+    rows.push_back({"", "  RPC call (median)", fixed(percentile(call_ms, 50), 3), "ms"});
+    rows.push_back({"", "  actor execute", fixed(percentile(actor_ms, 50), 3), "ms"});
+    rows.push_back({"", "  GPU forward", fixed(percentile(gpu_ms, 50), 3), "ms"});
   }
   // Large-batch decode.
   if (o.batch_size > 0) {

@@ -424,6 +424,14 @@ TEST_F(GenerateTest, BenchReportWritesItsJson) {
   EXPECT_LE(s["batch1_decode"]["actor_execute_ms_median"].get<double>(),
             s["batch1_decode"]["rpc_call_ms_median"].get<double>());
   EXPECT_GT(s["prefill_48"]["tok_s"].get<double>(), 0.0);
+  // The prefill's own step: the actor's execute (its GPU forward inside it: 0 on the CPU
+  // backend, which times none) inside the RPC call, inside the time to the first token.
+  const auto& pf = s["prefill_48"];
+  EXPECT_GT(pf["actor_execute_ms_median"].get<double>(), 0.0);
+  EXPECT_GE(pf["gpu_forward_ms_median"].get<double>(), 0.0);
+  EXPECT_LE(pf["gpu_forward_ms_median"].get<double>(), pf["actor_execute_ms_median"].get<double>());
+  EXPECT_LE(pf["actor_execute_ms_median"].get<double>(), pf["rpc_call_ms_median"].get<double>());
+  EXPECT_LE(pf["rpc_call_ms_median"].get<double>(), pf["best_ms"].get<double>() * 1.5);
   EXPECT_GT(s["batch3_decode"]["decode_tok_s"][0].get<double>(), 0.0);
   // Tiny llama: hidden 64, intermediate 176, 4 layers, 4 heads / 2 KV heads of 16, vocab 128256.
   const int64_t layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 176 + 2 * 64;
