@@ -32,6 +32,8 @@ Status launch_status(const char* kernel);
 // it on `stream` runs (see dev::pdl_wait in device_math.cuh, which every kernel launched this way
 // must call before it touches what earlier kernels write). Inside a graph capture the overlap
 // becomes a programmatic edge of the graph. The arguments convert to the kernel's parameter types.
+// A launch error is returned and, as for any runtime call, left for cudaGetLastError (which
+// launch_status reads).
 template <typename... Params, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                        cudaStream_t stream, Args&&... args) {
