@@ -989,47 +989,51 @@ TEST(CudaElementwise, ChainedKernelsSeeTheWritesOfTheOneBefore) {
   const HalfTensor x = random_half(d, n, 11), delta = random_half(d, n, 12, -0.25f, 0.25f);
   const HalfTensor w = random_half(d, hidden, 13, 0.5f, 1.5f);
   DeviceBuffer d_delta = upload(delta.bits), d_w = upload(w.bits);
-  auto run = [&](cudaStream_t stream, bool one_at_a_time) {
-    DeviceBuffer d_x = upload(x.bits);
+  // One run's buffers: x from its starting values, and the eight outputs.
+  struct Run {
+    DeviceBuffer x;
     std::vector<DeviceBuffer> outs;
-    for (int i = 0; i < kRounds; ++i) outs.push_back(alloc(n * 2));
-    for (int i = 0; i < kRounds; ++i) {
-      EXPECT_TRUE(add_residual(d, d_delta.get(), d_x.get(), n, stream).is_ok());
-      if (one_at_a_time) sync();
-      EXPECT_TRUE(
-          rms_norm(d, d_x.get(), d_w.get(), rows, hidden, 1e-5f, outs[i].get(), stream).is_ok());
-      if (one_at_a_time) sync();
-    }
-    return outs;
   };
-  auto bits = [&](const std::vector<DeviceBuffer>& outs) {
-    std::vector<std::vector<uint16_t>> r;
-    for (const DeviceBuffer& b : outs) r.push_back(download<uint16_t>(b.get(), n));
+  auto make_run = [&] {
+    Run r{upload(x.bits), {}};
+    for (int i = 0; i < kRounds; ++i) r.outs.push_back(alloc(n * 2));
     return r;
   };
-  const auto want = bits(run(nullptr, true));
+  auto enqueue = [&](Run& r, cudaStream_t stream, bool one_at_a_time) {
+    for (int i = 0; i < kRounds; ++i) {
+      EXPECT_TRUE(add_residual(d, d_delta.get(), r.x.get(), n, stream).is_ok());
+      if (one_at_a_time) sync();
+      EXPECT_TRUE(
+          rms_norm(d, r.x.get(), d_w.get(), rows, hidden, 1e-5f, r.outs[i].get(), stream).is_ok());
+      if (one_at_a_time) sync();
+    }
+  };
+  auto bits = [&](const Run& r) {
+    std::vector<std::vector<uint16_t>> b;
+    for (const DeviceBuffer& o : r.outs) b.push_back(download<uint16_t>(o.get(), n));
+    return b;
+  };
+  Run alone = make_run();
+  enqueue(alone, nullptr, true);
+  const auto want = bits(alone);
+
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  const auto streamed = run(stream, false);
+  Run streamed = make_run();
+  enqueue(streamed, stream, false);
   check_cuda(cudaStreamSynchronize(stream), "stream sync");
   EXPECT_TRUE(bits(streamed) == want) << "back to back on a stream";
 
-  DeviceBuffer d_x = upload(x.bits);
-  std::vector<DeviceBuffer> outs;
-  for (int i = 0; i < kRounds; ++i) outs.push_back(alloc(n * 2));
+  Run graphed = make_run();
   check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  for (int i = 0; i < kRounds; ++i) {
-    EXPECT_TRUE(add_residual(d, d_delta.get(), d_x.get(), n, stream).is_ok());
-    EXPECT_TRUE(
-        rms_norm(d, d_x.get(), d_w.get(), rows, hidden, 1e-5f, outs[i].get(), stream).is_ok());
-  }
+  enqueue(graphed, stream, false);
   cudaGraph_t graph = nullptr;
   check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
   cudaGraphExec_t exec = nullptr;
   check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   check_cuda(cudaGraphLaunch(exec, stream), "graph launch");
   check_cuda(cudaStreamSynchronize(stream), "stream sync");
-  EXPECT_TRUE(bits(outs) == want) << "in a graph";
+  EXPECT_TRUE(bits(graphed) == want) << "in a graph";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
