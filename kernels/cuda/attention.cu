@@ -47,12 +47,16 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/attention_sm90.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
 
 namespace tessera::cuda {
 
 namespace {
+
+using namespace attn;  // NOLINT(google-build-using-namespace): the shared PTX wrappers
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -155,86 +159,6 @@ struct Params {
   int64_t total_q;
 };
 
-// ---------------------------------------------------------------------------------------------
-// PTX wrappers.
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; with fill == false nothing is read and the 16 bytes are zeroed.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool fill) {
-  const int src_bytes = fill ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename T>
-struct HalfOps;
-
-template <>
-struct HalfOps<__nv_bfloat16> {
-  // c += a (16x16, row-major) * b (16x8, column-major), fp32 accumulate.
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  // lo goes to the low 16 bits (the lower column index).
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    uint32_t r;
-    memcpy(&r, &v, sizeof(r));
-    return r;
-  }
-};
-
-template <>
-struct HalfOps<__half> {
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    uint32_t r;
-    memcpy(&r, &v, sizeof(r));
-    return r;
-  }
-};
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
 // Four E4M3 bytes (x's bytes 0..3, lowest first) widened exactly to T: two packed pairs, the
 // lower element in the low 16 bits. Integer ops and one multiply, no conversion instructions
 // (cvt runs at a quarter of the ALU rate on sm_90: widening through cvt.f16x2.e4m3x2 and fp32
@@ -321,12 +245,9 @@ __device__ __forceinline__ void lds(uint32_t addr, uint32_t* out) {
   }
 }
 
-// The cache slot of `key` of a sequence whose block table is `table`: key / block_size through
-// the reciprocal (Params::block_magic).
+// The cache slot of `key` of a sequence whose block table is `table`.
 __device__ __forceinline__ int64_t cache_slot(const Params& p, const int32_t* table, int key) {
-  const int block = static_cast<int>(
-      (static_cast<uint64_t>(static_cast<uint32_t>(key)) * p.block_magic) >> p.block_shift);
-  return static_cast<int64_t>(table[block]) * p.block_size + (key - block * p.block_size);
+  return paged_slot(table, key, p.block_magic, p.block_shift, p.block_size);
 }
 
 // Keys per split for a sequence of `ctx` keys: its context spread over all num_splits CTAs,
@@ -1213,6 +1134,15 @@ Status dispatch_head_dim(const Params& params, const AttentionArgs& args, cudaSt
   }
 }
 
+// Whether an average sequence of the launch fills one of the Hopper kernel's 128-row tiles
+// (rows = query tokens x group). Steps that mix a prefill chunk with many decodes stay on the tile
+// kernel, whose decode CTAs split keys instead of idling 124 of 128 rows.
+bool prefill_heavy(const AttentionArgs& a) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t total = a.total_q > 0 ? a.total_q : a.max_query_len;
+  return total * group >= 128 * static_cast<int64_t>(a.num_seqs);
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 Status check_args(const AttentionArgs& a) {
@@ -1297,7 +1227,19 @@ SplitPlan plan_attention_splits(int num_seqs, int num_kv_heads, int64_t max_cont
 
 Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(check_args(args));
+  const bool hopper = hopper_prefill_applies(args);
+  if (args.kernel == AttentionKernel::kHopper && !hopper) {
+    return invalid_argument(
+        "paged_attention: the Hopper prefill kernel takes head_dim 128 with a 16-bit cache (got "
+        "head_dim " +
+        std::to_string(args.head_dim) + ", " +
+        (args.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ? "an FP8" : "a 16-bit") + " cache)");
+  }
   if (args.num_seqs == 0 || args.max_query_len == 0) return Status::ok();
+  if (args.kernel == AttentionKernel::kHopper ||
+      (args.kernel == AttentionKernel::kAuto && hopper && prefill_heavy(args))) {
+    return attn::hopper_prefill(args, stream);
+  }
 
   Params params{};
   params.q = args.q;
@@ -1309,13 +1251,9 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   params.block_tables = args.block_tables;
   params.block_table_stride = args.block_table_stride;
   params.block_size = args.block_size;
-  // Round-up reciprocal: l = ceil(log2(block_size)), magic = floor(2^(32 + l) / block_size) + 1
-  // (33 bits); exact for keys below 2^31 since key * (magic * block_size - 2^(32 + l)) <
-  // 2^31 * 2^l.
-  int l = 0;
-  while ((1 << l) < args.block_size) ++l;
-  params.block_magic = ((uint64_t{1} << (32 + l)) / static_cast<uint64_t>(args.block_size)) + 1;
-  params.block_shift = 32 + l;
+  const BlockDivisor div = BlockDivisor::make(args.block_size);
+  params.block_magic = div.magic;
+  params.block_shift = div.shift;
   params.num_heads = args.num_heads;
   params.num_kv_heads = args.num_kv_heads;
   params.group = args.num_heads / args.num_kv_heads;

@@ -36,7 +36,16 @@
 
 namespace tessera::cuda {
 
+// Which kernel runs a launch. kAuto: the Hopper prefill kernel where it applies and the launch
+// is prefill-heavy (hopper_prefill_applies and, on average, a sequence's rows fill one of its
+// 128-row tiles: total_q * group >= 128 * num_seqs), the tile kernel otherwise (it also serves
+// decode, FP8 caches and the head sizes the Hopper kernel does not take). kTiles and kHopper
+// force one (tests and benchmarks compare them); kHopper where it does not apply is
+// INVALID_ARGUMENT.
+enum class AttentionKernel { kAuto, kTiles, kHopper };
+
 struct AttentionArgs {
+  AttentionKernel kernel = AttentionKernel::kAuto;
   DType dtype = DType::kBF16;  // of q and out (and the cache unless it is FP8): kBF16 or kF16
   // kFp8E4M3: k_cache / v_cache hold E4M3 bytes (scale 1), widened exactly: to `dtype` in
   // shared memory before the MMAs (prefill), or to fp16 in registers (decode, whose MMAs are
@@ -84,6 +93,12 @@ struct AttentionArgs {
   void* workspace = nullptr;
   int64_t total_q = 0;  // rows of q (>= cu_query_lens[num_seqs]); sizes the workspace indexing
 };
+
+// Whether the Hopper prefill kernel (sm_90a: wgmma, a producer warpgroup streaming 128-key K/V
+// tiles through an mbarrier pipeline, two consumer warpgroups of 64 rows each) can run `args`:
+// head_dim 128, a 16-bit cache, and at most 65535 128-row tiles per sequence. It ignores split-K
+// (each CTA walks all its keys and writes `out`).
+bool hopper_prefill_applies(const AttentionArgs& args);
 
 // Bytes of workspace a split-K launch needs: num_splits * total_q * num_heads * (head_dim + 1)
 // * 4 (0 when num_splits <= 1).

@@ -285,11 +285,18 @@ int run(int argc, char** argv) {
   p.split_size = 0;
   p.workspace = nullptr;
   p.total_q = 4096;
-  const double us = time_op(
-      st, [&] { return paged_attention(p, st); }, 5);
   const double flops = 4.0 * heads * hd * 4096.0 * 4096.0 / 2.0;
-  std::printf("attention prefill 4096 causal: %.1f us per layer = %.0f TFLOP/s (x32 = %.1f ms)\n",
-              us, flops / us / 1e6, us * 32 / 1000);
+  // The tile kernel (mma.sync) and the Hopper kernel (wgmma, warp-specialized) side by side.
+  for (auto [kernel, name] : {std::pair{AttentionKernel::kTiles, "tile kernel"},
+                              std::pair{AttentionKernel::kHopper, "Hopper kernel"}}) {
+    AttentionArgs pk = p;
+    pk.kernel = kernel;
+    const double us = time_op(
+        st, [&] { return paged_attention(pk, st); }, 5);
+    std::printf(
+        "attention prefill 4096 causal, %s: %.1f us per layer = %.0f TFLOP/s (x32 = %.1f ms)\n",
+        name, us, flops / us / 1e6, us * 32 / 1000);
+  }
   AttentionArgs p8 = p;
   p8.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
   const double us8 = time_op(

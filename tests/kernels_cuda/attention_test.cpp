@@ -266,7 +266,7 @@ void download(const DeviceBuffer& buf, size_t count, std::vector<uint16_t>* out)
 
 // Runs the GPU kernel once on a fresh copy of the problem; `out` gets its output bits.
 void run_gpu(const Problem& p, const std::vector<int>& context_lens, int num_splits, int split_size,
-             std::vector<uint16_t>* out) {
+             std::vector<uint16_t>* out, AttentionKernel kernel = AttentionKernel::kTiles) {
   DeviceProblem d;
   ASSERT_NO_FATAL_FAILURE(upload_problem(p, &d));
   ASSERT_NO_FATAL_FAILURE(upload(&d.ctx, context_lens, "context_lens"));
@@ -279,7 +279,9 @@ void run_gpu(const Problem& p, const std::vector<int>& context_lens, int num_spl
     // Garbage (NaN) in the workspace must not leak into the output.
     ASSERT_NO_FATAL_FAILURE(upload(&d.workspace, std::vector<uint32_t>(ws / 4, 0x7fc00000u), "ws"));
   }
-  const Status st = paged_attention(make_args(p, d, num_splits, split_size), nullptr);
+  AttentionArgs args = make_args(p, d, num_splits, split_size);
+  args.kernel = kernel;
+  const Status st = paged_attention(args, nullptr);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ASSERT_NO_FATAL_FAILURE(download(d.out, p.q.size(), out));
@@ -327,7 +329,19 @@ void expect_matches(const Problem& p, const std::vector<int>& context_lens,
                     << ", worst abs error " << worst;
 }
 
-// Checks the problem with num_splits 1 and with each given {num_splits, split_size}.
+bool hopper_applies(const Problem& p) {
+  AttentionArgs a;
+  a.dtype = p.shape.dtype;
+  a.kv_cache_dtype = p.shape.fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
+  a.num_heads = p.shape.num_heads;
+  a.num_kv_heads = p.shape.num_kv_heads;
+  a.head_dim = p.shape.head_dim;
+  a.max_query_len = *std::max_element(p.query_lens.begin(), p.query_lens.end());
+  return hopper_prefill_applies(a);
+}
+
+// Checks the tile kernel with num_splits 1 and with each given {num_splits, split_size}, and the
+// Hopper prefill kernel (which ignores splits) where it applies, whatever the query lengths.
 void check_problem(const Problem& p, const std::vector<int>& context_lens,
                    const std::vector<SplitPlan>& splits, const std::string& what) {
   const std::vector<float> ref = reference(p, context_lens);
@@ -335,6 +349,11 @@ void check_problem(const Problem& p, const std::vector<int>& context_lens,
   std::vector<uint16_t> base;
   ASSERT_NO_FATAL_FAILURE(run_gpu(p, context_lens, 1, 0, &base));
   expect_matches(p, context_lens, base, ref, what + " (no split)");
+  if (hopper_applies(p)) {
+    std::vector<uint16_t> hopper;
+    ASSERT_NO_FATAL_FAILURE(run_gpu(p, context_lens, 1, 0, &hopper, AttentionKernel::kHopper));
+    expect_matches(p, context_lens, hopper, ref, what + " (Hopper prefill kernel)");
+  }
   for (const SplitPlan& sp : splits) {
     std::vector<uint16_t> out;
     ASSERT_NO_FATAL_FAILURE(run_gpu(p, context_lens, sp.num_splits, sp.split_size, &out));
@@ -434,6 +453,40 @@ TEST(CudaPagedAttention, ChunkedPrefill) {
       check_problem(p, ctx, {{3, 192}, {9, 64}}, "chunked prefill " + describe(sh));
     }
   }
+}
+
+// The Hopper prefill kernel (head_dim 128): long prompts crossing its 128-row and 128-key tiles,
+// chunked prefill (context > query), GQA ratios 1 to 8 and 5, block sizes that do not divide a
+// tile (1, 7) or span several (256), both dtypes, a padding sequence, and what kAuto picks.
+TEST(CudaPagedAttention, HopperPrefillMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> qlen = {300, 1, 129, 31, 128, 700, 9};
+  const std::vector<int> ctx = {300, 1, 400, 31, 1153, 700, 0};
+  int i = 0;
+  for (int group : {1, 4, 5, 8}) {
+    for (int block_size : {16, 1, 7, 256}) {
+      if ((group + block_size) % 2 == 1 && block_size != 16) continue;  // a spread of pairs
+      Shape sh;
+      sh.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+      sh.num_kv_heads = 2;
+      sh.num_heads = 2 * group;
+      sh.head_dim = 128;
+      sh.block_size = block_size;
+      const Problem p = make_problem(sh, qlen, ctx, 900 + i);
+      ASSERT_TRUE(hopper_applies(p));
+      const std::vector<float> ref = reference(p, ctx);
+      ASSERT_FALSE(ref.empty());
+      std::vector<uint16_t> out;
+      ASSERT_NO_FATAL_FAILURE(run_gpu(p, ctx, 1, 0, &out, AttentionKernel::kHopper));
+      expect_matches(p, ctx, out, ref, "Hopper prefill " + describe(sh));
+      // kAuto takes the Hopper kernel for this prefill-heavy batch: the same bits.
+      std::vector<uint16_t> autopick;
+      ASSERT_NO_FATAL_FAILURE(run_gpu(p, ctx, 1, 0, &autopick, AttentionKernel::kAuto));
+      EXPECT_EQ(autopick, out) << describe(sh);
+      ++i;
+    }
+  }
+  EXPECT_GE(i, 8);
 }
 
 TEST(CudaPagedAttention, HeadDim256) {
@@ -679,6 +732,15 @@ TEST(CudaPagedAttention, InvalidArguments) {
     a.workspace = ws.get();
   });
   expect_invalid("num_splits 0", [](AttentionArgs& a) { a.num_splits = 0; });
+  // The Hopper kernel forced where it does not apply (head_dim 64 here; an FP8 cache).
+  expect_invalid("Hopper kernel, head_dim 64",
+                 [](AttentionArgs& a) { a.kernel = AttentionKernel::kHopper; });
+  expect_invalid("Hopper kernel, fp8 cache", [](AttentionArgs& a) {
+    a.kernel = AttentionKernel::kHopper;
+    a.head_dim = 128;
+    a.num_heads = 4;
+    a.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
+  });
   // The rejected calls launched nothing: out still holds the first (good) call's result.
   std::vector<uint16_t> out;
   ASSERT_NO_FATAL_FAILURE(download(d.out, p.q.size(), &out));
