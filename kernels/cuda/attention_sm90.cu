@@ -113,6 +113,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void set_max_registers_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -264,40 +267,53 @@ __global__ void __launch_bounds__(kThreads, 1)
         reinterpret_cast<int64_t*>(smem_raw + (base - smem_u32(smem_raw)) + kOffsetTable);
     const int chunk = t & 15;      // this thread's 16-byte chunk of every key it copies
     const int row_first = t >> 4;  // and its keys: row_first + 8 i
-    const T* k_cache = static_cast<const T*>(p.k_cache);
-    const T* v_cache = static_cast<const T*>(p.v_cache);
+    const T* k_chunk = static_cast<const T*>(p.k_cache) + chunk * 8;
+    const T* v_chunk = static_cast<const T*>(p.v_cache) + chunk * 8;
     const int64_t slot_elems = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
     const int64_t head_elems = static_cast<int64_t>(kv_head) * kHeadDim;
-    // Element offset of key j * 128 + t's head in the cache (-1 past the context): one
-    // block-table read per thread and tile, a tile ahead of its copies.
-    auto key_offset = [&](int j) -> int64_t {
-      const int key = j * kTileKeys + t;
-      if (key >= ctx) return -1;
-      return paged_slot(table, key, p.block_magic, p.block_shift, p.block_size) * slot_elems +
-             head_elems;
+    // Thread t looks up key j * 128 + t of each tile j: its block-table entry is read two tiles
+    // ahead and turned into the element offset of the key's head one tile ahead, in a per-tile
+    // table the threads share. (Used as soon as read, the entry's L2 latency delayed each tile's
+    // copies: the consumers then waited for K a third of the time.)
+    auto block_index = [&](int key) {
+      return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(key)) * p.block_magic) >>
+                              p.block_shift);
     };
-    auto load = [&](const T* cache, uint32_t dst, const int64_t* tile_offsets) {
+    auto block_of = [&](int j) -> int32_t {
+      const int key = j * kTileKeys + t;
+      return j < n_tiles && key < ctx ? table[block_index(key)] : 0;
+    };
+    auto offset_of = [&](int j, int32_t block) -> int64_t {
+      const int key = j * kTileKeys + t;
+      if (key >= ctx) return 0;
+      const int in_block = key - block_index(key) * p.block_size;
+      return (static_cast<int64_t>(block) * p.block_size + in_block) * slot_elems + head_elems;
+    };
+    // Keys past the context (rows >= valid) are zero-filled, reading nothing.
+    auto load = [&](const T* cache_chunk, uint32_t dst, const int64_t* tile_offsets, int valid) {
 #pragma unroll
       for (int i = 0; i < kTileKeys / 8; ++i) {
         const int row = row_first + 8 * i;
-        const int64_t off = tile_offsets[row];
-        const T* src = off >= 0 ? cache + (off + chunk * 8) : cache;  // nothing read past the end
-        cp_async_16(dst + swizzled(row, chunk, kKvColumnBytes), src, off >= 0);
+        cp_async_16(dst + swizzled(row, chunk, kKvColumnBytes), cache_chunk + tile_offsets[row],
+                    row < valid);
       }
     };
-    int64_t next = key_offset(0);
+    int32_t block_next = block_of(0);
+    int32_t block_after = block_of(1);
     for (int j = 0; j < n_tiles; ++j) {
       const int s = j % kStages;
       const int use = j / kStages;
       int64_t* tile_offsets = offsets + s * kTileKeys;
-      tile_offsets[t] = next;
+      tile_offsets[t] = offset_of(j, block_next);
+      block_next = block_after;
+      block_after = block_of(j + 2);       // awaited only in the next iteration
       named_barrier(3, kProducerThreads);  // the table of tile j is complete (and j - 2's read)
-      if (j + 1 < n_tiles) next = key_offset(j + 1);
+      const int valid = ctx - j * kTileKeys;
       if (use > 0) mbar_wait(k_empty(s), (use - 1) & 1);
-      load(k_cache, base + kKOffset + s * kKvTileBytes, tile_offsets);
+      load(k_chunk, base + kKOffset + s * kKvTileBytes, tile_offsets, valid);
       cp_async_arrive(k_full(s));
       if (use > 0) mbar_wait(v_empty(s), (use - 1) & 1);
-      load(v_cache, base + kVOffset + s * kKvTileBytes, tile_offsets);
+      load(v_chunk, base + kVOffset + s * kKvTileBytes, tile_offsets, valid);
       cp_async_arrive(v_full(s));
     }
     cp_async_wait<0>();  // nothing in flight when the thread exits
@@ -442,10 +458,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
+  // Ping-pong: the two warpgroups take turns to issue their MMAs (named barriers 4 and 5, FA3's
+  // "warp scheduler barrier"), so that one's softmax runs while the other's MMAs occupy the
+  // tensor cores. Each issues n_tiles + 1 rounds; warpgroup 0 goes first, and warpgroup 1 does
+  // not signal after its last round (nobody waits for it).
+  const int rounds = n_tiles + 1;
+  int round = 0;
+  auto my_turn = [&] { named_barrier(4 + cw, 256); };
+  auto your_turn = [&] {
+    if (cw == 0 || round + 1 < rounds) named_barrier_arrive(4 + (1 - cw), 256);
+    ++round;
+  };
+  if (cw == 1) named_barrier_arrive(4, 256);
+
   // Tile 0, then each tile's S = Q K^T runs on the tensor cores while the previous tile's P V
   // is issued behind it and this tile's softmax runs on the ALUs.
   float alpha[2], sum[2];
+  my_turn();
   issue_qk(0);
+  your_turn();
   wgmma_wait<0>();
   fence_registers(sc);
   release(k_empty(0));
@@ -454,8 +485,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int j = 1; j < n_tiles; ++j) {
     fence_registers(o);
     fence_registers(pa);
+    my_turn();
     issue_qk(j);
     issue_pv(j - 1);
+    your_turn();
     wgmma_wait<1>();  // S of tile j
     fence_registers(sc);
     release(k_empty(j % kStages));
@@ -468,7 +501,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   fence_registers(o);
   fence_registers(pa);
+  my_turn();
   issue_pv(n_tiles - 1);
+  your_turn();
   wgmma_wait<0>();
   fence_registers(o);
   fence_registers(pa);
