@@ -43,13 +43,13 @@ constexpr int kTileRows = 128;  // query rows per CTA: two consumer warpgroups x
 constexpr int kTileKeys = 128;  // keys per K / V tile
 constexpr int kStages = 2;
 // Warpgroup 0 loads, warpgroups 1 and 2 compute; setmaxnreg moves registers from the producer
-// to the consumers: 40 + 2 x 232 <= 512 per thread of each SM quarter (a quarter holds one warp
+// to the consumers: 56 + 2 x 224 <= 512 per thread of each SM quarter (a quarter holds one warp
 // of each warpgroup). One producer warp alone was too slow to issue the copies (2x the time).
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerThreads = 128;
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
+constexpr int kProducerRegisters = 56;
+constexpr int kConsumerRegisters = 224;
 constexpr int kRowBytes = 128;                         // 64 elements: one swizzled row of a column
 constexpr int kKvColumnBytes = kTileKeys * kRowBytes;  // 16 KiB
 constexpr int kKvTileBytes = 2 * kKvColumnBytes;
@@ -289,13 +289,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int in_block = key - block_index(key) * p.block_size;
       return (static_cast<int64_t>(block) * p.block_size + in_block) * slot_elems + head_elems;
     };
-    // Keys past the context (rows >= valid) are zero-filled, reading nothing.
+    // The table holds key r's offset at (r % 8) * 16 + r / 8, so that a thread's 16 keys
+    // (row_first + 8 i) are 128 contiguous bytes, read in 8 loads. Keys past the context (rows >=
+    // valid) are zero-filled, reading nothing.
     auto load = [&](const T* cache_chunk, uint32_t dst, const int64_t* tile_offsets, int valid) {
+      const int4* mine = reinterpret_cast<const int4*>(tile_offsets + row_first * 16);
 #pragma unroll
-      for (int i = 0; i < kTileKeys / 8; ++i) {
-        const int row = row_first + 8 * i;
-        cp_async_16(dst + swizzled(row, chunk, kKvColumnBytes), cache_chunk + tile_offsets[row],
-                    row < valid);
+      for (int i2 = 0; i2 < kTileKeys / 16; ++i2) {
+        const int4 pair = mine[i2];
+        const int64_t off[2] = {static_cast<int64_t>(static_cast<uint32_t>(pair.x)) |
+                                    (static_cast<int64_t>(pair.y) << 32),
+                                static_cast<int64_t>(static_cast<uint32_t>(pair.z)) |
+                                    (static_cast<int64_t>(pair.w) << 32)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row_first + 8 * (2 * i2 + h);
+          cp_async_16(dst + swizzled(row, chunk, kKvColumnBytes), cache_chunk + off[h],
+                      row < valid);
+        }
       }
     };
     int32_t block_next = block_of(0);
@@ -304,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int s = j % kStages;
       const int use = j / kStages;
       int64_t* tile_offsets = offsets + s * kTileKeys;
-      tile_offsets[t] = offset_of(j, block_next);
+      tile_offsets[(t & 7) * 16 + (t >> 3)] = offset_of(j, block_next);
       block_next = block_after;
       block_after = block_of(j + 2);       // awaited only in the next iteration
       named_barrier(3, kProducerThreads);  // the table of tile j is complete (and j - 2's read)
