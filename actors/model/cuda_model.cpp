@@ -373,6 +373,7 @@ class CudaModel::Ops {
     char* meta = m.meta_.as<char>();
     ids_ = reinterpret_cast<const int32_t*>(meta + ml.ids);
     lrows_ = reinterpret_cast<const int32_t*>(meta + ml.logit_rows);
+    a_.kernel = m.attention_kernel_;
     a_.dtype = dt_;
     a_.kv_cache_dtype = m.options_.kv_cache_dtype;
     a_.q = m.q_.get();
@@ -792,6 +793,11 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   // TESSERA_GEMM_AUTOTUNE=1 times cuBLASLt's candidates per shape (the default takes the
   // heuristic's first choice: reproducible across runs).
   const char* tune = std::getenv("TESSERA_GEMM_AUTOTUNE");
+  // TESSERA_ATTENTION_BACKEND=tiles|hopper forces an attention kernel (default auto: the
+  // Hopper kernel for prefill-heavy steps where it applies, the tile kernel otherwise).
+  if (const char* backend = std::getenv("TESSERA_ATTENTION_BACKEND"); backend != nullptr) {
+    TESSERA_ASSIGN_OR_RETURN(m->attention_kernel_, cuda::parse_attention_kernel(backend));
+  }
   TESSERA_ASSIGN_OR_RETURN(
       m->gemm_, cuda::Gemm::create(32u << 20, tune != nullptr && std::string(tune) == "1"));
   m->memory_.activations += 32 * kMiB;  // the GEMM workspace

@@ -27,6 +27,7 @@
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
 #include "common/kv_cache_dtype.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/sampling.h"
@@ -122,6 +123,7 @@ class CudaModel {
   int num_sms_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<cuda::Gemm> gemm_;
+  cuda::AttentionKernel attention_kernel_ = cuda::AttentionKernel::kAuto;
   std::unique_ptr<CudaWeights> weights_;
   std::unique_ptr<cuda::GpuSampler> sampler_;
   cuda::DeviceBuffer rope_cos_, rope_sin_;

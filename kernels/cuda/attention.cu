@@ -134,31 +134,6 @@ struct Config {
                 "split-keys merge must fit the tiles' shared memory");
 };
 
-struct Params {
-  const void* q;
-  void* out;
-  const void* k_cache;
-  const void* v_cache;
-  const int32_t* cu_query_lens;
-  const int32_t* context_lens;
-  const int32_t* block_tables;
-  int64_t block_table_stride;
-  int block_size;
-  // key / block_size = (key * block_magic) >> block_shift for every key < 2^31 (a runtime
-  // integer division costs ~20 instructions per 16-byte K/V copy otherwise).
-  uint64_t block_magic;
-  int block_shift;
-  int num_heads;
-  int num_kv_heads;
-  int group;
-  float scale_log2;  // scale * log2(e)
-  int num_splits;
-  int split_size;
-  float* ws_o;
-  float* ws_lse;
-  int64_t total_q;
-};
-
 // Four E4M3 bytes (x's bytes 0..3, lowest first) widened exactly to T: two packed pairs, the
 // lower element in the low 16 bits. Integer ops and one multiply, no conversion instructions
 // (cvt runs at a quarter of the ALU rate on sm_90: widening through cvt.f16x2.e4m3x2 and fp32
@@ -1195,6 +1170,14 @@ Status check_args(const AttentionArgs& a) {
 
 }  // namespace
 
+Expected<AttentionKernel> parse_attention_kernel(std::string_view name) {
+  if (name == "auto") return AttentionKernel::kAuto;
+  if (name == "tiles") return AttentionKernel::kTiles;
+  if (name == "hopper") return AttentionKernel::kHopper;
+  return invalid_argument("attention backend '" + std::string(name) +
+                          "' is not one of auto, tiles, hopper");
+}
+
 size_t attention_workspace_bytes(int64_t total_q, int num_heads, int head_dim, int num_splits) {
   if (num_splits <= 1 || total_q <= 0 || num_heads <= 0 || head_dim <= 0) return 0;
   return static_cast<size_t>(num_splits) * static_cast<size_t>(total_q) *
@@ -1236,10 +1219,6 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
         (args.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ? "an FP8" : "a 16-bit") + " cache)");
   }
   if (args.num_seqs == 0 || args.max_query_len == 0) return Status::ok();
-  if (args.kernel == AttentionKernel::kHopper ||
-      (args.kernel == AttentionKernel::kAuto && hopper && prefill_heavy(args))) {
-    return attn::hopper_prefill(args, stream);
-  }
 
   Params params{};
   params.q = args.q;
@@ -1266,6 +1245,10 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
     params.ws_lse =
         params.ws_o + static_cast<size_t>(args.num_splits) * static_cast<size_t>(args.total_q) *
                           static_cast<size_t>(args.num_heads) * static_cast<size_t>(args.head_dim);
+  }
+  if (args.kernel == AttentionKernel::kHopper ||
+      (args.kernel == AttentionKernel::kAuto && hopper && prefill_heavy(args))) {
+    return hopper_prefill(params, args, stream);
   }
   if (args.dtype == DType::kBF16) return dispatch_head_dim<__nv_bfloat16>(params, args, stream);
   return dispatch_head_dim<__half>(params, args, stream);

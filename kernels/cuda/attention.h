@@ -21,6 +21,8 @@
 // + tile_keys * (head_dim + 8) * 2 bytes (+ Q at head_dim 256).
 // Other head sizes (any even one up to 1024: 80, 96, 192, ...) run on a general kernel, a warp
 // per (token, head) row and one key at a time, without split-K: slower, equally exact.
+// Prefill-heavy launches at head_dim 128 with a 16-bit cache take the Hopper kernel instead
+// (attention_sm90.cu: wgmma, a producer warpgroup, 128-row x 128-key tiles; AttentionKernel).
 // Precision: scores, softmax and O accumulate in fp32; the softmax weights P are rounded to the
 // input dtype before the P.V MMA (as FlashAttention does); the output is rounded once.
 #pragma once
@@ -29,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 #include "common/kv_cache_dtype.h"
 #include "common/status.h"
@@ -43,6 +46,10 @@ namespace tessera::cuda {
 // force one (tests and benchmarks compare them); kHopper where it does not apply is
 // INVALID_ARGUMENT.
 enum class AttentionKernel { kAuto, kTiles, kHopper };
+
+// "auto", "tiles" or "hopper" (TESSERA_ATTENTION_BACKEND, read by the CUDA model: like vLLM's
+// VLLM_ATTENTION_BACKEND, for comparing the kernels end to end); INVALID_ARGUMENT otherwise.
+Expected<AttentionKernel> parse_attention_kernel(std::string_view name);
 
 struct AttentionArgs {
   AttentionKernel kernel = AttentionKernel::kAuto;

@@ -26,6 +26,32 @@ struct BlockDivisor {
   }
 };
 
+// A launch's arguments as the kernels take them (paged_attention fills them from
+// AttentionArgs).
+struct Params {
+  const void* q;
+  void* out;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* cu_query_lens;
+  const int32_t* context_lens;
+  const int32_t* block_tables;
+  int64_t block_table_stride;
+  int block_size;
+  uint64_t block_magic;  // BlockDivisor of block_size
+  int block_shift;
+  int num_heads;
+  int num_kv_heads;
+  int group;
+  float scale_log2;  // scale * log2(e)
+  // Split-K (the tile kernel; the Hopper kernel has none): see attention.cu.
+  int num_splits;
+  int split_size;
+  float* ws_o;
+  float* ws_lse;
+  int64_t total_q;
+};
+
 // The cache slot of `key` of a sequence whose block table is `table`.
 __device__ __forceinline__ int64_t paged_slot(const int32_t* table, int key, uint64_t magic,
                                               int shift, int block_size) {

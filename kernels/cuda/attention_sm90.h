@@ -6,10 +6,12 @@
 
 #include "common/status.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_common.cuh"
 
 namespace tessera::cuda::attn {
 
-// Launches the kernel for checked `args` that hopper_prefill_applies. Graph-capturable.
-Status hopper_prefill(const AttentionArgs& args, cudaStream_t stream);
+// Launches the kernel for checked `args` that hopper_prefill_applies, with `params` built from
+// them. Graph-capturable.
+Status hopper_prefill(const Params& params, const AttentionArgs& args, cudaStream_t stream);
 
 }  // namespace tessera::cuda::attn

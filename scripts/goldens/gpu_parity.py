@@ -12,11 +12,17 @@ transformers greedily generates the same number of tokens from tessera's own pro
 (batch 1, no padding), keeping the raw logits of every step.
 
 Verdict per prompt: identical token sequences pass. Otherwise, at the first divergence i, the
-divergence is accepted iff transformers' own top-1/top-2 logit margin at step i is at most one
-unit in the last place of the compute dtype at the top-1 logit's magnitude
+divergence is accepted iff transformers' own top-1/top-2 logit margin at step i is at most
+--ulps (default 2) units in the last place of the compute dtype at the top-1 logit's magnitude
 (2**(floor(log2|top1|) - mantissa_bits), 7 mantissa bits for bfloat16): the two candidates are
-then tied to rounding and either engine may legitimately pick either. Tokens after the first
-divergence are not compared (the contexts differ). Exit status 0 iff every prompt passes.
+then tied to rounding and either engine may legitimately pick either. Two, not one: when each
+engine's two logits are within an ulp of the same values, their margins can differ by two ulps
+(each logit off by one, in opposite directions). One ulp was the rule until the Hopper prefill
+attention kernel, whose error against the fp32 CPU oracle equals the tile kernel's
+(CudaPagedAttention.HopperPrefillMatchesCpu), diverged at margins of exactly two ulps where the
+tile kernel's divergences had happened to stay within one. A real fault diverges at margins far
+above that. Tokens after the first divergence are not compared (the contexts differ). Exit
+status 0 iff every prompt passes.
 """
 import argparse
 import json
@@ -207,12 +213,13 @@ def compare(idx, tres, model, tokenizer, args, mantissa_bits, pad_id):
     top1_id, top2_id = int(top2.indices[first, 0]), int(top2.indices[first, 1])
     margin = top1_v - top2_v
     resolution = ulp_at(top1_v, mantissa_bits)
+    ulps = args.ulps
     tok = tess[first]
     tok_logit = float(lg[tok])
     t_margin, t_top = (None, [])
     if first < len(tess_lp):
         t_margin, t_top = tessera_margin(tess_lp[first])
-    acceptable = margin <= resolution
+    acceptable = margin <= ulps * resolution
     res.update({
         "divergence": {
             "position": first,
@@ -231,8 +238,8 @@ def compare(idx, tres, model, tokenizer, args, mantissa_bits, pad_id):
             "tessera_top_ids": t_top,
         },
         "verdict": "pass" if acceptable else "fail",
-        "reason": ("divergence within one ulp (near-tie)" if acceptable
-                   else "divergence with margin above one ulp"),
+        "reason": (f"divergence within {ulps} ulps (near-tie)" if acceptable
+                   else f"divergence with margin above {ulps} ulps"),
     })
     return res
 
@@ -254,6 +261,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--extra-args", default="", help="more tessera generate args (shlex-split)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the tessera run")
+    ap.add_argument("--ulps", type=float, default=2,
+                    help="accepted transformers top1-top2 margin at a divergence, in ulps")
     args = ap.parse_args()
     torch_dtype, mantissa_bits = DTYPES[args.dtype]
 
@@ -329,7 +338,7 @@ def main():
         "hf_attn_implementation": attn_impl,
         "hf_generation_config": gen_cfg,
         "acceptance": "identical tokens, or at the first divergence transformers' top1-top2 "
-                      "logit margin <= one ulp of the dtype at |top1|",
+                      f"logit margin <= {args.ulps} ulps of the dtype at |top1|",
         "prompts": PROMPTS,
         "cases": cases,
         "pass": ok,
