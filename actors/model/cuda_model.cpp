@@ -796,7 +796,12 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   // TESSERA_ATTENTION_BACKEND=tiles|hopper forces an attention kernel (default auto: the
   // Hopper kernel for prefill-heavy steps where it applies, the tile kernel otherwise).
   if (const char* backend = std::getenv("TESSERA_ATTENTION_BACKEND"); backend != nullptr) {
-    TESSERA_ASSIGN_OR_RETURN(m->attention_kernel_, cuda::parse_attention_kernel(backend));
+    auto kernel = cuda::parse_attention_kernel(backend);
+    if (!kernel.has_value()) {
+      return invalid_argument("TESSERA_ATTENTION_BACKEND: " + kernel.status().message() +
+                              "; set one of those or unset it");
+    }
+    m->attention_kernel_ = kernel.value();
   }
   TESSERA_ASSIGN_OR_RETURN(
       m->gemm_, cuda::Gemm::create(32u << 20, tune != nullptr && std::string(tune) == "1"));

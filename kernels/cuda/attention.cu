@@ -13,7 +13,7 @@
 // only those, with __syncwarp instead of CTA barriers), and warp 0 merges the four softmax
 // states at the end. Decode attention reads K/V at 0.96 of the copy bandwidth this way
 // (batch 256 x 1536 keys, H200; 0.65 with one computing warp per CTA and two stages, 0.82 with a
-// runtime division by the block size per 16-byte copy instead of cache_slot's reciprocal).
+// runtime division by the block size per 16-byte copy instead of BlockDivisor's reciprocal).
 //
 // An FP8 (E4M3) cache: the stages hold bytes (HD per key, five stages deep up to head_dim 128,
 // so as many bytes are in flight as with two 16-bit stages). Decode (split keys) reads each
@@ -218,11 +218,6 @@ __device__ __forceinline__ void lds(uint32_t addr, uint32_t* out) {
     asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
     out[0] = v;
   }
-}
-
-// The cache slot of `key` of a sequence whose block table is `table`.
-__device__ __forceinline__ int64_t cache_slot(const Params& p, const int32_t* table, int key) {
-  return paged_slot(table, key, p.block_magic, p.block_shift, p.block_size);
 }
 
 // Keys per split for a sequence of `ctx` keys: its context spread over all num_splits CTAs,
@@ -683,7 +678,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
         const int key = n0 + row;
         const uint32_t off = stage_offset(row, chunk);
         if (key < kv_end) {
-          const int64_t slot = cache_slot(p, table, key);
+          const int64_t slot = paged_slot(p, table, key);
           const int64_t src = (slot * p.num_kv_heads + kv_head) * HD * kKvElemBytes + chunk * 16;
           cp_async_16(k_dst + off, k_bytes + src, true);
           cp_async_16(v_dst + off, v_bytes + src, true);
@@ -959,7 +954,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
   }
   float m = neg_inf(), l = 0.0f;
   for (int key = 0; key <= last_key; ++key) {
-    const int64_t slot = cache_slot(p, table, key);
+    const int64_t slot = paged_slot(p, table, key);
     const int64_t base = (slot * p.num_kv_heads + kv_head) * head_dim;
     float dot = 0.0f;
 #pragma unroll
@@ -1213,10 +1208,13 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   const bool hopper = hopper_prefill_applies(args);
   if (args.kernel == AttentionKernel::kHopper && !hopper) {
     return invalid_argument(
-        "paged_attention: the Hopper prefill kernel takes head_dim 128 with a 16-bit cache (got "
-        "head_dim " +
+        "paged_attention: the Hopper prefill kernel does not apply (it takes head_dim 128, a "
+        "16-bit cache and at most 65535 128-row tiles per sequence; got head_dim " +
         std::to_string(args.head_dim) + ", " +
-        (args.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ? "an FP8" : "a 16-bit") + " cache)");
+        (args.kv_cache_dtype == KvCacheDtype::kFp8E4M3 ? "an FP8" : "a 16-bit") + " cache, " +
+        std::to_string(args.max_query_len) + " query tokens x " +
+        std::to_string(args.num_heads / args.num_kv_heads) +
+        " heads per KV head); leave the kernel on auto to use the one that applies");
   }
   if (args.num_seqs == 0 || args.max_query_len == 0) return Status::ok();
 
@@ -1230,9 +1228,7 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   params.block_tables = args.block_tables;
   params.block_table_stride = args.block_table_stride;
   params.block_size = args.block_size;
-  const BlockDivisor div = BlockDivisor::make(args.block_size);
-  params.block_magic = div.magic;
-  params.block_shift = div.shift;
+  params.block_div = BlockDivisor::make(args.block_size);
   params.num_heads = args.num_heads;
   params.num_kv_heads = args.num_kv_heads;
   params.group = args.num_heads / args.num_kv_heads;

@@ -24,6 +24,10 @@ struct BlockDivisor {
     while ((1 << l) < block_size) ++l;
     return {((uint64_t{1} << (32 + l)) / static_cast<uint64_t>(block_size)) + 1, 32 + l};
   }
+  // key / block_size, for 0 <= key < 2^31.
+  __device__ __forceinline__ int divide(int key) const {
+    return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(key)) * magic) >> shift);
+  }
 };
 
 // A launch's arguments as the kernels take them (paged_attention fills them from
@@ -38,8 +42,7 @@ struct Params {
   const int32_t* block_tables;
   int64_t block_table_stride;
   int block_size;
-  uint64_t block_magic;  // BlockDivisor of block_size
-  int block_shift;
+  BlockDivisor block_div;  // of block_size
   int num_heads;
   int num_kv_heads;
   int group;
@@ -53,11 +56,9 @@ struct Params {
 };
 
 // The cache slot of `key` of a sequence whose block table is `table`.
-__device__ __forceinline__ int64_t paged_slot(const int32_t* table, int key, uint64_t magic,
-                                              int shift, int block_size) {
-  const int block =
-      static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(key)) * magic) >> shift);
-  return static_cast<int64_t>(table[block]) * block_size + (key - block * block_size);
+__device__ __forceinline__ int64_t paged_slot(const Params& p, const int32_t* table, int key) {
+  const int block = p.block_div.divide(key);
+  return static_cast<int64_t>(table[block]) * p.block_size + (key - block * p.block_size);
 }
 
 // PTX wrappers.

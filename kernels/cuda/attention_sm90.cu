@@ -264,18 +264,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ahead and turned into the element offset of the key's head one tile ahead, in a per-tile
     // table the threads share. (Used as soon as read, the entry's L2 latency delayed each tile's
     // copies: the consumers then waited for K a third of the time.)
-    auto block_index = [&](int key) {
-      return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(key)) * p.block_magic) >>
-                              p.block_shift);
-    };
     auto block_of = [&](int j) -> int32_t {
       const int key = j * kTileKeys + t;
-      return j < n_tiles && key < ctx ? table[block_index(key)] : 0;
+      return j < n_tiles && key < ctx ? table[p.block_div.divide(key)] : 0;
     };
     auto offset_of = [&](int j, int32_t block) -> int64_t {
       const int key = j * kTileKeys + t;
       if (key >= ctx) return 0;
-      const int in_block = key - block_index(key) * p.block_size;
+      const int in_block = key - p.block_div.divide(key) * p.block_size;
       return (static_cast<int64_t>(block) * p.block_size + in_block) * slot_elems + head_elems;
     };
     // The table holds key r's offset at (r % 8) * 16 + r / 8, so that a thread's 16 keys
