@@ -294,12 +294,44 @@ Status check_norm_args(DType dtype, const void* x, const void* weight, int64_t r
 
 constexpr int kRopeWarps = 4;  // head tasks per CTA (one warp each)
 
-// Grid: x strides over tokens, y over groups of kRopeWarps "head tasks" (the num_heads q heads,
-// then the num_kv_heads k heads; a k task also copies the matching v head). One warp per head:
-// lane l holds the rotation pairs (i, i + half) for i = l + 32 p, p < P = ceil(half / 32), so
-// the per-head RMSNorm is a warp shuffle sum. No block-level barriers: idle warps return early.
-// QK_NORM is a template parameter so that the variant without q/k norms has no load through
-// the (null) norm pointers at all: nvcc was seen to issue those loads ahead of a runtime check.
+// Copies a run of N consecutive elements of type E (between global memory and a thread's
+// registers) as one access of N * sizeof(E) bytes, or as 16-byte pieces when that is more; both
+// pointers must be aligned to min(N * sizeof(E), 16) bytes.
+template <int N, typename E>
+__device__ __forceinline__ void copy_run(E* dst, const E* src) {
+  constexpr int kBytes = N * static_cast<int>(sizeof(E));
+  if constexpr (kBytes >= 16) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    }
+  } else if constexpr (kBytes == 8) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+  } else if constexpr (kBytes == 4) {
+    *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(src);
+  } else if constexpr (kBytes == 2) {
+    *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(src);
+  } else {
+    static_assert(kBytes == 1, "runs are 1, 2, 4, 8 or a multiple of 16 bytes");
+    dst[0] = src[0];
+  }
+}
+
+// The same with a runtime choice: one vector access of all N when `vec` (the caller checked the
+// alignment and that all N are there), else the first n <= N elements one at a time (the same
+// values either way; the rest of dst is left as it was).
+template <int N, typename E>
+__device__ __forceinline__ void copy_elems(E* dst, const E* src, bool vec, int64_t n) {
+  if (vec) {
+    copy_run<N>(dst, src);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (i < n) dst[i] = src[i];
+    }
+  }
+}
+
 // x as a cache of KV holds it: rounded to T, then (an FP8 cache) to E4M3, nearest even,
 // saturating.
 template <typename T, typename KV>
@@ -311,9 +343,21 @@ __device__ __forceinline__ KV to_cache(float x) {
   }
 }
 
+// Grid: x strides over groups of U tokens, y over groups of kRopeWarps "head tasks" (the
+// num_heads q heads, then the num_kv_heads k heads; a k task also copies the matching v head).
+// One warp per head: lane l holds the P consecutive rotation pairs (i, i + half) for
+// i = l P + p, p < P (lanes with l P >= half hold none), read and written as runs of P elements
+// (one vector access each when `vec`: half % P == 0 and aligned buffers), so the per-head RMSNorm
+// is a warp shuffle sum. A warp loads all U tokens' rows before it computes any (U x the bytes in
+// flight). H200, 4096 tokens at Llama-3-8B's shapes: 57.4 us with one token per warp and
+// element-wise accesses (i = l + 32 p), 40.6 us so. No block-level barriers: idle warps return
+// early.
+// QK_NORM is a template parameter so that the variant without q/k norms has no load through the
+// (null) norm pointers at all: nvcc was seen to issue those loads ahead of a runtime check.
 // KV is the cache's element type: T, or __nv_fp8_e4m3 for an FP8 cache.
-template <typename T, typename KV, int P, bool QK_NORM>
-__global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCacheArgs a) {
+template <typename T, typename KV, int P, bool QK_NORM, int U>
+__global__ void __launch_bounds__(kRopeWarps * 32)
+    rope_and_cache_kernel(RopeCacheArgs a, bool vec) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -324,119 +368,183 @@ __global__ void __launch_bounds__(kRopeWarps * 32) rope_and_cache_kernel(RopeCac
   const int64_t kvh = head - a.num_heads;  // valid when !is_q
   const int64_t hd = a.head_dim;
   const int64_t half = hd / 2;
+  const int64_t i0 = static_cast<int64_t>(lane) * P;  // this lane's first pair
+  const bool holds = i0 < half;
+  const int64_t n = holds ? std::min<int64_t>(P, half - i0) : 0;  // pairs this lane holds
   const int64_t row_elems = (a.num_heads + 2 * a.num_kv_heads) * hd;
   const int64_t num_slots = a.num_blocks * a.block_size;
   const T* qkv = static_cast<const T*>(a.qkv);
-  const T* norm_w = static_cast<const T*>(is_q ? a.q_norm : a.k_norm);
 
-  for (int64_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-    const int64_t pos = a.positions[t];
-    if (pos < 0 || pos >= a.max_position) continue;  // a caller bug: never read past the table
-    int64_t slot = -1;
-    if (!is_q) {
-      slot = a.slots[t];
-      if (slot < 0 || slot >= num_slots) continue;  // -1: not stored (and k feeds nothing else)
-    }
-    const T* row = qkv + t * row_elems;
-    const T* src = row + (is_q ? head : a.num_heads + kvh) * hd;
-
-    float x1[P], x2[P];
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-      const int64_t i = lane + 32 * p;
-      x1[p] = i < half ? dev::to_float(src[i]) : 0.0f;
-      x2[p] = i < half ? dev::to_float(src[i + half]) : 0.0f;
-    }
-
-    if constexpr (QK_NORM) {  // Qwen3 q_norm / k_norm: RMSNorm over the head, as rms_norm
-      float ss = 0.0f;
-#pragma unroll
-      for (int p = 0; p < P; ++p) ss += x1[p] * x1[p] + x2[p] * x2[p];
-      const float inv = rsqrtf(dev::warp_sum(ss) * (1.0f / static_cast<float>(hd)) + a.eps);
+  float nw1[P] = {}, nw2[P] = {};  // the head norm's weights of this lane's pairs
+  if constexpr (QK_NORM) {
+    if (holds) {
+      const T* norm_w = static_cast<const T*>(is_q ? a.q_norm : a.k_norm);
+      alignas(16) T w1[P], w2[P];
+      copy_elems<P>(w1, norm_w + i0, vec, n);
+      copy_elems<P>(w2, norm_w + i0 + half, vec, n);
 #pragma unroll
       for (int p = 0; p < P; ++p) {
-        const int64_t i = lane + 32 * p;
-        if (i < half) {
-          x1[p] =
-              dev::round_to<T>(dev::to_float(__ldg(norm_w + i)) * dev::round_to<T>(x1[p] * inv));
-          x2[p] = dev::round_to<T>(dev::to_float(__ldg(norm_w + i + half)) *
-                                   dev::round_to<T>(x2[p] * inv));
-        }
+        nw1[p] = dev::to_float(w1[p]);
+        nw2[p] = dev::to_float(w2[p]);
       }
     }
+  }
 
-    // q * cos + rotate_half(q) * sin in the dtype: cos/sin rounded, each product and sum rounded.
-    T* q_dst = static_cast<T*>(a.q_out) + (t * a.num_heads + head) * hd;
-    KV* k_dst = is_q ? nullptr : static_cast<KV*>(a.k_cache) + (slot * a.num_kv_heads + kvh) * hd;
-    const float* cos_row = a.cos + pos * half;
-    const float* sin_row = a.sin + pos * half;
+  for (int64_t t0 = static_cast<int64_t>(blockIdx.x) * U; t0 < a.num_tokens;
+       t0 += static_cast<int64_t>(gridDim.x) * U) {
+    // Load: each of the U tokens' q or k pairs, cos and sin, and (k tasks) the v run.
+    bool ok[U];
+    int64_t slot[U];
+    alignas(16) T x1[U][P], x2[U][P], v[U][2 * P];
+    alignas(16) float cs[U][P], sn[U][P];
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      const int64_t i = lane + 32 * p;
-      if (i < half) {
-        const float c = dev::round_to<T>(__ldg(cos_row + i));
-        const float s = dev::round_to<T>(__ldg(sin_row + i));
-        const float lo = dev::round_to<T>(x1[p] * c) + dev::round_to<T>(-x2[p] * s);
-        const float hi = dev::round_to<T>(x2[p] * c) + dev::round_to<T>(x1[p] * s);
-        if (is_q) {
-          q_dst[i] = dev::from_float<T>(lo);
-          q_dst[i + half] = dev::from_float<T>(hi);
-        } else {
-          k_dst[i] = to_cache<T, KV>(lo);
-          k_dst[i + half] = to_cache<T, KV>(hi);
-        }
+    for (int u = 0; u < U; ++u) {
+      const int64_t t = t0 + u;
+      ok[u] = t < a.num_tokens;
+      slot[u] = -1;
+      if (!ok[u]) continue;
+      const int64_t pos = a.positions[t];
+      // pos out of range is a caller bug: never read past the table.
+      ok[u] = pos >= 0 && pos < a.max_position;
+      if (!is_q) {
+        slot[u] = a.slots[t];
+        // -1: not stored (and k feeds nothing else)
+        ok[u] = ok[u] && slot[u] >= 0 && slot[u] < num_slots;
+      }
+      if (!ok[u] || !holds) continue;
+      const T* row = qkv + t * row_elems;
+      const T* src = row + (is_q ? head : a.num_heads + kvh) * hd;
+      copy_elems<P>(x1[u], src + i0, vec, n);
+      copy_elems<P>(x2[u], src + i0 + half, vec, n);
+      copy_elems<P>(cs[u], a.cos + pos * half + i0, vec, n);
+      copy_elems<P>(sn[u], a.sin + pos * half + i0, vec, n);
+      if (!is_q) {
+        copy_elems<2 * P>(v[u], row + (a.num_heads + a.num_kv_heads + kvh) * hd + 2 * i0, vec,
+                          2 * n);
       }
     }
 
-    if (!is_q) {  // v: stored as projected (no norm, no rotation)
-      const T* v_src = row + (a.num_heads + a.num_kv_heads + kvh) * hd;
-      KV* v_dst = static_cast<KV*>(a.v_cache) + (slot * a.num_kv_heads + kvh) * hd;
-      for (int64_t i = lane; i < hd; i += 32) {
-        if constexpr (std::is_same_v<KV, T>) {
-          v_dst[i] = v_src[i];  // bit for bit
-        } else {
-          v_dst[i] = to_cache<T, KV>(dev::to_float(v_src[i]));
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (!ok[u]) continue;
+      const int64_t t = t0 + u;
+      float f1[P], f2[P];
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const bool in = p < n;
+        f1[p] = in ? dev::to_float(x1[u][p]) : 0.0f;
+        f2[p] = in ? dev::to_float(x2[u][p]) : 0.0f;
+      }
+
+      if constexpr (QK_NORM) {  // Qwen3 q_norm / k_norm: RMSNorm over the head, as rms_norm
+        float ss = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) ss += f1[p] * f1[p] + f2[p] * f2[p];
+        const float inv = rsqrtf(dev::warp_sum(ss) * (1.0f / static_cast<float>(hd)) + a.eps);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          f1[p] = dev::round_to<T>(nw1[p] * dev::round_to<T>(f1[p] * inv));
+          f2[p] = dev::round_to<T>(nw2[p] * dev::round_to<T>(f2[p] * inv));
         }
+      }
+      if (!holds) continue;
+
+      // q * cos + rotate_half(q) * sin in the dtype: cos/sin rounded, each product and sum
+      // rounded.
+      float lo[P], hi[P];
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const float c = dev::round_to<T>(cs[u][p]);
+        const float s = dev::round_to<T>(sn[u][p]);
+        lo[p] = dev::round_to<T>(f1[p] * c) + dev::round_to<T>(-f2[p] * s);
+        hi[p] = dev::round_to<T>(f2[p] * c) + dev::round_to<T>(f1[p] * s);
+      }
+      if (is_q) {
+        alignas(16) T q1[P], q2[P];
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          q1[p] = dev::from_float<T>(lo[p]);
+          q2[p] = dev::from_float<T>(hi[p]);
+        }
+        T* q_dst = static_cast<T*>(a.q_out) + (t * a.num_heads + head) * hd + i0;
+        copy_elems<P>(q_dst, q1, vec, n);
+        copy_elems<P>(q_dst + half, q2, vec, n);
+      } else {
+        alignas(16) KV k1[P], k2[P], vv[2 * P];
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          k1[p] = to_cache<T, KV>(lo[p]);
+          k2[p] = to_cache<T, KV>(hi[p]);
+        }
+#pragma unroll
+        for (int p = 0; p < 2 * P; ++p) {  // v: stored as projected (no norm, no rotation)
+          if constexpr (std::is_same_v<KV, T>) {
+            vv[p] = v[u][p];  // bit for bit
+          } else {
+            vv[p] = to_cache<T, KV>(dev::to_float(v[u][p]));
+          }
+        }
+        const int64_t base = (slot[u] * a.num_kv_heads + kvh) * hd;
+        KV* k_dst = static_cast<KV*>(a.k_cache) + base + i0;
+        copy_elems<P>(k_dst, k1, vec, n);
+        copy_elems<P>(k_dst + half, k2, vec, n);
+        copy_elems<2 * P>(static_cast<KV*>(a.v_cache) + base + 2 * i0, vv, vec, 2 * n);
       }
     }
   }
 }
 
+// Tokens per warp iteration: two where a lane's registers allow.
+template <int P>
+constexpr int kRopeTokens = P <= 4 ? 2 : 1;
+
 template <typename T, int P>
-void launch_rope_variant(const RopeCacheArgs& a, dim3 grid, int threads, cudaStream_t stream) {
+void launch_rope_variant(const RopeCacheArgs& a, dim3 grid, int threads, bool vec,
+                         cudaStream_t stream) {
+  constexpr int U = kRopeTokens<P>;
   const bool fp8 = a.kv_cache_dtype == KvCacheDtype::kFp8E4M3;
   if (a.q_norm != nullptr) {
     if (fp8) {
-      launch_pdl(rope_and_cache_kernel<T, __nv_fp8_e4m3, P, true>, grid, threads, 0, stream, a);
+      launch_pdl(rope_and_cache_kernel<T, __nv_fp8_e4m3, P, true, U>, grid, threads, 0, stream, a,
+                 vec);
     } else {
-      launch_pdl(rope_and_cache_kernel<T, T, P, true>, grid, threads, 0, stream, a);
+      launch_pdl(rope_and_cache_kernel<T, T, P, true, U>, grid, threads, 0, stream, a, vec);
     }
   } else if (fp8) {
-    launch_pdl(rope_and_cache_kernel<T, __nv_fp8_e4m3, P, false>, grid, threads, 0, stream, a);
+    launch_pdl(rope_and_cache_kernel<T, __nv_fp8_e4m3, P, false, U>, grid, threads, 0, stream, a,
+               vec);
   } else {
-    launch_pdl(rope_and_cache_kernel<T, T, P, false>, grid, threads, 0, stream, a);
+    launch_pdl(rope_and_cache_kernel<T, T, P, false, U>, grid, threads, 0, stream, a, vec);
   }
+}
+
+template <typename T, int P>
+Status launch_rope_p(const RopeCacheArgs& a, cudaStream_t stream) {
+  const int64_t half = a.head_dim / 2;
+  const int64_t tasks = a.num_heads + a.num_kv_heads;
+  const dim3 grid(
+      static_cast<unsigned>(std::min(ceil_div(a.num_tokens, kRopeTokens<P>), kMaxGridX)),
+      static_cast<unsigned>(ceil_div(tasks, kRopeWarps)));
+  // Vector accesses: every run starts at a multiple of P elements (half % P == 0), from buffers
+  // aligned to 16 bytes (every run is at most 16 bytes or a multiple of 16).
+  bool vec = half % P == 0;
+  for (const void* p : {a.qkv, a.q_norm, a.k_norm, static_cast<const void*>(a.cos),
+                        static_cast<const void*>(a.sin), static_cast<const void*>(a.q_out),
+                        static_cast<const void*>(a.k_cache), static_cast<const void*>(a.v_cache)}) {
+    vec = vec && aligned(p, 16);
+  }
+  launch_rope_variant<T, P>(a, grid, kRopeWarps * 32, vec, stream);
+  return launch_status("rope_and_cache_kernel");
 }
 
 template <typename T>
 Status launch_rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
   const int64_t half = a.head_dim / 2;
-  const int64_t tasks = a.num_heads + a.num_kv_heads;
-  const dim3 grid(static_cast<unsigned>(std::min(a.num_tokens, kMaxGridX)),
-                  static_cast<unsigned>(ceil_div(tasks, kRopeWarps)));
-  const int threads = kRopeWarps * 32;
-  if (half <= 32) {
-    launch_rope_variant<T, 1>(a, grid, threads, stream);
-  } else if (half <= 64) {
-    launch_rope_variant<T, 2>(a, grid, threads, stream);
-  } else if (half <= 128) {
-    launch_rope_variant<T, 4>(a, grid, threads, stream);
-  } else if (half <= 256) {
-    launch_rope_variant<T, 8>(a, grid, threads, stream);
-  } else {
-    launch_rope_variant<T, 16>(a, grid, threads, stream);
-  }
-  return launch_status("rope_and_cache_kernel");
+  if (half <= 32) return launch_rope_p<T, 1>(a, stream);
+  if (half <= 64) return launch_rope_p<T, 2>(a, stream);
+  if (half <= 128) return launch_rope_p<T, 4>(a, stream);
+  if (half <= 256) return launch_rope_p<T, 8>(a, stream);
+  return launch_rope_p<T, 16>(a, stream);
 }
 
 // ---- silu_mul ----

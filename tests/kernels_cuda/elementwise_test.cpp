@@ -538,10 +538,20 @@ void check_rope(const RopeRun& r) {
 const RopeCase kRopeCases[] = {
     {32, 8, 128, false, true},  // Llama 3 8B
     {32, 8, 128, true, false},  // Qwen3-style qk-norm
-    {4, 2, 16, false, false},  {4, 2, 16, true, true},  {4, 2, 32, false, true},
-    {4, 2, 32, true, false},   {4, 2, 80, true, false}, {2, 1, 256, true, true},
-    {8, 8, 64, false, false},  {6, 2, 6, false, true},  {2, 1, 320, true, false},
+    {4, 2, 16, false, false},
+    {4, 2, 16, true, true},
+    {4, 2, 32, false, true},
+    {4, 2, 32, true, false},
+    {4, 2, 80, true, false},
+    {2, 1, 256, true, true},
+    {8, 8, 64, false, false},
+    {6, 2, 6, false, true},
+    {2, 1, 320, true, false},
     {2, 1, 1024, false, true},
+    // half % P != 0 (P = a lane's pairs): the kernel reads and writes element by element.
+    {4, 2, 66, true, false},
+    {4, 2, 66, false, true},
+    {2, 1, 196, false, false},
 };
 
 TEST(CudaRopeAndCache, MatchesCpu) {
@@ -575,7 +585,7 @@ TEST(CudaRopeAndCache, BitExactTransformersRounding) {
   TESSERA_REQUIRE_GPU();
   for (DType d : kHalfTypes) {
     for (const RopeCase& c : {RopeCase{32, 8, 128, false, true}, RopeCase{4, 2, 16, false, false},
-                              RopeCase{4, 2, 80, false, false}}) {
+                              RopeCase{4, 2, 80, false, false}, RopeCase{4, 2, 66, false, false}}) {
       const std::vector<int32_t> positions = {0, 1, 17, 1000, 4095};
       const std::vector<int64_t> slots = {0, 1, 2, 3, 4};
       const RopeRun r = run_rope(d, c, positions, slots, 2, 4, 4096, 77);
@@ -696,7 +706,7 @@ TEST(CudaSiluMul, MatchesCpu) {
   cpu::CpuContext ctx(1);
   for (DType d : kHalfTypes) {
     for (int64_t inter : {64, 100, 4096, 14336}) {
-      for (int64_t rows : {1, 3}) {
+      for (int64_t rows : {1, 3, 9}) {   // 9: two full groups of four rows and one more
         for (int64_t offset : {0, 1}) {  // 1: misaligned buffers (the scalar path)
           const std::string what =
               label(d, "silu_mul inter " + std::to_string(inter) + " rows " + std::to_string(rows) +
@@ -725,6 +735,23 @@ TEST(CudaSiluMul, MatchesCpu) {
       }
     }
   }
+}
+
+// More rows than the grid covers at once (4 rows a thread, 65535 CTAs down): the row loop.
+TEST(CudaSiluMul, RowsPastOneGrid) {
+  TESSERA_REQUIRE_GPU();
+  cpu::CpuContext ctx(1);
+  const DType d = DType::kBF16;
+  const int64_t inter = 8, rows = 4 * 65535 + 5;
+  const HalfTensor gu = random_half(d, rows * 2 * inter, 7, -6.0f, 6.0f);
+  std::vector<float> ref(rows * inter);
+  ASSERT_TRUE(cpu::silu_mul_fused(ctx, gu.values, inter, ref).is_ok());
+  DeviceBuffer d_gu = alloc(gu.bits.size() * 2);
+  upload_to(static_cast<uint16_t*>(d_gu.get()), gu.bits);
+  DeviceBuffer d_out = alloc(ref.size() * 2);
+  ASSERT_TRUE(silu_mul(d, d_gu.get(), rows, inter, d_out.get(), nullptr).is_ok());
+  expect_within_ulps(from_bits(d, download<uint16_t>(d_out.get(), ref.size())), ref, d, kSiluUlps,
+                     kSiluAbs, "silu_mul rows " + std::to_string(rows));
 }
 
 // ---- convert ----
