@@ -349,9 +349,10 @@ __device__ __forceinline__ KV to_cache(float x) {
 // i = l P + p, p < P (lanes with l P >= half hold none), read and written as runs of P elements
 // (one vector access each when `vec`: half % P == 0 and aligned buffers), so the per-head RMSNorm
 // is a warp shuffle sum. A warp loads all U tokens' rows before it computes any (U x the bytes in
-// flight). H200, 4096 tokens at Llama-3-8B's shapes: 57.4 us with one token per warp and
-// element-wise accesses (i = l + 32 p), 40.6 us so. No block-level barriers: idle warps return
-// early.
+// flight). H200, 4096 tokens at Llama-3-8B's shapes on random data: 57.4 us with one token per
+// warp and element-wise accesses (i = l + 32 p), 40.6 us so in the same run (read through __ldg
+// then; 41.5 us in a later run with the plain loads of copy_run). No block-level barriers: idle
+// warps return early.
 // QK_NORM is a template parameter so that the variant without q/k norms has no load through the
 // (null) norm pointers at all: nvcc was seen to issue those loads ahead of a runtime check.
 // KV is the cache's element type: T, or __nv_fp8_e4m3 for an FP8 cache.
