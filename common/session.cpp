@@ -112,7 +112,8 @@ nlohmann::json to_json(const DaemonRecord& r) {
           {"role", r.role},
           {"node_id", r.node_id},
           {"session_dir", r.session_dir},
-          {"head_address", r.head_address}};
+          {"head_address", r.head_address},
+          {"executable", r.executable}};
 }
 
 std::string default_root() {
@@ -186,6 +187,7 @@ std::vector<DaemonRecord> read_daemon_records(const std::string& root) {
       r.node_id = j.value("node_id", "");
       r.session_dir = j.value("session_dir", "");
       r.head_address = j.value("head_address", "");
+      r.executable = j.value("executable", "");
     }
     if (r.pid <= 0 || !same_process(r.pid, r.start_time)) {
       fs::remove(path, ec);  // stale: that daemon is gone (or its pid went to someone else)
@@ -280,6 +282,44 @@ std::string process_command_line(int pid) {
   std::replace(raw.begin(), raw.end(), '\0', ' ');
   while (!raw.empty() && raw.back() == ' ') raw.pop_back();
   return raw;
+}
+
+std::string process_executable(int pid) {
+  if (pid <= 0) return "";
+  char buf[4096];
+  const std::string link = "/proc/" + std::to_string(pid) + "/exe";
+  ssize_t n = ::readlink(link.c_str(), buf, sizeof(buf) - 1);
+  if (n <= 0) return "";
+  std::string path(buf, static_cast<size_t>(n));
+  const std::string deleted = " (deleted)";
+  if (path.size() > deleted.size() &&
+      path.compare(path.size() - deleted.size(), deleted.size(), deleted) == 0) {
+    path.resize(path.size() - deleted.size());
+  }
+  return path;
+}
+
+bool daemon_still_running(const DaemonRecord& record, std::string* why) {
+  auto fail = [&](const std::string& text) {
+    if (why != nullptr) *why = text;
+    return false;
+  };
+  if (record.pid <= 0) return fail("the record names no pid");
+  if (!same_process(record.pid, record.start_time)) {
+    return fail(pid_running(record.pid) ? "it is another process than the daemon that started "
+                                          "there (the pid was reused)"
+                                        : "it no longer runs");
+  }
+  const std::string exe = process_executable(record.pid);
+  if (exe.empty()) return fail("its program cannot be inspected (another user's process?)");
+  const bool same =
+      record.executable.empty() ? fs::path(exe).filename() == "tessera" : exe == record.executable;
+  if (!same) {
+    return fail("it runs " + exe + ", not " +
+                (record.executable.empty() ? std::string("tessera") : record.executable) +
+                " as the daemon recorded");
+  }
+  return true;
 }
 
 std::string shm_prefix_for_this_process() {

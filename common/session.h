@@ -7,6 +7,7 @@
 //     current_root                 (default root only) the --temp-dir of the last `tessera start`
 //                                  given one, so status/stop/topo find that cluster unflagged
 //     cluster_token                the cluster token the daemons started here use (0600)
+//     start.lock                   held (flock) by a `tessera start` until its daemon serves
 //     session_<date>_<pid>/        one per daemon process (pid = the daemon's)
 //       owner                      "<pid> <start time>" of that daemon, written first
 //       daemon.json                its record while it serves (address, role, node id, ...)
@@ -57,6 +58,7 @@ struct DaemonRecord {
   std::string node_id;
   std::string session_dir;
   std::string head_address;  // the head this daemon joined (equal to address for a head)
+  std::string executable;    // the daemon's program (/proc/self/exe); "" in older records
 };
 
 Status write_daemon_record(const DaemonRecord& record);
@@ -86,6 +88,14 @@ bool pid_running(int pid);
 bool same_process(int pid, uint64_t start_time);
 // The command line of a running process, arguments joined by spaces ("" when gone).
 std::string process_command_line(int pid);
+// The program a running process executes (/proc/<pid>/exe, without the " (deleted)" the link
+// gets once the file was replaced, by a rebuild say); "" when it is gone or not this user's.
+std::string process_executable(int pid);
+// Whether `record` still names a running daemon before anything signals it: the pid runs, it
+// started at the recorded start time (so it is not a reused pid) and it runs the recorded
+// program (a record without one: a program named `tessera`). When not, `why` (if given) says
+// what runs there instead.
+bool daemon_still_running(const DaemonRecord& record, std::string* why = nullptr);
 
 // The prefix of every shared-memory segment this process creates: "/tessera-<pid>-<start>-".
 std::string shm_prefix_for_this_process();

@@ -4,8 +4,12 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#if __has_include(<linux/close_range.h>)
+#include <linux/close_range.h>  // CLOSE_RANGE_CLOEXEC
+#endif
 
 #include <cerrno>
 #include <cstring>
@@ -17,6 +21,51 @@ extern char** environ;
 namespace tessera {
 
 namespace {
+
+// Marks every descriptor from `first` up close-on-exec, so the child keeps only the ones it is
+// given: whatever else the daemon holds (its listening socket, its clients' connections, its
+// log, a descriptor it inherited without close-on-exec) stays out of the actor.
+// Async-signal-safe: system calls only, no allocation.
+void cloexec_from(int first) {
+#if defined(SYS_close_range) && defined(CLOSE_RANGE_CLOEXEC)
+  if (::syscall(SYS_close_range, static_cast<unsigned>(first), ~0u, CLOSE_RANGE_CLOEXEC) == 0) {
+    return;
+  }
+#endif
+  // Kernels before 5.11: walk /proc/self/fd with the raw getdents64 system call.
+  int dir = ::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) {
+    const long max_fd = ::sysconf(_SC_OPEN_MAX);
+    for (long fd = first; fd < (max_fd > 0 ? max_fd : 65536); ++fd) {
+      ::fcntl(static_cast<int>(fd), F_SETFD, FD_CLOEXEC);
+    }
+    return;
+  }
+  alignas(8) char buf[4096];
+  for (;;) {
+    const long n = ::syscall(SYS_getdents64, dir, buf, sizeof(buf));
+    if (n <= 0) break;
+    for (long off = 0; off < n;) {
+      // struct linux_dirent64: u64 d_ino, s64 d_off, u16 d_reclen, u8 d_type, char d_name[].
+      unsigned short reclen = 0;
+      std::memcpy(&reclen, buf + off + 16, sizeof(reclen));
+      const char* name = buf + off + 19;
+      int fd = 0;
+      bool digits = *name != '\0';
+      for (const char* c = name; *c != '\0'; ++c) {
+        if (*c < '0' || *c > '9') {
+          digits = false;
+          break;
+        }
+        fd = fd * 10 + (*c - '0');
+      }
+      if (digits && fd >= first && fd != dir) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+      if (reclen == 0) break;
+      off += reclen;
+    }
+  }
+  ::close(dir);
+}
 
 // Child side after fork: only async-signal-safe calls until execve.
 [[noreturn]] void exec_child(const ProcessSpec& spec, char* const* argv, char* const* envp,
@@ -53,6 +102,7 @@ namespace {
     if (::dup2(high[i], i) < 0) fail(errno);
   }
   static_assert(kReadyFd == 3 && kSecretFd == 4 && kHeartbeatFd == 5);
+  cloexec_from(kHeartbeatFd + 1);
   ::execve(spec.binary.c_str(), argv, envp);
   fail(errno);
   _exit(127);

@@ -6,8 +6,10 @@
 //   fd 4  secret:    the child reads its secret (the actor key) and then EOF;
 //   fd 5  heartbeat: the child writes a byte every so often while it is healthy.
 // The child gets SIGKILL if the daemon dies (PR_SET_PDEATHSIG), so a daemon crash leaves no
-// orphan. An exec failure (missing binary, not executable) is reported synchronously through a
-// close-on-exec pipe, not as an exit code.
+// orphan. The child holds no other descriptor of the daemon: every descriptor above 5 is made
+// close-on-exec in the child before the exec (the daemon's sockets, its log, anything the daemon
+// inherited). An exec failure (missing binary, not executable) is reported synchronously through
+// a close-on-exec pipe, not as an exit code.
 #pragma once
 
 #include <sys/types.h>

@@ -3,13 +3,16 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <kj/async-unix.h>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -52,10 +55,48 @@ Started decode(const std::string& line) {
   return s;
 }
 
+// <root>/start.lock, held (flock) from the checks of `tessera start` until its daemon has
+// written its record, so two starts from one root cannot both pass the checks. A forked daemon
+// shares the lock with its `tessera start`; each lets go of its own descriptor.
+class StartLock {
+ public:
+  StartLock() = default;
+  StartLock(const StartLock&) = delete;
+  StartLock& operator=(const StartLock&) = delete;
+  ~StartLock() { release(); }
+
+  Status acquire(const std::string& root) {
+    const std::string path = root + "/start.lock";
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd_ < 0) return unavailable("cannot open " + path + ": " + std::strerror(errno));
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK && errno != EINTR) {
+        return unavailable("cannot lock " + path + ": " + std::strerror(errno));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return unavailable("another `tessera start` from " + root +
+                           " has been starting for 60 s (it holds " + path +
+                           "); wait for it or stop it");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return Status::ok();
+  }
+  void release() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
 // Runs the daemon in this process until it is stopped. `report_fd` (or -1) receives
 // "OK <address> <node> <bind> <session>" once it serves, or "ERR <message>" if it cannot start.
+// `lock` is released once the daemon's record is written (or it failed to start).
 int run_daemon(const StartOptions& o, const std::string& root, const std::string& token,
-               int report_fd) {
+               int report_fd, StartLock& lock) {
   auto fail = [&](const std::string& message, int code) {
     report(report_fd, "ERR " + message);
     if (report_fd < 0) std::cerr << "tessera start: " << message << "\n";
@@ -112,10 +153,12 @@ int run_daemon(const StartOptions& o, const std::string& root, const std::string
       rec.node_id = (*daemon)->node_id();
       rec.session_dir = *session_dir;
       rec.head_address = o.head ? rec.address : o.address;
+      rec.executable = process_executable(rec.pid);
       if (Status w = write_daemon_record(rec); !w) spdlog::warn("{}", w.message());
       if (o.head) {
         if (Status w = write_head_address(root, rec.address); !w) spdlog::warn("{}", w.message());
       }
+      lock.release();
       report(report_fd,
              encode({rec.address, rec.node_id, *session_dir, (*daemon)->bind_address()}));
       if (report_fd >= 0) ::close(report_fd);
@@ -184,8 +227,25 @@ int start_command(const StartOptions& o) {
     std::cerr << "tessera start: " << root.status().message() << "\n";
     return 1;
   }
+  StartLock lock;
+  if (Status st = lock.acquire(*root); !st) {
+    std::cerr << "tessera start: " << st.message() << "\n";
+    return 1;
+  }
   CleanupReport cleaned = cleanup_stale(*root);
   for (const auto& line : cleaned.lines) std::cout << "Cleaned up: " << line << ".\n";
+  if (o.head) {
+    // A second head from this root would take over its cluster_token and head_address, and no
+    // one could reach the first one any more.
+    for (const DaemonRecord& r : read_daemon_records(*root)) {
+      if (r.role != "head" || !daemon_still_running(r)) continue;
+      std::string temp_flag = o.temp_dir.empty() ? "" : " --temp-dir " + o.temp_dir;
+      std::cerr << "tessera start: a head is already running from " << *root << " at " << r.address
+                << " (pid " << r.pid << "); `tessera stop" << temp_flag
+                << "` first, or start another cluster with --temp-dir DIR\n";
+      return 1;
+    }
+  }
 
   bool fresh = false;
   auto token = daemon_token(o, *root, &fresh);
@@ -200,7 +260,7 @@ int start_command(const StartOptions& o) {
       return 1;
     }
   }
-  if (o.block) return run_daemon(o, *root, *token, -1);
+  if (o.block) return run_daemon(o, *root, *token, -1, lock);
 
   int pipefd[2];
   if (::pipe2(pipefd, O_CLOEXEC) != 0) {
@@ -215,15 +275,20 @@ int start_command(const StartOptions& o) {
   if (pid == 0) {
     ::close(pipefd[0]);
     ::setsid();
-    int null_fd = ::open("/dev/null", O_RDWR);
+    // The originals are close-on-exec and closed; only the copies on 0, 1 and 2 stay.
+    int null_fd = ::open("/dev/null", O_RDWR | O_CLOEXEC);
     std::string crash_log = *root + "/daemon-stderr.log";
     int err_fd = ::open(crash_log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (null_fd >= 0) {
       ::dup2(null_fd, 0);
       ::dup2(null_fd, 1);
+      if (null_fd > 2) ::close(null_fd);
     }
-    if (err_fd >= 0) ::dup2(err_fd, 2);
-    _exit(run_daemon(o, *root, *token, pipefd[1]));
+    if (err_fd >= 0) {
+      ::dup2(err_fd, 2);
+      if (err_fd > 2) ::close(err_fd);
+    }
+    _exit(run_daemon(o, *root, *token, pipefd[1], lock));
   }
   ::close(pipefd[1]);
   std::string reply;
@@ -300,12 +365,12 @@ int stop_command(const StopOptions& o) {
                    });
   int failures = 0;
   for (const auto& r : records) {
-    // read_daemon_records checked the start time; a record must also name a tessera daemon.
-    std::string command = process_command_line(r.pid);
-    if (command.find("tessera") == std::string::npos ||
-        command.find(" start") == std::string::npos) {
-      std::cerr << "tessera stop: not signalling pid " << r.pid << ": it runs '" << command
-                << "', not a tessera daemon; removing its stale record\n";
+    // Only the process the record names: the same pid, start time and program (a pid that was
+    // reused by anything else is never signalled).
+    std::string why;
+    if (!daemon_still_running(r, &why)) {
+      std::cerr << "tessera stop: not signalling pid " << r.pid << ": " << why
+                << "; removing its stale record\n";
       remove_daemon_record(r);
       continue;
     }

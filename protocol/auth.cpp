@@ -58,11 +58,11 @@ Expected<std::string> check_secret(std::string text, const std::string& origin) 
   size_t lead = 0;
   while (lead < text.size() && space(text[lead])) ++lead;
   text.erase(0, lead);
-  if (text.size() < kMinSecretLength) {
-    return invalid_argument("the cluster token from " + origin + " has " +
-                            std::to_string(text.size()) + " characters; it needs at least " +
-                            std::to_string(kMinSecretLength) +
-                            " (`tessera start --head` makes a strong one)");
+  if (text.size() < kMinSecretLength || text.size() > kMaxSecretLength) {
+    return invalid_argument(
+        "the cluster token from " + origin + " has " + std::to_string(text.size()) +
+        " characters; a token has " + std::to_string(kMinSecretLength) + " to " +
+        std::to_string(kMaxSecretLength) + " (`tessera start --head` makes a strong one of 64)");
   }
   for (char c : text) {
     if (static_cast<unsigned char>(c) < 0x21 || static_cast<unsigned char>(c) > 0x7e) {
@@ -94,11 +94,34 @@ Expected<std::string> read_token_file(const std::string& path) {
     return Status(Code::kPermissionDenied, "the cluster token file " + path +
                                                " may be read by other users; chmod 600 " + path);
   }
+  // A token and a little white space around it; anything bigger is refused whole, never cut
+  // (a cut token would let another file with the same start pass).
+  constexpr size_t kMaxFileBytes = 4 * kMaxSecretLength;
+  auto too_big = [&](uint64_t bytes) {
+    return invalid_argument("the cluster token file " + path + " has " + std::to_string(bytes) +
+                            " bytes; a token has " + std::to_string(kMinSecretLength) + " to " +
+                            std::to_string(kMaxSecretLength) +
+                            " characters (`tessera start --head` makes a strong one of 64)");
+  };
+  if (static_cast<uint64_t>(st.st_size) > kMaxFileBytes) {
+    ::close(fd);
+    return too_big(static_cast<uint64_t>(st.st_size));
+  }
   std::string text;
   char buf[512];
   ssize_t n;
-  while ((n = ::read(fd, buf, sizeof(buf))) > 0 && text.size() < 4096) {
+  while ((n = ::read(fd, buf, sizeof(buf))) != 0) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      ::close(fd);
+      return unavailable("cannot read the cluster token file " + path + ": " + std::strerror(err));
+    }
     text.append(buf, static_cast<size_t>(n));
+    if (text.size() > kMaxFileBytes) {  // it grew while being read
+      ::close(fd);
+      return too_big(text.size());
+    }
   }
   ::close(fd);
   return check_secret(std::move(text), path);

@@ -19,8 +19,10 @@ namespace tessera::auth {
 
 // Bytes of each side's nonce.
 inline constexpr size_t kNonceBytes = 32;
-// Shortest secret accepted from a file or the environment.
+// The size rule of a secret (a cluster token, an actor key), wherever one is read or made:
+// kMinSecretLength to kMaxSecretLength printable characters. make_secret() makes 64.
 inline constexpr size_t kMinSecretLength = 16;
+inline constexpr size_t kMaxSecretLength = 1024;
 // The environment variable a cluster token may come from.
 inline constexpr const char* kTokenEnv = "TESSERA_CLUSTER_TOKEN";
 
@@ -36,10 +38,13 @@ std::string client_proof(const std::string& secret, const std::string& peer,
                          const std::string& server_nonce, const std::string& client_nonce);
 
 // Checks a secret read from a file or the environment: trimmed of surrounding white space,
-// at least kMinSecretLength characters, printable. `origin` names where it came from.
+// kMinSecretLength to kMaxSecretLength characters, printable ASCII without spaces.
+// INVALID_ARGUMENT naming `origin` (where it came from: a path, "$TESSERA_CLUSTER_TOKEN") and
+// the rule otherwise; a secret is never cut short.
 Expected<std::string> check_secret(std::string text, const std::string& origin);
 
-// Reads a token file: owned by this user, not readable by group or others (like ssh keys).
+// Reads a token file: owned by this user, not readable by group or others (like ssh keys), and
+// no bigger than a token with some white space around it; then check_secret().
 Expected<std::string> read_token_file(const std::string& path);
 
 // Where a command finds the cluster token, in order: `--cluster-token-file PATH` (flag_file),

@@ -1,13 +1,17 @@
 #include "daemon/process.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <vector>
 
 namespace tessera {
 namespace {
@@ -76,6 +80,47 @@ TEST(ProcessTest, TheActorBinaryIsAlwaysTesseraActorInTheBinDir) {
   ASSERT_TRUE(found) << found.status().to_string();
   EXPECT_EQ(*found, actor);
   std::filesystem::remove_all(dir);
+}
+
+TEST(ProcessTest, TheChildHoldsNoOtherDescriptorOfTheParent) {
+  // Descriptors of the parent without close-on-exec (a socket and a file, on numbers far above
+  // the rest) stay out of the child: it lists its own descriptors and sees only 0..5, plus the
+  // one `ls` opens to list them.
+  int sock = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(sock, 0);
+  std::string file = temp_file("tessera-process-inherit");
+  int plain = ::open(file.c_str(), O_WRONLY | O_CREAT, 0600);
+  ASSERT_GE(plain, 0);
+  const int leaked_socket = ::fcntl(sock, F_DUPFD, 300);
+  const int leaked_file = ::fcntl(plain, F_DUPFD, 301);
+  ASSERT_GE(leaked_socket, 300);
+  ASSERT_GE(leaked_file, 301);
+  ::close(sock);
+  ::close(plain);
+  std::string log = temp_file("tessera-process-fds");
+  std::filesystem::remove(log);
+  ProcessSpec spec;
+  spec.binary = "/bin/sh";
+  spec.args = {"-c", "ls /proc/self/fd"};
+  spec.env = {{"PATH", "/usr/bin:/bin"}};
+  spec.log_path = log;
+  auto p = spawn_process(spec);
+  ASSERT_TRUE(p) << p.status().to_string();
+  int status = 0;
+  ASSERT_EQ(::waitpid(p->pid, &status, 0), p->pid);
+  ::close(p->ready_fd);
+  ::close(p->heartbeat_fd);
+  const std::string listed_text = tail_file(log);
+  std::istringstream listed(listed_text);
+  std::vector<int> fds;
+  for (std::string name; listed >> name;) fds.push_back(std::atoi(name.c_str()));
+  EXPECT_GE(fds.size(), 6u) << listed_text;
+  EXPECT_LE(fds.size(), 7u) << listed_text;
+  for (int fd : fds) EXPECT_LT(fd, 100) << "the child holds the parent's descriptor " << fd;
+  ::close(leaked_socket);
+  ::close(leaked_file);
+  std::filesystem::remove(file);
+  std::filesystem::remove(log);
 }
 
 TEST(ProcessTest, DescribesSignalDeaths) {

@@ -8,13 +8,18 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <capnp/message.h>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "common/session.h"
@@ -27,6 +32,7 @@ namespace tessera {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::cmdline_of;
 using testing::process_alive;
 using testing::TestCluster;
 using testing::wait_until;
@@ -48,6 +54,72 @@ class SecurityTest : public ::testing::Test {
   std::string head_;
   EventLoop loop_;
 };
+
+// A field of /proc/PID/status in KiB (VmRSS, VmHWM), 0 when unreadable.
+uint64_t status_kib(int pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0)
+      return std::strtoull(line.c_str() + field.size() + 1, nullptr, 10);
+  }
+  return 0;
+}
+
+int head_pid(const std::string& root) {
+  for (const auto& rec : read_daemon_records(root)) {
+    if (rec.role == "head") return rec.pid;
+  }
+  return -1;
+}
+
+// A TCP connection to `address` from the loopback address `source` (each stands for another
+// machine), blocking; -1 when it fails.
+int dial_from(const std::string& address, const std::string& source) {
+  auto parsed = rpc::split_host_port(address);
+  if (!parsed) return -1;
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(parsed->second);
+  ::inet_pton(AF_INET, parsed->first.c_str(), &to.sin_addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0 ||
+      ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the other side closed `fd` within `timeout` (EOF or reset), reading past what it
+// said first (a refusing daemon may send an Abort message before it closes).
+bool closed_within(int fd, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0))) <= 0) return false;
+    char buf[4096];
+    ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) return true;
+  }
+}
+
+// The socket inodes a process holds ("socket:[123]" links in /proc/PID/fd).
+std::set<std::string> sockets_of(int pid) {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    std::string target = std::filesystem::read_symlink(e.path(), ec).string();
+    if (!ec && target.rfind("socket:", 0) == 0) out.insert(target);
+  }
+  return out;
+}
 
 TEST_F(SecurityTest, PeersWithoutTheTokenGetNothingAndTheDaemonSaysWhoTried) {
   start();
@@ -239,9 +311,17 @@ TEST_F(SecurityTest, TenThousandConnectionsBeyondTheDescriptorLimitLeaveItServin
   addr.sin_family = AF_INET;
   addr.sin_port = htons(parsed->second);
   ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  // From 200 loopback addresses in turn: from one address, the cap on connections that have not
+  // authenticated (16 per address) would close them before the descriptors run out.
+  int next_source = 0;
   auto dial = [&]() {
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
     EXPECT_GE(fd, 0);
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    const std::string source = "127.0.1." + std::to_string(1 + next_source++ % 200);
+    ::inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)), 0) << source;
     ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
     return fd;
   };
@@ -392,6 +472,230 @@ TEST_F(SecurityTest, StopChecksThePidIsReallyTheDaemon) {
   ASSERT_TRUE(write_daemon_record(records[0]).is_ok());
   auto real = cluster_.tessera({"stop", "--temp-dir", cluster_.root()});
   EXPECT_NE(real.out.find("Stopped head"), std::string::npos) << real.out << real.err;
+}
+
+TEST_F(SecurityTest, StopNeverSignalsAReusedPidThatLooksLikeTessera) {
+  start();
+  auto records = read_daemon_records(cluster_.root());
+  ASSERT_EQ(records.size(), 1u);
+  // A process whose command line reads like a daemon's ("tessera start --head"), recorded with
+  // its own pid and start time, as when the daemon's pid went to it: it runs another program,
+  // so it is not signalled.
+  pid_t decoy = ::fork();
+  if (decoy == 0) {
+    const char* argv[] = {"tessera start --head", "600", nullptr};
+    ::execv("/bin/sleep", const_cast<char* const*>(argv));
+    _exit(127);
+  }
+  ASSERT_TRUE(wait_until([&] { return cmdline_of(decoy).find("tessera start") == 0; }, 5s));
+  DaemonRecord forged = records[0];
+  forged.pid = decoy;
+  forged.start_time = process_start_time(decoy);
+  ASSERT_TRUE(write_daemon_record(forged).is_ok());
+  auto stop = cluster_.tessera({"stop", "--temp-dir", cluster_.root()});
+  EXPECT_NE(stop.err.find("not signalling pid " + std::to_string(decoy) + ": it runs "),
+            std::string::npos)
+      << stop.out << stop.err;
+  std::this_thread::sleep_for(100ms);
+  EXPECT_TRUE(process_alive(decoy)) << "tessera stop signalled a process that is not its daemon";
+  ::kill(decoy, SIGKILL);
+  ::waitpid(decoy, nullptr, 0);
+  // The real daemon still runs, and its own record stops it.
+  EXPECT_TRUE(process_alive(records[0].pid));
+  ASSERT_TRUE(write_daemon_record(records[0]).is_ok());
+  auto real = cluster_.tessera({"stop", "--temp-dir", cluster_.root()});
+  EXPECT_NE(real.out.find("Stopped head"), std::string::npos) << real.out << real.err;
+}
+
+TEST_F(SecurityTest, ASecondHeadFromTheSameRootIsRefusedAndTheFirstKeepsItsToken) {
+  start();
+  const std::string token = cluster_.token();
+  const int pid = head_pid(cluster_.root());
+  ASSERT_GT(pid, 0);
+  auto second = cluster_.tessera({"start", "--head", "--port", "0", "--temp-dir", cluster_.root()},
+                                 60s, {"TESSERA_TMPDIR=" + cluster_.root()});
+  EXPECT_EQ(second.exit_code, 1) << second.out << second.err;
+  EXPECT_NE(second.err.find("a head is already running from " + cluster_.root() + " at " + head_ +
+                            " (pid " + std::to_string(pid) + "); `tessera stop"),
+            std::string::npos)
+      << second.err;
+  // Nothing of the first head's was overwritten, and it is reachable as before.
+  EXPECT_EQ(cluster_.token(), token);
+  std::string recorded;
+  std::ifstream(cluster_.root() + "/head_address") >> recorded;
+  EXPECT_EQ(recorded, head_);
+  EXPECT_EQ(read_daemon_records(cluster_.root()).size(), 1u);
+  auto status = cluster_.tessera({"status", "--temp-dir", cluster_.root()});
+  EXPECT_EQ(status.exit_code, 0) << status.err;
+  EXPECT_TRUE(connect() != nullptr);
+  // Once it is stopped, a new head may start there.
+  auto stop = cluster_.tessera({"stop", "--temp-dir", cluster_.root()});
+  ASSERT_EQ(stop.exit_code, 0) << stop.err;
+  EXPECT_FALSE(cluster_.start_head().empty()) << cluster_.last().err;
+}
+
+TEST_F(SecurityTest, OneSizeRuleForTheClusterTokenWhereverItComesFrom) {
+  const std::string root = cluster_.root();
+  const std::vector<std::string> start_here = {"start", "--head",     "--port",
+                                               "0",     "--temp-dir", root};
+  // 100 KB through the environment: refused at start, nothing written (before, it was written
+  // whole and every reader then stopped at 4,096 bytes: "wrong cluster token").
+  auto env = cluster_.tessera(
+      start_here, 60s,
+      {"TESSERA_TMPDIR=" + root, "TESSERA_CLUSTER_TOKEN=" + std::string(100000, 'a')});
+  EXPECT_EQ(env.exit_code, 1) << env.out;
+  EXPECT_NE(env.err.find("the cluster token from $TESSERA_CLUSTER_TOKEN has 100000 characters; "
+                         "a token has 16 to 1024"),
+            std::string::npos)
+      << env.err;
+  EXPECT_FALSE(std::filesystem::exists(root + "/cluster_token"));
+  // A 10 MB file: refused whole by start and by every reader (before, it was cut to 4,096 bytes,
+  // so another file with the same start was accepted).
+  const std::string big = root + "/big_token";
+  std::ofstream(big) << std::string(10 << 20, 'b');
+  ::chmod(big.c_str(), 0600);
+  auto with_file = start_here;
+  with_file.insert(with_file.end(), {"--cluster-token-file", big});
+  auto file = cluster_.tessera(with_file, 60s, {"TESSERA_TMPDIR=" + root});
+  EXPECT_EQ(file.exit_code, 1) << file.out;
+  EXPECT_NE(file.err.find("the cluster token file " + big +
+                          " has 10485760 bytes; a token has "
+                          "16 to 1024 characters"),
+            std::string::npos)
+      << file.err;
+  auto status_big = cluster_.tessera(
+      {"status", "--address", "127.0.0.1:1", "--cluster-token-file", big, "--temp-dir", root});
+  EXPECT_EQ(status_big.exit_code, 1);
+  EXPECT_NE(status_big.err.find("has 10485760 bytes"), std::string::npos) << status_big.err;
+  // The longest token the rule allows works end to end: start, then status on the same machine.
+  const std::string longest(1024, 'k');
+  auto ok = cluster_.tessera(start_here, 60s,
+                             {"TESSERA_TMPDIR=" + root, "TESSERA_CLUSTER_TOKEN=" + longest});
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_EQ(cluster_.token(), longest);
+  auto status = cluster_.tessera({"status", "--temp-dir", root}, 60s, {"TESSERA_TMPDIR=" + root});
+  EXPECT_EQ(status.exit_code, 0) << status.err;
+}
+
+TEST_F(SecurityTest, UnauthenticatedPeersCannotMakeTheDaemonBufferBigMessages) {
+  start();
+  const int pid = head_pid(cluster_.root());
+  ASSERT_GT(pid, 0);
+  const uint64_t before_kib = status_kib(pid, "VmRSS");
+  ASSERT_GT(before_kib, 0u);
+  // 40 attackers (each from its own loopback address, under the per-address cap) announce a
+  // frame of almost 64 MiB and stream 8 MiB of it. Before the pre-authentication limit each one
+  // made the daemon allocate the frame and fill it: about 320 MiB more here.
+  std::string header(8, '\0');
+  const uint32_t words = (64u << 20) / 8 - 16;
+  for (int i = 0; i < 4; ++i) header[4 + i] = static_cast<char>((words >> (8 * i)) & 0xff);
+  const std::string chunk(64 << 10, 'x');
+  std::vector<int> attackers;
+  for (int i = 0; i < 40; ++i) {
+    int fd = dial_from(head_, "127.0.0." + std::to_string(10 + i));
+    ASSERT_GE(fd, 0) << "cannot connect from 127.0.0." << 10 + i;
+    timeval limit{1, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
+    attackers.push_back(fd);
+    if (::send(fd, header.data(), header.size(), MSG_NOSIGNAL) != 8) continue;
+    for (size_t sent = 0; sent < (8u << 20);) {
+      ssize_t n = ::send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL);
+      if (n <= 0) break;  // refused and closed (or stalled): the daemon does not take it
+      sent += static_cast<size_t>(n);
+    }
+  }
+  std::this_thread::sleep_for(300ms);
+  const uint64_t peak_kib = status_kib(pid, "VmHWM");
+  const uint64_t now_kib = status_kib(pid, "VmRSS");
+  std::printf("head RSS: %llu MiB before 40 attackers, %llu MiB after (peak %llu MiB)\n",
+              static_cast<unsigned long long>(before_kib >> 10),
+              static_cast<unsigned long long>(now_kib >> 10),
+              static_cast<unsigned long long>(peak_kib >> 10));
+  EXPECT_LT(now_kib, before_kib + 48 * 1024)
+      << "RSS went from " << before_kib / 1024 << " MiB to " << now_kib / 1024 << " MiB";
+  EXPECT_LT(peak_kib, before_kib + 48 * 1024)
+      << "peak RSS " << peak_kib / 1024 << " MiB, from " << before_kib / 1024 << " MiB";
+  // Each was refused before its body was read, and said so in the log.
+  for (int fd : attackers) EXPECT_TRUE(closed_within(fd, 2s));
+  for (int fd : attackers) ::close(fd);
+  std::string logs = daemon_logs();
+  EXPECT_NE(logs.find("before the handshake; until a peer has proved the cluster token it may "
+                      "send at most 16 KiB"),
+            std::string::npos)
+      << logs.substr(0, 4000);
+  // And it still serves.
+  auto cluster = connect();
+  ASSERT_TRUE(cluster);
+  EXPECT_TRUE(cluster->nodes());
+}
+
+TEST_F(SecurityTest, UnauthenticatedConnectionsPerAddressAreCapped) {
+  start();
+  // 30 idle connections from one address: 16 wait for their handshake, the other 14 are closed
+  // at once, long before the 10 s handshake deadline.
+  std::vector<int> idle;
+  for (int i = 0; i < 30; ++i) {
+    int fd = dial_from(head_, "127.0.0.1");
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(500ms);
+  int closed = 0;
+  for (int fd : idle) closed += closed_within(fd, 0ms) ? 1 : 0;
+  EXPECT_EQ(closed, 14);
+  // Another address is served meanwhile.
+  int other = dial_from(head_, "127.0.0.2");
+  ASSERT_GE(other, 0);
+  EXPECT_FALSE(closed_within(other, 300ms));
+  ::close(other);
+  EXPECT_NE(daemon_logs().find("have not authenticated yet, the limit per address"),
+            std::string::npos)
+      << daemon_logs();
+  // When they go, that address is served again.
+  for (int fd : idle) ::close(fd);
+  std::unique_ptr<ClusterClient> cluster;
+  EXPECT_TRUE(wait_until(
+      [&] {
+        auto c = ClusterClient::connect(loop_, head_, cluster_.token(), 2s);
+        if (c) cluster = std::move(*c);
+        return cluster != nullptr;
+      },
+      10s));
+}
+
+TEST_F(SecurityTest, ActorsHoldNoSocketOfTheDaemon) {
+  // A socket the daemon inherited without close-on-exec (as from `tessera serve`'s HTTP port):
+  // the daemon may hold it, its actors must not.
+  int inherited = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(inherited, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  ASSERT_EQ(::bind(inherited, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(inherited, 4), 0);
+  start();
+  ::close(inherited);
+  auto cluster = connect();
+  auto lease = cluster->head_node().open_lease("driver");
+  ASSERT_TRUE(lease);
+  auto actor = (*lease)->spawn({.name = "child"});
+  ASSERT_TRUE(actor) << actor.status().to_string();
+  const int daemon = head_pid(cluster_.root());
+  ASSERT_GT(daemon, 0);
+  std::set<std::string> theirs = sockets_of(daemon);
+  std::set<std::string> mine = sockets_of(actor->pid);
+  EXPECT_FALSE(theirs.empty());
+  EXPECT_FALSE(mine.empty());  // its own port
+  for (const auto& s : mine) {
+    EXPECT_EQ(theirs.count(s), 0u) << "actor " << actor->pid << " holds the daemon's " << s;
+  }
+  // Nothing else of the daemon's either: only its stdio, its three pipes, and what it opened.
+  std::error_code ec;
+  for (const auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(actor->pid) + "/fd", ec)) {
+    std::string target = std::filesystem::read_symlink(e.path(), ec).string();
+    EXPECT_EQ(target.find("daemon-"), std::string::npos) << "the actor holds " << target;
+  }
 }
 
 TEST_F(SecurityTest, AStoppedActorIsFoundWithinTheHealthTimeoutAndNamed) {
