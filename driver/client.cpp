@@ -135,7 +135,7 @@ ActorView actor_view(proto::ActorInfo::Reader a) {
   return v;
 }
 
-std::string describe_death(const ActorView& a) {
+std::string describe_death(const ActorView& a, bool with_log) {
   std::string where;
   if (a.gpus.empty()) {
     where = "CPU";
@@ -154,7 +154,7 @@ std::string describe_death(const ActorView& a) {
     }
     if (a.term_signal == 0 && !a.last_log_line.empty()) out += " after: " + a.last_log_line;
   }
-  if (!a.log_path.empty()) out += "; its log: " + a.log_path;
+  if (with_log && !a.log_path.empty()) out += "; its log: " + a.log_path;
   return out;
 }
 

@@ -100,8 +100,9 @@ struct ActorView {
 
 // One line for a person about how an actor died: "actor a-1f2e (GPU 1 on node n-3f2a) was
 // killed by signal 9 (SIGKILL); its log: PATH", "... exited with code 3 after: <last log
-// line>; its log: PATH", "... stopped answering: ...".
-std::string describe_death(const ActorView& actor);
+// line>; its log: PATH", "... stopped answering: ...". Without `with_log`, no path: what a
+// remote client is told (paths of the server's machine stay in its own log).
+std::string describe_death(const ActorView& actor, bool with_log = true);
 
 struct SegmentView {
   std::string name;
@@ -210,6 +211,8 @@ class ClusterClient {
 
   const std::string& address() const { return conn_->address; }
   const std::string& head_id() const { return conn_->server_id; }
+  // Resolves when the connection to the head drops (the head died, stopped or was cut off).
+  kj::Promise<void> on_disconnect() { return conn_->on_disconnect(); }
 
   ClusterClient(EventLoop& loop, kj::Own<rpc::Connection> conn);
   ~ClusterClient();
@@ -244,6 +247,8 @@ class ActorHandle {
   Status shutdown();
   // The actor's capability, for calls this class does not wrap (load, execute).
   proto::Actor::Client& capability() { return conn_->actor; }
+  // Resolves when the connection to the actor drops (the process died, or its socket closed).
+  kj::Promise<void> on_disconnect() { return conn_->on_disconnect(); }
 
   ActorHandle(EventLoop& loop, kj::Own<rpc::Connection> conn);
   ~ActorHandle();

@@ -89,12 +89,14 @@ Expected<std::unique_ptr<LocalNode>> LocalNode::start(const std::string& tessera
 }
 
 LocalNode::~LocalNode() {
+  bool clean_exit = false;
   if (pid_ > 0) {
     ::kill(pid_, SIGTERM);
     int status = 0;
     for (int i = 0; i < 500; ++i) {
       if (::waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
+        clean_exit = WIFEXITED(status);
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -106,6 +108,11 @@ LocalNode::~LocalNode() {
   }
   std::error_code ec;
   std::filesystem::remove_all(root_, ec);
+  if (!clean_exit) {
+    // A daemon that was killed left its shared-memory segments: they go now, not at the next
+    // start on this machine.
+    cleanup_stale(std::filesystem::path(root_).parent_path().string());
+  }
 }
 
 }  // namespace tessera

@@ -3,7 +3,11 @@
 #include <spdlog/spdlog.h>
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <set>
 #include <sstream>
 
@@ -161,6 +165,8 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
                                                            bool detokenize) {
   TESSERA_RETURN_IF_ERROR(validate(a));
   std::unique_ptr<ModelSession> s(new ModelSession());
+  s->args_ = a;
+  s->owner_ = owner;
   TESSERA_ASSIGN_OR_RETURN(s->config_, load_model_config(a.model, &s->defaults_));
   TESSERA_ASSIGN_OR_RETURN(s->tokenizer_, Tokenizer::load(a.model));
   TESSERA_RETURN_IF_ERROR(resolve_max_model_len(a.memory.max_model_len, s->config_).status());
@@ -176,50 +182,67 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
       TESSERA_RETURN_IF_ERROR(LayerPlan::make(s->config_, p).status());
     }
   }
+  s->loop_ = std::make_unique<EventLoop>();
+  TESSERA_RETURN_IF_ERROR(s->connect());
+  TESSERA_RETURN_IF_ERROR(s->place());
+  auto t0 = std::chrono::steady_clock::now();
+  TESSERA_ASSIGN_OR_RETURN(s->group_, WorkerGroup::start(*s->loop_, *s->cluster_, s->spec_));
+  s->load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  s->start_engine(a.enable_prefix_caching, static_cast<uint32_t>(a.memory.max_num_seqs),
+                  a.async_scheduling, detokenize);
+  return s;
+}
 
-  std::string address = a.address;
+Status ModelSession::connect() {
+  const EngineArgs& a = args_;
   std::string token;
-  if (address.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(s->local_, LocalNode::start());
-    address = s->local_->address();
-    token = s->local_->token();
+  if (a.address.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(local_, LocalNode::start());
+    address_ = local_->address();
+    token = local_->token();
   } else {
+    address_ = a.address;
     auto root = find_cluster_root("");
     TESSERA_ASSIGN_OR_RETURN(
         token, auth::resolve_cluster_token(a.cluster_token_file, root ? *root : std::string()));
   }
-  s->loop_ = std::make_unique<EventLoop>();
-  TESSERA_ASSIGN_OR_RETURN(s->cluster_, ClusterClient::connect(*s->loop_, address, token));
-  TESSERA_ASSIGN_OR_RETURN(ClusterStatus cluster, collect_status(*s->loop_, address, token));
+  token_ = token;
+  TESSERA_ASSIGN_OR_RETURN(cluster_, ClusterClient::connect(*loop_, address_, token));
+  return Status::ok();
+}
+
+Status ModelSession::place() {
+  const EngineArgs& a = args_;
+  TESSERA_ASSIGN_OR_RETURN(ClusterStatus cluster, collect_status(*loop_, address_, token_));
   std::vector<ClusterNode> nodes = cluster_nodes(cluster);
-  TESSERA_ASSIGN_OR_RETURN(s->plan_, plan_session(s->config_, a, nodes));
+  TESSERA_ASSIGN_OR_RETURN(plan_, plan_session(config_, a, nodes));
   {
-    std::stringstream lines(plan_summary(s->plan_));
+    std::stringstream lines(plan_summary(plan_));
     for (std::string line; std::getline(lines, line);) spdlog::info("{}", line);
   }
-  if (a.async_scheduling && s->plan_.plan.pp > 1) {
+  if (a.async_scheduling && plan_.plan.pp > 1) {
     return invalid_argument(
         "--async-scheduling needs pipeline parallel size 1: the token a step samples on the last "
         "stage is not at the first stage when the next step starts there; the plan has " +
-        std::to_string(s->plan_.plan.pp) + " stages");
+        std::to_string(plan_.plan.pp) + " stages");
   }
   ParallelConfig parallel;
-  parallel.tp_size = static_cast<int>(s->plan_.plan.tp);
-  parallel.pp_size = static_cast<int>(s->plan_.plan.pp);
-  parallel.layer_partition = s->plan_.plan.stage_layers;
+  parallel.tp_size = static_cast<int>(plan_.plan.tp);
+  parallel.pp_size = static_cast<int>(plan_.plan.pp);
+  parallel.layer_partition = plan_.plan.stage_layers;
 
   WorkerGroupSpec spec;
-  spec.owner = owner;
-  for (const PlacedRank& r : s->plan_.placement.ranks) {
+  spec.owner = owner_;
+  for (const PlacedRank& r : plan_.placement.ranks) {
     spec.placement.push_back({r.node_id, static_cast<int>(r.gpu)});
   }
   spec.comm_backend = pick_collectives(a.collectives, spec.placement);
   spec.use_rings = a.step_rings;
   // Beside NCCL, the custom all-reduce for tensors up to its buffer's size, where every TP
   // group's GPUs share a node and NVLink (vLLM's rule: PCIe peers gain nothing from it).
-  if (spec.comm_backend == "nccl" && !a.disable_custom_all_reduce && s->plan_.plan.tp > 1) {
-    bool on_nvlink = !s->plan_.placement.groups.empty();
-    for (const TpGroupLinks& g : s->plan_.placement.groups) on_nvlink &= g.on_nvlink();
+  if (spec.comm_backend == "nccl" && !a.disable_custom_all_reduce && plan_.plan.tp > 1) {
+    bool on_nvlink = !plan_.placement.groups.empty();
+    for (const TpGroupLinks& g : plan_.placement.groups) on_nvlink &= g.on_nvlink();
     if (on_nvlink) {
       spec.custom_all_reduce_max_bytes = spec.ipc_buffer_bytes;
     } else {
@@ -232,7 +255,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   load.model_dir = a.model;
   load.dtype = a.dtype;
   load.device = spec.placement.front().gpu >= 0 ? a.device : "cpu";
-  load.max_model_len = s->plan_.memory.options.max_model_len;  // resolved: never 0
+  load.max_model_len = plan_.memory.options.max_model_len;  // resolved: never 0
   load.max_num_seqs = a.memory.max_num_seqs;
   load.max_num_batched_tokens = a.memory.max_num_batched_tokens;
   load.gpu_memory_utilization = a.memory.gpu_memory_utilization;
@@ -264,14 +287,14 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
       }
     }
   }
-  auto t0 = std::chrono::steady_clock::now();
-  TESSERA_ASSIGN_OR_RETURN(s->group_, WorkerGroup::start(*s->loop_, *s->cluster_, spec));
-  s->load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-
-  s->spec_ = spec;
-  s->start_engine(a.enable_prefix_caching, static_cast<uint32_t>(a.memory.max_num_seqs),
-                  a.async_scheduling, detokenize);
-  return s;
+  if (local_) {
+    // The local node's folder (and the actors' logs in it) goes with it: a dead actor's log is
+    // kept beside it.
+    spec.keep_log = [root = std::filesystem::path(local_->root()).parent_path()](
+                        const std::string& path) { return keep_failed_log(root, path); };
+  }
+  spec_ = std::move(spec);
+  return Status::ok();
 }
 
 void ModelSession::start_engine(bool prefix_caching, uint32_t max_num_seqs, bool async_scheduling,
@@ -304,11 +327,54 @@ Status ModelSession::restart() {
   const EngineConfig ec = engine_config_;
   engine_.reset();
   group_.reset();  // the old actors stop, their leases end
+  // The cluster as it is now: a head that is gone is reached again (a local node is started
+  // anew), and a placement on a node that left is made again on the nodes that are left.
+  if (!cluster_->nodes()) {
+    spdlog::warn("the cluster at {} does not answer; {}", address_,
+                 local_ ? "starting a new local node" : "connecting again");
+    cluster_.reset();
+    local_.reset();  // stops what is left of it; its folder and segments go
+    TESSERA_RETURN_IF_ERROR(connect());
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<NodeView> live, cluster_->nodes());
+  bool placed_on_live_nodes = true;
+  for (const RankPlacement& r : spec_.placement) {
+    bool found = false;
+    for (const NodeView& n : live) found |= n.node_id == r.node_id && n.alive;
+    placed_on_live_nodes &= found;
+  }
+  if (!placed_on_live_nodes) TESSERA_RETURN_IF_ERROR(place());
   TESSERA_ASSIGN_OR_RETURN(group_, WorkerGroup::start(*loop_, *cluster_, spec_));
   start_engine(ec.enable_prefix_caching, ec.scheduler.max_num_seqs, ec.scheduler.async_scheduling,
                true);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return Status::ok();
+}
+
+std::string keep_failed_log(const std::filesystem::path& root, const std::string& path) {
+  namespace fs = std::filesystem;
+  constexpr size_t kKept = 20;
+  std::error_code ec;
+  const fs::path dir = root / "failed-logs";
+  fs::create_directories(dir, ec);
+  fs::permissions(dir, fs::perms::owner_all, ec);
+  const fs::path kept = dir / fs::path(path).filename();
+  fs::remove(kept, ec);
+  // A second name for the same file: it outlives the folder, and the daemon's last lines land.
+  if (::link(path.c_str(), kept.c_str()) != 0) {
+    fs::copy_file(path, kept, ec);
+    if (ec) return path;
+  }
+  // The newest kKept stay.
+  std::vector<std::pair<fs::file_time_type, fs::path>> all;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    all.emplace_back(e.last_write_time(ec), e.path());
+  }
+  if (all.size() > kKept) {
+    std::sort(all.begin(), all.end());
+    for (size_t i = 0; i + kKept < all.size(); ++i) fs::remove(all[i].second, ec);
+  }
+  return kept.string();
 }
 
 }  // namespace tessera

@@ -3,6 +3,7 @@
 // (driver/worker_group.h), and an engine over them.
 #pragma once
 
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,13 +64,19 @@ class ModelSession {
   EventLoop& loop() { return *loop_; }
   double load_seconds() const { return load_seconds_; }
 
-  // Starts the worker group again (new actors on the same placement, the model loaded anew)
-  // and a fresh engine over it (empty: no requests, no cached prefixes): how a served model
-  // recovers from a dead actor. The old engine and its requests are gone.
+  // Starts the worker group again (new actors, the model loaded anew) and a fresh engine over
+  // it (empty: no requests, no cached prefixes): how a served model recovers from a dead actor
+  // or node. The same placement while its nodes live; else a new plan on the nodes that are
+  // left; a head that is gone is connected to again (a local node is started anew). The old
+  // engine and its requests are gone.
   Status restart();
 
  private:
   ModelSession() = default;
+  // Reaches the cluster: the head at --address, or a local node started now.
+  Status connect();
+  // Plans on the cluster's live nodes: plan_ and the worker group's spec_.
+  Status place();
   void start_engine(bool prefix_caching, uint32_t max_num_seqs, bool async_scheduling,
                     bool detokenize);
 
@@ -82,6 +89,10 @@ class ModelSession {
   std::unique_ptr<ClusterClient> cluster_;
   std::unique_ptr<WorkerGroup> group_;
   WorkerGroupSpec spec_;  // what restart() starts again
+  EngineArgs args_;
+  std::string owner_;
+  std::string address_;  // the head's
+  std::string token_;
   EngineConfig engine_config_;
   std::unique_ptr<Detokenizer> detokenizer_;
   std::unique_ptr<LlmEngine> engine_;
@@ -94,6 +105,11 @@ class ModelSession {
 // The plan in lines for people: the auto choice when there was one, then one line per stage
 // ("plan: stage 0: node-a gpu0 gpu1 [NV18]"), each ending in '\n'.
 std::string plan_summary(const ClusterPlan& plan);
+
+// Keeps a dead actor's log (a file in a local node's folder, which goes when the node stops)
+// as <root>/failed-logs/<its name>, the newest 20 of them; returns the path to name (`path`
+// itself when it cannot be kept).
+std::string keep_failed_log(const std::filesystem::path& root, const std::string& path);
 
 Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& args,
                                    const std::vector<ClusterNode>& nodes);

@@ -115,10 +115,22 @@ struct WorkerGroup::Pending {
   std::map<int, kj::Promise<StepOutput>> rpc;
 };
 
+struct WorkerGroup::Watch {
+  kj::Own<kj::PromiseFulfiller<void>> lost;
+  kj::ForkedPromise<void> lost_fork{nullptr};  // resolves at the first loss
+  std::vector<kj::Promise<void>> connections;
+  std::unique_ptr<ClusterClient::Subscription> node_events;
+};
+
 WorkerGroup::WorkerGroup(EventLoop& loop, WorkerGroupSpec spec)
-    : loop_(loop), spec_(std::move(spec)) {}
+    : loop_(loop), spec_(std::move(spec)), watch_(std::make_unique<Watch>()) {
+  auto lost = kj::newPromiseAndFulfiller<void>();
+  watch_->lost = kj::mv(lost.fulfiller);
+  watch_->lost_fork = lost.promise.fork();
+}
 
 WorkerGroup::~WorkerGroup() {
+  watch_.reset();  // before the connections it watches close
   pending_.clear();
   for (auto& n : nodes_) {
     if (n->writer) n->writer->close();  // the actors' step threads see the end
@@ -127,15 +139,94 @@ WorkerGroup::~WorkerGroup() {
   nodes_.clear();  // the leases end: their actors are stopped, their rings unlinked
 }
 
-std::string WorkerGroup::death() const {
-  const ActorView* dead = first_death();
-  if (dead == nullptr) return {};
+std::string WorkerGroup::rank_prefix(const std::string& actor_id) const {
   for (const auto& r : ranks_) {
-    if (r->actor.actor_id == dead->actor_id && ranks_.size() > 1) {
-      return "rank " + std::to_string(r->rank) + ": " + describe_death(*dead);
+    if (r->actor.actor_id == actor_id && ranks_.size() > 1) {
+      return "rank " + std::to_string(r->rank) + ": ";
     }
   }
-  return describe_death(*dead);
+  return {};
+}
+
+std::string WorkerGroup::death() const {
+  if (const ActorView* dead = first_death()) {
+    return rank_prefix(dead->actor_id) + describe_death(*dead, /*with_log=*/false);
+  }
+  return lost_;
+}
+
+void WorkerGroup::lose(std::string why, bool daemon_gone) {
+  if (daemon_gone && !lost_.empty() && !daemon_gone_) {
+    // An actor's socket went first; its daemon going too says why.
+    lost_ += "; " + why;
+    daemon_gone_ = true;
+    return;
+  }
+  if (!lost_.empty()) return;
+  lost_ = std::move(why);
+  daemon_gone_ = daemon_gone;
+  if (watch_->lost->isWaiting()) watch_->lost->fulfill();
+}
+
+void WorkerGroup::start_watching(ClusterClient& cluster) {
+  for (auto& rank : ranks_) {
+    Rank* r = rank.get();
+    watch_->connections.push_back(r->handle->on_disconnect()
+                                      .then([this, r]() {
+                                        lose("lost the connection to " + r->describe() +
+                                                 " (its process died or its node is unreachable)",
+                                             false);
+                                      })
+                                      .eagerlyEvaluate(nullptr));
+  }
+  watch_->connections.push_back(
+      cluster.on_disconnect()
+          .then([this, id = cluster.head_id(), address = cluster.address()]() {
+            lose("lost the connection to the head (the daemon of node " + id + " at " + address +
+                     "): it is gone (killed or stopped), and the actors it "
+                     "started went with it",
+                 true);
+          })
+          .eagerlyEvaluate(nullptr));
+  auto events = cluster.subscribe(nullptr, [this](const NodeView& n) {
+    for (const auto& node : nodes_) {
+      if (node->node_id != n.node_id) continue;
+      lose("node " + n.node_id + (n.name.empty() ? "" : " (" + n.name + ")") + " died" +
+               (n.death_reason.empty() ? "" : ": " + n.death_reason) +
+               "; the actors it started went with it",
+           true);
+    }
+  });
+  if (events) {
+    watch_->node_events = std::move(*events);
+  } else {
+    spdlog::warn(
+        "cannot follow the cluster's node events ({}); a dead node is still seen through "
+        "its actors' connections",
+        events.status().message());
+  }
+}
+
+Status WorkerGroup::failure() {
+  // A death report says how the actor died; when its daemon lives it follows the lost socket
+  // within milliseconds.
+  if (first_death() == nullptr && !daemon_gone_) {
+    loop_.run_for(std::chrono::milliseconds(1000),
+                  [this]() { return first_death() != nullptr || daemon_gone_; });
+  }
+  if (!reported_) {
+    // Once, in this process's log, with where to read more: statuses carry no paths (they may
+    // reach remote clients).
+    reported_ = true;
+    const ActorView* dead = first_death();
+    if (dead != nullptr && !dead->log_path.empty()) {
+      const std::string log = spec_.keep_log ? spec_.keep_log(dead->log_path) : dead->log_path;
+      spdlog::error("{}; its log: {}", death(), log);
+    } else {
+      spdlog::error("{}", death());
+    }
+  }
+  return unavailable(death());
 }
 
 const ActorView* WorkerGroup::first_death() const {
@@ -147,21 +238,11 @@ const ActorView* WorkerGroup::first_death() const {
 
 Status WorkerGroup::explain(Status failed) {
   if (failed.is_ok()) return failed;
-  // A dropped connection or a stuck collective often arrives before the daemon's death report:
-  // give it a moment.
-  const ActorView* dead = first_death();
-  for (int i = 0; i < 30 && dead == nullptr; ++i) {
-    loop_.run_for(std::chrono::milliseconds(100));
-    dead = first_death();
-  }
-  if (dead == nullptr) return failed;
-  std::string rank;
-  for (const auto& r : ranks_) {
-    if (r->actor.actor_id == dead->actor_id && ranks_.size() > 1) {
-      rank = "rank " + std::to_string(r->rank) + ": ";
-    }
-  }
-  return unavailable(rank + describe_death(*dead));
+  // A dropped connection or a stuck collective often arrives before the daemon's death report
+  // or the lost socket: give it a moment.
+  loop_.run_for(std::chrono::milliseconds(3000), [this]() { return !alive(); });
+  if (alive()) return failed;
+  return failure();
 }
 
 Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, ClusterClient& cluster,
@@ -234,6 +315,7 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     }
     g->ranks_.back()->handle = std::move(*handle);
   }
+  g->start_watching(cluster);
   // Rendezvous: every rank prepares its side of the collectives.
   if (!backend.empty()) {
     std::vector<kj::Promise<std::array<std::string, 3>>> calls;
@@ -390,6 +472,7 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
 }
 
 Status WorkerGroup::submit(StepInput step) {
+  if (!alive()) return failure();
   auto pending = std::make_unique<Pending>();
   pending->step_id = step.step_id;
   pending->submitted = std::chrono::steady_clock::now();
@@ -401,8 +484,15 @@ Status WorkerGroup::submit(StepInput step) {
       bytes = encode(step);
       encoded = true;
     }
-    Status st = node->writer->write(
-        bytes, std::chrono::duration_cast<std::chrono::milliseconds>(kStepTimeout));
+    // In slices, so that a group that lost a rank meanwhile fails now (a dead reader never
+    // frees its slots).
+    const auto give_up = pending->submitted + kStepTimeout;
+    Status st = node->writer->write(bytes, std::chrono::milliseconds(20));
+    while (st.code() == Code::kDeadlineExceeded && std::chrono::steady_clock::now() < give_up) {
+      loop_.wait_scope().poll();
+      if (!alive()) return failure();
+      st = node->writer->write(bytes, std::chrono::milliseconds(20));
+    }
     if (!st) return explain(st.with_context("sending step " + std::to_string(step.step_id)));
   }
   for (auto& rank : ranks_) {
@@ -416,10 +506,11 @@ Status WorkerGroup::submit(StepInput step) {
   return Status::ok();
 }
 
-Expected<int> WorkerGroup::abort() {
+Expected<int> WorkerGroup::abort(std::chrono::milliseconds within) {
+  const auto give_up = std::chrono::steady_clock::now() + within;
   int dropped = 0;
   while (!pending_.empty()) {
-    auto out = collect();
+    auto out = collect_until(std::min(give_up, pending_.front()->submitted + kStepTimeout));
     if (!out) {
       pending_.clear();
       return out.status();
@@ -431,9 +522,20 @@ Expected<int> WorkerGroup::abort() {
 
 Expected<StepOutput> WorkerGroup::collect() {
   if (pending_.empty()) return failed_precondition("collect() without a submitted step");
+  return collect_until(pending_.front()->submitted + kStepTimeout);
+}
+
+Expected<StepOutput> WorkerGroup::collect_until(std::chrono::steady_clock::time_point deadline) {
+  if (pending_.empty()) return failed_precondition("collect() without a submitted step");
   std::unique_ptr<Pending> p = std::move(pending_.front());
   pending_.erase(pending_.begin());
-  const auto deadline = p->submitted + kStepTimeout;
+  auto late = [&](const Rank& rank) {
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(
+        std::chrono::steady_clock::now() - p->submitted);
+    return deadline_exceeded(rank.describe() + " did not finish step " +
+                             std::to_string(p->step_id) + " within " +
+                             std::to_string(waited.count()) + " s");
+  };
   StepOutput result;
   bool have_result = false;
   for (auto& rank : ranks_) {
@@ -451,17 +553,25 @@ Expected<StepOutput> WorkerGroup::collect() {
         if (n.status().code() != Code::kDeadlineExceeded) {
           return explain(n.status().with_context(rank->describe()));
         }
-        // Meanwhile: death reports from the daemons.
+        // Meanwhile: death reports from the daemons, lost connections.
         loop_.wait_scope().poll();
-        if (const ActorView* dead = first_death()) return unavailable(describe_death(*dead));
-        if (std::chrono::steady_clock::now() > deadline) {
-          return deadline_exceeded(rank->describe() + " did not finish step " +
-                                   std::to_string(p->step_id) + " within 10 minutes");
-        }
+        if (!alive()) return failure();
+        if (std::chrono::steady_clock::now() > deadline) return late(*rank);
       }
     } else {
       auto it = p->rpc.find(rank->rank);
-      auto got = wait_for(loop_, kj::mv(it->second), "execute step", 10 * 60 * kj::SECONDS);
+      // Raced against the group's first loss: a rank that waits on a dead peer's collective
+      // would answer only at its own timeout.
+      auto raced =
+          kj::mv(it->second).exclusiveJoin(watch_->lost_fork.addBranch().then([]() -> StepOutput {
+            kj::throwFatalException(KJ_EXCEPTION(DISCONNECTED, "the worker group lost a rank"));
+          }));
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      auto got = wait_for(loop_, kj::mv(raced), "execute step",
+                          std::max<int64_t>(left.count(), 1) * kj::MILLISECONDS);
+      if (!got && !alive()) return failure();
+      if (!got && got.status().code() == Code::kDeadlineExceeded) return late(*rank);
       if (!got) return explain(got.status().with_context(rank->describe()));
       out = std::move(*got);
     }

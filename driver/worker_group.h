@@ -7,12 +7,17 @@
 //   - ranks on other machines get an execute RPC.
 // Steps complete in order; up to pipeline_depth() (the stages) can be in flight. When a rank
 // dies, the step fails with how it died ("actor a-… (GPU 1 on node n-…) was killed by signal 9
-// (SIGKILL); its log: …"), never a bare disconnection. Destroying the group ends its leases: its
-// actors are stopped and its rings unlinked.
+// (SIGKILL)"), never a bare disconnection. The group watches, besides its daemons' death
+// reports, the connection to every actor, to the head and the cluster's node events: a dead
+// daemon sends no report, so the loss of a socket alone fails the steps in flight (within about
+// a second, naming the rank and node), and never a 10-minute wait. Destroying the group ends its
+// leases: its actors are stopped and its rings unlinked.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +48,10 @@ struct WorkerGroupSpec {
   // over CUDA-IPC buffers (every TP group must be on one node, its GPUs peer-capable); 0 = NCCL
   // only. Capped at ipc_buffer_bytes.
   uint64_t custom_all_reduce_max_bytes = 0;
+  // Where a person can read a dead actor's log after the run: given the path the daemon
+  // reported, returns the one to name (a local node's folder goes with it: the session keeps a
+  // copy). Unset: the reported path. Logs are named in this process's log, never in statuses.
+  std::function<std::string(const std::string&)> keep_log;
 };
 
 class WorkerGroup final : public StepExecutor {
@@ -56,17 +65,20 @@ class WorkerGroup final : public StepExecutor {
   const std::vector<ActorView>& actors() const { return actors_; }
   int world_size() const { return static_cast<int>(ranks_.size()); }
   // No actor of the group has died (as its daemon reported; a stuck one is killed by the
-  // daemon's heartbeat watchdog and reported too). Events arrive as the loop runs.
-  bool alive() const { return first_death() == nullptr; }
-  // The first death reported, in words ("rank 1: actor a-… was killed by signal 9"), or "".
+  // daemon's heartbeat watchdog and reported too) and no connection it needs was lost (an
+  // actor's, the head's, a node declared dead). Events arrive as the loop runs.
+  bool alive() const { return first_death() == nullptr && lost_.empty(); }
+  // Why the group is not alive, in words ("rank 1: actor a-… was killed by signal 9", "lost the
+  // connection to rank 0 (actor a-…, CPU on node n-…)"), without file paths; "" while alive.
   std::string death() const;
 
   Status submit(StepInput step) override;
   Expected<StepOutput> collect() override;
   // Drops every step in flight: their outputs are read and thrown away as they arrive (a step
   // the actors started runs to its end), so the group is idle and a later submit starts clean.
-  // How many were dropped, or how a rank failed meanwhile (as collect names it).
-  Expected<int> abort();
+  // How many were dropped, or how a rank failed meanwhile (as collect names it); past `within`
+  // it stops waiting (DEADLINE_EXCEEDED) and the group is for destruction only.
+  Expected<int> abort(std::chrono::milliseconds within = std::chrono::minutes(10));
   int pipeline_depth() const override { return spec_.load.parallel.pp_size; }
 
   // Where the last collected step's time went, in microseconds: submit to collect as the
@@ -88,6 +100,17 @@ class WorkerGroup final : public StepExecutor {
   Status explain(Status failed);
   // The first death reported among this group's actors, if any.
   const ActorView* first_death() const;
+  // Collects the oldest step, giving up at `deadline`.
+  Expected<StepOutput> collect_until(std::chrono::steady_clock::time_point deadline);
+  // Records the first lost connection (or dead node) and wakes every wait on the group.
+  void lose(std::string why, bool daemon_gone);
+  // After a loss: how the group failed, waiting briefly for a death report (which says how the
+  // actor died) when its daemon may still send one.
+  Status failure();
+  // Watches the actors' and the head's connections and the cluster's node deaths.
+  void start_watching(ClusterClient& cluster);
+  // "rank 1: " when the group has several ranks and the actor is one of them.
+  std::string rank_prefix(const std::string& actor_id) const;
 
   EventLoop& loop_;
   WorkerGroupSpec spec_;
@@ -99,6 +122,11 @@ class WorkerGroup final : public StepExecutor {
   std::vector<std::unique_ptr<Pending>> pending_;
   StepTimes last_times_;
   std::vector<float> last_logits_;
+  std::string lost_;          // the first loss, "" while none
+  bool daemon_gone_ = false;  // the loss was a daemon or the head: no death report will come
+  bool reported_ = false;     // the failure was logged (with the dead actor's log)
+  struct Watch;               // the watching promises, and the one the first loss resolves
+  std::unique_ptr<Watch> watch_;
 };
 
 }  // namespace tessera

@@ -80,6 +80,12 @@ struct EngineStats {
   uint64_t prompt_tokens = 0;         // prompt tokens of requests that produced a first token
   uint64_t generation_tokens = 0;     // tokens sampled
   uint64_t preemptions = 0;
+  // Kept by the server's engine thread across worker-group restarts (the engine is new after
+  // each): restarts that brought the model back, restarts that failed, and requests failed
+  // because they were running at each of kMaxRequestRestarts group deaths.
+  uint64_t restarts = 0;
+  uint64_t restart_failures = 0;
+  uint64_t requests_failed_by_restarts = 0;
 };
 
 class LlmEngine {

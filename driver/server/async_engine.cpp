@@ -21,7 +21,7 @@ Expected<std::unique_ptr<AsyncEngine>> AsyncEngine::start(EngineArgs args, std::
     self->loaded_ = self->session_->model();
     self->load_seconds_ = self->session_->load_seconds();
     self->healthy_ = true;
-    self->stats_ = self->session_->engine().stats();
+    self->publish_stats();
     opened.set_value(Status::ok());
     self->run();
     self->session_.reset();  // the actors stop; on this thread, which owns the event loop
@@ -163,17 +163,41 @@ void AsyncEngine::drain_commands() {
   }
 }
 
+void AsyncEngine::publish_stats() {
+  EngineStats now = session_->engine().stats();
+  now.restarts = restarts_;
+  now.restart_failures = restart_failures_;
+  now.requests_failed_by_restarts = requests_failed_by_restarts_;
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_ = now;
+}
+
 void AsyncEngine::recover() {
   const std::string why = unhealthy_reason();
-  // Requests that streamed tokens fail; the others run again on the new group.
+  // Requests that streamed tokens fail; so do those that were running each time the group
+  // died; the others run again on the new group.
   for (auto it = tracked_.begin(); it != tracked_.end();) {
-    if (it->second.emitted) {
+    Tracked& t = it->second;
+    if (t.in_failed_step) ++t.deaths;
+    t.in_failed_step = false;
+    const bool poison = t.deaths >= kMaxRequestRestarts;
+    if (t.emitted || poison) {
       RequestOutput last;
       last.request_id = it->first;
       last.finished = true;
-      last.finish_reason = "error: " + why;
-      last.prompt_tokens = it->second.prompt.size();
-      it->second.sink(std::move(last));
+      last.finish_reason =
+          "error: " + (poison ? "the worker group died " + std::to_string(t.deaths) +
+                                    " times while this request was running, so it is not run "
+                                    "again (last: " +
+                                    why + ")"
+                              : why);
+      last.prompt_tokens = t.prompt.size();
+      if (poison) {
+        ++requests_failed_by_restarts_;
+        spdlog::error("request {} failed: the group died {} times while it ran ({} prompt tokens)",
+                      it->first, t.deaths, t.prompt.size());
+      }
+      t.sink(std::move(last));
       it = tracked_.erase(it);
     } else {
       it->second.engine_id = 0;
@@ -203,12 +227,14 @@ void AsyncEngine::recover() {
         ours_[*id] = it->first;
         ++it;
       }
+      ++restarts_;
+      publish_stats();
       std::lock_guard<std::mutex> lock(mu_);
-      stats_ = session_->engine().stats();
       healthy_ = true;
       unhealthy_.clear();
       return;
     }
+    ++restart_failures_;
     spdlog::error("restart failed: {}", st.message());
     set_unhealthy(why + "; restart failed: " + st.message());
     std::unique_lock<std::mutex> lock(mu_);
@@ -254,6 +280,7 @@ void AsyncEngine::run() {
         if (!out.new_tokens.empty()) t->second.emitted = true;
         if (finished && out.finish_reason.rfind("error: ", 0) == 0 && !session_->group().alive()) {
           // Failed because an actor died: recovery decides (rerun, or fail naming the cause).
+          t->second.in_failed_step = true;
           continue;
         }
         out.request_id = ours;
@@ -270,8 +297,7 @@ void AsyncEngine::run() {
       wake_.wait_for(lock, std::chrono::milliseconds(2),
                      [this] { return stop_ || !commands_.empty(); });
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_ = session_->engine().stats();
+    publish_stats();
   }
   // Shutting down: every unfinished request ends, the steps in flight are dropped.
   LlmEngine& engine = session_->engine();
@@ -287,7 +313,7 @@ void AsyncEngine::run() {
     t.sink(std::move(*last));
   }
   tracked_.clear();
-  auto dropped = session_->group().abort();
+  auto dropped = session_->group().abort(kStopWait);
   if (!dropped) spdlog::warn("stopping: {}", dropped.status().message());
 }
 

@@ -12,12 +12,17 @@
 // When an actor dies, the requests that already streamed tokens fail naming the cause (their
 // KV cache is gone), the worker group is started again (new actors, the model reloaded: the
 // session's restart()), and the requests that had not produced anything yet run on it as if
-// nothing happened; requests that arrive meanwhile wait. Health is false from the death until
-// the group is back. After kMaxRestarts failed restarts in a row the engine gives up: every
-// request fails and health stays false.
+// nothing happened; requests that arrive meanwhile wait. A request that was in the failed step
+// each time the group died, kMaxRequestRestarts times (a prompt that kills its actors: a poison
+// request), fails with the cause instead of running again. Health is false from the death until
+// the group is back: the group sees a death within about a second, whether its daemon reports
+// it or the actor's, daemon's or head's connection drops. The group restarts on the nodes that
+// are left (a new local node when the local one died). After kMaxRestarts failed restarts in a
+// row the engine gives up: every request fails and health stays false. /metrics counts restarts.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -90,6 +95,12 @@ class AsyncEngine {
   ModelInfo loaded_;  // as loaded at start
   double load_seconds_ = 0;
   static constexpr int kMaxRestarts = 3;
+  static constexpr int kMaxRequestRestarts = 2;
+  // How long stopping waits for the steps in flight before the group is torn down.
+  static constexpr std::chrono::milliseconds kStopWait{3000};
+  // Engine thread only; copied into stats_.
+  uint64_t restarts_ = 0, restart_failures_ = 0, requests_failed_by_restarts_ = 0;
+  void publish_stats();
   void recover();
   void fail_all(const std::string& why);
   void set_unhealthy(const std::string& why);
@@ -99,7 +110,9 @@ class AsyncEngine {
     SamplingParams sampling;
     Sink sink;
     uint64_t engine_id = 0;
-    bool emitted = false;  // it has streamed tokens: it cannot be rerun unnoticed
+    bool emitted = false;         // it has streamed tokens: it cannot be rerun unnoticed
+    bool in_failed_step = false;  // it was in the step that failed when the group died
+    int deaths = 0;               // group deaths it was running at
   };
   std::unordered_map<uint64_t, Tracked> tracked_;
   std::unordered_map<uint64_t, uint64_t> ours_;  // engine id -> our id

@@ -55,6 +55,14 @@ std::string prometheus(const Metrics& m, const EngineStats& s, const std::string
           static_cast<double>(s.generation_tokens));
   counter("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.",
           static_cast<double>(s.preemptions));
+  counter("tessera:engine_restarts_total",
+          "Worker-group restarts that brought the model back after an actor or node died.",
+          static_cast<double>(s.restarts));
+  counter("tessera:engine_restart_failures_total", "Worker-group restarts that failed.",
+          static_cast<double>(s.restart_failures));
+  counter("tessera:requests_failed_by_restarts_total",
+          "Requests failed, not rerun, because the group died each time they ran.",
+          static_cast<double>(s.requests_failed_by_restarts));
   o << "# HELP vllm:request_success_total Count of successfully processed requests.\n"
     << "# TYPE vllm:request_success_total counter\n";
   for (const auto& [reason, n] : m.finished) {

@@ -158,6 +158,21 @@ TEST_F(FaultsTest, AKilledActorFailsGenerateWithHowItDied) {
     EXPECT_NE(err.find("was killed by signal 9 (SIGKILL); its log: "), std::string::npos) << err;
     EXPECT_EQ(err.find("Peer disconnected"), std::string::npos) << err;
     expect_nothing_left(daemon, actor);
+    // The log it names outlives the local node's folder, and is the dead actor's.
+    const std::string said = "its log: ";
+    const size_t at = err.find(said);
+    ASSERT_NE(at, std::string::npos) << err;
+    const size_t end = err.find_first_of("\n ", at + said.size());
+    const std::string log = err.substr(at + said.size(), end - at - said.size());
+    EXPECT_TRUE(fs::exists(log)) << log << " named in: " << err;
+    EXPECT_EQ(log.rfind(root_ + "/failed-logs/", 0), 0u) << log;
+    std::ifstream in(log);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("actor"), std::string::npos) << log;
+    // The driver's last line, what a remote client would be told too, names no path.
+    const size_t last = err.rfind("tessera generate: ");
+    ASSERT_NE(last, std::string::npos) << err;
+    EXPECT_EQ(err.find(root_, last), std::string::npos) << err.substr(last);
   }
 }
 
