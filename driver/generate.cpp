@@ -7,8 +7,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string_view>
 
 #include "common/tokenizer/tokenizer.h"
+#include "common/tokenizer/unicode.h"
 #include "driver/engine/engine.h"
 #include "driver/llm.h"
 #include "driver/model_session.h"
@@ -17,34 +19,66 @@ namespace tessera {
 
 namespace {
 
-// --input: one JSON object per line, {"prompt": "..."} or {"prompt_token_ids": [...]}.
-Status read_inputs(const std::string& path, std::vector<std::string>& texts,
-                   std::vector<std::vector<int32_t>>& ids, const Tokenizer& tokenizer) {
+// The offset of the first byte of `text` that is not well-formed UTF-8, or nullopt.
+std::optional<size_t> invalid_utf8_at(std::string_view text) {
+  static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD itself is fine
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t start = pos;
+    if (tokenizer::next_code_point(text, pos) == tokenizer::kReplacementChar &&
+        text.substr(start, kReplacement.size()) != kReplacement) {
+      return start;
+    }
+  }
+  return std::nullopt;
+}
+
+// "prompt N is not valid UTF-8 at byte K (0xXX)" (N from 1, K from 0), or OK.
+Status check_utf8(std::string_view text, size_t prompt_number, const std::string& where = {}) {
+  const auto at = invalid_utf8_at(text);
+  if (!at) return Status::ok();
+  char byte[8];
+  std::snprintf(byte, sizeof(byte), "0x%02x", static_cast<unsigned char>(text[*at]));
+  return invalid_argument((where.empty() ? "" : where + ": ") + "prompt " +
+                          std::to_string(prompt_number) + " is not valid UTF-8 at byte " +
+                          std::to_string(*at) + (where.empty() ? "" : " of the line") + " (" +
+                          byte + ")");
+}
+
+// One --input prompt: its text, or its token ids.
+struct InputPrompt {
+  std::optional<std::string> text;
+  std::vector<int32_t> ids;
+};
+
+// --input: one JSON object per line, {"prompt": "..."} or {"prompt_token_ids": [...]}. Read
+// whole before a node starts, so that a bad line fails at once.
+Expected<std::vector<InputPrompt>> read_inputs(const std::string& path) {
   std::ifstream in(path);
   if (!in) return not_found("--input: cannot read " + path);
+  std::vector<InputPrompt> prompts;
   std::string line;
   for (size_t n = 1; std::getline(in, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = "--input " + path + " line " + std::to_string(n);
+    // JSON text is UTF-8: say where it is not, rather than "not a JSON object".
+    TESSERA_RETURN_IF_ERROR(check_utf8(line, prompts.size() + 1, where));
     auto j = nlohmann::json::parse(line, nullptr, false);
-    const std::string where = path + " line " + std::to_string(n);
     if (!j.is_object()) return invalid_argument(where + ": not a JSON object");
+    InputPrompt p;
     if (j.contains("prompt") && j["prompt"].is_string()) {
-      texts.push_back(j["prompt"].get<std::string>());
-      ids.push_back(tokenizer.encode(texts.back(), /*add_special_tokens=*/true));
+      p.text = j["prompt"].get<std::string>();
     } else if (j.contains("prompt_token_ids") && j["prompt_token_ids"].is_array()) {
-      std::vector<int32_t> p;
       for (const auto& t : j["prompt_token_ids"]) {
         if (!t.is_number_integer()) return invalid_argument(where + ": token ids are integers");
-        p.push_back(t.get<int32_t>());
+        p.ids.push_back(t.get<int32_t>());
       }
-      texts.push_back(tokenizer.decode(p, false));
-      ids.push_back(std::move(p));
     } else {
       return invalid_argument(where + ": give \"prompt\" (text) or \"prompt_token_ids\"");
     }
+    prompts.push_back(std::move(p));
   }
-  if (ids.empty()) return invalid_argument("--input " + path + " has no prompts");
-  return Status::ok();
+  if (prompts.empty()) return invalid_argument("--input " + path + " has no prompts");
+  return prompts;
 }
 
 nlohmann::json result_json(const GenerationResult& r) {
@@ -69,6 +103,14 @@ Status run(const GenerateOptions& o) {
   TESSERA_RETURN_IF_ERROR(validate(o.engine));
   TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(o.engine.model));
   TESSERA_RETURN_IF_ERROR(o.sampling.validate(config.vocab_size));
+  // Prompts are text: ill-formed UTF-8 is refused, not silently replaced.
+  for (size_t i = 0; i < o.prompts.size(); ++i) {
+    TESSERA_RETURN_IF_ERROR(check_utf8(o.prompts[i], i + 1).with_context("--prompt"));
+  }
+  std::vector<InputPrompt> inputs;
+  if (!o.input.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(inputs, read_inputs(o.input));
+  }
   std::unique_ptr<std::ofstream> output;
   if (!o.output.empty()) {
     output = std::make_unique<std::ofstream>(o.output);
@@ -81,7 +123,15 @@ Status run(const GenerateOptions& o) {
   std::vector<std::string> texts = o.prompts;
   std::vector<std::vector<int32_t>> ids;
   if (!o.input.empty()) {
-    TESSERA_RETURN_IF_ERROR(read_inputs(o.input, texts, ids, session->tokenizer()));
+    for (auto& p : inputs) {
+      if (p.text) {
+        ids.push_back(session->tokenizer().encode(*p.text, /*add_special_tokens=*/true));
+        texts.push_back(std::move(*p.text));
+      } else {
+        texts.push_back(session->tokenizer().decode(p.ids, false));
+        ids.push_back(std::move(p.ids));
+      }
+    }
   } else {
     for (const auto& p : texts) ids.push_back(session->tokenizer().encode(p, true));
   }

@@ -1,6 +1,7 @@
 #include "driver/server/openai_api.h"
 
 #include <cmath>
+#include <limits>
 
 #include "common/tokenizer/tokenizer.h"
 #include "driver/chat/chat_template.h"
@@ -304,7 +305,14 @@ std::optional<ApiError> parse_request(const json& body, bool chat, const ServedM
   if (temperature) s.temperature = static_cast<float>(*temperature);
   if (top_p) s.top_p = static_cast<float>(*top_p);
   if (min_p) s.min_p = static_cast<float>(*min_p);
-  if (top_k) s.top_k = static_cast<int>(std::clamp<int64_t>(*top_k, -2, 1 << 30));
+  if (top_k) {
+    // SamplingParams::validate judges the value as sent (and names it); above int's range is
+    // "off" (at least the vocabulary), below it cannot be carried.
+    if (*top_k < std::numeric_limits<int>::min()) {
+      return bad_request("top_k is out of range: " + std::to_string(*top_k), "top_k");
+    }
+    s.top_k = static_cast<int>(std::min<int64_t>(*top_k, 1 << 30));
+  }
   if (top_k && *top_k == 0) s.top_k = -1;  // vLLM treats 0 as off
   if (presence) s.presence_penalty = static_cast<float>(*presence);
   if (frequency) s.frequency_penalty = static_cast<float>(*frequency);

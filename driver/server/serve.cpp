@@ -1,9 +1,14 @@
 #include "driver/server/serve.h"
 
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
@@ -12,20 +17,27 @@
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
+#include <thread>
+#include <utility>
 
 #include "common/tokenizer/tokenizer.h"
 #include "driver/chat/chat_template.h"
@@ -63,6 +75,12 @@ CLI::App* add_serve_subcommand(CLI::App& app, ServeOptions& o) {
                 "Parse tool calls in chat output (needs --tool-call-parser)");
   cmd->add_option("--tool-call-parser", o.tool_call_parser,
                   "How tool calls are written: hermes (<tool_call>{...}</tool_call>)");
+  cmd->add_option("--max-connections", o.max_connections,
+                  "Open HTTP connections at most; beyond it a new connection is answered 503 and "
+                  "closed (1024)");
+  cmd->add_option("--timeout-keep-alive", o.timeout_keep_alive,
+                  "Seconds before an idle connection, or one still sending its request header, "
+                  "is closed (5)");
   cmd->footer("Example: tessera serve /models/Llama-3.1-8B-Instruct -tp 2 --port 8000");
   return cmd;
 }
@@ -114,69 +132,371 @@ int64_t unix_now() {
       .count();
 }
 
+// ---- connection limits ---------------------------------------------------------------------
+
+// A request body may pause this long between reads before the connection is dropped.
+constexpr auto kBodyReadGap = std::chrono::seconds(30);
+// A connection whose request body is not read (401, 404, 413, ...) sends its answer and FIN,
+// then discards what the client still sends, into one fixed buffer, for at most this long and
+// this many bytes before it closes: a client still sending then reads the answer instead of
+// meeting a reset that can discard it. Nothing of the body is kept.
+constexpr auto kLingerTime = std::chrono::seconds(1);
+constexpr size_t kLingerBytes = 1 << 20;
+// Connections over --max-connections being answered 503 at once; beyond that they are closed
+// without an answer.
+constexpr size_t kMaxRefusing = 64;
+// Accept failures (EMFILE: no descriptor left) are logged at most once per this long, and the
+// accept loop waits between attempts while they last, 50 ms doubling up to 1 s.
+constexpr auto kAcceptLogEvery = std::chrono::seconds(5);
+constexpr auto kAcceptPauseMin = std::chrono::milliseconds(50);
+constexpr auto kAcceptPauseMax = std::chrono::milliseconds(1000);
+
+// At most one log line per `every`; counts the events in between that were not logged.
+class Throttle {
+ public:
+  explicit Throttle(Clock::duration every) : every_(every) {}
+  // True when this event is to be logged; `skipped` is then how many were not since the last.
+  bool allow(uint64_t& skipped) {
+    const auto now = Clock::now();
+    if (logged_ && now - last_ < every_) {
+      ++skipped_;
+      return false;
+    }
+    logged_ = true;
+    last_ = now;
+    skipped = std::exchange(skipped_, 0);
+    return true;
+  }
+  void reset() {
+    logged_ = false;
+    skipped_ = 0;
+  }
+
+ private:
+  Clock::duration every_;
+  Clock::time_point last_{};
+  bool logged_ = false;
+  uint64_t skipped_ = 0;
+};
+
+// " (N more not logged)" for a throttled log line, or "".
+std::string not_logged(uint64_t skipped) {
+  return skipped > 0 ? " (" + std::to_string(skipped) + " more not logged)" : std::string();
+}
+
+uint64_t descriptor_limit() {
+  rlimit r{};
+  return ::getrlimit(RLIMIT_NOFILE, &r) == 0 ? static_cast<uint64_t>(r.rlim_cur) : 0;
+}
+
+// Descriptors the server needs besides its connections (engine, logs, the node's sockets).
+constexpr uint64_t kDescriptorReserve = 256;
+
+// Raises the soft descriptor limit (ulimit -n) toward --max-connections plus a reserve, up to
+// the hard limit; warns when that is not enough. Done before the local node starts, so that it
+// inherits the same limit.
+void fit_descriptor_limit(int max_connections) {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return;
+  const uint64_t want = static_cast<uint64_t>(max_connections) + kDescriptorReserve;
+  if (r.rlim_cur != RLIM_INFINITY && r.rlim_cur < want) {
+    rlimit raised = r;
+    raised.rlim_cur = r.rlim_max == RLIM_INFINITY ? want : std::min<uint64_t>(r.rlim_max, want);
+    if (raised.rlim_cur > r.rlim_cur && ::setrlimit(RLIMIT_NOFILE, &raised) == 0) r = raised;
+  }
+  if (r.rlim_cur != RLIM_INFINITY && r.rlim_cur < want) {
+    spdlog::warn(
+        "the descriptor limit (ulimit -n) is {} and its hard limit {}: fewer than "
+        "--max-connections {} connections can be open (accept then fails until one closes); "
+        "raise the hard limit or lower --max-connections",
+        r.rlim_cur, r.rlim_max, max_connections);
+  }
+}
+
+void set_cloexec(int fd) {
+  const int flags = ::fcntl(fd, F_GETFD);
+  if (flags >= 0) ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
+}
+
+// One HTTP connection. `count` (the server's open or refusing connections) is one higher while
+// it lives. I/O thread only.
 struct Conn {
-  explicit Conn(tcp::socket s) : stream(std::move(s)) {}
+  Conn(tcp::socket s, std::shared_ptr<size_t> count) : stream(std::move(s)), count_(count) {
+    ++*count_;
+  }
+  ~Conn() { --*count_; }
+  Conn(const Conn&) = delete;
+  Conn& operator=(const Conn&) = delete;
   beast::tcp_stream stream;
   beast::flat_buffer buffer;
+
+ private:
+  std::shared_ptr<size_t> count_;
 };
 
 using Request = http::request<http::string_body>;
+using Parser = http::request_parser<http::string_body>;
+
+enum class Route {
+  kNone,
+  kHealth,
+  kVersion,
+  kMetrics,
+  kModels,
+  kCompletions,
+  kChat,
+  kGenerate,
+  kTokenize,
+  kDetokenize
+};
+
+Route route_of(const std::string& path) {
+  static const std::map<std::string, Route, std::less<>> kRoutes = {
+      {"/health", Route::kHealth},
+      {"/version", Route::kVersion},
+      {"/metrics", Route::kMetrics},
+      {"/v1/models", Route::kModels},
+      {"/v1/completions", Route::kCompletions},
+      {"/v1/chat/completions", Route::kChat},
+      {"/generate", Route::kGenerate},
+      {"/tokenize", Route::kTokenize},
+      {"/detokenize", Route::kDetokenize}};
+  auto it = kRoutes.find(path);
+  return it == kRoutes.end() ? Route::kNone : it->second;
+}
+
+// Routes open without the API key (and only for GET).
+bool is_open_route(Route r) {
+  return r == Route::kHealth || r == Route::kVersion || r == Route::kMetrics;
+}
+
+// What a worker makes of a POST body: the request for the engine, the JSON answer of
+// /tokenize and /detokenize, or the error to send.
+struct Prepared {
+  std::optional<ApiError> error;
+  ApiRequest request;
+  std::string response;
+};
 
 class Server {
  public:
-  Server(asio::io_context& ioc, AsyncEngine& engine, ServedModel model, std::string api_key,
-         uint64_t max_request_bytes)
+  Server(asio::io_context& ioc, AsyncEngine& engine, ServedModel model, const ServeOptions& o)
       : ioc_(ioc),
         engine_(engine),
         model_(std::move(model)),
-        api_key_(std::move(api_key)),
-        max_request_bytes_(max_request_bytes) {}
+        api_key_(o.api_key),
+        max_request_bytes_(o.max_request_bytes),
+        max_connections_(static_cast<size_t>(o.max_connections)),
+        timeout_keep_alive_(std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(o.timeout_keep_alive))),
+        workers_(std::clamp(std::thread::hardware_concurrency() / 2, 2u, 4u)) {}
+
+  // Ends the workers (a running parse finishes first); before the engine and its tokenizer go.
+  void stop_workers() {
+    workers_.stop();
+    workers_.join();
+  }
 
   awaitable<void> accept_loop(tcp::acceptor& acceptor) {
+    auto pause = kAcceptPauseMin;
+    uint64_t failures = 0;  // since accept last worked
     while (acceptor.is_open()) {
       beast::error_code ec;
-      tcp::socket socket = co_await acceptor.async_accept(asio::redirect_error(use_awaitable, ec));
+      co_await acceptor.async_wait(tcp::acceptor::wait_read,
+                                   asio::redirect_error(use_awaitable, ec));
+      if (ec == asio::error::operation_aborted || !acceptor.is_open()) co_return;
+      // accept4: close-on-exec from the start, so that no process forked meanwhile (the local
+      // node, its actors) holds a client's connection.
+      const int fd =
+          ec ? -1
+             : ::accept4(acceptor.native_handle(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        const int err = ec ? ec.value() : errno;
+        if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || err == ECONNABORTED) continue;
+        ++failures;
+        uint64_t skipped = 0;
+        if (accept_log_.allow(skipped)) {
+          spdlog::warn(
+              "accept failed: {}{}; new connections wait in the listen backlog until it works "
+              "again ({} connections open, descriptor limit {}: raise `ulimit -n` or lower "
+              "--max-connections {}); still serving",
+              ec ? ec.message() : std::string(std::strerror(err)), not_logged(skipped), *open_,
+              descriptor_limit(), max_connections_);
+        }
+        asio::steady_timer timer(ioc_, pause);
+        co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+        pause = std::min<std::chrono::milliseconds>(pause * 2, kAcceptPauseMax);
+        continue;
+      }
+      if (failures > 0) {
+        spdlog::info("accept works again after {} failed attempts", failures);
+        failures = 0;
+        accept_log_.reset();
+      }
+      pause = kAcceptPauseMin;
+      tcp::socket socket(ioc_);
+      socket.assign(acceptor.local_endpoint(ec).protocol(), fd, ec);
       if (ec) {
-        if (ec == asio::error::operation_aborted || !acceptor.is_open()) co_return;
-        spdlog::warn("accept failed: {}; still serving", ec.message());
-        asio::steady_timer pause(ioc_, std::chrono::milliseconds(50));  // EMFILE: back off
-        co_await pause.async_wait(asio::redirect_error(use_awaitable, ec));
+        ::close(fd);
         continue;
       }
       socket.set_option(tcp::no_delay(true), ec);
-      asio::co_spawn(ioc_, session(std::make_shared<Conn>(std::move(socket))), asio::detached);
+      if (*open_ >= max_connections_) {
+        uint64_t skipped = 0;
+        if (refuse_log_.allow(skipped)) {
+          spdlog::warn(
+              "{} connections are open (--max-connections): new ones are answered 503{}; raise "
+              "--max-connections if the clients are legitimate",
+              *open_, not_logged(skipped));
+        }
+        if (*refusing_ < kMaxRefusing) {
+          asio::co_spawn(ioc_, refuse(std::make_shared<Conn>(std::move(socket), refusing_)),
+                         asio::detached);
+        }
+        continue;  // else the socket closes here, unanswered
+      }
+      asio::co_spawn(ioc_, session(std::make_shared<Conn>(std::move(socket), open_)),
+                     asio::detached);
     }
   }
 
  private:
   awaitable<void> session(std::shared_ptr<Conn> c) {
     while (true) {
-      http::request_parser<http::string_body> parser;
-      parser.body_limit(max_request_bytes_);
+      Parser parser;
+      // The header first; the body is read only once the header passed authentication, so no
+      // limit while the header is read (check_header applies it). Not boost::none: Beast
+      // compares the Content-Length with the optional limit, and an empty optional is below
+      // every length, so every body would be refused.
+      parser.body_limit(std::numeric_limits<std::uint64_t>::max());
       beast::error_code ec;
-      c->stream.expires_after(std::chrono::seconds(300));  // idle keep-alive connections end
-      co_await http::async_read(c->stream, c->buffer, parser,
-                                asio::redirect_error(use_awaitable, ec));
+      c->stream.expires_after(timeout_keep_alive_);  // idle keep-alive, slow headers
+      co_await http::async_read_header(c->stream, c->buffer, parser,
+                                       asio::redirect_error(use_awaitable, ec));
+      if (ec == http::error::end_of_stream || ec == asio::error::eof ||
+          ec == beast::error::timeout || ec == asio::error::connection_reset) {
+        break;
+      }
+      c->stream.expires_never();
+      if (ec) {
+        // Malformed HTTP or a header over Beast's limit: say so and close.
+        const ApiError e = api_error(ec == http::error::header_limit ? 431 : 400,
+                                     "malformed HTTP request: " + ec.message(), "BadRequestError");
+        co_await send_error(c, e, false);
+        co_await linger_close(c);
+        co_return;
+      }
+      const auto& head = parser.get();
+      const bool keep_alive = head.keep_alive();
+      std::string target(head.target());
+      if (auto q = target.find('?'); q != std::string::npos) target.resize(q);
+      const Route route = route_of(target);
+      // Answered from the header: the body, if any, is never read, and the connection closes.
+      const bool unread_body = !parser.is_done();
+      std::optional<ApiError> refused = check_header(parser, route, target);
+      if (refused || route == Route::kHealth || route == Route::kVersion ||
+          route == Route::kMetrics || route == Route::kModels) {
+        const bool stay = keep_alive && !unread_body;
+        const bool open =
+            refused ? co_await send_error(c, *refused, stay) : co_await answer_get(c, route, stay);
+        if (unread_body) {
+          co_await linger_close(c);
+          co_return;
+        }
+        if (!open || !stay) break;
+        continue;
+      }
+      // An authenticated POST: now its body, up to --max-request-bytes.
+      if (beast::iequals(head[http::field::expect], "100-continue")) {
+        static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+        c->stream.expires_after(std::chrono::seconds(10));
+        co_await asio::async_write(c->stream, asio::buffer(kContinue),
+                                   asio::redirect_error(use_awaitable, ec));
+        if (ec) break;
+      }
+      parser.body_limit(max_request_bytes_);
+      while (!ec && !parser.is_done()) {
+        c->stream.expires_after(kBodyReadGap);
+        co_await http::async_read_some(c->stream, c->buffer, parser,
+                                       asio::redirect_error(use_awaitable, ec));
+      }
+      c->stream.expires_never();
       if (ec == http::error::end_of_stream || ec == asio::error::eof ||
           ec == beast::error::timeout || ec == asio::error::connection_reset) {
         break;
       }
       if (ec) {
-        // Malformed HTTP or a body over the limit: say so and close.
-        const int status = ec == http::error::body_limit ? 413 : 400;
-        const ApiError e = api_error(status, "malformed HTTP request: " + ec.message(),
-                                     status == 413 ? "RequestTooLarge" : "BadRequestError");
+        const bool too_large = ec == http::error::body_limit;
+        const ApiError e = too_large ? body_too_large(std::nullopt)
+                                     : api_error(400, "malformed HTTP request: " + ec.message(),
+                                                 "BadRequestError");
         co_await send_error(c, e, false);
-        break;
+        co_await linger_close(c);
+        co_return;
       }
-      c->stream.expires_never();
       Request req = parser.release();
-      const bool keep_alive = req.keep_alive();
-      const bool open = co_await route(c, req, keep_alive);
+      const bool open = co_await answer_post(c, route, req, keep_alive);
       if (!open || !keep_alive) break;
     }
     beast::error_code ignored;
     c->stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+  }
+
+  ApiError body_too_large(std::optional<uint64_t> size) const {
+    return api_error(
+        413,
+        "the request body" + (size ? " (" + std::to_string(*size) + " bytes)" : std::string()) +
+            " is over this server's limit of " + std::to_string(max_request_bytes_) + " bytes",
+        "RequestTooLarge");
+  }
+
+  // The answer a request gets from its header alone, if any: 404, 401, 405 or 413.
+  std::optional<ApiError> check_header(const Parser& parser, Route route,
+                                       const std::string& target) const {
+    const auto& head = parser.get();
+    const bool get = head.method() == http::verb::get;
+    const bool post = head.method() == http::verb::post;
+    if (route == Route::kNone || (is_open_route(route) && !get)) {
+      return api_error(404, "no route " + target, "NotFoundError");
+    }
+    if (is_open_route(route)) return std::nullopt;
+    if (!authorized(head)) {
+      return api_error(401, "Unauthorized: send 'Authorization: Bearer <the server's --api-key>'",
+                       "AuthenticationError");
+    }
+    if (route == Route::kModels ? !get : !post) {
+      return api_error(405, "method not allowed", "MethodNotAllowed");
+    }
+    if (auto size = parser.content_length(); size && *size > max_request_bytes_) {
+      return body_too_large(std::optional<uint64_t>(*size));
+    }
+    return std::nullopt;
+  }
+
+  // Ends a connection whose request body was not read (kLingerTime says why).
+  awaitable<void> linger_close(std::shared_ptr<Conn> c) {
+    beast::error_code ec;
+    c->stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+    c->buffer.clear();
+    c->buffer.shrink_to_fit();
+    c->stream.expires_after(kLingerTime);
+    size_t discarded = 0;
+    while (!ec && discarded < kLingerBytes) {
+      discarded += co_await c->stream.async_read_some(asio::buffer(sink_),
+                                                      asio::redirect_error(use_awaitable, ec));
+    }
+    c->stream.socket().close(ec);
+  }
+
+  // Over --max-connections: a 503 and close.
+  awaitable<void> refuse(std::shared_ptr<Conn> c) {
+    const ApiError e =
+        api_error(503,
+                  "the server has its maximum of " + std::to_string(max_connections_) +
+                      " connections open (--max-connections); retry later",
+                  "ServiceUnavailableError");
+    co_await send_error(c, e, false);
+    co_await linger_close(c);
   }
 
   awaitable<bool> send(std::shared_ptr<Conn> c, http::status status, std::string body,
@@ -204,7 +524,8 @@ class Server {
                             "application/json", keep_alive);
   }
 
-  bool authorized(const Request& req) const {
+  template <typename Head>
+  bool authorized(const Head& req) const {
     if (api_key_.empty()) return true;
     auto it = req.find(http::field::authorization);
     if (it == req.end()) return false;
@@ -216,67 +537,74 @@ class Server {
     return diff == 0;
   }
 
-  awaitable<bool> route(std::shared_ptr<Conn> c, Request& req, bool keep_alive) {
-    std::string target(req.target());
-    if (auto q = target.find('?'); q != std::string::npos) target.resize(q);
-    const bool get = req.method() == http::verb::get;
-    const bool post = req.method() == http::verb::post;
-    if (target == "/health" && get) {
-      if (engine_.healthy()) {
-        co_return co_await send(c, http::status::ok, "", "text/plain", keep_alive);
+  // GET /health, /version, /metrics, /v1/models (checked by check_header).
+  awaitable<bool> answer_get(std::shared_ptr<Conn> c, Route route, bool keep_alive) {
+    switch (route) {
+      case Route::kHealth:
+        if (engine_.healthy()) {
+          co_return co_await send(c, http::status::ok, "", "text/plain", keep_alive);
+        }
+        co_return co_await send_error(
+            c,
+            api_error(503, "unhealthy: " + engine_.unhealthy_reason(), "ServiceUnavailableError"),
+            keep_alive);
+      case Route::kVersion: {
+        json version;
+        version["version"] = std::string(TESSERA_VERSION);
+        co_return co_await send_json(c, version, keep_alive);
       }
-      const ApiError e =
-          api_error(503, "unhealthy: " + engine_.unhealthy_reason(), "ServiceUnavailableError");
-      co_return co_await send_error(c, e, keep_alive);
+      case Route::kMetrics:
+        co_return co_await send(c, http::status::ok,
+                                prometheus(metrics_, engine_.stats(), model_.names.front()),
+                                "text/plain; version=0.0.4", keep_alive);
+      default:
+        co_return co_await send_json(c, models_response(model_), keep_alive);
     }
-    if (target == "/version" && get) {
-      const json version = {{"version", std::string(TESSERA_VERSION)}};
-      co_return co_await send_json(c, version, keep_alive);
+  }
+
+  // An authenticated POST with its body: parsed and tokenized on a worker, then answered or run.
+  awaitable<bool> answer_post(std::shared_ptr<Conn> c, Route route, const Request& req,
+                              bool keep_alive) {
+    const auto arrived = Clock::now();
+    Prepared p = co_await asio::co_spawn(
+        workers_,
+        [this, route, &req]() -> awaitable<Prepared> { co_return prepare(route, req.body()); },
+        use_awaitable);
+    if (p.error) co_return co_await send_error(c, *p.error, keep_alive);
+    if (route == Route::kTokenize || route == Route::kDetokenize) {
+      co_return co_await send(c, http::status::ok, std::move(p.response), "application/json",
+                              keep_alive);
     }
-    if (target == "/metrics" && get) {
-      co_return co_await send(c, http::status::ok,
-                              prometheus(metrics_, engine_.stats(), model_.names.front()),
-                              "text/plain; version=0.0.4", keep_alive);
+    co_return co_await complete(c, std::move(p.request), route == Route::kChat,
+                                route == Route::kGenerate, keep_alive, arrived);
+  }
+
+  // On a worker: the JSON body parsed, the chat template rendered, the prompts tokenized. Reads
+  // only model_ (immutable; the Tokenizer and ChatTemplate are safe on many threads at once).
+  Prepared prepare(Route route, const std::string& text) const {
+    Prepared p;
+    try {
+      json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (body.is_discarded()) {
+        p.error = bad_request("the request body is not valid JSON");
+      } else if (route == Route::kTokenize) {
+        tokenize(body, p);
+      } else if (route == Route::kDetokenize) {
+        detokenize(body, p);
+      } else {
+        p.error = parse_request(body, route == Route::kChat, model_, p.request);
+      }
+    } catch (const std::exception& e) {
+      p.error = bad_request(std::string("the request could not be parsed: ") + e.what());
     }
-    const bool known = target == "/v1/models" || target == "/v1/completions" ||
-                       target == "/v1/chat/completions" || target == "/tokenize" ||
-                       target == "/detokenize" || target == "/generate";
-    if (!known) {
-      const ApiError e = api_error(404, "no route " + target, "NotFoundError");
-      co_return co_await send_error(c, e, keep_alive);
-    }
-    if (!authorized(req)) {
-      const ApiError e =
-          api_error(401, "Unauthorized: send 'Authorization: Bearer <the server's --api-key>'",
-                    "AuthenticationError");
-      co_return co_await send_error(c, e, keep_alive);
-    }
-    if (target == "/v1/models") {
-      if (!get) co_return co_await method_not_allowed(c, keep_alive);
-      co_return co_await send_json(c, models_response(model_), keep_alive);
-    }
-    if (!post) co_return co_await method_not_allowed(c, keep_alive);
-    json body = json::parse(req.body(), nullptr, /*allow_exceptions=*/false);
-    if (body.is_discarded()) {
-      co_return co_await send_error(c, bad_request("the request body is not valid JSON"),
-                                    keep_alive);
-    }
-    if (target == "/tokenize") co_return co_await tokenize(c, body, keep_alive);
-    if (target == "/detokenize") co_return co_await detokenize(c, body, keep_alive);
-    const bool chat = target == "/v1/chat/completions";
-    co_return co_await complete(c, body, chat, target == "/generate", keep_alive);
+    return p;
   }
 
   json tokens_json(const std::vector<int32_t>& ids) const {
     return {{"count", ids.size()}, {"max_model_len", model_.max_model_len}, {"tokens", ids}};
   }
 
-  awaitable<bool> method_not_allowed(std::shared_ptr<Conn> c, bool keep_alive) {
-    const ApiError e = api_error(405, "method not allowed", "MethodNotAllowed");
-    co_return co_await send_error(c, e, keep_alive);
-  }
-
-  awaitable<bool> tokenize(std::shared_ptr<Conn> c, const json& body, bool keep_alive) {
+  void tokenize(const json& body, Prepared& p) const {
     ApiRequest parsed;
     const bool chat = body.is_object() && body.contains("messages");
     json as_request = body;
@@ -287,38 +615,34 @@ class Server {
         const bool add = body.value("add_special_tokens", true);
         if (!add && body.contains("prompt") && body["prompt"].is_string()) {
           auto ids = model_.tokenizer->encode(body["prompt"].get<std::string>(), false);
-          const json out = tokens_json(ids);
-          co_return co_await send_json(c, out, keep_alive);
+          p.response = tokens_json(ids).dump();
+          return;
         }
       }
       as_request["max_tokens"] = 1;
     }
     if (auto e = parse_request(as_request, chat, model_, parsed)) {
-      co_return co_await send_error(c, *e, keep_alive);
+      p.error = std::move(e);
+      return;
     }
-    const auto& ids = parsed.prompts.front();
-    const json out = tokens_json(ids);
-    co_return co_await send_json(c, out, keep_alive);
+    p.response = tokens_json(parsed.prompts.front()).dump();
   }
 
-  awaitable<bool> detokenize(std::shared_ptr<Conn> c, const json& body, bool keep_alive) {
+  void detokenize(const json& body, Prepared& p) const {
     if (!body.is_object() || !body.contains("tokens") || !body["tokens"].is_array()) {
-      co_return co_await send_error(c, bad_request("tokens must be a list of token ids", "tokens"),
-                                    keep_alive);
+      p.error = bad_request("tokens must be a list of token ids", "tokens");
+      return;
     }
     std::vector<int32_t> ids;
     for (const auto& t : body["tokens"]) {
       if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= model_.vocab_size) {
-        co_return co_await send_error(
-            c,
-            bad_request("tokens must be ids in [0, " + std::to_string(model_.vocab_size) + ")",
-                        "tokens"),
-            keep_alive);
+        p.error = bad_request(
+            "tokens must be ids in [0, " + std::to_string(model_.vocab_size) + ")", "tokens");
+        return;
       }
       ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
     }
-    const json out = {{"prompt", model_.tokenizer->decode(ids, false)}};
-    co_return co_await send_json(c, out, keep_alive);
+    p.response = json{{"prompt", model_.tokenizer->decode(ids, false)}}.dump();
   }
 
   // Watches the socket while a request runs: a client that closes it aborts the request.
@@ -336,13 +660,9 @@ class Server {
     // n > 0: the client pipelined its next request; it is still there.
   }
 
-  awaitable<bool> complete(std::shared_ptr<Conn> c, const json& body, bool chat, bool legacy,
-                           bool keep_alive) {
-    const auto arrived = Clock::now();
-    ApiRequest req;
-    if (auto e = parse_request(body, chat, model_, req)) {
-      co_return co_await send_error(c, *e, keep_alive);
-    }
+  // Runs a parsed request on the engine and sends its answer (whole, or as a stream).
+  awaitable<bool> complete(std::shared_ptr<Conn> c, ApiRequest req, bool chat, bool legacy,
+                           bool keep_alive, Clock::time_point arrived) {
     const std::string id = random_id(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = unix_now();
     auto p = std::make_shared<Pending>(ioc_.get_executor());
@@ -540,10 +860,19 @@ class Server {
 
   asio::io_context& ioc_;
   AsyncEngine& engine_;
-  ServedModel model_;
-  std::string api_key_;
-  uint64_t max_request_bytes_;
+  const ServedModel model_;
+  const std::string api_key_;
+  const uint64_t max_request_bytes_;
+  const size_t max_connections_;
+  const Clock::duration timeout_keep_alive_;
   Metrics metrics_;
+  // Connections open (sessions) and being refused; I/O thread only.
+  std::shared_ptr<size_t> open_ = std::make_shared<size_t>(0);
+  std::shared_ptr<size_t> refusing_ = std::make_shared<size_t>(0);
+  Throttle accept_log_{kAcceptLogEvery};
+  Throttle refuse_log_{kAcceptLogEvery};
+  std::array<char, 16384> sink_{};  // what lingering connections discard; I/O thread only
+  asio::thread_pool workers_;       // request parsing and tokenization
 };
 
 Expected<std::string> read_text(const std::string& path) {
@@ -555,6 +884,9 @@ Expected<std::string> read_text(const std::string& path) {
 }
 
 }  // namespace
+
+// How long SIGTERM may take to end the server (Kubernetes gives 30 s, Docker 10 s).
+constexpr std::chrono::seconds kStopGrace{8};
 
 int serve_command(const ServeOptions& options) {
   auto fail = [](const Status& st) {
@@ -580,6 +912,16 @@ int serve_command(const ServeOptions& options) {
                                  "' is not one Tessera has: hermes"));
   }
 
+  if (o.max_connections < 1) {
+    return fail(invalid_argument("--max-connections must be at least 1, got " +
+                                 std::to_string(o.max_connections)));
+  }
+  if (!(o.timeout_keep_alive > 0 && o.timeout_keep_alive <= 86400)) {
+    return fail(invalid_argument("--timeout-keep-alive must be in (0, 86400] seconds, got " +
+                                 std::to_string(o.timeout_keep_alive)));
+  }
+  fit_descriptor_limit(o.max_connections);
+
   // The port first: a busy one fails before a model loads for minutes.
   asio::io_context ioc(1);
   tcp::acceptor acceptor(ioc);
@@ -589,6 +931,9 @@ int serve_command(const ServeOptions& options) {
     if (ec) return fail(invalid_argument("--host '" + o.host + "' is not an IP address"));
     tcp::endpoint endpoint(address, o.port);
     acceptor.open(endpoint.protocol(), ec);
+    // Close-on-exec before the local node is forked: it and its actors must not hold the port.
+    if (!ec) set_cloexec(acceptor.native_handle());
+    if (!ec) acceptor.non_blocking(true, ec);  // accept4 after a readiness wait never blocks
     if (!ec) acceptor.set_option(asio::socket_base::reuse_address(true), ec);
     if (!ec) acceptor.bind(endpoint, ec);
     if (ec) {
@@ -643,7 +988,7 @@ int serve_command(const ServeOptions& options) {
   beast::error_code ec;
   acceptor.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) return fail(unavailable("cannot listen: " + ec.message()));
-  Server server(ioc, **engine, model, o.api_key, o.max_request_bytes);
+  Server server(ioc, **engine, model, o);
   asio::signal_set signals(ioc, SIGINT, SIGTERM);
   signals.async_wait([&](const beast::error_code& e, int sig) {
     if (e) return;
@@ -676,7 +1021,23 @@ int serve_command(const ServeOptions& options) {
   // Tests and scripts wait for this line on stdout.
   std::cout << "tessera serve: ready on http://" << o.host << ":" << endpoint.port() << std::endl;
   ioc.run();
-  engine->reset();  // unfinished requests end, the actors stop
+  // Stopping is bounded whatever the engine thread is doing (a restart loading weights, a step
+  // on a stuck group): past the grace the process exits, and what it started goes with it (the
+  // local node by PR_SET_PDEATHSIG, a cluster's actors when their leases' connection closes).
+  auto stopped = std::make_shared<std::promise<void>>();
+  std::thread watchdog([finished = stopped->get_future()]() mutable {
+    if (finished.wait_for(kStopGrace) == std::future_status::timeout) {
+      spdlog::error(
+          "stopping took longer than {} s: exiting now; the daemons stop this server's "
+          "actors",
+          std::chrono::duration_cast<std::chrono::seconds>(kStopGrace).count());
+      std::_Exit(1);
+    }
+  });
+  server.stop_workers();  // they read the tokenizer, which goes with the engine
+  engine->reset();        // unfinished requests end, the actors stop
+  stopped->set_value();
+  watchdog.join();
   return 0;
 }
 

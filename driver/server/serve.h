@@ -7,7 +7,18 @@
 // Endpoints: POST /v1/completions, /v1/chat/completions (JSON or SSE streams ending in
 // "data: [DONE]"), GET /v1/models, /health, /version, /metrics (Prometheus, vLLM's metric
 // names), POST /tokenize, /detokenize and vLLM's legacy /generate. HTTP/1.1 with keep-alive on
-// Boost.Beast; C++20 coroutines on one I/O thread; the engine on its own (async_engine.h).
+// Boost.Beast; C++20 coroutines on one I/O thread; request parsing, chat templates and
+// tokenization on a small worker pool (a large prompt never stalls /health); the engine on its
+// own thread (async_engine.h).
+//
+// Before a client is authenticated the server holds no more than a request header (Beast's
+// 8 KiB limit): the Authorization header is checked before the body is read, and a request
+// that fails it (or any answer that needs no body: 404, 405, 413) is answered from the header,
+// after which the connection closes without reading the body. Open connections are capped
+// (--max-connections; beyond it a connection is answered 503 and closed); a connection that is
+// idle, or sends its header too slowly, is closed after --timeout-keep-alive seconds. The
+// listening socket and accepted connections are close-on-exec: the local node and its actors
+// never hold them.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +42,11 @@ struct ServeOptions {
   std::string chat_template;  // a file, or the template itself; default: the tokenizer's
   std::string generation_config = "auto";  // auto: generation_config.json | vllm: none
   uint64_t max_request_bytes = 32ull << 20;
+  // Open HTTP connections at most; a connection beyond it is answered 503 and closed.
+  int max_connections = 1024;
+  // Seconds a connection may be idle (keep-alive between requests) or take to send a request
+  // header, as uvicorn's --timeout-keep-alive; then it is closed.
+  double timeout_keep_alive = 5.0;
   bool enable_auto_tool_choice = false;  // with tool_call_parser: tool calls become tool_calls
   std::string tool_call_parser;          // hermes
 };

@@ -566,5 +566,34 @@ TEST_F(GenerateTest, TheOfflineApiExampleRuns) {
   EXPECT_EQ(prompts, 4u) << r.out;
 }
 
+// Prompts are text: ill-formed UTF-8 on the command line or in --input is refused, naming the
+// prompt and the byte, before a node starts (it used to become U+FFFD, or "not a JSON object").
+TEST_F(GenerateTest, APromptThatIsNotUtf8IsRefusedNamingTheByte) {
+  CommandResult r;
+  EXPECT_TRUE(generate({"--prompt", "fine", "--prompt",
+                        "ab\xff\xfe"
+                        "cd"},
+                       &r)
+                  .is_null());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("prompt 2 is not valid UTF-8 at byte 2 (0xff)"), std::string::npos) << r.err;
+  // A truncated sequence at the end; U+FFFD written out is fine.
+  EXPECT_TRUE(generate({"--prompt", "\xEF\xBF\xBD ok \xE2\x82"}, &r).is_null());
+  EXPECT_NE(r.err.find("prompt 1 is not valid UTF-8 at byte 7"), std::string::npos) << r.err;
+
+  const std::string in = dir_ + "/not-utf8.jsonl";
+  {
+    std::ofstream f(in, std::ios::binary);
+    f << "{\"prompt\": \"ok\"}\n\n{\"prompt\": \"ab\xff\xfe"
+         "cd\"}\n";
+  }
+  r = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu", "--input", in});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("not-utf8.jsonl line 3: prompt 2 is not valid UTF-8 at byte 14"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("not a JSON object"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace tessera

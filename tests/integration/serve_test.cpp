@@ -5,14 +5,18 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -900,6 +904,354 @@ TEST_F(ServeTest, SigtermWhileStreamingExitsCleanly) {
   clients.join();
   EXPECT_EQ(ended.load(), 3);
   EXPECT_TRUE(wait_until([&] { return !testing::process_alive(actors[0]); }, 10s));
+}
+
+// ---- hostile clients: memory before authentication, connection limits, the I/O thread ----
+
+// A field of /proc/PID/status in kB (VmRSS, VmHWM), or -1.
+long status_kb(int pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::atol(line.c_str() + field.size() + 1);
+  }
+  return -1;
+}
+
+void set_timeouts(int fd, std::chrono::milliseconds t) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(t.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((t.count() % 1000) * 1000);
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// Everything the peer sends until it closes, fails, or the receive timeout passes.
+std::string read_all(int fd) {
+  std::string got;
+  char buf[4096];
+  while (true) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  return got;
+}
+
+// Seconds until the server closes `fd` (recv gives 0 or an error), or -1 after `limit`.
+// `tick` runs every 100 ms meanwhile (a slow client's next bytes).
+double seconds_until_closed(int fd, std::chrono::milliseconds limit,
+                            const std::function<void()>& tick = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < limit) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) > 0) {
+      char buf[4096];
+      const ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+      continue;  // an answer: read on
+    }
+    if (tick) tick();
+  }
+  return -1;
+}
+
+// 20 clients without the key announce 30 MiB bodies and stream 6 MiB each: each gets its 401
+// from the header, and the server keeps none of it (it used to read the whole body before the
+// key: 20 such clients took it from 71 MB to 706 MB).
+TEST_F(ServeTest, WithoutTheKeyNoBodyIsRead) {
+  const int pid = server_->process().pid();
+  const long before = status_kb(pid, "VmRSS");
+  ASSERT_GT(before, 0);
+  const int kClients = 20;
+  const size_t kStream = 6 << 20;
+  std::vector<int> fds;
+  for (int i = 0; i < kClients; ++i) {
+    fds.push_back(connect_local(server_->port()));
+    ASSERT_GE(fds.back(), 0);
+    set_timeouts(fds.back(), 3s);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> senders;
+  for (int i = 0; i < kClients; ++i) {
+    senders.emplace_back([&, fd = fds[i]] {
+      const std::string head =
+          "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+          "Content-Length: " +
+          std::to_string(30 << 20) + "\r\n\r\n";
+      if (::send(fd, head.data(), head.size(), MSG_NOSIGNAL) <= 0) return;
+      const std::string chunk(64 << 10, 'a');
+      for (size_t sent = 0; sent < kStream;) {
+        const ssize_t n = ::send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL);
+        if (n <= 0) break;  // the server closed: it does not read bodies without the key
+        sent += static_cast<size_t>(n);
+      }
+    });
+  }
+  for (auto& t : senders) t.join();
+  // Every client has sent what it could; the connections are still open on this side.
+  const long during = status_kb(pid, "VmRSS");
+  for (int i = 0; i < kClients; ++i) {
+    const std::string got = read_all(fds[i]);
+    ::close(fds[i]);
+    EXPECT_NE(got.find("HTTP/1.1 401 "), std::string::npos) << i << ": " << got;
+    EXPECT_NE(got.find("AuthenticationError"), std::string::npos) << i << ": " << got;
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 10.0);
+  EXPECT_LT(during - before, 16 << 10) << "RSS " << before << " kB -> " << during << " kB";
+  // The server goes on.
+  EXPECT_EQ(server_->call("GET", "/health", "", "").status, 200);
+  EXPECT_EQ(server_->post("/v1/completions", {{"prompt", "hi"}, {"max_tokens", 2}}).status, 200);
+  // A 401 from the header alone also for a small body, and for other routes.
+  EXPECT_NE(raw_request(server_->port(), "POST", "/tokenize", R"({"prompt": "x"})", 0, "wrong")
+                .find("HTTP/1.1 401 "),
+            std::string::npos);
+}
+
+// /health answers at once while a prompt of megabytes is parsed and tokenized (on a worker: it
+// used to run on the one I/O thread, and a 30 MB prompt stalled /health for 3 s).
+TEST_F(ServeTest, HealthAnswersWhileALargePromptIsTokenized) {
+  std::mt19937 rng(7);
+  std::string prompt;
+  const size_t kSize = 8 << 20;
+  prompt.reserve(kSize + 16);
+  while (prompt.size() < kSize) {
+    const int len = 1 + static_cast<int>(rng() % 9);
+    for (int k = 0; k < len; ++k) prompt.push_back(static_cast<char>('a' + rng() % 26));
+    prompt += rng() % 13 == 0 ? ".\n" : " ";
+  }
+  const std::string body = json{{"prompt", prompt}, {"max_tokens", 1}}.dump();
+  std::atomic<bool> done{false};
+  std::string answer;
+  double big_seconds = 0;
+  std::thread client([&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    answer = raw_request(server_->port(), "POST", "/v1/completions", body);
+    big_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    done = true;
+  });
+  std::vector<double> latencies;  // of the polls that started while it ran
+  while (!done) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string health = raw_request(server_->port(), "GET", "/health", "", 0, "");
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(health.find("HTTP/1.1 200 "), std::string::npos) << health;
+    latencies.push_back(ms);
+    std::this_thread::sleep_for(20ms);
+  }
+  client.join();
+  // Tokenized whole, then refused as too long for the context.
+  EXPECT_NE(answer.find("HTTP/1.1 400 "), std::string::npos) << answer.substr(0, 500);
+  EXPECT_NE(answer.find("maximum context length"), std::string::npos) << answer.substr(0, 500);
+  ASSERT_GE(latencies.size(), 5u) << "the large prompt took only " << big_seconds << " s";
+  const double worst = *std::max_element(latencies.begin(), latencies.end());
+  EXPECT_LT(worst, 250.0) << "ms for /health; " << latencies.size() << " polls during "
+                          << big_seconds << " s";
+}
+
+// The TCP socket that listens on `port` (state 0A in /proc/net/tcp): its inode, or "".
+std::string listening_inode(int port) {
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string sl, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      f >> sl >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >>
+          inode;
+      const size_t colon = local.rfind(':');
+      if (colon == std::string::npos || state != "0A") continue;
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) return inode;
+    }
+  }
+  return {};
+}
+
+// The established connection from local port `from` to `to`, seen from `to`'s side: its inode.
+std::string connection_inode(int to, int from) {
+  std::ifstream in("/proc/net/tcp");
+  std::string line;
+  std::getline(in, line);
+  while (std::getline(in, line)) {
+    std::istringstream f(line);
+    std::string sl, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+    f >> sl >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >>
+        inode;
+    if (state != "01") continue;
+    const int lp = std::stoi(local.substr(local.rfind(':') + 1), nullptr, 16);
+    const int rp = std::stoi(remote.substr(remote.rfind(':') + 1), nullptr, 16);
+    if (lp == to && rp == from) return inode;
+  }
+  return {};
+}
+
+// Process `pid`'s descriptor that is socket `inode`, or -1.
+int fd_of_socket(int pid, const std::string& inode) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    if (fs::read_symlink(e.path(), ec).string() == "socket:[" + inode + "]") {
+      return std::atoi(e.path().filename().c_str());
+    }
+  }
+  return -1;
+}
+
+// Whether descriptor `fd` of `pid` is close-on-exec (O_CLOEXEC in its fdinfo flags, octal).
+bool is_cloexec(int pid, int fd) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/fdinfo/" + std::to_string(fd));
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("flags:", 0) == 0) return (std::stoul(line.substr(6), nullptr, 8) & 02000000);
+  }
+  return false;
+}
+
+std::vector<int> descendants_of(int pid) {
+  std::vector<int> out;
+  for (int child : children_of(pid)) {
+    out.push_back(child);
+    for (int d : descendants_of(child)) out.push_back(d);
+  }
+  return out;
+}
+
+// The listening socket and accepted connections are close-on-exec: the local node's daemon and
+// its actors (forked after the server bound its port) hold neither.
+TEST_F(ServeTest, NoChildHoldsTheServersSockets) {
+  const int pid = server_->process().pid();
+  const std::string listening = listening_inode(server_->port());
+  ASSERT_FALSE(listening.empty());
+  const int listen_fd = fd_of_socket(pid, listening);
+  ASSERT_GE(listen_fd, 0);
+  EXPECT_TRUE(is_cloexec(pid, listen_fd));
+  const std::vector<int> children = descendants_of(pid);
+  ASSERT_GE(children.size(), 2u);  // the daemon and its actor
+  for (int child : children) {
+    EXPECT_EQ(fd_of_socket(child, listening), -1)
+        << "pid " << child << " (" << testing::cmdline_of(child) << ") holds the HTTP port";
+  }
+  // An accepted connection.
+  const int fd = connect_local(server_->port());
+  ASSERT_GE(fd, 0);
+  sockaddr_in me{};
+  socklen_t len = sizeof(me);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len), 0);
+  std::string accepted;
+  int accepted_fd = -1;
+  EXPECT_TRUE(wait_until(
+      [&] {
+        accepted = connection_inode(server_->port(), ntohs(me.sin_port));
+        accepted_fd = accepted.empty() ? -1 : fd_of_socket(pid, accepted);
+        return accepted_fd >= 0;
+      },
+      3s));
+  EXPECT_TRUE(accepted_fd >= 0 && is_cloexec(pid, accepted_fd));
+  ::close(fd);
+}
+
+// Its own server with small limits: a connection over --max-connections is answered 503; idle
+// connections, keep-alive ones after a request and slow headers are closed after
+// --timeout-keep-alive; accept failing for lack of descriptors is logged once per 5 s, not every
+// 50 ms, and the server recovers.
+TEST_F(ServeTest, ConnectionLimitsAndAcceptFailures) {
+  // Bad values fail before anything starts.
+  CommandResult bad =
+      run_command({bin("tessera"), "serve", model_, "--device", "cpu", "--max-connections", "0"});
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("--max-connections must be at least 1"), std::string::npos) << bad.err;
+  bad = run_command(
+      {bin("tessera"), "serve", model_, "--device", "cpu", "--timeout-keep-alive", "0"});
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("--timeout-keep-alive must be"), std::string::npos) << bad.err;
+
+  Server s(model_, root_, {"--max-connections", "4", "--timeout-keep-alive", "2"});
+  ASSERT_GT(s.port(), 0) << s.process().err();
+
+  // An idle connection.
+  int fd = connect_local(s.port());
+  ASSERT_GE(fd, 0);
+  double closed = seconds_until_closed(fd, 8s);
+  EXPECT_GT(closed, 1.5);
+  EXPECT_LT(closed, 5.0);
+  ::close(fd);
+  // A keep-alive connection after its request.
+  fd = connect_local(s.port());
+  const std::string get = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_EQ(::send(fd, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
+  closed = seconds_until_closed(fd, 8s);
+  EXPECT_GT(closed, 1.5);
+  EXPECT_LT(closed, 5.0);
+  ::close(fd);
+  // A header sent a line every 100 ms, never finished.
+  fd = connect_local(s.port());
+  const std::string start = "GET /health HTTP/1.1\r\n";
+  ::send(fd, start.data(), start.size(), MSG_NOSIGNAL);
+  closed = seconds_until_closed(fd, 8s, [&] { ::send(fd, "X-Slow: 1\r\n", 11, MSG_NOSIGNAL); });
+  EXPECT_GT(closed, 1.5);
+  EXPECT_LT(closed, 5.0);
+  ::close(fd);
+
+  // Four connections open: the fifth is answered 503, and served once they close.
+  std::vector<int> held;
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(connect_local(s.port()));
+    ASSERT_GE(held.back(), 0);
+  }
+  std::this_thread::sleep_for(200ms);  // accepted (well within the 2 s idle timeout)
+  const std::string refused = raw_request(s.port(), "GET", "/health", "", 0, "");
+  EXPECT_NE(refused.find("HTTP/1.1 503 "), std::string::npos) << refused;
+  EXPECT_NE(refused.find("--max-connections"), std::string::npos) << refused;
+  for (int h : held) ::close(h);
+  EXPECT_TRUE(wait_until(
+      [&] {
+        return raw_request(s.port(), "GET", "/health", "", 0, "").find("HTTP/1.1 200 ") !=
+               std::string::npos;
+      },
+      3s));
+
+  // No descriptor left: the soft limit at the lowest free descriptor number.
+  const int pid = s.process().pid();
+  int lowest_free = 0;
+  while (fs::exists("/proc/" + std::to_string(pid) + "/fd/" + std::to_string(lowest_free))) {
+    ++lowest_free;
+  }
+  rlimit old{};
+  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, nullptr, &old), 0);
+  rlimit tight = old;
+  tight.rlim_cur = static_cast<rlim_t>(lowest_free);
+  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, &tight, nullptr), 0);
+  const size_t log_before = s.process().err().size();
+  std::vector<int> waiting;
+  for (int i = 0; i < 3; ++i) {  // in the backlog, their requests sent
+    waiting.push_back(connect_local(s.port()));
+    ASSERT_GE(waiting.back(), 0);
+    ASSERT_EQ(::send(waiting.back(), get.data(), get.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(get.size()));
+  }
+  std::this_thread::sleep_for(4s);
+  const std::string log = s.process().err().substr(log_before);
+  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, &old, nullptr), 0);
+  size_t lines = 0;
+  for (size_t at = log.find("accept failed"); at != std::string::npos;
+       at = log.find("accept failed", at + 1)) {
+    ++lines;
+  }
+  EXPECT_GE(lines, 1u) << log;
+  EXPECT_LE(lines, 2u) << log;
+  EXPECT_NE(log.find("ulimit -n"), std::string::npos) << log;
+  // Recovered: the waiting clients are served.
+  for (int w : waiting) {
+    set_timeouts(w, 5s);
+    char buf[256] = {};
+    EXPECT_GT(::recv(w, buf, sizeof(buf) - 1, 0), 0);
+    EXPECT_NE(std::string(buf).find("HTTP/1.1 200 "), std::string::npos) << buf;
+    ::close(w);
+  }
+  EXPECT_TRUE(wait_until(
+      [&] { return s.process().err().find("accept works again") != std::string::npos; }, 3s));
 }
 
 }  // namespace

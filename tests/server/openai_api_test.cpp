@@ -223,6 +223,32 @@ TEST_F(OpenAIApiTest, BadFieldsAre400sNamingThem) {
   EXPECT_NE(e->message.find("--chat-template"), std::string::npos);
 }
 
+// A bad top_k is named with the value the client sent (it used to say "got -2" for any).
+TEST_F(OpenAIApiTest, ABadTopKSaysWhatWasSent) {
+  for (int64_t k : {-2LL, -5LL, -1000LL, -2147483648LL}) {
+    ApiRequest r;
+    auto e = parse({{"prompt", "x"}, {"top_k", k}}, r);
+    ASSERT_TRUE(e.has_value()) << k;
+    EXPECT_EQ(e->status, 400);
+    EXPECT_NE(e->message.find("top_k"), std::string::npos) << e->message;
+    EXPECT_NE(e->message.find("got " + std::to_string(k)), std::string::npos) << e->message;
+  }
+  ApiRequest r;
+  auto e = parse({{"prompt", "x"}, {"top_k", -1000000000000LL}}, r);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->param, "top_k");
+  EXPECT_NE(e->message.find("-1000000000000"), std::string::npos) << e->message;
+  // -1 and 0 are off; a huge k is off too (at least the vocabulary).
+  for (int64_t k : {-1LL, 0LL}) {
+    ASSERT_FALSE(parse({{"prompt", "x"}, {"top_k", k}}, r)) << k;
+    EXPECT_EQ(r.sampling.top_k, -1);
+  }
+  ASSERT_FALSE(parse({{"prompt", "x"}, {"top_k", 1000000000000LL}}, r));
+  EXPECT_GE(r.sampling.top_k, 1 << 30);
+  ASSERT_FALSE(parse({{"prompt", "x"}, {"top_k", 7}}, r));
+  EXPECT_EQ(r.sampling.top_k, 7);
+}
+
 TEST_F(OpenAIApiTest, ToolsGoThroughTheTemplateAndAutoNeedsTheParser) {
   json tools = json::array({{{"type", "function"},
                              {"function",
