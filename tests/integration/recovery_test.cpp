@@ -269,6 +269,7 @@ TEST_F(RecoveryTest, ServeRecoversFromAKilledLocalDaemon) {
   EXPECT_NE(inflight.out().find("lost the connection"), std::string::npos) << inflight.out();
   EXPECT_EQ(inflight.out().find(root_), std::string::npos)
       << "a server path reached the client: " << inflight.out();
+  std::printf("the client in flight got: %s\n", inflight.out().c_str());
 
   // Back on a new local node.
   EXPECT_TRUE(wait_until([&] { return server.health() == "200"; }, 60s)) << server.process().err();
@@ -324,6 +325,7 @@ TEST_F(RecoveryTest, ARequestRunningAtTwoGroupDeathsFailsInsteadOfRunningAgain) 
   EXPECT_NE(request.out().find("\n500"), std::string::npos) << request.out();
   EXPECT_NE(request.out().find("died 2 times while this request was running"), std::string::npos)
       << request.out();
+  std::printf("the request got: %s\n", request.out().c_str());
   // The server goes on.
   EXPECT_TRUE(wait_until([&] { return server.health() == "200"; }, 60s));
   EXPECT_TRUE(server.metric_is("tessera:requests_failed_by_restarts_total", "1"))
