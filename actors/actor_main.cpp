@@ -6,9 +6,10 @@
 // It reads its key (the secret every peer must prove, see protocol/auth.h) from the key fd (or,
 // run by hand, from $TESSERA_ACTOR_KEY), binds its RPC port, writes "READY <port>\n" to the
 // ready fd, and serves until a shutdown RPC, SIGTERM or SIGINT. A thread writes a byte to the
-// heartbeat fd every 200 ms while the process runs and no step has run longer than the step
-// timeout, so its daemon can tell a stopped or stuck actor from a busy one. Logs go to stderr,
-// which the daemon points at the actor's log file.
+// heartbeat fd every 200 ms while the process runs and no step has gone longer than the step
+// timeout without progress (its forward pass ticking, actors/step_watchdog.h), so its daemon can
+// tell a stopped or stuck actor from a busy one, and a long step from a stuck one. Logs go to
+// stderr, which the daemon points at the actor's log file.
 #include <fcntl.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
@@ -22,6 +23,8 @@
 #include <thread>
 
 #include "actors/actor_service.h"
+#include "actors/heap_trim.h"
+#include "actors/step_watchdog.h"
 #include "common/logging.h"
 #include "protocol/auth.h"
 #include "protocol/rpc.h"
@@ -76,7 +79,7 @@ int main(int argc, char** argv) {
   app.add_option("--key-fd", key_fd, "fd to read this actor's key from");
   app.add_option("--heartbeat-fd", heartbeat_fd, "fd to write heartbeats to");
   app.add_option("--step-timeout-ms", step_timeout_ms,
-                 "stop the heartbeat while one step runs longer than this (0 = never)");
+                 "stop the heartbeat when a step makes no progress for this long (0 = never)");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error");
   CLI11_PARSE(app, argc, argv);
 
@@ -114,24 +117,42 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  // The heartbeat: a byte every 200 ms while this process runs and its steps make progress.
+  // The heartbeat: a byte every 200 ms while this process runs and its steps make progress. The
+  // same thread gives the heap's free memory back when the actor goes idle (heap_trim.h).
   std::atomic<bool> stopping{false};
   std::thread heartbeat;
   if (heartbeat_fd >= 0) {
     ::fcntl(heartbeat_fd, F_SETFL, ::fcntl(heartbeat_fd, F_GETFL) | O_NONBLOCK);
     heartbeat = std::thread([&]() {
-      bool stalled = false;
+      tessera::StepWatchdog watchdog{std::chrono::milliseconds(step_timeout_ms)};
+      tessera::HeapTrimSchedule trim{std::chrono::seconds(2)};
       while (!stopping.load()) {
-        auto busy = service.busy_for();
-        bool stuck = step_timeout_ms > 0 && busy.count() > step_timeout_ms;
-        if (stuck && !stalled) {
+        const auto busy = service.busy_for();
+        const auto now = std::chrono::steady_clock::now();
+        auto r = watchdog.observe(busy, service.step_progress(), now);
+        if (r.newly_stuck) {
           spdlog::error(
-              "one step has run for {} ms, longer than the step timeout ({} ms); "
-              "stopping the heartbeat so the daemon restarts this actor",
-              busy.count(), step_timeout_ms);
+              "a step has made no progress for {} ms (it has run {} ms), longer than the step "
+              "timeout ({} ms): stuck (a hung collective or peer, a deadlock); stopping the "
+              "heartbeat so the daemon restarts this actor",
+              r.stalled.count(), r.busy.count(), step_timeout_ms);
         }
-        stalled = stuck;
-        if (!stuck) {
+        if (r.newly_long) {
+          spdlog::warn(
+              "a step has run for {} ms, past the step timeout ({} ms), and is still making "
+              "progress: long, not stuck, so the heartbeat goes on (a smaller "
+              "--max-num-batched-tokens makes shorter prefill steps)",
+              r.busy.count(), step_timeout_ms);
+        }
+        if (trim.due(busy, service.steps_done(), now)) {
+          auto t = tessera::trim_heap();
+          const uint64_t freed = t.rss_before > t.rss_after ? t.rss_before - t.rss_after : 0;
+          spdlog::log(freed >= (16u << 20) ? spdlog::level::info : spdlog::level::debug,
+                      "idle after {} steps: returned {} MiB of freed heap to the system (RSS {} "
+                      "-> {} MiB)",
+                      service.steps_done(), freed >> 20, t.rss_before >> 20, t.rss_after >> 20);
+        }
+        if (!r.stuck) {
           char beat = '.';
           ssize_t ignored = ::write(heartbeat_fd, &beat, 1);  // a full pipe: the daemon is slow
           (void)ignored;

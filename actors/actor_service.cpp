@@ -94,6 +94,7 @@ ActorService::ActorService(ActorIdentity identity, CudaProbe probe)
 ActorService::~ActorService() {
   if (load_thread_.joinable()) load_thread_.join();  // a load cannot be interrupted: let it end
   stop_steps();
+  loaded_.store(nullptr, std::memory_order_release);
   runner_.reset();  // before the communicators it uses
   comms_.reset();
 }
@@ -140,8 +141,8 @@ kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
   auto paf = kj::newPromiseAndCrossThreadFulfiller<Loaded>();
   // The thread touches comms_ and the new runner only; the loop sees them again after it ends.
   // (kj::Own's destructor may throw, which std::thread's state may not: a shared_ptr holds it.)
-  auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Loaded>>>(
-      kj::mv(paf.fulfiller));
+  auto fulfiller =
+      std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Loaded>>>(kj::mv(paf.fulfiller));
   load_thread_ = std::thread([this, spec, fulfiller]() {
     Loaded loaded = [&]() -> Loaded {
       StageComms stage;
@@ -162,6 +163,7 @@ kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
               return runner.status();
             }
             runner_ = std::move(*runner);
+            loaded_.store(runner_.get(), std::memory_order_release);
             spec_ = spec;
             return runner_->info();
           })
@@ -200,6 +202,7 @@ Expected<StepOutput> ActorService::execute(const StepInput& step) {
   step_started();
   auto out = runner_->execute(step);
   step_finished();
+  steps_done_.fetch_add(1, std::memory_order_relaxed);
   return out;
 }
 
@@ -237,6 +240,7 @@ void ActorService::step_loop() {
     } else {
       step_finished();
     }
+    steps_done_.fetch_add(1, std::memory_order_relaxed);
     if (!runner_->samples()) {
       result.outputs.clear();  // only the sampling rank's tokens matter
       result.logits.clear();
@@ -329,6 +333,11 @@ std::chrono::milliseconds ActorService::busy_for() const {
   auto now = std::chrono::steady_clock::now().time_since_epoch();
   return std::chrono::duration_cast<std::chrono::milliseconds>(now -
                                                                std::chrono::nanoseconds(started));
+}
+
+uint64_t ActorService::step_progress() const {
+  const ModelRunner* runner = loaded_.load(std::memory_order_acquire);
+  return runner != nullptr ? runner->progress() : 0;
 }
 
 void ActorService::step_started() {

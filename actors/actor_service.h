@@ -60,6 +60,12 @@ class ActorService {
   // How long the step now running has run, 0 when none runs. Thread-safe (the heartbeat
   // thread reads it).
   std::chrono::milliseconds busy_for() const;
+  // The loaded model's progress count (ModelRunner::progress; 0 before a model is loaded): it
+  // moves while a step's forward pass makes progress. Thread-safe (the heartbeat thread's
+  // StepWatchdog samples it).
+  uint64_t step_progress() const;
+  // Steps finished (handed back, or failed) since the start. Thread-safe.
+  uint64_t steps_done() const { return steps_done_.load(std::memory_order_relaxed); }
 
   // Stops the step thread (if any) and waits for it.
   void stop_steps();
@@ -73,9 +79,13 @@ class ActorService {
   CudaProbe probe_;
   std::unique_ptr<comm::RankComms> comms_;
   std::unique_ptr<ModelRunner> runner_;
+  // runner_ once loaded, published for step_progress() on other threads (runner_ itself is
+  // the loop's); cleared before runner_ goes.
+  std::atomic<const ModelRunner*> loaded_{nullptr};
   LoadSpec spec_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::atomic<int64_t> step_started_ns_{0};  // steady clock; 0 = no step runs
+  std::atomic<uint64_t> steps_done_{0};
   std::atomic<bool> stopping_{false};
   std::thread step_thread_;
   std::thread load_thread_;  // runs while a loadModel call is in flight

@@ -66,6 +66,12 @@ class Backend {
   virtual ModelInfo info() const = 0;
   // GPU time of the last step's forward pass in microseconds (0 on the cpu backend).
   virtual uint32_t last_gpu_micros() const { return 0; }
+  // A count the forward pass advances as it goes, for the actor's watchdog: a step whose count
+  // stops moving is stuck (a hung collective, a deadlock), one whose count moves is only long.
+  // The cpu backend ticks in every op and inside long ones (kernels/cpu/cpu_context.h), well
+  // under a second apart. Any thread. A backend that does not count (0 always, as the cuda
+  // backend, whose steps are short) has its steps judged by their length alone.
+  virtual uint64_t progress() const { return 0; }
 };
 
 }  // namespace tessera

@@ -44,6 +44,7 @@ class CpuModel final : public Backend {
   Expected<std::vector<SampleResult>> collect(std::vector<float>* logits) override;
   void forget(uint64_t request_id) override { samplers_.erase(request_id); }
   ModelInfo info() const override;
+  uint64_t progress() const override { return ctx_.ticks(); }
 
   const ModelConfig& config() const { return config_; }
   const LayerPlan& plan() const { return plan_; }

@@ -18,8 +18,8 @@
 #include "actors/model/weights.h"
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
-#include "common/kv_cache_dtype.h"
 #include "common/checkpoint/safetensors.h"
+#include "common/kv_cache_dtype.h"
 #include "common/load_spec.h"
 #include "common/step.h"
 
@@ -69,14 +69,16 @@ class ModelRunner {
   // This rank samples (the last stage's tensor-parallel rank 0).
   bool samples() const { return plan_.last_stage && plan_.parallel.tp_rank == 0; }
   uint32_t last_gpu_micros() const { return backend_->last_gpu_micros(); }
+  // The backend's progress count (Backend::progress): any thread, while this runner lives.
+  uint64_t progress() const { return backend_->progress(); }
 
  private:
   ModelRunner(ModelConfig config, LayerPlan plan, RequestLimits limits);
   // A step submitted and not collected.
   struct Running {
     uint64_t step_id = 0;
-    Status error;                                 // refused or failed to launch: its output is this
-    bool launched = false;                        // the backend has a launch of it to collect
+    Status error;                // refused or failed to launch: its output is this
+    bool launched = false;       // the backend has a launch of it to collect
     std::vector<uint64_t> rows;  // the requests it samples, in row order (the sampling rank)
     std::chrono::steady_clock::time_point submitted;
   };

@@ -37,6 +37,7 @@ void CpuContext::run_chunks(Job& job) {
     if (i >= job.num_chunks) return;
     const int64_t begin = i * job.chunk;
     job.fn.call(job.fn.obj, begin, std::min(job.n, begin + job.chunk));
+    tick();
   }
 }
 
@@ -44,6 +45,7 @@ void CpuContext::run(int64_t n, int64_t grain, RangeFn fn) {
   std::unique_lock<std::mutex> dispatch(dispatch_mu_, std::try_to_lock);
   if (!dispatch.owns_lock()) {  // nested or concurrent: the workers are busy, run here
     fn.call(fn.obj, 0, n);
+    tick();
     return;
   }
   Job job;

@@ -4,8 +4,15 @@
 //
 // Ops call parallel_for only when the work is large enough to pay for waking the workers (see
 // each op); small ops run inline on the calling thread, so tiny models stay fast.
+//
+// The context also counts progress for a watchdog on another thread (the actor's heartbeat
+// tells a long step from a stuck one by it): every parallel_for ticks once per range it runs,
+// and ops whose single ranges can be long (attention over a long context, a linear over many
+// tokens) tick inside them through a ProgressTicker, so ticks come well under a second apart
+// while the ops run.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -27,6 +34,13 @@ class CpuContext {
 
   int num_threads() const { return num_threads_; }
 
+  // One more unit of progress. Any thread; a relaxed add (it orders nothing), cheap enough for
+  // every range of a parallel_for and every few milliseconds of work inside one.
+  void tick() { ticks_.fetch_add(1, std::memory_order_relaxed); }
+  // Ticks so far (monotonic). Any thread: a watchdog samples it and calls the work stuck when it
+  // stops moving.
+  uint64_t ticks() const { return ticks_.load(std::memory_order_relaxed); }
+
   // Calls fn(begin, end) on disjoint ranges that together cover [0, n) exactly once, spread
   // over the pool and the calling thread, and returns when all calls have returned. Ranges hold
   // at least `grain` items (except possibly the last). Runs inline (a single fn(0, n)) when
@@ -39,6 +53,7 @@ class CpuContext {
     if (grain < 1) grain = 1;
     if (n <= grain || num_threads_ <= 1) {
       fn(int64_t{0}, n);
+      tick();
       return;
     }
     using F = std::remove_reference_t<Fn>;
@@ -62,9 +77,10 @@ class CpuContext {
 
   void run(int64_t n, int64_t grain, RangeFn fn);
   void worker_loop();
-  static void run_chunks(Job& job);
+  void run_chunks(Job& job);
 
   const int num_threads_;
+  alignas(64) std::atomic<uint64_t> ticks_{0};  // a line of its own: every thread adds to it
   std::vector<std::thread> workers_;
   // One parallel_for at a time uses the workers; others (nested or concurrent) run inline.
   std::mutex dispatch_mu_;
@@ -76,6 +92,27 @@ class CpuContext {
   Job* job_ = nullptr;               // the job being run; null once the dispatcher stops sharing it
   int active_ = 0;                   // workers currently running chunks of job_
   bool stop_ = false;
+};
+
+// Ticks a context once per kTickWork units of work done on one thread (a unit is about one
+// multiply-add), so a loop of many small items ticks every few milliseconds instead of paying a
+// shared atomic add per item. One per thread: declare it inside the parallel_for body.
+class ProgressTicker {
+ public:
+  static constexpr int64_t kTickWork = int64_t{1} << 22;
+
+  explicit ProgressTicker(CpuContext& ctx) : ctx_(ctx) {}
+  void done(int64_t work) {
+    pending_ += work;
+    if (pending_ >= kTickWork) {
+      ctx_.tick();
+      pending_ = 0;
+    }
+  }
+
+ private:
+  CpuContext& ctx_;
+  int64_t pending_ = 0;
 };
 
 }  // namespace tessera::cpu

@@ -144,6 +144,7 @@ Status linear(CpuContext& ctx, std::span<const float> x, const TensorView& weigh
   ctx.parallel_for(num_tiles, grain, [&](int64_t tile_begin, int64_t tile_end) {
     std::vector<float> scratch;
     if (!raw_f32 && !raw_bf16) scratch.resize(static_cast<size_t>(kTileRows * in_f));
+    ProgressTicker ticker(ctx);  // a range of tiles over 16k tokens can take seconds
     for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
       const int64_t o0 = tile * kTileRows;
       const int64_t rows = std::min(kTileRows, out_f - o0);
@@ -157,6 +158,7 @@ Status linear(CpuContext& ctx, std::span<const float> x, const TensorView& weigh
         detail::to_float(weight, o0 * in_f, rows * in_f, scratch.data());
         tile_times_tokens(x.data(), n, in_f, scratch.data(), rows, bias_f32, y.data(), out_f, o0);
       }
+      ticker.done(tile_work);
     }
   });
   return Status::ok();

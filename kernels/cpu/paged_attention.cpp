@@ -101,6 +101,9 @@ Status paged_attention(CpuContext& ctx, const PagedKvCache& cache, int64_t layer
     // contexts a sequential fp32 sum would drift more than the kernels tested against this.
     std::vector<double> acc(static_cast<size_t>(group * hd));
     std::vector<double> sum(static_cast<size_t>(group));
+    // One item over a 100k-token context is tens of milliseconds: tick per item there, per
+    // many items over short ones.
+    ProgressTicker ticker(ctx);
     for (int64_t item = begin; item < end; ++item) {
       const QueryRow& r = rows[item / kv_heads];
       const int64_t kvh = item % kv_heads;
@@ -139,6 +142,7 @@ Status paged_attention(CpuContext& ctx, const PagedKvCache& cache, int64_t layer
         for (int64_t d = 0; d < hd; ++d)
           o[g * hd + d] = static_cast<float>(acc[g * hd + d] / sum[g]);
       }
+      ticker.done(len * group * hd * 2);
     }
   });
   return Status::ok();

@@ -103,5 +103,26 @@ TEST(CpuContextTest, ManyJobsInARow) {
   EXPECT_EQ(total, 5000 * 37);
 }
 
+// Every range a parallel_for runs ticks the context once (the actor's watchdog reads the count
+// from another thread), inline or on the pool; a ProgressTicker ticks once per kTickWork.
+TEST(CpuContextTest, TicksOncePerRangeAndPerTickerWork) {
+  for (int threads : {1, 4}) {
+    CpuContext ctx(threads);
+    for (int64_t n : {1, 64, 10000}) {
+      std::atomic<uint64_t> ranges{0};
+      const uint64_t before = ctx.ticks();
+      ctx.parallel_for(n, [&](int64_t, int64_t) { ranges.fetch_add(1); });
+      EXPECT_EQ(ctx.ticks() - before, ranges.load()) << "threads " << threads << " n " << n;
+    }
+  }
+  CpuContext ctx(1);
+  ProgressTicker ticker(ctx);
+  const uint64_t before = ctx.ticks();
+  for (int i = 0; i < 10; ++i) ticker.done(ProgressTicker::kTickWork / 4);
+  EXPECT_EQ(ctx.ticks() - before, 2u);  // at 4/4 and 8/4 of kTickWork
+  ticker.done(3 * ProgressTicker::kTickWork);
+  EXPECT_EQ(ctx.ticks() - before, 3u);
+}
+
 }  // namespace
 }  // namespace tessera::cpu

@@ -107,6 +107,20 @@ TEST(LinearTest, BitwiseIndependentOfThreadsAndTiling) {
   }
 }
 
+// A linear over many tokens ticks the context inside its range, about once per
+// ProgressTicker::kTickWork multiply-adds, so the actor's watchdog sees a long prefill move.
+TEST(LinearTest, ManyTokensTickWithinOneRange) {
+  const int64_t n = 64, in = 1024, out = 256;  // 16.7M multiply-adds, 64 tiles of 4 rows
+  const Weight w = make_weight(DType::kF32, {out, in}, 310);
+  const std::vector<float> x = random_floats(n * in, 311);
+  std::vector<float> y(n * out);
+  CpuContext ctx(1);  // one range: every tick but one comes from inside it
+  const uint64_t before = ctx.ticks();
+  ASSERT_TRUE(linear(ctx, x, w.view(), nullptr, y).is_ok());
+  EXPECT_EQ(ctx.ticks() - before,
+            static_cast<uint64_t>(n * in * out / ProgressTicker::kTickWork + 1));
+}
+
 TEST(LinearTest, ShapeErrors) {
   CpuContext ctx(1);
   const Weight w = make_weight(DType::kF32, {6, 8}, 400);

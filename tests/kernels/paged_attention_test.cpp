@@ -192,6 +192,36 @@ TEST(PagedAttentionTest, ChunksEqualWholePrefill) {
   }
 }
 
+// Attention over a long context ticks the context inside its range (one thread runs the whole
+// op as one range here), about once per ProgressTicker::kTickWork of work, so the actor's
+// watchdog sees a long prefill move.
+TEST(PagedAttentionTest, LongContextTicksWithinOneRange) {
+  const int64_t L = 4608, Q = 8, kvh = 1, group = 4, hd = 128, heads = kvh * group, bs = 16;
+  auto cache = PagedKvCache::create({.num_layers = 1,
+                                     .num_blocks = L / bs,
+                                     .block_size = bs,
+                                     .num_kv_heads = kvh,
+                                     .head_dim = hd});
+  ASSERT_TRUE(cache.has_value());
+  std::vector<int32_t> blocks(L / bs);
+  std::iota(blocks.begin(), blocks.end(), 0);
+  std::vector<int64_t> slots(L);
+  std::iota(slots.begin(), slots.end(), 0);
+  ASSERT_TRUE(
+      cache->write(0, random_floats(L * kvh * hd, 970), random_floats(L * kvh * hd, 971), slots)
+          .is_ok());
+  const std::vector<float> q = random_floats(Q * heads * hd, 972);
+  std::vector<float> out(q.size());
+  const AttentionSeq seq{.block_table = blocks, .query_len = Q, .context_len = L};
+  CpuContext ctx(1);
+  const uint64_t before = ctx.ticks();
+  ASSERT_TRUE(paged_attention(ctx, *cache, 0, q, {&seq, 1}, 0.125f, out).is_ok());
+  // Each query row is (L - Q .. L) * group * hd * 2 >= kTickWork: a tick per row, and one for
+  // the range.
+  static_assert((L - Q) * group * hd * 2 >= ProgressTicker::kTickWork);
+  EXPECT_EQ(ctx.ticks() - before, static_cast<uint64_t>(Q * kvh + 1));
+}
+
 TEST(PagedAttentionTest, Errors) {
   auto cache = PagedKvCache::create(
       {.num_layers = 1, .num_blocks = 4, .block_size = 4, .num_kv_heads = 2, .head_dim = 8});
