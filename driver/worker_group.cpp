@@ -16,7 +16,10 @@ namespace tessera {
 
 namespace {
 
-constexpr auto kStepTimeout = std::chrono::minutes(10);
+// A backstop only: a stuck actor is found by its daemon's watchdog (no progress for
+// --actor-step-timeout), a dead one or a dead daemon by its connection; a legal step may be long
+// (a 16k-token chunk at a 100k context on the cpu backend takes minutes).
+constexpr auto kStepTimeout = std::chrono::hours(1);
 
 // Waits for all `promises`, each turned into an Expected (no early exit, no exception).
 template <typename T>

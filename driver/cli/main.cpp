@@ -130,8 +130,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 86400.0));
   start_cmd
       ->add_option("--actor-step-timeout", start.actor_step_timeout_s,
-                   "Seconds one step may run before the actor counts as stuck (default "
-                   "120; 0 = off)")
+                   "Seconds a step may go without progress before the actor counts as "
+                   "stuck (default 120; 0 = off)")
       ->check(CLI::Range(0.0, 86400.0));
   start_cmd->add_option("--actor-env-allow", start.actor_env_allow,
                         "More environment variables a driver may set on actors (NAME or "

@@ -167,7 +167,8 @@ class RecoveryTest : public ::testing::Test {
 // loss, and leaves neither the folder nor the segments behind. It waited 10 minutes before.
 TEST_F(RecoveryTest, AKilledLocalDaemonFailsGenerateWithinSeconds) {
   BackgroundProcess p(long_generate(), {"TESSERA_TMPDIR=" + root_});
-  auto [daemon, actor] = local_node_of(p);
+  const auto [daemon_pid, actor_pid] = local_node_of(p);
+  const int daemon = daemon_pid, actor = actor_pid;  // plain ints: lambdas capture them
   ASSERT_GT(daemon, 0);
   ASSERT_TRUE(wait_until([&] { return p.out().size() > 16; }, 60s)) << p.err();
   const auto t0 = Clock::now();
@@ -253,7 +254,8 @@ TEST_F(RecoveryTest, ServeRecoversFromAKilledLocalDaemon) {
   Served server(model_, root_);
   ASSERT_TRUE(server.ready()) << server.process().err();
   EXPECT_EQ(server.health(), "200");
-  auto [daemon, actor] = local_node_of(server.process());
+  const auto [daemon_pid, actor_pid] = local_node_of(server.process());
+  const int daemon = daemon_pid, actor = actor_pid;
   ASSERT_GT(daemon, 0);
 
   // A long request in flight when the daemon dies.
@@ -276,7 +278,8 @@ TEST_F(RecoveryTest, ServeRecoversFromAKilledLocalDaemon) {
   auto again = run_command(server.completion("Once upon a time", 8), 60s);
   EXPECT_NE(again.out.find("\n200"), std::string::npos) << again.out;
   EXPECT_TRUE(server.metric_is("tessera:engine_restarts_total", "1")) << server.metrics();
-  auto [daemon2, actor2] = local_node_of(server.process());
+  const auto [daemon2_pid, actor2_pid] = local_node_of(server.process());
+  const int daemon2 = daemon2_pid, actor2 = actor2_pid;
   EXPECT_NE(daemon2, daemon);
   EXPECT_FALSE(process_alive(actor));
 
@@ -300,7 +303,8 @@ TEST_F(RecoveryTest, ARequestRunningAtTwoGroupDeathsFailsInsteadOfRunningAgain) 
   BackgroundProcess request(server.completion(prompt.str(), 4));
   for (int death = 1; death <= 2; ++death) {
     SCOPED_TRACE("death " + std::to_string(death));
-    auto [daemon, actor] = local_node_of(server.process());
+    const auto [daemon_pid, actor_pid] = local_node_of(server.process());
+    const int daemon = daemon_pid, actor = actor_pid;
     ASSERT_GT(actor, 0);
     // Running, no token yet: in its prefill.
     ASSERT_TRUE(wait_until(
