@@ -7,10 +7,7 @@
 
 #include <capnp/rpc.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstring>
 #include <memory>
 
 #include "common/sha256.h"
@@ -101,46 +98,26 @@ Expected<std::pair<std::string, uint16_t>> split_host_port(const std::string& ad
 
 namespace {
 
-// Where a connection comes from: "10.0.0.2:51234" for the logs, and the IP address alone
-// ("10.0.0.2"; "" for a peer without one, such as an in-memory pipe) for per-address limits.
-struct PeerAddress {
-  std::string name;
-  std::string host;
-};
-
-PeerAddress peer_address(kj::AsyncIoStream& stream) {
+std::string peer_name(kj::AsyncIoStream& stream) {
   sockaddr_storage addr{};
   uint len = sizeof(addr);
   try {
     stream.getpeername(reinterpret_cast<sockaddr*>(&addr), &len);
   } catch (...) {
-    return {"unknown peer", ""};
+    return "unknown peer";
   }
   char host[INET6_ADDRSTRLEN] = {0};
   if (addr.ss_family == AF_INET) {
     auto* in = reinterpret_cast<sockaddr_in*>(&addr);
     inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
-    return {std::string(host) + ":" + std::to_string(ntohs(in->sin_port)), host};
+    return std::string(host) + ":" + std::to_string(ntohs(in->sin_port));
   }
   if (addr.ss_family == AF_INET6) {
     auto* in6 = reinterpret_cast<sockaddr_in6*>(&addr);
     inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
-    return {"[" + std::string(host) + "]:" + std::to_string(ntohs(in6->sin6_port)), host};
+    return "[" + std::string(host) + "]:" + std::to_string(ntohs(in6->sin6_port));
   }
-  return {"local peer", ""};
-}
-
-// "16 KiB", "64.0 MiB": a byte count for log lines.
-std::string human_bytes(uint64_t bytes) {
-  if (bytes < (1u << 10)) return std::to_string(bytes) + " bytes";
-  if (bytes < (1u << 20) && bytes % 1024 == 0) return std::to_string(bytes >> 10) + " KiB";
-  char text[32];
-  if (bytes < (1u << 20)) {
-    std::snprintf(text, sizeof(text), "%.1f KiB", static_cast<double>(bytes) / 1024.0);
-  } else {
-    std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
-  }
-  return text;
+  return "local peer";
 }
 
 uint64_t steady_ms() {
@@ -168,10 +145,8 @@ std::string printable(kj::StringPtr text) {
 // little longer than the connection itself).
 struct RpcServer::ConnectionState {
   std::string peer_address;
-  std::string host;     // the peer's IP address ("" when it has none)
   std::string refused;  // non-empty: every hello fails with this (the server is full)
   bool authenticated = false;
-  bool holds_address_slot = false;  // counted in the server's unauthenticated_by_host_
   uint32_t hellos = 0;
   std::shared_ptr<const Endpoint> endpoint;
   RpcServer* server = nullptr;
@@ -181,22 +156,9 @@ struct RpcServer::ConnectionState {
   void close_soon() {
     if (close && close->isWaiting()) close->fulfill();
   }
-  // The connection authenticated or ended: it no longer counts against its address.
-  void release_address_slot() {
-    if (!holds_address_slot) return;
-    holds_address_slot = false;
-    if (!server_alive.expired()) server->release_unauthenticated(host);
-  }
   void on_authenticated() {
     authenticated = true;
-    release_address_slot();
     if (!server_alive.expired()) ++server->counters_.authenticated;
-  }
-  // Records a frame of `bytes` sent before authentication.
-  void saw_unauthenticated_message(uint64_t bytes) {
-    if (server_alive.expired()) return;
-    auto& largest = server->counters_.largest_unauthenticated_message;
-    largest = std::max(largest, bytes);
   }
   // Logs a refused peer (rate-limited by the server), schedules the close, and throws `why`.
   [[noreturn]] void refuse(const Status& why, const std::string& claimed_name) {
@@ -313,148 +275,13 @@ class AuthGateway final : public proto::Gateway::Server {
   std::shared_ptr<RpcServer::ConnectionState> state_;
 };
 
-uint32_t le32(const kj::byte* p) {
-  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
-}
-
-// The stream of an accepted connection, between the socket and TwoPartyVatNetwork. Until the
-// peer has authenticated it follows Cap'n Proto's stream framing in the bytes it hands the
-// reader (capnp/serialize-async.c++: one word holding the segment count - 1 and the first
-// segment's size in words; when there are more segments, their sizes as 32-bit values padded to
-// a whole word; then the segments) and fails the read that would hand over the header of a frame
-// larger than `limit`. The reader sizes its buffer from that header, so such a frame is never
-// allocated, and nothing after it is read: the connection is refused and closed. Once the peer
-// has authenticated, bytes pass through and max_message_bytes (the reader's own limit) applies.
-class HandshakeSizeGuard final : public kj::AsyncIoStream {
- public:
-  HandshakeSizeGuard(kj::Own<kj::AsyncIoStream> inner,
-                     std::shared_ptr<RpcServer::ConnectionState> state, uint64_t limit)
-      : inner_(kj::mv(inner)), state_(std::move(state)), limit_(limit) {}
-
-  kj::Promise<size_t> tryRead(void* buffer, size_t min_bytes, size_t max_bytes) override {
-    if (refusal_) {
-      return kj::Promise<size_t>(KJ_EXCEPTION(DISCONNECTED, refusal_->to_string().c_str()));
-    }
-    if (state_->authenticated) return inner_->tryRead(buffer, min_bytes, max_bytes);
-    return inner_->tryRead(buffer, min_bytes, max_bytes).then([this, buffer](size_t n) {
-      if (!state_->authenticated) {
-        Status st = scan(static_cast<const kj::byte*>(buffer), n);
-        if (!st) {
-          refusal_ = std::make_unique<Status>(st);
-          state_->refuse(st, "");
-        }
-      }
-      return n;
-    });
-  }
-  kj::Promise<void> write(const void* buffer, size_t size) override {
-    return inner_->write(buffer, size);
-  }
-  kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
-    return inner_->write(pieces);
-  }
-  kj::Promise<void> whenWriteDisconnected() override { return inner_->whenWriteDisconnected(); }
-  void shutdownWrite() override { inner_->shutdownWrite(); }
-  void abortRead() override { inner_->abortRead(); }
-  void getsockopt(int level, int option, void* value, uint* length) override {
-    inner_->getsockopt(level, option, value, length);
-  }
-  void setsockopt(int level, int option, const void* value, uint length) override {
-    inner_->setsockopt(level, option, value, length);
-  }
-  void getsockname(struct sockaddr* addr, uint* length) override {
-    inner_->getsockname(addr, length);
-  }
-  void getpeername(struct sockaddr* addr, uint* length) override {
-    inner_->getpeername(addr, length);
-  }
-  kj::Maybe<int> getFd() const override { return inner_->getFd(); }
-
- private:
-  enum class Part { kFirstWord, kTable, kBody };
-
-  // Follows `n` more bytes of the stream; an error names the frame that is over the limit.
-  Status scan(const kj::byte* p, size_t n) {
-    while (n > 0) {
-      if (part_ == Part::kBody) {
-        const size_t skip = static_cast<size_t>(std::min<uint64_t>(body_left_, n));
-        body_left_ -= skip;
-        p += skip;
-        n -= skip;
-        if (body_left_ == 0) part_ = Part::kFirstWord;
-        continue;
-      }
-      // The first word (8 bytes) or one 32-bit entry of the segment table.
-      const size_t want = part_ == Part::kFirstWord ? 8 : 4;
-      const size_t take = std::min(want - have_, n);
-      std::memcpy(pending_ + have_, p, take);
-      have_ += take;
-      p += take;
-      n -= take;
-      if (have_ < want) break;
-      have_ = 0;
-      if (part_ == Part::kFirstWord) {
-        const uint32_t more_segments = le32(pending_);  // the segment count - 1
-        // Cap'n Proto refuses 512 segments or more; 0xffffffff wraps to a count of 0.
-        if (more_segments >= 511) {
-          return too_big("a message header declaring " +
-                         std::to_string(uint64_t{more_segments} + 1) + " segments");
-        }
-        words_ = le32(pending_ + 4);
-        sizes_left_ = more_segments;
-        table_left_ = more_segments == 0 ? 0 : ((more_segments + 1) & ~1u);
-        frame_bytes_ = 8 + 4ull * table_left_;
-      } else {
-        if (sizes_left_ > 0) {
-          words_ += le32(pending_);
-          --sizes_left_;
-        }
-        --table_left_;
-      }
-      if (table_left_ > 0) {
-        part_ = Part::kTable;
-        continue;
-      }
-      // The header is complete: the reader would now allocate the frame.
-      const uint64_t frame = frame_bytes_ + words_ * 8;
-      state_->saw_unauthenticated_message(frame);
-      if (frame > limit_) return too_big("a message of " + human_bytes(frame));
-      body_left_ = words_ * 8;
-      part_ = body_left_ > 0 ? Part::kBody : Part::kFirstWord;
-    }
-    return Status::ok();
-  }
-
-  Status too_big(const std::string& what) const {
-    return resource_exhausted(what + " before the handshake; until a peer has proved the " +
-                              secret_name(state_->endpoint->role) + " it may send at most " +
-                              human_bytes(limit_) + " at a time");
-  }
-
-  kj::Own<kj::AsyncIoStream> inner_;
-  std::shared_ptr<RpcServer::ConnectionState> state_;
-  uint64_t limit_;
-  std::unique_ptr<Status> refusal_;  // set once a frame was refused: nothing more is read
-  Part part_ = Part::kFirstWord;
-  kj::byte pending_[8] = {};  // the part of the first word or table entry read so far
-  size_t have_ = 0;
-  uint64_t words_ = 0;        // the frame's size in words, as far as its table was read
-  uint32_t sizes_left_ = 0;   // segment sizes still to come in the table
-  uint32_t table_left_ = 0;   // 32-bit table entries still to come (sizes and padding)
-  uint64_t frame_bytes_ = 0;  // the frame's header bytes
-  uint64_t body_left_ = 0;    // bytes of the current frame's segments still to pass
-};
-
 // One accepted connection: the stream, its vat network and its RPC system.
 struct ServerConnection {
-  ServerConnection(kj::Own<kj::AsyncIoStream>&& s,
-                   std::shared_ptr<RpcServer::ConnectionState> state, const ServerLimits& limits)
-      : stream(kj::heap<HandshakeSizeGuard>(
-            kj::mv(s), state,
-            std::min(limits.max_unauthenticated_message_bytes, limits.max_message_bytes))),
+  ServerConnection(kj::Own<kj::AsyncIoStream>&& s, proto::Gateway::Client gateway,
+                   const ServerLimits& limits)
+      : stream(kj::mv(s)),
         network(*stream, capnp::rpc::twoparty::Side::SERVER, reader_options(limits)),
-        rpc(capnp::makeRpcServer(network, kj::heap<AuthGateway>(std::move(state)))) {
+        rpc(capnp::makeRpcServer(network, kj::mv(gateway))) {
     rpc.setFlowLimit(static_cast<size_t>(limits.max_inflight_bytes / sizeof(capnp::word)));
   }
   static capnp::ReaderOptions reader_options(const ServerLimits& limits) {
@@ -489,12 +316,10 @@ Expected<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const std
                                                ServerLimits limits) {
   auto parsed = split_host_port(address);
   if (!parsed) return parsed.status();
-  if (endpoint.secret.size() < auth::kMinSecretLength ||
-      endpoint.secret.size() > auth::kMaxSecretLength) {
-    return invalid_argument("cannot serve " + address + " with a " + secret_name(endpoint.role) +
-                            " of " + std::to_string(endpoint.secret.size()) +
-                            " characters; it needs " + std::to_string(auth::kMinSecretLength) +
-                            " to " + std::to_string(auth::kMaxSecretLength));
+  if (endpoint.secret.size() < auth::kMinSecretLength) {
+    return invalid_argument("cannot serve " + address + " without a " + secret_name(endpoint.role) +
+                            " of at least " + std::to_string(auth::kMinSecretLength) +
+                            " characters");
   }
   kj::Own<kj::ConnectionReceiver> listener;
   KJ_IF_MAYBE (e, kj::runCatchingExceptions([&]() {
@@ -571,16 +396,9 @@ kj::Promise<void> RpcServer::accept_failed(kj::Exception&& e) {
   });
 }
 
-void RpcServer::release_unauthenticated(const std::string& host) {
-  auto it = unauthenticated_by_host_.find(host);
-  if (it == unauthenticated_by_host_.end()) return;
-  if (--it->second == 0) unauthenticated_by_host_.erase(it);
-}
-
 void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
   ++counters_.accepted;
-  PeerAddress from = peer_address(*stream);
-  const std::string& peer = from.name;
+  std::string peer = peer_name(*stream);
   // Far over the limit: not even a reply (each refused peer costs a descriptor while it lasts).
   if (connections_ >= size_t{limits_.max_connections} + 64) {
     ++counters_.refused;
@@ -589,27 +407,8 @@ void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
                 std::to_string(limits_.max_connections) + ")");
     return;
   }
-  // One address may not hold every slot with connections that never authenticate: beyond its
-  // share it is closed before anything is read.
-  auto counted = unauthenticated_by_host_.find(from.host);
-  const uint32_t pending = counted == unauthenticated_by_host_.end() ? 0 : counted->second;
-  if (!from.host.empty() && limits_.max_unauthenticated_per_address > 0 &&
-      pending >= limits_.max_unauthenticated_per_address) {
-    ++counters_.refused;
-    log_refusal("dropped " + peer + " before reading from it: " + std::to_string(pending) +
-                " connections from " + from.host +
-                " have not authenticated yet, the limit per address; they authenticate or time "
-                "out within " +
-                std::to_string(limits_.handshake_timeout_ms) + " ms");
-    return;
-  }
   auto state = std::make_shared<ConnectionState>();
   state->peer_address = peer;
-  state->host = from.host;
-  if (!from.host.empty()) {
-    ++unauthenticated_by_host_[from.host];
-    state->holds_address_slot = true;
-  }
   state->endpoint = endpoint_;
   state->server = this;
   state->server_alive = alive_;
@@ -624,7 +423,7 @@ void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
   auto close = kj::newPromiseAndFulfiller<void>();
   state->close = kj::mv(close.fulfiller);
   spdlog::debug("{}: connection from {}", label_, peer);
-  auto conn = kj::heap<ServerConnection>(kj::mv(stream), state, limits_);
+  auto conn = kj::heap<ServerConnection>(kj::mv(stream), kj::heap<AuthGateway>(state), limits_);
   ++connections_;
   auto& timer = io_.provider->getTimer();
   // Closed when the peer goes, shortly after a refusal (so the error reaches it), or when it
@@ -644,14 +443,12 @@ void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
       conn->network.onDisconnect().exclusiveJoin(kj::mv(refused)).exclusiveJoin(kj::mv(deadline));
   tasks_.add(done.attach(kj::mv(conn))
                  .then(
-                     [this, peer, state]() {
+                     [this, peer]() {
                        --connections_;
-                       state->release_address_slot();
                        spdlog::debug("{}: {} disconnected", label_, peer);
                      },
-                     [this, peer, state](kj::Exception&& e) {
+                     [this, peer](kj::Exception&& e) {
                        --connections_;
-                       state->release_address_slot();
                        spdlog::warn("{}: dropped connection from {}: {}", label_, peer,
                                     e.getDescription().cStr());
                      }));
@@ -685,16 +482,6 @@ Status describe_connect_failure(const kj::Exception& e, const std::string& addre
   if (st.code() == Code::kFailedPrecondition || st.code() == Code::kPermissionDenied ||
       st.code() == Code::kResourceExhausted || st.code() == Code::kInvalidArgument) {
     return st;
-  }
-  if (reached && !answered && st.code() == Code::kUnavailable) {
-    // Closed without a word: what a daemon does to an address with too many connections that
-    // have not authenticated yet, and what many other servers do to a stranger.
-    return failed_precondition(
-        "not a Tessera daemon at " + address +
-        ", or it refused this connection: it closed it before answering Tessera's hello (a "
-        "daemon does that when this address has too many connections that have not "
-        "authenticated yet; its log says so) (" +
-        why + ")");
   }
   if (reached && !answered) {
     return failed_precondition("not a Tessera daemon at " + address +

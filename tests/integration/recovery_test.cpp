@@ -181,7 +181,7 @@ TEST_F(RecoveryTest, AKilledLocalDaemonFailsGenerateWithinSeconds) {
   const std::string err = p.err();
   EXPECT_NE(err.find("tessera generate: "), std::string::npos) << err;
   EXPECT_NE(err.find("lost the connection to"), std::string::npos) << err;
-  EXPECT_NE(err.find("on node n-"), std::string::npos) << err;
+  EXPECT_NE(err.find("node n-"), std::string::npos) << err;
   EXPECT_TRUE(wait_until([&] { return !process_alive(actor); }, 10s));
   expect_no_local_node_left(root_, daemon);
 }
