@@ -6,8 +6,12 @@
 #include <sys/socket.h>
 
 #include <capnp/rpc.h>
+#include <capnp/serialize-async.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <memory>
 
 #include "common/sha256.h"
@@ -98,26 +102,46 @@ Expected<std::pair<std::string, uint16_t>> split_host_port(const std::string& ad
 
 namespace {
 
-std::string peer_name(kj::AsyncIoStream& stream) {
+// Where a connection comes from: "10.0.0.2:51234" for the logs, and the IP address alone
+// ("10.0.0.2"; "" for a peer without one, such as an in-memory pipe) for per-address limits.
+struct PeerAddress {
+  std::string name;
+  std::string host;
+};
+
+PeerAddress peer_address(kj::AsyncIoStream& stream) {
   sockaddr_storage addr{};
   uint len = sizeof(addr);
   try {
     stream.getpeername(reinterpret_cast<sockaddr*>(&addr), &len);
   } catch (...) {
-    return "unknown peer";
+    return {"unknown peer", ""};
   }
   char host[INET6_ADDRSTRLEN] = {0};
   if (addr.ss_family == AF_INET) {
     auto* in = reinterpret_cast<sockaddr_in*>(&addr);
     inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
-    return std::string(host) + ":" + std::to_string(ntohs(in->sin_port));
+    return {std::string(host) + ":" + std::to_string(ntohs(in->sin_port)), host};
   }
   if (addr.ss_family == AF_INET6) {
     auto* in6 = reinterpret_cast<sockaddr_in6*>(&addr);
     inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
-    return "[" + std::string(host) + "]:" + std::to_string(ntohs(in6->sin6_port));
+    return {"[" + std::string(host) + "]:" + std::to_string(ntohs(in6->sin6_port)), host};
   }
-  return "local peer";
+  return {"local peer", ""};
+}
+
+// "16 KiB", "64.0 MiB": a byte count for log lines.
+std::string human_bytes(uint64_t bytes) {
+  if (bytes < (1u << 10)) return std::to_string(bytes) + " bytes";
+  if (bytes < (1u << 20) && bytes % 1024 == 0) return std::to_string(bytes >> 10) + " KiB";
+  char text[32];
+  if (bytes < (1u << 20)) {
+    std::snprintf(text, sizeof(text), "%.1f KiB", static_cast<double>(bytes) / 1024.0);
+  } else {
+    std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  }
+  return text;
 }
 
 uint64_t steady_ms() {
@@ -145,8 +169,10 @@ std::string printable(kj::StringPtr text) {
 // little longer than the connection itself).
 struct RpcServer::ConnectionState {
   std::string peer_address;
+  std::string host;     // the peer's IP address ("" when it has none)
   std::string refused;  // non-empty: every hello fails with this (the server is full)
   bool authenticated = false;
+  bool holds_address_slot = false;  // counted in the server's unauthenticated_by_host_
   uint32_t hellos = 0;
   std::shared_ptr<const Endpoint> endpoint;
   RpcServer* server = nullptr;
@@ -156,9 +182,22 @@ struct RpcServer::ConnectionState {
   void close_soon() {
     if (close && close->isWaiting()) close->fulfill();
   }
+  // The connection authenticated or ended: it no longer counts against its address.
+  void release_address_slot() {
+    if (!holds_address_slot) return;
+    holds_address_slot = false;
+    if (!server_alive.expired()) server->release_unauthenticated(host);
+  }
   void on_authenticated() {
     authenticated = true;
+    release_address_slot();
     if (!server_alive.expired()) ++server->counters_.authenticated;
+  }
+  // Records a frame of `bytes` sent before authentication.
+  void saw_unauthenticated_message(uint64_t bytes) {
+    if (server_alive.expired()) return;
+    auto& largest = server->counters_.largest_unauthenticated_message;
+    largest = std::max(largest, bytes);
   }
   // Logs a refused peer (rate-limited by the server), schedules the close, and throws `why`.
   [[noreturn]] void refuse(const Status& why, const std::string& claimed_name) {
@@ -275,13 +314,90 @@ class AuthGateway final : public proto::Gateway::Server {
   std::shared_ptr<RpcServer::ConnectionState> state_;
 };
 
+// The message stream of an accepted connection, between the socket and TwoPartyVatNetwork.
+// Until the peer has authenticated, every read runs with a traversal limit of `limit` bytes
+// instead of max_message_bytes. Cap'n Proto's reader checks a frame's declared size against that
+// limit as soon as it has the frame's header (capnp/serialize-async.c++), before it allocates
+// the frame or reads its body: a bigger frame is refused unread, the refusal is logged, and the
+// connection is closed. Once the peer has authenticated, the reader's own options apply.
+// Writes go straight to the socket's message stream. Owned by ServerConnection, next to the
+// socket and the AsyncIoMessageStream it wraps, and declared before the network that uses it.
+class HandshakeLimitedStream final : public capnp::MessageStream {
+ public:
+  HandshakeLimitedStream(capnp::MessageStream& inner,
+                         std::shared_ptr<RpcServer::ConnectionState> state, uint64_t limit)
+      : inner_(inner), state_(std::move(state)), limit_(limit) {}
+
+  kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> tryReadMessage(
+      kj::ArrayPtr<kj::AutoCloseFd> fd_space, capnp::ReaderOptions options,
+      kj::ArrayPtr<capnp::word> scratch) override {
+    if (state_->authenticated) return inner_.tryReadMessage(fd_space, options, scratch);
+    options.traversalLimitInWords =
+        std::min<uint64_t>(options.traversalLimitInWords, limit_ / sizeof(capnp::word));
+    return inner_.tryReadMessage(fd_space, options, scratch)
+        .then(
+            [state = state_](kj::Maybe<capnp::MessageReaderAndFds>&& message) {
+              KJ_IF_MAYBE (m, message) state->saw_unauthenticated_message(message_bytes(*m->reader));
+              return kj::mv(message);
+            },
+            [state = state_, limit = limit_](
+                kj::Exception&& e) -> kj::Maybe<capnp::MessageReaderAndFds> {
+              std::string why = e.getDescription().cStr();
+              if (why.find("Message is too large") != std::string::npos ||
+                  why.find("too many segments") != std::string::npos) {
+                state->refuse(resource_exhausted(
+                                  std::string(why.find("segments") != std::string::npos
+                                                  ? "a message with too many segments"
+                                                  : "a message over " + human_bytes(limit)) +
+                                  " before the handshake; until a peer has proved the " +
+                                  secret_name(state->endpoint->role) + " it may send at most " +
+                                  human_bytes(limit) + " at a time"),
+                              "");
+              }
+              kj::throwFatalException(kj::mv(e));
+            });
+  }
+  kj::Promise<void> writeMessage(kj::ArrayPtr<const int> fds,
+                                 kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>> segments)
+      override {
+    return inner_.writeMessage(fds, segments);
+  }
+  kj::Promise<void> writeMessages(
+      kj::ArrayPtr<kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>>> messages) override {
+    return inner_.writeMessages(messages);
+  }
+  kj::Maybe<int> getSendBufferSize() override { return inner_.getSendBufferSize(); }
+  kj::Promise<void> end() override { return inner_.end(); }
+
+ private:
+  static uint64_t message_bytes(capnp::MessageReader& reader) {
+    uint64_t words = 0;
+    uint segments = 0;
+    for (;; ++segments) {
+      auto segment = reader.getSegment(segments);
+      if (segment == nullptr) break;
+      words += segment.size();
+    }
+    // The frame: its first word, the segment table (padded to a word), then the segments.
+    const uint64_t table = segments <= 1 ? 0 : ((segments & ~1u) * 4);
+    return 8 + table + words * sizeof(capnp::word);
+  }
+
+  capnp::MessageStream& inner_;
+  std::shared_ptr<RpcServer::ConnectionState> state_;
+  uint64_t limit_;
+};
+
 // One accepted connection: the stream, its vat network and its RPC system.
 struct ServerConnection {
-  ServerConnection(kj::Own<kj::AsyncIoStream>&& s, proto::Gateway::Client gateway,
-                   const ServerLimits& limits)
+  ServerConnection(kj::Own<kj::AsyncIoStream>&& s,
+                   std::shared_ptr<RpcServer::ConnectionState> state, const ServerLimits& limits)
       : stream(kj::mv(s)),
-        network(*stream, capnp::rpc::twoparty::Side::SERVER, reader_options(limits)),
-        rpc(capnp::makeRpcServer(network, kj::mv(gateway))) {
+        messages(*stream),
+        limited(messages, state,
+                std::min(limits.max_unauthenticated_message_bytes, limits.max_message_bytes)),
+        network(limited, capnp::rpc::twoparty::Side::SERVER, reader_options(limits)),
+        rpc(capnp::makeRpcServer(network, kj::heap<AuthGateway>(std::move(state)))) {
     rpc.setFlowLimit(static_cast<size_t>(limits.max_inflight_bytes / sizeof(capnp::word)));
   }
   static capnp::ReaderOptions reader_options(const ServerLimits& limits) {
@@ -290,7 +406,10 @@ struct ServerConnection {
     o.nestingLimit = 64;
     return o;
   }
+  // Destroyed in reverse order: the RPC system, the network, then the streams it used.
   kj::Own<kj::AsyncIoStream> stream;
+  capnp::AsyncIoMessageStream messages;
+  HandshakeLimitedStream limited;
   capnp::TwoPartyVatNetwork network;
   capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpc;
 };
@@ -316,10 +435,12 @@ Expected<kj::Own<RpcServer>> RpcServer::listen(kj::AsyncIoContext& io, const std
                                                ServerLimits limits) {
   auto parsed = split_host_port(address);
   if (!parsed) return parsed.status();
-  if (endpoint.secret.size() < auth::kMinSecretLength) {
-    return invalid_argument("cannot serve " + address + " without a " + secret_name(endpoint.role) +
-                            " of at least " + std::to_string(auth::kMinSecretLength) +
-                            " characters");
+  if (endpoint.secret.size() < auth::kMinSecretLength ||
+      endpoint.secret.size() > auth::kMaxSecretLength) {
+    return invalid_argument("cannot serve " + address + " with a " + secret_name(endpoint.role) +
+                            " of " + std::to_string(endpoint.secret.size()) +
+                            " characters; it needs " + std::to_string(auth::kMinSecretLength) +
+                            " to " + std::to_string(auth::kMaxSecretLength));
   }
   kj::Own<kj::ConnectionReceiver> listener;
   KJ_IF_MAYBE (e, kj::runCatchingExceptions([&]() {
@@ -396,9 +517,16 @@ kj::Promise<void> RpcServer::accept_failed(kj::Exception&& e) {
   });
 }
 
+void RpcServer::release_unauthenticated(const std::string& host) {
+  auto it = unauthenticated_by_host_.find(host);
+  if (it == unauthenticated_by_host_.end()) return;
+  if (--it->second == 0) unauthenticated_by_host_.erase(it);
+}
+
 void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
   ++counters_.accepted;
-  std::string peer = peer_name(*stream);
+  PeerAddress from = peer_address(*stream);
+  const std::string& peer = from.name;
   // Far over the limit: not even a reply (each refused peer costs a descriptor while it lasts).
   if (connections_ >= size_t{limits_.max_connections} + 64) {
     ++counters_.refused;
@@ -407,8 +535,27 @@ void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
                 std::to_string(limits_.max_connections) + ")");
     return;
   }
+  // One address may not hold every slot with connections that never authenticate: beyond its
+  // share it is closed before anything is read.
+  auto counted = unauthenticated_by_host_.find(from.host);
+  const uint32_t pending = counted == unauthenticated_by_host_.end() ? 0 : counted->second;
+  if (!from.host.empty() && limits_.max_unauthenticated_per_address > 0 &&
+      pending >= limits_.max_unauthenticated_per_address) {
+    ++counters_.refused;
+    log_refusal("dropped " + peer + " before reading from it: " + std::to_string(pending) +
+                " connections from " + from.host +
+                " have not authenticated yet, the limit per address; they authenticate or time "
+                "out within " +
+                std::to_string(limits_.handshake_timeout_ms) + " ms");
+    return;
+  }
   auto state = std::make_shared<ConnectionState>();
   state->peer_address = peer;
+  state->host = from.host;
+  if (!from.host.empty()) {
+    ++unauthenticated_by_host_[from.host];
+    state->holds_address_slot = true;
+  }
   state->endpoint = endpoint_;
   state->server = this;
   state->server_alive = alive_;
@@ -423,7 +570,7 @@ void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
   auto close = kj::newPromiseAndFulfiller<void>();
   state->close = kj::mv(close.fulfiller);
   spdlog::debug("{}: connection from {}", label_, peer);
-  auto conn = kj::heap<ServerConnection>(kj::mv(stream), kj::heap<AuthGateway>(state), limits_);
+  auto conn = kj::heap<ServerConnection>(kj::mv(stream), state, limits_);
   ++connections_;
   auto& timer = io_.provider->getTimer();
   // Closed when the peer goes, shortly after a refusal (so the error reaches it), or when it
@@ -443,12 +590,14 @@ void RpcServer::serve(kj::Own<kj::AsyncIoStream> stream) {
       conn->network.onDisconnect().exclusiveJoin(kj::mv(refused)).exclusiveJoin(kj::mv(deadline));
   tasks_.add(done.attach(kj::mv(conn))
                  .then(
-                     [this, peer]() {
+                     [this, peer, state]() {
                        --connections_;
+                       state->release_address_slot();
                        spdlog::debug("{}: {} disconnected", label_, peer);
                      },
-                     [this, peer](kj::Exception&& e) {
+                     [this, peer, state](kj::Exception&& e) {
                        --connections_;
+                       state->release_address_slot();
                        spdlog::warn("{}: dropped connection from {}: {}", label_, peer,
                                     e.getDescription().cStr());
                      }));
@@ -482,6 +631,16 @@ Status describe_connect_failure(const kj::Exception& e, const std::string& addre
   if (st.code() == Code::kFailedPrecondition || st.code() == Code::kPermissionDenied ||
       st.code() == Code::kResourceExhausted || st.code() == Code::kInvalidArgument) {
     return st;
+  }
+  if (reached && !answered && st.code() == Code::kUnavailable) {
+    // Closed without a word: what a daemon does to an address with too many connections that
+    // have not authenticated yet, and what many other servers do to a stranger.
+    return failed_precondition(
+        "not a Tessera daemon at " + address +
+        ", or it refused this connection: it closed it before answering Tessera's hello (a "
+        "daemon does that when this address has too many connections that have not "
+        "authenticated yet; its log says so) (" +
+        why + ")");
   }
   if (reached && !answered) {
     return failed_precondition("not a Tessera daemon at " + address +

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 
 #include "common/status.h"
 #include "protocol/gateway.capnp.h"
@@ -48,12 +49,22 @@ struct ServerLimits {
   // Connections open at once, authenticated or not. Beyond it a new peer's hello fails with
   // RESOURCE_EXHAUSTED naming the limit, and the connection is closed.
   uint32_t max_connections = 512;
-  // The largest Cap'n Proto message a peer may send (bigger ones close its connection).
+  // The largest Cap'n Proto message an authenticated peer may send (bigger ones close its
+  // connection).
   uint64_t max_message_bytes = 64ull << 20;
   // Bytes of a connection's calls still running before the server stops reading from it.
   uint64_t max_inflight_bytes = 256ull << 20;
   // A peer that has not authenticated by then is disconnected.
   uint32_t handshake_timeout_ms = 10000;
+  // The largest message a peer may send before it has proved the secret (the bootstrap, hello
+  // and authenticate messages of a real handshake take well under 1 KiB). A frame that declares
+  // more closes the connection before its body is read, so an unauthenticated peer costs at
+  // most this much memory, not max_message_bytes.
+  uint64_t max_unauthenticated_message_bytes = 16ull << 10;
+  // Connections from one IP address that have not authenticated yet. A new connection from an
+  // address already at the limit is closed before anything is read from it (logged,
+  // rate-limited); authenticated connections do not count. 0 = no limit.
+  uint32_t max_unauthenticated_per_address = 16;
 };
 
 // What a server is, and what it hands to a peer that proved its secret.
@@ -67,9 +78,11 @@ struct Endpoint {
 
 // Accepts TCP connections and gives each its own two-party RpcSystem whose bootstrap is an
 // authenticating Gateway for `endpoint`. A connection that sends garbage, fails the handshake
-// or drops is logged (naming the peer's address) and closed; the server goes on. Accept errors
-// (EMFILE, ENFILE, ENOBUFS, ...) back off and retry: the server keeps accepting once descriptors
-// free up.
+// or drops is logged (naming the peer's address) and closed; the server goes on. Until a peer
+// has authenticated it may send only small messages, and each address may hold only a few such
+// connections (ServerLimits), so unauthenticated peers cannot make the server buffer much.
+// Accept errors (EMFILE, ENFILE, ENOBUFS, ...) back off and retry: the server keeps accepting
+// once descriptors free up.
 class RpcServer final : private kj::TaskSet::ErrorHandler {
  public:
   // Binds `address` ("10.0.0.1:6380", "127.0.0.1:0"). Fails with UNAVAILABLE naming the address
@@ -89,6 +102,9 @@ class RpcServer final : private kj::TaskSet::ErrorHandler {
     uint64_t authenticated = 0;
     uint64_t refused = 0;        // wrong or missing secret, wrong version, over the limit
     uint64_t accept_errors = 0;  // failed accept() calls (out of descriptors, ...)
+    // The largest message (bytes, framing included) the server read from a peer that had not
+    // authenticated yet (refused bigger ones are never read, so they do not count).
+    uint64_t largest_unauthenticated_message = 0;
   };
   const Counters& counters() const { return counters_; }
 
@@ -106,6 +122,8 @@ class RpcServer final : private kj::TaskSet::ErrorHandler {
   kj::Promise<void> accept_failed(kj::Exception&& e);
   void taskFailed(kj::Exception&& exception) override;
   void log_refusal(const std::string& line);
+  // Gives back the slot an unauthenticated connection from `host` held.
+  void release_unauthenticated(const std::string& host);
 
   kj::AsyncIoContext& io_;
   kj::Own<kj::ConnectionReceiver> listener_;
@@ -119,6 +137,8 @@ class RpcServer final : private kj::TaskSet::ErrorHandler {
   uint64_t refusal_window_start_ms_ = 0;
   uint32_t refusals_in_window_ = 0;
   uint32_t refusals_suppressed_ = 0;
+  // Connections not yet authenticated, per peer IP address (see ServerLimits).
+  std::unordered_map<std::string, uint32_t> unauthenticated_by_host_;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // expires with the server
   kj::TaskSet tasks_;
 };

@@ -55,11 +55,58 @@ class SecurityTest : public ::testing::Test {
   EventLoop loop_;
 };
 
+// A field of /proc/PID/status in KiB (VmRSS, VmHWM), 0 when unreadable.
+uint64_t status_kib(int pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0)
+      return std::strtoull(line.c_str() + field.size() + 1, nullptr, 10);
+  }
+  return 0;
+}
+
 int head_pid(const std::string& root) {
   for (const auto& rec : read_daemon_records(root)) {
     if (rec.role == "head") return rec.pid;
   }
   return -1;
+}
+
+// A TCP connection to `address` from the loopback address `source` (each stands for another
+// machine), blocking; -1 when it fails.
+int dial_from(const std::string& address, const std::string& source) {
+  auto parsed = rpc::split_host_port(address);
+  if (!parsed) return -1;
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(parsed->second);
+  ::inet_pton(AF_INET, parsed->first.c_str(), &to.sin_addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0 ||
+      ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the other side closed `fd` within `timeout` (EOF or reset), reading past what it
+// said first (a refusing daemon may send an Abort message before it closes).
+bool closed_within(int fd, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0))) <= 0) return false;
+    char buf[4096];
+    ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) return true;
+  }
 }
 
 // The socket inodes a process holds ("socket:[123]" links in /proc/PID/fd).
@@ -264,9 +311,17 @@ TEST_F(SecurityTest, TenThousandConnectionsBeyondTheDescriptorLimitLeaveItServin
   addr.sin_family = AF_INET;
   addr.sin_port = htons(parsed->second);
   ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  // From 200 loopback addresses in turn: from one address, the cap on connections that have not
+  // authenticated (16 per address) would close them before the descriptors run out.
+  int next_source = 0;
   auto dial = [&]() {
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
     EXPECT_GE(fd, 0);
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    const std::string source = "127.0.1." + std::to_string(1 + next_source++ % 200);
+    ::inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)), 0) << source;
     ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
     return fd;
   };
@@ -520,6 +575,92 @@ TEST_F(SecurityTest, OneSizeRuleForTheClusterTokenWhereverItComesFrom) {
   EXPECT_EQ(cluster_.token(), longest);
   auto status = cluster_.tessera({"status", "--temp-dir", root}, 60s, {"TESSERA_TMPDIR=" + root});
   EXPECT_EQ(status.exit_code, 0) << status.err;
+}
+
+TEST_F(SecurityTest, UnauthenticatedPeersCannotMakeTheDaemonBufferBigMessages) {
+  start();
+  const int pid = head_pid(cluster_.root());
+  ASSERT_GT(pid, 0);
+  const uint64_t before_kib = status_kib(pid, "VmRSS");
+  ASSERT_GT(before_kib, 0u);
+  // 40 attackers (each from its own loopback address, under the per-address cap) announce a
+  // frame of almost 64 MiB and stream 8 MiB of it. Before the pre-authentication limit each one
+  // made the daemon allocate the frame and fill it: about 320 MiB more here.
+  std::string header(8, '\0');
+  const uint32_t words = (64u << 20) / 8 - 16;
+  for (int i = 0; i < 4; ++i) header[4 + i] = static_cast<char>((words >> (8 * i)) & 0xff);
+  const std::string chunk(64 << 10, 'x');
+  std::vector<int> attackers;
+  for (int i = 0; i < 40; ++i) {
+    int fd = dial_from(head_, "127.0.0." + std::to_string(10 + i));
+    ASSERT_GE(fd, 0) << "cannot connect from 127.0.0." << 10 + i;
+    timeval limit{1, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
+    attackers.push_back(fd);
+    if (::send(fd, header.data(), header.size(), MSG_NOSIGNAL) != 8) continue;
+    for (size_t sent = 0; sent < (8u << 20);) {
+      ssize_t n = ::send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL);
+      if (n <= 0) break;  // refused and closed (or stalled): the daemon does not take it
+      sent += static_cast<size_t>(n);
+    }
+  }
+  std::this_thread::sleep_for(300ms);
+  const uint64_t peak_kib = status_kib(pid, "VmHWM");
+  const uint64_t now_kib = status_kib(pid, "VmRSS");
+  std::printf("head RSS: %llu MiB before 40 attackers, %llu MiB after (peak %llu MiB)\n",
+              static_cast<unsigned long long>(before_kib >> 10),
+              static_cast<unsigned long long>(now_kib >> 10),
+              static_cast<unsigned long long>(peak_kib >> 10));
+  EXPECT_LT(now_kib, before_kib + 48 * 1024)
+      << "RSS went from " << before_kib / 1024 << " MiB to " << now_kib / 1024 << " MiB";
+  EXPECT_LT(peak_kib, before_kib + 48 * 1024)
+      << "peak RSS " << peak_kib / 1024 << " MiB, from " << before_kib / 1024 << " MiB";
+  // Each was refused before its body was read, and said so in the log.
+  for (int fd : attackers) EXPECT_TRUE(closed_within(fd, 2s));
+  for (int fd : attackers) ::close(fd);
+  std::string logs = daemon_logs();
+  EXPECT_NE(logs.find("before the handshake; until a peer has proved the cluster token it may "
+                      "send at most 16 KiB"),
+            std::string::npos)
+      << logs.substr(0, 4000);
+  // And it still serves.
+  auto cluster = connect();
+  ASSERT_TRUE(cluster);
+  EXPECT_TRUE(cluster->nodes());
+}
+
+TEST_F(SecurityTest, UnauthenticatedConnectionsPerAddressAreCapped) {
+  start();
+  // 30 idle connections from one address: 16 wait for their handshake, the other 14 are closed
+  // at once, long before the 10 s handshake deadline.
+  std::vector<int> idle;
+  for (int i = 0; i < 30; ++i) {
+    int fd = dial_from(head_, "127.0.0.1");
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(500ms);
+  int closed = 0;
+  for (int fd : idle) closed += closed_within(fd, 0ms) ? 1 : 0;
+  EXPECT_EQ(closed, 14);
+  // Another address is served meanwhile.
+  int other = dial_from(head_, "127.0.0.2");
+  ASSERT_GE(other, 0);
+  EXPECT_FALSE(closed_within(other, 300ms));
+  ::close(other);
+  EXPECT_NE(daemon_logs().find("have not authenticated yet, the limit per address"),
+            std::string::npos)
+      << daemon_logs();
+  // When they go, that address is served again.
+  for (int fd : idle) ::close(fd);
+  std::unique_ptr<ClusterClient> cluster;
+  EXPECT_TRUE(wait_until(
+      [&] {
+        auto c = ClusterClient::connect(loop_, head_, cluster_.token(), 2s);
+        if (c) cluster = std::move(*c);
+        return cluster != nullptr;
+      },
+      10s));
 }
 
 TEST_F(SecurityTest, ActorsHoldNoSocketOfTheDaemon) {
