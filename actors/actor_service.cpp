@@ -159,7 +159,7 @@ kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
           .then([this, spec](Loaded&& runner) -> Expected<ModelInfo> {
             load_thread_.join();
             if (!runner) {
-              spdlog::error("cannot load {}: {}", spec.model_dir, runner.status().message());
+              spdlog::error("cannot load {}: {}", spec.engine.model, runner.status().message());
               return runner.status();
             }
             runner_ = std::move(*runner);

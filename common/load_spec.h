@@ -1,6 +1,7 @@
 // How an actor loads its share of a model, and what it reports back: one type each, from the
-// driver's flags to the actor's runner (protocol/convert.h carries them over the wire). The
-// engine defaults vLLM users know live here, once.
+// driver to the actor's runner (protocol/convert.h carries them over the wire). The engine's
+// configuration is the resolved EngineSpec (common/engine_spec.h); what is added here is this
+// rank's own: its place in the group, its collectives, its rings.
 #pragma once
 
 #include <cstdint>
@@ -8,12 +9,9 @@
 #include <vector>
 
 #include "common/checkpoint/layer_plan.h"
+#include "common/engine_spec.h"
 
 namespace tessera {
-
-inline constexpr int64_t kDefaultMaxNumSeqs = 256;
-inline constexpr int64_t kDefaultBlockSize = 16;
-inline constexpr double kDefaultGpuMemoryUtilization = 0.9;
 
 // One rank of a worker group as the driver placed it (error messages name these).
 struct RankInfo {
@@ -41,18 +39,11 @@ struct CommSpec {
 };
 
 struct LoadSpec {
-  std::string model_dir;
-  std::string dtype = "auto";   // auto | bfloat16 | float16 | half | float32 | float
-  std::string device = "auto";  // auto (cuda when a GPU is visible) | cuda | cpu
-  int64_t block_size = kDefaultBlockSize;
-  int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
-  int64_t max_num_seqs = kDefaultMaxNumSeqs;
-  int64_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
-  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
-  bool enforce_eager = false;           // no CUDA graphs
-  std::string kv_cache_dtype = "auto";  // parse_kv_cache_dtype's spellings (the actor parses it)
-  bool return_logits = false;           // StepOutput carries the sampled rows' logits (tests)
-  int threads = 0;                      // cpu backend threads (0 = hardware concurrency)
+  EngineSpec engine;  // resolved (check_resolved): the model, dtype, device, lengths, memory
+  // Ranks of the group on this rank's GPU (two when --collectives ipc puts two on one GPU): they
+  // split engine.gpu_memory_utilization of it between them.
+  int gpu_shares = 1;
+  int threads = 0;  // cpu backend threads (0 = hardware concurrency)
   ParallelConfig parallel;
   CommSpec comm;
   // Steps arrive through the node's shared-memory ring when set (local actors), over RPC
@@ -61,6 +52,13 @@ struct LoadSpec {
   uint32_t step_ring_reader = 0;
   std::string output_ring;  // segment name of this actor's output ring (it writes)
 };
+
+// The LoadSpec of one rank loaded outside a worker group (tests, tools): `engine` resolved for
+// `parallel` (the group's tp x pp and this rank's place, even stages unless its layer_partition
+// says otherwise) on `device`, reading the model's config.json. A worker group's ranks get theirs
+// from the driver's planner instead.
+Expected<LoadSpec> load_spec_for_rank(EngineSpec engine, const ParallelConfig& parallel,
+                                      Device device);
 
 // What a rank reports after loading (kv_blocks: how many fit) and after its cache is allocated.
 struct ModelInfo {

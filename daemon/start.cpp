@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <kj/async-unix.h>
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -22,6 +23,7 @@
 #include "common/session.h"
 #include "daemon/actor_supervisor.h"
 #include "daemon/daemon.h"
+#include "driver/cli/cli_help.h"
 #include "protocol/auth.h"
 
 namespace tessera {
@@ -198,6 +200,71 @@ Expected<std::string> daemon_token(const StartOptions& o, const std::string& roo
 
 }  // namespace
 
+CLI::App* add_start_subcommand(CLI::App& app, StartOptions& start) {
+  auto* start_cmd = app.add_subcommand("start", "Start a node daemon on this machine");
+  start_cmd->add_flag("--head", start.head, "Start a new cluster with this node as its head");
+  start_cmd->add_option("--address", start.address, "Join the cluster whose head is HOST:PORT");
+  start_cmd->add_option("--port", start.port, "RPC port (head default 6380, members any free)")
+      ->check(CLI::Range(0, 65535));
+  start_cmd->add_flag("--block", start.block, "Stay in the foreground and log to stderr");
+  start_cmd->add_option("--temp-dir", start.temp_dir,
+                        "Root for session logs and records (default $TESSERA_TMPDIR or "
+                        "/tmp/tessera)");
+  start_cmd->add_option("--cluster-token-file", start.cluster_token_file,
+                        "The cluster token (head: instead of a new one; members: the head's)");
+  start_cmd->add_option("--node-ip,--host", start.node_ip,
+                        "Address to listen on and advertise (default: loopback for a head, the "
+                        "address that reaches the head for a member)");
+  start_cmd->add_option("--node-name", start.node_name, "Name shown in status (default hostname)");
+  start_cmd->add_option("--bind", start.bind_host,
+                        "Listen here instead of --node-ip (e.g. 0.0.0.0), still advertising "
+                        "--node-ip");
+  start_cmd
+      ->add_option("--object-store-memory", start.object_store_memory,
+                   "Bytes of shared memory for objects and rings (default 2 GiB)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 50));
+  start_cmd->add_option("--shm-per-lease", start.shm_per_lease,
+                        "Bytes of shared memory one lease may hold (default: all of it)");
+  start_cmd
+      ->add_option("--max-connections", start.max_connections,
+                   "RPC connections open at once (default 512)")
+      ->check(CLI::Range(1u, 1000000u));
+  start_cmd
+      ->add_option("--max-message-mib", start.max_message_mib,
+                   "Largest RPC message a peer may send, MiB (default 64)")
+      ->check(CLI::Range(1u, 4096u));
+  start_cmd->add_option("--max-actors", start.max_actors, "Actors alive at once (default 128)")
+      ->check(CLI::Range(1u, 100000u));
+  start_cmd
+      ->add_option("--actor-health-timeout", start.actor_health_timeout_s,
+                   "Seconds without a heartbeat before an actor is killed as hung (default "
+                   "10; 0 = off)")
+      ->check(CLI::Range(0.0, 86400.0));
+  start_cmd
+      ->add_option("--actor-step-timeout", start.actor_step_timeout_s,
+                   "Seconds a step may go without progress before the actor counts as "
+                   "stuck (default 120; 0 = off)")
+      ->check(CLI::Range(0.0, 86400.0));
+  start_cmd->add_option("--actor-env-allow", start.actor_env_allow,
+                        "More environment variables a driver may set on actors (NAME or "
+                        "PREFIX_*; repeatable)");
+  start_cmd->add_flag("--ephemeral", start.ephemeral)->group("");  // embedded local nodes
+  start_cmd->add_option("--heartbeat-ms", start.heartbeat_ms, "Heartbeat period (default 1000)")
+      ->check(CLI::Range(10u, 600000u));
+  start_cmd
+      ->add_option("--missed-heartbeats", start.missed_beats,
+                   "Missed beats before a node is dead (default 5)")
+      ->check(CLI::Range(1u, 1000u));
+  start_cmd->add_option("--nvml-library", start.nvml_library,
+                        "Path of libnvidia-ml.so.1 (default: the system's)");
+  start_cmd->add_option("--actor-bin-dir", start.bin_dir,
+                        "Where tessera-actor lives (default: next to tessera)");
+  add_examples(start_cmd, {"tessera start --head",
+                           "tessera start --address 10.0.0.1:6380 "
+                           "--cluster-token-file ./cluster_token"});
+  return start_cmd;
+}
+
 int start_command(const StartOptions& o) {
   if (o.head == !o.address.empty()) {
     std::cerr << "tessera start: pass exactly one of --head (start a cluster) or --address "
@@ -345,6 +412,14 @@ int start_command(const StartOptions& o) {
   }
   std::cerr << "tessera start: " << message << "\n";
   return 1;
+}
+
+CLI::App* add_stop_subcommand(CLI::App& app, StopOptions& stop) {
+  auto* stop_cmd = app.add_subcommand("stop", "Stop the daemons started on this machine");
+  stop_cmd->add_option("--temp-dir", stop.temp_dir, "The root they were started with");
+  stop_cmd->add_option("--timeout", stop.timeout_s, "Seconds before SIGKILL (default 10)");
+  add_examples(stop_cmd, {"tessera stop"});
+  return stop_cmd;
 }
 
 int stop_command(const StopOptions& o) {

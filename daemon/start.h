@@ -6,6 +6,10 @@
 #include <string>
 #include <vector>
 
+namespace CLI {
+class App;
+}
+
 namespace tessera {
 
 struct StartOptions {
@@ -35,6 +39,11 @@ struct StartOptions {
   bool ephemeral = false;  // remove the whole temp root on exit (embedded local nodes)
 };
 
+// Adds `start` to `app` with its flags bound to `options`: every field but log_level, which is
+// `tessera --log-level` (the caller copies it in). The caller runs start_command when the
+// subcommand was parsed.
+CLI::App* add_start_subcommand(CLI::App& app, StartOptions& options);
+
 // Runs the command; returns the process exit code. Prints what happened and what to do next.
 int start_command(const StartOptions& options);
 
@@ -42,6 +51,8 @@ struct StopOptions {
   std::string temp_dir;
   uint32_t timeout_s = 10;  // SIGTERM, then SIGKILL after this long
 };
+// Adds `stop` to `app` with its flags bound to `options`; the caller runs stop_command.
+CLI::App* add_stop_subcommand(CLI::App& app, StopOptions& options);
 int stop_command(const StopOptions& options);
 
 }  // namespace tessera

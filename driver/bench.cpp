@@ -14,6 +14,7 @@
 
 #include "common/checkpoint/safetensors.h"
 #include "common/kv_cache_dtype.h"
+#include "driver/cli/cli_help.h"
 
 namespace tessera {
 
@@ -149,8 +150,8 @@ Expected<BatchTiming> run_batch(ModelSession& session,
     auto s1 = Clock::now();
     const bool decoding = waiting == 0;
     for (const auto& o : outs) {
-      if (o.finished && o.finish_reason.rfind("error: ", 0) == 0) {
-        return internal_error(o.finish_reason.substr(7));
+      if (o.finished && o.finish_reason == FinishReason::kError) {
+        return internal_error(o.error.message());
       }
       t.tokens += o.new_tokens.size();
       if (!o.new_tokens.empty() && !started[o.request_id]) {
@@ -211,7 +212,7 @@ void add_breakdown_rows(std::vector<std::vector<std::string>>& rows, const std::
 Status run_report(const BenchReportOptions& o) {
   const BenchOutput text(o.json);
   EngineArgs args = o.engine;
-  MemoryOptions& mem = args.memory;
+  EngineSpec& mem = args;
   mem.max_num_seqs = std::max<int64_t>(mem.max_num_seqs, std::max<int64_t>(o.batch_size, 1));
   if (mem.max_num_batched_tokens == 0) {
     mem.max_num_batched_tokens = std::min<int64_t>(
@@ -316,7 +317,7 @@ Status run_report(const BenchReportOptions& o) {
   }
   text.table(rows, "llrl");
   nlohmann::json j = run_json(o.command_line, o.engine.model, m);
-  j.update({{"enforce_eager", o.engine.memory.enforce_eager},
+  j.update({{"enforce_eager", o.engine.enforce_eager},
             {"detokenize", false},
             {"weight_bytes", m.weight_bytes},
             {"matmul_parameters", params},
@@ -336,7 +337,7 @@ Status run_latency(const BenchLatencyOptions& o) {
   }
   if (o.num_iters == 0) return invalid_argument("--num-iters must be at least 1");
   EngineArgs args = o.engine;
-  MemoryOptions& mem = args.memory;
+  EngineSpec& mem = args;
   // The whole batch runs in one step, as vLLM's benchmark sizes its engine for it.
   mem.max_num_seqs = std::max<int64_t>(mem.max_num_seqs, o.batch_size);
   if (mem.max_num_batched_tokens == 0) {
@@ -370,8 +371,8 @@ Status run_latency(const BenchLatencyOptions& o) {
     while (engine.has_unfinished()) {
       TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
       for (const auto& out : outs) {
-        if (out.finished && out.finish_reason.rfind("error: ", 0) == 0) {
-          return internal_error(out.finish_reason.substr(7));
+        if (out.finished && out.finish_reason == FinishReason::kError) {
+          return internal_error(out.error.message());
         }
       }
     }
@@ -518,7 +519,7 @@ Status run_throughput(const BenchThroughputOptions& o) {
   TESSERA_ASSIGN_OR_RETURN(DType run_dtype, parse_safetensors_dtype(m.dtype));
   const double kv_bytes_per_token =
       2.0 * static_cast<double>(cfg.num_layers) * cfg.num_kv_heads * cfg.head_dim *
-      static_cast<double>(kv_cache_element_size(o.engine.memory.kv_cache_dtype, run_dtype));
+      static_cast<double>(kv_cache_element_size(o.engine.kv_cache_dtype, run_dtype));
   const uint32_t block_size = engine.config().block_size;
   nlohmann::json timeline = nlohmann::json::array();
   struct Interval {
@@ -541,8 +542,8 @@ Status run_throughput(const BenchThroughputOptions& o) {
     iv.min_bytes += static_cast<double>(m.weight_bytes) +
                     static_cast<double>(before.kv_blocks_used) * block_size * kv_bytes_per_token;
     for (const auto& out : outs) {
-      if (out.finished && out.finish_reason.rfind("error: ", 0) == 0) {
-        return internal_error(out.finish_reason.substr(7));
+      if (out.finished && out.finish_reason == FinishReason::kError) {
+        return internal_error(out.error.message());
       }
       output_tokens += out.new_tokens.size();
       iv.output_tokens += out.new_tokens.size();
@@ -684,6 +685,90 @@ int64_t matmul_parameters(const ModelConfig& c) {
   if (c.o_proj_bias) layer += H;
   if (c.qk_norm) layer += 2 * c.head_dim;
   return c.num_layers * layer + H + c.vocab_size * H;
+}
+
+CLI::App* add_bench_subcommand(CLI::App& app) {
+  auto* bench_cmd = app.add_subcommand("bench", "Benchmarks");
+  bench_cmd->require_subcommand(1);
+  add_examples(bench_cmd, {"tessera bench throughput --model ./llama3-8b --num-prompts 1000"});
+  return bench_cmd;
+}
+
+CLI::App* add_bench_latency_subcommand(CLI::App& bench, BenchLatencyOptions& latency) {
+  auto* latency_cmd = bench.add_subcommand(
+      "latency", "End-to-end latency of one batch, over many iterations (vLLM's)");
+  add_engine_options(latency_cmd, latency.engine);
+  latency_cmd->add_option("--input-len", latency.input_len, "Random prompt tokens (32)");
+  latency_cmd->add_option("--output-len", latency.output_len,
+                          "Tokens each request generates, EOS ignored (128)");
+  latency_cmd->add_option("--batch-size", latency.batch_size, "Requests in the batch (8)");
+  latency_cmd->add_option("--num-iters-warmup", latency.num_iters_warmup,
+                          "Unmeasured iterations first (10)");
+  latency_cmd->add_option("--num-iters", latency.num_iters, "Measured iterations (30)");
+  latency_cmd->add_option("--seed", latency.seed,
+                          "The run's random seed: prompts and samplers (0)");
+  add_bench_output_options(latency_cmd, latency.output_json, latency.json);
+  add_examples(latency_cmd, {"tessera bench latency --model ./llama3-8b --batch-size 8 "
+                             "--input-len 32 --output-len 128"});
+  return latency_cmd;
+}
+
+CLI::App* add_bench_report_subcommand(CLI::App& bench, BenchReportOptions& report) {
+  auto* report_cmd = bench.add_subcommand(
+      "report",
+      "Tessera's report: batch-1 decode (TTFT, step breakdown), a long prefill and a large-batch "
+      "decode of one model");
+  add_engine_options(report_cmd, report.engine);
+  report_cmd->add_option("--input-len", report.input_len, "Prompt tokens (128)");
+  report_cmd->add_option("--output-len", report.output_len, "New tokens (256)");
+  report_cmd->add_option("--num-iters", report.num_iters, "Measured batch-1 runs (3)");
+  report_cmd->add_option("--num-iters-warmup", report.num_iters_warmup, "Warm-up runs (1)");
+  report_cmd->add_option("--prefill-len", report.prefill_len,
+                         "Long prefill tokens (4096; 0 = skip)");
+  report_cmd->add_option("--prefill-iters", report.prefill_iters, "Measured prefills (5)");
+  report_cmd->add_option("--batch-size", report.batch_size,
+                         "Large-batch decode size (64; 0 = skip)");
+  report_cmd->add_option("--batch-iters", report.batch_iters, "Measured large-batch runs (2)");
+  report_cmd->add_option("--seed", report.seed, "The run's random seed: the prompts (0)");
+  add_bench_output_options(report_cmd, report.output_json, report.json);
+  add_examples(report_cmd, {"tessera bench report --model ./llama3-8b --output-json report.json"});
+  return report_cmd;
+}
+
+CLI::App* add_bench_throughput_subcommand(CLI::App& bench, BenchThroughputOptions& throughput) {
+  auto* throughput_cmd = bench.add_subcommand(
+      "throughput", "Offline throughput: many requests at once through one engine (vLLM's)");
+  add_engine_options(throughput_cmd, throughput.engine);
+  throughput_cmd->add_option("--num-prompts", throughput.num_prompts, "Requests (1000)");
+  throughput_cmd->add_option("--input-len", throughput.input_len, "Random prompt tokens (1024)");
+  throughput_cmd->add_option("--output-len", throughput.output_len,
+                             "Tokens each request generates, EOS ignored (128)");
+  throughput_cmd->add_option("--dataset-path", throughput.dataset_path,
+                             "JSONL of prompts: \"prompt\" or \"prompt_token_ids\", optional "
+                             "\"output_len\" (default: random prompts)");
+  throughput_cmd->add_option(
+      "--seed", throughput.seed,
+      "The run's random seed: prompts, and request i's sampler (seed + i) (0)");
+  add_bench_output_options(throughput_cmd, throughput.output_json, throughput.json);
+  add_examples(throughput_cmd, {"tessera bench throughput --model ./llama3-8b --num-prompts 1000 "
+                                "--input-len 1000 --output-len 1000"});
+  return throughput_cmd;
+}
+
+CLI::App* add_bench_control_plane_subcommand(CLI::App& bench, BenchControlPlaneOptions& control) {
+  auto* control_cmd = bench.add_subcommand(
+      "control-plane", "Round trip of empty steps driver -> ranks -> driver (rings or RPC)");
+  add_engine_options(control_cmd, control.engine);
+  control_cmd
+      ->add_option("--transport", control.transport,
+                   "ring: shared-memory step rings; rpc: an execute RPC per step (ring)")
+      ->check(CLI::IsMember({"ring", "rpc"}));
+  control_cmd->add_option("--num-steps", control.num_steps, "Measured steps (10000)");
+  control_cmd->add_option("--num-warmup", control.num_warmup, "Unmeasured steps first (200)");
+  add_bench_output_options(control_cmd, control.output_json, control.json);
+  add_examples(control_cmd,
+               {"tessera bench control-plane --model ./tiny -tp 2 --device cpu --transport ring"});
+  return control_cmd;
 }
 
 int bench_latency_command(const BenchLatencyOptions& options) {

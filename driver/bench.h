@@ -14,6 +14,12 @@
 
 namespace tessera {
 
+// Adds the `bench` group to `app`: it takes exactly one of the benchmarks below (each added by
+// its add_bench_*_subcommand) or `bench serve` (driver/server/bench_serve.h). Each of those
+// binds its flags to its options; the caller sets their command_line and runs the
+// bench_*_command of the one that was parsed.
+CLI::App* add_bench_subcommand(CLI::App& app);
+
 struct BenchLatencyOptions {
   EngineArgs engine;
   uint32_t input_len = 32;
@@ -26,6 +32,7 @@ struct BenchLatencyOptions {
   bool json = false;         // --json: the results as JSON on stdout, the human lines on stderr
   std::string command_line;  // recorded in the JSON
 };
+CLI::App* add_bench_latency_subcommand(CLI::App& bench, BenchLatencyOptions& options);
 int bench_latency_command(const BenchLatencyOptions& options);
 
 // `tessera bench report`: Tessera's multi-part report of one model on one actor, in one process
@@ -49,6 +56,7 @@ struct BenchReportOptions {
   bool json = false;         // --json: the results as JSON on stdout, the human lines on stderr
   std::string command_line;  // recorded in the JSON
 };
+CLI::App* add_bench_report_subcommand(CLI::App& bench, BenchReportOptions& options);
 int bench_report_command(const BenchReportOptions& options);
 
 // `tessera bench throughput`: vLLM's benchmark_throughput, offline. --num-prompts requests of
@@ -69,6 +77,7 @@ struct BenchThroughputOptions {
   bool json = false;         // --json: the results as JSON on stdout, the human lines on stderr
   std::string command_line;  // recorded in the JSON
 };
+CLI::App* add_bench_throughput_subcommand(CLI::App& bench, BenchThroughputOptions& options);
 int bench_throughput_command(const BenchThroughputOptions& options);
 
 // `tessera bench control-plane`: the cost of the step channel alone. Loads the model as any
@@ -86,6 +95,8 @@ struct BenchControlPlaneOptions {
   bool json = false;         // --json: the results as JSON on stdout, the human lines on stderr
   std::string command_line;  // recorded in the JSON
 };
+CLI::App* add_bench_control_plane_subcommand(CLI::App& bench,
+                                             BenchControlPlaneOptions& options);
 int bench_control_plane_command(const BenchControlPlaneOptions& options);
 
 // One request of a benchmark: token ids, or text for the engine (or server) to tokenize.

@@ -1,5 +1,6 @@
 #include "driver/generate.h"
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -11,6 +12,7 @@
 
 #include "common/tokenizer/tokenizer.h"
 #include "common/tokenizer/unicode.h"
+#include "driver/cli/cli_help.h"
 #include "driver/engine/engine.h"
 #include "driver/llm.h"
 #include "driver/model_session.h"
@@ -91,7 +93,7 @@ nlohmann::json result_json(const GenerationResult& r) {
   return {{"prompt_ids", r.prompt_token_ids},
           {"output_ids", r.token_ids},
           {"text", r.text},
-          {"finish_reason", r.finish_reason},
+          {"finish_reason", std::string(finish_reason_name(r.finish_reason))},
           {"logprobs", lp}};
 }
 
@@ -181,7 +183,8 @@ Status run(const GenerateOptions& o) {
                m.architecture.c_str(), m.backend.c_str(), m.device_name.empty() ? "" : " on ",
                m.device_name.c_str(), m.dtype.c_str(), m.kv_cache_dtype.c_str(), results.size(),
                prompt_tokens, output_tokens,
-               results.size() == 1 ? results[0].finish_reason.c_str() : "batched",
+               results.size() == 1 ? finish_reason_name(results[0].finish_reason).data()
+                                   : "batched",
                ms(t_loaded - t0).count(), first ? ms(*first - t_loaded).count() : 0.0,
                output_tokens > results.size() && decode_ms > 0
                    ? (output_tokens - results.size()) / (decode_ms / 1000.0)
@@ -190,6 +193,35 @@ Status run(const GenerateOptions& o) {
 }
 
 }  // namespace
+
+CLI::App* add_generate_subcommand(CLI::App& app, GenerateOptions& gen) {
+  gen.sampling.max_tokens = 64;
+  auto* gen_cmd = app.add_subcommand("generate", "Generate completions for one or more prompts");
+  add_engine_options(gen_cmd, gen.engine);
+  gen_cmd->add_option("--prompt", gen.prompts, "The prompt text (repeat for a batch)");
+  gen_cmd->add_option("--input", gen.input,
+                      "A JSONL file of {\"prompt\": ...} or {\"prompt_token_ids\": [...]}");
+  gen_cmd->add_option("--output", gen.output, "Write the results as JSONL here");
+  gen_cmd->add_option("--max-tokens", gen.sampling.max_tokens, "Tokens to generate (64)");
+  gen_cmd->add_option("--temperature", gen.sampling.temperature, "0 = greedy (default 1.0)");
+  gen_cmd->add_option("--top-p", gen.sampling.top_p, "Nucleus sampling mass (1.0 = off)");
+  gen_cmd->add_option("--top-k", gen.sampling.top_k, "Keep the k most likely (-1 = off)");
+  gen_cmd->add_option("--min-p", gen.sampling.min_p, "Drop tokens below min_p x the top (0 = off)");
+  gen_cmd->add_option("--seed", gen.sampling.seed,
+                      "The run's random seed: every prompt's sampler (default: unseeded)");
+  gen_cmd->add_option("--repetition-penalty", gen.sampling.repetition_penalty, "(1.0 = off)");
+  gen_cmd->add_option("--presence-penalty", gen.sampling.presence_penalty, "(0 = off)");
+  gen_cmd->add_option("--frequency-penalty", gen.sampling.frequency_penalty, "(0 = off)");
+  gen_cmd->add_option("--stop", gen.sampling.stop, "Stop strings (repeatable)");
+  gen_cmd->add_option("--stop-token-ids", gen.sampling.stop_token_ids,
+                      "Token ids that end generation");
+  gen_cmd->add_flag("--ignore-eos", gen.sampling.ignore_eos, "Keep going past EOS");
+  gen_cmd->add_option("--logprobs", gen.sampling.logprobs, "Return top-N logprobs per token");
+  gen_cmd->add_flag("--json", gen.json, "Print ids, text and logprobs as JSON, a line per prompt");
+  add_examples(gen_cmd, {"tessera generate --model ./Llama-3.1-8B-Instruct --prompt \"Hello\" "
+                         "--max-tokens 32 --temperature 0"});
+  return gen_cmd;
+}
 
 int generate_command(const GenerateOptions& options) {
   return command_exit(run(options), "tessera generate");

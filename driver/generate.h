@@ -8,6 +8,10 @@
 #include "driver/engine/sequence.h"
 #include "driver/model_session.h"
 
+namespace CLI {
+class App;
+}
+
 namespace tessera {
 
 struct GenerateOptions {
@@ -18,6 +22,11 @@ struct GenerateOptions {
   SamplingParams sampling;
   bool json = false;  // print one JSON object per prompt (ids, text, logprobs) instead of text
 };
+
+// Adds `generate` to `app` with its flags bound to `options` (the engine flags, the prompts and
+// the sampling flags; --max-tokens defaults to 64 here). The caller runs generate_command when
+// the subcommand was parsed.
+CLI::App* add_generate_subcommand(CLI::App& app, GenerateOptions& options);
 
 // Runs the command; returns the process exit code (0 ok, 1 failed). With one prompt and no
 // --json, text streams to stdout as it is generated; a summary line goes to stderr.

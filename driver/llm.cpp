@@ -27,6 +27,7 @@ Expected<std::vector<GenerationResult>> LLM::generate(
   LlmEngine& engine = session_->engine();
   std::vector<GenerationResult> results(prompt_token_ids.size());
   std::map<uint64_t, size_t> index;
+  std::vector<Status> errors(prompt_token_ids.size());  // of the requests that failed
   for (size_t i = 0; i < prompt_token_ids.size(); ++i) {
     results[i].prompt_token_ids = prompt_token_ids[i];
     auto id = engine.add_request(prompt_token_ids[i], params);
@@ -49,11 +50,12 @@ Expected<std::vector<GenerationResult>> LLM::generate(
       r.token_ids.insert(r.token_ids.end(), out.new_tokens.begin(), out.new_tokens.end());
       r.logprobs.insert(r.logprobs.end(), out.new_logprobs.begin(), out.new_logprobs.end());
       if (out.finished) r.finish_reason = out.finish_reason;
+      if (out.finish_reason == FinishReason::kError) errors[it->second] = out.error;
       if (on_output) on_output(it->second, out);
     }
   }
-  for (const auto& r : results) {
-    if (r.finish_reason.rfind("error: ", 0) == 0) return internal_error(r.finish_reason.substr(7));
+  for (const Status& e : errors) {
+    if (!e) return internal_error(e.message());
   }
   return results;
 }

@@ -31,7 +31,7 @@ struct GenerationResult {
   std::string text;
   std::vector<int32_t> token_ids;
   std::vector<TokenLogprobs> logprobs;  // when params.logprobs >= 0
-  std::string finish_reason;            // "stop" or "length"
+  FinishReason finish_reason = FinishReason::kNone;  // kStop or kLength
   std::optional<std::chrono::steady_clock::time_point> first_token;
 };
 

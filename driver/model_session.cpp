@@ -18,29 +18,27 @@
 
 namespace tessera {
 
-Status validate(const EngineArgs& a) {
-  TESSERA_RETURN_IF_ERROR(validate(static_cast<const ModelArgs&>(a)));
-  if (a.collectives != "auto" && a.collectives != "tcp" && a.collectives != "nccl" &&
-      a.collectives != "ipc") {
-    return invalid_argument("--collectives '" + a.collectives +
-                            "' is not one of auto, tcp, nccl, ipc");
-  }
-  if (a.nccl_init_timeout_s < 1) return invalid_argument("--nccl-init-timeout must be >= 1 s");
-  return Status::ok();
-}
-
-void add_engine_options(CLI::App* cmd, EngineArgs& e) {
+void add_engine_options(CLI::App* cmd, EngineArgs& args) {
+  EngineSpec& e = args;
+  ClusterOptions& c = args;
   add_model_options(cmd, e);
-  cmd->add_option("--address", e.address,
+  cmd->add_option("--address", c.address,
                   "A cluster's head HOST:PORT (default: $TESSERA_ADDRESS, else start a local "
                   "node)")
       ->envname("TESSERA_ADDRESS");
-  cmd->add_option("--cluster-token-file", e.cluster_token_file,
+  cmd->add_option("--cluster-token-file", c.cluster_token_file,
                   "With --address: the cluster token (default: $TESSERA_CLUSTER_TOKEN or this "
                   "machine's)");
-  cmd->add_option("--collectives", e.collectives,
-                  "auto|tcp|nccl|ipc: how the ranks talk (auto: tcp for CPU actors, nccl across "
-                  "GPUs, ipc when ranks share a GPU)");
+  cmd->add_option_function<std::string>(
+         "--collectives",
+         [&e](const std::string& text) {
+           Expected<Collectives> v = parse_collectives(text);
+           if (!v) throw CLI::ValidationError(v.status().message());
+           e.collectives = *v;
+         },
+         "auto|tcp|nccl|ipc: how the ranks talk (auto: tcp for CPU actors, nccl across GPUs, "
+         "ipc when ranks share a GPU)")
+      ->type_name("KIND");
   cmd->add_flag("--disable-custom-all-reduce", e.disable_custom_all_reduce,
                 "With nccl: NCCL for every all-reduce (default: the custom one for small "
                 "tensors when a stage's GPUs share a node)");
@@ -103,24 +101,25 @@ std::string plan_summary(const ClusterPlan& plan) {
   return out;
 }
 
-Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& a,
+Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineSpec& a,
                                    const std::vector<ClusterNode>& nodes) {
-  PlanRequest request;
-  TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
-  auto planned = plan_for_nodes(config, a, nodes);
-  if (!planned && planned.status().code() == Code::kResourceExhausted && a.collectives == "ipc" &&
-      request.tensor_parallel && request.pipeline_parallel) {
+  auto planned = plan_on_cluster(config, a, nodes);
+  if (!planned && planned.status().code() == Code::kResourceExhausted &&
+      a.collectives == Collectives::kIpc && !a.tensor_parallel_size.is_auto() && a.pp() != 0) {
     // Too few free GPUs: with ipc collectives the ranks may share them.
     ClusterPlan shared;
     ParallelConfig pc;
-    pc.tp_size = static_cast<int>(*request.tensor_parallel);
-    pc.pp_size = static_cast<int>(*request.pipeline_parallel);
-    pc.layer_partition = request.layer_partition;
+    pc.tp_size = static_cast<int>(a.tp());
+    pc.pp_size = static_cast<int>(a.pp());
+    pc.layer_partition = a.pipeline_layer_partition;
     TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(a.dtype, config.torch_dtype, true));
     TESSERA_ASSIGN_OR_RETURN(shared.plan, make_parallel_plan(config, pc, dtype));
     TESSERA_ASSIGN_OR_RETURN(shared.placement, share_gpus(shared, nodes));
-    // The actors size their KV caches themselves; the load needs the resolved lengths.
-    TESSERA_ASSIGN_OR_RETURN(shared.memory.options, resolve_memory_options(config, a.memory));
+    // The actors size their KV caches themselves; the load needs the resolved spec.
+    TESSERA_ASSIGN_OR_RETURN(shared.engine,
+                             resolve_engine_spec(a, config, shared.plan.tp, shared.plan.pp,
+                                                 shared.plan.stage_layers, Device::kCuda));
+    shared.memory.engine = shared.engine;
     std::set<int64_t> gpus;
     for (const PlacedRank& r : shared.placement.ranks) gpus.insert(r.gpu);
     spdlog::warn(
@@ -141,8 +140,8 @@ namespace {
 
 // The collectives for a placement: what the user asked, else tcp for CPU actors, ipc when two
 // ranks share a GPU (NCCL refuses that), nccl otherwise.
-std::string pick_collectives(const std::string& asked, const std::vector<RankPlacement>& ranks) {
-  if (asked != "auto") return asked;
+std::string pick_collectives(Collectives asked, const std::vector<RankPlacement>& ranks) {
+  if (asked != Collectives::kAuto) return collectives_name(asked);
   if (ranks.empty() || ranks.front().gpu < 0) return "tcp";
   for (size_t i = 0; i < ranks.size(); ++i) {
     for (size_t j = i + 1; j < ranks.size(); ++j) {
@@ -160,27 +159,25 @@ ModelSession::~ModelSession() {
   cluster_.reset();
 }
 
-Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
+Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& args,
                                                            const std::string& owner,
                                                            bool detokenize) {
-  TESSERA_RETURN_IF_ERROR(validate(a));
+  const EngineSpec& engine = args;
+  TESSERA_RETURN_IF_ERROR(validate(engine));
   std::unique_ptr<ModelSession> s(new ModelSession());
-  s->args_ = a;
+  s->engine_spec_ = engine;
+  s->cluster_options_ = args;
   s->owner_ = owner;
-  TESSERA_ASSIGN_OR_RETURN(s->config_, load_model_config(a.model, &s->defaults_));
-  TESSERA_ASSIGN_OR_RETURN(s->tokenizer_, Tokenizer::load(a.model));
-  TESSERA_RETURN_IF_ERROR(resolve_max_model_len(a.memory.max_model_len, s->config_).status());
+  TESSERA_ASSIGN_OR_RETURN(s->config_, load_model_config(engine.model, &s->defaults_));
+  TESSERA_ASSIGN_OR_RETURN(s->tokenizer_, Tokenizer::load(engine.model));
+  TESSERA_RETURN_IF_ERROR(resolve_lengths(engine, s->config_).status());
   // A -tp / -pp that cannot split the model is refused before anything starts.
-  {
-    PlanRequest request;
-    TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
-    if (request.tensor_parallel && request.pipeline_parallel) {
-      ParallelConfig p;
-      p.tp_size = static_cast<int>(*request.tensor_parallel);
-      p.pp_size = static_cast<int>(*request.pipeline_parallel);
-      p.layer_partition = request.layer_partition;
-      TESSERA_RETURN_IF_ERROR(LayerPlan::make(s->config_, p).status());
-    }
+  if (!engine.tensor_parallel_size.is_auto() && engine.pp() != 0) {
+    ParallelConfig p;
+    p.tp_size = static_cast<int>(engine.tp());
+    p.pp_size = static_cast<int>(engine.pp());
+    p.layer_partition = engine.pipeline_layer_partition;
+    TESSERA_RETURN_IF_ERROR(LayerPlan::make(s->config_, p).status());
   }
   s->loop_ = std::make_unique<EventLoop>();
   TESSERA_RETURN_IF_ERROR(s->connect());
@@ -188,13 +185,12 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& a,
   auto t0 = std::chrono::steady_clock::now();
   TESSERA_ASSIGN_OR_RETURN(s->group_, WorkerGroup::start(*s->loop_, *s->cluster_, s->spec_));
   s->load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  s->start_engine(a.enable_prefix_caching, static_cast<uint32_t>(a.memory.max_num_seqs),
-                  a.async_scheduling, detokenize);
+  s->start_engine(detokenize);
   return s;
 }
 
 Status ModelSession::connect() {
-  const EngineArgs& a = args_;
+  const ClusterOptions& a = cluster_options_;
   std::string token;
   if (a.address.empty()) {
     TESSERA_ASSIGN_OR_RETURN(local_, LocalNode::start());
@@ -212,7 +208,7 @@ Status ModelSession::connect() {
 }
 
 Status ModelSession::place() {
-  const EngineArgs& a = args_;
+  const EngineSpec& a = engine_spec_;
   TESSERA_ASSIGN_OR_RETURN(ClusterStatus cluster, collect_status(*loop_, address_, token_));
   std::vector<ClusterNode> nodes = cluster_nodes(cluster);
   TESSERA_ASSIGN_OR_RETURN(plan_, plan_session(config_, a, nodes));
@@ -237,7 +233,7 @@ Status ModelSession::place() {
     spec.placement.push_back({r.node_id, static_cast<int>(r.gpu)});
   }
   spec.comm_backend = pick_collectives(a.collectives, spec.placement);
-  spec.use_rings = a.step_rings;
+  spec.use_rings = cluster_options_.step_rings;
   // Beside NCCL, the custom all-reduce for tensors up to its buffer's size, where every TP
   // group's GPUs share a node and NVLink (vLLM's rule: PCIe peers gain nothing from it).
   if (spec.comm_backend == "nccl" && !a.disable_custom_all_reduce && plan_.plan.tp > 1) {
@@ -252,27 +248,16 @@ Status ModelSession::place() {
     }
   }
   LoadSpec& load = spec.load;
-  load.model_dir = a.model;
-  load.dtype = a.dtype;
-  load.device = spec.placement.front().gpu >= 0 ? a.device : "cpu";
-  load.max_model_len = plan_.memory.options.max_model_len;  // resolved: never 0
-  load.max_num_seqs = a.memory.max_num_seqs;
-  load.max_num_batched_tokens = a.memory.max_num_batched_tokens;
-  load.gpu_memory_utilization = a.memory.gpu_memory_utilization;
-  load.block_size = a.memory.block_size;
-  load.enforce_eager = a.memory.enforce_eager;
-  load.kv_cache_dtype = kv_cache_dtype_name(a.memory.kv_cache_dtype);
-  load.return_logits = a.return_logits;
+  load.engine = plan_.engine;  // resolved by the planner
   load.parallel = parallel;
-  load.comm.init_timeout_ms = a.nccl_init_timeout_s * 1000;
-  // Ranks sharing a GPU share its memory budget.
-  int per_gpu = 1;
+  load.comm.init_timeout_ms = plan_.engine.nccl_init_timeout_s * 1000;
+  // Ranks sharing a GPU share its memory budget (the actor divides; its messages quote the
+  // --gpu-memory-utilization the user gave).
   for (const auto& r : spec.placement) {
     int n = 0;
     for (const auto& o : spec.placement) n += o.node_id == r.node_id && o.gpu == r.gpu;
-    if (r.gpu >= 0) per_gpu = std::max(per_gpu, n);
+    if (r.gpu >= 0) load.gpu_shares = std::max(load.gpu_shares, n);
   }
-  load.gpu_memory_utilization /= per_gpu;
   // CPU actors on one node share its cores.
   int per_node = 1;
   for (const auto& r : spec.placement) {
@@ -297,34 +282,30 @@ Status ModelSession::place() {
   return Status::ok();
 }
 
-void ModelSession::start_engine(bool prefix_caching, uint32_t max_num_seqs, bool async_scheduling,
-                                bool detokenize) {
-  ModelSession* s = this;
-  const ModelInfo& m = s->group_->model();
+void ModelSession::start_engine(bool detokenize) {
+  const ModelInfo& m = group_->model();
   EngineConfig ec;
   ec.num_blocks = static_cast<uint32_t>(m.kv_blocks);
   ec.block_size = static_cast<uint32_t>(m.block_size);
-  ec.enable_prefix_caching = prefix_caching;
+  ec.enable_prefix_caching = plan_.engine.enable_prefix_caching;
   ec.scheduler.max_model_len = static_cast<uint32_t>(m.max_model_len);
-  ec.scheduler.max_num_seqs = max_num_seqs;
-  ec.scheduler.async_scheduling = async_scheduling;
+  ec.scheduler.max_num_seqs = static_cast<uint32_t>(m.max_num_seqs);
+  ec.scheduler.async_scheduling = plan_.engine.async_scheduling;
   ec.scheduler.max_num_batched_tokens = static_cast<uint32_t>(m.max_num_batched_tokens);
   ec.vocab_size = m.vocab_size;
-  for (int64_t id : s->config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));
-  if (!s->detokenizer_) {
+  for (int64_t id : config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));
+  if (!detokenizer_) {
     if (detokenize) {
-      s->detokenizer_ = std::make_unique<TokenizerDetokenizer>(*s->tokenizer_);
+      detokenizer_ = std::make_unique<TokenizerDetokenizer>(*tokenizer_);
     } else {
-      s->detokenizer_ = std::make_unique<NoDetokenizer>();
+      detokenizer_ = std::make_unique<NoDetokenizer>();
     }
   }
-  engine_config_ = ec;
-  s->engine_ = std::make_unique<LlmEngine>(ec, *s->group_, *s->detokenizer_);
+  engine_ = std::make_unique<LlmEngine>(ec, *group_, *detokenizer_);
 }
 
 Status ModelSession::restart() {
   const auto t0 = std::chrono::steady_clock::now();
-  const EngineConfig ec = engine_config_;
   engine_.reset();
   group_.reset();  // the old actors stop, their leases end
   // The cluster as it is now: a head that is gone is reached again (a local node is started
@@ -345,8 +326,7 @@ Status ModelSession::restart() {
   }
   if (!placed_on_live_nodes) TESSERA_RETURN_IF_ERROR(place());
   TESSERA_ASSIGN_OR_RETURN(group_, WorkerGroup::start(*loop_, *cluster_, spec_));
-  start_engine(ec.enable_prefix_caching, ec.scheduler.max_num_seqs, ec.scheduler.async_scheduling,
-               true);
+  start_engine(true);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return Status::ok();
 }

@@ -20,30 +20,25 @@
 
 namespace tessera {
 
-// vLLM's engine arguments, as far as Tessera has them: the model flags every command shares
-// (driver/plan/plan_command.h) and how this driver reaches the cluster and joins its ranks.
-struct EngineArgs : ModelArgs {
-  std::string address;               // a cluster's head; "" = start a local node for this command
-  std::string cluster_token_file;    // with address: where the token is (else the environment
-                                     // or this machine's temp root, see protocol/auth.h)
-  std::string collectives = "auto";  // auto | tcp | nccl | ipc
-  bool disable_custom_all_reduce = false;  // nccl: NCCL for every all-reduce (vLLM's flag)
-  bool enable_prefix_caching = true;       // --no-enable-prefix-caching turns it off
-  bool async_scheduling = false;           // SchedulerConfig::async_scheduling (one rank)
-  uint32_t nccl_init_timeout_s = 120;
-  bool return_logits = false;  // tests
+// How a driver reaches its cluster; not engine configuration (the same engine runs on any).
+struct ClusterOptions {
+  std::string address;             // a cluster's head; "" = start a local node for this command
+  std::string cluster_token_file;  // with address: where the token is (else the environment
+                                   // or this machine's temp root, see protocol/auth.h)
   // Local ranks take steps through the node's shared-memory rings; false sends every step as an
   // execute RPC, as ranks on other machines get them (`tessera bench control-plane --transport
   // rpc` compares the two).
   bool step_rings = true;
 };
 
-// Adds the flags of EngineArgs (add_model_options and the cluster's) to a model command.
-void add_engine_options(CLI::App* cmd, EngineArgs& args);
+// What a model command (generate, bench, serve, the C++ LLM) is given: the engine spec and how
+// to reach the cluster. Each value lives in one of the two.
+struct EngineArgs : EngineSpec, ClusterOptions {};
 
-// OK when the arguments make sense, before anything starts or loads; INVALID_ARGUMENT naming
-// the flag otherwise.
-Status validate(const EngineArgs& args);
+// Adds the engine flags (add_model_options and the engine's own: --collectives,
+// --disable-custom-all-reduce, --[no-]enable-prefix-caching, --async-scheduling,
+// --nccl-init-timeout) and the cluster's (--address, --cluster-token-file) to a model command.
+void add_engine_options(CLI::App* cmd, EngineArgs& args);
 
 class ModelSession {
  public:
@@ -77,8 +72,8 @@ class ModelSession {
   Status connect();
   // Plans on the cluster's live nodes: plan_ and the worker group's spec_.
   Status place();
-  void start_engine(bool prefix_caching, uint32_t max_num_seqs, bool async_scheduling,
-                    bool detokenize);
+  // A fresh engine over the group, sized by what its actors report (group_->model()).
+  void start_engine(bool detokenize);
 
   ModelConfig config_;
   ClusterPlan plan_;
@@ -89,19 +84,16 @@ class ModelSession {
   std::unique_ptr<ClusterClient> cluster_;
   std::unique_ptr<WorkerGroup> group_;
   WorkerGroupSpec spec_;  // what restart() starts again
-  EngineArgs args_;
+  EngineSpec engine_spec_;  // as given (plan_.engine is it resolved)
+  ClusterOptions cluster_options_;
   std::string owner_;
   std::string address_;  // the head's
   std::string token_;
-  EngineConfig engine_config_;
   std::unique_ptr<Detokenizer> detokenizer_;
   std::unique_ptr<LlmEngine> engine_;
   double load_seconds_ = 0.0;
 };
 
-// The plan a session runs: plan_on_cluster's choice and placement on `nodes`, for the engine
-// arguments. With --collectives ipc, ranks may share GPUs when too few are free (testing tensor
-// parallelism on one GPU). The plan's lines (stages, warnings, the auto choice) are logged.
 // The plan in lines for people: the auto choice when there was one, then one line per stage
 // ("plan: stage 0: node-a gpu0 gpu1 [NV18]"), each ending in '\n'.
 std::string plan_summary(const ClusterPlan& plan);
@@ -111,7 +103,10 @@ std::string plan_summary(const ClusterPlan& plan);
 // itself when it cannot be kept).
 std::string keep_failed_log(const std::filesystem::path& root, const std::string& path);
 
-Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineArgs& args,
+// The plan a session runs: plan_on_cluster's choice and placement on `nodes`, its engine spec
+// resolved. With --collectives ipc, ranks may share GPUs when too few are free (testing tensor
+// parallelism on one GPU). The plan's lines (stages, warnings, the auto choice) are logged.
+Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineSpec& engine,
                                    const std::vector<ClusterNode>& nodes);
 
 }  // namespace tessera

@@ -1,9 +1,16 @@
 #include "driver/status.h"
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "common/session.h"
+#include "driver/cli/cli_help.h"
+#include "protocol/auth.h"
 
 namespace tessera {
 
@@ -175,6 +182,54 @@ std::string render_status_json(const ClusterStatus& status) {
   }
   json out = {{"head_address", status.head_address}, {"head_id", status.head_id}, {"nodes", nodes}};
   return out.dump(2) + "\n";
+}
+
+CLI::App* add_status_subcommand(CLI::App& app, StatusOptions& options) {
+  auto* status_cmd = app.add_subcommand("status", "Show the cluster: nodes, GPUs, actors");
+  status_cmd
+      ->add_option("--address", options.address,
+                   "Head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's cluster)")
+      ->envname("TESSERA_ADDRESS");
+  status_cmd->add_option("--temp-dir", options.temp_dir, "The root the head was started with");
+  status_cmd->add_option("--cluster-token-file", options.cluster_token_file,
+                         "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
+  status_cmd->add_flag("--json", options.json, "Print JSON");
+  add_examples(status_cmd, {"tessera status", "tessera status --address 10.0.0.1:6380 --json"});
+  return status_cmd;
+}
+
+int status_command(const StatusOptions& options) {
+  const std::string& address_flag = options.address;
+  auto root = find_cluster_root(options.temp_dir);
+  std::string address = address_flag;
+  if (address.empty()) {
+    auto found = root ? read_head_address(*root) : Expected<std::string>(root.status());
+    if (!found) {
+      std::cerr << "tessera status: " << found.status().message() << "\n";
+      return 1;
+    }
+    address = *found;
+  }
+  auto token =
+      auth::resolve_cluster_token(options.cluster_token_file, root ? *root : std::string());
+  if (!token) {
+    std::cerr << "tessera status: " << token.status().message() << "\n";
+    const char* env = std::getenv("TESSERA_ADDRESS");
+    if (address_flag.empty() || env == nullptr || address_flag != env) return 1;
+    // The address came from the environment: after `tessera stop` it names a cluster that is
+    // gone, the likelier reason than a token missing for a live one.
+    std::cerr << "  (the address " << address << " comes from $TESSERA_ADDRESS: if that cluster "
+              << "was stopped, unset TESSERA_ADDRESS or start one with `tessera start --head`)\n";
+    return 1;
+  }
+  EventLoop loop;
+  auto status = collect_status(loop, address, *token);
+  if (!status) {
+    std::cerr << "tessera status: " << status.status().message() << "\n";
+    return 1;
+  }
+  std::cout << (options.json ? render_status_json(*status) : render_status(*status));
+  return 0;
 }
 
 }  // namespace tessera

@@ -6,6 +6,10 @@
 
 #include "driver/client.h"
 
+namespace CLI {
+class App;
+}
+
 namespace tessera {
 
 struct NodeStatus {
@@ -29,5 +33,21 @@ Expected<ClusterStatus> collect_status(EventLoop& loop, const std::string& head_
 std::string render_status(const ClusterStatus& status);
 // The same as JSON (for scripts and tests).
 std::string render_status_json(const ClusterStatus& status);
+
+// `tessera status [--address HEAD:PORT] [--json]`.
+struct StatusOptions {
+  std::string address;             // head HOST:PORT; "" = the head started on this machine
+  std::string temp_dir;            // the root it was started with
+  std::string cluster_token_file;  // else $TESSERA_CLUSTER_TOKEN or this machine's
+  bool json = false;
+};
+
+// Adds `status` to `app` with its flags bound to `options` (--address defaults to
+// $TESSERA_ADDRESS). The caller runs status_command when the subcommand was parsed.
+CLI::App* add_status_subcommand(CLI::App& app, StatusOptions& options);
+
+// Prints the report (render_status, or render_status_json with --json) to stdout; returns the
+// exit code (0 ok, 1 failed: the reason on stderr prefixed "tessera status: ").
+int status_command(const StatusOptions& options);
 
 }  // namespace tessera

@@ -50,6 +50,66 @@ std::string where(const RankPlacement& p) {
          p.node_id;
 }
 
+// The collectives' backend: the spec's, "" for a group of one rank.
+std::string comm_backend(const WorkerGroupSpec& s) {
+  return s.load.parallel.world_size() > 1 ? s.comm_backend : "";
+}
+
+// NCCL with the custom all-reduce beside it for tensor parallelism.
+bool uses_custom_all_reduce(const WorkerGroupSpec& s) {
+  return comm_backend(s) == "nccl" && s.load.parallel.tp_size > 1 &&
+         s.custom_all_reduce_max_bytes > 0;
+}
+
+// The ranks of a TP group share CUDA-IPC buffers: the ipc backend, or the custom all-reduce.
+bool uses_ipc_buffers(const WorkerGroupSpec& s) {
+  return comm_backend(s) == "ipc" || uses_custom_all_reduce(s);
+}
+
+// How world rank `r`'s actor is spawned: its name, and its GPU first (the one it computes on),
+// then, for CUDA IPC, the other GPUs of its TP group on its node: a process opens IPC memory
+// only of GPUs it sees.
+SpawnOptions spawn_options(const WorkerGroupSpec& s, int r) {
+  const ParallelConfig& shape = s.load.parallel;
+  const RankPlacement& placement = s.placement[static_cast<size_t>(r)];
+  SpawnOptions spawn;
+  if (placement.gpu >= 0) {
+    spawn.gpus = {static_cast<uint32_t>(placement.gpu)};
+    const int stage = r / shape.tp_size;
+    for (int t = 0; uses_ipc_buffers(s) && t < shape.tp_size; ++t) {
+      const RankPlacement& peer = s.placement[static_cast<size_t>(stage * shape.tp_size + t)];
+      const auto gpu = static_cast<uint32_t>(peer.gpu);
+      if (peer.gpu >= 0 && peer.node_id == placement.node_id &&
+          std::find(spawn.gpus.begin(), spawn.gpus.end(), gpu) == spawn.gpus.end()) {
+        spawn.gpus.push_back(gpu);
+      }
+    }
+  }
+  spawn.name = s.owner + (shape.world_size() > 1 ? " rank " + std::to_string(r) : std::string());
+  return spawn;
+}
+
+// The shared-memory rings' geometry for a model of `load`'s limits: a step ring slot holds the
+// largest step (every token, every sequence's block table), an output ring slot the largest
+// output (logprobs, and the logits when they are returned); slots enough for every stage in
+// flight.
+struct RingSizes {
+  uint64_t step_slot = 0;
+  uint64_t out_slot = 0;
+  uint32_t slots = 0;
+};
+RingSizes ring_sizes(const LoadSpec& load) {
+  const int64_t max_len = load.engine.max_model_len;
+  const int64_t blocks_per_seq = (max_len + load.engine.block_size - 1) / load.engine.block_size;
+  const int64_t max_tokens = load.engine.max_num_batched_tokens > 0 ? load.engine.max_num_batched_tokens : 16384;
+  RingSizes sizes;
+  sizes.step_slot = (4ull << 20) + max_tokens * 4 + load.engine.max_num_seqs * (512 + blocks_per_seq * 4);
+  sizes.out_slot = (1ull << 20) + load.engine.max_num_seqs * (64 + 24 * kMaxLogprobs) +
+                   (load.engine.return_logits ? load.engine.max_num_seqs * 4ull * 262144 : 0);
+  sizes.slots = static_cast<uint32_t>(std::max(4, 2 * load.parallel.pp_size + 2));
+  return sizes;
+}
+
 // Every half second until cancelled: the weight bytes all `actors` have in place, summed, into
 // `seen` and onto `progress`. An actor that does not answer counts as nothing yet.
 using Actors = std::shared_ptr<std::vector<proto::Actor::Client>>;
@@ -123,6 +183,12 @@ struct WorkerGroup::Watch {
   kj::ForkedPromise<void> lost_fork{nullptr};  // resolves at the first loss
   std::vector<kj::Promise<void>> connections;
   std::unique_ptr<ClusterClient::Subscription> node_events;
+};
+
+struct WorkerGroup::Loaded {
+  int64_t kv_blocks = 0;               // the fewest KV cache blocks any rank fits
+  std::shared_ptr<Progress> progress;  // the weight-loading bar, still open
+  uint64_t bytes = 0;                  // the weight bytes the bar last saw (0: none reported)
 };
 
 WorkerGroup::WorkerGroup(EventLoop& loop, WorkerGroupSpec spec)
@@ -248,6 +314,9 @@ Status WorkerGroup::explain(Status failed) {
   return failure();
 }
 
+// Starting a group is a list of phases; each one's comment says what it leaves for the next.
+// A phase that fails returns why (with how an actor died, when one did); destroying the
+// half-started group ends its leases, which stops its actors and unlinks its rings.
 Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, ClusterClient& cluster,
                                                           WorkerGroupSpec spec) {
   const ParallelConfig shape = spec.load.parallel;
@@ -258,111 +327,115 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
                             std::to_string(shape.pp_size));
   }
   std::unique_ptr<WorkerGroup> g(new WorkerGroup(loop, std::move(spec)));
-  const WorkerGroupSpec& s = g->spec_;
-  const std::string backend = world > 1 ? s.comm_backend : "";
-  const bool custom_all_reduce =
-      backend == "nccl" && shape.tp_size > 1 && s.custom_all_reduce_max_bytes > 0;
-  const bool ipc_buffers = backend == "ipc" || custom_all_reduce;
-  // Leases: one per node.
+  TESSERA_RETURN_IF_ERROR(g->open_leases(cluster));
+  TESSERA_RETURN_IF_ERROR(g->spawn_ranks());
+  g->start_watching(cluster);
+  TESSERA_RETURN_IF_ERROR(g->rendezvous());
+  TESSERA_RETURN_IF_ERROR(g->create_rings());
+  TESSERA_ASSIGN_OR_RETURN(const Loaded loaded, g->load_weights());
+  TESSERA_RETURN_IF_ERROR(g->init_caches(loaded));
+  return g;
+}
+
+// Leases: one per node that the placement names, opened for the spec's owner. Leaves nodes_,
+// each with its lease and the world ranks placed on it, in the order the placement first names
+// them.
+Status WorkerGroup::open_leases(ClusterClient& cluster) {
   std::map<std::string, Node*> by_node;
-  for (int r = 0; r < world; ++r) {
-    const std::string& id = s.placement[static_cast<size_t>(r)].node_id;
+  for (int r = 0; r < spec_.load.parallel.world_size(); ++r) {
+    const std::string& id = spec_.placement[static_cast<size_t>(r)].node_id;
     if (!by_node.count(id)) {
       auto node = std::make_unique<Node>();
       node->node_id = id;
       auto handle =
           id == cluster.head_id() ? Expected<NodeHandle>(cluster.head_node()) : cluster.node(id);
       if (!handle) return handle.status();
-      TESSERA_ASSIGN_OR_RETURN(node->lease, handle->open_lease(s.owner));
+      TESSERA_ASSIGN_OR_RETURN(node->lease, handle->open_lease(spec_.owner));
       by_node[id] = node.get();
-      g->nodes_.push_back(std::move(node));
+      nodes_.push_back(std::move(node));
     }
     by_node[id]->ranks.push_back(r);
   }
-  // Actors.
-  for (int r = 0; r < world; ++r) {
+  return Status::ok();
+}
+
+// Spawn: an actor per rank through its node's lease (spawn_options: its GPUs and name), and a
+// connection to it. Leaves ranks_ (by world rank, each with its node, actor and handle) and
+// actors_.
+Status WorkerGroup::spawn_ranks() {
+  for (int r = 0; r < spec_.load.parallel.world_size(); ++r) {
     auto rank = std::make_unique<Rank>();
     rank->rank = r;
-    rank->placement = s.placement[static_cast<size_t>(r)];
-    rank->node = by_node[rank->placement.node_id];
-    SpawnOptions spawn;
-    if (rank->placement.gpu >= 0) {
-      // Its own GPU first (the one it computes on), then, for CUDA IPC, the other GPUs of its
-      // TP group on this node: a process opens IPC memory only of GPUs it sees.
-      spawn.gpus = {static_cast<uint32_t>(rank->placement.gpu)};
-      const int stage = r / shape.tp_size;
-      for (int t = 0; ipc_buffers && t < shape.tp_size; ++t) {
-        const RankPlacement& peer = s.placement[static_cast<size_t>(stage * shape.tp_size + t)];
-        const auto gpu = static_cast<uint32_t>(peer.gpu);
-        if (peer.gpu >= 0 && peer.node_id == rank->placement.node_id &&
-            std::find(spawn.gpus.begin(), spawn.gpus.end(), gpu) == spawn.gpus.end()) {
-          spawn.gpus.push_back(gpu);
-        }
-      }
+    rank->placement = spec_.placement[static_cast<size_t>(r)];
+    for (auto& node : nodes_) {
+      if (node->node_id == rank->placement.node_id) rank->node = node.get();
     }
-    spawn.name = s.owner + (world > 1 ? " rank " + std::to_string(r) : std::string());
-    auto actor = rank->node->lease->spawn(spawn);
+    auto actor = rank->node->lease->spawn(spawn_options(spec_, r));
     if (!actor) {
       return actor.status().with_context("cannot start rank " + std::to_string(r) + " on " +
                                          where(rank->placement));
     }
     rank->actor = *actor;
-    auto handle = ActorHandle::connect(loop, actor->address, actor->key);
-    g->actors_.push_back(*actor);
-    g->ranks_.push_back(std::move(rank));
+    auto handle = ActorHandle::connect(loop_, actor->address, actor->key);
+    actors_.push_back(*actor);
+    ranks_.push_back(std::move(rank));
     if (!handle) {
       // An actor that died just now cuts the connection before its death is reported: say how
       // it died when it did.
-      return g->explain(
-          handle.status().with_context("cannot connect to " + g->ranks_.back()->describe()));
+      return explain(
+          handle.status().with_context("cannot connect to " + ranks_.back()->describe()));
     }
-    g->ranks_.back()->handle = std::move(*handle);
+    ranks_.back()->handle = std::move(*handle);
   }
-  g->start_watching(cluster);
-  // Rendezvous: every rank prepares its side of the collectives.
-  if (!backend.empty()) {
-    std::vector<kj::Promise<std::array<std::string, 3>>> calls;
-    for (auto& rank : g->ranks_) {
-      auto req = rank->handle->capability().prepareCommRequest();
-      req.setBackend(backend);
-      req.setBufferBytes(ipc_buffers ? s.ipc_buffer_bytes : 0);
-      req.setRank(rank->rank % shape.tp_size);  // its place in the TP group the buffers serve
-      req.setWorldSize(shape.tp_size);
-      calls.push_back(req.send().then([](auto&& r) {
-        auto bytes = [](capnp::Data::Reader d) {
-          return std::string(reinterpret_cast<const char*>(d.begin()), d.size());
-        };
-        return std::array<std::string, 3>{std::string(r.getAddress().cStr()), bytes(r.getNcclId()),
-                                          bytes(r.getIpcHandle())};
-      }));
+  return Status::ok();
+}
+
+// Rendezvous (several ranks only): every rank prepares its side of the collectives. Leaves in
+// each rank its collective endpoint (comm_address), NCCL id and CUDA-IPC buffer handle, as its
+// actor answered; load_weights hands everyone's to every rank.
+Status WorkerGroup::rendezvous() {
+  const std::string backend = comm_backend(spec_);
+  if (backend.empty()) return Status::ok();
+  const int tp_size = spec_.load.parallel.tp_size;
+  std::vector<kj::Promise<std::array<std::string, 3>>> calls;
+  for (auto& rank : ranks_) {
+    auto req = rank->handle->capability().prepareCommRequest();
+    req.setBackend(backend);
+    req.setBufferBytes(uses_ipc_buffers(spec_) ? spec_.ipc_buffer_bytes : 0);
+    req.setRank(rank->rank % tp_size);  // its place in the TP group the buffers serve
+    req.setWorldSize(tp_size);
+    calls.push_back(req.send().then([](auto&& r) {
+      auto bytes = [](capnp::Data::Reader d) {
+        return std::string(reinterpret_cast<const char*>(d.begin()), d.size());
+      };
+      return std::array<std::string, 3>{std::string(r.getAddress().cStr()), bytes(r.getNcclId()),
+                                        bytes(r.getIpcHandle())};
+    }));
+  }
+  auto prepared = wait_all(loop_, std::move(calls), 60 * kj::SECONDS, "prepare collectives");
+  for (size_t r = 0; r < prepared.size(); ++r) {
+    if (!prepared[r]) {
+      return explain(prepared[r].status().with_context(ranks_[r]->describe()));
     }
-    auto prepared = wait_all(loop, std::move(calls), 60 * kj::SECONDS, "prepare collectives");
-    for (size_t r = 0; r < prepared.size(); ++r) {
-      if (!prepared[r]) {
-        return g->explain(prepared[r].status().with_context(g->ranks_[r]->describe()));
-      }
-      g->ranks_[r]->comm_address = (*prepared[r])[0];
-      g->ranks_[r]->nccl_id = (*prepared[r])[1];
-      g->ranks_[r]->ipc_handle = (*prepared[r])[2];
-    }
+    ranks_[r]->comm_address = (*prepared[r])[0];
+    ranks_[r]->nccl_id = (*prepared[r])[1];
+    ranks_[r]->ipc_handle = (*prepared[r])[2];
   }
-  // Rings for the nodes whose shared memory this process can map (this machine's).
-  if (s.load.max_model_len <= 0) {
-    return invalid_argument("the worker group's max_model_len is not resolved (0)");
-  }
-  const int64_t max_len = s.load.max_model_len;
-  const int64_t blocks_per_seq = (max_len + s.load.block_size - 1) / s.load.block_size;
-  const int64_t max_tokens =
-      s.load.max_num_batched_tokens > 0 ? s.load.max_num_batched_tokens : 16384;
-  const uint64_t step_slot =
-      (4ull << 20) + max_tokens * 4 + s.load.max_num_seqs * (512 + blocks_per_seq * 4);
-  const uint64_t out_slot = (1ull << 20) + s.load.max_num_seqs * (64 + 24 * kMaxLogprobs) +
-                            (s.load.return_logits ? s.load.max_num_seqs * 4ull * 262144 : 0);
-  const uint32_t slots = static_cast<uint32_t>(std::max(4, 2 * shape.pp_size + 2));
-  for (auto& node : g->nodes_) {
-    if (!s.use_rings) break;
-    auto name = node->lease->create_ring("steps", static_cast<uint32_t>(step_slot), slots,
-                                         static_cast<uint32_t>(node->ranks.size()));
+  return Status::ok();
+}
+
+// Rings (with use_rings) for the nodes whose shared memory this process can map, this
+// machine's: a step ring per node, which this process writes and the node's ranks read, and an
+// output ring per rank, which it writes and this process reads. Leaves those nodes `local`
+// with their ring and writer, and their ranks with an output ring, reader and buffer; the other
+// nodes' ranks take steps over RPC.
+Status WorkerGroup::create_rings() {
+  TESSERA_RETURN_IF_ERROR(check_resolved(spec_.load.engine));
+  const RingSizes sizes = ring_sizes(spec_.load);
+  for (auto& node : nodes_) {
+    if (!spec_.use_rings) break;
+    auto name = node->lease->create_ring("steps", static_cast<uint32_t>(sizes.step_slot),
+                                         sizes.slots, static_cast<uint32_t>(node->ranks.size()));
     if (!name) {
       spdlog::warn("no step ring on node {} ({}); its ranks take steps over RPC", node->node_id,
                    name.status().message());
@@ -376,10 +449,11 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
     node->writer.emplace(std::move(*writer));
     node->local = true;
     for (int r : node->ranks) {
-      Rank& rank = *g->ranks_[static_cast<size_t>(r)];
-      TESSERA_ASSIGN_OR_RETURN(auto out,
-                               node->lease->create_ring("out-" + std::to_string(r),
-                                                        static_cast<uint32_t>(out_slot), slots, 1));
+      Rank& rank = *ranks_[static_cast<size_t>(r)];
+      TESSERA_ASSIGN_OR_RETURN(
+          auto out,
+          node->lease->create_ring("out-" + std::to_string(r),
+                                   static_cast<uint32_t>(sizes.out_slot), sizes.slots, 1));
       TESSERA_ASSIGN_OR_RETURN(auto mapped, ShmRing::open(out));
       rank.output_ring.emplace(std::move(mapped));
       TESSERA_ASSIGN_OR_RETURN(auto reader, rank.output_ring->reader(0));
@@ -387,91 +461,114 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
       rank.out_buffer.resize(rank.reader->slot_bytes());
     }
   }
-  // Load every rank at once (their collectives join each other).
+  return Status::ok();
+}
+
+LoadSpec WorkerGroup::rank_load_spec(const Rank& rank, const std::string& secret) const {
+  const ParallelConfig& shape = spec_.load.parallel;
+  const std::string backend = comm_backend(spec_);
+  LoadSpec spec = spec_.load;
+  spec.parallel.tp_rank = rank.rank % shape.tp_size;
+  spec.parallel.pp_rank = rank.rank / shape.tp_size;
+  spec.comm.backend = backend;
+  spec.comm.secret = secret;
+  for (auto& other : ranks_) {
+    RankInfo info;
+    info.rank = other->rank;
+    info.actor_id = other->actor.actor_id;
+    info.node_id = other->placement.node_id;
+    info.gpu = other->placement.gpu;
+    info.address = other->comm_address;
+    spec.comm.ranks.push_back(info);
+    if (uses_ipc_buffers(spec_)) spec.comm.ipc_handles.push_back(other->ipc_handle);
+  }
+  if (backend == "nccl") spec.comm.nccl_id = ranks_.front()->nccl_id;
+  if (uses_custom_all_reduce(spec_)) {
+    spec.comm.custom_all_reduce_max_bytes =
+        std::min(spec_.custom_all_reduce_max_bytes, spec_.ipc_buffer_bytes);
+  }
+  if (rank.node->local) {
+    spec.step_ring = rank.node->step_ring->segment().name();
+    auto& on_node = rank.node->ranks;
+    spec.step_ring_reader = static_cast<uint32_t>(
+        std::find(on_node.begin(), on_node.end(), rank.rank) - on_node.begin());
+    spec.output_ring = rank.output_ring->segment().name();
+  }
+  return spec;
+}
+
+// Load: every rank at once (their collectives join each other), each with rank_load_spec and a
+// secret the group's collectives share; a bar (or lines) shows the weight bytes in place
+// meanwhile. Leaves the fewest KV blocks any rank fits, and the bar for init_caches to finish.
+Expected<WorkerGroup::Loaded> WorkerGroup::load_weights() {
   std::string secret;
-  if (!backend.empty()) {
+  if (!comm_backend(spec_).empty()) {
     TESSERA_ASSIGN_OR_RETURN(secret, random_bytes(32));
   }
   std::vector<kj::Promise<ModelInfo>> loads;
-  for (auto& rank : g->ranks_) {
-    LoadSpec spec = s.load;
-    spec.parallel = shape;
-    spec.parallel.tp_rank = rank->rank % shape.tp_size;
-    spec.parallel.pp_rank = rank->rank / shape.tp_size;
-    spec.comm.backend = backend;
-    spec.comm.secret = secret;
-    for (auto& other : g->ranks_) {
-      RankInfo info;
-      info.rank = other->rank;
-      info.actor_id = other->actor.actor_id;
-      info.node_id = other->placement.node_id;
-      info.gpu = other->placement.gpu;
-      info.address = other->comm_address;
-      spec.comm.ranks.push_back(info);
-      if (ipc_buffers) spec.comm.ipc_handles.push_back(other->ipc_handle);
-    }
-    if (backend == "nccl") spec.comm.nccl_id = g->ranks_.front()->nccl_id;
-    if (custom_all_reduce) {
-      spec.comm.custom_all_reduce_max_bytes =
-          std::min(s.custom_all_reduce_max_bytes, s.ipc_buffer_bytes);
-    }
-    if (rank->node->local) {
-      spec.step_ring = rank->node->step_ring->segment().name();
-      auto& on_node = rank->node->ranks;
-      spec.step_ring_reader = static_cast<uint32_t>(
-          std::find(on_node.begin(), on_node.end(), rank->rank) - on_node.begin());
-      spec.output_ring = rank->output_ring->segment().name();
-    }
+  for (auto& rank : ranks_) {
+    const LoadSpec spec = rank_load_spec(*rank, secret);
     auto req = rank->handle->capability().loadModelRequest();
     to_proto(spec, req.initSpec());
     loads.push_back(req.send().then([](auto&& r) { return from_proto(r.getInfo()); }));
   }
-  // A bar (or lines) while the weights load: the actors load on a thread and answer meanwhile.
-  auto progress = std::make_shared<Progress>("loading weights");
+  // The actors load on a thread and answer progress requests meanwhile.
+  Loaded out;
+  out.progress = std::make_shared<Progress>("loading weights");
   auto seen = std::make_shared<Bytes>(0, 0);
   auto actors = std::make_shared<std::vector<proto::Actor::Client>>();
-  actors->reserve(g->ranks_.size());
-  for (auto& rank : g->ranks_) actors->emplace_back(rank->handle->capability());
-  auto poller = show_load_progress(loop, actors, progress, seen).eagerlyEvaluate(nullptr);
-  auto loaded = wait_all(loop, std::move(loads), 30 * 60 * kj::SECONDS, "load model");
+  actors->reserve(ranks_.size());
+  for (auto& rank : ranks_) actors->emplace_back(rank->handle->capability());
+  auto poller = show_load_progress(loop_, actors, out.progress, seen).eagerlyEvaluate(nullptr);
+  auto loaded = wait_all(loop_, std::move(loads), 30 * 60 * kj::SECONDS, "load model");
   poller = kj::READY_NOW;  // cancels it
-  int64_t blocks = INT64_MAX;
+  out.bytes = seen->second;
+  out.kv_blocks = INT64_MAX;
   for (size_t r = 0; r < loaded.size(); ++r) {
-    if (!loaded[r]) return g->explain(loaded[r].status().with_context(g->ranks_[r]->describe()));
-    blocks = std::min(blocks, loaded[r]->kv_blocks);
+    if (!loaded[r]) return explain(loaded[r].status().with_context(ranks_[r]->describe()));
+    out.kv_blocks = std::min(out.kv_blocks, loaded[r]->kv_blocks);
   }
-  // Every rank holds the same blocks: the fewest any rank fits.
+  return out;
+}
+
+// Caches: every rank allocates the same KV blocks, the fewest any rank fits. Leaves the group
+// ready: model_ (rank 0's view, with those blocks and every rank's weight bytes summed), the
+// loading bar finished, sampler_rank_ (the last stage's TP rank 0) and, for several ranks, the
+// layout in the log.
+Status WorkerGroup::init_caches(const Loaded& loaded) {
+  const ParallelConfig& shape = spec_.load.parallel;
   std::vector<kj::Promise<ModelInfo>> inits;
-  for (auto& rank : g->ranks_) {
+  for (auto& rank : ranks_) {
     auto req = rank->handle->capability().initCacheRequest();
-    req.setKvBlocks(blocks);
+    req.setKvBlocks(loaded.kv_blocks);
     inits.push_back(req.send().then([](auto&& r) { return from_proto(r.getInfo()); }));
   }
-  auto ready = wait_all(loop, std::move(inits), 30 * 60 * kj::SECONDS, "allocate the KV cache");
+  auto ready = wait_all(loop_, std::move(inits), 30 * 60 * kj::SECONDS, "allocate the KV cache");
   for (size_t r = 0; r < ready.size(); ++r) {
-    if (!ready[r]) return g->explain(ready[r].status().with_context(g->ranks_[r]->describe()));
+    if (!ready[r]) return explain(ready[r].status().with_context(ranks_[r]->describe()));
   }
-  g->model_ = *ready.front();
-  g->model_.kv_blocks = blocks;
+  model_ = *ready.front();
+  model_.kv_blocks = loaded.kv_blocks;
   uint64_t weights = 0;
   for (auto& r : ready) weights += r->weight_bytes;
-  g->model_.weight_bytes = weights;
-  if (seen->second > 0) {
-    progress->finish(seen->second, "on " + std::to_string(world) + " rank(s)");
+  model_.weight_bytes = weights;
+  const int world = world_size();
+  if (loaded.bytes > 0) {
+    loaded.progress->finish(loaded.bytes, "on " + std::to_string(world) + " rank(s)");
   }
-  g->sampler_rank_ = (shape.pp_size - 1) * shape.tp_size;  // the last stage's tp rank 0
+  sampler_rank_ = (shape.pp_size - 1) * shape.tp_size;  // the last stage's tp rank 0
   if (world > 1) {
     std::string layout;
-    for (auto& rank : g->ranks_) {
+    for (auto& rank : ranks_) {
       layout += (layout.empty() ? "" : ", ") + std::to_string(rank->rank) + ": " +
                 where(rank->placement) + " layers " +
                 std::to_string(ready[static_cast<size_t>(rank->rank)]->layer_begin) + "-" +
                 std::to_string(ready[static_cast<size_t>(rank->rank)]->layer_end - 1);
     }
     spdlog::info("worker group of {} ranks (tp {} x pp {}, {}) ready: {}", world, shape.tp_size,
-                 shape.pp_size, backend, layout);
+                 shape.pp_size, comm_backend(spec_), layout);
   }
-  return g;
+  return Status::ok();
 }
 
 Status WorkerGroup::submit(StepInput step) {

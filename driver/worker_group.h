@@ -112,6 +112,17 @@ class WorkerGroup final : public StepExecutor {
   // "rank 1: " when the group has several ranks and the actor is one of them.
   std::string rank_prefix(const std::string& actor_id) const;
 
+  // start's phases, in order; each leaves in the members what the next one reads.
+  Status open_leases(ClusterClient& cluster);
+  Status spawn_ranks();
+  Status rendezvous();
+  Status create_rings();
+  struct Loaded;  // what load_weights leaves for init_caches
+  Expected<Loaded> load_weights();
+  Status init_caches(const Loaded& loaded);
+  // What `rank` loads: the spec's model with its place in the group and the collectives.
+  LoadSpec rank_load_spec(const Rank& rank, const std::string& secret) const;
+
   EventLoop& loop_;
   WorkerGroupSpec spec_;
   std::vector<std::unique_ptr<Node>> nodes_;

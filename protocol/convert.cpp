@@ -175,18 +175,71 @@ RankInfo from_proto(proto::RankInfo::Reader in) {
   return r;
 }
 
-void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out) {
-  out.setModelDir(in.model_dir);
+// The wire's enums follow common/engine_spec.h's and common/kv_cache_dtype.h's order.
+static_assert(static_cast<int>(proto::EngineSpec::Device::CPU) == static_cast<int>(Device::kCpu));
+static_assert(static_cast<int>(proto::EngineSpec::Device::CUDA) == static_cast<int>(Device::kCuda));
+static_assert(static_cast<int>(proto::EngineSpec::Collectives::IPC) ==
+              static_cast<int>(Collectives::kIpc));
+static_assert(static_cast<int>(proto::EngineSpec::Collectives::NCCL) ==
+              static_cast<int>(Collectives::kNccl));
+static_assert(static_cast<int>(proto::EngineSpec::KvCacheDtype::FP8_E4M3) ==
+              static_cast<int>(KvCacheDtype::kFp8E4M3));
+
+void to_proto(const EngineSpec& in, proto::EngineSpec::Builder out) {
+  out.setModel(in.model);
   out.setDtype(in.dtype);
-  out.setDevice(in.device);
-  out.setBlockSize(in.block_size);
+  out.setDevice(static_cast<proto::EngineSpec::Device>(in.device));
+  out.setTensorParallelSize(in.tensor_parallel_size.ranks);
+  out.setPipelineParallelSize(in.pipeline_parallel_size ? in.pipeline_parallel_size->ranks : -1);
+  fill_list(in.pipeline_layer_partition,
+            out.initPipelineLayerPartition(
+                static_cast<unsigned>(in.pipeline_layer_partition.size())));
   out.setMaxModelLen(in.max_model_len);
+  out.setGpuMemoryUtilization(in.gpu_memory_utilization);
   out.setMaxNumSeqs(in.max_num_seqs);
   out.setMaxNumBatchedTokens(in.max_num_batched_tokens);
-  out.setGpuMemoryUtilization(in.gpu_memory_utilization);
+  out.setBlockSize(in.block_size);
+  out.setKvCacheDtype(static_cast<proto::EngineSpec::KvCacheDtype>(in.kv_cache_dtype));
   out.setEnforceEager(in.enforce_eager);
-  out.setKvCacheDtype(in.kv_cache_dtype);
+  out.setEnablePrefixCaching(in.enable_prefix_caching);
+  out.setAsyncScheduling(in.async_scheduling);
+  out.setCollectives(static_cast<proto::EngineSpec::Collectives>(in.collectives));
+  out.setDisableCustomAllReduce(in.disable_custom_all_reduce);
+  out.setNcclInitTimeoutS(in.nccl_init_timeout_s);
   out.setReturnLogits(in.return_logits);
+  out.setResolved(in.resolved);
+}
+
+EngineSpec from_proto(proto::EngineSpec::Reader in) {
+  EngineSpec s;
+  s.model = in.getModel().cStr();
+  s.dtype = in.getDtype().cStr();
+  s.device = static_cast<Device>(in.getDevice());
+  s.tensor_parallel_size = ParallelSize{in.getTensorParallelSize()};
+  if (in.getPipelineParallelSize() >= 0) {
+    s.pipeline_parallel_size = ParallelSize{in.getPipelineParallelSize()};
+  }
+  s.pipeline_layer_partition = read_list<int64_t>(in.getPipelineLayerPartition());
+  s.max_model_len = in.getMaxModelLen();
+  s.gpu_memory_utilization = in.getGpuMemoryUtilization();
+  s.max_num_seqs = in.getMaxNumSeqs();
+  s.max_num_batched_tokens = in.getMaxNumBatchedTokens();
+  s.block_size = in.getBlockSize();
+  s.kv_cache_dtype = static_cast<KvCacheDtype>(in.getKvCacheDtype());
+  s.enforce_eager = in.getEnforceEager();
+  s.enable_prefix_caching = in.getEnablePrefixCaching();
+  s.async_scheduling = in.getAsyncScheduling();
+  s.collectives = static_cast<Collectives>(in.getCollectives());
+  s.disable_custom_all_reduce = in.getDisableCustomAllReduce();
+  s.nccl_init_timeout_s = in.getNcclInitTimeoutS();
+  s.return_logits = in.getReturnLogits();
+  s.resolved = in.getResolved();
+  return s;
+}
+
+void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out) {
+  to_proto(in.engine, out.initEngine());
+  out.setGpuShares(in.gpu_shares);
   out.setThreads(in.threads);
   auto p = out.initParallel();
   p.setTpSize(in.parallel.tp_size);
@@ -216,17 +269,8 @@ void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out) {
 
 LoadSpec from_proto(proto::LoadSpec::Reader in) {
   LoadSpec s;
-  s.model_dir = in.getModelDir().cStr();
-  s.dtype = in.getDtype().cStr();
-  s.device = in.getDevice().cStr();
-  s.block_size = in.getBlockSize();
-  s.max_model_len = in.getMaxModelLen();
-  s.max_num_seqs = in.getMaxNumSeqs();
-  s.max_num_batched_tokens = in.getMaxNumBatchedTokens();
-  s.gpu_memory_utilization = in.getGpuMemoryUtilization();
-  s.enforce_eager = in.getEnforceEager();
-  s.kv_cache_dtype = in.getKvCacheDtype().cStr();
-  s.return_logits = in.getReturnLogits();
+  s.engine = from_proto(in.getEngine());
+  s.gpu_shares = in.getGpuShares();
   s.threads = in.getThreads();
   auto p = in.getParallel();
   s.parallel.tp_size = p.getTpSize();

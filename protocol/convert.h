@@ -26,6 +26,8 @@ StepOutput from_proto(proto::StepOutput::Reader in);
 void to_proto(const RankInfo& in, proto::RankInfo::Builder out);
 RankInfo from_proto(proto::RankInfo::Reader in);
 
+void to_proto(const EngineSpec& in, proto::EngineSpec::Builder out);
+EngineSpec from_proto(proto::EngineSpec::Reader in);
 void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out);
 LoadSpec from_proto(proto::LoadSpec::Reader in);
 

@@ -88,24 +88,42 @@ struct CommSpec {
   customAllReduceMaxBytes @6 :UInt64;  # "nccl": TP all-reduces up to this size use the custom one
 }
 
-struct LoadSpec {
-  modelDir @0 :Text;
+# common/engine_spec.h's EngineSpec, resolved by the driver before it reaches an actor.
+struct EngineSpec {
+  enum Device { auto @0; cuda @1; cpu @2; }
+  enum Collectives { auto @0; tcp @1; nccl @2; ipc @3; }
+  enum KvCacheDtype { auto @0; fp8E4m3 @1; }
+  model @0 :Text;
   dtype @1 :Text;
-  device @2 :Text;
-  blockSize @3 :Int64;
-  maxModelLen @4 :Int64;
-  maxNumSeqs @5 :Int64;
-  maxNumBatchedTokens @6 :Int64;
+  device @2 :Device;
+  tensorParallelSize @3 :Int64;             # 0 = auto
+  pipelineParallelSize @4 :Int64 = -1;      # -1 = not given, 0 = auto
+  pipelineLayerPartition @5 :List(Int64);
+  maxModelLen @6 :Int64;
   gpuMemoryUtilization @7 :Float64;
-  enforceEager @8 :Bool;
-  returnLogits @9 :Bool;
-  threads @10 :Int32;
-  parallel @11 :ParallelConfig;
-  comm @12 :CommSpec;
-  stepRing @13 :Text;
-  stepRingReader @14 :UInt32;
-  outputRing @15 :Text;
-  kvCacheDtype @16 :Text = "auto";  # --kv-cache-dtype: auto | fp8 | fp8_e4m3
+  maxNumSeqs @8 :Int64;
+  maxNumBatchedTokens @9 :Int64;
+  blockSize @10 :Int64;
+  kvCacheDtype @11 :KvCacheDtype;
+  enforceEager @12 :Bool;
+  enablePrefixCaching @13 :Bool;
+  asyncScheduling @14 :Bool;
+  collectives @15 :Collectives;
+  disableCustomAllReduce @16 :Bool;
+  ncclInitTimeoutS @17 :UInt32;
+  returnLogits @18 :Bool;
+  resolved @19 :Bool;
+}
+
+struct LoadSpec {
+  engine @0 :EngineSpec;
+  gpuShares @1 :Int32 = 1;
+  threads @2 :Int32;
+  parallel @3 :ParallelConfig;
+  comm @4 :CommSpec;
+  stepRing @5 :Text;
+  stepRingReader @6 :UInt32;
+  outputRing @7 :Text;
 }
 
 struct ModelInfo {

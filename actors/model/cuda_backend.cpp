@@ -99,14 +99,14 @@ class CudaBackend final : public Backend {
     i.layer_begin = p.layer_begin;
     i.layer_end = p.layer_end;
     i.kv_blocks = m.kv_blocks > 0 ? m.kv_blocks : m.fit_blocks;
-    i.block_size = model_->options().block_size;
-    i.max_model_len = model_->options().max_model_len;
+    i.block_size = model_->engine().block_size;
+    i.max_model_len = model_->engine().max_model_len;
     i.weight_bytes = m.weights;
     i.kv_cache_bytes = m.kv_cache;
     i.backend = "cuda";
-    i.dtype = dtype_name(model_->options().dtype);
+    i.dtype = dtype_name(model_->dtype());
     i.kv_cache_dtype =
-        kv_cache_storage_name(model_->options().kv_cache_dtype, model_->options().dtype);
+        kv_cache_storage_name(model_->engine().kv_cache_dtype, model_->dtype());
     i.device_name = m.device_name;
     return i;
   }
@@ -139,18 +139,11 @@ bool cuda_device_visible() {
   return count > 0;
 }
 
-Expected<std::unique_ptr<Backend>> load_cuda_backend(const LoadSpec& spec, const CudaLoad& load) {
-  CudaModelOptions o;
-  o.dtype = load.dtype;
-  o.max_model_len = load.max_model_len;
-  o.block_size = spec.block_size;
-  o.max_num_seqs = spec.max_num_seqs;
-  o.max_num_batched_tokens = load.max_num_batched_tokens;
-  o.gpu_memory_utilization = spec.gpu_memory_utilization;
-  o.enforce_eager = spec.enforce_eager;
-  o.kv_cache_dtype = load.kv_cache_dtype;
-  TESSERA_ASSIGN_OR_RETURN(
-      auto model, CudaModel::create(*load.config, *load.plan, *load.weights, load.comms, o));
+Expected<std::unique_ptr<Backend>> load_cuda_backend(const LoadSpec& spec, const ModelConfig& config,
+                                                     const LayerPlan& plan,
+                                                     const ModelWeights& weights, StageComms comms) {
+  TESSERA_ASSIGN_OR_RETURN(auto model, CudaModel::create(config, plan, weights, std::move(comms),
+                                                         spec.engine, spec.gpu_shares));
   return std::unique_ptr<Backend>(new CudaBackend(std::move(model)));
 }
 

@@ -72,8 +72,22 @@ struct CudaModel::StepPlan {
 };
 
 CudaModel::CudaModel(const ModelConfig& config, const LayerPlan& plan, StageComms comms,
-                     const CudaModelOptions& options)
-    : config_(config), plan_(plan), comms_(comms), options_(options) {}
+                     const EngineSpec& engine, int gpu_shares)
+    : config_(config),
+      plan_(plan),
+      comms_(comms),
+      engine_(engine),
+      dtype_(run_dtype(engine)),
+      gpu_shares_(std::max(gpu_shares, 1)) {}
+
+std::string CudaModel::utilization_text() const {
+  std::string text = fmt::format("--gpu-memory-utilization {:.2f}", engine_.gpu_memory_utilization);
+  if (gpu_shares_ > 1) {
+    text += fmt::format(" (of the GPU, shared by {} ranks: this rank's share is {:.2f})",
+                        gpu_shares_, engine_.gpu_memory_utilization / gpu_shares_);
+  }
+  return text;
+}
 
 CudaModel::~CudaModel() {
   graphs_.clear();
@@ -104,8 +118,8 @@ int64_t qkv_rows(const ModelConfig& c, const LayerPlan& p) {
 Status CudaModel::allocate_buffers() {
   const ModelConfig& c = config_;
   const LayerPlan& p = plan_;
-  const size_t es = dtype_size(options_.dtype);
-  const int64_t T = max_tokens_, S = options_.max_num_seqs;
+  const size_t es = dtype_size(dtype_);
+  const int64_t T = max_tokens_, S = engine_.max_num_seqs;
   const int64_t q_dim = p.heads * c.head_dim;
   uint64_t total = 0;
   auto alloc = [&](cuda::DeviceBuffer& b, size_t bytes, const char* what) -> Status {
@@ -138,7 +152,7 @@ Status CudaModel::allocate_buffers() {
   for (int64_t b = 1; b <= S; b *= 2) {
     max_splits = std::max(
         max_splits, cuda::plan_attention_splits(static_cast<int>(b), static_cast<int>(p.kv_heads),
-                                                options_.max_model_len, num_sms_)
+                                                engine_.max_model_len, num_sms_)
                         .num_splits);
   }
   const size_t ws = cuda::attention_workspace_bytes(S, static_cast<int>(p.heads),
@@ -160,8 +174,8 @@ Status CudaModel::allocate_buffers() {
   }
   TESSERA_ASSIGN_OR_RETURN(
       cpu::RopeTable rope,
-      cpu::RopeTable::create(c.head_dim, c.rope_theta, options_.max_model_len, scaling));
-  const size_t table = static_cast<size_t>(options_.max_model_len * c.head_dim / 2) * 4;
+      cpu::RopeTable::create(c.head_dim, c.rope_theta, engine_.max_model_len, scaling));
+  const size_t table = static_cast<size_t>(engine_.max_model_len * c.head_dim / 2) * 4;
   TESSERA_RETURN_IF_ERROR(alloc(rope_cos_, table, "RoPE cos table"));
   TESSERA_RETURN_IF_ERROR(alloc(rope_sin_, table, "RoPE sin table"));
   TESSERA_CUDA_RETURN_IF_ERROR(
@@ -173,8 +187,8 @@ Status CudaModel::allocate_buffers() {
 }
 
 uint64_t CudaModel::kv_block_bytes_per_layer() const {
-  return static_cast<uint64_t>(options_.block_size * plan_.kv_heads * config_.head_dim) *
-         kv_cache_element_size(options_.kv_cache_dtype, options_.dtype);
+  return static_cast<uint64_t>(engine_.block_size * plan_.kv_heads * config_.head_dim) *
+         kv_cache_element_size(engine_.kv_cache_dtype, dtype_);
 }
 
 Status CudaModel::allocate_kv_cache(int64_t blocks) {
@@ -197,21 +211,21 @@ Status CudaModel::allocate_kv_cache(int64_t blocks) {
 
 Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch, int64_t pad_to,
                                                std::span<const TokenFill> fills) {
-  const int64_t bs = options_.block_size;
+  const int64_t bs = engine_.block_size;
   const int64_t S_real = static_cast<int64_t>(batch.size());
   const int64_t S = std::max(pad_to, S_real);
-  if (S > options_.max_num_seqs) {
+  if (S > engine_.max_num_seqs) {
     return invalid_argument("the step has " + std::to_string(S) + " sequences, more than " +
-                            "max-num-seqs " + std::to_string(options_.max_num_seqs));
+                            "max-num-seqs " + std::to_string(engine_.max_num_seqs));
   }
-  MetaLayout m = MetaLayout::make(max_tokens_, options_.max_num_seqs, max_blocks_per_seq_);
+  MetaLayout m = MetaLayout::make(max_tokens_, engine_.max_num_seqs, max_blocks_per_seq_);
   // The two host images in turn: the copies of the step before may not have run yet.
   char* h = static_cast<char*>(meta_host_[meta_turn_]);
   meta_turn_ ^= 1;
   std::vector<int32_t> fill_row(static_cast<size_t>(S_real), -1);
   for (const TokenFill& f : fills) {
     if (f.seq >= static_cast<size_t>(S_real) || batch[f.seq].tokens.size() != 1 ||
-        f.row >= static_cast<size_t>(options_.max_num_seqs)) {
+        f.row >= static_cast<size_t>(engine_.max_num_seqs)) {
       return invalid_argument(
           "a token to fill from the step before is not one decode token of "
           "this batch, or its row is out of range");
@@ -235,9 +249,9 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
     const int64_t n = static_cast<int64_t>(seq.tokens.size());
     if (n == 0) return invalid_argument("a sequence in the batch has no tokens");
     const int64_t end = seq.start_position + n;
-    if (seq.start_position < 0 || end > options_.max_model_len) {
+    if (seq.start_position < 0 || end > engine_.max_model_len) {
       return invalid_argument("positions up to " + std::to_string(end) + " exceed max-model-len " +
-                              std::to_string(options_.max_model_len));
+                              std::to_string(engine_.max_model_len));
     }
     const int64_t nb = static_cast<int64_t>(seq.block_table.size());
     table_width = std::max(table_width, nb);
@@ -330,7 +344,7 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
     int stride = 1;
     const int32_t* tokens = sampler_ != nullptr ? sampler_->tokens(&stride) : nullptr;
     if (comms_.tp != nullptr) {
-      const int64_t S_max = options_.max_num_seqs;
+      const int64_t S_max = engine_.max_num_seqs;
       int32_t* packed = sampled_tokens_.as<int32_t>();
       int32_t* gathered = packed + S_max;
       if (tokens != nullptr) {
@@ -364,22 +378,22 @@ class CudaModel::Ops {
   Ops(CudaModel& m, const StepPlan& plan) : m_(m), plan_(plan) {
     const ModelConfig& c = m.config_;
     const LayerPlan& p = m.plan_;
-    dt_ = m.options_.dtype;
+    dt_ = m.dtype_;
     T_ = plan.tokens;
     H_ = c.hidden_size;
     eps_ = static_cast<float>(c.rms_norm_eps);
     st_ = m.stream_;
-    MetaLayout ml = MetaLayout::make(m.max_tokens_, m.options_.max_num_seqs, m.max_blocks_per_seq_);
+    MetaLayout ml = MetaLayout::make(m.max_tokens_, m.engine_.max_num_seqs, m.max_blocks_per_seq_);
     char* meta = m.meta_.as<char>();
     ids_ = reinterpret_cast<const int32_t*>(meta + ml.ids);
     lrows_ = reinterpret_cast<const int32_t*>(meta + ml.logit_rows);
     a_.kernel = m.attention_kernel_;
     a_.dtype = dt_;
-    a_.kv_cache_dtype = m.options_.kv_cache_dtype;
+    a_.kv_cache_dtype = m.engine_.kv_cache_dtype;
     a_.q = m.q_.get();
     a_.out = m.attn_.get();
     a_.num_blocks = m.kv_blocks_;
-    a_.block_size = static_cast<int>(m.options_.block_size);
+    a_.block_size = static_cast<int>(m.engine_.block_size);
     a_.cu_query_lens = reinterpret_cast<const int32_t*>(meta + ml.cu_q);
     a_.context_lens = reinterpret_cast<const int32_t*>(meta + ml.ctx);
     a_.block_tables = reinterpret_cast<const int32_t*>(meta + ml.tables);
@@ -395,12 +409,12 @@ class CudaModel::Ops {
     a_.workspace = plan.num_splits > 1 ? m.attn_workspace_.get() : nullptr;
     a_.total_q = T_;
     r_.dtype = dt_;
-    r_.kv_cache_dtype = m.options_.kv_cache_dtype;
+    r_.kv_cache_dtype = m.engine_.kv_cache_dtype;
     r_.qkv = m.qkv_.get();
     r_.eps = eps_;
     r_.cos = m.rope_cos_.as<float>();
     r_.sin = m.rope_sin_.as<float>();
-    r_.max_position = m.options_.max_model_len;
+    r_.max_position = m.engine_.max_model_len;
     r_.positions = reinterpret_cast<const int32_t*>(meta + ml.positions);
     r_.slots = reinterpret_cast<const int64_t*>(meta + ml.slots);
     r_.num_tokens = T_;
@@ -409,7 +423,7 @@ class CudaModel::Ops {
     r_.head_dim = c.head_dim;
     r_.q_out = m.q_.get();
     r_.num_blocks = m.kv_blocks_;
-    r_.block_size = m.options_.block_size;
+    r_.block_size = m.engine_.block_size;
   }
 
   Status embed() {
@@ -554,7 +568,7 @@ Status CudaModel::run(const StepPlan& plan) {
 
 Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* rows,
                                     std::span<const TokenFill> fills) {
-  bool decode = !batch.empty() && static_cast<int64_t>(batch.size()) <= options_.max_num_seqs;
+  bool decode = !batch.empty() && static_cast<int64_t>(batch.size()) <= engine_.max_num_seqs;
   for (const ForwardSeq& s : batch) decode = decode && s.tokens.size() == 1 && s.want_logits;
   int64_t pad_to = 0;
   if (decode) {
@@ -566,7 +580,7 @@ Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* 
   if (decode) {
     cuda::SplitPlan sp =
         cuda::plan_attention_splits(static_cast<int>(plan.seqs), static_cast<int>(plan_.kv_heads),
-                                    options_.max_model_len, num_sms_);
+                                    engine_.max_model_len, num_sms_);
     plan.num_splits = sp.num_splits;
     plan.split_size = sp.split_size;
   }
@@ -591,14 +605,14 @@ Status CudaModel::capture_graphs() {
     StepPlan plan;
     TESSERA_ASSIGN_OR_RETURN(plan, stage({}, size));
     cuda::SplitPlan sp = cuda::plan_attention_splits(
-        static_cast<int>(size), static_cast<int>(plan_.kv_heads), options_.max_model_len, num_sms_);
+        static_cast<int>(size), static_cast<int>(plan_.kv_heads), engine_.max_model_len, num_sms_);
     plan.num_splits = sp.num_splits;
     plan.split_size = sp.split_size;
     // Warm-up in eager mode: the GEMMs pick (and time) their algorithms for this batch size,
     // and every rank of the group runs the collectives together.
     TESSERA_RETURN_IF_ERROR(run(plan));
     TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "warming up decode");
-    if (options_.enforce_eager) continue;
+    if (engine_.enforce_eager) continue;
     auto graph = std::make_unique<Graph>();
     TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
                                  "capturing the decode graph");
@@ -621,14 +635,14 @@ Status CudaModel::size_kv_cache() {
   const ModelConfig& c = config_;
   const uint64_t block_bytes = 2ull * plan_.num_layers() * kv_block_bytes_per_layer();
   const int64_t min_blocks =
-      (options_.max_model_len + options_.block_size - 1) / options_.block_size;
+      (engine_.max_model_len + engine_.block_size - 1) / engine_.block_size;
   // Profiling step: the largest step the scheduler may send, one sequence as long as fits,
   // through a temporary cache. Every rank of the group runs it at once (the same ids).
   size_t free_before = 0, free_after = 0, total = 0;
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_before, &total), "querying GPU memory");
   {
-    const int64_t len = std::min(max_tokens_, options_.max_model_len);
-    const int64_t blocks = (len + options_.block_size - 1) / options_.block_size;
+    const int64_t len = std::min(max_tokens_, engine_.max_model_len);
+    const int64_t blocks = (len + engine_.block_size - 1) / engine_.block_size;
     TESSERA_RETURN_IF_ERROR(allocate_kv_cache(blocks));
     std::vector<int32_t> ids(static_cast<size_t>(len), 0);
     for (int64_t i = 0; i < len; ++i) ids[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
@@ -648,7 +662,7 @@ Status CudaModel::size_kv_cache() {
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_after, &total), "querying GPU memory");
   // This rank's own use: what it took since it started (its context is in used_at_start).
   const uint64_t own = free_at_start_ - free_after + memory_.profile_peak;
-  memory_.graph_reserve = options_.enforce_eager ? 0 : kGraphReserve;
+  memory_.graph_reserve = engine_.enforce_eager ? 0 : kGraphReserve;
   const uint64_t committed = own + memory_.graph_reserve;
   uint64_t room = memory_.budget > committed ? memory_.budget - committed : 0;
   // Whatever the budget says, the cache must fit in what is really free.
@@ -658,17 +672,17 @@ Status CudaModel::size_kv_cache() {
   room = std::min(room, free_now);
   const int64_t fit_blocks = static_cast<int64_t>(room / block_bytes);
   if (fit_blocks < min_blocks) {
-    const int64_t fit_len = fit_blocks * options_.block_size;
+    const int64_t fit_len = fit_blocks * engine_.block_size;
     std::string msg =
         "the KV cache does not fit on " + memory_.device_name + ": " +
         fmt::format(
-            "--gpu-memory-utilization {:.2f} allows this rank {:.2f} GiB, of which weights take "
+            "{} allows this rank {:.2f} GiB, of which weights take "
             "{:.2f} GiB, activations {:.2f} GiB and CUDA graphs {:.2f} GiB ({:.2f} GiB free on "
             "the GPU), leaving {} KV blocks ({} tokens); ",
-            options_.gpu_memory_utilization, gib(memory_.budget), gib(memory_.weights),
+            utilization_text(), gib(memory_.budget), gib(memory_.weights),
             gib(memory_.activations + memory_.profile_peak), gib(memory_.graph_reserve),
             gib(free_after), fit_blocks, fit_len);
-    msg += "one sequence of --max-model-len " + std::to_string(options_.max_model_len) + " needs " +
+    msg += "one sequence of --max-model-len " + std::to_string(engine_.max_model_len) + " needs " +
            std::to_string(min_blocks) + " blocks. ";
     msg +=
         fit_len >= 16 ? "Lower --max-model-len to " + std::to_string(fit_len) + " or less, " : "";
@@ -690,10 +704,10 @@ Status CudaModel::init_cache(int64_t blocks) {
   TESSERA_RETURN_IF_ERROR(allocate_kv_cache(blocks));
   memory_.kv_cache = kv_storage_.bytes();
   memory_.kv_blocks = blocks;
-  const int64_t tokens = blocks * options_.block_size;
+  const int64_t tokens = blocks * engine_.block_size;
   spdlog::info("# GPU blocks: {} ({} tokens; max concurrency {:.2f}x at max-model-len {})", blocks,
-               tokens, static_cast<double>(tokens) / static_cast<double>(options_.max_model_len),
-               options_.max_model_len);
+               tokens, static_cast<double>(tokens) / static_cast<double>(engine_.max_model_len),
+               engine_.max_model_len);
   size_t free_a = 0, free_b = 0, total = 0;
   cudaMemGetInfo(&free_a, &total);
   TESSERA_RETURN_IF_ERROR(capture_graphs());
@@ -703,12 +717,12 @@ Status CudaModel::init_cache(int64_t blocks) {
   spdlog::info(
       "GPU ({}, {:.1f} GiB): weights {:.2f} GiB, activations {:.2f} GiB, CUDA graphs {:.0f} "
       "MiB ({} sizes{}), KV cache {:.2f} GiB; this rank uses {:.2f} GiB of its {:.2f} GiB budget "
-      "(--gpu-memory-utilization {:.2f})",
+      "({})",
       r.device_name, gib(r.total), gib(r.weights), gib(r.activations + r.profile_peak),
       static_cast<double>(r.graphs) / kMiB, graphs_.size(),
-      options_.enforce_eager ? ", --enforce-eager" : "", gib(r.kv_cache),
-      gib(free_at_start_ - free_b), gib(r.budget), options_.gpu_memory_utilization);
-  if (r.graphs > r.graph_reserve && !options_.enforce_eager) {
+      engine_.enforce_eager ? ", --enforce-eager" : "", gib(r.kv_cache),
+      gib(free_at_start_ - free_b), gib(r.budget), utilization_text());
+  if (r.graphs > r.graph_reserve && !engine_.enforce_eager) {
     spdlog::warn("CUDA graphs took {:.0f} MiB, more than the {:.0f} MiB reserved for them",
                  static_cast<double>(r.graphs) / kMiB, static_cast<double>(r.graph_reserve) / kMiB);
   }
@@ -719,30 +733,26 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
                                                        const LayerPlan& plan,
                                                        const ModelWeights& host_weights,
                                                        StageComms comms,
-                                                       const CudaModelOptions& options) {
-  if (!cuda::is_half_type(options.dtype)) {
+                                                       const EngineSpec& engine,
+                                                       int gpu_shares) {
+  TESSERA_RETURN_IF_ERROR(check_resolved(engine));
+  const DType dtype = run_dtype(engine);
+  if (!cuda::is_half_type(dtype)) {
     return invalid_argument("the CUDA backend runs in bfloat16 or float16, not " +
-                            std::string(dtype_name(options.dtype)));
-  }
-  if (options.gpu_memory_utilization <= 0.0 || options.gpu_memory_utilization > 1.0) {
-    return invalid_argument("--gpu-memory-utilization must be in (0, 1], got " +
-                            std::to_string(options.gpu_memory_utilization));
-  }
-  if (options.max_num_seqs < 1 || options.block_size < 1 || options.max_model_len < 1) {
-    return invalid_argument("max-num-seqs, block size and max-model-len must be positive");
+                            std::string(dtype_name(dtype)));
   }
   if (config.head_dim > 1024) {  // cuda::paged_attention's and rope_and_cache's bound
     return invalid_argument("head_dim " + std::to_string(config.head_dim) +
                             " is above the CUDA backend's 1024 (no released model has one): use "
                             "--device cpu");
   }
-  if (config.sliding_window && *config.sliding_window < options.max_model_len) {
+  if (config.sliding_window && *config.sliding_window < engine.max_model_len) {
     return invalid_argument("this model uses sliding-window attention (window " +
                             std::to_string(*config.sliding_window) +
                             "), which is not implemented yet: use --max-model-len " +
                             std::to_string(*config.sliding_window) + " or less");
   }
-  std::unique_ptr<CudaModel> m(new CudaModel(config, plan, comms, options));
+  std::unique_ptr<CudaModel> m(new CudaModel(config, plan, comms, engine, gpu_shares));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaSetDevice(0), "selecting GPU 0");
   TESSERA_CUDA_RETURN_IF_ERROR(cudaFree(nullptr), "creating the CUDA context");
   cudaDeviceProp prop{};
@@ -753,17 +763,18 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free0, &total), "querying GPU memory");
   m->free_at_start_ = free0;
   m->memory_.total = total;
-  m->memory_.budget = static_cast<uint64_t>(options.gpu_memory_utilization * total);
+  m->memory_.budget = static_cast<uint64_t>(engine.gpu_memory_utilization *
+                                            static_cast<double>(total) / m->gpu_shares_);
   m->memory_.used_at_start = total - free0;
-  m->max_tokens_ = std::max(options.max_num_batched_tokens, options.max_num_seqs);
-  m->max_blocks_per_seq_ = (options.max_model_len + options.block_size - 1) / options.block_size;
+  m->max_tokens_ = std::max(engine.max_num_batched_tokens, engine.max_num_seqs);
+  m->max_blocks_per_seq_ = (engine.max_model_len + engine.block_size - 1) / engine.block_size;
   // Would the weights and activations fit at all? Check before touching the GPU's memory.
   {
-    const size_t es = dtype_size(options.dtype);
-    const uint64_t weights = CudaWeights::bytes_needed(config, plan, options.dtype);
+    const size_t es = dtype_size(dtype);
+    const uint64_t weights = CudaWeights::bytes_needed(config, plan, dtype);
     const uint64_t per_token =
         (4 * config.hidden_size + 2 * qkv_rows(config, plan) + 3 * plan.intermediate) * es;
-    const uint64_t logits = plan.last_stage ? options.max_num_seqs * config.vocab_size * 4 *
+    const uint64_t logits = plan.last_stage ? engine.max_num_seqs * config.vocab_size * 4 *
                                                   (plan.parallel.tp_size > 1 ? 2 : 1)
                                             : 0;
     const uint64_t activations = m->max_tokens_ * per_token + logits + 64 * kMiB;
@@ -775,20 +786,20 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
       return resource_exhausted(fmt::format(
           "the model does not fit on {}: this rank's weights {:.2f} GiB + activations for "
           "--max-num-batched-tokens {} {:.2f} GiB + the KV cache of one --max-model-len {} "
-          "sequence {:.2f} GiB = {:.2f} GiB, but --gpu-memory-utilization {:.2f} allows {:.2f} "
+          "sequence {:.2f} GiB = {:.2f} GiB, but {} allows {:.2f} "
           "GiB ({:.2f} GiB are free: {:.2f} GiB are in use by others). Lower --max-model-len or "
           "--max-num-batched-tokens, raise --gpu-memory-utilization, spread the model over more "
           "GPUs (--tensor-parallel-size, --pipeline-parallel-size) or use a quantized checkpoint "
           "(--quantization awq|gptq)",
-          prop.name, gib(weights), m->max_tokens_, gib(activations), options.max_model_len,
-          gib(min_kv), gib(need), options.gpu_memory_utilization, gib(m->memory_.budget),
+          prop.name, gib(weights), m->max_tokens_, gib(activations), engine.max_model_len,
+          gib(min_kv), gib(need), m->utilization_text(), gib(m->memory_.budget),
           gib(free0), gib(m->memory_.used_at_start)));
     }
   }
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&m->stream_, cudaStreamNonBlocking),
                                "creating the model's stream");
   TESSERA_ASSIGN_OR_RETURN(
-      m->weights_, CudaWeights::upload(config, plan, host_weights, options.dtype, m->stream_));
+      m->weights_, CudaWeights::upload(config, plan, host_weights, dtype, m->stream_));
   m->memory_.weights = m->weights_->bytes();
   // TESSERA_GEMM_AUTOTUNE=1 times cuBLASLt's candidates per shape (the default takes the
   // heuristic's first choice: reproducible across runs).
@@ -808,17 +819,17 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   m->memory_.activations += 32 * kMiB;  // the GEMM workspace
   if (plan.last_stage && plan.parallel.tp_rank == 0) {
     TESSERA_ASSIGN_OR_RETURN(m->sampler_,
-                             cuda::GpuSampler::create(static_cast<int>(options.max_num_seqs),
+                             cuda::GpuSampler::create(static_cast<int>(engine.max_num_seqs),
                                                       config.vocab_size, kMaxLogprobs, m->stream_));
   }
   TESSERA_RETURN_IF_ERROR(m->allocate_buffers());
   // Decode batch sizes: 1, 2, 4, 8, then multiples of 8, and max_num_seqs itself.
   for (int64_t b : {1, 2, 4}) {
-    if (b <= options.max_num_seqs) m->decode_sizes_.push_back(b);
+    if (b <= engine.max_num_seqs) m->decode_sizes_.push_back(b);
   }
-  for (int64_t b = 8; b <= options.max_num_seqs; b += 8) m->decode_sizes_.push_back(b);
-  if (m->decode_sizes_.back() != options.max_num_seqs) {
-    m->decode_sizes_.push_back(options.max_num_seqs);
+  for (int64_t b = 8; b <= engine.max_num_seqs; b += 8) m->decode_sizes_.push_back(b);
+  if (m->decode_sizes_.back() != engine.max_num_seqs) {
+    m->decode_sizes_.push_back(engine.max_num_seqs);
   }
   TESSERA_RETURN_IF_ERROR(m->size_kv_cache());
   return m;

@@ -34,22 +34,11 @@
 
 namespace tessera {
 
-struct CudaModelOptions {
-  DType dtype = DType::kBF16;  // kBF16 or kF16
-  int64_t max_model_len = 0;
-  int64_t block_size = 16;
-  int64_t max_num_seqs = 256;
-  int64_t max_num_batched_tokens = 8192;
-  double gpu_memory_utilization = 0.9;
-  bool enforce_eager = false;
-  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;  // kFp8E4M3: the cache stores E4M3 bytes
-};
-
 // Where this GPU's memory went, in bytes (logged, and reported to the driver).
 struct GpuMemoryReport {
   std::string device_name;
   uint64_t total = 0;
-  uint64_t budget = 0;         // gpu_memory_utilization x total
+  uint64_t budget = 0;         // gpu_memory_utilization x total / the ranks sharing the GPU
   uint64_t used_at_start = 0;  // by anything before this rank (other processes, its context)
   uint64_t weights = 0;
   uint64_t activations = 0;   // fixed buffers, cuBLASLt workspace, sampler
@@ -70,7 +59,8 @@ class CudaModel {
                                                      const LayerPlan& plan,
                                                      const ModelWeights& host_weights,
                                                      StageComms comms,
-                                                     const CudaModelOptions& options);
+                                                     const EngineSpec& engine,
+                                                     int gpu_shares = 1);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -88,7 +78,9 @@ class CudaModel {
 
   const ModelConfig& config() const { return config_; }
   const LayerPlan& plan() const { return plan_; }
-  const CudaModelOptions& options() const { return options_; }
+  // The resolved spec it runs (common/engine_spec.h), and its dtype (kBF16 or kF16).
+  const EngineSpec& engine() const { return engine_; }
+  DType dtype() const { return dtype_; }
   const GpuMemoryReport& memory() const { return memory_; }
   cudaStream_t stream() const { return stream_; }
   // The sampler of the rank that samples (the last stage's tp rank 0), else null.
@@ -101,7 +93,9 @@ class CudaModel {
   struct StepPlan;
   class Ops;  // layer_loop.h's operations on this model's buffers
   CudaModel(const ModelConfig& config, const LayerPlan& plan, StageComms comms,
-            const CudaModelOptions& options);
+            const EngineSpec& engine, int gpu_shares);
+  // "--gpu-memory-utilization 0.90" and, when ranks share the GPU, how many: for messages.
+  std::string utilization_text() const;
 
   Status allocate_buffers();
   // One KV block of one layer, K or V: block_size x kv_heads x head_dim in the cache's dtype.
@@ -117,7 +111,9 @@ class CudaModel {
   ModelConfig config_;
   LayerPlan plan_;
   StageComms comms_;
-  CudaModelOptions options_;
+  EngineSpec engine_;
+  DType dtype_ = DType::kBF16;
+  int gpu_shares_ = 1;
   GpuMemoryReport memory_;
   uint64_t free_at_start_ = 0;
   int num_sms_ = 0;

@@ -9,16 +9,18 @@
 
 namespace tessera {
 
-ModelRunner::ModelRunner(ModelConfig config, LayerPlan plan, RequestLimits limits)
-    : config_(std::move(config)), plan_(std::move(plan)), requests_(limits) {}
+ModelRunner::ModelRunner(ModelConfig config, LayerPlan plan, ModelInfo limits)
+    : config_(std::move(config)), plan_(std::move(plan)), requests_(std::move(limits)) {}
 
 Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, StageComms comms) {
-  if (spec.device != "auto" && spec.device != "cuda" && spec.device != "cpu") {
-    return invalid_argument("--device '" + spec.device + "' is not one of auto, cuda, cpu");
-  }
-  bool gpu = spec.device == "cuda";
+  const EngineSpec& e = spec.engine;
+  TESSERA_RETURN_IF_ERROR(check_resolved(e));
+  const bool gpu = e.device == Device::kCuda;
 #ifdef TESSERA_WITH_CUDA
-  if (spec.device == "auto") gpu = cuda_device_visible();
+  if (gpu && !cuda_device_visible()) {
+    return failed_precondition("--device cuda: this actor sees no GPU (CUDA_VISIBLE_DEVICES, "
+                               "or the driver placed a GPU rank on a node without one)");
+  }
 #else
   if (gpu) {
     return failed_precondition(
@@ -26,41 +28,35 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
         "-DTESSERA_CUDA=ON on a machine with nvcc)");
   }
 #endif
-  if (spec.block_size < 1 || spec.max_num_seqs < 1) {
-    return invalid_argument("block size and max-num-seqs must be positive");
-  }
   const auto t0 = std::chrono::steady_clock::now();
-  TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(spec.model_dir));
-  TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(spec.dtype, config.torch_dtype, gpu));
-  TESSERA_ASSIGN_OR_RETURN(KvCacheDtype kv_dtype, parse_kv_cache_dtype(spec.kv_cache_dtype));
+  TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(e.model));
   TESSERA_ASSIGN_OR_RETURN(LayerPlan plan, LayerPlan::make(config, spec.parallel));
-  TESSERA_ASSIGN_OR_RETURN(int64_t max_len, resolve_max_model_len(spec.max_model_len, config));
-  const int64_t max_tokens = resolve_max_num_batched_tokens(spec.max_num_batched_tokens, max_len);
-  TESSERA_ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::open(spec.model_dir));
+  TESSERA_ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::open(e.model));
   TESSERA_ASSIGN_OR_RETURN(ModelWeights weights, bind_weights(*checkpoint, config, plan));
 
-  RequestLimits limits;
+  // The bounds every step is checked against: what this rank will report of itself.
+  ModelInfo limits;
   limits.vocab_size = config.vocab_size;
-  limits.block_size = spec.block_size;
-  limits.max_model_len = max_len;
-  limits.max_num_seqs = spec.max_num_seqs;
-  limits.max_num_batched_tokens = max_tokens;
+  limits.block_size = e.block_size;
+  limits.max_model_len = e.max_model_len;
+  limits.max_num_seqs = e.max_num_seqs;
+  limits.max_num_batched_tokens = e.max_num_batched_tokens;
   std::unique_ptr<ModelRunner> r(new ModelRunner(config, plan, limits));
   r->requests_.set_samples(r->samples());
-  r->return_logits_ = spec.return_logits;
+  r->return_logits_ = e.return_logits;
   if (gpu) {
 #ifdef TESSERA_WITH_CUDA
-    CudaLoad load{&r->config_, &r->plan_, &weights, comms, dtype, kv_dtype, max_len, max_tokens};
-    TESSERA_ASSIGN_OR_RETURN(r->backend_, load_cuda_backend(spec, load));
+    TESSERA_ASSIGN_OR_RETURN(r->backend_,
+                             load_cuda_backend(spec, r->config_, r->plan_, weights, comms));
 #endif
   } else {
-    (void)dtype;  // checked above; the cpu backend computes in fp32 whatever the checkpoint holds
-    // The cpu backend (the oracle, and the backend of tests without a GPU) holds one sequence
-    // of max-model-len plus a block; the driver's scheduler preempts past that.
-    const int64_t blocks = (max_len + spec.block_size - 1) / spec.block_size + 1;
-    TESSERA_ASSIGN_OR_RETURN(auto model,
-                             CpuModel::create(config, plan, std::move(weights), comms, blocks,
-                                              spec.block_size, max_len, spec.threads, kv_dtype));
+    // The cpu backend (the oracle, and the backend of tests without a GPU) computes in fp32
+    // whatever the checkpoint holds, and holds one sequence of max-model-len plus a block; the
+    // driver's scheduler preempts past that.
+    const int64_t blocks = (e.max_model_len + e.block_size - 1) / e.block_size + 1;
+    TESSERA_ASSIGN_OR_RETURN(auto model, CpuModel::create(config, plan, std::move(weights), comms,
+                                                          blocks, e.block_size, e.max_model_len,
+                                                          spec.threads, e.kv_cache_dtype));
     r->backend_ = std::move(model);
   }
   r->checkpoint_ = std::move(checkpoint);
@@ -68,7 +64,7 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
   spdlog::info(
       "loaded {} from {} in {:.1f} s: rank {} of {} (tp {}/{}, pp {}/{}), layers {}-{} of {}, "
       "{:.1f} MiB of weights on the {} backend ({}, KV cache {}), {} KV blocks fit",
-      architecture_name(config.arch), spec.model_dir,
+      architecture_name(config.arch), e.model,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
       plan.parallel.rank(), plan.parallel.world_size(), plan.parallel.tp_rank,
       plan.parallel.tp_size, plan.parallel.pp_rank, plan.parallel.pp_size, plan.layer_begin,

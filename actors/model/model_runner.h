@@ -27,8 +27,8 @@ namespace tessera {
 
 class ModelRunner {
  public:
-  // Loads this rank's shard (spec.parallel) on the backend spec.device names (auto: cuda when
-  // this process sees a GPU and was built with CUDA, else cpu). `comms` are the rank's joined
+  // Loads this rank's shard (spec.parallel) on the backend the resolved spec.engine names
+  // (check_resolved: an unresolved spec is refused). `comms` are the rank's joined
   // groups. Errors name the tensor/file at fault, or the memory figures and the flags that
   // would make the model fit.
   static Expected<std::unique_ptr<ModelRunner>> load(const LoadSpec& spec, StageComms comms);
@@ -73,7 +73,7 @@ class ModelRunner {
   uint64_t progress() const { return backend_->progress(); }
 
  private:
-  ModelRunner(ModelConfig config, LayerPlan plan, RequestLimits limits);
+  ModelRunner(ModelConfig config, LayerPlan plan, ModelInfo limits);
   // A step submitted and not collected.
   struct Running {
     uint64_t step_id = 0;
@@ -97,22 +97,12 @@ class ModelRunner {
   std::chrono::steady_clock::time_point last_collected_{};
 };
 
-// resolve_dtype, resolve_max_model_len, resolve_max_num_batched_tokens: common/checkpoint/
-// layer_plan.h (the planner sizes ranks with the same rules).
-
 #ifdef TESSERA_WITH_CUDA
-// Defined by the cuda backend (actors/model/cuda_backend.cpp).
-struct CudaLoad {
-  const ModelConfig* config = nullptr;
-  const LayerPlan* plan = nullptr;
-  const ModelWeights* weights = nullptr;
-  StageComms comms;
-  DType dtype = DType::kBF16;
-  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
-  int64_t max_model_len = 0;
-  int64_t max_num_batched_tokens = 0;
-};
-Expected<std::unique_ptr<Backend>> load_cuda_backend(const LoadSpec& spec, const CudaLoad& load);
+// Defined by the cuda backend (actors/model/cuda_backend.cpp): this rank's shard of `config`
+// as `plan` splits it, uploaded from `weights`, run as spec.engine says.
+Expected<std::unique_ptr<Backend>> load_cuda_backend(const LoadSpec& spec, const ModelConfig& config,
+                                                     const LayerPlan& plan,
+                                                     const ModelWeights& weights, StageComms comms);
 bool cuda_device_visible();
 #endif
 

@@ -6,8 +6,8 @@
 
 namespace tessera {
 
-RequestTable::RequestTable(RequestLimits limits)
-    : limits_(limits), seed_state_(std::random_device{}()) {}
+RequestTable::RequestTable(ModelInfo limits)
+    : limits_(std::move(limits)), seed_state_(std::random_device{}()) {}
 
 Status RequestTable::apply(const StepInput& step) {
   const auto& L = limits_;
@@ -67,9 +67,9 @@ Status RequestTable::apply(const StepInput& step) {
                               std::to_string(end));
     }
     for (uint32_t b : s.new_blocks) {
-      if (static_cast<int64_t>(b) >= L.num_blocks) {
+      if (static_cast<int64_t>(b) >= L.kv_blocks) {
         return invalid_argument(who + ": block " + std::to_string(b) +
-                                " is outside the KV cache (" + std::to_string(L.num_blocks) +
+                                " is outside the KV cache (" + std::to_string(L.kv_blocks) +
                                 " blocks)");
       }
     }

@@ -15,6 +15,7 @@
 #include <span>
 #include <vector>
 
+#include "common/load_spec.h"
 #include "common/sampling_params.h"
 #include "common/status.h"
 #include "common/step.h"
@@ -53,18 +54,12 @@ struct RequestState {
   }
 };
 
-struct RequestLimits {
-  int64_t vocab_size = 0;
-  int64_t block_size = 16;
-  int64_t num_blocks = 0;     // KV blocks on this rank
-  int64_t max_model_len = 0;
-  int64_t max_num_seqs = 0;
-  int64_t max_num_batched_tokens = 0;
-};
-
 class RequestTable {
  public:
-  explicit RequestTable(RequestLimits limits);
+  // Steps are checked against what this rank reports of itself: its vocabulary, KV blocks
+  // (kv_blocks, set again by set_num_blocks once the cache is allocated), block size,
+  // max_model_len, max_num_seqs and max_num_batched_tokens.
+  explicit RequestTable(ModelInfo limits);
 
   // Checks the whole step against the table and the limits, then applies it: forgets the
   // finished requests, starts the new ones, appends tokens and blocks. On error nothing
@@ -103,11 +98,11 @@ class RequestTable {
   size_t size() const { return requests_.size(); }
   // Requests forgotten by the last apply() (a backend drops its own per-request state for them).
   const std::vector<uint64_t>& forgotten() const { return forgotten_; }
-  void set_num_blocks(int64_t blocks) { limits_.num_blocks = blocks; }
-  const RequestLimits& limits() const { return limits_; }
+  void set_num_blocks(int64_t blocks) { limits_.kv_blocks = blocks; }
+  const ModelInfo& limits() const { return limits_; }
 
  private:
-  RequestLimits limits_;
+  ModelInfo limits_;
   std::map<uint64_t, RequestState> requests_;
   std::vector<uint64_t> forgotten_;
   std::vector<size_t> placeholders_;

@@ -319,19 +319,4 @@ Expected<DType> resolve_dtype(const std::string& name, DType checkpoint_dtype, b
                           "' is not one of auto, bfloat16, float16 (half), float32 (float)");
 }
 
-Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config) {
-  if (requested > config.max_position_embeddings) {
-    return invalid_argument("--max-model-len " + std::to_string(requested) +
-                            " exceeds the model's max_position_embeddings (" +
-                            std::to_string(config.max_position_embeddings) + ")");
-  }
-  if (requested > 0) return requested;
-  return config.max_position_embeddings;
-}
-
-int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len) {
-  if (requested > 0) return requested;
-  return std::min<int64_t>(std::max<int64_t>(max_model_len, 2048), 16384);
-}
-
 }  // namespace tessera

@@ -136,12 +136,4 @@ Expected<std::vector<std::pair<int64_t, int64_t>>> stage_layers(
 // bfloat16 on the GPU), INVALID_ARGUMENT for an unknown name.
 Expected<DType> resolve_dtype(const std::string& name, DType checkpoint_dtype, bool gpu);
 
-// The max-model-len to use: spec's, or the model's max_position_embeddings (vLLM's default);
-// INVALID_ARGUMENT past max_position_embeddings.
-Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config);
-
-// The largest step in tokens: spec's, or max(max_model_len, 2048) capped at 16384. Reported in
-// ModelInfo; the driver's scheduler uses the actor's figure.
-int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len);
-
 }  // namespace tessera

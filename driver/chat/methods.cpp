@@ -62,10 +62,14 @@ bool all_chars(const std::string& s, Pred pred) {
   return !d.empty() && std::all_of(d.begin(), d.end(), pred);
 }
 
-// A Python str method bound to `s`, or nothing when str has no such (safe) method.
-std::optional<Value> string_method(const std::string& s, const std::string& name) {
-  using Fn = std::function<Value(const std::string&, Args&)>;
-  static const std::vector<std::pair<std::string_view, Fn>> kMethods = {
+// The str methods a template may call, by name; each takes the string and the call's arguments.
+using StringMethod = std::function<Value(const std::string&, Args&)>;
+using StringMethods = std::vector<std::pair<std::string_view, StringMethod>>;
+
+// strip, lstrip, rstrip, split, rsplit, splitlines and join: cutting a string up and joining
+// strings.
+StringMethods cutting_methods() {
+  return {
       {"strip",
        [](const std::string& s, Args& a) {
          auto b = a.bind("strip", {"chars"});
@@ -96,6 +100,28 @@ std::optional<Value> string_method(const std::string& s, const std::string& name
          auto b = a.bind("splitlines", {"keepends"});
          return string_list(py::splitlines(s, b[0] && truthy(*b[0])));
        }},
+      {"join",
+       [](const std::string& s, Args& a) {
+         auto b = a.bind("join", {"iterable"}, 1);
+         std::string out;
+         bool first = true;
+         for (const Value& v : iterate(*b[0])) {
+           if (!v.is_string()) {
+             throw RenderError("sequence item: expected str instance, " + type_name(v) + " found");
+           }
+           if (!first) out += s;
+           out += v.as_string();
+           first = false;
+           if (out.size() > kMaxStringBytes) throw RenderError("string too long");
+         }
+         return Value::string(std::move(out));
+       }},
+  };
+}
+
+// startswith, endswith, find, rfind, index, rindex and count: where a substring is.
+StringMethods searching_methods() {
+  return {
       {"startswith",
        [](const std::string& s, Args& a) {
          auto b = a.bind("startswith", {"prefix"}, 1);
@@ -106,6 +132,42 @@ std::optional<Value> string_method(const std::string& s, const std::string& name
          auto b = a.bind("endswith", {"suffix"}, 1);
          return Value::boolean(affix_matches(s, *b[0], false));
        }},
+      {"find",
+       [](const std::string& s, Args& a) {
+         auto b = a.bind("find", {"sub"}, 1);
+         return Value::integer(py::find(s, string_arg(*b[0], ""), false));
+       }},
+      {"rfind",
+       [](const std::string& s, Args& a) {
+         auto b = a.bind("rfind", {"sub"}, 1);
+         return Value::integer(py::find(s, string_arg(*b[0], ""), true));
+       }},
+      {"index",
+       [](const std::string& s, Args& a) {
+         auto b = a.bind("index", {"sub"}, 1);
+         int64_t i = py::find(s, string_arg(*b[0], ""), false);
+         if (i < 0) throw RenderError("substring not found");
+         return Value::integer(i);
+       }},
+      {"rindex",
+       [](const std::string& s, Args& a) {
+         auto b = a.bind("rindex", {"sub"}, 1);
+         int64_t i = py::find(s, string_arg(*b[0], ""), true);
+         if (i < 0) throw RenderError("substring not found");
+         return Value::integer(i);
+       }},
+      {"count",
+       [](const std::string& s, Args& a) {
+         auto b = a.bind("count", {"sub"}, 1);
+         return Value::integer(py::count(s, string_arg(*b[0], "")));
+       }},
+  };
+}
+
+// upper, lower, casefold, title, capitalize, replace, removeprefix and removesuffix: a new
+// string from this one.
+StringMethods rewriting_methods() {
+  return {
       {"upper",
        [](const std::string& s, Args& a) {
          a.bind("upper", {});
@@ -138,35 +200,6 @@ std::optional<Value> string_method(const std::string& s, const std::string& name
                                           string_arg(*b[1], "replace() argument 2"),
                                           opt_int(b[2], -1)));
        }},
-      {"find",
-       [](const std::string& s, Args& a) {
-         auto b = a.bind("find", {"sub"}, 1);
-         return Value::integer(py::find(s, string_arg(*b[0], ""), false));
-       }},
-      {"rfind",
-       [](const std::string& s, Args& a) {
-         auto b = a.bind("rfind", {"sub"}, 1);
-         return Value::integer(py::find(s, string_arg(*b[0], ""), true));
-       }},
-      {"index",
-       [](const std::string& s, Args& a) {
-         auto b = a.bind("index", {"sub"}, 1);
-         int64_t i = py::find(s, string_arg(*b[0], ""), false);
-         if (i < 0) throw RenderError("substring not found");
-         return Value::integer(i);
-       }},
-      {"rindex",
-       [](const std::string& s, Args& a) {
-         auto b = a.bind("rindex", {"sub"}, 1);
-         int64_t i = py::find(s, string_arg(*b[0], ""), true);
-         if (i < 0) throw RenderError("substring not found");
-         return Value::integer(i);
-       }},
-      {"count",
-       [](const std::string& s, Args& a) {
-         auto b = a.bind("count", {"sub"}, 1);
-         return Value::integer(py::count(s, string_arg(*b[0], "")));
-       }},
       {"removeprefix",
        [](const std::string& s, Args& a) {
          auto b = a.bind("removeprefix", {"prefix"}, 1);
@@ -181,22 +214,12 @@ std::optional<Value> string_method(const std::string& s, const std::string& name
              !p.empty() && p.size() <= s.size() && s.compare(s.size() - p.size(), p.size(), p) == 0;
          return Value::string(match ? s.substr(0, s.size() - p.size()) : s);
        }},
-      {"join",
-       [](const std::string& s, Args& a) {
-         auto b = a.bind("join", {"iterable"}, 1);
-         std::string out;
-         bool first = true;
-         for (const Value& v : iterate(*b[0])) {
-           if (!v.is_string()) {
-             throw RenderError("sequence item: expected str instance, " + type_name(v) + " found");
-           }
-           if (!first) out += s;
-           out += v.as_string();
-           first = false;
-           if (out.size() > kMaxStringBytes) throw RenderError("string too long");
-         }
-         return Value::string(std::move(out));
-       }},
+  };
+}
+
+// isdigit, isspace and isalpha: a test of every character.
+StringMethods testing_methods() {
+  return {
       {"isdigit",
        [](const std::string& s, Args& a) {
          a.bind("isdigit", {});
@@ -215,9 +238,21 @@ std::optional<Value> string_method(const std::string& s, const std::string& name
          }));
        }},
   };
+}
+
+// A Python str method bound to `s`, or nothing when str has no such (safe) method.
+std::optional<Value> string_method(const std::string& s, const std::string& name) {
+  static const StringMethods kMethods = [] {
+    StringMethods all;
+    for (StringMethods group :
+         {cutting_methods(), searching_methods(), rewriting_methods(), testing_methods()}) {
+      for (auto& method : group) all.push_back(std::move(method));
+    }
+    return all;
+  }();
   for (const auto& [method, fn] : kMethods) {
     if (method == name) {
-      const Fn* f = &fn;
+      const StringMethod* f = &fn;
       return Value::function(name, "method", [s, f](Args& args) { return (*f)(s, args); });
     }
   }

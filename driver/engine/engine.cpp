@@ -115,11 +115,12 @@ StepInput LlmEngine::make_step(const std::vector<ScheduledChunk>& chunks) {
   return step;
 }
 
-RequestOutput LlmEngine::final_output(const Sequence& seq, std::string reason) {
+RequestOutput LlmEngine::final_output(const Sequence& seq, FinishReason reason, Status error) {
   RequestOutput out;
   out.request_id = seq.id;
   out.finished = true;
-  out.finish_reason = std::move(reason);
+  out.finish_reason = reason;
+  out.error = std::move(error);
   out.prompt_tokens = seq.prompt.size();
   out.completion_tokens = seq.output.size();
   out.cached_tokens = seq.cached_tokens;
@@ -133,7 +134,7 @@ void LlmEngine::fail(const std::vector<ScheduledChunk>& chunks, const Status& wh
     auto seq = scheduler_.finish(c.seq->id);
     if (!seq) continue;
     finished_since_last_step_.push_back(seq->id);
-    outputs.push_back(final_output(*seq, "error: " + why.message()));
+    outputs.push_back(final_output(*seq, FinishReason::kError, why));
     keep_until_collected(std::move(seq));
   }
 }
@@ -164,7 +165,7 @@ std::optional<RequestOutput> LlmEngine::abort_request(uint64_t id) {
   // The actors forget it before the next step; one in flight is still computed by the steps
   // ahead of that one, which is why its blocks can be reused from the next step on.
   if (seq->started) finished_since_last_step_.push_back(id);
-  RequestOutput out = final_output(*seq, "abort");
+  RequestOutput out = final_output(*seq, FinishReason::kAbort);
   keep_until_collected(std::move(seq));
   return out;
 }
@@ -256,13 +257,13 @@ void LlmEngine::postprocess(Sequence& seq, const TokenLogprobs& sampled, Request
   const size_t searched = seq.text.size();  // text before this token, already searched
   seq.text += seq.text_stream->push(sampled.token);
   if ((is_eos && !s.ignore_eos) || is_stop_id) {
-    seq.finish_reason = "stop";
+    seq.finish_reason = FinishReason::kStop;
   } else if (static_cast<int>(seq.output.size()) >= s.max_tokens) {
-    seq.finish_reason = "length";
+    seq.finish_reason = FinishReason::kLength;
   } else if (seq.total() >= max_len_) {
-    seq.finish_reason = "length";
+    seq.finish_reason = FinishReason::kLength;
   }
-  if (!seq.finish_reason.empty()) {
+  if (seq.finish_reason != FinishReason::kNone) {
     // The end: what the stream held back, but never a broken character.
     std::string rest = seq.text_stream->flush();
     if (ends_with(rest, kReplacement)) rest.resize(rest.size() - kReplacement.size());
@@ -278,9 +279,9 @@ void LlmEngine::postprocess(Sequence& seq, const TokenLogprobs& sampled, Request
   }
   if (stop_at != std::string::npos) {
     seq.text.resize(stop_at);
-    seq.finish_reason = "stop";
+    seq.finish_reason = FinishReason::kStop;
   }
-  out.finished = !seq.finish_reason.empty();
+  out.finished = seq.finish_reason != FinishReason::kNone;
   out.finish_reason = seq.finish_reason;
   // Emit what can no longer change: all of it when finished; otherwise hold back a tail that
   // could still become the start of a stop string.

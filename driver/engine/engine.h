@@ -60,7 +60,8 @@ struct RequestOutput {
   std::vector<int32_t> new_tokens;
   std::vector<TokenLogprobs> new_logprobs;  // when logprobs were asked for
   bool finished = false;
-  std::string finish_reason;  // "stop", "length", "abort" or "error: ..."
+  FinishReason finish_reason = FinishReason::kNone;  // set when finished
+  Status error;  // why it failed (finish_reason kError); OK otherwise
   size_t prompt_tokens = 0;
   size_t completion_tokens = 0;
   size_t cached_tokens = 0;  // prompt tokens found in the prefix cache (OpenAI's usage field)
@@ -98,11 +99,11 @@ class LlmEngine {
   Expected<uint64_t> add_request(std::vector<int32_t> prompt, SamplingParams sampling);
   // Submits steps until pipeline_depth() are in flight (or nothing more can run), then collects
   // the oldest and returns the requests that produced output. A failed step fails the requests
-  // that were in it (finish_reason "error: ...") and the engine goes on.
+  // that were in it (finish_reason kError, the step's Status as error) and the engine goes on.
   Expected<std::vector<RequestOutput>> step();
   // Ends a request whatever its state (a client went away): waiting, running, or in a step in
   // flight (whose result for it is then dropped). Its blocks are freed now, the actors forget it
-  // in the next step. Returns its final output (finished, finish_reason "abort", no new text or
+  // in the next step. Returns its final output (finished, finish_reason kAbort, no new text or
   // tokens); nullopt when no unfinished request has that id.
   std::optional<RequestOutput> abort_request(uint64_t id);
   // Requests not finished yet, or steps still to collect.
@@ -119,7 +120,7 @@ class LlmEngine {
   void fail(const std::vector<ScheduledChunk>& chunks, const Status& why,
             std::vector<RequestOutput>& outputs);
   // The final output of a request that ends now, with no new tokens.
-  static RequestOutput final_output(const Sequence& seq, std::string reason);
+  static RequestOutput final_output(const Sequence& seq, FinishReason reason, Status error = {});
   // A sequence that ended (finished, failed, aborted) while a step in flight still holds it: kept
   // alive, marked aborted, until that step is collected (its result is dropped).
   void keep_until_collected(std::unique_ptr<Sequence> seq);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/sampling_params.h"
@@ -15,6 +16,27 @@
 namespace tessera {
 
 enum class SeqStatus { kWaiting, kRunning, kFinished };
+
+// Why a request ended: vLLM's finish reasons, and kError when it failed (the output that ends it
+// carries the Status, engine.h's RequestOutput::error). kNone while it runs.
+enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
+
+// vLLM's and OpenAI's wire names: "stop", "length", "abort"; "error" for kError, "" for kNone.
+constexpr std::string_view finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kAbort:
+      return "abort";
+    case FinishReason::kError:
+      return "error";
+    case FinishReason::kNone:
+      break;
+  }
+  return "";
+}
 
 struct TokenLogprobs {
   int32_t token = 0;
@@ -43,12 +65,12 @@ struct Sequence {
   // The last step scheduled for it samples its next token (async scheduling may then schedule
   // the step after, whose input is that token, before it is known).
   bool sample_in_flight = false;
-  bool aborted = false;      // aborted while in flight: the step's result is dropped
+  bool aborted = false;  // aborted while in flight: the step's result is dropped
   uint32_t preemptions = 0;
   std::unique_ptr<TextStream> text_stream;  // the detokenizer's stream for `output`
-  std::string text;           // detokenized output so far (truncated at a stop string)
-  size_t emitted = 0;         // chars of `text` already handed to the caller
-  std::string finish_reason;  // "stop", "length", "abort", "error: ..."
+  std::string text;    // detokenized output so far (truncated at a stop string)
+  size_t emitted = 0;  // chars of `text` already handed to the caller
+  FinishReason finish_reason = FinishReason::kNone;  // kStop or kLength once it ends
   std::vector<TokenLogprobs> logprobs;
 
   size_t total() const { return prompt.size() + output.size(); }

@@ -26,11 +26,21 @@ int main(int argc, char** argv) {
   params.max_tokens = 16;
   for (int i = 2; i < argc; ++i) {
     if (std::strcmp(argv[i], "--device") == 0 && i + 1 < argc) {
-      args.device = argv[++i];
+      auto device = tessera::parse_device(argv[++i]);
+      if (!device) {
+        std::fprintf(stderr, "%s\n", device.status().message().c_str());
+        return 2;
+      }
+      args.device = *device;
     } else if (std::strcmp(argv[i], "--greedy") == 0) {
       params.temperature = 0.0f;
     } else if (std::strcmp(argv[i], "-tp") == 0 && i + 1 < argc) {
-      args.parallel.tensor_parallel_size = argv[++i];
+      auto tp = tessera::ParallelSize::parse(argv[++i], "-tp");
+      if (!tp) {
+        std::fprintf(stderr, "%s\n", tp.status().message().c_str());
+        return 2;
+      }
+      args.tensor_parallel_size = *tp;
     } else {
       std::fprintf(stderr, "unknown argument %s\n", argv[i]);
       return 2;

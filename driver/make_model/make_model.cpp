@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -17,6 +18,7 @@
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/safetensors.h"
 #include "common/progress.h"
+#include "driver/cli/cli_help.h"
 
 namespace tessera {
 namespace {
@@ -582,7 +584,19 @@ CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& o) {
   sub->add_option("--vocab-size", ov.vocab_size,
                   "Override the vocabulary size (at least the tokenizer's; extra rows are "
                   "padding, as many real models have)");
+  add_examples(sub, {"tessera make-model --preset llama3-8b --tokenizer ./llama3-tokenizer "
+                     "--out ./llama3-8b"});
   return sub;
+}
+
+int make_model_command(const MakeModelOptions& options) {
+  Status st = make_model(options);
+  if (!st) {
+    std::cerr << "tessera make-model: " << st.message() << "\n";
+    return 1;
+  }
+  std::cout << "Wrote " << options.out << "\n";
+  return 0;
 }
 
 }  // namespace tessera

@@ -76,7 +76,11 @@ Status make_model(const MakeModelOptions& options);
 
 // Adds the `make-model` subcommand to `app`, binding its flags to `options`
 // (--arch, --preset, --tokenizer, --seed, --dtype, --out, --max-shard-size with a unit such as
-// 5GB or 500MiB). The caller runs make_model(options) when the subcommand was parsed.
+// 5GB or 500MiB). The caller runs make_model_command(options) when the subcommand was parsed.
 CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& options);
+
+// `tessera make-model`: make_model, then "Wrote DIR" on stdout; returns the exit code (0 ok,
+// 1 failed: the reason on stderr prefixed "tessera make-model: ").
+int make_model_command(const MakeModelOptions& options);
 
 }  // namespace tessera

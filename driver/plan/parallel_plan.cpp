@@ -131,45 +131,12 @@ std::string describe_kv_heads(const ModelConfig& c, const ParallelPlan& plan) {
 
 // ---- memory ----------------------------------------------------------------------------------
 
-Status validate_memory_options(const MemoryOptions& o) {
-  if (o.max_model_len < 0) {
-    return invalid_argument("--max-model-len must be positive, got " +
-                            std::to_string(o.max_model_len));
-  }
-  if (!(o.gpu_memory_utilization > 0.0 && o.gpu_memory_utilization <= 1.0)) {
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "%g", o.gpu_memory_utilization);
-    return invalid_argument(std::string("--gpu-memory-utilization must be in (0, 1], got ") + buf);
-  }
-  if (o.max_num_seqs < 1 || o.max_num_seqs > 65536) {
-    return invalid_argument("--max-num-seqs must be between 1 and 65536, got " +
-                            std::to_string(o.max_num_seqs));
-  }
-  if (o.max_num_batched_tokens != 0 && o.max_num_batched_tokens < 16) {
-    return invalid_argument(
-        "--max-num-batched-tokens must be at least 16 (or 0 for the default), got " +
-        std::to_string(o.max_num_batched_tokens));
-  }
-  if (o.block_size < 1) return invalid_argument("the KV block size must be at least 1");
-  return Status::ok();
-}
-
-Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
-                                               const MemoryOptions& options) {
-  TESSERA_RETURN_IF_ERROR(validate_memory_options(options));
-  MemoryOptions o = options;
-  TESSERA_ASSIGN_OR_RETURN(o.max_model_len, resolve_max_model_len(o.max_model_len, config));
-  o.max_num_batched_tokens =
-      resolve_max_num_batched_tokens(o.max_num_batched_tokens, o.max_model_len);
-  return o;
-}
-
 MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
                            const std::vector<std::optional<GpuMemory>>& gpus,
-                           const MemoryOptions& options) {
+                           const EngineSpec& options) {
   TESSERA_CHECK(gpus.size() == plan.ranks.size(), "one GPU (or nullopt) per rank");
   MemoryPlan out;
-  out.options = options;
+  out.engine = options;
   const uint64_t es = dtype_size(plan.dtype);
   const uint64_t max_tokens =
       static_cast<uint64_t>(std::max(options.max_num_batched_tokens, options.max_num_seqs));
@@ -225,7 +192,7 @@ Status memory_status(const MemoryPlan& plan, const std::vector<std::string>& ran
   if (plan.fits) return Status::ok();
   const size_t r = static_cast<size_t>(plan.limiting_rank);
   const RankMemory& m = plan.ranks.at(r);
-  const MemoryOptions& o = plan.options;
+  const EngineSpec& o = plan.engine;
   const std::string who =
       "rank " + std::to_string(r) + (r < rank_labels.size() ? " (" + rank_labels[r] + ")" : "");
   const uint64_t committed = m.in_use + m.weights + m.activations;

@@ -26,6 +26,7 @@
 
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
+#include "common/engine_spec.h"
 #include "common/kv_cache_dtype.h"
 #include "common/load_spec.h"
 #include "common/status.h"
@@ -100,17 +101,6 @@ const char* run_dtype_name(DType dtype);
 
 // ---- memory -------------------------------------------------------------------------------
 
-// The engine flags that size memory (vLLM's names; the defaults of common/load_spec.h).
-struct MemoryOptions {
-  int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
-  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
-  int64_t max_num_seqs = kDefaultMaxNumSeqs;
-  int64_t max_num_batched_tokens = 0;                 // 0 = max(max_model_len, 2048), at most 16384
-  bool enforce_eager = false;                         // no CUDA graphs: no graph memory reserved
-  int64_t block_size = kDefaultBlockSize;             // KV cache block, tokens
-  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;  // --kv-cache-dtype
-};
-
 // What a GPU has: total bytes and bytes already in use by anything (other processes).
 struct GpuMemory {
   uint64_t total = 0;
@@ -137,7 +127,7 @@ struct RankMemory {
 };
 
 struct MemoryPlan {
-  MemoryOptions options;          // as resolved: max_model_len and max_num_batched_tokens filled in
+  EngineSpec engine;              // what it was sized for (resolve_lengths: lengths filled in)
   std::vector<RankMemory> ranks;  // index = rank
   int64_t kv_tokens = 0;          // the least over the ranks: every sequence lives on all of them
   int64_t limiting_rank = 0;      // the rank with that least
@@ -145,22 +135,11 @@ struct MemoryPlan {
   bool fits = false;              // every rank holds one sequence of max_model_len
 };
 
-// OK when the flags make sense for any model (utilization in (0, 1], sizes in range);
-// INVALID_ARGUMENT naming the flag.
-Status validate_memory_options(const MemoryOptions& options);
-
-// Checks the flags (validate_memory_options) and resolves max_model_len and
-// max_num_batched_tokens against the model (--max-model-len above max_position_embeddings is
-// INVALID_ARGUMENT).
-
-Expected<MemoryOptions> resolve_memory_options(const ModelConfig& config,
-                                               const MemoryOptions& options);
-
-// Sizes every rank. `gpus[r]` is rank r's GPU; nullopt = a CPU rank. Precondition: `options`
-// came from resolve_memory_options, gpus.size() == plan.world.
+// Sizes every rank. `gpus[r]` is rank r's GPU; nullopt = a CPU rank. Precondition: `engine`
+// came from resolve_lengths, gpus.size() == plan.world.
 MemoryPlan estimate_memory(const ModelConfig& config, const ParallelPlan& plan,
                            const std::vector<std::optional<GpuMemory>>& gpus,
-                           const MemoryOptions& options);
+                           const EngineSpec& engine);
 
 // OK when plan.fits; else RESOURCE_EXHAUSTED naming the limiting rank (`rank_labels[r]`, e.g.
 // "node-a GPU1", when given), its budget and where it goes, the tokens one sequence needs, and

@@ -513,7 +513,7 @@ struct Context {
   std::vector<int64_t> partition;
   DType dtype;
   bool cpu;
-  MemoryOptions memory;
+  EngineSpec memory;  // resolve_lengths: max_model_len and max_num_batched_tokens filled in
 };
 
 // Plans, places and sizes one (T, P); `fit` holds memory_status (without suggestions).
@@ -536,7 +536,7 @@ Expected<ClusterPlan> evaluate(const Context& cx, int64_t tp, int64_t pp) {
 
 bool has_headroom(const ClusterPlan& p) {
   if (p.placement.cpu) return p.memory.fits;  // CPU ranks hold one sequence by design
-  return p.memory.fits && p.memory.kv_tokens >= kAutoMinSequences * p.memory.options.max_model_len;
+  return p.memory.fits && p.memory.kv_tokens >= kAutoMinSequences * p.memory.engine.max_model_len;
 }
 
 // Why a candidate was passed over, in a few words.
@@ -550,7 +550,7 @@ std::string why_not(const Expected<ClusterPlan>& e) {
   }
   return "KV room for " + format_count(m.kv_tokens) + " tokens, under " +
          std::to_string(kAutoMinSequences) + " x --max-model-len " +
-         std::to_string(m.options.max_model_len);
+         std::to_string(m.engine.max_model_len);
 }
 
 // Every (T, P) the request allows, fewest GPUs first.
@@ -594,28 +594,22 @@ std::string group_links_summary(const ClusterPlan& p) {
 
 }  // namespace
 
-Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const PlanRequest& request,
+Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpec& spec,
                                       const std::vector<ClusterNode>& nodes) {
+  TESSERA_RETURN_IF_ERROR(validate(spec));
   bool any_gpu = false;
   for (const ClusterNode& n : nodes) any_gpu |= n.node.alive && !n.node.resources.gpus.empty();
-  bool cpu = false;
-  if (request.device == "cpu") {
-    cpu = true;
-  } else if (request.device == "cuda") {
-    if (!any_gpu) return failed_precondition("--device cuda: the cluster has no GPUs");
-  } else if (request.device == "auto" || request.device.empty()) {
-    cpu = !any_gpu;
-  } else {
-    return invalid_argument("--device '" + request.device + "' is not one of auto, cuda, cpu");
+  bool cpu = spec.device == Device::kCpu || (spec.device == Device::kAuto && !any_gpu);
+  if (spec.device == Device::kCuda && !any_gpu) {
+    return failed_precondition("--device cuda: the cluster has no GPUs");
   }
-  TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(request.dtype, config.torch_dtype, !cpu));
-  TESSERA_ASSIGN_OR_RETURN(MemoryOptions memory, resolve_memory_options(config, request.memory));
-  std::optional<int64_t> tp = request.tensor_parallel;
-  std::optional<int64_t> pp = request.pipeline_parallel;
-  if (!pp && !request.layer_partition.empty()) {
-    pp = static_cast<int64_t>(request.layer_partition.size());
-  }
-  Context cx{config, nodes, request.layer_partition, dtype, cpu, memory};
+  TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(spec.dtype, config.torch_dtype, !cpu));
+  TESSERA_ASSIGN_OR_RETURN(EngineSpec memory, resolve_lengths(spec, config));
+  std::optional<int64_t> tp, pp;
+  if (!spec.tensor_parallel_size.is_auto()) tp = spec.tp();
+  if (spec.pp() != 0) pp = spec.pp();  // unset: the partition's stages, or 1
+  const std::vector<int64_t>& partition = spec.pipeline_layer_partition;
+  Context cx{config, nodes, partition, dtype, cpu, memory};
   // CPU actors are not counted: auto keeps them to one rank per fixed size.
   const int64_t max_world = cpu ? tp.value_or(1) * pp.value_or(1) : free_gpus(nodes);
 
@@ -707,7 +701,7 @@ Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const PlanReque
   if (!chosen.placement.warnings.empty()) {
     // The same GPUs with smaller TP groups that stay on NVLink.
     for (int64_t t = chosen.plan.tp - 1; t >= 1; --t) {
-      if (world % t != 0 || !request.layer_partition.empty()) continue;
+      if (world % t != 0 || !partition.empty()) continue;
       Expected<ClusterPlan> e = evaluate(cx, t, world / t);
       if (!e || !e->placement.warnings.empty() || !e->memory.fits) continue;
       chosen.better = ParallelConfig{static_cast<int>(t), static_cast<int>(world / t)};
@@ -737,6 +731,10 @@ Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const PlanReque
     }
     chosen.fit = Status(chosen.fit.code(), chosen.fit.message() + hint);
   }
+  TESSERA_ASSIGN_OR_RETURN(chosen.engine,
+                           resolve_engine_spec(spec, config, chosen.plan.tp, chosen.plan.pp,
+                                               chosen.plan.stage_layers,
+                                               cpu ? Device::kCpu : Device::kCuda));
   return chosen;
 }
 

@@ -94,20 +94,11 @@ std::string format_stages(const Placement& placement, int64_t tp, int64_t pp);
 
 // ---- choosing and checking a plan on a cluster ------------------------------------------------
 
-// What `tessera plan` (and serve/generate) are asked for.
-struct PlanRequest {
-  std::optional<int64_t> tensor_parallel = 1;    // nullopt = auto
-  std::optional<int64_t> pipeline_parallel = 1;  // nullopt = auto
-  std::vector<int64_t> layer_partition;  // --pipeline-layer-partition; sets P when P is auto
-  std::string dtype = "auto";            // --dtype
-  std::string device = "auto";           // auto (GPUs when the cluster has any) | cuda | cpu
-  MemoryOptions memory;
-};
-
 // -tp/-pp auto want KV room for this many sequences of --max-model-len ("with headroom").
 inline constexpr int64_t kAutoMinSequences = 4;
 
 struct ClusterPlan {
+  EngineSpec engine;  // the spec resolved for this plan (resolve_engine_spec)
   ParallelPlan plan;
   Placement placement;
   MemoryPlan memory;
@@ -121,7 +112,7 @@ struct ClusterPlan {
   std::optional<ParallelConfig> better;  // tp_size, pp_size
 };
 
-// Validates the request against the model, chooses T and P where auto, places the ranks and
+// Validates the spec (as given) against the model, chooses T and P where auto, places the ranks and
 // sizes memory. Auto tries every valid T (and P up to the layers) that the free GPUs allow and
 // takes, in this order of preference:
 //   1. among plans whose TP groups are all on NVLink and that leave KV room for
@@ -133,7 +124,8 @@ struct ClusterPlan {
 // `choice` says which and why in one line. Errors (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...)
 // when no plan can be made or placed; a plan that is placed but does not fit in memory is
 // returned with `fit` saying so, so callers can show the figures.
-Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const PlanRequest& request,
+// The plan's `engine` is the spec resolved for it: the one the actors load with.
+Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpec& spec,
                                       const std::vector<ClusterNode>& nodes);
 
 }  // namespace tessera

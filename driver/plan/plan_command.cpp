@@ -15,103 +15,71 @@
 
 namespace tessera {
 
-// ---- -tp / -pp ------------------------------------------------------------------------------
-
-void add_parallel_options(CLI::App* cmd, ParallelArgs& args) {
-  cmd->add_option("--tensor-parallel-size", args.tensor_parallel_size,
-                  "-tp: GPUs per pipeline stage, splitting each layer (1; auto = the fewest "
-                  "that fit)");
-  cmd->add_option("--pipeline-parallel-size", args.pipeline_parallel_size,
-                  "-pp: pipeline stages, splitting the layers (1, or as many as "
-                  "--pipeline-layer-partition lists; auto)");
-  cmd->add_option("--pipeline-layer-partition", args.pipeline_layer_partition,
-                  "Layers per stage, e.g. 10,12,10 (default: even)");
-}
-
-void add_model_options(CLI::App* cmd, ModelArgs& a) {
-  cmd->add_option("--model", a.model, "Hugging Face model directory")->required();
-  add_parallel_options(cmd, a.parallel);
-  cmd->add_option("--dtype", a.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
-  cmd->add_option("--device", a.device, "auto (GPUs when there are any)|cuda|cpu");
-  cmd->add_option("--max-model-len", a.memory.max_model_len,
-                  "Context length (default: the model's max_position_embeddings)");
-  cmd->add_option("--gpu-memory-utilization", a.memory.gpu_memory_utilization,
-                  "Fraction of each GPU's memory to use (0.9)");
-  cmd->add_option("--max-num-seqs", a.memory.max_num_seqs, "Most sequences in a step (256)");
-  cmd->add_option("--max-num-batched-tokens", a.memory.max_num_batched_tokens,
-                  "Most tokens in a step (default max(max-model-len, 2048), at most 16384)");
-  cmd->add_flag("--enforce-eager", a.memory.enforce_eager,
-                "Do not capture CUDA graphs (no memory kept for them)");
-  cmd->add_option_function<std::string>(
-         "--kv-cache-dtype",
-         [&a](const std::string& text) {
-           Expected<KvCacheDtype> dtype = parse_kv_cache_dtype(text);
-           if (!dtype) throw CLI::ValidationError(dtype.status().message());
-           a.memory.kv_cache_dtype = *dtype;
-         },
-         "auto (the model's dtype) | fp8 | fp8_e4m3: FP8 halves the cache's memory and the "
-         "bytes attention reads, for ~6% relative error per cached value")
-      ->type_name("DTYPE");
-}
-
-Status validate(const ModelArgs& a) {
-  if (a.model.empty()) return invalid_argument("--model: give a Hugging Face model directory");
-  if (a.device != "auto" && a.device != "cuda" && a.device != "cpu") {
-    return invalid_argument("--device '" + a.device + "' is not one of auto, cuda, cpu");
-  }
-  TESSERA_RETURN_IF_ERROR(validate_memory_options(a.memory));
-  PlanRequest request;
-  TESSERA_RETURN_IF_ERROR(apply_parallel_args(a.parallel, request));
-  for (const auto& size : {request.tensor_parallel, request.pipeline_parallel}) {
-    if (size && *size > 1024) {
-      return invalid_argument("-tp and -pp must be at most 1024, got " + std::to_string(*size));
-    }
-  }
-  return Status::ok();
-}
+// ---- the model flags -------------------------------------------------------------------------
 
 namespace {
 
-Expected<std::optional<int64_t>> parse_size(const std::string& text, const std::string& flag) {
-  if (text == "auto") return std::optional<int64_t>();
-  int64_t v = 0;
-  bool ok = !text.empty() && text.size() <= 9;
-  for (char ch : text) {
-    if (ch < '0' || ch > '9') ok = false;
-    v = v * 10 + (ch - '0');
-  }
-  if (!ok || v < 1) {
-    return invalid_argument(flag + " must be a positive integer or auto, got '" + text + "'");
-  }
-  return std::optional<int64_t>(v);
+// Parses the flag's text with `parse` into the spec at once; a bad value is CLI11's usage error.
+template <typename T, typename Parse>
+void set_parsed(T& field, const std::string& text, Parse parse) {
+  Expected<T> value = parse(text);
+  if (!value) throw CLI::ValidationError(value.status().message());
+  field = *value;
 }
 
 }  // namespace
 
-Status apply_parallel_args(const ParallelArgs& args, PlanRequest& request) {
-  TESSERA_ASSIGN_OR_RETURN(request.tensor_parallel,
-                           parse_size(args.tensor_parallel_size, "-tp/--tensor-parallel-size"));
-  request.layer_partition.clear();
-  if (!args.pipeline_layer_partition.empty()) {
-    std::stringstream in(args.pipeline_layer_partition);
-    std::string item;
-    while (std::getline(in, item, ',')) {
-      auto n = parse_size(item, "--pipeline-layer-partition");
-      if (!n || !n->has_value()) {
-        return invalid_argument("--pipeline-layer-partition '" + args.pipeline_layer_partition +
-                                "': each entry must be a layer count >= 1, got '" + item + "'");
-      }
-      request.layer_partition.push_back(**n);
-    }
-  }
-  if (args.pipeline_parallel_size.empty()) {
-    request.pipeline_parallel =
-        request.layer_partition.empty() ? 1 : static_cast<int64_t>(request.layer_partition.size());
-    return Status::ok();
-  }
-  TESSERA_ASSIGN_OR_RETURN(request.pipeline_parallel,
-                           parse_size(args.pipeline_parallel_size, "-pp/--pipeline-parallel-size"));
-  return Status::ok();
+void add_model_options(CLI::App* cmd, EngineSpec& e) {
+  cmd->add_option("--model", e.model, "Hugging Face model directory")->required();
+  cmd->add_option_function<std::string>(
+         "--tensor-parallel-size",
+         [&e](const std::string& t) {
+           set_parsed(e.tensor_parallel_size, t, [](const std::string& text) {
+             return ParallelSize::parse(text, "-tp/--tensor-parallel-size");
+           });
+         },
+         "-tp: GPUs per pipeline stage, splitting each layer (1; auto = the fewest that fit)")
+      ->type_name("N|auto");
+  cmd->add_option_function<std::string>(
+         "--pipeline-parallel-size",
+         [&e](const std::string& t) {
+           ParallelSize size;
+           set_parsed(size, t, [](const std::string& text) {
+             return ParallelSize::parse(text, "-pp/--pipeline-parallel-size");
+           });
+           e.pipeline_parallel_size = size;
+         },
+         "-pp: pipeline stages, splitting the layers (1, or as many as "
+         "--pipeline-layer-partition lists; auto)")
+      ->type_name("N|auto");
+  cmd->add_option_function<std::string>(
+         "--pipeline-layer-partition",
+         [&e](const std::string& t) {
+           set_parsed(e.pipeline_layer_partition, t, parse_layer_partition);
+         },
+         "Layers per stage, e.g. 10,12,10 (default: even)")
+      ->type_name("LIST");
+  cmd->add_option("--dtype", e.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
+  cmd->add_option_function<std::string>(
+         "--device", [&e](const std::string& t) { set_parsed(e.device, t, parse_device); },
+         "auto (GPUs when there are any)|cuda|cpu")
+      ->type_name("DEVICE");
+  cmd->add_option("--max-model-len", e.max_model_len,
+                  "Context length (default: the model's max_position_embeddings)");
+  cmd->add_option("--gpu-memory-utilization", e.gpu_memory_utilization,
+                  "Fraction of each GPU's memory to use (0.9)");
+  cmd->add_option("--max-num-seqs", e.max_num_seqs, "Most sequences in a step (256)");
+  cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens,
+                  "Most tokens in a step (default max(max-model-len, 2048), at most 16384)");
+  cmd->add_option("--block-size", e.block_size, "Tokens per KV cache block (16)");
+  cmd->add_flag("--enforce-eager", e.enforce_eager,
+                "Do not capture CUDA graphs (no memory kept for them)");
+  cmd->add_option_function<std::string>(
+         "--kv-cache-dtype",
+         [&e](const std::string& t) { set_parsed(e.kv_cache_dtype, t, parse_kv_cache_dtype); },
+         "auto (the model's dtype) | fp8 | fp8_e4m3: FP8 halves the cache's memory and the "
+         "bytes attention reads, for ~6% relative error per cached value")
+      ->type_name("DTYPE");
 }
 
 ParallelFlagArgv::ParallelFlagArgv(int argc, const char* const* argv) {
@@ -480,7 +448,7 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
     std::snprintf(line, sizeof(line),
                   "Memory per GPU: --gpu-memory-utilization %.2f x %s = %s for weights, "
                   "activations and the KV cache\n",
-                  m.options.gpu_memory_utilization, format_gib(lim.total).c_str(),
+                  m.engine.gpu_memory_utilization, format_gib(lim.total).c_str(),
                   format_gib(lim.budget).c_str());
     o += line;
     std::snprintf(line, sizeof(line),
@@ -488,11 +456,11 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
                   "concurrency %.2fx at --max-model-len %lld\n",
                   format_count(m.kv_tokens).c_str(), static_cast<long long>(m.limiting_rank),
                   format_count(static_cast<int64_t>(lim.kv_bytes_per_token)).c_str(),
-                  m.max_concurrency, static_cast<long long>(m.options.max_model_len));
+                  m.max_concurrency, static_cast<long long>(m.engine.max_model_len));
     o += line;
   } else {
     o += "CPU actors: each rank keeps the KV cache of one --max-model-len " +
-         std::to_string(m.options.max_model_len) + " sequence in host memory\n";
+         std::to_string(m.engine.max_model_len) + " sequence in host memory\n";
   }
   for (const std::string& w : cp.warnings) {
     o += (w.rfind("better:", 0) == 0 ? "" : "warning: ") + w + "\n";
@@ -522,7 +490,7 @@ CLI::App* add_topo_subcommand(CLI::App& app, TopoOptions& o) {
 CLI::App* add_plan_subcommand(CLI::App& app, PlanOptions& o) {
   auto* cmd = app.add_subcommand(
       "plan", "Plan tensor x pipeline parallelism for a model on a cluster; starts nothing");
-  add_model_options(cmd, o);
+  add_model_options(cmd, o.engine);
   cmd->add_option("--address", o.address,
                   "A cluster's head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's "
                   "cluster)")
@@ -648,16 +616,6 @@ Expected<std::pair<std::vector<ClusterNode>, std::string>> find_nodes(const Plan
 
 }  // namespace
 
-Expected<ClusterPlan> plan_for_nodes(const ModelConfig& config, const ModelArgs& args,
-                                     const std::vector<ClusterNode>& nodes) {
-  PlanRequest request;
-  TESSERA_RETURN_IF_ERROR(apply_parallel_args(args.parallel, request));
-  request.dtype = args.dtype;
-  request.device = args.device;
-  request.memory = args.memory;
-  return plan_on_cluster(config, request, nodes);
-}
-
 int topo_command(const TopoOptions& o) {
   auto live = connect_cluster(o.address, o.temp_dir, o.cluster_token_file);
   if (!live) {
@@ -670,7 +628,7 @@ int topo_command(const TopoOptions& o) {
 }
 
 int plan_command(const PlanOptions& o) {
-  auto config = load_model_config(o.model);
+  auto config = load_model_config(o.engine.model);
   if (!config) {
     std::cerr << "tessera plan: " << config.status().message() << "\n";
     return 1;
@@ -680,7 +638,7 @@ int plan_command(const PlanOptions& o) {
     std::cerr << "tessera plan: " << nodes.status().message() << "\n";
     return 1;
   }
-  auto plan = plan_for_nodes(*config, o, nodes->first);
+  auto plan = plan_on_cluster(*config, o.engine, nodes->first);
   if (!plan) {
     std::cerr << "tessera plan: " << plan.status().message() << "\n";
     return 1;

@@ -25,42 +25,15 @@ class App;
 
 namespace tessera {
 
-// ---- -tp / -pp ------------------------------------------------------------------------------
+// ---- the model flags -------------------------------------------------------------------------
 
-// The parallel flags as typed: "auto" or a positive integer.
-struct ParallelArgs {
-  std::string tensor_parallel_size = "1";  // -tp, --tensor-parallel-size
-  // -pp, --pipeline-parallel-size; "" (not given) = 1, or the partition's number of stages.
-  std::string pipeline_parallel_size;
-  std::string pipeline_layer_partition;  // "10,12,10": layers per stage; "" = even
-};
-
-// Adds --tensor-parallel-size, --pipeline-parallel-size and --pipeline-layer-partition to `cmd`,
-// bound to `args`. The short spellings -tp / -pp work once argv went through ParallelFlagArgv
-// (CLI11 takes one-letter short names only).
-void add_parallel_options(CLI::App* cmd, ParallelArgs& args);
-
-// The flags every model command shares (generate, bench, serve, plan), with vLLM's names and
-// meanings: one value, registered by add_model_options, validated by validate(ModelArgs), read
-// by the planner (plan_for_nodes) and the driver's session alike.
-struct ModelArgs {
-  std::string model;  // --model: a Hugging Face model directory
-  ParallelArgs parallel;
-  std::string dtype = "auto";   // --dtype: auto | bfloat16 | float16 | half | float32 | float
-  std::string device = "auto";  // --device: auto (GPUs when there are any) | cuda | cpu
-  MemoryOptions memory;         // --max-model-len, --gpu-memory-utilization, --max-num-seqs,
-                                // --max-num-batched-tokens, --enforce-eager
-};
-
-// Adds --model (required), the parallel options, --dtype, --device and the memory flags.
-void add_model_options(CLI::App* cmd, ModelArgs& args);
-
-// OK when the flags make sense before any model is read; INVALID_ARGUMENT naming the flag.
-Status validate(const ModelArgs& args);
-
-// Parses `args` into `request`'s tensor_parallel, pipeline_parallel (nullopt for "auto") and
-// layer_partition. INVALID_ARGUMENT naming the flag and the text.
-Status apply_parallel_args(const ParallelArgs& args, PlanRequest& request);
+// Binds the flags every model command shares (generate, bench, serve, plan) straight into
+// `spec` (common/engine_spec.h), with vLLM's names: --model (required), -tp / -pp (parsed here,
+// once, into ParallelSize; a bad value is a usage error), --pipeline-layer-partition, --dtype,
+// --device, --max-model-len, --gpu-memory-utilization, --max-num-seqs,
+// --max-num-batched-tokens, --block-size, --enforce-eager and --kv-cache-dtype. Bounds are
+// checked by validate(EngineSpec).
+void add_model_options(CLI::App* cmd, EngineSpec& spec);
 
 // A copy of argv with vLLM's spellings rewritten for CLI11: "-tp" becomes
 // "--tensor-parallel-size", "-pp" "--pipeline-parallel-size" (also "-tp=2"). Arguments after a
@@ -117,7 +90,8 @@ struct TopoOptions {
   bool json = false;
 };
 
-struct PlanOptions : ModelArgs {  // config.json is all that is read of the model
+struct PlanOptions {
+  EngineSpec engine;  // the model flags; config.json is all that is read of the model
   // Where the nodes come from, first that applies: cluster_file; gpus >= 0 (made up); address;
   // the head started on this machine; this machine (describe_this_machine).
   std::string cluster_file;   // a `tessera topo --json` output
@@ -142,10 +116,5 @@ CLI::App* add_plan_subcommand(CLI::App& app, PlanOptions& options);
 // "tessera topo: " / "tessera plan: ".
 int topo_command(const TopoOptions& options);
 int plan_command(const PlanOptions& options);
-
-// plan_command's planning step on given nodes, without printing: the model flags turned into
-// a PlanRequest (apply_parallel_args, memory flags) and plan_on_cluster. Errors as theirs.
-Expected<ClusterPlan> plan_for_nodes(const ModelConfig& config, const ModelArgs& args,
-                                     const std::vector<ClusterNode>& nodes);
 
 }  // namespace tessera

@@ -6,25 +6,83 @@
 
 namespace tessera::server {
 
+namespace {
+
+// The production host: a ModelSession's worker group and engine.
+class SessionHost final : public EngineHost {
+ public:
+  explicit SessionHost(std::unique_ptr<ModelSession> session) : session_(std::move(session)) {}
+  const ModelSession& session() const { return *session_; }
+  LlmEngine& engine() override { return session_->engine(); }
+  const ModelInfo& model() const override { return session_->model(); }
+  double load_seconds() const override { return session_->load_seconds(); }
+  bool alive() const override { return session_->group().alive(); }
+  std::string death() const override { return session_->group().death(); }
+  Status restart() override { return session_->restart(); }
+  void poll() override { session_->loop().wait_scope().poll(); }
+  Status abort_steps(std::chrono::milliseconds within) override {
+    auto dropped = session_->group().abort(within);
+    return dropped ? Status::ok() : dropped.status();
+  }
+
+ private:
+  std::unique_ptr<ModelSession> session_;
+};
+
+// The last output of request `id`, which failed.
+RequestOutput failed_output(uint64_t id, Status why, size_t prompt_tokens = 0) {
+  RequestOutput out;
+  out.request_id = id;
+  out.finished = true;
+  out.finish_reason = FinishReason::kError;
+  out.error = std::move(why);
+  out.prompt_tokens = prompt_tokens;
+  return out;
+}
+
+// The last output of request `id`, aborted before the engine had it.
+RequestOutput aborted_output(uint64_t id) {
+  RequestOutput out;
+  out.request_id = id;
+  out.finished = true;
+  out.finish_reason = FinishReason::kAbort;
+  return out;
+}
+
+}  // namespace
+
 Expected<std::unique_ptr<AsyncEngine>> AsyncEngine::start(EngineArgs args, std::string owner) {
+  const ModelSession* session = nullptr;  // written on the engine thread before start returns
+  auto e = start([&]() -> Expected<std::unique_ptr<EngineHost>> {
+    TESSERA_ASSIGN_OR_RETURN(auto opened, ModelSession::open(args, owner));
+    auto host = std::make_unique<SessionHost>(std::move(opened));
+    session = &host->session();
+    return std::unique_ptr<EngineHost>(std::move(host));
+  });
+  if (!e) return e.status();
+  (*e)->session_ = session;
+  return e;
+}
+
+Expected<std::unique_ptr<AsyncEngine>> AsyncEngine::start(OpenHost open) {
   std::unique_ptr<AsyncEngine> e(new AsyncEngine());
   std::promise<Status> opened;
   auto ready = opened.get_future();
   AsyncEngine* self = e.get();
-  e->thread_ = std::thread([self, args = std::move(args), owner = std::move(owner), &opened]() {
-    auto session = ModelSession::open(args, owner);
-    if (!session) {
-      opened.set_value(session.status());
+  e->thread_ = std::thread([self, open = std::move(open), &opened]() {
+    auto host = open();
+    if (!host) {
+      opened.set_value(host.status());
       return;
     }
-    self->session_ = std::move(*session);
-    self->loaded_ = self->session_->model();
-    self->load_seconds_ = self->session_->load_seconds();
+    self->host_ = std::move(*host);
+    self->loaded_ = self->host_->model();
+    self->load_seconds_ = self->host_->load_seconds();
     self->healthy_ = true;
     self->publish_stats();
     opened.set_value(Status::ok());
     self->run();
-    self->session_.reset();  // the actors stop; on this thread, which owns the event loop
+    self->host_.reset();  // the actors stop; on this thread, which owns the event loop
   });
   Status st = ready.get();
   if (!st) {
@@ -32,6 +90,11 @@ Expected<std::unique_ptr<AsyncEngine>> AsyncEngine::start(EngineArgs args, std::
     return st;
   }
   return e;
+}
+
+const ModelSession& AsyncEngine::session() const {
+  TESSERA_CHECK(session_ != nullptr, "AsyncEngine::session() of an engine over a test host");
+  return *session_;
 }
 
 AsyncEngine::~AsyncEngine() {
@@ -45,7 +108,7 @@ AsyncEngine::~AsyncEngine() {
 
 Expected<uint64_t> AsyncEngine::add(std::vector<int32_t> prompt, SamplingParams sampling,
                                     Sink sink) {
-  // loaded_, not session_->model(): the engine thread replaces the group when it restarts it.
+  // loaded_, not host_->model(): the engine thread replaces the group when it restarts it.
   const int64_t vocab_size = loaded_.vocab_size, max_model_len = loaded_.max_model_len;
   if (prompt.empty()) return invalid_argument("the prompt is empty");
   for (int32_t id : prompt) {
@@ -96,15 +159,8 @@ void AsyncEngine::set_unhealthy(const std::string& why) {
   healthy_ = false;
 }
 
-void AsyncEngine::fail_all(const std::string& why) {
-  for (auto& [id, t] : tracked_) {
-    RequestOutput last;
-    last.request_id = id;
-    last.finished = true;
-    last.finish_reason = "error: " + why;
-    last.prompt_tokens = t.prompt.size();
-    t.sink(std::move(last));
-  }
+void AsyncEngine::fail_all(const Status& why) {
+  for (auto& [id, t] : tracked_) t.sink(failed_output(id, why, t.prompt.size()));
   tracked_.clear();
   ours_.clear();
 }
@@ -122,18 +178,14 @@ void AsyncEngine::drain_commands() {
       batch.swap(commands_);
     }
   }
-  LlmEngine& engine = session_->engine();
+  LlmEngine& engine = host_->engine();
   for (Command& c : batch) {
     if (c.abort) {
       auto it = tracked_.find(c.id);
       if (it == tracked_.end()) continue;  // finished already (or never queued)
       std::optional<RequestOutput> last;
       if (it->second.engine_id != 0) last = engine.abort_request(it->second.engine_id);
-      if (!last) {
-        last.emplace();
-        last->finished = true;
-        last->finish_reason = "abort";
-      }
+      if (!last) last = aborted_output(c.id);
       last->request_id = c.id;
       it->second.sink(std::move(*last));
       ours_.erase(it->second.engine_id);
@@ -141,20 +193,12 @@ void AsyncEngine::drain_commands() {
       continue;
     }
     if (given_up_) {
-      RequestOutput failed;
-      failed.request_id = c.id;
-      failed.finished = true;
-      failed.finish_reason = "error: " + unhealthy_reason();
-      c.sink(std::move(failed));
+      c.sink(failed_output(c.id, unavailable(unhealthy_reason())));
       continue;
     }
     auto engine_id = engine.add_request(c.prompt, c.sampling);
     if (!engine_id) {
-      RequestOutput failed;
-      failed.request_id = c.id;
-      failed.finished = true;
-      failed.finish_reason = "error: " + engine_id.status().message();
-      c.sink(std::move(failed));
+      c.sink(failed_output(c.id, engine_id.status()));
       continue;
     }
     tracked_[c.id] =
@@ -164,7 +208,7 @@ void AsyncEngine::drain_commands() {
 }
 
 void AsyncEngine::publish_stats() {
-  EngineStats now = session_->engine().stats();
+  EngineStats now = host_->engine().stats();
   now.restarts = restarts_;
   now.restart_failures = restart_failures_;
   now.requests_failed_by_restarts = requests_failed_by_restarts_;
@@ -182,16 +226,14 @@ void AsyncEngine::recover() {
     t.in_failed_step = false;
     const bool poison = t.deaths >= kMaxRequestRestarts;
     if (t.emitted || poison) {
-      RequestOutput last;
-      last.request_id = it->first;
-      last.finished = true;
-      last.finish_reason =
-          "error: " + (poison ? "the worker group died " + std::to_string(t.deaths) +
-                                    " times while this request was running, so it is not run "
-                                    "again (last: " +
-                                    why + ")"
-                              : why);
-      last.prompt_tokens = t.prompt.size();
+      RequestOutput last = failed_output(
+          it->first,
+          unavailable(poison ? "the worker group died " + std::to_string(t.deaths) +
+                                   " times while this request was running, so it is not run "
+                                   "again (last: " +
+                                   why + ")"
+                             : why),
+          t.prompt.size());
       if (poison) {
         ++requests_failed_by_restarts_;
         spdlog::error("request {} failed: the group died {} times while it ran ({} prompt tokens)",
@@ -207,19 +249,15 @@ void AsyncEngine::recover() {
   ours_.clear();
   for (int attempt = 1; attempt <= kMaxRestarts; ++attempt) {
     spdlog::warn("restarting the worker group ({}), attempt {} of {}", why, attempt, kMaxRestarts);
-    Status st = session_->restart();
+    Status st = host_->restart();
     if (st) {
       spdlog::info("worker group restarted in {:.1f} s; serving again ({} queued request(s) rerun)",
-                   session_->load_seconds(), tracked_.size());
-      LlmEngine& engine = session_->engine();
+                   host_->load_seconds(), tracked_.size());
+      LlmEngine& engine = host_->engine();
       for (auto it = tracked_.begin(); it != tracked_.end();) {
         auto id = engine.add_request(it->second.prompt, it->second.sampling);
         if (!id) {
-          RequestOutput last;
-          last.request_id = it->first;
-          last.finished = true;
-          last.finish_reason = "error: " + id.status().message();
-          it->second.sink(std::move(last));
+          it->second.sink(failed_output(it->first, id.status()));
           it = tracked_.erase(it);
           continue;
         }
@@ -243,7 +281,7 @@ void AsyncEngine::recover() {
   spdlog::error("giving up after {} failed restarts: the served model is down; restart the server",
                 kMaxRestarts);
   given_up_ = true;
-  fail_all(unhealthy_reason());
+  fail_all(unavailable(unhealthy_reason()));
 }
 
 void AsyncEngine::run() {
@@ -253,14 +291,14 @@ void AsyncEngine::run() {
       if (stop_) break;
     }
     drain_commands();
-    if (!given_up_ && !session_->group().alive()) {
-      const std::string why = session_->group().death();
+    if (!given_up_ && !host_->alive()) {
+      const std::string why = host_->death();
       spdlog::error("an actor of the served model died: {}", why);
       set_unhealthy(why);
       recover();
       continue;
     }
-    LlmEngine& engine = session_->engine();
+    LlmEngine& engine = host_->engine();
     if (!given_up_ && engine.has_unfinished()) {
       auto outputs = engine.step();
       if (!outputs) {
@@ -278,7 +316,7 @@ void AsyncEngine::run() {
         if (t == tracked_.end()) continue;
         const bool finished = out.finished;
         if (!out.new_tokens.empty()) t->second.emitted = true;
-        if (finished && out.finish_reason.rfind("error: ", 0) == 0 && !session_->group().alive()) {
+        if (finished && out.finish_reason == FinishReason::kError && !host_->alive()) {
           // Failed because an actor died: recovery decides (rerun, or fail naming the cause).
           t->second.in_failed_step = true;
           continue;
@@ -292,7 +330,7 @@ void AsyncEngine::run() {
       }
     } else {
       // Idle: process the cluster's events (death reports) and wait briefly for work.
-      session_->loop().wait_scope().poll();
+      host_->poll();
       std::unique_lock<std::mutex> lock(mu_);
       wake_.wait_for(lock, std::chrono::milliseconds(2),
                      [this] { return stop_ || !commands_.empty(); });
@@ -300,21 +338,17 @@ void AsyncEngine::run() {
     publish_stats();
   }
   // Shutting down: every unfinished request ends, the steps in flight are dropped.
-  LlmEngine& engine = session_->engine();
+  LlmEngine& engine = host_->engine();
   for (auto& [id, t] : tracked_) {
     std::optional<RequestOutput> last;
     if (t.engine_id != 0) last = engine.abort_request(t.engine_id);
-    if (!last) {
-      last.emplace();
-      last->finished = true;
-      last->finish_reason = "abort";
-    }
+    if (!last) last = aborted_output(id);
     last->request_id = id;
     t.sink(std::move(*last));
   }
   tracked_.clear();
-  auto dropped = session_->group().abort(kStopWait);
-  if (!dropped) spdlog::warn("stopping: {}", dropped.status().message());
+  Status dropped = host_->abort_steps(kStopWait);
+  if (!dropped) spdlog::warn("stopping: {}", dropped.message());
 }
 
 }  // namespace tessera::server

@@ -1,8 +1,9 @@
 // The engine behind the server: a ModelSession (worker group + LlmEngine) running on its own
-// thread, which owns everything Cap'n Proto (the KJ event loop is bound to one thread), like
-// vLLM's EngineCore beside its API server. Other threads add and abort requests through a
-// queue; each request's outputs go to its own sink, called on the engine thread (a sink only
-// hands them over, e.g. posts them to the HTTP connection's executor).
+// thread (through the EngineHost seam below, which tests fill with a fake), which owns everything
+// Cap'n Proto (the KJ event loop is bound to one thread), like vLLM's EngineCore beside its API
+// server. Other threads add and abort requests through a queue; each request's outputs go to its
+// own sink, called on the engine thread (a sink only hands them over, e.g. posts them to the HTTP
+// connection's executor).
 //
 // The loop: take queued adds/aborts, run one engine step when anything is unfinished (steps
 // keep running while requests arrive), else wait for work while processing the cluster's
@@ -39,6 +40,27 @@
 
 namespace tessera::server {
 
+// What the engine thread drives: a served model's LlmEngine over its worker group, and the
+// group's life. A ModelSession in production (AsyncEngine::start(EngineArgs, ...)), a fake in
+// tests. Used on the engine thread only.
+class EngineHost {
+ public:
+  virtual ~EngineHost() = default;
+  // The engine over the current group; a new one after each restart().
+  virtual LlmEngine& engine() = 0;
+  virtual const ModelInfo& model() const = 0;
+  virtual double load_seconds() const = 0;
+  // Every actor of the group alive; else death() says why, in words.
+  virtual bool alive() const = 0;
+  virtual std::string death() const = 0;
+  // A new group and a fresh engine (ModelSession::restart()).
+  virtual Status restart() = 0;
+  // Processes the cluster's events (death reports) without blocking.
+  virtual void poll() = 0;
+  // Stopping: drops the steps in flight, waiting for them at most `within`.
+  virtual Status abort_steps(std::chrono::milliseconds within) = 0;
+};
+
 class AsyncEngine {
  public:
   // Called on the engine thread with each output of one request; the last has finished set.
@@ -47,13 +69,17 @@ class AsyncEngine {
   // Opens the session (places the actors, loads the model) on the engine thread and starts the
   // loop; returns when the model is ready or failed to load.
   static Expected<std::unique_ptr<AsyncEngine>> start(EngineArgs args, std::string owner);
-  // Stops the loop (unfinished requests end with "abort") and closes the session.
+  // The same over any host: `open` is called once, on the engine thread (which then owns the
+  // host and its event loop), before start returns. session() is not available.
+  using OpenHost = std::function<Expected<std::unique_ptr<EngineHost>>()>;
+  static Expected<std::unique_ptr<AsyncEngine>> start(OpenHost open);
+  // Stops the loop (unfinished requests end with kAbort) and closes the session.
   ~AsyncEngine();
 
   // Queues a request; its outputs go to `sink`. INVALID_ARGUMENT (nothing queued) when the prompt
   // or the sampling parameters do not fit the model.
   Expected<uint64_t> add(std::vector<int32_t> prompt, SamplingParams sampling, Sink sink);
-  // Ends a request (its client went away); its sink gets a last output with "abort". Unknown
+  // Ends a request (its client went away); its sink gets a last output with kAbort. Unknown
   // or finished ids are ignored.
   void abort(uint64_t id);
 
@@ -64,7 +90,8 @@ class AsyncEngine {
 
   // The session, for what does not change when the engine thread restarts the worker group:
   // the tokenizer, the config, the plan. Its model() and engine() belong to the engine thread.
-  const ModelSession& session() const { return *session_; }
+  // Only for an engine started from EngineArgs.
+  const ModelSession& session() const;
   // The model as it was loaded at start (a copy: safe from any thread).
   const ModelInfo& loaded() const { return loaded_; }
   double load_seconds() const { return load_seconds_; }
@@ -82,7 +109,8 @@ class AsyncEngine {
     Sink sink;
   };
 
-  std::unique_ptr<ModelSession> session_;
+  std::unique_ptr<EngineHost> host_;       // engine thread only (after start)
+  const ModelSession* session_ = nullptr;  // the host's, when it is a ModelSession
   std::thread thread_;
   mutable std::mutex mu_;
   std::condition_variable wake_;
@@ -102,7 +130,7 @@ class AsyncEngine {
   uint64_t restarts_ = 0, restart_failures_ = 0, requests_failed_by_restarts_ = 0;
   void publish_stats();
   void recover();
-  void fail_all(const std::string& why);
+  void fail_all(const Status& why);
   void set_unhealthy(const std::string& why);
   // Engine thread only: every unfinished request, by our id, and the engine's ids to ours.
   struct Tracked {

@@ -23,6 +23,7 @@
 
 #include "common/status.h"
 #include "driver/bench.h"
+#include "driver/cli/cli_help.h"
 
 namespace tessera::server {
 namespace {
@@ -226,51 +227,54 @@ Expected<std::map<std::string, double>> parse_goodput(const std::vector<std::str
   return slo;
 }
 
-Status run(const BenchServeOptions& o) {
-  const BenchOutput text(o.json);
-  if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
-  if (o.request_rate < 0) return invalid_argument("--request-rate must be positive (or inf)");
-  TESSERA_ASSIGN_OR_RETURN(Url url, parse_url(o.base_url));
-  TESSERA_ASSIGN_OR_RETURN(auto slo, parse_goodput(o.goodput));
+// The API key: --api-key, else $TESSERA_API_KEY, else $OPENAI_API_KEY ("" for none).
+std::string api_key(const BenchServeOptions& o) {
   std::string key = o.api_key;
   for (const char* env : {"TESSERA_API_KEY", "OPENAI_API_KEY"}) {
     if (key.empty() && std::getenv(env) != nullptr) key = std::getenv(env);
   }
-  std::string model = o.model;
-  if (model.empty()) {
-    std::string listing;
-    TESSERA_ASSIGN_OR_RETURN(int status,
-                             http_call(url, http::verb::get, "/v1/models", "", key, {}, &listing));
-    json j = json::parse(listing, nullptr, false);
-    if (status == 401) {
-      return unavailable("GET " + o.base_url +
-                         "/v1/models answered 401: the server wants an API "
-                         "key (--api-key, $TESSERA_API_KEY or $OPENAI_API_KEY)");
-    }
-    if (status != 200 || j.is_discarded() || !j.contains("data") || j["data"].empty()) {
-      return unavailable("GET " + o.base_url + "/v1/models answered " + std::to_string(status) +
-                         " " + listing.substr(0, 200) + ": name the model with --model");
-    }
-    model = j["data"][0].value("id", "");
-  }
-  std::vector<BenchPrompt> prompts;
-  if (o.dataset_path.empty()) {
-    if (o.input_len == 0 || o.output_len == 0) {
-      return invalid_argument("--input-len and --output-len must be at least 1");
-    }
-    prompts = random_bench_prompts(o.num_prompts, o.input_len, o.output_len, o.seed);
-  } else {
-    TESSERA_ASSIGN_OR_RETURN(
-        prompts, read_bench_dataset(o.dataset_path, o.num_prompts, o.output_len, INT32_MAX));
-  }
-  text.say("bench serve: %zu requests to %s%s (model %s), %s, %s\n", prompts.size(),
-           o.base_url.c_str(), o.endpoint.c_str(), model.c_str(),
-           o.request_rate > 0 ? ("Poisson " + std::to_string(o.request_rate) + " req/s").c_str()
-                              : "all at once",
-           o.max_concurrency > 0 ? ("at most " + std::to_string(o.max_concurrency)).c_str()
-                                 : "no concurrency limit");
-  std::fflush(stdout);
+  return key;
+}
 
+// The model to ask for: --model, else the first model the server's /v1/models lists.
+Expected<std::string> served_model(const Url& url, const BenchServeOptions& o,
+                                   const std::string& key) {
+  if (!o.model.empty()) return o.model;
+  std::string listing;
+  TESSERA_ASSIGN_OR_RETURN(int status,
+                           http_call(url, http::verb::get, "/v1/models", "", key, {}, &listing));
+  json j = json::parse(listing, nullptr, false);
+  if (status == 401) {
+    return unavailable("GET " + o.base_url +
+                       "/v1/models answered 401: the server wants an API "
+                       "key (--api-key, $TESSERA_API_KEY or $OPENAI_API_KEY)");
+  }
+  if (status != 200 || j.is_discarded() || !j.contains("data") || j["data"].empty()) {
+    return unavailable("GET " + o.base_url + "/v1/models answered " + std::to_string(status) + " " +
+                       listing.substr(0, 200) + ": name the model with --model");
+  }
+  return j["data"][0].value("id", "");
+}
+
+// The requests: --num-prompts random ones, or the first of --dataset-path.
+Expected<std::vector<BenchPrompt>> bench_prompts(const BenchServeOptions& o) {
+  if (!o.dataset_path.empty()) {
+    return read_bench_dataset(o.dataset_path, o.num_prompts, o.output_len, INT32_MAX);
+  }
+  if (o.input_len == 0 || o.output_len == 0) {
+    return invalid_argument("--input-len and --output-len must be at least 1");
+  }
+  return random_bench_prompts(o.num_prompts, o.input_len, o.output_len, o.seed);
+}
+
+// Sends every prompt, each on a thread of its own: at Poisson arrivals of --request-rate (all at
+// once without one), at most --max-concurrency in flight. Every tenth finished is said on
+// stderr. The results in the prompts' order, and the seconds from the first send to the last
+// answer in `duration`.
+std::vector<RequestResult> send_requests(const Url& url, const BenchServeOptions& o,
+                                         const std::string& model, const std::string& key,
+                                         const std::vector<BenchPrompt>& prompts,
+                                         double& duration) {
   std::vector<RequestResult> results(prompts.size());
   std::counting_semaphore<1 << 20> slots(o.max_concurrency > 0 ? o.max_concurrency : (1 << 20));
   std::mutex mu;
@@ -300,81 +304,125 @@ Status run(const BenchServeOptions& o) {
     });
   }
   for (auto& t : threads) t.join();
-  const double duration = seconds(Clock::now() - t0);
+  duration = seconds(Clock::now() - t0);
+  return results;
+}
 
+// The requests' figures gathered: the successful ones' timings (seconds) and tokens, how many
+// met every --goodput SLO, and the failures by error.
+struct Tally {
   std::vector<double> ttft, tpot, itl, e2el;
   size_t completed = 0, input_tokens = 0, output_tokens = 0, good = 0;
   std::map<std::string, size_t> errors;
+};
+
+Tally tally(const std::vector<RequestResult>& results, const std::map<std::string, double>& slo) {
+  Tally t;
   for (const RequestResult& r : results) {
     if (!r.ok) {
-      ++errors[r.error];
+      ++t.errors[r.error];
       continue;
     }
-    ++completed;
-    input_tokens += r.prompt_tokens;
-    output_tokens += r.output_tokens;
-    ttft.push_back(r.ttft);
-    e2el.push_back(r.e2el);
-    itl.insert(itl.end(), r.itl.begin(), r.itl.end());
-    const double t =
+    ++t.completed;
+    t.input_tokens += r.prompt_tokens;
+    t.output_tokens += r.output_tokens;
+    t.ttft.push_back(r.ttft);
+    t.e2el.push_back(r.e2el);
+    t.itl.insert(t.itl.end(), r.itl.begin(), r.itl.end());
+    const double tpot =
         r.output_tokens > 1 ? (r.e2el - r.ttft) / static_cast<double>(r.output_tokens - 1) : 0.0;
-    if (r.output_tokens > 1) tpot.push_back(t);
+    if (r.output_tokens > 1) t.tpot.push_back(tpot);
     bool meets = true;
-    if (slo.count("ttft")) meets &= r.ttft * 1000 <= slo["ttft"];
-    if (slo.count("tpot")) meets &= t * 1000 <= slo["tpot"];
-    if (slo.count("e2el")) meets &= r.e2el * 1000 <= slo["e2el"];
-    good += meets;
+    if (slo.count("ttft")) meets &= r.ttft * 1000 <= slo.at("ttft");
+    if (slo.count("tpot")) meets &= tpot * 1000 <= slo.at("tpot");
+    if (slo.count("e2el")) meets &= r.e2el * 1000 <= slo.at("e2el");
+    t.good += meets;
   }
+  return t;
+}
+
+// The run as --output-json writes it: the command, the workload, and every figure.
+json results_json(const BenchServeOptions& o, const std::string& model, size_t num_prompts,
+                  const Tally& t, double duration, const std::map<std::string, double>& slo) {
   json out = {{"command", o.command_line},
               {"base_url", o.base_url},
               {"endpoint", o.endpoint},
               {"model", model},
-              {"num_prompts", prompts.size()},
+              {"num_prompts", num_prompts},
               {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
               {"input_len", o.dataset_path.empty() ? o.input_len : 0},
               {"output_len", o.dataset_path.empty() ? o.output_len : 0},
               {"request_rate", o.request_rate > 0 ? json(o.request_rate) : json("inf")},
               {"max_concurrency", o.max_concurrency > 0 ? json(o.max_concurrency) : json(nullptr)},
-              {"completed", completed},
-              {"failed", prompts.size() - completed},
+              {"completed", t.completed},
+              {"failed", num_prompts - t.completed},
               {"duration_s", duration},
-              {"total_input_tokens", input_tokens},
-              {"total_output_tokens", output_tokens},
-              {"request_throughput", completed / duration},
-              {"output_throughput", output_tokens / duration},
-              {"total_token_throughput", (input_tokens + output_tokens) / duration},
-              {"ttft_ms", summary(ttft)},
-              {"tpot_ms", summary(tpot)},
-              {"itl_ms", summary(itl)},
-              {"e2el_ms", summary(e2el)}};
+              {"total_input_tokens", t.input_tokens},
+              {"total_output_tokens", t.output_tokens},
+              {"request_throughput", t.completed / duration},
+              {"output_throughput", t.output_tokens / duration},
+              {"total_token_throughput", (t.input_tokens + t.output_tokens) / duration},
+              {"ttft_ms", summary(t.ttft)},
+              {"tpot_ms", summary(t.tpot)},
+              {"itl_ms", summary(t.itl)},
+              {"e2el_ms", summary(t.e2el)}};
   if (!slo.empty()) {
     out["goodput_slo_ms"] = slo;
-    out["goodput"] = good / duration;
+    out["goodput"] = t.good / duration;
   }
   json errs = json::object();
-  for (const auto& [e, n] : errors) errs[e] = n;
+  for (const auto& [e, n] : t.errors) errs[e] = n;
   out["errors"] = errs;
+  return out;
+}
 
+// The human-readable report of `out` (results_json's) as vLLM prints it.
+void print_results(const BenchOutput& text, const json& out, const Tally& t, size_t num_prompts,
+                   double duration, bool goodput) {
   text.say("%-32s %12zu\n%-32s %12zu\n%-32s %12.2f\n%-32s %12zu\n%-32s %12zu\n",
-           "Successful requests:", completed, "Failed requests:", prompts.size() - completed,
-           "Duration (s):", duration, "Total input tokens:", input_tokens,
-           "Total generated tokens:", output_tokens);
+           "Successful requests:", t.completed, "Failed requests:", num_prompts - t.completed,
+           "Duration (s):", duration, "Total input tokens:", t.input_tokens,
+           "Total generated tokens:", t.output_tokens);
   text.say("%-32s %12.2f\n%-32s %12.2f\n%-32s %12.2f\n",
-           "Request throughput (req/s):", completed / duration,
-           "Output token throughput (tok/s):", output_tokens / duration,
-           "Total token throughput (tok/s):", (input_tokens + output_tokens) / duration);
-  if (!slo.empty()) text.say("%-32s %12.2f\n", "Goodput (req/s):", good / duration);
+           "Request throughput (req/s):", t.completed / duration,
+           "Output token throughput (tok/s):", t.output_tokens / duration,
+           "Total token throughput (tok/s):", (t.input_tokens + t.output_tokens) / duration);
+  if (goodput) text.say("%-32s %12.2f\n", "Goodput (req/s):", t.good / duration);
   for (const char* name : {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"}) {
     const json& s = out[name];
     text.say("%-8s mean %10.2f  p50 %10.2f  p90 %10.2f  p99 %10.2f  (ms)\n", name,
              s["mean"].get<double>(), s["p50"].get<double>(), s["p90"].get<double>(),
              s["p99"].get<double>());
   }
-  for (const auto& [e, n] : errors) text.say("  %zu failed: %s\n", n, e.c_str());
+  for (const auto& [e, n] : t.errors) text.say("  %zu failed: %s\n", n, e.c_str());
+}
+
+Status run(const BenchServeOptions& o) {
+  const BenchOutput text(o.json);
+  if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
+  if (o.request_rate < 0) return invalid_argument("--request-rate must be positive (or inf)");
+  TESSERA_ASSIGN_OR_RETURN(Url url, parse_url(o.base_url));
+  TESSERA_ASSIGN_OR_RETURN(auto slo, parse_goodput(o.goodput));
+  const std::string key = api_key(o);
+  TESSERA_ASSIGN_OR_RETURN(const std::string model, served_model(url, o, key));
+  TESSERA_ASSIGN_OR_RETURN(const std::vector<BenchPrompt> prompts, bench_prompts(o));
+  text.say("bench serve: %zu requests to %s%s (model %s), %s, %s\n", prompts.size(),
+           o.base_url.c_str(), o.endpoint.c_str(), model.c_str(),
+           o.request_rate > 0 ? ("Poisson " + std::to_string(o.request_rate) + " req/s").c_str()
+                              : "all at once",
+           o.max_concurrency > 0 ? ("at most " + std::to_string(o.max_concurrency)).c_str()
+                                 : "no concurrency limit");
+  std::fflush(stdout);
+
+  double duration = 0;
+  const std::vector<RequestResult> results = send_requests(url, o, model, key, prompts, duration);
+  const Tally t = tally(results, slo);
+  const json out = results_json(o, model, prompts.size(), t, duration, slo);
+  print_results(text, out, t, prompts.size(), duration, !slo.empty());
   TESSERA_RETURN_IF_ERROR(text.finish(o.output_json, out));
-  if (completed == 0) {
+  if (t.completed == 0) {
     return unavailable("no request succeeded; the first error: " +
-                       (errors.empty() ? std::string("none") : errors.begin()->first));
+                       (t.errors.empty() ? std::string("none") : t.errors.begin()->first));
   }
   return Status::ok();
 }
@@ -412,9 +460,8 @@ CLI::App* add_bench_serve_subcommand(CLI::App& bench, BenchServeOptions& o) {
   cmd->add_option("--goodput", o.goodput, "SLOs for goodput: ttft:MS tpot:MS e2el:MS")
       ->expected(1, 3);
   add_bench_output_options(cmd, o.output_json, o.json);
-  cmd->footer(
-      "Example: tessera bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 "
-      "--input-len 512 --output-len 128 --max-concurrency 32 --goodput ttft:500 tpot:50");
+  add_examples(cmd, {"tessera bench serve --base-url http://127.0.0.1:8000 "
+                     "--num-prompts 200 --max-concurrency 32"});
   return cmd;
 }
 

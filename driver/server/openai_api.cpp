@@ -150,13 +150,10 @@ std::optional<ApiError> parse_prompts(const json& body, const ServedModel& m, Ap
   return std::nullopt;
 }
 
-std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, ApiRequest& out) {
-  auto it = body.find("messages");
-  if (it == body.end() || !it->is_array() || it->empty()) {
-    return bad_request("messages must be a non-empty list of messages", "messages");
-  }
-  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
-  for (const auto& msg : *it) {
+// The messages as the chat template takes them: key order kept, text parts joined.
+std::optional<ApiError> template_messages(const json& list, nlohmann::ordered_json& messages) {
+  messages = nlohmann::ordered_json::array();
+  for (const auto& msg : list) {
     if (!msg.is_object() || !msg.contains("role") || !msg["role"].is_string()) {
       return bad_request("each message must be an object with a string role", "messages");
     }
@@ -182,6 +179,45 @@ std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, A
     }
     messages.push_back(std::move(one));
   }
+  return std::nullopt;
+}
+
+// tools and tool_choice: the tools go to the template (in `extra`); "auto" with tools asks for
+// tool calls to be parsed (ApiRequest::parse_tools), which needs the server's tool-call parser.
+std::optional<ApiError> parse_tools(const json& body, const ServedModel& m, ApiRequest& out,
+                                    nlohmann::ordered_json& extra) {
+  auto tools = body.find("tools");
+  if (tools == body.end() || tools->is_null()) return std::nullopt;
+  if (!tools->is_array()) return bad_request("tools must be a list of tools", "tools");
+  std::string choice = "auto";
+  if (auto c = body.find("tool_choice"); c != body.end() && !c->is_null()) {
+    choice = c->is_string() ? c->get<std::string>() : "a named function";
+  }
+  if (choice == "auto" && !tools->empty()) {
+    if (m.tool_call_parser.empty()) {
+      return bad_request(
+          "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to "
+          "be set",
+          "tool_choice");
+    }
+    out.parse_tools = true;
+  } else if (choice != "none" && choice != "auto") {
+    return bad_request("tool_choice " + choice + " is not supported: use \"auto\" or \"none\"",
+                       "tool_choice");
+  }
+  extra["tools"] = nlohmann::ordered_json::parse(tools->dump());
+  return std::nullopt;
+}
+
+// messages (with add_generation_prompt, continue_final_message, chat_template_kwargs and tools)
+// rendered by the chat template into the one prompt.
+std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, ApiRequest& out) {
+  auto it = body.find("messages");
+  if (it == body.end() || !it->is_array() || it->empty()) {
+    return bad_request("messages must be a non-empty list of messages", "messages");
+  }
+  nlohmann::ordered_json messages;
+  if (auto e = template_messages(*it, messages)) return e;
   if (m.chat_template == nullptr) {
     return bad_request(
         "this model has no chat template (tokenizer_config.json has none): give one with "
@@ -199,26 +235,7 @@ std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, A
     extra.erase("messages");
     extra.erase("add_generation_prompt");
   }
-  if (auto tools = body.find("tools"); tools != body.end() && !tools->is_null()) {
-    if (!tools->is_array()) return bad_request("tools must be a list of tools", "tools");
-    std::string choice = "auto";
-    if (auto c = body.find("tool_choice"); c != body.end() && !c->is_null()) {
-      choice = c->is_string() ? c->get<std::string>() : "a named function";
-    }
-    if (choice == "auto" && !tools->empty()) {
-      if (m.tool_call_parser.empty()) {
-        return bad_request(
-            "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to "
-            "be set",
-            "tool_choice");
-      }
-      out.parse_tools = true;
-    } else if (choice != "none" && choice != "auto") {
-      return bad_request("tool_choice " + choice + " is not supported: use \"auto\" or \"none\"",
-                         "tool_choice");
-    }
-    extra["tools"] = nlohmann::ordered_json::parse(tools->dump());
-  }
+  if (auto e = parse_tools(body, m, out, extra)) return e;
   const bool gen_prompt = add_generation_prompt.value_or(!continue_final.value_or(false));
   auto rendered = m.chat_template->render_json(messages, gen_prompt, extra);
   if (!rendered) {
@@ -240,125 +257,140 @@ std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, A
   return std::nullopt;
 }
 
-}  // namespace
-
-std::optional<ApiError> parse_request(const json& body, bool chat, const ServedModel& m,
-                                      ApiRequest& out) {
-  if (!body.is_object()) return bad_request("the request body must be a JSON object");
-  out = ApiRequest{};
-  out.chat = chat;
-  out.model = m.names.empty() ? m.root : m.names.front();
-  std::optional<std::string> model;
-  TRY_FIELD(body, "model", model);
-  if (model) {
-    bool known = *model == m.root;
-    for (const auto& n : m.names) known |= *model == n;
-    if (!known) {
-      ApiError e;
-      e.status = 404;
-      e.type = "NotFoundError";
-      e.message = "The model `" + *model + "` does not exist.";
-      e.param = "model";
-      return e;
-    }
-    out.model = *model;
-  }
-  if (auto e = chat ? parse_messages(body, m, out) : parse_prompts(body, m, out)) return e;
-
-  // Sampling: generation_config.json's defaults, then the request's fields.
-  SamplingParams& s = out.sampling;
-  if (m.defaults.temperature) s.temperature = static_cast<float>(*m.defaults.temperature);
-  if (m.defaults.top_p) s.top_p = static_cast<float>(*m.defaults.top_p);
-  if (m.defaults.top_k) s.top_k = static_cast<int>(*m.defaults.top_k);
-  if (m.defaults.repetition_penalty) {
-    s.repetition_penalty = static_cast<float>(*m.defaults.repetition_penalty);
-  }
+// The request's fields that set sampling and the answer's shape, each read with its type checked
+// (absent or null: not set).
+struct RequestFields {
   std::optional<double> temperature, top_p, min_p, presence, frequency, repetition;
   std::optional<int64_t> top_k, max_tokens, max_completion_tokens, n, best_of, min_tokens;
   std::optional<int64_t> logprobs_n, top_logprobs;
   std::optional<uint64_t> seed;
   std::optional<bool> stream, echo, ignore_eos, skip_special, include_stop, chat_logprobs;
-  TRY_FIELD(body, "temperature", temperature);
-  TRY_FIELD(body, "top_p", top_p);
-  TRY_FIELD(body, "min_p", min_p);
-  TRY_FIELD(body, "top_k", top_k);
-  TRY_FIELD(body, "presence_penalty", presence);
-  TRY_FIELD(body, "frequency_penalty", frequency);
-  TRY_FIELD(body, "repetition_penalty", repetition);
-  TRY_FIELD(body, "max_tokens", max_tokens);
-  TRY_FIELD(body, "max_completion_tokens", max_completion_tokens);
-  TRY_FIELD(body, "n", n);
-  TRY_FIELD(body, "best_of", best_of);
-  TRY_FIELD(body, "min_tokens", min_tokens);
-  TRY_FIELD(body, "seed", seed);
-  TRY_FIELD(body, "stream", stream);
-  TRY_FIELD(body, "echo", echo);
-  TRY_FIELD(body, "ignore_eos", ignore_eos);
-  TRY_FIELD(body, "skip_special_tokens", skip_special);
-  TRY_FIELD(body, "include_stop_str_in_output", include_stop);
+};
+
+std::optional<ApiError> read_fields(const json& body, bool chat, RequestFields& f) {
+  TRY_FIELD(body, "temperature", f.temperature);
+  TRY_FIELD(body, "top_p", f.top_p);
+  TRY_FIELD(body, "min_p", f.min_p);
+  TRY_FIELD(body, "top_k", f.top_k);
+  TRY_FIELD(body, "presence_penalty", f.presence);
+  TRY_FIELD(body, "frequency_penalty", f.frequency);
+  TRY_FIELD(body, "repetition_penalty", f.repetition);
+  TRY_FIELD(body, "max_tokens", f.max_tokens);
+  TRY_FIELD(body, "max_completion_tokens", f.max_completion_tokens);
+  TRY_FIELD(body, "n", f.n);
+  TRY_FIELD(body, "best_of", f.best_of);
+  TRY_FIELD(body, "min_tokens", f.min_tokens);
+  TRY_FIELD(body, "seed", f.seed);
+  TRY_FIELD(body, "stream", f.stream);
+  TRY_FIELD(body, "echo", f.echo);
+  TRY_FIELD(body, "ignore_eos", f.ignore_eos);
+  TRY_FIELD(body, "skip_special_tokens", f.skip_special);
+  TRY_FIELD(body, "include_stop_str_in_output", f.include_stop);
   if (chat) {
-    TRY_FIELD(body, "logprobs", chat_logprobs);
-    TRY_FIELD(body, "top_logprobs", top_logprobs);
+    TRY_FIELD(body, "logprobs", f.chat_logprobs);
+    TRY_FIELD(body, "top_logprobs", f.top_logprobs);
   } else {
-    TRY_FIELD(body, "logprobs", logprobs_n);
+    TRY_FIELD(body, "logprobs", f.logprobs_n);
   }
-  if (temperature) s.temperature = static_cast<float>(*temperature);
-  if (top_p) s.top_p = static_cast<float>(*top_p);
-  if (min_p) s.min_p = static_cast<float>(*min_p);
-  if (top_k) {
+  return std::nullopt;
+}
+
+// model: one of the names served (or the model directory); 404 otherwise.
+std::optional<ApiError> parse_model(const json& body, const ServedModel& m, ApiRequest& out) {
+  out.model = m.names.empty() ? m.root : m.names.front();
+  std::optional<std::string> model;
+  TRY_FIELD(body, "model", model);
+  if (!model) return std::nullopt;
+  bool known = *model == m.root;
+  for (const auto& n : m.names) known |= *model == n;
+  if (!known) {
+    ApiError e;
+    e.status = 404;
+    e.type = "NotFoundError";
+    e.message = "The model `" + *model + "` does not exist.";
+    e.param = "model";
+    return e;
+  }
+  out.model = *model;
+  return std::nullopt;
+}
+
+// Sampling: generation_config.json's defaults, then the request's fields.
+std::optional<ApiError> apply_sampling(const RequestFields& f, const GenerationDefaults& d,
+                                       ApiRequest& out) {
+  SamplingParams& s = out.sampling;
+  if (d.temperature) s.temperature = static_cast<float>(*d.temperature);
+  if (d.top_p) s.top_p = static_cast<float>(*d.top_p);
+  if (d.top_k) s.top_k = static_cast<int>(*d.top_k);
+  if (d.repetition_penalty) s.repetition_penalty = static_cast<float>(*d.repetition_penalty);
+  if (f.temperature) s.temperature = static_cast<float>(*f.temperature);
+  if (f.top_p) s.top_p = static_cast<float>(*f.top_p);
+  if (f.min_p) s.min_p = static_cast<float>(*f.min_p);
+  if (f.top_k) {
     // SamplingParams::validate judges the value as sent (and names it); above int's range is
     // "off" (at least the vocabulary), below it cannot be carried.
-    if (*top_k < std::numeric_limits<int>::min()) {
-      return bad_request("top_k is out of range: " + std::to_string(*top_k), "top_k");
+    if (*f.top_k < std::numeric_limits<int>::min()) {
+      return bad_request("top_k is out of range: " + std::to_string(*f.top_k), "top_k");
     }
-    s.top_k = static_cast<int>(std::min<int64_t>(*top_k, 1 << 30));
+    s.top_k = static_cast<int>(std::min<int64_t>(*f.top_k, 1 << 30));
   }
-  if (top_k && *top_k == 0) s.top_k = -1;  // vLLM treats 0 as off
-  if (presence) s.presence_penalty = static_cast<float>(*presence);
-  if (frequency) s.frequency_penalty = static_cast<float>(*frequency);
-  if (repetition) s.repetition_penalty = static_cast<float>(*repetition);
-  if (seed) s.seed = *seed;
-  if (ignore_eos) s.ignore_eos = *ignore_eos;
-  if (skip_special) s.skip_special_tokens = *skip_special;
+  if (f.top_k && *f.top_k == 0) s.top_k = -1;  // vLLM treats 0 as off
+  if (f.presence) s.presence_penalty = static_cast<float>(*f.presence);
+  if (f.frequency) s.frequency_penalty = static_cast<float>(*f.frequency);
+  if (f.repetition) s.repetition_penalty = static_cast<float>(*f.repetition);
+  if (f.seed) s.seed = *f.seed;
+  if (f.ignore_eos) s.ignore_eos = *f.ignore_eos;
+  if (f.skip_special) s.skip_special_tokens = *f.skip_special;
   if (out.parse_tools) s.skip_special_tokens = false;  // <tool_call> may be a special token
-  if (include_stop.value_or(false)) {
+  if (f.include_stop.value_or(false)) {
     return bad_request("include_stop_str_in_output is not supported", "include_stop_str_in_output");
   }
-  if (min_tokens.value_or(0) != 0) {
+  if (f.min_tokens.value_or(0) != 0) {
     return bad_request("min_tokens is not supported", "min_tokens");
   }
-  out.stream = stream.value_or(false);
-  out.echo = echo.value_or(false);
-  if (n) {
-    if (*n < 1 || *n > 128) return bad_request("n must be between 1 and 128", "n");
-    out.n = static_cast<int>(*n);
+  return std::nullopt;
+}
+
+// stream, echo, n (best_of only as n) and logprobs: completions' count, chat's flag with
+// top_logprobs.
+std::optional<ApiError> apply_choices(const RequestFields& f, bool chat, ApiRequest& out) {
+  SamplingParams& s = out.sampling;
+  out.stream = f.stream.value_or(false);
+  out.echo = f.echo.value_or(false);
+  if (f.n) {
+    if (*f.n < 1 || *f.n > 128) return bad_request("n must be between 1 and 128", "n");
+    out.n = static_cast<int>(*f.n);
   }
-  if (best_of && *best_of != out.n) {
+  if (f.best_of && *f.best_of != out.n) {
     return bad_request("best_of other than n is not supported", "best_of");
   }
   if (chat) {
-    out.chat_logprobs = chat_logprobs.value_or(false);
-    if (top_logprobs && !out.chat_logprobs) {
+    out.chat_logprobs = f.chat_logprobs.value_or(false);
+    if (f.top_logprobs && !out.chat_logprobs) {
       return bad_request("top_logprobs needs logprobs: true", "top_logprobs");
     }
     if (out.chat_logprobs) {
-      s.logprobs = static_cast<int>(std::clamp<int64_t>(top_logprobs.value_or(0), -1, 1 << 20));
+      s.logprobs = static_cast<int>(std::clamp<int64_t>(f.top_logprobs.value_or(0), -1, 1 << 20));
     }
-    if (top_logprobs && (*top_logprobs < 0 || *top_logprobs > kMaxLogprobs)) {
+    if (f.top_logprobs && (*f.top_logprobs < 0 || *f.top_logprobs > kMaxLogprobs)) {
       return bad_request("top_logprobs must be between 0 and " + std::to_string(kMaxLogprobs),
                          "top_logprobs");
     }
-  } else if (logprobs_n) {
-    if (*logprobs_n < 0 || *logprobs_n > kMaxLogprobs) {
+  } else if (f.logprobs_n) {
+    if (*f.logprobs_n < 0 || *f.logprobs_n > kMaxLogprobs) {
       return bad_request("logprobs must be between 0 and " + std::to_string(kMaxLogprobs),
                          "logprobs");
     }
-    s.logprobs = static_cast<int>(*logprobs_n);
+    s.logprobs = static_cast<int>(*f.logprobs_n);
   }
   if (out.echo && s.logprobs >= 0) {
     return bad_request("echo with logprobs (prompt logprobs) is not supported", "echo");
   }
-  // stop: a string or a list of strings; stop_token_ids: integers.
+  return std::nullopt;
+}
+
+// stop: a string or a list of strings; stop_token_ids: integers.
+std::optional<ApiError> parse_stop(const json& body, const ServedModel& m, SamplingParams& s) {
   if (auto stop = body.find("stop"); stop != body.end() && !stop->is_null()) {
     if (stop->is_string()) {
       s.stop.push_back(stop->get<std::string>());
@@ -387,18 +419,24 @@ std::optional<ApiError> parse_request(const json& body, bool chat, const ServedM
       s.stop_token_ids.push_back(static_cast<int32_t>(id));
     }
   }
-  // max_tokens: the request's (max_completion_tokens wins), else 16 for completions (the
-  // OpenAI default) and the rest of the context for chat, capped by generation_config.json.
+  return std::nullopt;
+}
+
+// max_tokens: the request's (max_completion_tokens wins), else 16 for completions (the OpenAI
+// default) and the rest of the context for chat, capped by generation_config.json. The longest
+// prompt and it must fit max_model_len.
+std::optional<ApiError> parse_max_tokens(const RequestFields& f, bool chat, const ServedModel& m,
+                                         ApiRequest& out) {
   size_t longest = 0;
   for (const auto& p : out.prompts) {
     if (p.empty()) return bad_request("the prompt is empty", chat ? "messages" : "prompt");
     longest = std::max(longest, p.size());
   }
   const int64_t room = m.max_model_len - static_cast<int64_t>(longest);
-  std::optional<int64_t> asked = max_completion_tokens ? max_completion_tokens : max_tokens;
+  std::optional<int64_t> asked = f.max_completion_tokens ? f.max_completion_tokens : f.max_tokens;
   if (asked && *asked < 1) {
     return bad_request("max_tokens must be at least 1, got " + std::to_string(*asked),
-                       max_completion_tokens ? "max_completion_tokens" : "max_tokens");
+                       f.max_completion_tokens ? "max_completion_tokens" : "max_tokens");
   }
   if (room < 1 || (asked && *asked > room)) {
     return bad_request("This model's maximum context length is " + std::to_string(m.max_model_len) +
@@ -413,22 +451,46 @@ std::optional<ApiError> parse_request(const json& body, bool chat, const ServedM
   }
   int64_t max = asked ? *asked : (chat ? room : std::min<int64_t>(16, room));
   if (!asked && m.defaults.max_new_tokens) max = std::min(max, *m.defaults.max_new_tokens);
-  s.max_tokens = static_cast<int>(std::min<int64_t>(max, 1 << 30));
-  Status valid = s.validate(m.vocab_size);
-  if (!valid) return bad_request(valid.message());
-  auto opts = body.find("stream_options");
-  if (opts != body.end() && !opts->is_null()) {
-    if (!out.stream) return bad_request("stream_options needs stream: true", "stream_options");
-    if (!opts->is_object()) return bad_request("stream_options must be an object");
-    std::optional<bool> usage;
-    TRY_FIELD(*opts, "include_usage", usage);
-    out.include_usage = usage.value_or(false);
-  }
+  out.sampling.max_tokens = static_cast<int>(std::min<int64_t>(max, 1 << 30));
   return std::nullopt;
 }
 
-std::string api_finish_reason(const std::string& r) {
-  if (r == "length" || r == "abort" || r == "tool_calls") return r;
+// stream_options (with stream only): include_usage.
+std::optional<ApiError> parse_stream_options(const json& body, ApiRequest& out) {
+  auto opts = body.find("stream_options");
+  if (opts == body.end() || opts->is_null()) return std::nullopt;
+  if (!out.stream) return bad_request("stream_options needs stream: true", "stream_options");
+  if (!opts->is_object()) return bad_request("stream_options must be an object");
+  std::optional<bool> usage;
+  TRY_FIELD(*opts, "include_usage", usage);
+  out.include_usage = usage.value_or(false);
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ApiError> parse_request(const json& body, bool chat, const ServedModel& m,
+                                      ApiRequest& out) {
+  if (!body.is_object()) return bad_request("the request body must be a JSON object");
+  out = ApiRequest{};
+  out.chat = chat;
+  if (auto e = parse_model(body, m, out)) return e;
+  if (auto e = chat ? parse_messages(body, m, out) : parse_prompts(body, m, out)) return e;
+  RequestFields f;
+  if (auto e = read_fields(body, chat, f)) return e;
+  if (auto e = apply_sampling(f, m.defaults, out)) return e;
+  if (auto e = apply_choices(f, chat, out)) return e;
+  if (auto e = parse_stop(body, m, out.sampling)) return e;
+  if (auto e = parse_max_tokens(f, chat, m, out)) return e;
+  Status valid = out.sampling.validate(m.vocab_size);
+  if (!valid) return bad_request(valid.message());
+  return parse_stream_options(body, out);
+}
+
+std::string api_finish_reason(FinishReason reason) {
+  if (reason == FinishReason::kLength || reason == FinishReason::kAbort) {
+    return std::string(finish_reason_name(reason));
+  }
   return "stop";
 }
 
@@ -549,9 +611,10 @@ json completion_response(const ApiRequest& req, const std::string& id,
 
 json stream_chunk(const ApiRequest& req, const std::string& id, int index,
                   const std::string& delta_text, const std::vector<TokenLogprobs>& new_logprobs,
-                  const std::string& finish_reason, bool first, int64_t created,
+                  std::string_view finish_reason, bool first, int64_t created,
                   const ServedModel& m) {
   const bool want_logprobs = req.sampling.logprobs >= 0;
+  const json finish = finish_reason.empty() ? json(nullptr) : json(std::string(finish_reason));
   json choice;
   if (req.chat) {
     json delta = json::object();
@@ -560,14 +623,12 @@ json stream_chunk(const ApiRequest& req, const std::string& id, int index,
     choice = {{"index", index},
               {"delta", delta},
               {"logprobs", want_logprobs ? logprobs_json(req, m, new_logprobs, 0) : json(nullptr)},
-              {"finish_reason",
-               finish_reason.empty() ? json(nullptr) : json(api_finish_reason(finish_reason))}};
+              {"finish_reason", finish}};
   } else {
     choice = {{"index", index},
               {"text", delta_text},
               {"logprobs", want_logprobs ? logprobs_json(req, m, new_logprobs, 0) : json(nullptr)},
-              {"finish_reason",
-               finish_reason.empty() ? json(nullptr) : json(api_finish_reason(finish_reason))},
+              {"finish_reason", finish},
               {"stop_reason", nullptr}};
   }
   return {{"id", id},

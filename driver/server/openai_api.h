@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -76,7 +77,7 @@ struct ChoiceResult {
   std::string text;
   std::vector<int32_t> tokens;
   std::vector<TokenLogprobs> logprobs;
-  std::string finish_reason;  // "" while running
+  FinishReason finish_reason = FinishReason::kNone;  // kNone while running
   size_t prompt_tokens = 0;
   size_t cached_tokens = 0;
 };
@@ -85,12 +86,13 @@ struct ChoiceResult {
 nlohmann::json completion_response(const ApiRequest& req, const std::string& id,
                                    const std::vector<ChoiceResult>& choices,
                                    const ServedModel& model);
-// One stream chunk with `delta_text` / new tokens for choice `index` (finish_reason set on its
-// last one). `first` (chat): the chunk carries the assistant role.
+// One stream chunk with `delta_text` / new tokens for choice `index`. `finish_reason` is the wire
+// name on its last chunk ("stop", "length", "abort", "tool_calls"), "" (null) before. `first`
+// (chat): the chunk carries the assistant role.
 nlohmann::json stream_chunk(const ApiRequest& req, const std::string& id, int index,
                             const std::string& delta_text,
                             const std::vector<TokenLogprobs>& new_logprobs,
-                            const std::string& finish_reason, bool first, int64_t created,
+                            std::string_view finish_reason, bool first, int64_t created,
                             const ServedModel& model);
 // A chunk carrying tool calls completed in a stream (indexes from `first_index`).
 struct ToolCall;
@@ -106,8 +108,9 @@ nlohmann::json usage_json(const std::vector<ChoiceResult>& choices, int n);
 // GET /v1/models.
 nlohmann::json models_response(const ServedModel& model);
 
-// "stop", "length" or "abort" for the API from the engine's reason ("error: ..." is an error).
-std::string api_finish_reason(const std::string& engine_reason);
+// The API's finish_reason of a finished choice: "length" or "abort" (finish_reason_name), else
+// "stop" (a failed request is answered with an error, never with a finish_reason).
+std::string api_finish_reason(FinishReason reason);
 
 }  // namespace server
 }  // namespace tessera

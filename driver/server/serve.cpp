@@ -44,7 +44,7 @@
 #include "driver/server/async_engine.h"
 #include "driver/server/metrics.h"
 #include "driver/server/openai_api.h"
-#include "driver/server/tool_parser.h"
+#include "driver/server/response_writer.h"
 
 namespace tessera::server {
 
@@ -575,8 +575,8 @@ class Server {
       co_return co_await send(c, http::status::ok, std::move(p.response), "application/json",
                               keep_alive);
     }
-    co_return co_await complete(c, std::move(p.request), route == Route::kChat,
-                                route == Route::kGenerate, keep_alive, arrived);
+    co_return co_await complete(c, std::move(p.request), route == Route::kGenerate, keep_alive,
+                                arrived);
   }
 
   // On a worker: the JSON body parsed, the chat template rendered, the prompts tokenized. Reads
@@ -660,201 +660,157 @@ class Server {
     // n > 0: the client pipelined its next request; it is still there.
   }
 
-  // Runs a parsed request on the engine and sends its answer (whole, or as a stream).
-  awaitable<bool> complete(std::shared_ptr<Conn> c, ApiRequest req, bool chat, bool legacy,
-                           bool keep_alive, Clock::time_point arrived) {
-    const std::string id = random_id(chat ? "chatcmpl-" : "cmpl-");
-    const int64_t created = unix_now();
-    auto p = std::make_shared<Pending>(ioc_.get_executor());
-    const size_t choices = req.prompts.size() * static_cast<size_t>(req.n);
-    std::vector<uint64_t> ids;
-    std::vector<bool> done(choices, false);
-    auto abort_all = [&]() {
-      for (size_t i = 0; i < ids.size(); ++i) {
-        if (!done[i]) engine_.abort(ids[i]);
-      }
-    };
-    for (size_t i = 0; i < choices; ++i) {
-      SamplingParams s = req.sampling;
-      if (s.seed && req.n > 1) *s.seed += i % static_cast<size_t>(req.n);
-      auto ex = ioc_.get_executor();
-      auto added = engine_.add(req.prompts[i / static_cast<size_t>(req.n)], s,
-                               [p, i, ex](RequestOutput out) {
-                                 {
-                                   std::lock_guard<std::mutex> lock(p->mu);
-                                   p->outputs.emplace_back(static_cast<int>(i), std::move(out));
-                                 }
-                                 asio::post(ex, [p]() { p->timer.cancel(); });
-                               });
-      if (!added) {
-        abort_all();
-        co_return co_await send_error(c, bad_request(added.status().message()), keep_alive);
-      }
-      ids.push_back(*added);
-    }
-    asio::co_spawn(ioc_, watch(c, p), asio::detached);
+  // One completion request while it runs (I/O thread): its choices on the engine, their results
+  // so far, and the writer of its answer (both borrow `req`: a Completion stays where it is).
+  struct Completion {
+    explicit Completion(ApiRequest r, Clock::time_point arrived)
+        : req(std::move(r)), results(req, arrived) {}
+    ApiRequest req;
+    ChoiceResults results;
+    std::string id;
+    std::unique_ptr<ResponseWriter> writer;
+    std::shared_ptr<Pending> pending;
+    std::vector<uint64_t> ids;  // the engine's, by choice
+    bool open = true;           // the streamed answer can still be written
+  };
 
-    std::vector<ChoiceResult> results(choices);
-    std::vector<HermesStream> tool_streams(req.parse_tools ? choices : 0);
-    std::vector<bool> started(choices, false);
-    std::vector<Clock::time_point> last(choices, arrived);
-    std::string error;
-    size_t finished = 0;
-    bool open = true;
-    if (req.stream) {
-      http::response<http::empty_body> head{http::status::ok, 11};
-      head.set(http::field::server, "tessera");
-      head.set(http::field::content_type,
-               legacy ? "application/json" : "text/event-stream; charset=utf-8");
-      head.set(http::field::cache_control, "no-cache");
-      head.keep_alive(keep_alive);
-      head.chunked(true);
-      http::response_serializer<http::empty_body> sr(head);
-      beast::error_code ec;
-      co_await http::async_write_header(c->stream, sr, asio::redirect_error(use_awaitable, ec));
-      metrics_.http_responses[200]++;
-      if (ec) open = false;
+  // Runs a parsed request on the engine and sends its answer (whole, or as a stream): its
+  // choices are added, their outputs pumped to the writer until all finished, and the answer
+  // finished. False when the connection cannot go on.
+  awaitable<bool> complete(std::shared_ptr<Conn> c, ApiRequest req, bool legacy, bool keep_alive,
+                           Clock::time_point arrived) {
+    Completion run(std::move(req), arrived);
+    run.id = random_id(run.req.chat ? "chatcmpl-" : "cmpl-");
+    run.writer = make_response_writer(run.req, legacy, run.id, unix_now(), model_);
+    if (Status added = add(run); !added) {
+      co_return co_await send_error(c, bad_request(added.message()), keep_alive);
     }
-    auto write_chunk = [&](const std::string& data) -> awaitable<bool> {
-      beast::error_code ec;
-      c->stream.expires_after(std::chrono::seconds(60));
-      co_await asio::async_write(c->stream, http::make_chunk(asio::buffer(data)),
-                                 asio::redirect_error(use_awaitable, ec));
-      c->stream.expires_never();
-      co_return !ec;
-    };
-    while (finished < choices && open && !p->disconnected) {
-      std::deque<std::pair<int, RequestOutput>> batch;
+    asio::co_spawn(ioc_, watch(c, run.pending), asio::detached);
+    co_await pump(c, run, keep_alive);
+    co_return co_await finish(c, run, keep_alive);
+  }
+
+  // Queues each choice (each prompt n times, the seed stepped per sample) on the engine, its
+  // outputs to run.pending. A refusal (the prompt or sampling does not fit the model) leaves
+  // none of them queued.
+  Status add(Completion& run) {
+    const ApiRequest& req = run.req;
+    const size_t n = static_cast<size_t>(req.n);
+    run.pending = std::make_shared<Pending>(ioc_.get_executor());
+    for (size_t i = 0; i < run.results.size(); ++i) {
+      SamplingParams s = req.sampling;
+      if (s.seed && req.n > 1) *s.seed += i % n;
+      auto added = engine_.add(req.prompts[i / n], s, sink(run.pending, i));
+      if (!added) {
+        abort_unfinished(run);
+        return added.status();
+      }
+      run.ids.push_back(*added);
+    }
+    return Status::ok();
+  }
+
+  // Hands the outputs of choice `index` from the engine thread to the I/O thread.
+  AsyncEngine::Sink sink(std::shared_ptr<Pending> p, size_t index) {
+    auto ex = ioc_.get_executor();
+    return [p, index, ex](RequestOutput out) {
       {
         std::lock_guard<std::mutex> lock(p->mu);
-        batch.swap(p->outputs);
+        p->outputs.emplace_back(static_cast<int>(index), std::move(out));
+      }
+      asio::post(ex, [p]() { p->timer.cancel(); });
+    };
+  }
+
+  void abort_unfinished(const Completion& run) {
+    for (size_t i = 0; i < run.ids.size(); ++i) {
+      if (!run.results.finished(i)) engine_.abort(run.ids[i]);
+    }
+  }
+
+  // Takes the choices' outputs as they come until every choice finished, the client went away
+  // or the stream broke; a streamed answer sends the writer's chunk for each (none after a
+  // choice failed).
+  awaitable<void> pump(std::shared_ptr<Conn> c, Completion& run, bool keep_alive) {
+    Pending& p = *run.pending;
+    if (run.req.stream) {
+      run.open = co_await write_stream_head(c, run.writer->stream_content_type(), keep_alive);
+    }
+    while (!run.results.all_finished() && run.open && !p.disconnected) {
+      std::deque<std::pair<int, RequestOutput>> batch;
+      {
+        std::lock_guard<std::mutex> lock(p.mu);
+        batch.swap(p.outputs);
       }
       if (batch.empty()) {
         beast::error_code ec;
-        p->timer.expires_at(Clock::time_point::max());
-        co_await p->timer.async_wait(asio::redirect_error(use_awaitable, ec));
+        p.timer.expires_at(Clock::time_point::max());
+        co_await p.timer.async_wait(asio::redirect_error(use_awaitable, ec));
         continue;
       }
       for (auto& [index, out] : batch) {
-        ChoiceResult& r = results[static_cast<size_t>(index)];
-        const auto now = Clock::now();
-        if (!out.new_tokens.empty()) {
-          if (r.tokens.empty()) {
-            metrics_.ttft.observe(std::chrono::duration<double>(now - arrived).count());
-          } else {
-            const double gap = std::chrono::duration<double>(now - last[index]).count() /
-                               static_cast<double>(out.new_tokens.size());
-            for (size_t k = 0; k < out.new_tokens.size(); ++k) metrics_.itl.observe(gap);
-          }
-          last[index] = now;
-        }
-        r.text += out.delta;
-        r.tokens.insert(r.tokens.end(), out.new_tokens.begin(), out.new_tokens.end());
-        r.logprobs.insert(r.logprobs.end(), out.new_logprobs.begin(), out.new_logprobs.end());
-        r.prompt_tokens = out.prompt_tokens ? out.prompt_tokens : r.prompt_tokens;
-        r.cached_tokens = std::max(r.cached_tokens, out.cached_tokens);
-        if (out.finished) {
-          done[static_cast<size_t>(index)] = true;
-          finished++;
-          r.finish_reason = out.finish_reason;
-          r.prompt_tokens = req.prompts[static_cast<size_t>(index) / req.n].size();
-          if (out.finish_reason.rfind("error: ", 0) == 0) {
-            error = out.finish_reason.substr(7);
-          } else {
-            metrics_.finished[api_finish_reason(out.finish_reason)]++;
-          }
-          metrics_.e2e.observe(std::chrono::duration<double>(now - arrived).count());
-        }
-        if (req.stream && open && error.empty()) {
-          std::string data;
-          if (legacy) {
-            const std::string& prompt = req.prompt_texts[static_cast<size_t>(index) / req.n];
-            data = json{{"text", json::array({prompt + r.text})}}.dump() + std::string(1, '\0');
-          } else if (req.parse_tools) {
-            // Content as it comes, each tool call once it is complete.
-            HermesStream& tools = tool_streams[static_cast<size_t>(index)];
-            HermesStream::Delta d = tools.push(out.delta);
-            if (out.finished) {
-              HermesStream::Delta rest = tools.finish();
-              d.content += rest.content;
-            }
-            const int before = tools.calls() - static_cast<int>(d.calls.size());
-            if (!d.content.empty() || !started[index]) {
-              data += sse_event(stream_chunk(req, id, index, d.content, out.new_logprobs, "",
-                                             !started[index], created, model_)
-                                    .dump());
-            }
-            if (!d.calls.empty()) {
-              data += sse_event(tool_call_chunk(req, id, index, d.calls, before, created).dump());
-            }
-            if (out.finished) {
-              const std::string reason =
-                  tools.calls() > 0 ? std::string("tool_calls") : out.finish_reason;
-              data += sse_event(
-                  stream_chunk(req, id, index, "", {}, reason, false, created, model_).dump());
-            }
-          } else if (!out.delta.empty() || !out.new_logprobs.empty() || out.finished ||
-                     (chat && !started[index])) {
-            std::string text = out.delta;
-            if (req.echo && !started[index]) {
-              text = req.prompt_texts[static_cast<size_t>(index) / req.n] + text;
-            }
-            json chunk = stream_chunk(req, id, index, text, out.new_logprobs,
-                                      out.finished ? out.finish_reason : "",
-                                      chat && !started[index], created, model_);
-            data = sse_event(chunk.dump());
-          }
-          started[index] = true;
-          if (!data.empty() && !co_await write_chunk(data)) open = false;
-        }
+        const size_t i = static_cast<size_t>(index);
+        run.results.add(i, out, metrics_);
+        if (!run.req.stream || !run.open || !run.results.error().empty()) continue;
+        const std::string data = run.writer->on_output(i, out, run.results.results()[i]);
+        if (!data.empty() && !co_await write_chunk(c, data)) run.open = false;
       }
     }
-    if (p->disconnected || !open) {
-      abort_all();
-      spdlog::info("{}: the client went away; aborted", id);
+  }
+
+  // Ends the answer: when the client went away or the stream broke, nothing (the choices still
+  // running are aborted); else the body (a 500 when a choice failed) or the stream's end.
+  awaitable<bool> finish(std::shared_ptr<Conn> c, Completion& run, bool keep_alive) {
+    if (run.pending->disconnected || !run.open) {
+      abort_unfinished(run);
+      spdlog::info("{}: the client went away; aborted", run.id);
       co_return false;
     }
     beast::error_code ignored;
     c->stream.socket().cancel(ignored);  // ends watch()
-    size_t prompt_tokens = 0, completion_tokens = 0;
-    for (size_t i = 0; i < choices; ++i) {
-      completion_tokens += results[i].tokens.size();
-      if (i % static_cast<size_t>(req.n) == 0) prompt_tokens += results[i].prompt_tokens;
+    spdlog::info("{}: {}", run.id, run.results.summary());
+    std::optional<ApiError> error;
+    if (!run.results.error().empty()) {
+      error = api_error(500, run.results.error(), "InternalServerError");
     }
-    spdlog::info("{}: {} choice(s), {} prompt + {} completion tokens in {:.3f} s{}", id, choices,
-                 prompt_tokens, completion_tokens,
-                 std::chrono::duration<double>(Clock::now() - arrived).count(),
-                 error.empty() ? "" : "; failed: " + error);
-    if (!req.stream) {
-      if (!error.empty()) {
-        const ApiError e = api_error(500, error, "InternalServerError");
-        co_return co_await send_error(c, e, keep_alive);
-      }
-      if (legacy) {
-        json texts = json::array();
-        for (size_t i = 0; i < choices; ++i) {
-          texts.push_back(req.prompt_texts[i / static_cast<size_t>(req.n)] + results[i].text);
-        }
-        const json out = {{"text", texts}};
-        co_return co_await send_json(c, out, keep_alive);
-      }
-      co_return co_await send_json(c, completion_response(req, id, results, model_), keep_alive);
+    if (!run.req.stream) {
+      if (error) co_return co_await send_error(c, *error, keep_alive);
+      const json body = run.writer->body(run.results.results());
+      co_return co_await send_json(c, body, keep_alive);
     }
-    if (!error.empty()) {
-      const ApiError e = api_error(500, error, "InternalServerError");
-      if (!co_await write_chunk(sse_event(error_body(e)))) co_return false;
-    }
-    if (!legacy) {
-      if (req.include_usage) {
-        if (!co_await write_chunk(sse_event(usage_chunk(req, id, results, created).dump()))) {
-          co_return false;
-        }
-      }
-      if (!co_await write_chunk(sse_event("[DONE]"))) co_return false;
+    const std::vector<std::string> end = run.writer->stream_end(run.results.results(), error);
+    for (const std::string& chunk : end) {
+      if (!co_await write_chunk(c, chunk)) co_return false;
     }
     beast::error_code ec;
     co_await asio::async_write(c->stream, http::make_chunk_last(),
                                asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+  }
+
+  // The header of a streamed (chunked) answer.
+  awaitable<bool> write_stream_head(std::shared_ptr<Conn> c, const char* content_type,
+                                    bool keep_alive) {
+    http::response<http::empty_body> head{http::status::ok, 11};
+    head.set(http::field::server, "tessera");
+    head.set(http::field::content_type, content_type);
+    head.set(http::field::cache_control, "no-cache");
+    head.keep_alive(keep_alive);
+    head.chunked(true);
+    http::response_serializer<http::empty_body> sr(head);
+    beast::error_code ec;
+    co_await http::async_write_header(c->stream, sr, asio::redirect_error(use_awaitable, ec));
+    metrics_.http_responses[200]++;
+    co_return !ec;
+  }
+
+  // One chunk of a streamed answer.
+  awaitable<bool> write_chunk(std::shared_ptr<Conn> c, const std::string& data) {
+    beast::error_code ec;
+    c->stream.expires_after(std::chrono::seconds(60));
+    co_await asio::async_write(c->stream, http::make_chunk(asio::buffer(data)),
+                               asio::redirect_error(use_awaitable, ec));
+    c->stream.expires_never();
     co_return !ec;
   }
 

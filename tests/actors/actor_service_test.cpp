@@ -67,9 +67,14 @@ TEST(ActorServiceTest, ACancelledLoadStillEnds) {
   auto env = std::make_unique<Env>();
   CudaProbe probe;
   ActorService service({"a-test", "n-test"}, probe);
-  LoadSpec spec;
-  spec.model_dir = "/nonexistent/tessera-model";
-  spec.device = "cpu";
+  LoadSpec spec;  // resolved by hand: there is no model to resolve it against
+  spec.engine.model = "/nonexistent/tessera-model";
+  spec.engine.device = Device::kCpu;
+  spec.engine.dtype = "float32";
+  spec.engine.max_model_len = 64;
+  spec.engine.max_num_batched_tokens = 64;
+  spec.engine.pipeline_parallel_size = ParallelSize{1};
+  spec.engine.resolved = true;
   {
     auto dropped = service.load_model(spec);  // cancelled when it goes out of scope
   }

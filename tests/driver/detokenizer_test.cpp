@@ -98,7 +98,7 @@ TEST_P(TokenizerDetokenizerTest, EngineTextStopsAtAStopStringAcrossTokens) {
     for (const auto& o : *outs) {
       text += o.delta;
       EXPECT_EQ(o.delta.find('E'), std::string::npos) << "held back as a stop-string start";
-      if (o.finished) reason = o.finish_reason;
+      if (o.finished) reason = finish_reason_name(o.finish_reason);
     }
   }
   EXPECT_EQ(text, expected);

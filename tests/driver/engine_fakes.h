@@ -256,7 +256,8 @@ struct Run {
   std::string text;
   size_t cached_tokens = 0;
   std::vector<int32_t> tokens;
-  std::string finish;
+  std::string finish;  // finish_reason_name of its finish reason
+  Status error;        // with finish "error"
   std::vector<std::string> deltas;
 };
 
@@ -271,7 +272,8 @@ inline std::map<uint64_t, Run> run_all(LlmEngine& engine) {
       r.text += o.delta;
       if (!o.delta.empty()) r.deltas.push_back(o.delta);
       r.tokens.insert(r.tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
-      if (o.finished) r.finish = o.finish_reason;
+      if (o.finished) r.finish = finish_reason_name(o.finish_reason);
+      if (o.finished) r.error = o.error;
       r.cached_tokens = o.cached_tokens;
     }
   }

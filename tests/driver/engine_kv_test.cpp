@@ -58,7 +58,7 @@ Workload run_workload(const EngineConfig& c, int depth, const std::vector<Arriva
       auto& r = runs[o.request_id];
       r.text += o.delta;
       r.tokens.insert(r.tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
-      if (o.finished) r.finish = o.finish_reason;
+      if (o.finished) r.finish = finish_reason_name(o.finish_reason);
       r.cached_tokens = o.cached_tokens;
     }
   }
@@ -351,7 +351,7 @@ struct AbortFixture {
       auto& r = runs[o.request_id];
       r.text += o.delta;
       r.tokens.insert(r.tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
-      if (o.finished) r.finish = o.finish_reason;
+      if (o.finished) r.finish = finish_reason_name(o.finish_reason);
     }
   }
   void finish() {
@@ -497,7 +497,7 @@ TEST(EngineAbortTest, Waiting) {
   ASSERT_TRUE(out);
   EXPECT_EQ(out->request_id, b);
   EXPECT_TRUE(out->finished);
-  EXPECT_EQ(out->finish_reason, "abort");
+  EXPECT_EQ(out->finish_reason, FinishReason::kAbort);
   EXPECT_EQ(out->completion_tokens, 0u);
   EXPECT_EQ(f.engine->stats().waiting, 0u);
   EXPECT_FALSE(f.engine->abort_request(b));  // once only
@@ -518,7 +518,7 @@ TEST(EngineAbortTest, Running) {
   const uint32_t used = f.engine->stats().kv_blocks_used;
   auto out = f.engine->abort_request(a);
   ASSERT_TRUE(out);
-  EXPECT_EQ(out->finish_reason, "abort");
+  EXPECT_EQ(out->finish_reason, FinishReason::kAbort);
   EXPECT_EQ(out->completion_tokens, 2u);
   EXPECT_TRUE(out->new_tokens.empty());
   EXPECT_EQ(f.engine->stats().kv_blocks_used, used - 2);  // a's 7 tokens were in 2 blocks
@@ -545,7 +545,7 @@ TEST(EngineAbortTest, InFlight) {
   const size_t sent_before = f.ex.batches.size();
   auto out = f.engine->abort_request(b);
   ASSERT_TRUE(out);
-  EXPECT_EQ(out->finish_reason, "abort");
+  EXPECT_EQ(out->finish_reason, FinishReason::kAbort);
   EXPECT_EQ(out->completion_tokens, 0u);
   EXPECT_TRUE(f.engine->has_unfinished());
   f.finish();

@@ -151,7 +151,8 @@ TEST(EngineTest, FailedStepFailsOnlyItsRequests) {
   auto a = engine.add_request({1}, opts(3));
   ex.fail_next = 1;
   auto runs = run_all(engine);
-  EXPECT_EQ(runs[*a].finish.rfind("error: ", 0), 0u) << runs[*a].finish;
+  EXPECT_EQ(runs[*a].finish, "error");
+  EXPECT_FALSE(runs[*a].error.is_ok());
   // The engine goes on serving.
   auto b = engine.add_request({1}, opts(2));
   runs = run_all(engine);
@@ -169,7 +170,8 @@ TEST(EngineTest, AFailedSubmitFailsItsRequestsAndForgetsNothing) {
   auto b = engine.add_request({31}, opts(2));
   ex.fail_submit = 1;
   runs = run_all(engine);
-  EXPECT_EQ(runs[*b].finish.rfind("error: ", 0), 0u) << runs[*b].finish;
+  EXPECT_EQ(runs[*b].finish, "error");
+  EXPECT_FALSE(runs[*b].error.is_ok());
   // The step that was to tell the actors to forget a never arrived: the next one does.
   auto c = engine.add_request({32}, opts(2));
   runs = run_all(engine);
@@ -296,7 +298,8 @@ TEST(EngineAsyncTest, FailuresAndAbortsWithTwoStepsInFlight) {
   ASSERT_TRUE(engine.step());
   ex.fail_next = 1;
   auto runs = run_all(engine);
-  EXPECT_EQ(runs[*a].finish.rfind("error: ", 0), 0u) << runs[*a].finish;
+  EXPECT_EQ(runs[*a].finish, "error");
+  EXPECT_FALSE(runs[*a].error.is_ok());
   EXPECT_FALSE(engine.has_unfinished());
   // The step after the failed one continued `a` past the step the fake dropped (real actors
   // refuse that: a position that does not continue the request); its result was dropped.
@@ -313,7 +316,7 @@ TEST(EngineAsyncTest, FailuresAndAbortsWithTwoStepsInFlight) {
   ASSERT_EQ(ex.in_flight.size(), 1u);  // the decode step ahead, holding b and c
   auto aborted = engine.abort_request(*b);
   ASSERT_TRUE(aborted);
-  EXPECT_EQ(aborted->finish_reason, "abort");
+  EXPECT_EQ(aborted->finish_reason, FinishReason::kAbort);
   runs = run_all(engine);
   EXPECT_EQ(runs[*c].finish, "length");
   EXPECT_EQ(c_tokens + runs[*c].tokens.size(), 8u);

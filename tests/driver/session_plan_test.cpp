@@ -2,6 +2,8 @@
 // the engine arguments, the one-GPU sharing that --collectives ipc allows, and its printout.
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include "driver/model_session.h"
 
 namespace tessera {
@@ -23,22 +25,23 @@ ModelConfig tiny() {
   return c;
 }
 
-EngineArgs args(const std::string& tp, const std::string& pp = "") {
-  EngineArgs a;
+// -tp `tp` (0 = auto) and, when given, -pp `pp`.
+EngineSpec args(int64_t tp, std::optional<int64_t> pp = std::nullopt) {
+  EngineSpec a;
   a.model = "/nonexistent";
-  a.parallel.tensor_parallel_size = tp;
-  a.parallel.pipeline_parallel_size = pp;
+  a.tensor_parallel_size = ParallelSize{tp};
+  if (pp) a.pipeline_parallel_size = ParallelSize{*pp};
   return a;
 }
 
 TEST(SessionPlanTest, TwoRanksShareOneGpuOnlyWithIpcCollectives) {
   auto nodes = synthetic_nodes(1, 1, 80ull << 30);
-  EngineArgs a = args("2");
+  EngineSpec a = args(2);
   auto refused = plan_session(tiny(), a, nodes);
   ASSERT_FALSE(refused);
   EXPECT_EQ(refused.status().code(), Code::kResourceExhausted) << refused.status().to_string();
 
-  a.collectives = "ipc";
+  a.collectives = Collectives::kIpc;
   auto shared = plan_session(tiny(), a, nodes);
   ASSERT_TRUE(shared) << shared.status().to_string();
   ASSERT_EQ(shared->placement.ranks.size(), 2u);
@@ -48,29 +51,31 @@ TEST(SessionPlanTest, TwoRanksShareOneGpuOnlyWithIpcCollectives) {
   EXPECT_EQ(plan_summary(*shared), "plan: stage 0: node-0 gpu0 gpu0 [X]\n");
   // The load takes its lengths from the plan: resolved as any plan's (the model's context by
   // default, --max-model-len when given), never 0.
-  EXPECT_EQ(shared->memory.options.max_model_len, 2048);
-  EXPECT_GT(shared->memory.options.max_num_batched_tokens, 0);
-  a.memory.max_model_len = 512;
+  EXPECT_EQ(shared->engine.max_model_len, 2048);
+  EXPECT_GT(shared->engine.max_num_batched_tokens, 0);
+  EXPECT_TRUE(check_resolved(shared->engine).is_ok());
+  EXPECT_EQ(shared->engine.device, Device::kCuda);
+  a.max_model_len = 512;
   auto capped = plan_session(tiny(), a, nodes);
   ASSERT_TRUE(capped) << capped.status().to_string();
-  EXPECT_EQ(capped->memory.options.max_model_len, 512);
-  a.memory.max_model_len = 4096;  // beyond the model's 2048
+  EXPECT_EQ(capped->engine.max_model_len, 512);
+  a.max_model_len = 4096;  // beyond the model's 2048
   EXPECT_FALSE(plan_session(tiny(), a, nodes));
 }
 
 TEST(SessionPlanTest, PlansAreThePlannersAndPrintEveryStage) {
   auto nodes = synthetic_nodes(2, 2, 80ull << 30);
-  auto plan = plan_session(tiny(), args("2", "2"), nodes);
+  auto plan = plan_session(tiny(), args(2, 2), nodes);
   ASSERT_TRUE(plan) << plan.status().to_string();
   EXPECT_EQ(plan->placement.ranks.size(), 4u);
   const std::string text = plan_summary(*plan);
   EXPECT_NE(text.find("plan: stage 0: "), std::string::npos) << text;
   EXPECT_NE(text.find("plan: stage 1: "), std::string::npos) << text;
-  auto chosen = plan_session(tiny(), args("auto"), nodes);
+  auto chosen = plan_session(tiny(), args(0), nodes);
   ASSERT_TRUE(chosen) << chosen.status().to_string();
   EXPECT_NE(plan_summary(*chosen).find("plan: -tp auto"), std::string::npos)
       << plan_summary(*chosen);
-  auto bad = plan_session(tiny(), args("3"), nodes);
+  auto bad = plan_session(tiny(), args(3), nodes);
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.status().message().find("attention heads do not split over 3 ranks"),
             std::string::npos)

@@ -60,15 +60,17 @@ std::string tiny_model(const std::string& arch) {
   return dir;
 }
 
+// One rank's spec, resolved as the driver resolves it for `device` ("cpu" or "cuda").
 LoadSpec spec_for(const std::string& dir, const std::string& device) {
-  LoadSpec s;
-  s.model_dir = dir;
-  s.device = device;
-  s.max_model_len = 2048;
-  s.return_logits = true;
-  s.gpu_memory_utilization = 0.15;
-  s.max_num_seqs = 16;
-  return s;
+  EngineSpec e;
+  e.model = dir;
+  e.max_model_len = 2048;
+  e.return_logits = true;
+  e.gpu_memory_utilization = 0.15;
+  e.max_num_seqs = 16;
+  auto s = load_spec_for_rank(e, ParallelConfig{}, device == "cpu" ? Device::kCpu : Device::kCuda);
+  EXPECT_TRUE(s) << s.status().to_string();
+  return s ? *s : LoadSpec{};
 }
 
 // Loads one rank (no parallelism) and allocates every KV block that fits.
@@ -239,7 +241,7 @@ TEST_P(CudaParityTest, Fp8KvCacheTracksTheCpuBackendsFp8Cache) {
   require_gpu();
   const std::string dir = tiny_model(GetParam());
   LoadSpec cpu_spec = spec_for(dir, "cpu"), gpu_spec = spec_for(dir, "cuda");
-  cpu_spec.kv_cache_dtype = gpu_spec.kv_cache_dtype = "fp8";
+  cpu_spec.engine.kv_cache_dtype = gpu_spec.engine.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
   auto cpu = load(cpu_spec);
   auto gpu = load(gpu_spec);
   auto gpu_bf16 = load(spec_for(dir, "cuda"));
@@ -310,7 +312,7 @@ TEST_P(CudaOddShapeTest, TracksTheFp32CpuBackend) {
   ASSERT_TRUE(cpu);
   for (bool eager : {true, false}) {
     LoadSpec gs = spec_for(dir, "cuda");
-    gs.enforce_eager = eager;
+    gs.engine.enforce_eager = eager;
     auto gpu = load(gs);
     ASSERT_TRUE(gpu) << sh.name;
     for (int64_t len : {int64_t{37}, int64_t{700}}) {
@@ -348,7 +350,7 @@ TEST(CudaModelTest, GraphsGiveTheSameBitsAsEagerMode) {
   std::vector<std::vector<int32_t>> eager_tokens, graph_tokens;
   {
     LoadSpec s = spec_for(dir, "cuda");
-    s.enforce_eager = true;
+    s.engine.enforce_eager = true;
     auto r = load(s);
     ASSERT_TRUE(r);
     eager_tokens = generate(*r, prompts, 24, &eager_logits);
@@ -416,8 +418,8 @@ TEST(CudaModelTest, LaunchingAheadGivesTheTokensOfOneStepAtATime) {
   require_gpu();
   for (bool eager : {false, true}) {
     LoadSpec spec = spec_for(tiny_model("llama"), "cuda");
-    spec.return_logits = false;  // logits keep steps one at a time
-    spec.enforce_eager = eager;
+    spec.engine.return_logits = false;  // logits keep steps one at a time
+    spec.engine.enforce_eager = eager;
     auto r = load(spec);
     ASSERT_TRUE(r);
     SamplingParams s = greedy();
@@ -442,20 +444,22 @@ TEST(CudaModelTest, LaunchingAheadGivesTheTokensOfOneStepAtATime) {
 TEST(CudaModelTest, RefusesAModelThatDoesNotFitWithTheFigures) {
   require_gpu();
   LoadSpec s = spec_for(tiny_model("llama"), "cuda");
-  s.gpu_memory_utilization = 0.0005;  // ~70 MiB of an H200
+  s.engine.gpu_memory_utilization = 0.0005;  // ~70 MiB of an H200
   auto r = ModelRunner::load(s, {});
   ASSERT_FALSE(r);
   std::printf("[memory] %s\n", r.status().to_string().c_str());
   EXPECT_NE(r.status().message().find("--gpu-memory-utilization"), std::string::npos);
-  s.gpu_memory_utilization = 1.5;
+  s.engine.gpu_memory_utilization = 1.5;
   r = ModelRunner::load(s, {});
   ASSERT_FALSE(r);
   EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
-  s.gpu_memory_utilization = 0.15;
-  s.dtype = "float32";
-  r = ModelRunner::load(s, {});
-  ASSERT_FALSE(r);
-  EXPECT_NE(r.status().message().find("cpu backend only"), std::string::npos);
+  // float32 on the GPU is refused where the spec is resolved, before any actor.
+  EngineSpec f32;
+  f32.model = tiny_model("llama");
+  f32.dtype = "float32";
+  auto refused = load_spec_for_rank(f32, ParallelConfig{}, Device::kCuda);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.status().message().find("cpu backend only"), std::string::npos);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cuda/attention.h"
@@ -95,147 +96,187 @@ double time_op(cudaStream_t st, const std::function<Status()>& op, int reps = 50
   return ms * 1000.0 / (5.0 * reps);
 }
 
-int run(int argc, char** argv) {
+// Llama-3-8B's shape, and the KV cache's block size.
+constexpr int64_t H = 4096, I = 14336, V = 128256, heads = 32, kvh = 8, hd = 128;
+constexpr int64_t qkv_n = (heads + 2 * kvh) * hd;
+constexpr DType bf = DType::kBF16;
+constexpr int64_t bs = 16;
+
+struct Args {
   int64_t B = 1, ctx = 256, max_len = 8192;
+};
+
+// The flags into `args` (--zeros into g_zeros); false after naming an unknown one.
+bool parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; ++i) {
     const bool has_value = i + 1 < argc;
     if (!std::strcmp(argv[i], "--zeros")) {
       g_zeros = true;
     } else if (has_value && !std::strcmp(argv[i], "--batch")) {
-      B = std::atoll(argv[++i]);
+      args.B = std::atoll(argv[++i]);
     } else if (has_value && !std::strcmp(argv[i], "--context")) {
-      ctx = std::atoll(argv[++i]);
+      args.ctx = std::atoll(argv[++i]);
     } else if (has_value && !std::strcmp(argv[i], "--max-model-len")) {
-      max_len = std::atoll(argv[++i]);
+      args.max_len = std::atoll(argv[++i]);
     } else {
       std::fprintf(stderr, "kernel_bench: unknown argument %s\n", argv[i]);
-      return 2;
+      return false;
     }
   }
-  const int64_t H = 4096, I = 14336, V = 128256, heads = 32, kvh = 8, hd = 128;
-  const int64_t qkv_n = (heads + 2 * kvh) * hd;
-  const DType bf = DType::kBF16;
-  cudaStream_t st;
-  cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-  cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
-  auto gemm = Gemm::create();
-  check(gemm.status(), "gemm");
-  const int64_t T = std::max<int64_t>(B, 4096);
-  void* x = dalloc(T * I * 2 * 2);
-  void* y = dalloc(T * I * 2 * 2);
-  void* w_qkv = dalloc(qkv_n * H * 2);
-  void* w_o = dalloc(H * H * 2);
-  void* w_gu = dalloc(2 * I * H * 2);
-  void* w_d = dalloc(H * I * 2);
-  void* w_lm = dalloc(V * H * 2);
-  void* logits = dalloc(B * V * 4);
-  void* norm_w = dalloc(H * 2);
-  void* resid = dalloc(T * H * 2);
-  const int64_t bs = 16, blocks_per_seq = (max_len + bs - 1) / bs;
-  const int64_t num_blocks = std::max<int64_t>(B * blocks_per_seq, 4096 / bs + 1);
-  void* kc = dalloc(num_blocks * bs * kvh * hd * 2);
-  void* vc = dalloc(num_blocks * bs * kvh * hd * 2);
-  std::vector<int32_t> tables(B * blocks_per_seq), cu(B + 1), ctxs(B, static_cast<int32_t>(ctx));
-  for (int64_t i = 0; i < B * blocks_per_seq; ++i) tables[i] = static_cast<int32_t>(i % num_blocks);
-  for (int64_t i = 0; i <= B; ++i) cu[i] = static_cast<int32_t>(i);
-  auto up = [](const std::vector<int32_t>& v) {
-    void* p = dalloc(v.size() * 4);
-    cudaMemcpy(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice);
-    return static_cast<int32_t*>(p);
-  };
-  int32_t* d_tables = up(tables);
-  int32_t* d_cu = up(cu);
-  int32_t* d_ctx = up(ctxs);
-  std::vector<int32_t> pos(T, static_cast<int32_t>(ctx - 1));
-  int32_t* d_pos = up(pos);
-  std::vector<int64_t> slots(T, -1);
-  auto* d_slots = static_cast<int64_t*>(dalloc(T * 8));
-  cudaMemcpy(d_slots, slots.data(), T * 8, cudaMemcpyHostToDevice);
-  auto* cosb = static_cast<float*>(dalloc(max_len * hd / 2 * 4));
-  auto* sinb = static_cast<float*>(dalloc(max_len * hd / 2 * 4));
-  const SplitPlan sp =
-      plan_attention_splits(static_cast<int>(B), kvh, max_len, prop.multiProcessorCount);
-  void* ws = dalloc(std::max<size_t>(256, attention_workspace_bytes(B, heads, hd, sp.num_splits)));
+  return true;
+}
 
-  struct Row {
-    std::string name;
-    double us;
-    int per_step;
-  };
-  std::vector<Row> rows;
-  // The linear layers (cuBLASLt), each also as a fraction of the copy bandwidth below.
-  struct Linear {
-    std::string name;
-    int64_t n, k;
-    const void* w;
-    DType out;
-    int per_step;
-    double us = 0;
-  };
-  std::vector<Linear> linears = {{"qkv", qkv_n, H, w_qkv, bf, 32},
-                                 {"o", H, H, w_o, bf, 32},
-                                 {"gate_up", 2 * I, H, w_gu, bf, 32},
-                                 {"down", H, I, w_d, bf, 32},
-                                 {"lm_head fp32", V, H, w_lm, DType::kF32, 1}};
+int32_t* up(const std::vector<int32_t>& v) {
+  void* p = dalloc(v.size() * 4);
+  cudaMemcpy(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice);
+  return static_cast<int32_t*>(p);
+}
+
+// Every device buffer the decode ops use: activations of max(B, 4096) tokens, one layer's
+// weights and the lm_head, the paged KV cache with its block tables (every sequence at
+// context `ctx`), positions, slots, RoPE tables and the split attention's workspace.
+struct Buffers {
+  void *x, *y, *w_qkv, *w_o, *w_gu, *w_d, *w_lm, *logits, *norm_w, *resid;
+  int64_t blocks_per_seq, num_blocks;
+  void *kc, *vc;
+  int32_t *d_tables, *d_cu, *d_ctx, *d_pos;
+  int64_t* d_slots;
+  float *cosb, *sinb;
+  SplitPlan sp;
+  void* ws;
+};
+
+Buffers allocate_buffers(const Args& args, const cudaDeviceProp& prop) {
+  const int64_t B = args.B, ctx = args.ctx, max_len = args.max_len;
+  Buffers b;
+  const int64_t T = std::max<int64_t>(B, 4096);
+  b.x = dalloc(T * I * 2 * 2);
+  b.y = dalloc(T * I * 2 * 2);
+  b.w_qkv = dalloc(qkv_n * H * 2);
+  b.w_o = dalloc(H * H * 2);
+  b.w_gu = dalloc(2 * I * H * 2);
+  b.w_d = dalloc(H * I * 2);
+  b.w_lm = dalloc(V * H * 2);
+  b.logits = dalloc(B * V * 4);
+  b.norm_w = dalloc(H * 2);
+  b.resid = dalloc(T * H * 2);
+  b.blocks_per_seq = (max_len + bs - 1) / bs;
+  b.num_blocks = std::max<int64_t>(B * b.blocks_per_seq, 4096 / bs + 1);
+  b.kc = dalloc(b.num_blocks * bs * kvh * hd * 2);
+  b.vc = dalloc(b.num_blocks * bs * kvh * hd * 2);
+  std::vector<int32_t> tables(B * b.blocks_per_seq), cu(B + 1), ctxs(B, static_cast<int32_t>(ctx));
+  for (int64_t i = 0; i < B * b.blocks_per_seq; ++i) {
+    tables[i] = static_cast<int32_t>(i % b.num_blocks);
+  }
+  for (int64_t i = 0; i <= B; ++i) cu[i] = static_cast<int32_t>(i);
+  b.d_tables = up(tables);
+  b.d_cu = up(cu);
+  b.d_ctx = up(ctxs);
+  std::vector<int32_t> pos(T, static_cast<int32_t>(ctx - 1));
+  b.d_pos = up(pos);
+  std::vector<int64_t> slots(T, -1);
+  b.d_slots = static_cast<int64_t*>(dalloc(T * 8));
+  cudaMemcpy(b.d_slots, slots.data(), T * 8, cudaMemcpyHostToDevice);
+  b.cosb = static_cast<float*>(dalloc(max_len * hd / 2 * 4));
+  b.sinb = static_cast<float*>(dalloc(max_len * hd / 2 * 4));
+  b.sp = plan_attention_splits(static_cast<int>(B), kvh, max_len, prop.multiProcessorCount);
+  b.ws = dalloc(std::max<size_t>(256, attention_workspace_bytes(B, heads, hd, b.sp.num_splits)));
+  return b;
+}
+
+struct Row {
+  std::string name;
+  double us;
+  int per_step;
+};
+// A linear layer (cuBLASLt), also reported as a fraction of the copy bandwidth.
+struct Linear {
+  std::string name;
+  int64_t n, k;
+  const void* w;
+  DType out;
+  int per_step;
+  double us = 0;
+};
+
+// The decode step's linear layers, timed: a row each in `rows`. Returns them with their times.
+std::vector<Linear> time_linears(cudaStream_t st, Gemm& gemm, const Args& args, const Buffers& b,
+                                 std::vector<Row>& rows) {
+  const int64_t B = args.B;
+  std::vector<Linear> linears = {{"qkv", qkv_n, H, b.w_qkv, bf, 32},
+                                 {"o", H, H, b.w_o, bf, 32},
+                                 {"gate_up", 2 * I, H, b.w_gu, bf, 32},
+                                 {"down", H, I, b.w_d, bf, 32},
+                                 {"lm_head fp32", V, H, b.w_lm, DType::kF32, 1}};
   for (Linear& l : linears) {
     l.us = time_op(st, [&] {
-      return gemm.value()->linear({B, l.n, l.k, bf, l.out, false}, x, l.w, nullptr,
-                                  l.out == bf ? y : logits, st);
+      return gemm.linear({B, l.n, l.k, bf, l.out, false}, b.x, l.w, nullptr,
+                         l.out == bf ? b.y : b.logits, st);
     });
     rows.push_back({"gemm " + l.name + " [" + std::to_string(B) + " x " + std::to_string(l.n) +
                         " x " + std::to_string(l.k) + "]",
                     l.us, l.per_step});
   }
-  rows.push_back({"rms_norm",
-                  time_op(st, [&] { return rms_norm(bf, resid, norm_w, B, H, 1e-5f, y, st); }), 1});
+  return linears;
+}
+
+// The decode step's other ops, timed: norms, RoPE with the cache write, SiLU, and attention
+// with its planned splits and without; a row each in `rows` (the attention rows last). Returns
+// the decode attention's arguments.
+AttentionArgs time_decode_ops(cudaStream_t st, const Args& args, const Buffers& b,
+                              std::vector<Row>& rows) {
+  const int64_t B = args.B, ctx = args.ctx, max_len = args.max_len;
+  rows.push_back(
+      {"rms_norm",
+       time_op(st, [&] { return rms_norm(bf, b.resid, b.norm_w, B, H, 1e-5f, b.y, st); }), 1});
   rows.push_back(
       {"add_rms_norm",
-       time_op(st, [&] { return add_rms_norm(bf, x, resid, norm_w, B, H, 1e-5f, y, st); }), 64});
+       time_op(st, [&] { return add_rms_norm(bf, b.x, b.resid, b.norm_w, B, H, 1e-5f, b.y, st); }),
+       64});
   RopeCacheArgs r;
   r.dtype = bf;
-  r.qkv = x;
-  r.cos = cosb;
-  r.sin = sinb;
+  r.qkv = b.x;
+  r.cos = b.cosb;
+  r.sin = b.sinb;
   r.max_position = max_len;
-  r.positions = d_pos;
-  r.slots = d_slots;
+  r.positions = b.d_pos;
+  r.slots = b.d_slots;
   r.num_tokens = B;
   r.num_heads = heads;
   r.num_kv_heads = kvh;
   r.head_dim = hd;
-  r.q_out = y;
-  r.k_cache = kc;
-  r.v_cache = vc;
-  r.num_blocks = num_blocks;
+  r.q_out = b.y;
+  r.k_cache = b.kc;
+  r.v_cache = b.vc;
+  r.num_blocks = b.num_blocks;
   r.block_size = bs;
   rows.push_back({"rope_and_cache", time_op(st, [&] { return rope_and_cache(r, st); }), 32});
-  rows.push_back({"silu_mul", time_op(st, [&] { return silu_mul(bf, x, B, I, y, st); }), 32});
+  rows.push_back({"silu_mul", time_op(st, [&] { return silu_mul(bf, b.x, B, I, b.y, st); }), 32});
   AttentionArgs a;
   a.dtype = bf;
-  a.q = x;
-  a.out = y;
-  a.k_cache = kc;
-  a.v_cache = vc;
-  a.num_blocks = num_blocks;
+  a.q = b.x;
+  a.out = b.y;
+  a.k_cache = b.kc;
+  a.v_cache = b.vc;
+  a.num_blocks = b.num_blocks;
   a.block_size = bs;
-  a.cu_query_lens = d_cu;
-  a.context_lens = d_ctx;
-  a.block_tables = d_tables;
-  a.block_table_stride = static_cast<int>(blocks_per_seq);
+  a.cu_query_lens = b.d_cu;
+  a.context_lens = b.d_ctx;
+  a.block_tables = b.d_tables;
+  a.block_table_stride = static_cast<int>(b.blocks_per_seq);
   a.num_seqs = static_cast<int>(B);
   a.max_query_len = 1;
   a.num_heads = heads;
   a.num_kv_heads = kvh;
   a.head_dim = hd;
   a.scale = 1.0f / std::sqrt(128.0f);
-  a.num_splits = sp.num_splits;
-  a.split_size = sp.split_size;
-  a.workspace = sp.num_splits > 1 ? ws : nullptr;
+  a.num_splits = b.sp.num_splits;
+  a.split_size = b.sp.split_size;
+  a.workspace = b.sp.num_splits > 1 ? b.ws : nullptr;
   a.total_q = B;
   rows.push_back({"attention decode ctx " + std::to_string(ctx) + " (" +
-                      std::to_string(sp.num_splits) + " splits of " +
-                      std::to_string(sp.split_size) + ")",
+                      std::to_string(b.sp.num_splits) + " splits of " +
+                      std::to_string(b.sp.split_size) + ")",
                   time_op(st, [&] { return paged_attention(a, st); }), 32});
   AttentionArgs a1 = a;
   a1.num_splits = 1;
@@ -243,8 +284,16 @@ int run(int argc, char** argv) {
   a1.workspace = nullptr;
   rows.push_back(
       {"attention decode, no split", time_op(st, [&] { return paged_attention(a1, st); }), 0});
-  // Decode attention is bound by its K/V reads: compare them with a device-to-device copy of
-  // 1 GiB in the same run (the copy reads and writes, so its bytes count twice).
+  return a;
+}
+
+// Decode attention is bound by its K/V reads: compares them, and the linear layers' weight
+// reads, with a device-to-device copy of 1 GiB in the same run (the copy reads and writes, so
+// its bytes count twice); then times the decode over an FP8 cache against the same bandwidth.
+// `rows` ends with time_decode_ops's two attention rows.
+void report_bandwidth(cudaStream_t st, const Args& args, const AttentionArgs& a,
+                      const std::vector<Row>& rows, const std::vector<Linear>& linears) {
+  const int64_t B = args.B, ctx = args.ctx;
   const double kv_bytes = static_cast<double>(B) * ctx * kvh * hd * 2 * 2;
   const double copy_gb = 1 << 30;
   void* copy_src = dalloc(static_cast<size_t>(copy_gb));
@@ -290,19 +339,14 @@ int run(int argc, char** argv) {
       "attention decode, fp8 KV cache: %.1f us (%.2fx the bf16 cache) = %.0f GB/s = %.2f of the "
       "copy bandwidth\n",
       fp8_us, attn_us / fp8_us, kv_bytes / 2 / fp8_us / 1e3, kv_bytes / 2 / fp8_us / 1e3 / copy_bw);
-  auto sampler = GpuSampler::create(static_cast<int>(B), V, 20, st);
-  check(sampler.status(), "sampler");
-  rows.push_back({"argmax",
-                  time_op(st,
-                          [&] {
-                            return sampler.value()->argmax(
-                                static_cast<float*>(logits), static_cast<int>(B),
-                                static_cast<int32_t*>(static_cast<void*>(d_pos)), st);
-                          }),
-                  1});
+}
+
+// The decode ops' table: a line per row and the per-step sum.
+void print_rows(const cudaDeviceProp& prop, const Args& args, const std::vector<Row>& rows) {
   double total = 0;
   std::printf("Llama-3-8B decode ops on %s, batch %ld, context %ld, max-model-len %ld, %s\n",
-              prop.name, static_cast<long>(B), static_cast<long>(ctx), static_cast<long>(max_len),
+              prop.name, static_cast<long>(args.B), static_cast<long>(args.ctx),
+              static_cast<long>(args.max_len),
               g_zeros ? "buffers of zeros" : "random bf16 buffers");
   for (const Row& row : rows) {
     std::printf("%-58s %9.2f us  x%-3d = %8.1f us\n", row.name.c_str(), row.us, row.per_step,
@@ -310,7 +354,11 @@ int run(int argc, char** argv) {
     total += row.us * row.per_step;
   }
   std::printf("%-58s %9s        = %8.1f us per step\n", "sum", "", total);
-  // Prefill attention at 4096 tokens (one sequence, causal).
+}
+
+// Prefill at 4096 tokens (one sequence, causal): attention with each kernel and over an FP8
+// cache, and the layer's GEMMs. `a` is the decode attention's arguments.
+void time_prefill(cudaStream_t st, Gemm& gemm, const AttentionArgs& a, const Buffers& b) {
   std::vector<int32_t> cu1 = {0, 4096}, ctx1 = {4096};
   std::vector<int32_t> t1(4096 / bs);
   for (int64_t i = 0; i < 4096 / bs; ++i) t1[i] = static_cast<int32_t>(i);
@@ -343,16 +391,48 @@ int run(int argc, char** argv) {
       st, [&] { return paged_attention(p8, st); }, 5);
   std::printf("attention prefill 4096 causal, fp8 KV cache: %.1f us per layer = %.0f TFLOP/s\n",
               us8, flops / us8 / 1e6);
-  for (auto [n, k, w] : {std::tuple{qkv_n, H, w_qkv}, {H, H, w_o}, {2 * I, H, w_gu}, {H, I, w_d}}) {
+  for (const auto& layer :
+       {std::tuple{qkv_n, H, b.w_qkv}, {H, H, b.w_o}, {2 * I, H, b.w_gu}, {H, I, b.w_d}}) {
+    // Plain copies, not structured bindings: clang does not capture those in a lambda.
+    const int64_t n = std::get<0>(layer), k = std::get<1>(layer);
+    const void* w = std::get<2>(layer);
     const double t = time_op(
         st,
         [&, n, k, w] {
-          return gemm.value()->linear({4096, n, k, bf, bf, false}, x, w, nullptr, y, st);
+          return gemm.linear({4096, n, k, bf, bf, false}, b.x, w, nullptr, b.y, st);
         },
         5);
     std::printf("gemm prefill [4096 x %ld x %ld]: %.1f us = %.0f TFLOP/s\n", static_cast<long>(n),
                 static_cast<long>(k), t, 2.0 * 4096 * n * k / t / 1e6);
   }
+}
+
+int run(int argc, char** argv) {
+  Args args;
+  if (!parse_args(argc, argv, args)) return 2;
+  cudaStream_t st;
+  cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  auto gemm = Gemm::create();
+  check(gemm.status(), "gemm");
+  const Buffers b = allocate_buffers(args, prop);
+  std::vector<Row> rows;
+  const std::vector<Linear> linears = time_linears(st, *gemm.value(), args, b, rows);
+  const AttentionArgs a = time_decode_ops(st, args, b, rows);
+  report_bandwidth(st, args, a, rows, linears);
+  auto sampler = GpuSampler::create(static_cast<int>(args.B), V, 20, st);
+  check(sampler.status(), "sampler");
+  rows.push_back({"argmax",
+                  time_op(st,
+                          [&] {
+                            return sampler.value()->argmax(
+                                static_cast<float*>(b.logits), static_cast<int>(args.B),
+                                static_cast<int32_t*>(static_cast<void*>(b.d_pos)), st);
+                          }),
+                  1});
+  print_rows(prop, args, rows);
+  time_prefill(st, *gemm.value(), a, b);
   return 0;
 }
 

@@ -180,13 +180,15 @@ TEST_F(FaultsTest, OptionsThatMakeNoSenseAreRefusedBeforeAnythingStarts) {
   struct Case {
     std::vector<std::string> args;
     std::string says;
+    int exit_code = 1;  // 2: a usage error, refused while the flags are parsed
   };
   std::vector<Case> cases = {
       {{"--max-num-seqs", "0"}, "--max-num-seqs must be between 1 and 65536"},
       {{"--logprobs", "-3"}, "logprobs must be between 0 and 20"},
       {{"--stop-token-ids", "99999999"}, "stop token id 99999999 is outside the vocabulary"},
       {{"--gpu-memory-utilization", "1.5"}, "--gpu-memory-utilization must be in (0, 1]"},
-      {{"--device", "tpu"}, "--device 'tpu' is not one of auto, cuda, cpu"},
+      {{"--device", "tpu"}, "--device 'tpu' is not one of auto, cuda, cpu", 2},
+      {{"-tp", "two"}, "--tensor-parallel-size must be a positive integer or auto, got 'two'", 2},
   };
   for (const auto& c : cases) {
     std::vector<std::string> argv = {bin("tessera"), "generate", "--model",
@@ -195,7 +197,7 @@ TEST_F(FaultsTest, OptionsThatMakeNoSenseAreRefusedBeforeAnythingStarts) {
     auto t0 = std::chrono::steady_clock::now();
     auto r = run_command(argv, 30s, {"TESSERA_TMPDIR=" + root_});
     auto took = std::chrono::steady_clock::now() - t0;
-    EXPECT_EQ(r.exit_code, 1) << c.args[0];
+    EXPECT_EQ(r.exit_code, c.exit_code) << c.args[0];
     EXPECT_NE(r.err.find(c.says), std::string::npos) << r.err;
     EXPECT_LT(took, 1500ms) << c.args[0] << " took long: did a node start?";
     EXPECT_TRUE(fs::is_empty(root_)) << "something started for " << c.args[0];

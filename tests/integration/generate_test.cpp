@@ -230,12 +230,13 @@ TEST_F(GenerateTest, SeveralPromptsAreBatchedAndEachMatchesItsOwnRun) {
   }
 }
 
-// --device picks the backend: an unknown name is refused; cuda either runs on the node's GPU or,
+// --device picks the backend: an unknown name is a usage error (exit 2, like every flag checked
+// while the command line is parsed); cuda either runs on the node's GPU or,
 // where there is none (CI), fails saying so, never falling back silently.
 TEST_F(GenerateTest, DeviceFlagIsHonoured) {
   CommandResult r = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "tpu",
                                  "--prompt", "hi", "--max-tokens", "2"});
-  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--device 'tpu' is not one of auto, cuda, cpu"), std::string::npos) << r.err;
   r = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cuda", "--prompt",
                    "hi", "--max-tokens", "2", "--gpu-memory-utilization", "0.2"});

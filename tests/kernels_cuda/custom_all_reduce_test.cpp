@@ -176,24 +176,55 @@ class Rank {
 
 using RankBody = std::function<void(Rank&)>;
 
-// Forks `world` children running `body`, relays their exchanges and reports their failures as
-// gtest failures. A child that exits early, falls out of step or stays silent for `step_timeout_s`
-// fails the test and every child is killed (SIGKILL). Returns the info lines of every rank.
-std::vector<std::string> run_ranks(int world, const RankBody& body, int step_timeout_s = 300) {
-  ::signal(SIGPIPE, SIG_IGN);
-  std::fflush(stdout);
+// The children of one run_ranks call: their pids and this process's ends of their pipes.
+struct Children {
+  std::vector<pid_t> pids;
+  std::vector<int> to_child, from_child;
+};
+
+// In the child of rank `r`, just forked from `parent`: keeps its own pipe ends only, runs `body`,
+// reports and exits (0 without failures, 1 with).
+[[noreturn]] void run_child(int r, int world, pid_t parent,
+                            const std::vector<std::array<int, 2>>& down,
+                            const std::vector<std::array<int, 2>>& up, const RankBody& body) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) _exit(4);
+  for (int q = 0; q < world; ++q) {
+    const auto& d = down[static_cast<size_t>(q)];
+    const auto& u = up[static_cast<size_t>(q)];
+    ::close(d[1]);
+    ::close(u[0]);
+    if (q != r) {
+      ::close(d[0]);
+      ::close(u[1]);
+    }
+  }
+  Rank ctx(r, world, up[static_cast<size_t>(r)][1], down[static_cast<size_t>(r)][0]);
+  try {
+    body(ctx);
+  } catch (const std::exception& e) {
+    ctx.fail(std::string("exception: ") + e.what());
+  }
+  ctx.finish();
   std::fflush(stderr);
-  std::vector<int> to_child(static_cast<size_t>(world)), from_child(static_cast<size_t>(world));
+  _exit(ctx.failures() == 0 ? 0 : 1);
+}
+
+// Makes a pipe each way per rank and forks `world` children running `body`. Leaves their pids
+// and this process's pipe ends in `children`; false after a gtest failure (the children forked
+// by then are killed).
+bool fork_ranks(int world, const RankBody& body, Children& children) {
   std::vector<std::array<int, 2>> down(static_cast<size_t>(world)), up(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
     if (::pipe(down[static_cast<size_t>(r)].data()) != 0 ||
         ::pipe(up[static_cast<size_t>(r)].data()) != 0) {
       ADD_FAILURE() << "pipe: " << std::strerror(errno);
-      return {};
+      return false;
     }
   }
   const pid_t parent = ::getpid();
-  std::vector<pid_t> pids(static_cast<size_t>(world), -1);
+  std::vector<pid_t>& pids = children.pids;
+  pids.assign(static_cast<size_t>(world), -1);
   for (int r = 0; r < world; ++r) {
     const pid_t pid = ::fork();
     if (pid < 0) {
@@ -201,85 +232,96 @@ std::vector<std::string> run_ranks(int world, const RankBody& body, int step_tim
       for (pid_t p : pids) {
         if (p > 0) ::kill(p, SIGKILL);
       }
-      return {};
+      return false;
     }
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) _exit(4);
-      for (int q = 0; q < world; ++q) {
-        const auto& d = down[static_cast<size_t>(q)];
-        const auto& u = up[static_cast<size_t>(q)];
-        ::close(d[1]);
-        ::close(u[0]);
-        if (q != r) {
-          ::close(d[0]);
-          ::close(u[1]);
-        }
-      }
-      Rank ctx(r, world, up[static_cast<size_t>(r)][1], down[static_cast<size_t>(r)][0]);
-      try {
-        body(ctx);
-      } catch (const std::exception& e) {
-        ctx.fail(std::string("exception: ") + e.what());
-      }
-      ctx.finish();
-      std::fflush(stderr);
-      _exit(ctx.failures() == 0 ? 0 : 1);
-    }
+    if (pid == 0) run_child(r, world, parent, down, up, body);
     pids[static_cast<size_t>(r)] = pid;
   }
+  children.to_child.resize(static_cast<size_t>(world));
+  children.from_child.resize(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
     ::close(down[static_cast<size_t>(r)][0]);
     ::close(up[static_cast<size_t>(r)][1]);
-    to_child[static_cast<size_t>(r)] = down[static_cast<size_t>(r)][1];
-    from_child[static_cast<size_t>(r)] = up[static_cast<size_t>(r)][0];
+    children.to_child[static_cast<size_t>(r)] = down[static_cast<size_t>(r)][1];
+    children.from_child[static_cast<size_t>(r)] = up[static_cast<size_t>(r)][0];
   }
+  return true;
+}
 
-  std::vector<std::string> infos;
+// One message (header and payload) from every rank in turn, each within `step_timeout_s`.
+// "" or why the round failed.
+std::string read_round(int world, const Children& children, int step_timeout_s, int round,
+                       std::vector<MsgHeader>& headers, std::vector<std::string>& payloads) {
+  for (int r = 0; r < world; ++r) {
+    const Clock::time_point deadline = Clock::now() + std::chrono::seconds(step_timeout_s);
+    MsgHeader& h = headers[static_cast<size_t>(r)];
+    const int from = children.from_child[static_cast<size_t>(r)];
+    std::string st = read_all(from, &h, sizeof(h), &deadline);
+    if (st == "ok") {
+      payloads[static_cast<size_t>(r)].resize(h.len);
+      if (h.len > 0) {
+        st = read_all(from, payloads[static_cast<size_t>(r)].data(), h.len, &deadline);
+      }
+    }
+    if (st == "timeout") {
+      return "rank " + std::to_string(r) + " sent nothing for " + std::to_string(step_timeout_s) +
+             " s in round " + std::to_string(round) + " (hung?)";
+    }
+    if (st != "ok") {
+      return "rank " + std::to_string(r) + " exited without reporting in round " +
+             std::to_string(round) + " (crashed?)";
+    }
+  }
+  return "";
+}
+
+// Rank `r`'s final report, every rank done: its 'F' records are gtest failures, the rest info
+// lines appended to `infos`.
+void take_report(int r, int world, const std::string& rep, std::vector<std::string>& infos) {
+  size_t at = 0;
+  while (at + 1 + sizeof(uint64_t) <= rep.size()) {
+    const char kind = rep[at];
+    uint64_t n;
+    std::memcpy(&n, rep.data() + at + 1, sizeof(n));
+    const std::string text = rep.substr(at + 1 + sizeof(n), n);
+    at += 1 + sizeof(n) + n;
+    if (kind == 'F') {
+      ADD_FAILURE() << "[rank " << r << " of " << world << "] " << text;
+    } else {
+      infos.push_back(text);
+    }
+  }
+}
+
+// Rank `r`'s report when it finished while others wait in an exchange (probably failed early):
+// every record is a gtest failure.
+void fail_early_report(int r, int world, const std::string& rep) {
+  size_t at = 0;
+  while (at + 1 + sizeof(uint64_t) <= rep.size()) {
+    uint64_t n;
+    std::memcpy(&n, rep.data() + at + 1, sizeof(n));
+    ADD_FAILURE() << "[rank " << r << " of " << world << "] " << rep.substr(at + 1 + sizeof(n), n);
+    at += 1 + sizeof(n) + n;
+  }
+}
+
+// Relays the children's exchanges round by round, in lockstep, until every one is done (their
+// info lines into `infos`). "" then, or why it stopped (a rank hung, crashed, went away or
+// fell out of step).
+std::string relay_rounds(int world, const Children& children, int step_timeout_s,
+                         std::vector<std::string>& infos) {
   std::string abort_reason;
   int round = 0;
   while (abort_reason.empty()) {
     std::vector<MsgHeader> headers(static_cast<size_t>(world));
     std::vector<std::string> payloads(static_cast<size_t>(world));
-    for (int r = 0; r < world && abort_reason.empty(); ++r) {
-      const Clock::time_point deadline = Clock::now() + std::chrono::seconds(step_timeout_s);
-      MsgHeader& h = headers[static_cast<size_t>(r)];
-      std::string st = read_all(from_child[static_cast<size_t>(r)], &h, sizeof(h), &deadline);
-      if (st == "ok") {
-        payloads[static_cast<size_t>(r)].resize(h.len);
-        if (h.len > 0) {
-          st = read_all(from_child[static_cast<size_t>(r)], payloads[static_cast<size_t>(r)].data(),
-                        h.len, &deadline);
-        }
-      }
-      if (st == "timeout") {
-        abort_reason = "rank " + std::to_string(r) + " sent nothing for " +
-                       std::to_string(step_timeout_s) + " s in round " + std::to_string(round) +
-                       " (hung?)";
-      } else if (st != "ok") {
-        abort_reason = "rank " + std::to_string(r) + " exited without reporting in round " +
-                       std::to_string(round) + " (crashed?)";
-      }
-    }
+    abort_reason = read_round(world, children, step_timeout_s, round, headers, payloads);
     if (!abort_reason.empty()) break;
     int done = 0;
     for (const MsgHeader& h : headers) done += h.kind == kDone ? 1 : 0;
     if (done == world) {
       for (int r = 0; r < world; ++r) {
-        const std::string& rep = payloads[static_cast<size_t>(r)];
-        size_t at = 0;
-        while (at + 1 + sizeof(uint64_t) <= rep.size()) {
-          const char kind = rep[at];
-          uint64_t n;
-          std::memcpy(&n, rep.data() + at + 1, sizeof(n));
-          const std::string text = rep.substr(at + 1 + sizeof(n), n);
-          at += 1 + sizeof(n) + n;
-          if (kind == 'F') {
-            ADD_FAILURE() << "[rank " << r << " of " << world << "] " << text;
-          } else {
-            infos.push_back(text);
-          }
-        }
+        take_report(r, world, payloads[static_cast<size_t>(r)], infos);
       }
       break;
     }
@@ -288,15 +330,7 @@ std::vector<std::string> run_ranks(int world, const RankBody& body, int step_tim
       // the finished ones said, then stop everyone.
       for (int r = 0; r < world; ++r) {
         if (headers[static_cast<size_t>(r)].kind != kDone) continue;
-        const std::string& rep = payloads[static_cast<size_t>(r)];
-        size_t at = 0;
-        while (at + 1 + sizeof(uint64_t) <= rep.size()) {
-          uint64_t n;
-          std::memcpy(&n, rep.data() + at + 1, sizeof(n));
-          ADD_FAILURE() << "[rank " << r << " of " << world << "] "
-                        << rep.substr(at + 1 + sizeof(n), n);
-          at += 1 + sizeof(n) + n;
-        }
+        fail_early_report(r, world, payloads[static_cast<size_t>(r)]);
       }
       abort_reason = "ranks out of step in round " + std::to_string(round) + ": " +
                      std::to_string(done) + " of " + std::to_string(world) + " finished";
@@ -306,8 +340,8 @@ std::vector<std::string> run_ranks(int world, const RankBody& body, int step_tim
     for (const std::string& p : payloads) put_string(reply, p);
     const uint64_t len = reply.size();
     for (int r = 0; r < world; ++r) {
-      if (!write_all(to_child[static_cast<size_t>(r)], &len, sizeof(len)) ||
-          !write_all(to_child[static_cast<size_t>(r)], reply.data(), reply.size())) {
+      if (!write_all(children.to_child[static_cast<size_t>(r)], &len, sizeof(len)) ||
+          !write_all(children.to_child[static_cast<size_t>(r)], reply.data(), reply.size())) {
         abort_reason =
             "rank " + std::to_string(r) + " went away during round " + std::to_string(round);
         break;
@@ -315,15 +349,12 @@ std::vector<std::string> run_ranks(int world, const RankBody& body, int step_tim
     }
     ++round;
   }
+  return abort_reason;
+}
 
-  if (!abort_reason.empty()) {
-    ADD_FAILURE() << abort_reason << "; killing all ranks";
-    for (pid_t p : pids) ::kill(p, SIGKILL);
-  }
-  for (int r = 0; r < world; ++r) {
-    ::close(to_child[static_cast<size_t>(r)]);
-    ::close(from_child[static_cast<size_t>(r)]);
-  }
+// Waits (60 s at most, then SIGKILL) for every child to exit; an unexpected exit is a gtest
+// failure unless the run was already aborted for `abort_reason`.
+void reap(int world, const std::vector<pid_t>& pids, const std::string& abort_reason) {
   const Clock::time_point reap_deadline = Clock::now() + std::chrono::seconds(60);
   for (int r = 0; r < world; ++r) {
     const pid_t pid = pids[static_cast<size_t>(r)];
@@ -346,6 +377,28 @@ std::vector<std::string> run_ranks(int world, const RankBody& body, int step_tim
                                           : "signal " + std::to_string(WTERMSIG(status)));
     }
   }
+}
+
+// Forks `world` children running `body`, relays their exchanges and reports their failures as
+// gtest failures. A child that exits early, falls out of step or stays silent for `step_timeout_s`
+// fails the test and every child is killed (SIGKILL). Returns the info lines of every rank.
+std::vector<std::string> run_ranks(int world, const RankBody& body, int step_timeout_s = 300) {
+  ::signal(SIGPIPE, SIG_IGN);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  Children children;
+  if (!fork_ranks(world, body, children)) return {};
+  std::vector<std::string> infos;
+  const std::string abort_reason = relay_rounds(world, children, step_timeout_s, infos);
+  if (!abort_reason.empty()) {
+    ADD_FAILURE() << abort_reason << "; killing all ranks";
+    for (pid_t p : children.pids) ::kill(p, SIGKILL);
+  }
+  for (int r = 0; r < world; ++r) {
+    ::close(children.to_child[static_cast<size_t>(r)]);
+    ::close(children.from_child[static_cast<size_t>(r)]);
+  }
+  reap(world, children.pids, abort_reason);
   return infos;
 }
 

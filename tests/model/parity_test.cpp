@@ -67,14 +67,19 @@ Golden make(const std::string& arch, const std::string& tag = "") {
   return g;
 }
 
-LoadSpec cpu_spec(const std::string& model_dir, int64_t max_model_len) {
-  LoadSpec spec;
-  spec.model_dir = model_dir;
-  spec.device = "cpu";  // the fp32 oracle, on any machine
-  spec.max_model_len = max_model_len;
-  spec.return_logits = true;
-  spec.threads = 1;
-  return spec;
+// One rank's spec on the cpu backend (the fp32 oracle, on any machine), resolved as the
+// driver resolves it.
+LoadSpec cpu_spec(const std::string& model_dir, int64_t max_model_len,
+                  const ParallelConfig& parallel = {}) {
+  EngineSpec engine;
+  engine.model = model_dir;
+  engine.max_model_len = max_model_len;
+  engine.return_logits = true;
+  auto spec = load_spec_for_rank(engine, parallel, Device::kCpu);
+  EXPECT_TRUE(spec) << spec.status().to_string();
+  if (!spec) return LoadSpec{};
+  spec->threads = 1;
+  return *spec;
 }
 
 // Runs `fn(rank)` on every rank at once (the collectives block until all ranks take part).
@@ -107,11 +112,12 @@ class RankGroup {
       }
     }
     on_every_rank(world, [&](int r) {
-      LoadSpec spec = cpu_spec(model_dir, 256);
-      spec.parallel.tp_size = tp;
-      spec.parallel.pp_size = pp;
-      spec.parallel.tp_rank = r % tp;
-      spec.parallel.pp_rank = r / tp;
+      ParallelConfig parallel;
+      parallel.tp_size = tp;
+      parallel.pp_size = pp;
+      parallel.tp_rank = r % tp;
+      parallel.pp_rank = r / tp;
+      LoadSpec spec = cpu_spec(model_dir, 256, parallel);
       StageComms stage;
       if (world > 1) {
         spec.comm.backend = "tcp";

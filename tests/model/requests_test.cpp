@@ -8,11 +8,11 @@
 namespace tessera {
 namespace {
 
-RequestLimits limits() {
-  RequestLimits l;
+ModelInfo limits() {
+  ModelInfo l;
   l.vocab_size = 100;
   l.block_size = 4;
-  l.num_blocks = 8;
+  l.kv_blocks = 8;
   l.max_model_len = 24;
   l.max_num_seqs = 3;
   l.max_num_batched_tokens = 16;

@@ -38,14 +38,16 @@ class RunnerTest : public ::testing::Test {
   }
 
   std::unique_ptr<ModelRunner> load(bool return_logits = false) {
-    LoadSpec spec;
-    spec.model_dir = *dir_;
-    spec.device = "cpu";
-    spec.max_model_len = 256;
-    spec.max_num_seqs = 4;
-    spec.threads = 1;
-    spec.return_logits = return_logits;
-    auto r = ModelRunner::load(spec, {});
+    EngineSpec engine;
+    engine.model = *dir_;
+    engine.max_model_len = 256;
+    engine.max_num_seqs = 4;
+    engine.return_logits = return_logits;
+    auto spec = load_spec_for_rank(engine, ParallelConfig{}, Device::kCpu);
+    EXPECT_TRUE(spec) << spec.status().to_string();
+    if (!spec) return nullptr;
+    spec->threads = 1;
+    auto r = ModelRunner::load(*spec, {});
     EXPECT_TRUE(r) << r.status().to_string();
     if (!r) return nullptr;
     Status st = (*r)->init_cache((*r)->info().kv_blocks);

@@ -347,8 +347,21 @@ TEST(ParallelPlanTest, PipelineStagesHoldEmbeddingFirstAndLmHeadLast) {
 
 // ---- memory -----------------------------------------------------------------------------------
 
-MemoryOptions resolved(const ModelConfig& c, MemoryOptions o = {}) {
-  auto r = resolve_memory_options(c, o);
+// An engine spec as given for model "/m" (validate() wants a model).
+EngineSpec model_spec() {
+  EngineSpec e;
+  e.model = "/m";
+  return e;
+}
+
+// What the planner sizes memory with: the spec checked, its lengths resolved for `c`.
+Expected<EngineSpec> resolve_memory(const ModelConfig& c, const EngineSpec& o) {
+  TESSERA_RETURN_IF_ERROR(validate(o));
+  return resolve_lengths(o, c);
+}
+
+EngineSpec resolved(const ModelConfig& c, EngineSpec o = model_spec()) {
+  auto r = resolve_memory(c, o);
   EXPECT_TRUE(r) << r.status().message();
   return r ? *r : o;
 }
@@ -362,12 +375,12 @@ std::vector<std::optional<GpuMemory>> gpus(size_t n, uint64_t total, uint64_t us
 TEST(MemoryPlanTest, DefaultContextIsTheModels) {
   ModelConfig c = llama3_8b();
   c.max_position_embeddings = 131072;
-  MemoryOptions o = resolved(c);
+  EngineSpec o = resolved(c);
   EXPECT_EQ(o.max_model_len, 131072);
   EXPECT_EQ(o.max_num_batched_tokens, 16384);
-  MemoryOptions lower;
+  EngineSpec lower = model_spec();
   lower.max_model_len = 4096;
-  auto r = resolve_memory_options(c, lower);
+  auto r = resolve_memory(c, lower);
   ASSERT_TRUE(r) << r.status().to_string();
   EXPECT_EQ(r->max_model_len, 4096);
 }
@@ -375,7 +388,7 @@ TEST(MemoryPlanTest, DefaultContextIsTheModels) {
 TEST(MemoryPlanTest, Llama3_8bOnOneGpu) {
   const ModelConfig c = llama3_8b();
   ParallelPlan p = must_plan(c, 1, 1);
-  MemoryOptions o = resolved(c);
+  EngineSpec o = resolved(c);
   EXPECT_EQ(o.max_model_len, 8192);
   EXPECT_EQ(o.max_num_batched_tokens, 8192);
   MemoryPlan m = estimate_memory(c, p, gpus(1, 80 * kGiB), o);
@@ -397,7 +410,7 @@ TEST(MemoryPlanTest, Llama3_8bOnOneGpu) {
 
 TEST(MemoryPlanTest, MoreTensorParallelRanksMeanMoreKvTokens) {
   const ModelConfig c = llama3_8b();
-  MemoryOptions o = resolved(c);
+  EngineSpec o = resolved(c);
   MemoryPlan one = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), o);
   MemoryPlan two = estimate_memory(c, must_plan(c, 2, 1), gpus(2, 80 * kGiB), o);
   EXPECT_EQ(two.ranks[0].kv_bytes_per_token, 65536u);
@@ -407,7 +420,7 @@ TEST(MemoryPlanTest, MoreTensorParallelRanksMeanMoreKvTokens) {
 // --kv-cache-dtype fp8: one byte per cached element, so twice the tokens in the same room.
 TEST(MemoryPlanTest, Fp8KvCacheHoldsTwiceTheTokens) {
   const ModelConfig c = llama3_8b();
-  MemoryOptions o = resolved(c);
+  EngineSpec o = resolved(c);
   const MemoryPlan bf16 = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), o);
   o.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
   const MemoryPlan fp8 = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), o);
@@ -420,7 +433,7 @@ TEST(MemoryPlanTest, Fp8KvCacheHoldsTwiceTheTokens) {
 
 TEST(MemoryPlanTest, TheLimitingRankDecides) {
   const ModelConfig c = llama3_8b();
-  MemoryOptions o = resolved(c);
+  EngineSpec o = resolved(c);
   auto g = gpus(2, 80 * kGiB);
   g[1]->used = 40 * kGiB;  // another process holds half of GPU 1
   MemoryPlan m = estimate_memory(c, must_plan(c, 1, 2), g, o);
@@ -459,14 +472,14 @@ TEST(MemoryPlanTest, ShortOfKvSaysWhichMaxModelLenAndUtilizationFit) {
 
 TEST(MemoryPlanTest, FlagsAreChecked) {
   const ModelConfig c = llama3_8b();
-  MemoryOptions o;
+  EngineSpec o = model_spec();
   o.max_model_len = 9000;
-  auto r = resolve_memory_options(c, o);
+  auto r = resolve_memory(c, o);
   ASSERT_FALSE(r);
   EXPECT_TRUE(contains(r.status().message(), "max_position_embeddings (8192)"));
-  o = {};
+  o = model_spec();
   o.gpu_memory_utilization = 1.5;
-  r = resolve_memory_options(c, o);
+  r = resolve_memory(c, o);
   ASSERT_FALSE(r);
   EXPECT_TRUE(contains(r.status().message(), "--gpu-memory-utilization must be in (0, 1]"));
 }
@@ -574,9 +587,9 @@ TEST(PlacementTest, GroupsAreChosenTogetherNotGreedily) {
 
 TEST(PlacementTest, TpAcrossPcieWarnsAndSuggestsTp2Pp2) {
   std::vector<ClusterNode> nodes = {make_node("node-a", 4, 80 * kGiB, pairs)};
-  PlanRequest req;
-  req.tensor_parallel = 4;
-  req.pipeline_parallel = 1;
+  EngineSpec req = model_spec();
+  req.tensor_parallel_size = ParallelSize{4};
+  req.pipeline_parallel_size = ParallelSize{1};
   auto cp = plan_on_cluster(llama3_8b(), req, nodes);
   ASSERT_TRUE(cp) << cp.status().message();
   ASSERT_EQ(cp->placement.warnings.size(), 1u);
@@ -669,7 +682,7 @@ TEST(PlacementTest, CpuOnlyClusterSpreadsStagesAndKeepsTpGroupsTogether) {
   ASSERT_TRUE(q);
   EXPECT_EQ(where(*q), (std::vector<std::pair<std::string, int64_t>>{
                            {"cpu-b", -1}, {"cpu-b", -1}, {"cpu-a", -1}, {"cpu-a", -1}}));
-  PlanRequest req;
+  EngineSpec req = model_spec();
   auto cp = plan_on_cluster(llama3_8b(), req, {a, b});
   ASSERT_TRUE(cp) << cp.status().message();
   EXPECT_TRUE(cp->fit);
@@ -728,10 +741,10 @@ TEST(PlacementTest, TopologyJsonRoundTrips) {
 
 // ---- -tp / -pp auto ---------------------------------------------------------------------------
 
-PlanRequest auto_request() {
-  PlanRequest req;
-  req.tensor_parallel = std::nullopt;
-  req.pipeline_parallel = std::nullopt;
+EngineSpec auto_request() {
+  EngineSpec req = model_spec();
+  req.tensor_parallel_size = ParallelSize::automatic();
+  req.pipeline_parallel_size = ParallelSize::automatic();
   return req;
 }
 
@@ -770,9 +783,9 @@ TEST(AutoPlanTest, NvlinkPairsChooseTp2Pp2OverTp4) {
 TEST(AutoPlanTest, FixedTpWithAutoPp) {
   std::vector<ClusterNode> nodes = {make_node("node-a", 2, 80 * kGiB, nv18),
                                     make_node("node-b", 2, 80 * kGiB, nv18)};
-  PlanRequest req;
-  req.tensor_parallel = 2;
-  req.pipeline_parallel = std::nullopt;
+  EngineSpec req = model_spec();
+  req.tensor_parallel_size = ParallelSize{2};
+  req.pipeline_parallel_size = ParallelSize::automatic();
   auto cp = plan_on_cluster(llama3_70b(), req, nodes);
   ASSERT_TRUE(cp) << cp.status().message();
   EXPECT_EQ(cp->plan.tp, 2);
@@ -794,7 +807,7 @@ TEST(AutoPlanTest, NothingFitsSaysSo) {
 
 TEST(AutoPlanTest, AFixedPlanThatDoesNotFitNamesOneThatDoes) {
   std::vector<ClusterNode> nodes = {make_node("node-a", 8, 80 * kGiB, nv18)};
-  PlanRequest req;  // -tp 1 -pp 1
+  EngineSpec req = model_spec();  // -tp 1 -pp 1
   auto cp = plan_on_cluster(llama3_70b(), req, nodes);
   ASSERT_TRUE(cp);
   ASSERT_FALSE(cp->fit);
@@ -807,8 +820,8 @@ TEST(AutoPlanTest, AFixedPlanThatDoesNotFitNamesOneThatDoes) {
 
 TEST(RenderTest, Llama3_8bTp2) {
   std::vector<ClusterNode> nodes = synthetic_nodes(1, 2, 141 * kGiB);
-  PlanRequest req;
-  req.tensor_parallel = 2;
+  EngineSpec req = model_spec();
+  req.tensor_parallel_size = ParallelSize{2};
   auto cp = plan_on_cluster(llama3_8b(), req, nodes);
   ASSERT_TRUE(cp) << cp.status().message();
   const std::string text = render_cluster_plan(llama3_8b(), *cp);
@@ -838,105 +851,110 @@ TEST(FlagsTest, ShortSpellingsAreRewritten) {
   EXPECT_STREQ(fixed.argv()[8], "-tp");  // after "--": left alone
 }
 
-TEST(FlagsTest, ParsesThroughCli11) {
+// Parses `args` (after "x plan") into a fresh spec through the flags every model command has.
+struct Parsed {
+  EngineSpec spec;
+  std::string error;  // CLI11's message when the flags were refused
+};
+Parsed parse_model_flags(std::vector<const char*> args) {
   CLI::App app;
-  ParallelArgs args;
+  Parsed out;
   auto* cmd = app.add_subcommand("plan");
-  add_parallel_options(cmd, args);
-  const char* argv[] = {"tessera", "plan", "-tp", "auto", "-pp", "3", "--pipeline-layer-partition",
-                        "10,12,10"};
-  ParallelFlagArgv fixed(8, argv);
-  ASSERT_NO_THROW(app.parse(fixed.argc(), fixed.argv()));
-  PlanRequest req;
-  ASSERT_TRUE(apply_parallel_args(args, req));
-  EXPECT_FALSE(req.tensor_parallel);
-  EXPECT_EQ(req.pipeline_parallel, 3);
-  EXPECT_EQ(req.layer_partition, (std::vector<int64_t>{10, 12, 10}));
-  args.tensor_parallel_size = "0";
-  Status st = apply_parallel_args(args, req);
-  ASSERT_FALSE(st);
-  EXPECT_TRUE(contains(st.message(),
-                       "-tp/--tensor-parallel-size must be a positive integer or "
-                       "auto, got '0'"));
-  args.tensor_parallel_size = "2";
-  args.pipeline_layer_partition = "10,,12";
-  EXPECT_FALSE(apply_parallel_args(args, req));
-  // Without -pp, the partition says how many stages.
-  ParallelArgs only_partition;
-  only_partition.pipeline_layer_partition = "10,12,10";
-  ASSERT_TRUE(apply_parallel_args(only_partition, req));
-  EXPECT_EQ(req.tensor_parallel, 1);
-  EXPECT_EQ(req.pipeline_parallel, 3);
-  ParallelArgs defaults;
-  ASSERT_TRUE(apply_parallel_args(defaults, req));
-  EXPECT_EQ(req.pipeline_parallel, 1);
+  add_model_options(cmd, out.spec);
+  args.insert(args.begin(), {"x", "plan", "--model", "/m"});
+  ParallelFlagArgv fixed(static_cast<int>(args.size()), args.data());
+  try {
+    app.parse(fixed.argc(), fixed.argv());
+  } catch (const CLI::ParseError& e) {
+    out.error = e.what();
+  }
+  return out;
 }
 
-TEST(FlagsTest, ModelFlagsParseIntoOneValueAndAreValidatedOnce) {
-  CLI::App app;
-  ModelArgs args;
-  add_model_options(&app, args);
-  std::vector<const char*> argv = {"x",
-                                   "--model",
-                                   "/m",
-                                   "-tp",
-                                   "2",
-                                   "-pp=3",
-                                   "--dtype",
-                                   "float16",
-                                   "--device",
-                                   "cpu",
-                                   "--max-model-len",
-                                   "4096",
-                                   "--gpu-memory-utilization",
-                                   "0.5",
-                                   "--max-num-seqs",
-                                   "8",
-                                   "--max-num-batched-tokens",
-                                   "64",
-                                   "--enforce-eager"};
-  ParallelFlagArgv fixed(static_cast<int>(argv.size()), argv.data());
-  ASSERT_NO_THROW(app.parse(fixed.argc(), fixed.argv()));
-  EXPECT_EQ(args.model, "/m");
-  EXPECT_EQ(args.parallel.tensor_parallel_size, "2");
-  EXPECT_EQ(args.parallel.pipeline_parallel_size, "3");
-  EXPECT_EQ(args.dtype, "float16");
-  EXPECT_EQ(args.device, "cpu");
-  EXPECT_EQ(args.memory.max_model_len, 4096);
-  EXPECT_DOUBLE_EQ(args.memory.gpu_memory_utilization, 0.5);
-  EXPECT_EQ(args.memory.max_num_seqs, 8);
-  EXPECT_EQ(args.memory.max_num_batched_tokens, 64);
-  EXPECT_TRUE(args.memory.enforce_eager);
-  EXPECT_TRUE(validate(args));
+TEST(FlagsTest, ParallelSizesAreParsedAtTheFlag) {
+  Parsed p = parse_model_flags({"-tp", "auto", "-pp", "3", "--pipeline-layer-partition", "10,12,10"});
+  ASSERT_EQ(p.error, "");
+  EXPECT_TRUE(p.spec.tensor_parallel_size.is_auto());
+  EXPECT_EQ(p.spec.pp(), 3);
+  EXPECT_EQ(p.spec.pipeline_layer_partition, (std::vector<int64_t>{10, 12, 10}));
+  EXPECT_TRUE(contains(parse_model_flags({"-tp", "0"}).error,
+                       "-tp/--tensor-parallel-size must be a positive integer or auto, got '0'"));
+  EXPECT_TRUE(contains(parse_model_flags({"-tp", "2000"}).error, "at most 1024"));
+  EXPECT_TRUE(contains(parse_model_flags({"--pipeline-layer-partition", "10,,12"}).error,
+                       "each entry must be a layer count >= 1, got ''"));
+  // Without -pp, the partition says how many stages; without either, one.
+  Parsed only_partition = parse_model_flags({"--pipeline-layer-partition", "10,12,10"});
+  EXPECT_EQ(only_partition.spec.tp(), 1);
+  EXPECT_EQ(only_partition.spec.pp(), 3);
+  EXPECT_EQ(parse_model_flags({}).spec.pp(), 1);
+}
+
+TEST(FlagsTest, ModelFlagsParseIntoOneSpecAndAreValidatedOnce) {
+  Parsed p = parse_model_flags({"-tp", "2", "-pp=3", "--dtype", "float16", "--device", "cpu",
+                                "--max-model-len", "4096", "--gpu-memory-utilization", "0.5",
+                                "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                                "--block-size", "32", "--enforce-eager", "--kv-cache-dtype",
+                                "fp8"});
+  ASSERT_EQ(p.error, "");
+  const EngineSpec& spec = p.spec;
+  EXPECT_EQ(spec.model, "/m");
+  EXPECT_EQ(spec.tp(), 2);
+  EXPECT_EQ(spec.pp(), 3);
+  EXPECT_EQ(spec.dtype, "float16");
+  EXPECT_EQ(spec.device, Device::kCpu);
+  EXPECT_EQ(spec.max_model_len, 4096);
+  EXPECT_DOUBLE_EQ(spec.gpu_memory_utilization, 0.5);
+  EXPECT_EQ(spec.max_num_seqs, 8);
+  EXPECT_EQ(spec.max_num_batched_tokens, 64);
+  EXPECT_EQ(spec.block_size, 32);
+  EXPECT_TRUE(spec.enforce_eager);
+  EXPECT_EQ(spec.kv_cache_dtype, KvCacheDtype::kFp8E4M3);
+  EXPECT_TRUE(validate(spec));
+  EXPECT_FALSE(spec.resolved);
+  EXPECT_TRUE(contains(parse_model_flags({"--device", "tpu"}).error, "--device 'tpu'"));
 
   // One validator: what the engine refuses, the planner refuses with the same words.
-  ModelArgs bad = args;
-  bad.memory.max_num_seqs = 0;
+  EngineSpec bad = spec;
+  bad.max_num_seqs = 0;
   auto st = validate(bad);
   ASSERT_FALSE(st);
-  auto planned = plan_for_nodes(llama3_8b(), bad, synthetic_nodes(1, 2, 80 * kGiB));
+  auto planned = plan_on_cluster(llama3_8b(), bad, synthetic_nodes(1, 2, 80 * kGiB));
   ASSERT_FALSE(planned);
   EXPECT_EQ(planned.status().message(), st.message());
-  bad = args;
-  bad.memory.max_num_batched_tokens = 8;
+  bad = spec;
+  bad.max_num_batched_tokens = 8;
   EXPECT_TRUE(contains(validate(bad).message(), "--max-num-batched-tokens must be at least 16"));
-  bad = args;
-  bad.device = "tpu";
-  EXPECT_TRUE(contains(validate(bad).message(), "--device 'tpu'"));
-  bad = args;
-  bad.parallel.tensor_parallel_size = "2000";
-  EXPECT_TRUE(contains(validate(bad).message(), "at most 1024"));
+  bad = spec;
+  bad.block_size = 0;
+  EXPECT_TRUE(contains(validate(bad).message(), "--block-size must be between 1 and 256"));
+  bad = spec;
+  bad.dtype = "int3";
+  EXPECT_TRUE(contains(validate(bad).message(), "--dtype 'int3'"));
 }
 
-TEST(FlagsTest, PlanForNodesReadsTheOptions) {
+TEST(FlagsTest, ThePlanResolvesTheSpecOnce) {
   PlanOptions o;
-  o.parallel.tensor_parallel_size = "2";
-  o.memory.max_model_len = 4096;
-  o.memory.gpu_memory_utilization = 0.8;
-  auto cp = plan_for_nodes(llama3_8b(), o, synthetic_nodes(2, 1, 80 * kGiB));
+  o.engine.model = "/m";
+  o.engine.tensor_parallel_size = ParallelSize{2};
+  o.engine.max_model_len = 4096;
+  o.engine.gpu_memory_utilization = 0.8;
+  o.engine.block_size = 32;
+  auto cp = plan_on_cluster(llama3_8b(), o.engine, synthetic_nodes(2, 1, 80 * kGiB));
   ASSERT_TRUE(cp) << cp.status().message();
-  EXPECT_EQ(cp->memory.options.max_model_len, 4096);
+  EXPECT_EQ(cp->memory.engine.max_model_len, 4096);
   EXPECT_EQ(cp->memory.ranks[0].budget, static_cast<uint64_t>(0.8 * 80 * kGiB));
+  // The plan's spec is the one the actors get: every value concrete.
+  const EngineSpec& e = cp->engine;
+  EXPECT_TRUE(check_resolved(e).is_ok()) << check_resolved(e).to_string();
+  EXPECT_EQ(e.device, Device::kCuda);
+  EXPECT_EQ(e.dtype, "bfloat16");
+  EXPECT_EQ(e.tp(), 2);
+  EXPECT_EQ(e.pp(), 1);
+  EXPECT_EQ(e.pipeline_layer_partition, (std::vector<int64_t>{32}));
+  EXPECT_EQ(e.max_model_len, 4096);
+  EXPECT_EQ(e.max_num_batched_tokens, 4096);
+  EXPECT_EQ(e.block_size, 32);
+  EXPECT_FALSE(check_resolved(o.engine).is_ok());  // as given, it is not
   // Two one-GPU nodes: the TP group spans them, and -tp 1 -pp 2 is the better plan.
   EXPECT_EQ(format_stages(cp->placement, 2, 1), "stage 0: node-0 gpu0 + node-1 gpu0 [network]\n");
   ASSERT_TRUE(cp->better);

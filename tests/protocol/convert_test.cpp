@@ -153,18 +153,52 @@ TEST(ConvertTest, StepOutputKeepsSamplesLogitsTimesAndErrors) {
   EXPECT_EQ(out.error, in.error);
 }
 
+// Every field of the engine spec set away from its default: a field the wire forgets fails here.
+EngineSpec every_engine_field() {
+  EngineSpec e;
+  e.model = "/models/llama";
+  e.dtype = "bfloat16";
+  e.device = Device::kCuda;
+  e.tensor_parallel_size = ParallelSize{2};
+  e.pipeline_parallel_size = ParallelSize{3};
+  e.pipeline_layer_partition = {10, 12, 10};
+  e.max_model_len = 4096;
+  e.gpu_memory_utilization = 0.85;
+  e.max_num_seqs = 128;
+  e.max_num_batched_tokens = 8192;
+  e.block_size = 32;
+  e.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
+  e.enforce_eager = true;
+  e.enable_prefix_caching = false;
+  e.async_scheduling = true;
+  e.collectives = Collectives::kIpc;
+  e.disable_custom_all_reduce = true;
+  e.nccl_init_timeout_s = 77;
+  e.return_logits = true;
+  e.resolved = true;
+  return e;
+}
+
+TEST(ConvertTest, EngineSpecEveryFieldAndTheDefaults) {
+  const EngineSpec full = every_engine_field();
+  EXPECT_TRUE(round_trip<proto::EngineSpec>(full) == full);
+  const EngineSpec defaults;
+  EXPECT_FALSE(full == defaults);
+  EXPECT_TRUE(round_trip<proto::EngineSpec>(defaults) == defaults);
+  // -pp not given and -pp auto stay apart.
+  EngineSpec automatic;
+  automatic.tensor_parallel_size = ParallelSize::automatic();
+  automatic.pipeline_parallel_size = ParallelSize::automatic();
+  const EngineSpec back = round_trip<proto::EngineSpec>(automatic);
+  EXPECT_TRUE(back.tensor_parallel_size.is_auto());
+  ASSERT_TRUE(back.pipeline_parallel_size.has_value());
+  EXPECT_TRUE(back.pipeline_parallel_size->is_auto());
+}
+
 TEST(ConvertTest, LoadSpecEveryField) {
   LoadSpec in;
-  in.model_dir = "/models/llama";
-  in.dtype = "bfloat16";
-  in.device = "cuda";
-  in.block_size = 32;
-  in.max_model_len = 4096;
-  in.max_num_seqs = 128;
-  in.max_num_batched_tokens = 8192;
-  in.gpu_memory_utilization = 0.85;
-  in.enforce_eager = true;
-  in.return_logits = true;
+  in.engine = every_engine_field();
+  in.gpu_shares = 2;
   in.threads = 3;
   in.parallel.tp_size = 2;
   in.parallel.pp_size = 3;
@@ -182,16 +216,8 @@ TEST(ConvertTest, LoadSpecEveryField) {
   in.step_ring_reader = 3;
   in.output_ring = "/tessera-1-2-ring-out-a-1";
   LoadSpec out = round_trip<proto::LoadSpec>(in);
-  EXPECT_EQ(out.model_dir, in.model_dir);
-  EXPECT_EQ(out.dtype, in.dtype);
-  EXPECT_EQ(out.device, in.device);
-  EXPECT_EQ(out.block_size, in.block_size);
-  EXPECT_EQ(out.max_model_len, in.max_model_len);
-  EXPECT_EQ(out.max_num_seqs, in.max_num_seqs);
-  EXPECT_EQ(out.max_num_batched_tokens, in.max_num_batched_tokens);
-  EXPECT_EQ(out.gpu_memory_utilization, in.gpu_memory_utilization);
-  EXPECT_EQ(out.enforce_eager, in.enforce_eager);
-  EXPECT_EQ(out.return_logits, in.return_logits);
+  EXPECT_TRUE(out.engine == in.engine);
+  EXPECT_EQ(out.gpu_shares, 2);
   EXPECT_EQ(out.threads, in.threads);
   EXPECT_EQ(out.parallel.tp_size, 2);
   EXPECT_EQ(out.parallel.pp_size, 3);

@@ -292,7 +292,7 @@ TEST_F(OpenAIApiTest, ToolsGoThroughTheTemplateAndAutoNeedsTheParser) {
   ChoiceResult c;
   c.text =
       "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>";
-  c.finish_reason = "stop";
+  c.finish_reason = FinishReason::kStop;
   json j = completion_response(r, "chatcmpl-1", {c}, m);
   json msg = j["choices"][0]["message"];
   EXPECT_TRUE(msg["content"].is_null());
@@ -328,7 +328,7 @@ TEST_F(OpenAIApiTest, ResponsesAndChunksHaveOpenAIsShape) {
   for (size_t i = 0; i < 4; ++i) {
     choices[i].text = "t" + std::to_string(i);
     choices[i].tokens.assign(i + 1, 5);
-    choices[i].finish_reason = i == 0 ? "stop" : "length";
+    choices[i].finish_reason = i == 0 ? FinishReason::kStop : FinishReason::kLength;
     choices[i].prompt_tokens = 2;
     choices[i].cached_tokens = i == 2 ? 1 : 0;
   }

@@ -1,0 +1,135 @@
+// The engine's configuration: one type from the flag (or, later, a Python keyword) to the GPU.
+//
+// EngineSpec holds what the user asked for, under vLLM's names; each default is written here,
+// once, as the member's initializer. Its life has two states:
+//   - as given: the CLI binds its flags straight into it (the parallel sizes are parsed at the
+//     flag into ParallelSize), and validate() checks every bound that needs no model, in one
+//     place;
+//   - resolved: the driver's planner (driver/plan) calls resolve_engine_spec() once with the
+//     model and the plan it chose, which fills in everything "auto" or 0 meant: the dtype, the
+//     device, the parallel sizes and layer partition, max_model_len and max_num_batched_tokens.
+// The actors receive the resolved spec in their LoadSpec (common/load_spec.h, sent as
+// protocol/step.capnp's EngineSpec) and only check that it is one (check_resolved); the driver's
+// scheduler sizes itself from what the actors report (ModelInfo), not from a second copy.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/kv_cache_dtype.h"
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace tessera {
+
+struct ModelConfig;
+
+// --device: where the ranks run. A resolved spec holds kCuda or kCpu.
+enum class Device : uint8_t { kAuto, kCuda, kCpu };
+// "auto" | "cuda" | "cpu"; anything else is INVALID_ARGUMENT naming the flag and the choices.
+Expected<Device> parse_device(std::string_view text);
+const char* device_name(Device device);
+
+// --collectives: how the ranks of a group talk. kAuto: tcp for CPU ranks, ipc when two ranks
+// share a GPU, nccl otherwise (the driver picks it from the placement).
+enum class Collectives : uint8_t { kAuto, kTcp, kNccl, kIpc };
+Expected<Collectives> parse_collectives(std::string_view text);
+const char* collectives_name(Collectives collectives);
+
+// -tp / -pp as given: a number of ranks, or auto (the planner picks the fewest that fit).
+struct ParallelSize {
+  int64_t ranks = 1;  // 0 = auto
+
+  static ParallelSize automatic() { return ParallelSize{0}; }
+  bool is_auto() const { return ranks == 0; }
+  // "auto" or 1..kMaxParallelSize; INVALID_ARGUMENT naming `flag` and the text otherwise.
+  static Expected<ParallelSize> parse(std::string_view text, std::string_view flag);
+  std::string to_string() const;  // "auto" or the number
+  friend bool operator==(const ParallelSize&, const ParallelSize&) = default;
+};
+
+inline constexpr int64_t kMaxParallelSize = 1024;
+
+// --pipeline-layer-partition "10,12,10": layers per stage, each >= 1; INVALID_ARGUMENT quoting
+// the text and the bad entry.
+Expected<std::vector<int64_t>> parse_layer_partition(std::string_view text);
+inline constexpr int64_t kMaxNumSeqsLimit = 65536;
+inline constexpr int64_t kMinBatchedTokens = 16;
+
+struct EngineSpec {
+  // ---- the model
+  std::string model;            // --model: a Hugging Face model directory
+  std::string dtype = "auto";   // --dtype: auto | bfloat16 | float16 | half | float32 | float;
+                                // resolved: bfloat16 | float16 | float32
+  Device device = Device::kAuto;  // --device
+
+  // ---- parallelism
+  ParallelSize tensor_parallel_size;  // -tp, --tensor-parallel-size
+  // -pp, --pipeline-parallel-size; unset: the partition's number of stages, or 1.
+  std::optional<ParallelSize> pipeline_parallel_size;
+  std::vector<int64_t> pipeline_layer_partition;  // layers per stage; empty = even
+
+  // ---- memory and batching
+  int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
+  double gpu_memory_utilization = 0.9;  // of each GPU, whoever shares it (see LoadSpec)
+  int64_t max_num_seqs = 256;
+  int64_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
+  int64_t block_size = 16;             // tokens per KV cache block
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
+  bool enforce_eager = false;  // no CUDA graphs
+
+  // ---- scheduling
+  bool enable_prefix_caching = true;
+  bool async_scheduling = false;  // pipeline parallel size 1
+
+  // ---- how the ranks talk
+  Collectives collectives = Collectives::kAuto;
+  bool disable_custom_all_reduce = false;  // nccl: NCCL for every all-reduce
+  uint32_t nccl_init_timeout_s = 120;      // every rank joins the collectives within this
+
+  // ---- tests
+  bool return_logits = false;  // steps hand back the sampled rows' logits
+
+  // Set by resolve_engine_spec only: every value above is concrete.
+  bool resolved = false;
+
+  // The parallel sizes (resolved; as given otherwise, 0 for auto).
+  int64_t tp() const { return tensor_parallel_size.ranks; }
+  int64_t pp() const;
+
+  friend bool operator==(const EngineSpec&, const EngineSpec&) = default;
+};
+
+// OK when the values make sense before any model is read; INVALID_ARGUMENT naming the flag and
+// the value otherwise. Every bound of the spec is here.
+Status validate(const EngineSpec& spec);
+
+// The spec with everything made concrete, for `config` run as the planner chose: `tp` x `pp`
+// ranks, `stage_layers` layers per stage, on `device` (kCuda or kCpu). Resolves dtype (auto:
+// the checkpoint's; a float32 checkpoint runs in bfloat16 on the GPU), max_model_len (the
+// model's when 0; no more than max_position_embeddings) and max_num_batched_tokens. Errors
+// name the flag.
+Expected<EngineSpec> resolve_engine_spec(EngineSpec spec, const ModelConfig& config,
+                                         int64_t tp, int64_t pp,
+                                         std::vector<int64_t> stage_layers, Device device);
+
+// The spec with its lengths made concrete for `config` (max_model_len, max_num_batched_tokens;
+// resolve_engine_spec's first half): what the planner sizes memory with before it has chosen
+// the parallel sizes.
+Expected<EngineSpec> resolve_lengths(EngineSpec spec, const ModelConfig& config);
+
+// What the actor checks of the spec it is given: resolved, and within validate()'s bounds.
+Status check_resolved(const EngineSpec& spec);
+
+// The dtype a resolved spec runs in (kBF16, kF16 or kF32).
+DType run_dtype(const EngineSpec& spec);
+
+// The spec's --max-model-len for `config` (0 = max_position_embeddings), INVALID_ARGUMENT past
+// it; and its step budget: max_num_batched_tokens, or max(max_model_len, 2048) capped at 16384.
+Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config);
+int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len);
+
+}  // namespace tessera

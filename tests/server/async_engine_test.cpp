@@ -1,0 +1,285 @@
+// The server's engine thread over a fake host (no processes): a worker group that dies, its
+// restart, the retry budget of the requests that were running, and the restart counters.
+#include "driver/server/async_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/driver/engine_fakes.h"
+
+namespace tessera::server {
+namespace {
+
+using namespace std::chrono_literals;
+using engine_testing::FakeDetokenizer;
+
+constexpr int32_t kPoison = 42;  // a prompt token that kills the group whenever a step has it
+constexpr const char* kDeath = "rank 0: actor a-1 was killed by signal 9";
+
+// What the test sets and reads while the engine thread runs the host.
+struct World {
+  std::atomic<bool> dead{false};
+  std::atomic<bool> kill_next_step{false};
+  std::atomic<int> failing_restarts{0};  // restarts still to fail
+  std::atomic<int> restarts{0};          // restarts that worked
+};
+
+// Runs steps at once (a token "a" for each sample, after 2 ms: a request of many tokens runs
+// long enough to be seen running), unless the group is dead or the step kills it.
+class FakeGroup final : public StepExecutor {
+ public:
+  explicit FakeGroup(World& world) : world_(world) {}
+
+  Status submit(StepInput step) override {
+    in_flight_.push_back(std::move(step));
+    return Status::ok();
+  }
+
+  Expected<StepOutput> collect() override {
+    StepInput step = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    bool poison = world_.kill_next_step.exchange(false);
+    for (const SeqStep& s : step.seqs) {
+      poison |= std::find(s.tokens.begin(), s.tokens.end(), kPoison) != s.tokens.end();
+    }
+    if (poison) world_.dead = true;
+    if (world_.dead) return unavailable("the connection to rank 0 broke");
+    std::this_thread::sleep_for(2ms);
+    StepOutput out;
+    out.step_id = step.step_id;
+    for (const SeqStep& s : step.seqs) {
+      if (!s.sample) continue;
+      SeqOutput o;
+      o.request_id = s.request_id;
+      o.sample.token = 1;
+      out.outputs.push_back(o);
+    }
+    return out;
+  }
+
+ private:
+  World& world_;
+  std::deque<StepInput> in_flight_;
+};
+
+// A served model whose group is a FakeGroup; restart() makes a new group and a fresh engine, as
+// ModelSession::restart() does.
+class FakeHost final : public EngineHost {
+ public:
+  explicit FakeHost(World& world) : world_(world) {
+    model_.vocab_size = 100;
+    model_.max_model_len = 256;
+    start_group();
+  }
+  ~FakeHost() override { engine_.reset(); }
+
+  LlmEngine& engine() override { return *engine_; }
+  const ModelInfo& model() const override { return model_; }
+  double load_seconds() const override { return 0.0; }
+  bool alive() const override { return !world_.dead; }
+  std::string death() const override { return world_.dead ? kDeath : ""; }
+  Status restart() override {
+    if (world_.failing_restarts > 0) {
+      --world_.failing_restarts;
+      return unavailable("no node has a free CPU");
+    }
+    start_group();
+    world_.dead = false;
+    ++world_.restarts;
+    return Status::ok();
+  }
+  void poll() override {}
+  Status abort_steps(std::chrono::milliseconds) override { return Status::ok(); }
+
+ private:
+  void start_group() {
+    engine_.reset();
+    group_ = std::make_unique<FakeGroup>(world_);
+    engine_ = std::make_unique<LlmEngine>(engine_testing::config(), *group_, detokenizer_);
+  }
+
+  World& world_;
+  ModelInfo model_;
+  FakeDetokenizer detokenizer_;
+  std::unique_ptr<FakeGroup> group_;
+  std::unique_ptr<LlmEngine> engine_;
+};
+
+// Every request's outputs, as the engine thread hands them over.
+class Outputs {
+ public:
+  AsyncEngine::Sink sink() {
+    return [this](RequestOutput out) {
+      std::lock_guard<std::mutex> lock(mu_);
+      by_request_[out.request_id].push_back(std::move(out));
+      changed_.notify_all();
+    };
+  }
+  // The last output of request `id` once it finished (a default one after 20 s).
+  RequestOutput last(uint64_t id) {
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_for(lock, 20s, [&] { return finished(id); });
+    return finished(id) ? by_request_[id].back() : RequestOutput{};
+  }
+  // Waits until request `id` produced a token.
+  bool started(uint64_t id) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return changed_.wait_for(lock, 20s, [&] {
+      for (const auto& o : by_request_[id]) {
+        if (!o.new_tokens.empty()) return true;
+      }
+      return false;
+    });
+  }
+  size_t tokens(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    for (const auto& o : by_request_[id]) n += o.new_tokens.size();
+    return n;
+  }
+
+ private:
+  bool finished(uint64_t id) {
+    auto it = by_request_.find(id);
+    return it != by_request_.end() && !it->second.empty() && it->second.back().finished;
+  }
+
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::map<uint64_t, std::vector<RequestOutput>> by_request_;
+};
+
+std::unique_ptr<AsyncEngine> start(World& world) {
+  auto engine = AsyncEngine::start([&world]() -> Expected<std::unique_ptr<EngineHost>> {
+    return std::unique_ptr<EngineHost>(std::make_unique<FakeHost>(world));
+  });
+  EXPECT_TRUE(engine) << engine.status().to_string();
+  return engine ? std::move(*engine) : nullptr;
+}
+
+SamplingParams tokens(int n) {
+  SamplingParams s;
+  s.max_tokens = n;
+  return s;
+}
+
+// Polls `done` for up to 20 s.
+template <typename F>
+bool eventually(F done) {
+  for (int i = 0; i < 2000 && !done(); ++i) std::this_thread::sleep_for(10ms);
+  return done();
+}
+
+TEST(AsyncEngineTest, ServesRequestsOverAHost) {
+  World world;
+  Outputs outs;  // outlives the engine, whose stop hands outputs to it
+  auto engine = start(world);
+  ASSERT_TRUE(engine);
+  auto id = engine->add({1, 2}, tokens(3), outs.sink());
+  ASSERT_TRUE(id) << id.status().to_string();
+  RequestOutput last = outs.last(*id);
+  EXPECT_EQ(last.finish_reason, FinishReason::kLength);
+  EXPECT_TRUE(last.error.is_ok());
+  EXPECT_EQ(outs.tokens(*id), 3u);
+  EXPECT_TRUE(engine->healthy());
+  // Checked before it is queued: nothing reaches the engine.
+  EXPECT_FALSE(engine->add({1000}, tokens(3), outs.sink()));
+}
+
+TEST(AsyncEngineTest, ARequestRunningAtEachDeathIsRetriedThenFailsWithTheBudgetMessage) {
+  World world;
+  Outputs outs;  // outlives the engine, whose stop hands outputs to it
+  auto engine = start(world);
+  ASSERT_TRUE(engine);
+  // `streaming` has produced tokens when the poison request kills the group: its KV cache is
+  // gone, so it fails naming the death. The poison request is run again on the new group, dies
+  // with it again, and then fails instead of running a third time.
+  auto streaming = engine->add({1}, tokens(200), outs.sink());
+  ASSERT_TRUE(streaming);
+  ASSERT_TRUE(outs.started(*streaming));
+  auto poison = engine->add({kPoison, 1}, tokens(4), outs.sink());
+  ASSERT_TRUE(poison);
+
+  RequestOutput failed = outs.last(*streaming);
+  EXPECT_EQ(failed.finish_reason, FinishReason::kError);
+  EXPECT_EQ(failed.error.message(), kDeath);
+  EXPECT_LT(outs.tokens(*streaming), 200u);
+
+  RequestOutput gave_up = outs.last(*poison);
+  EXPECT_EQ(gave_up.finish_reason, FinishReason::kError);
+  EXPECT_EQ(gave_up.error.message(),
+            std::string("the worker group died 2 times while this request was running, so it is "
+                        "not run again (last: ") +
+                kDeath + ")");
+  EXPECT_EQ(gave_up.prompt_tokens, 2u);
+  EXPECT_EQ(outs.tokens(*poison), 0u);
+
+  ASSERT_TRUE(eventually([&] { return engine->stats().restarts == 2; }));
+  EXPECT_EQ(world.restarts.load(), 2);
+  const EngineStats stats = engine->stats();
+  EXPECT_EQ(stats.restart_failures, 0u);
+  EXPECT_EQ(stats.requests_failed_by_restarts, 1u);
+  ASSERT_TRUE(eventually([&] { return engine->healthy(); }));
+
+  // The new group serves.
+  auto after = engine->add({1, 2}, tokens(3), outs.sink());
+  ASSERT_TRUE(after);
+  EXPECT_EQ(outs.last(*after).finish_reason, FinishReason::kLength);
+  EXPECT_EQ(outs.tokens(*after), 3u);
+}
+
+TEST(AsyncEngineTest, AFailedRestartIsCountedAndTriedAgainWhileNewRequestsWait) {
+  World world;
+  Outputs outs;  // outlives the engine, whose stop hands outputs to it
+  auto engine = start(world);
+  ASSERT_TRUE(engine);
+  auto running = engine->add({1}, tokens(200), outs.sink());
+  ASSERT_TRUE(running);
+  ASSERT_TRUE(outs.started(*running));
+  world.failing_restarts = 1;
+  world.kill_next_step = true;
+
+  RequestOutput failed = outs.last(*running);
+  EXPECT_EQ(failed.finish_reason, FinishReason::kError);
+  EXPECT_EQ(failed.error.message(), kDeath);
+  // The first restart fails; the next one comes after a pause, with the engine unhealthy and new
+  // requests waiting for it.
+  const std::string reason = std::string(kDeath) + "; restart failed: no node has a free CPU";
+  ASSERT_TRUE(eventually([&] { return engine->unhealthy_reason() == reason; }));
+  EXPECT_FALSE(engine->healthy());
+  auto waiting = engine->add({1, 2}, tokens(3), outs.sink());
+  ASSERT_TRUE(waiting);
+
+  RequestOutput done = outs.last(*waiting);
+  EXPECT_EQ(done.finish_reason, FinishReason::kLength);
+  EXPECT_EQ(outs.tokens(*waiting), 3u);
+  ASSERT_TRUE(eventually([&] { return engine->stats().restarts == 1; }));
+  EXPECT_EQ(engine->stats().restart_failures, 1u);
+  EXPECT_EQ(engine->stats().requests_failed_by_restarts, 0u);
+  EXPECT_TRUE(engine->healthy());
+}
+
+TEST(AsyncEngineTest, StoppingAbortsUnfinishedRequests) {
+  World world;
+  Outputs outs;  // outlives the engine, whose stop hands outputs to it
+  auto engine = start(world);
+  ASSERT_TRUE(engine);
+  auto id = engine->add({1}, tokens(200), outs.sink());
+  ASSERT_TRUE(id);
+  ASSERT_TRUE(outs.started(*id));
+  engine.reset();
+  EXPECT_EQ(outs.last(*id).finish_reason, FinishReason::kAbort);
+}
+
+}  // namespace
+}  // namespace tessera::server
