@@ -170,8 +170,14 @@ Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& co
                             " exceeds the model's max_position_embeddings (" +
                             std::to_string(config.max_position_embeddings) + ")");
   }
-  if (requested > 0) return requested;
-  return config.max_position_embeddings;
+  const int64_t len = requested > 0 ? requested : config.max_position_embeddings;
+  if (config.sliding_window && *config.sliding_window < len) {
+    return invalid_argument("this model uses sliding-window attention (window " +
+                            std::to_string(*config.sliding_window) +
+                            "), which is not implemented yet: use --max-model-len " +
+                            std::to_string(*config.sliding_window) + " or less");
+  }
+  return len;
 }
 
 int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len) {

@@ -128,7 +128,8 @@ Status check_resolved(const EngineSpec& spec);
 DType run_dtype(const EngineSpec& spec);
 
 // The spec's --max-model-len for `config` (0 = max_position_embeddings), INVALID_ARGUMENT past
-// it; and its step budget: max_num_batched_tokens, or max(max_model_len, 2048) capped at 16384.
+// it or past a sliding window (not implemented: the window must hold the whole context); and its
+// step budget: max_num_batched_tokens, or max(max_model_len, 2048) capped at 16384.
 Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config);
 int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len);
 

@@ -10,23 +10,35 @@
 
 #include "common/checkpoint/layer_plan.h"
 #include "common/engine_spec.h"
+#include "common/rank_info.h"
 
 namespace tessera {
 
-// One rank of a worker group as the driver placed it (error messages name these).
-struct RankInfo {
-  int rank = 0;
-  std::string actor_id;
-  std::string node_id;
-  int gpu = -1;         // node GPU index; -1 for a CPU actor
-  std::string address;  // its collective endpoint ("10.0.0.2:41022"), when it has one
-};
+// How the ranks of a group talk: kNone (one rank, nothing to talk about), kTcp (the cpu
+// backend), kNccl or kIpc (the cuda backend: NCCL across GPUs; the custom all-reduce through
+// CUDA-IPC buffers on one node, which also lets two ranks share one GPU). The driver picks it
+// from --collectives (common/engine_spec.h's Collectives) and the placement.
+enum class CommBackend : uint8_t { kNone, kTcp, kNccl, kIpc };
 
-// How the ranks of a group talk: "" (one rank, nothing to talk about), "tcp" (the cpu
-// backend), "nccl" or "ipc" (the cuda backend: NCCL across GPUs; the custom all-reduce through
-// CUDA-IPC buffers on one node, which also lets two ranks share one GPU).
+// "tcp", "nccl", "ipc" (as --collectives and the actors' prepareComm name them); "" for kNone.
+constexpr const char* comm_backend_name(CommBackend backend) {
+  switch (backend) {
+    case CommBackend::kTcp:
+      return "tcp";
+    case CommBackend::kNccl:
+      return "nccl";
+    case CommBackend::kIpc:
+      return "ipc";
+    case CommBackend::kNone:
+      break;
+  }
+  return "";
+}
+
+// What a rank needs to join its groups' collectives. A rank that has not joined within its
+// LoadSpec's engine.nccl_init_timeout_s (--nccl-init-timeout, for every backend) fails start-up.
 struct CommSpec {
-  std::string backend;
+  CommBackend backend = CommBackend::kNone;
   std::vector<RankInfo> ranks;           // by world rank
   std::string secret;                    // authenticates the ranks' connections (tcp)
   std::string nccl_id;                   // ncclUniqueId bytes made by rank 0 (nccl)
@@ -35,7 +47,6 @@ struct CommSpec {
   // nccl: a tensor-parallel all-reduce of at most this many bytes goes through the custom
   // all-reduce over the IPC buffers, larger ones through NCCL (0: NCCL only).
   uint64_t custom_all_reduce_max_bytes = 0;
-  uint32_t init_timeout_ms = 120000;  // a rank that does not join by then fails start-up
 };
 
 struct LoadSpec {

@@ -1,7 +1,8 @@
 // What a request asks of generation: vLLM's SamplingParams (OpenAI's request fields), one type
 // from the HTTP request or the CLI down to the sampler on the GPU. Defaults live here and only
-// here; validate() is the one check (the ranges vLLM accepts), run where a request enters.
-// protocol/convert.h carries it over the wire.
+// here (protocol/step.capnp's wire form has none: protocol/convert.cpp writes every field).
+// validate() is the one check (the ranges vLLM accepts), run where a request enters a process:
+// the driver's Request::make (driver/engine/request.h) and the actor's RequestTable::apply.
 #pragma once
 
 #include <cstdint>

@@ -119,6 +119,13 @@ SamplingParams greedy(uint32_t max_tokens) {
   return s;
 }
 
+// Queues a benchmark's request, made against the model its engine runs (request.h).
+Expected<uint64_t> add(LlmEngine& engine, std::vector<int32_t> prompt, SamplingParams sampling) {
+  TESSERA_ASSIGN_OR_RETURN(
+      Request r, Request::make(std::move(prompt), std::move(sampling), engine.config().model));
+  return engine.add_request(std::move(r));
+}
+
 // Timings of a batch of requests run to completion.
 struct BatchTiming {
   double ttft_s = 0;                   // add -> the first token of the first request
@@ -140,7 +147,7 @@ Expected<BatchTiming> run_batch(ModelSession& session,
   auto t0 = Clock::now();
   std::map<uint64_t, bool> started;
   for (const auto& p : prompts) {
-    TESSERA_ASSIGN_OR_RETURN(uint64_t id, engine.add_request(p, greedy(output_len)));
+    TESSERA_ASSIGN_OR_RETURN(uint64_t id, add(engine, p, greedy(output_len)));
     started[id] = false;
   }
   size_t waiting = prompts.size();
@@ -366,7 +373,7 @@ Status run_latency(const BenchLatencyOptions& o) {
       s.seed = o.seed + i * o.batch_size + r;
       s.max_tokens = static_cast<int>(o.output_len);
       s.ignore_eos = true;
-      TESSERA_RETURN_IF_ERROR(engine.add_request(prompts[r].ids, s).status());
+      TESSERA_RETURN_IF_ERROR(add(engine, prompts[r].ids, s).status());
     }
     while (engine.has_unfinished()) {
       TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
@@ -508,7 +515,7 @@ Status run_throughput(const BenchThroughputOptions& o) {
     s.max_tokens = static_cast<int>(w[i].output_len);
     s.ignore_eos = true;
     input_tokens += w[i].ids.size();
-    TESSERA_RETURN_IF_ERROR(engine.add_request(w[i].ids, s).status());
+    TESSERA_RETURN_IF_ERROR(add(engine, w[i].ids, s).status());
   }
   auto last_report = t0;
   size_t next_tenth = 1;
@@ -520,7 +527,7 @@ Status run_throughput(const BenchThroughputOptions& o) {
   const double kv_bytes_per_token =
       2.0 * static_cast<double>(cfg.num_layers) * cfg.num_kv_heads * cfg.head_dim *
       static_cast<double>(kv_cache_element_size(o.engine.kv_cache_dtype, run_dtype));
-  const uint32_t block_size = engine.config().block_size;
+  const uint32_t block_size = static_cast<uint32_t>(engine.config().model.block_size);
   nlohmann::json timeline = nlohmann::json::array();
   struct Interval {
     size_t steps = 0, output_tokens = 0;
@@ -597,7 +604,7 @@ Status run_throughput(const BenchThroughputOptions& o) {
             {"pipeline_parallel_size", session->plan().plan.pp},
             {"kv_blocks", m.kv_blocks},
             {"load_seconds", session->load_seconds()},
-            {"async_scheduling", engine.config().scheduler.async_scheduling},
+            {"async_scheduling", engine.config().async_scheduling},
             {"num_requests", w.size()},
             {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
             {"input_len", o.dataset_path.empty() ? o.input_len : 0},

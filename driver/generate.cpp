@@ -104,7 +104,9 @@ Status run(const GenerateOptions& o) {
   // Everything that can be checked is checked before a node starts or a model loads.
   TESSERA_RETURN_IF_ERROR(validate(o.engine));
   TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(o.engine.model));
-  TESSERA_RETURN_IF_ERROR(o.sampling.validate(config.vocab_size));
+  // The flags' sampling parameters, at once (their prompts are checked as Requests once the
+  // tokenizer is loaded: LLM::generate).
+  TESSERA_RETURN_IF_ERROR(Request::check_sampling(o.sampling, config.vocab_size));
   // Prompts are text: ill-formed UTF-8 is refused, not silently replaced.
   for (size_t i = 0; i < o.prompts.size(); ++i) {
     TESSERA_RETURN_IF_ERROR(check_utf8(o.prompts[i], i + 1).with_context("--prompt"));

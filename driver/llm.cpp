@@ -1,6 +1,8 @@
 #include "driver/llm.h"
 
 #include <map>
+#include <string>
+#include <utility>
 
 namespace tessera {
 
@@ -24,13 +26,26 @@ Expected<std::vector<GenerationResult>> LLM::generate(
 Expected<std::vector<GenerationResult>> LLM::generate(
     const std::vector<std::vector<int32_t>>& prompt_token_ids, const SamplingParams& params,
     const std::function<void(size_t, const RequestOutput&)>& on_output) {
-  LlmEngine& engine = session_->engine();
-  std::vector<GenerationResult> results(prompt_token_ids.size());
-  std::map<uint64_t, size_t> index;
-  std::vector<Status> errors(prompt_token_ids.size());  // of the requests that failed
+  std::vector<Request> requests;
+  requests.reserve(prompt_token_ids.size());
   for (size_t i = 0; i < prompt_token_ids.size(); ++i) {
-    results[i].prompt_token_ids = prompt_token_ids[i];
-    auto id = engine.add_request(prompt_token_ids[i], params);
+    auto r = Request::make(prompt_token_ids[i], params, session_->model());
+    if (!r) return r.status().with_context("prompt " + std::to_string(i));
+    requests.push_back(std::move(*r));
+  }
+  return generate(std::move(requests), on_output);
+}
+
+Expected<std::vector<GenerationResult>> LLM::generate(
+    std::vector<Request> requests,
+    const std::function<void(size_t, const RequestOutput&)>& on_output) {
+  LlmEngine& engine = session_->engine();
+  std::vector<GenerationResult> results(requests.size());
+  std::map<uint64_t, size_t> index;
+  std::vector<Status> errors(requests.size());  // of the requests that failed
+  for (size_t i = 0; i < requests.size(); ++i) {
+    results[i].prompt_token_ids = requests[i].prompt();
+    auto id = engine.add_request(std::move(requests[i]));
     if (!id) {
       // Nothing of this call may stay queued.
       for (const auto& [queued, _] : index) engine.abort_request(queued);

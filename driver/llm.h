@@ -53,6 +53,11 @@ class LLM {
       const std::vector<std::vector<int32_t>>& prompt_token_ids, const SamplingParams& params,
       const std::function<void(size_t, const RequestOutput&)>& on_output = nullptr);
 
+  // The same for requests made already (Request::make against session().model(), or before
+  // the model loaded against the limits its spec gives: generate.cpp).
+  Expected<std::vector<GenerationResult>> generate(
+      std::vector<Request> requests,
+      const std::function<void(size_t, const RequestOutput&)>& on_output = nullptr);
   ModelSession& session() { return *session_; }
 
  private:

@@ -140,15 +140,26 @@ namespace {
 
 // The collectives for a placement: what the user asked, else tcp for CPU actors, ipc when two
 // ranks share a GPU (NCCL refuses that), nccl otherwise.
-std::string pick_collectives(Collectives asked, const std::vector<RankPlacement>& ranks) {
-  if (asked != Collectives::kAuto) return collectives_name(asked);
-  if (ranks.empty() || ranks.front().gpu < 0) return "tcp";
+CommBackend pick_collectives(Collectives asked, const std::vector<RankInfo>& ranks) {
+  switch (asked) {
+    case Collectives::kTcp:
+      return CommBackend::kTcp;
+    case Collectives::kNccl:
+      return CommBackend::kNccl;
+    case Collectives::kIpc:
+      return CommBackend::kIpc;
+    case Collectives::kAuto:
+      break;
+  }
+  if (ranks.empty() || ranks.front().gpu < 0) return CommBackend::kTcp;
   for (size_t i = 0; i < ranks.size(); ++i) {
     for (size_t j = i + 1; j < ranks.size(); ++j) {
-      if (ranks[i].node_id == ranks[j].node_id && ranks[i].gpu == ranks[j].gpu) return "ipc";
+      if (ranks[i].node_id == ranks[j].node_id && ranks[i].gpu == ranks[j].gpu) {
+        return CommBackend::kIpc;
+      }
     }
   }
-  return "nccl";
+  return CommBackend::kNccl;
 }
 
 }  // namespace
@@ -230,13 +241,16 @@ Status ModelSession::place() {
   WorkerGroupSpec spec;
   spec.owner = owner_;
   for (const PlacedRank& r : plan_.placement.ranks) {
-    spec.placement.push_back({r.node_id, static_cast<int>(r.gpu)});
+    spec.placement.push_back(RankInfo{.rank = static_cast<int>(spec.placement.size()),
+                                      .node_id = r.node_id,
+                                      .gpu = static_cast<int>(r.gpu)});
   }
   spec.comm_backend = pick_collectives(a.collectives, spec.placement);
   spec.use_rings = cluster_options_.step_rings;
   // Beside NCCL, the custom all-reduce for tensors up to its buffer's size, where every TP
   // group's GPUs share a node and NVLink (vLLM's rule: PCIe peers gain nothing from it).
-  if (spec.comm_backend == "nccl" && !a.disable_custom_all_reduce && plan_.plan.tp > 1) {
+  if (spec.comm_backend == CommBackend::kNccl && !a.disable_custom_all_reduce &&
+      plan_.plan.tp > 1) {
     bool on_nvlink = !plan_.placement.groups.empty();
     for (const TpGroupLinks& g : plan_.placement.groups) on_nvlink &= g.on_nvlink();
     if (on_nvlink) {
@@ -250,7 +264,6 @@ Status ModelSession::place() {
   LoadSpec& load = spec.load;
   load.engine = plan_.engine;  // resolved by the planner
   load.parallel = parallel;
-  load.comm.init_timeout_ms = plan_.engine.nccl_init_timeout_s * 1000;
   // Ranks sharing a GPU share its memory budget (the actor divides; its messages quote the
   // --gpu-memory-utilization the user gave).
   for (const auto& r : spec.placement) {
@@ -283,16 +296,10 @@ Status ModelSession::place() {
 }
 
 void ModelSession::start_engine(bool detokenize) {
-  const ModelInfo& m = group_->model();
   EngineConfig ec;
-  ec.num_blocks = static_cast<uint32_t>(m.kv_blocks);
-  ec.block_size = static_cast<uint32_t>(m.block_size);
+  ec.model = group_->model();
   ec.enable_prefix_caching = plan_.engine.enable_prefix_caching;
-  ec.scheduler.max_model_len = static_cast<uint32_t>(m.max_model_len);
-  ec.scheduler.max_num_seqs = static_cast<uint32_t>(m.max_num_seqs);
-  ec.scheduler.async_scheduling = plan_.engine.async_scheduling;
-  ec.scheduler.max_num_batched_tokens = static_cast<uint32_t>(m.max_num_batched_tokens);
-  ec.vocab_size = m.vocab_size;
+  ec.async_scheduling = plan_.engine.async_scheduling;
   for (int64_t id : config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));
   if (!detokenizer_) {
     if (detokenize) {
@@ -319,7 +326,7 @@ Status ModelSession::restart() {
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<NodeView> live, cluster_->nodes());
   bool placed_on_live_nodes = true;
-  for (const RankPlacement& r : spec_.placement) {
+  for (const RankInfo& r : spec_.placement) {
     bool found = false;
     for (const NodeView& n : live) found |= n.node_id == r.node_id && n.alive;
     placed_on_live_nodes &= found;

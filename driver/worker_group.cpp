@@ -45,25 +45,25 @@ std::vector<Expected<T>> wait_all(EventLoop& loop, std::vector<kj::Promise<T>> p
   return std::move(*results);
 }
 
-std::string where(const RankPlacement& p) {
+std::string where(const RankInfo& p) {
   return (p.gpu < 0 ? std::string("CPU") : "GPU " + std::to_string(p.gpu)) + " on node " +
          p.node_id;
 }
 
-// The collectives' backend: the spec's, "" for a group of one rank.
-std::string comm_backend(const WorkerGroupSpec& s) {
-  return s.load.parallel.world_size() > 1 ? s.comm_backend : "";
+// The collectives' backend: the spec's, kNone for a group of one rank.
+CommBackend comm_backend(const WorkerGroupSpec& s) {
+  return s.load.parallel.world_size() > 1 ? s.comm_backend : CommBackend::kNone;
 }
 
 // NCCL with the custom all-reduce beside it for tensor parallelism.
 bool uses_custom_all_reduce(const WorkerGroupSpec& s) {
-  return comm_backend(s) == "nccl" && s.load.parallel.tp_size > 1 &&
+  return comm_backend(s) == CommBackend::kNccl && s.load.parallel.tp_size > 1 &&
          s.custom_all_reduce_max_bytes > 0;
 }
 
 // The ranks of a TP group share CUDA-IPC buffers: the ipc backend, or the custom all-reduce.
 bool uses_ipc_buffers(const WorkerGroupSpec& s) {
-  return comm_backend(s) == "ipc" || uses_custom_all_reduce(s);
+  return comm_backend(s) == CommBackend::kIpc || uses_custom_all_reduce(s);
 }
 
 // How world rank `r`'s actor is spawned: its name, and its GPU first (the one it computes on),
@@ -71,13 +71,13 @@ bool uses_ipc_buffers(const WorkerGroupSpec& s) {
 // only of GPUs it sees.
 SpawnOptions spawn_options(const WorkerGroupSpec& s, int r) {
   const ParallelConfig& shape = s.load.parallel;
-  const RankPlacement& placement = s.placement[static_cast<size_t>(r)];
+  const RankInfo& placement = s.placement[static_cast<size_t>(r)];
   SpawnOptions spawn;
   if (placement.gpu >= 0) {
     spawn.gpus = {static_cast<uint32_t>(placement.gpu)};
     const int stage = r / shape.tp_size;
     for (int t = 0; uses_ipc_buffers(s) && t < shape.tp_size; ++t) {
-      const RankPlacement& peer = s.placement[static_cast<size_t>(stage * shape.tp_size + t)];
+      const RankInfo& peer = s.placement[static_cast<size_t>(stage * shape.tp_size + t)];
       const auto gpu = static_cast<uint32_t>(peer.gpu);
       if (peer.gpu >= 0 && peer.node_id == placement.node_id &&
           std::find(spawn.gpus.begin(), spawn.gpus.end(), gpu) == spawn.gpus.end()) {
@@ -98,14 +98,15 @@ struct RingSizes {
   uint64_t out_slot = 0;
   uint32_t slots = 0;
 };
+// `load.engine` is resolved (check_resolved ran before): its lengths are set.
 RingSizes ring_sizes(const LoadSpec& load) {
-  const int64_t max_len = load.engine.max_model_len;
-  const int64_t blocks_per_seq = (max_len + load.engine.block_size - 1) / load.engine.block_size;
-  const int64_t max_tokens = load.engine.max_num_batched_tokens > 0 ? load.engine.max_num_batched_tokens : 16384;
+  const EngineSpec& e = load.engine;
+  const int64_t blocks_per_seq = (e.max_model_len + e.block_size - 1) / e.block_size;
   RingSizes sizes;
-  sizes.step_slot = (4ull << 20) + max_tokens * 4 + load.engine.max_num_seqs * (512 + blocks_per_seq * 4);
-  sizes.out_slot = (1ull << 20) + load.engine.max_num_seqs * (64 + 24 * kMaxLogprobs) +
-                   (load.engine.return_logits ? load.engine.max_num_seqs * 4ull * 262144 : 0);
+  sizes.step_slot =
+      (4ull << 20) + e.max_num_batched_tokens * 4 + e.max_num_seqs * (512 + blocks_per_seq * 4);
+  sizes.out_slot = (1ull << 20) + e.max_num_seqs * (64 + 24 * kMaxLogprobs) +
+                   (e.return_logits ? e.max_num_seqs * 4ull * 262144 : 0);
   sizes.slots = static_cast<uint32_t>(std::max(4, 2 * load.parallel.pp_size + 2));
   return sizes;
 }
@@ -152,12 +153,12 @@ struct WorkerGroup::Node {
 };
 
 struct WorkerGroup::Rank {
-  int rank = 0;
-  RankPlacement placement;
+  // Its world rank, node and GPU as placed; its actor once spawned, its collective endpoint
+  // after the rendezvous: what every rank's CommSpec names it by.
+  RankInfo info;
   Node* node = nullptr;
   ActorView actor;
   std::unique_ptr<ActorHandle> handle;
-  std::string comm_address;
   std::string nccl_id;
   std::string ipc_handle;
   std::optional<ShmRing> output_ring;
@@ -166,7 +167,7 @@ struct WorkerGroup::Rank {
   // (a fresh zeroed megabyte per step was most of an empty step's round trip).
   std::vector<std::byte> out_buffer;
   std::string describe() const {
-    return "rank " + std::to_string(rank) + " (actor " + actor.actor_id + ", " + where(placement) +
+    return "rank " + std::to_string(info.rank) + " (actor " + actor.actor_id + ", " + where(info) +
            ")";
   }
 };
@@ -211,7 +212,7 @@ WorkerGroup::~WorkerGroup() {
 std::string WorkerGroup::rank_prefix(const std::string& actor_id) const {
   for (const auto& r : ranks_) {
     if (r->actor.actor_id == actor_id && ranks_.size() > 1) {
-      return "rank " + std::to_string(r->rank) + ": ";
+      return "rank " + std::to_string(r->info.rank) + ": ";
     }
   }
   return {};
@@ -365,17 +366,18 @@ Status WorkerGroup::open_leases(ClusterClient& cluster) {
 Status WorkerGroup::spawn_ranks() {
   for (int r = 0; r < spec_.load.parallel.world_size(); ++r) {
     auto rank = std::make_unique<Rank>();
-    rank->rank = r;
-    rank->placement = spec_.placement[static_cast<size_t>(r)];
+    rank->info = spec_.placement[static_cast<size_t>(r)];
+    rank->info.rank = r;
     for (auto& node : nodes_) {
-      if (node->node_id == rank->placement.node_id) rank->node = node.get();
+      if (node->node_id == rank->info.node_id) rank->node = node.get();
     }
     auto actor = rank->node->lease->spawn(spawn_options(spec_, r));
     if (!actor) {
       return actor.status().with_context("cannot start rank " + std::to_string(r) + " on " +
-                                         where(rank->placement));
+                                         where(rank->info));
     }
     rank->actor = *actor;
+    rank->info.actor_id = actor->actor_id;
     auto handle = ActorHandle::connect(loop_, actor->address, actor->key);
     actors_.push_back(*actor);
     ranks_.push_back(std::move(rank));
@@ -391,18 +393,18 @@ Status WorkerGroup::spawn_ranks() {
 }
 
 // Rendezvous (several ranks only): every rank prepares its side of the collectives. Leaves in
-// each rank its collective endpoint (comm_address), NCCL id and CUDA-IPC buffer handle, as its
+// each rank its collective endpoint (info.address), NCCL id and CUDA-IPC buffer handle, as its
 // actor answered; load_weights hands everyone's to every rank.
 Status WorkerGroup::rendezvous() {
-  const std::string backend = comm_backend(spec_);
-  if (backend.empty()) return Status::ok();
+  const CommBackend backend = comm_backend(spec_);
+  if (backend == CommBackend::kNone) return Status::ok();
   const int tp_size = spec_.load.parallel.tp_size;
   std::vector<kj::Promise<std::array<std::string, 3>>> calls;
   for (auto& rank : ranks_) {
     auto req = rank->handle->capability().prepareCommRequest();
-    req.setBackend(backend);
+    req.setBackend(comm_backend_name(backend));
     req.setBufferBytes(uses_ipc_buffers(spec_) ? spec_.ipc_buffer_bytes : 0);
-    req.setRank(rank->rank % tp_size);  // its place in the TP group the buffers serve
+    req.setRank(rank->info.rank % tp_size);  // its place in the TP group the buffers serve
     req.setWorldSize(tp_size);
     calls.push_back(req.send().then([](auto&& r) {
       auto bytes = [](capnp::Data::Reader d) {
@@ -417,7 +419,7 @@ Status WorkerGroup::rendezvous() {
     if (!prepared[r]) {
       return explain(prepared[r].status().with_context(ranks_[r]->describe()));
     }
-    ranks_[r]->comm_address = (*prepared[r])[0];
+    ranks_[r]->info.address = (*prepared[r])[0];
     ranks_[r]->nccl_id = (*prepared[r])[1];
     ranks_[r]->ipc_handle = (*prepared[r])[2];
   }
@@ -466,23 +468,17 @@ Status WorkerGroup::create_rings() {
 
 LoadSpec WorkerGroup::rank_load_spec(const Rank& rank, const std::string& secret) const {
   const ParallelConfig& shape = spec_.load.parallel;
-  const std::string backend = comm_backend(spec_);
+  const CommBackend backend = comm_backend(spec_);
   LoadSpec spec = spec_.load;
-  spec.parallel.tp_rank = rank.rank % shape.tp_size;
-  spec.parallel.pp_rank = rank.rank / shape.tp_size;
+  spec.parallel.tp_rank = rank.info.rank % shape.tp_size;
+  spec.parallel.pp_rank = rank.info.rank / shape.tp_size;
   spec.comm.backend = backend;
   spec.comm.secret = secret;
   for (auto& other : ranks_) {
-    RankInfo info;
-    info.rank = other->rank;
-    info.actor_id = other->actor.actor_id;
-    info.node_id = other->placement.node_id;
-    info.gpu = other->placement.gpu;
-    info.address = other->comm_address;
-    spec.comm.ranks.push_back(info);
+    spec.comm.ranks.push_back(other->info);
     if (uses_ipc_buffers(spec_)) spec.comm.ipc_handles.push_back(other->ipc_handle);
   }
-  if (backend == "nccl") spec.comm.nccl_id = ranks_.front()->nccl_id;
+  if (backend == CommBackend::kNccl) spec.comm.nccl_id = ranks_.front()->nccl_id;
   if (uses_custom_all_reduce(spec_)) {
     spec.comm.custom_all_reduce_max_bytes =
         std::min(spec_.custom_all_reduce_max_bytes, spec_.ipc_buffer_bytes);
@@ -491,7 +487,7 @@ LoadSpec WorkerGroup::rank_load_spec(const Rank& rank, const std::string& secret
     spec.step_ring = rank.node->step_ring->segment().name();
     auto& on_node = rank.node->ranks;
     spec.step_ring_reader = static_cast<uint32_t>(
-        std::find(on_node.begin(), on_node.end(), rank.rank) - on_node.begin());
+        std::find(on_node.begin(), on_node.end(), rank.info.rank) - on_node.begin());
     spec.output_ring = rank.output_ring->segment().name();
   }
   return spec;
@@ -502,7 +498,7 @@ LoadSpec WorkerGroup::rank_load_spec(const Rank& rank, const std::string& secret
 // meanwhile. Leaves the fewest KV blocks any rank fits, and the bar for init_caches to finish.
 Expected<WorkerGroup::Loaded> WorkerGroup::load_weights() {
   std::string secret;
-  if (!comm_backend(spec_).empty()) {
+  if (comm_backend(spec_) != CommBackend::kNone) {
     TESSERA_ASSIGN_OR_RETURN(secret, random_bytes(32));
   }
   std::vector<kj::Promise<ModelInfo>> loads;
@@ -560,13 +556,13 @@ Status WorkerGroup::init_caches(const Loaded& loaded) {
   if (world > 1) {
     std::string layout;
     for (auto& rank : ranks_) {
-      layout += (layout.empty() ? "" : ", ") + std::to_string(rank->rank) + ": " +
-                where(rank->placement) + " layers " +
-                std::to_string(ready[static_cast<size_t>(rank->rank)]->layer_begin) + "-" +
-                std::to_string(ready[static_cast<size_t>(rank->rank)]->layer_end - 1);
+      layout += (layout.empty() ? "" : ", ") + std::to_string(rank->info.rank) + ": " +
+                where(rank->info) + " layers " +
+                std::to_string(ready[static_cast<size_t>(rank->info.rank)]->layer_begin) + "-" +
+                std::to_string(ready[static_cast<size_t>(rank->info.rank)]->layer_end - 1);
     }
     spdlog::info("worker group of {} ranks (tp {} x pp {}, {}) ready: {}", world, shape.tp_size,
-                 shape.pp_size, comm_backend(spec_), layout);
+                 shape.pp_size, comm_backend_name(comm_backend(spec_)), layout);
   }
   return Status::ok();
 }
@@ -599,7 +595,7 @@ Status WorkerGroup::submit(StepInput step) {
     if (rank->node->local) continue;
     auto req = rank->handle->capability().executeRequest();
     to_proto(step, req.initStep());
-    pending->rpc.emplace(rank->rank,
+    pending->rpc.emplace(rank->info.rank,
                          req.send().then([](auto&& r) { return from_proto(r.getOutput()); }));
   }
   pending_.push_back(std::move(pending));
@@ -659,7 +655,7 @@ Expected<StepOutput> WorkerGroup::collect_until(std::chrono::steady_clock::time_
         if (std::chrono::steady_clock::now() > deadline) return late(*rank);
       }
     } else {
-      auto it = p->rpc.find(rank->rank);
+      auto it = p->rpc.find(rank->info.rank);
       // Raced against the group's first loss: a rank that waits on a dead peer's collective
       // would answer only at its own timeout.
       auto raced =
@@ -682,7 +678,7 @@ Expected<StepOutput> WorkerGroup::collect_until(std::chrono::steady_clock::time_
       return internal_error(rank->describe() + " answered step " + std::to_string(out.step_id) +
                             " while step " + std::to_string(p->step_id) + " was expected");
     }
-    if (rank->rank == sampler_rank_) {
+    if (rank->info.rank == sampler_rank_) {
       result = std::move(out);
       have_result = true;
     }

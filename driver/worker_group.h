@@ -30,17 +30,13 @@
 
 namespace tessera {
 
-// Where one rank runs.
-struct RankPlacement {
-  std::string node_id;
-  int gpu = -1;  // node GPU index; -1 = a CPU actor
-};
-
 struct WorkerGroupSpec {
   LoadSpec load;  // the model's fields; each rank's parallel position and comm are filled in
-  std::vector<RankPlacement> placement;  // by world rank (pp_rank * tp_size + tp_rank)
-  // "tcp" (cpu backend), "nccl", "ipc" (cuda); ignored for one rank.
-  std::string comm_backend = "tcp";
+  // By world rank (pp_rank * tp_size + tp_rank): each rank's node and GPU. Its rank, actor and
+  // endpoint are the group's to fill in as it starts.
+  std::vector<RankInfo> placement;
+  // kTcp (cpu backend), kNccl, kIpc (cuda); ignored for one rank.
+  CommBackend comm_backend = CommBackend::kTcp;
   std::string owner = "driver";
   bool use_rings = true;  // local ranks take steps through shared-memory rings
   uint64_t ipc_buffer_bytes = 8ull << 20;

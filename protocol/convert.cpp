@@ -175,7 +175,8 @@ RankInfo from_proto(proto::RankInfo::Reader in) {
   return r;
 }
 
-// The wire's enums follow common/engine_spec.h's and common/kv_cache_dtype.h's order.
+// The wire's enums follow common/engine_spec.h's, common/kv_cache_dtype.h's and
+// common/load_spec.h's order.
 static_assert(static_cast<int>(proto::EngineSpec::Device::CPU) == static_cast<int>(Device::kCpu));
 static_assert(static_cast<int>(proto::EngineSpec::Device::CUDA) == static_cast<int>(Device::kCuda));
 static_assert(static_cast<int>(proto::EngineSpec::Collectives::IPC) ==
@@ -184,6 +185,14 @@ static_assert(static_cast<int>(proto::EngineSpec::Collectives::NCCL) ==
               static_cast<int>(Collectives::kNccl));
 static_assert(static_cast<int>(proto::EngineSpec::KvCacheDtype::FP8_E4M3) ==
               static_cast<int>(KvCacheDtype::kFp8E4M3));
+static_assert(static_cast<int>(proto::CommSpec::Backend::NONE) ==
+              static_cast<int>(CommBackend::kNone));
+static_assert(static_cast<int>(proto::CommSpec::Backend::TCP) ==
+              static_cast<int>(CommBackend::kTcp));
+static_assert(static_cast<int>(proto::CommSpec::Backend::NCCL) ==
+              static_cast<int>(CommBackend::kNccl));
+static_assert(static_cast<int>(proto::CommSpec::Backend::IPC) ==
+              static_cast<int>(CommBackend::kIpc));
 
 void to_proto(const EngineSpec& in, proto::EngineSpec::Builder out) {
   out.setModel(in.model);
@@ -249,7 +258,7 @@ void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out) {
   fill_list(in.parallel.layer_partition,
             p.initLayerPartition(static_cast<unsigned>(in.parallel.layer_partition.size())));
   auto c = out.initComm();
-  c.setBackend(in.comm.backend);
+  c.setBackend(static_cast<proto::CommSpec::Backend>(in.comm.backend));
   auto ranks = c.initRanks(static_cast<unsigned>(in.comm.ranks.size()));
   for (size_t i = 0; i < in.comm.ranks.size(); ++i) {
     to_proto(in.comm.ranks[i], ranks[static_cast<unsigned>(i)]);
@@ -257,7 +266,6 @@ void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out) {
   c.setSecret(bytes_of(in.comm.secret));
   c.setNcclId(bytes_of(in.comm.nccl_id));
   c.setCustomAllReduceMaxBytes(in.comm.custom_all_reduce_max_bytes);
-  c.setInitTimeoutMs(in.comm.init_timeout_ms);
   auto handles = c.initIpcHandles(static_cast<unsigned>(in.comm.ipc_handles.size()));
   for (size_t i = 0; i < in.comm.ipc_handles.size(); ++i) {
     handles.set(static_cast<unsigned>(i), bytes_of(in.comm.ipc_handles[i]));
@@ -279,12 +287,11 @@ LoadSpec from_proto(proto::LoadSpec::Reader in) {
   s.parallel.pp_rank = p.getPpRank();
   s.parallel.layer_partition = read_list<int64_t>(p.getLayerPartition());
   auto c = in.getComm();
-  s.comm.backend = c.getBackend().cStr();
+  s.comm.backend = static_cast<CommBackend>(c.getBackend());
   for (auto r : c.getRanks()) s.comm.ranks.push_back(from_proto(r));
   s.comm.secret = string_of(c.getSecret());
   s.comm.nccl_id = string_of(c.getNcclId());
   s.comm.custom_all_reduce_max_bytes = c.getCustomAllReduceMaxBytes();
-  s.comm.init_timeout_ms = c.getInitTimeoutMs();
   for (auto h : c.getIpcHandles()) s.comm.ipc_handles.push_back(string_of(h));
   s.step_ring = in.getStepRing().cStr();
   s.step_ring_reader = in.getStepRingReader();

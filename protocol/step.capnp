@@ -5,22 +5,24 @@
 using Cxx = import "/capnp/c++.capnp";
 $Cxx.namespace("tessera::proto");
 
+# Every field is written by protocol/convert.cpp; the defaults live in common/sampling_params.h
+# only, so none is repeated here (a zero on the wire is the value sent, never "unset").
 struct SamplingParams {
-  temperature @0 :Float32 = 1.0;
-  topP @1 :Float32 = 1.0;
-  topK @2 :Int32 = -1;
+  temperature @0 :Float32;
+  topP @1 :Float32;
+  topK @2 :Int32;
   minP @3 :Float32;
   hasSeed @4 :Bool;
   seed @5 :UInt64;
-  repetitionPenalty @6 :Float32 = 1.0;
+  repetitionPenalty @6 :Float32;
   presencePenalty @7 :Float32;
   frequencyPenalty @8 :Float32;
-  logprobs @9 :Int32 = -1;
-  maxTokens @10 :Int32 = 16;
+  logprobs @9 :Int32;
+  maxTokens @10 :Int32;
   ignoreEos @11 :Bool;
   stopTokenIds @12 :List(Int32);
   stop @13 :List(Text);
-  skipSpecialTokens @14 :Bool = true;
+  skipSpecialTokens @14 :Bool;
 }
 
 struct SeqStep {
@@ -78,14 +80,15 @@ struct ParallelConfig {
   layerPartition @4 :List(Int64);
 }
 
+# common/load_spec.h's CommSpec. The ranks join within the EngineSpec's ncclInitTimeoutS.
 struct CommSpec {
-  backend @0 :Text;
+  enum Backend { none @0; tcp @1; nccl @2; ipc @3; }  # common/load_spec.h's CommBackend
+  backend @0 :Backend;
   ranks @1 :List(RankInfo);
   secret @2 :Data;
   ncclId @3 :Data;
-  initTimeoutMs @4 :UInt32 = 120000;
-  ipcHandles @5 :List(Data);   # every rank's, by rank ("ipc"; "nccl" with the custom all-reduce)
-  customAllReduceMaxBytes @6 :UInt64;  # "nccl": TP all-reduces up to this size use the custom one
+  ipcHandles @4 :List(Data);   # every rank's, by rank (ipc; nccl with the custom all-reduce)
+  customAllReduceMaxBytes @5 :UInt64;  # nccl: TP all-reduces up to this size use the custom one
 }
 
 # common/engine_spec.h's EngineSpec, resolved by the driver before it reaches an actor.

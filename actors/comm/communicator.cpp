@@ -2,7 +2,7 @@
 
 namespace tessera::comm {
 
-std::string describe_peer(const PeerInfo& peer) {
+std::string describe_peer(const RankInfo& peer) {
   std::string who = peer.actor_id;
   if (peer.gpu >= 0) who += (who.empty() ? "GPU " : ", GPU ") + std::to_string(peer.gpu);
   if (!peer.node_id.empty()) who += (who.empty() ? "node " : " on node ") + peer.node_id;

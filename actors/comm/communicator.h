@@ -8,10 +8,14 @@
 //   - IpcCommunicator: the cuda backend's custom all-reduce through CUDA-IPC peer buffers on one
 //     node (also two ranks sharing one GPU, which NCCL refuses).
 //
-// Every reduction sums in rank order 0, 1, ..., size-1 with fp32 accumulation, so every rank
-// gets identical bits and the result does not depend on which rank asks or on timing: tensor-
-// parallel output stays reproducible. Errors (a peer that died, a timeout) name the peer (rank,
-// node, address) and never throw.
+// Every rank gets identical bits from a reduction, and the same inputs give the same bits on
+// every call, so tensor-parallel output is reproducible. The order of the sum is each
+// implementation's own: TcpCommunicator and the IPC custom all-reduce accumulate in fp32 in rank
+// order 0, 1, ..., size-1 (custom_all_reduce.h) and round once; NCCL's order follows its
+// algorithm (ring or tree, chosen by size and topology), not rank order, and is fixed only for a
+// fixed topology, size, NCCL version and settings (NCCL_ALGO, NCCL_PROTO), so its results match
+// another implementation's only to rounding. Errors (a peer that died, a timeout) name the peer
+// (rank, node, address) and never throw.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "common/rank_info.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
@@ -52,16 +57,9 @@ class Communicator {
   virtual std::string describe(int peer) const = 0;
 };
 
-// Who a rank is, for error messages: its actor, node and GPU (as the driver planned it).
-struct PeerInfo {
-  int rank = 0;
-  std::string actor_id;
-  std::string node_id;
-  int gpu = -1;         // node GPU index; -1 for a CPU actor
-  std::string address;  // where its collective endpoint listens ("10.0.0.2:41022"), if any
-};
-
-std::string describe_peer(const PeerInfo& peer);
+// "rank 1 (a-3f2e, GPU 0 on node n-77ab, 10.0.0.2:41022)": a peer (its rank in the group) for
+// error messages.
+std::string describe_peer(const RankInfo& peer);
 
 // One group over two communicators of the same ranks, picked by size: all-reduces and
 // all-gathers of at most `small_max_bytes` (the gathered output for all-gather) go through

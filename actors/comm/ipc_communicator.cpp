@@ -28,8 +28,7 @@ IpcCommunicator::~IpcCommunicator() {
 
 const std::string& IpcCommunicator::handle() const { return impl_->handle(); }
 
-Status IpcCommunicator::open(const std::vector<std::string>& handles,
-                             std::vector<PeerInfo> peers) {
+Status IpcCommunicator::open(const std::vector<std::string>& handles, std::vector<RankInfo> peers) {
   peers_ = std::move(peers);
   return impl_->open_peers(handles);
 }

@@ -29,7 +29,7 @@ class IpcCommunicator final : public Communicator {
   // The bytes peers open this rank's buffers with.
   const std::string& handle() const;
   // Opens every rank's buffers (handles by rank; this rank's is skipped).
-  Status open(const std::vector<std::string>& handles, std::vector<PeerInfo> peers);
+  Status open(const std::vector<std::string>& handles, std::vector<RankInfo> peers);
 
   int rank() const override { return rank_; }
   int size() const override { return world_; }
@@ -45,7 +45,7 @@ class IpcCommunicator final : public Communicator {
   int rank_ = 0;
   int world_ = 0;
   std::unique_ptr<cuda::CustomAllReduce> impl_;
-  std::vector<PeerInfo> peers_;
+  std::vector<RankInfo> peers_;
   void* flag_ = nullptr;  // one float for barrier()
 };
 

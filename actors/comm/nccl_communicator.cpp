@@ -43,7 +43,7 @@ ncclResult_t wait_ready(ncclComm_t comm, std::chrono::steady_clock::time_point d
   }
 }
 
-std::string list_peers(const std::vector<PeerInfo>& peers) {
+std::string list_peers(const std::vector<RankInfo>& peers) {
   std::string out;
   for (const auto& p : peers) out += (out.empty() ? "" : "; ") + describe_peer(p);
   return out;
@@ -51,7 +51,7 @@ std::string list_peers(const std::vector<PeerInfo>& peers) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, int rank, std::vector<PeerInfo> peers)
+  NcclCommunicator(ncclComm_t comm, int rank, std::vector<RankInfo> peers)
       : comm_(comm), rank_(rank), peers_(std::move(peers)) {}
   ~NcclCommunicator() override {
     if (comm_ != nullptr) {
@@ -61,7 +61,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   ncclComm_t comm() const { return comm_; }
-  const std::vector<PeerInfo>& peers() const { return peers_; }
+  const std::vector<RankInfo>& peers() const { return peers_; }
 
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(peers_.size()); }
@@ -116,7 +116,7 @@ class NcclCommunicator final : public Communicator {
 
   ncclComm_t comm_;
   int rank_;
-  std::vector<PeerInfo> peers_;
+  std::vector<RankInfo> peers_;
 };
 
 }  // namespace
@@ -131,7 +131,7 @@ Expected<std::string> make_nccl_id() {
 }
 
 Expected<std::unique_ptr<Communicator>> nccl_join(const std::string& id_bytes, int rank,
-                                                  std::vector<PeerInfo> peers,
+                                                  std::vector<RankInfo> peers,
                                                   std::chrono::milliseconds timeout) {
   ncclUniqueId id;
   if (id_bytes.size() != sizeof(id.internal)) {
@@ -162,7 +162,7 @@ Expected<std::unique_ptr<Communicator>> nccl_join(const std::string& id_bytes, i
 }
 
 Expected<std::unique_ptr<Communicator>> nccl_split(Communicator& world, int color, int key,
-                                                   std::vector<PeerInfo> members,
+                                                   std::vector<RankInfo> members,
                                                    std::chrono::milliseconds timeout) {
   auto* nccl = dynamic_cast<NcclCommunicator*>(&world);
   if (nccl == nullptr) return internal_error("nccl_split needs an NCCL communicator");

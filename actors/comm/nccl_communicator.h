@@ -20,13 +20,13 @@ Expected<std::string> make_nccl_id();
 // Joins the NCCL communicator of `peers.size()` ranks as `rank`, bounded by `timeout`; on
 // timeout or error every rank's message names the ranks (actor, node, GPU) it was waiting with.
 Expected<std::unique_ptr<Communicator>> nccl_join(const std::string& id, int rank,
-                                                  std::vector<PeerInfo> peers,
+                                                  std::vector<RankInfo> peers,
                                                   std::chrono::milliseconds timeout);
 
 // The group of `world`'s ranks with the same `color`, ordered by `key` (ncclCommSplit). Every
 // rank of `world` calls it (collectively). `world` must be an NCCL communicator.
 Expected<std::unique_ptr<Communicator>> nccl_split(Communicator& world, int color, int key,
-                                                   std::vector<PeerInfo> members,
+                                                   std::vector<RankInfo> members,
                                                    std::chrono::milliseconds timeout);
 
 }  // namespace tessera::comm

@@ -22,21 +22,11 @@ std::vector<int> pp_group(const ParallelConfig& p) {
 
 namespace {
 
-PeerInfo peer_of(const RankInfo& r) {
-  PeerInfo p;
-  p.rank = r.rank;
-  p.actor_id = r.actor_id;
-  p.node_id = r.node_id;
-  p.gpu = r.gpu;
-  p.address = r.address;
-  return p;
-}
-
-std::vector<PeerInfo> members(const CommSpec& comm, const std::vector<int>& world_ranks) {
-  std::vector<PeerInfo> out;
+std::vector<RankInfo> members(const CommSpec& comm, const std::vector<int>& world_ranks) {
+  std::vector<RankInfo> out;
   for (size_t i = 0; i < world_ranks.size(); ++i) {
-    PeerInfo p = peer_of(comm.ranks[static_cast<size_t>(world_ranks[i])]);
-    p.rank = static_cast<int>(i);
+    RankInfo p = comm.ranks[static_cast<size_t>(world_ranks[i])];
+    p.rank = static_cast<int>(i);  // its rank in this group
     out.push_back(std::move(p));
   }
   return out;
@@ -57,17 +47,19 @@ Expected<std::unique_ptr<RankComms>> RankComms::prepare(const std::string& backe
                                                         uint64_t buffer_bytes, int tp_rank,
                                                         int tp_size) {
   std::unique_ptr<RankComms> c(new RankComms());
-  c->backend_ = backend;
-  if (backend == "tcp") {
+  for (CommBackend b : {CommBackend::kTcp, CommBackend::kNccl, CommBackend::kIpc}) {
+    if (backend == comm_backend_name(b)) c->backend_ = b;
+  }
+  if (c->backend_ == CommBackend::kTcp) {
     TESSERA_ASSIGN_OR_RETURN(c->endpoint_, TcpEndpoint::listen(host));
     return c;
   }
 #ifdef TESSERA_WITH_CUDA
-  if (backend == "nccl" || backend == "ipc") {
-    if (backend == "nccl") {
+  if (c->backend_ == CommBackend::kNccl || c->backend_ == CommBackend::kIpc) {
+    if (c->backend_ == CommBackend::kNccl) {
       TESSERA_ASSIGN_OR_RETURN(c->nccl_id_, make_nccl_id());
     }
-    if (backend == "ipc" || buffer_bytes > 0) {
+    if (c->backend_ == CommBackend::kIpc || buffer_bytes > 0) {
       TESSERA_ASSIGN_OR_RETURN(auto ipc, IpcCommunicator::create(tp_rank, tp_size, buffer_bytes));
       c->ipc_handle_ = ipc->handle();
       c->ipc_ = std::move(ipc);
@@ -110,15 +102,16 @@ Status RankComms::join(const LoadSpec& spec) {
   const ParallelConfig& p = spec.parallel;
   const CommSpec& comm = spec.comm;
   if (comm.backend != backend_) {
-    return invalid_argument("the spec's collective backend '" + comm.backend +
-                            "' is not the prepared '" + backend_ + "'");
+    return invalid_argument("the spec's collective backend '" +
+                            std::string(comm_backend_name(comm.backend)) +
+                            "' is not the prepared '" + comm_backend_name(backend_) + "'");
   }
   if (static_cast<int>(comm.ranks.size()) != p.world_size()) {
     return invalid_argument("the spec names " + std::to_string(comm.ranks.size()) +
                             " ranks for a world of " + std::to_string(p.world_size()));
   }
-  const std::chrono::milliseconds timeout(comm.init_timeout_ms);
-  if (backend_ == "tcp") {
+  const std::chrono::milliseconds timeout = std::chrono::seconds(spec.engine.nccl_init_timeout_s);
+  if (backend_ == CommBackend::kTcp) {
     if (p.tp_size > 1) {
       TESSERA_ASSIGN_OR_RETURN(tp_,
                                endpoint_->join("tp-" + std::to_string(p.pp_rank), p.tp_rank,
@@ -132,7 +125,7 @@ Status RankComms::join(const LoadSpec& spec) {
     return Status::ok();
   }
 #ifdef TESSERA_WITH_CUDA
-  if (backend_ == "nccl") {
+  if (backend_ == CommBackend::kNccl) {
     std::vector<int> all;
     for (int r = 0; r < p.world_size(); ++r) all.push_back(r);
     TESSERA_ASSIGN_OR_RETURN(world_,
@@ -151,7 +144,7 @@ Status RankComms::join(const LoadSpec& spec) {
     }
     return Status::ok();
   }
-  if (backend_ == "ipc") {
+  if (backend_ == CommBackend::kIpc) {
     if (p.pp_size > 1) {
       return invalid_argument(
           "the ipc collectives serve tensor parallelism within one node; pipeline stages need "
@@ -161,7 +154,8 @@ Status RankComms::join(const LoadSpec& spec) {
     return Status::ok();
   }
 #endif
-  return invalid_argument("collective backend '" + backend_ + "' is not supported here");
+  return invalid_argument("collective backend '" + std::string(comm_backend_name(backend_)) +
+                          "' is not supported here");
 }
 
 }  // namespace tessera::comm

@@ -5,7 +5,8 @@
 //                     this rank's CUDA-IPC buffers (their handle goes to every rank), and so
 //                     does "nccl" given buffer bytes (the custom all-reduce beside NCCL);
 //   join(spec)        loading: connects the tensor-parallel group (ranks of this stage) and the
-//                     pipeline group (this column's stages), bounded by the spec's init timeout.
+//                     pipeline group (this column's stages), bounded by the spec's
+//                     engine.nccl_init_timeout_s.
 //                     With nccl and spec.comm.custom_all_reduce_max_bytes, the tensor-parallel
 //                     group all-reduces up to that size through the IPC buffers (by_size).
 // Group order is the same on every rank (tensor-parallel, then pipeline), so joins never wait
@@ -27,16 +28,17 @@ class TcpEndpoint;
 
 class RankComms {
  public:
-  // `host`: the address peers reach this actor at (tcp). `buffer_bytes`, `tp_rank`, `tp_size`:
-  // the IPC buffers and this rank's place in the tensor-parallel group they serve (ipc; nccl
-  // when buffer_bytes > 0).
+  // `backend`: "tcp", "nccl" or "ipc", as prepareComm names it (comm_backend_name); anything
+  // else, or nccl and ipc without CUDA, is INVALID_ARGUMENT. `host`: the address peers reach
+  // this actor at (tcp). `buffer_bytes`, `tp_rank`, `tp_size`: the IPC buffers and this rank's
+  // place in the tensor-parallel group they serve (ipc; nccl when buffer_bytes > 0).
   static Expected<std::unique_ptr<RankComms>> prepare(const std::string& backend,
                                                       const std::string& host,
                                                       uint64_t buffer_bytes, int tp_rank,
                                                       int tp_size);
   ~RankComms();
 
-  const std::string& backend() const { return backend_; }
+  CommBackend backend() const { return backend_; }
   // tcp: "host:port" of the endpoint.
   std::string address() const;
   // nccl: the unique id bytes (meaningful from the rank the driver picks as 0).
@@ -55,7 +57,7 @@ class RankComms {
   RankComms() = default;
   // The prepared IPC buffers opened on the tensor-parallel group's handles (cuda builds).
   Expected<std::unique_ptr<Communicator>> open_ipc(const CommSpec& comm, const ParallelConfig& p);
-  std::string backend_;
+  CommBackend backend_ = CommBackend::kNone;
   std::string nccl_id_;
   std::string ipc_handle_;
   std::unique_ptr<TcpEndpoint> endpoint_;

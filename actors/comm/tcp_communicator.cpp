@@ -158,7 +158,7 @@ struct TcpCommunicator::Transfer {
   bool finished() const { return done == kHeaderBytes + bytes; }
 };
 
-TcpCommunicator::TcpCommunicator(std::string group_id, int rank, std::vector<PeerInfo> peers,
+TcpCommunicator::TcpCommunicator(std::string group_id, int rank, std::vector<RankInfo> peers,
                                  std::vector<net::Fd> conns, TcpCommOptions options)
     : group_id_(std::move(group_id)),
       rank_(rank),
@@ -179,7 +179,7 @@ TcpCommunicator::~TcpCommunicator() = default;
 
 std::string TcpCommunicator::describe(int peer) const {
   if (peer < 0 || peer >= size()) return "rank " + std::to_string(peer) + " (not in the group)";
-  PeerInfo info = peers_[peer];
+  RankInfo info = peers_[peer];
   info.rank = peer;
   return describe_peer(info);
 }

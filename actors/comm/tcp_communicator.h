@@ -2,7 +2,7 @@
 // of a group, on host memory.
 //
 // Each actor process makes one TcpEndpoint (a listening socket) and publishes its address; the
-// driver hands every rank the list of peers (PeerInfo, with their endpoint addresses), a group
+// driver hands every rank the list of peers (RankInfo, with their endpoint addresses), a group
 // id and a per-group secret; every rank then calls join() and gets a Communicator. One endpoint
 // serves any number of groups (world, tensor-parallel, pipeline pairs), joined one after another
 // or concurrently.
@@ -90,7 +90,7 @@ class TcpCommunicator final : public Communicator {
  public:
   // Used by TcpEndpoint::join: conns[r] is the authenticated connection to rank r (invalid for
   // this rank), peers[r] describes rank r.
-  TcpCommunicator(std::string group_id, int rank, std::vector<PeerInfo> peers,
+  TcpCommunicator(std::string group_id, int rank, std::vector<RankInfo> peers,
                   std::vector<net::Fd> conns, TcpCommOptions options);
   ~TcpCommunicator() override;
   TcpCommunicator(const TcpCommunicator&) = delete;
@@ -123,7 +123,7 @@ class TcpCommunicator final : public Communicator {
 
   std::string group_id_;
   int rank_;
-  std::vector<PeerInfo> peers_;
+  std::vector<RankInfo> peers_;
   std::vector<net::Fd> conns_;
   TcpCommOptions options_;
   std::vector<uint64_t> send_seq_;  // next frame number, per peer
@@ -167,7 +167,7 @@ class TcpEndpoint {
   // A connection that claims to be a peer but fails authentication is dropped; the join goes on
   // waiting for the real peer (and the timeout error mentions the failed attempt).
   Expected<std::unique_ptr<Communicator>> join(const std::string& group_id, int rank,
-                                               std::vector<PeerInfo> peers,
+                                               std::vector<RankInfo> peers,
                                                const std::string& secret,
                                                std::chrono::milliseconds timeout,
                                                TcpCommOptions options = {});

@@ -123,7 +123,7 @@ struct JoinCtx {
   int rank = 0;
   int size = 0;
   std::string secret;
-  std::vector<PeerInfo> peers;
+  std::vector<RankInfo> peers;
   Clock::time_point deadline;
   milliseconds answer_timeout;  // for a dialer to answer this rank's challenge
   net::Canceller cancel;        // signalled when join() has decided
@@ -138,7 +138,7 @@ struct JoinCtx {
   int serving = 0;                  // guarded by mu; incoming handshakes in progress
 
   std::string describe(int r) const {
-    PeerInfo p = peers[r];
+    RankInfo p = peers[r];
     p.rank = r;
     return describe_peer(p);
   }
@@ -578,7 +578,7 @@ Expected<std::unique_ptr<TcpEndpoint>> TcpEndpoint::listen(const std::string& ho
 std::string TcpEndpoint::address() const { return state_->address(); }
 
 Expected<std::unique_ptr<Communicator>> TcpEndpoint::join(const std::string& group_id, int rank,
-                                                          std::vector<PeerInfo> peers,
+                                                          std::vector<RankInfo> peers,
                                                           const std::string& secret,
                                                           milliseconds timeout,
                                                           TcpCommOptions options) {

@@ -23,20 +23,6 @@ struct StageComms {
   comm::Communicator* pp = nullptr;  // this column's stages (group rank = pp_rank)
 };
 
-// A row to sample: the request whose last forwarded token it follows.
-struct SampleRequest {
-  uint64_t request_id = 0;
-  const RequestState* state = nullptr;
-};
-
-// A token of a batch that is the sample of the step launched before, still running (async
-// scheduling): batch[seq].tokens holds one kSampledToken, which the backend replaces with that
-// step's sample of row `row` before the forward pass reads it.
-struct TokenFill {
-  size_t seq = 0;
-  size_t row = 0;
-};
-
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -47,12 +33,13 @@ class Backend {
   // prepares for steps (the cuda backend captures its graphs here, every rank at once).
   virtual Status init_cache(int64_t blocks) = 0;
 
-  // Starts the batch through this rank's stage; collect() waits for it. At most two launches
-  // are outstanding; the second may fill tokens from the first's samples (`fills`). With
-  // `want_logits` (only with nothing outstanding) collect() hands back the fp32 logits of the
-  // rows. An error leaves nothing outstanding for this launch (the one before still is).
-  virtual Status launch(std::span<const ForwardSeq> batch, std::span<const SampleRequest> rows,
-                        std::span<const TokenFill> fills, bool want_logits) = 0;
+  // Starts the batch through this rank's stage; collect() waits for it. The batch was checked
+  // when the request table made it (StepBatch, requests.h): the backend checks nothing of it
+  // again. At most two launches are outstanding; the second may fill tokens from the first's
+  // samples (batch.fills()). With `want_logits` (only with nothing outstanding) collect() hands
+  // back the fp32 logits of the rows. An error leaves nothing outstanding for this launch (the
+  // one before still is).
+  virtual Status launch(const StepBatch& batch, bool want_logits) = 0;
   // Waits for the oldest outstanding launch. On the sampling rank (last stage, tp rank 0)
   // returns one sample per row of it (the rows with want_logits, in order) and, if it asked,
   // appends their logits [rows, vocab] to `logits`; every other rank returns nothing.

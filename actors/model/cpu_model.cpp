@@ -15,42 +15,29 @@
 namespace tessera {
 
 CpuModel::CpuModel(const ModelConfig& config, LayerPlan plan, ModelWeights weights,
-                   StageComms comms, int threads)
+                   StageComms comms, const EngineSpec& engine, int threads)
     : config_(config),
       plan_(std::move(plan)),
       weights_(std::move(weights)),
       comms_(comms),
-      ctx_(threads) {}
+      ctx_(threads),
+      engine_(engine) {}
 
 Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config, LayerPlan plan,
                                                      ModelWeights weights, StageComms comms,
-                                                     int64_t kv_blocks, int64_t block_size,
-                                                     int64_t max_model_len, int threads,
-                                                     KvCacheDtype kv_cache_dtype) {
-  if (max_model_len <= 0 || max_model_len > config.max_position_embeddings) {
-    return invalid_argument("max-model-len " + std::to_string(max_model_len) + " must be in [1, " +
-                            std::to_string(config.max_position_embeddings) +
-                            "] (the model's max_position_embeddings)");
-  }
-  if (config.sliding_window && *config.sliding_window < max_model_len) {
-    return invalid_argument("this model uses sliding-window attention (window " +
-                            std::to_string(*config.sliding_window) +
-                            "), which is not implemented yet: use --max-model-len " +
-                            std::to_string(*config.sliding_window) + " or less");
-  }
+                                                     int64_t kv_blocks, const EngineSpec& engine,
+                                                     int threads) {
   std::unique_ptr<CpuModel> m(
-      new CpuModel(config, std::move(plan), std::move(weights), comms, threads));
+      new CpuModel(config, std::move(plan), std::move(weights), comms, engine, threads));
   m->fit_blocks_ = kv_blocks;
-  m->block_size_ = block_size;
-  m->max_model_len_ = max_model_len;
-  m->kv_cache_dtype_ = kv_cache_dtype;
   std::optional<cpu::Llama3RopeScaling> scaling;
   if (config.rope_scaling.type == "llama3") {
     scaling = cpu::Llama3RopeScaling{
         config.rope_scaling.factor, config.rope_scaling.low_freq_factor,
         config.rope_scaling.high_freq_factor, config.rope_scaling.original_max_position_embeddings};
   }
-  auto rope = cpu::RopeTable::create(config.head_dim, config.rope_theta, max_model_len, scaling);
+  auto rope =
+      cpu::RopeTable::create(config.head_dim, config.rope_theta, engine.max_model_len, scaling);
   if (!rope) return rope.status();
   m->rope_ = std::make_unique<cpu::RopeTable>(std::move(*rope));
   return m;
@@ -64,10 +51,10 @@ Status CpuModel::init_cache(int64_t blocks) {
   cpu::KvCacheShape shape;
   shape.num_layers = plan_.num_layers();
   shape.num_blocks = blocks;
-  shape.block_size = block_size_;
+  shape.block_size = engine_.block_size;
   shape.num_kv_heads = plan_.kv_heads;
   shape.head_dim = config_.head_dim;
-  shape.dtype = kv_cache_dtype_;
+  shape.dtype = engine_.kv_cache_dtype;
   TESSERA_ASSIGN_OR_RETURN(auto cache, cpu::PagedKvCache::create(shape));
   cache_ = std::make_unique<cpu::PagedKvCache>(std::move(cache));
   return Status::ok();
@@ -81,8 +68,8 @@ ModelInfo CpuModel::info() const {
   i.layer_begin = plan_.layer_begin;
   i.layer_end = plan_.layer_end;
   i.kv_blocks = cache_ ? cache_->shape().num_blocks : fit_blocks_;
-  i.block_size = block_size_;
-  i.max_model_len = max_model_len_;
+  i.block_size = engine_.block_size;
+  i.max_model_len = engine_.max_model_len;
   i.weight_bytes = weights_.bytes;
   i.kv_cache_bytes =
       cache_ ? static_cast<uint64_t>(cache_->shape().num_slots() * cache_->shape().token_elems() *
@@ -90,7 +77,7 @@ ModelInfo CpuModel::info() const {
              : 0;
   i.backend = "cpu";
   i.dtype = dtype_name(DType::kF32);
-  i.kv_cache_dtype = kv_cache_storage_name(kv_cache_dtype_, DType::kF32);
+  i.kv_cache_dtype = kv_cache_storage_name(engine_.kv_cache_dtype, DType::kF32);
   return i;
 }
 
@@ -100,31 +87,16 @@ class CpuModel::Step {
  public:
   Step(CpuModel& m, std::span<const ForwardSeq> batch) : m_(m), batch_(batch) {}
 
+  // The batch is a StepBatch's (requests.h): its positions, block tables and tokens were
+  // checked when the request table made it.
   Status prepare() {
-    const int64_t bs = m_.block_size_;
-    const int64_t blocks = m_.cache_->shape().num_blocks;
+    const int64_t bs = m_.engine_.block_size;
     tables_.resize(batch_.size());
     attn_.resize(batch_.size());
     for (size_t s = 0; s < batch_.size(); ++s) {
       const ForwardSeq& seq = batch_[s];
-      if (seq.tokens.empty()) return invalid_argument("a sequence in the batch has no tokens");
       const int64_t end = seq.start_position + static_cast<int64_t>(seq.tokens.size());
-      if (seq.start_position < 0 || end > m_.max_model_len_) {
-        return invalid_argument("positions up to " + std::to_string(end) +
-                                " exceed max-model-len " + std::to_string(m_.max_model_len_));
-      }
-      if (static_cast<int64_t>(seq.block_table.size()) * bs < end) {
-        return invalid_argument("the block table holds " +
-                                std::to_string(seq.block_table.size() * bs) +
-                                " tokens, the sequence needs " + std::to_string(end));
-      }
-      for (uint32_t b : seq.block_table) {
-        if (static_cast<int64_t>(b) >= blocks) {
-          return invalid_argument("block " + std::to_string(b) + " is outside the KV cache (" +
-                                  std::to_string(blocks) + " blocks)");
-        }
-        tables_[s].push_back(static_cast<int32_t>(b));
-      }
+      tables_[s].assign(seq.block_table.begin(), seq.block_table.end());
       for (size_t i = 0; i < seq.tokens.size(); ++i) {
         const int64_t pos = seq.start_position + static_cast<int64_t>(i);
         ids_.push_back(seq.tokens[i]);
@@ -313,12 +285,12 @@ Expected<std::vector<float>> CpuModel::forward(std::span<const ForwardSeq> batch
   return step.take_logits();
 }
 
-Status CpuModel::launch(std::span<const ForwardSeq> batch, std::span<const SampleRequest> rows,
-                        std::span<const TokenFill> fills, bool want_logits) {
+Status CpuModel::launch(const StepBatch& batch, bool want_logits) {
   if (launched_.size() >= 2) {
     return failed_precondition("two steps are running on this rank already");
   }
-  std::vector<ForwardSeq> filled(batch.begin(), batch.end());
+  const std::span<const TokenFill> fills = batch.fills();
+  std::vector<ForwardSeq> filled(batch.seqs().begin(), batch.seqs().end());
   std::vector<int32_t> tokens(fills.size());
   if (!fills.empty()) {
     // The samples of the launch before: this rank's, or with tensor parallelism rank 0's,
@@ -339,15 +311,13 @@ Status CpuModel::launch(std::span<const ForwardSeq> batch, std::span<const Sampl
     }
     for (size_t i = 0; i < fills.size(); ++i) {
       const TokenFill& f = fills[i];
-      if (f.seq >= batch.size() || batch[f.seq].tokens.size() != 1) {
-        return invalid_argument("a token to fill is not one decode token of the batch");
-      }
       tokens[i] = source[f.row];
       filled[f.seq].tokens = std::span<const int32_t>(&tokens[i], 1);
     }
   }
   Launch l;
-  TESSERA_ASSIGN_OR_RETURN(l.samples, run_step(filled, rows, want_logits ? &l.logits : nullptr));
+  TESSERA_ASSIGN_OR_RETURN(l.samples,
+                           run_step(filled, batch.rows(), want_logits ? &l.logits : nullptr));
   last_tokens_.clear();
   for (const SampleResult& r : l.samples) last_tokens_.push_back(r.token);
   launched_.push_back(std::move(l));
@@ -376,7 +346,7 @@ Expected<std::vector<SampleResult>> CpuModel::run_step(std::span<const ForwardSe
     if (it == samplers_.end()) {
       SamplingParams params = q.state->sampling;
       params.seed = q.state->seed;
-      TESSERA_ASSIGN_OR_RETURN(cpu::Sampler sampler, cpu::Sampler::create(params));
+      cpu::Sampler sampler = cpu::Sampler::create(params);
       it = samplers_.emplace(q.request_id, std::move(sampler)).first;
     }
     // Only the penalties read the history (which holds a placeholder while a step that samples

@@ -25,11 +25,12 @@ namespace tessera {
 
 class CpuModel final : public Backend {
  public:
-  // `kv_blocks` blocks of `block_size` tokens fit (the cache is allocated by init_cache).
-  static Expected<std::unique_ptr<CpuModel>> create(
-      const ModelConfig& config, LayerPlan plan, ModelWeights weights, StageComms comms,
-      int64_t kv_blocks, int64_t block_size, int64_t max_model_len, int threads = 0,
-      KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto);
+  // `kv_blocks` blocks of engine.block_size tokens fit (the cache is allocated by init_cache).
+  // `engine` is resolved (check_resolved).
+  static Expected<std::unique_ptr<CpuModel>> create(const ModelConfig& config, LayerPlan plan,
+                                                    ModelWeights weights, StageComms comms,
+                                                    int64_t kv_blocks, const EngineSpec& engine,
+                                                    int threads = 0);
 
   // The forward pass alone: the logits [rows, vocab] of the sequences with want_logits, in
   // order, on the last stage (every tensor-parallel rank of it); empty on the other stages.
@@ -39,8 +40,7 @@ class CpuModel final : public Backend {
   int64_t fit_kv_blocks() const override { return fit_blocks_; }
   Status init_cache(int64_t blocks) override;
   // Runs the step at once (the samples wait in the launch for collect()).
-  Status launch(std::span<const ForwardSeq> batch, std::span<const SampleRequest> rows,
-                std::span<const TokenFill> fills, bool want_logits) override;
+  Status launch(const StepBatch& batch, bool want_logits) override;
   Expected<std::vector<SampleResult>> collect(std::vector<float>* logits) override;
   void forget(uint64_t request_id) override { samplers_.erase(request_id); }
   ModelInfo info() const override;
@@ -52,7 +52,7 @@ class CpuModel final : public Backend {
 
  private:
   CpuModel(const ModelConfig& config, LayerPlan plan, ModelWeights weights, StageComms comms,
-           int threads);
+           const EngineSpec& engine, int threads);
   class Step;  // one forward pass's buffers and ops (layer_loop.h's Ops)
   struct Launch {
     std::vector<SampleResult> samples;
@@ -70,9 +70,7 @@ class CpuModel final : public Backend {
   std::unique_ptr<cpu::PagedKvCache> cache_;
   std::unique_ptr<cpu::RopeTable> rope_;
   int64_t fit_blocks_ = 0;
-  int64_t block_size_ = 16;
-  int64_t max_model_len_ = 0;
-  KvCacheDtype kv_cache_dtype_ = KvCacheDtype::kAuto;
+  EngineSpec engine_;                          // resolved
   std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
   std::vector<int32_t> last_tokens_;           // sampled by the last launch (async scheduling)
   std::deque<Launch> launched_;                // not collected yet, oldest first

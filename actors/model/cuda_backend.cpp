@@ -29,8 +29,8 @@ class CudaBackend final : public Backend {
   int64_t fit_kv_blocks() const override { return model_->memory().fit_blocks; }
   Status init_cache(int64_t blocks) override { return model_->init_cache(blocks); }
 
-  Status launch(std::span<const ForwardSeq> batch, std::span<const SampleRequest> rows,
-                std::span<const TokenFill> fills, bool want_logits) override {
+  Status launch(const StepBatch& batch, bool want_logits) override {
+    const std::span<const SampleRequest> rows = batch.rows();
     if (outstanding_ >= 2) return failed_precondition("two steps are running on this GPU already");
     Launch& l = launches_[(oldest_ + outstanding_) % 2];
     l.ticket = {};
@@ -38,7 +38,8 @@ class CudaBackend final : public Backend {
     cudaStream_t stream = model_->stream();
     int64_t computed = 0;
     cudaEventRecord(l.ev[0], stream);
-    TESSERA_ASSIGN_OR_RETURN(float* dev_logits, model_->forward(batch, &computed, fills));
+    TESSERA_ASSIGN_OR_RETURN(float* dev_logits,
+                             model_->forward(batch.seqs(), &computed, batch.fills()));
     cudaEventRecord(l.ev[1], stream);
     cuda::GpuSampler* sampler = model_->sampler();
     if (sampler != nullptr && !rows.empty()) {
@@ -139,9 +140,11 @@ bool cuda_device_visible() {
   return count > 0;
 }
 
-Expected<std::unique_ptr<Backend>> load_cuda_backend(const LoadSpec& spec, const ModelConfig& config,
+Expected<std::unique_ptr<Backend>> load_cuda_backend(const LoadSpec& spec,
+                                                     const ModelConfig& config,
                                                      const LayerPlan& plan,
-                                                     const ModelWeights& weights, StageComms comms) {
+                                                     const ModelWeights& weights,
+                                                     StageComms comms) {
   TESSERA_ASSIGN_OR_RETURN(auto model, CudaModel::create(config, plan, weights, std::move(comms),
                                                          spec.engine, spec.gpu_shares));
   return std::unique_ptr<Backend>(new CudaBackend(std::move(model)));

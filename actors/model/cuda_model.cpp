@@ -209,29 +209,20 @@ Status CudaModel::allocate_kv_cache(int64_t blocks) {
   return Status::ok();
 }
 
+// The batch is a StepBatch's (requests.h; or the profiling step's own), checked when it was
+// made: its sequences, positions, block tables, tokens and fills are within this model's
+// bounds (max_num_seqs, max_tokens_, max_blocks_per_seq_, the KV cache, the vocabulary).
 Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch, int64_t pad_to,
                                                std::span<const TokenFill> fills) {
   const int64_t bs = engine_.block_size;
   const int64_t S_real = static_cast<int64_t>(batch.size());
   const int64_t S = std::max(pad_to, S_real);
-  if (S > engine_.max_num_seqs) {
-    return invalid_argument("the step has " + std::to_string(S) + " sequences, more than " +
-                            "max-num-seqs " + std::to_string(engine_.max_num_seqs));
-  }
   MetaLayout m = MetaLayout::make(max_tokens_, engine_.max_num_seqs, max_blocks_per_seq_);
   // The two host images in turn: the copies of the step before may not have run yet.
   char* h = static_cast<char*>(meta_host_[meta_turn_]);
   meta_turn_ ^= 1;
   std::vector<int32_t> fill_row(static_cast<size_t>(S_real), -1);
-  for (const TokenFill& f : fills) {
-    if (f.seq >= static_cast<size_t>(S_real) || batch[f.seq].tokens.size() != 1 ||
-        f.row >= static_cast<size_t>(engine_.max_num_seqs)) {
-      return invalid_argument(
-          "a token to fill from the step before is not one decode token of "
-          "this batch, or its row is out of range");
-    }
-    fill_row[f.seq] = static_cast<int32_t>(f.row);
-  }
+  for (const TokenFill& f : fills) fill_row[f.seq] = static_cast<int32_t>(f.row);
   auto* fill_pairs = reinterpret_cast<int32_t*>(h + m.fills);
   auto* ids = reinterpret_cast<int32_t*>(h + m.ids);
   auto* pos = reinterpret_cast<int32_t*>(h + m.positions);
@@ -247,32 +238,10 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
   for (int64_t s = 0; s < S_real; ++s) {
     const ForwardSeq& seq = batch[s];
     const int64_t n = static_cast<int64_t>(seq.tokens.size());
-    if (n == 0) return invalid_argument("a sequence in the batch has no tokens");
     const int64_t end = seq.start_position + n;
-    if (seq.start_position < 0 || end > engine_.max_model_len) {
-      return invalid_argument("positions up to " + std::to_string(end) + " exceed max-model-len " +
-                              std::to_string(engine_.max_model_len));
-    }
     const int64_t nb = static_cast<int64_t>(seq.block_table.size());
     table_width = std::max(table_width, nb);
-    if (nb * bs < end) {
-      return invalid_argument("the block table holds " + std::to_string(nb * bs) +
-                              " tokens, the sequence needs " + std::to_string(end));
-    }
-    if (nb > max_blocks_per_seq_) {
-      return invalid_argument("the block table has " + std::to_string(nb) + " blocks, more than " +
-                              std::to_string(max_blocks_per_seq_) + " (max-model-len)");
-    }
-    if (t + n > max_tokens_) {
-      return invalid_argument("the step has more than " + std::to_string(max_tokens_) +
-                              " tokens (max-num-batched-tokens)");
-    }
     for (int64_t b = 0; b < nb; ++b) {
-      if (static_cast<int64_t>(seq.block_table[b]) >= kv_blocks_) {
-        return invalid_argument("block " + std::to_string(seq.block_table[b]) +
-                                " is outside the KV cache (" + std::to_string(kv_blocks_) +
-                                " blocks)");
-      }
       tables[s * max_blocks_per_seq_ + b] = static_cast<int32_t>(seq.block_table[b]);
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -282,9 +251,6 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
         fill_pairs[2 * plan.fills + 1] = fill_row[s];
         ++plan.fills;
         id = 0;
-      } else if (id < 0 || id >= config_.vocab_size) {
-        return invalid_argument("token id " + std::to_string(id) + " is outside the vocabulary (" +
-                                std::to_string(config_.vocab_size) + ")");
       }
       const int64_t p = seq.start_position + i;
       ids[t] = id;
@@ -745,12 +711,6 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
     return invalid_argument("head_dim " + std::to_string(config.head_dim) +
                             " is above the CUDA backend's 1024 (no released model has one): use "
                             "--device cpu");
-  }
-  if (config.sliding_window && *config.sliding_window < engine.max_model_len) {
-    return invalid_argument("this model uses sliding-window attention (window " +
-                            std::to_string(*config.sliding_window) +
-                            "), which is not implemented yet: use --max-model-len " +
-                            std::to_string(*config.sliding_window) + " or less");
   }
   std::unique_ptr<CudaModel> m(new CudaModel(config, plan, comms, engine, gpu_shares));
   TESSERA_CUDA_RETURN_IF_ERROR(cudaSetDevice(0), "selecting GPU 0");

@@ -55,8 +55,7 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
     // driver's scheduler preempts past that.
     const int64_t blocks = (e.max_model_len + e.block_size - 1) / e.block_size + 1;
     TESSERA_ASSIGN_OR_RETURN(auto model, CpuModel::create(config, plan, std::move(weights), comms,
-                                                          blocks, e.block_size, e.max_model_len,
-                                                          spec.threads, e.kv_cache_dtype));
+                                                          blocks, e, spec.threads));
     r->backend_ = std::move(model);
   }
   r->checkpoint_ = std::move(checkpoint);
@@ -125,11 +124,6 @@ Status ModelRunner::launch(const StepInput& step, Running& r) {
   TESSERA_RETURN_IF_ERROR(requests_.apply(step));
   for (uint64_t id : requests_.forgotten()) backend_->forget(id);
   if (step.seqs.empty()) return Status::ok();
-  const std::vector<ForwardSeq> batch = requests_.batch(step);
-  std::vector<SampleRequest> rows;
-  for (const SeqStep& s : step.seqs) {
-    if (s.sample) rows.push_back({s.request_id, &requests_.at(s.request_id)});
-  }
   // The tokens the backend takes from the samples of the launch before: the placeholders, or
   // with tensor parallelism every kSampledToken, on every rank alike (the ranks that do not
   // sample get them from the one that does, in a collective all of them must join).
@@ -151,13 +145,14 @@ Status ModelRunner::launch(const StepInput& step, Running& r) {
     }
     fills.push_back({seq, row->second});
   }
-  TESSERA_RETURN_IF_ERROR(backend_->launch(batch, rows, fills, return_logits_));
+  const StepBatch batch = requests_.batch(step, std::move(fills));
+  TESSERA_RETURN_IF_ERROR(backend_->launch(batch, return_logits_));
   r.launched = true;
   last_rows_.clear();
-  for (const SampleRequest& q : rows) last_rows_.emplace(q.request_id, last_rows_.size());
+  for (const SampleRequest& q : batch.rows()) last_rows_.emplace(q.request_id, last_rows_.size());
   if (!samples()) return Status::ok();
-  r.rows.reserve(rows.size());
-  for (const SampleRequest& q : rows) {
+  r.rows.reserve(batch.rows().size());
+  for (const SampleRequest& q : batch.rows()) {
     requests_.expect_sample(q.request_id);
     r.rows.push_back(q.request_id);
   }

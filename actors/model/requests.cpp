@@ -66,6 +66,12 @@ Status RequestTable::apply(const StepInput& step) {
                               std::to_string(blocks * L.block_size) + " tokens, it needs " +
                               std::to_string(end));
     }
+    const int64_t most_blocks = (L.max_model_len + L.block_size - 1) / L.block_size;
+    if (blocks > most_blocks) {
+      return invalid_argument(who + ": its block table has " + std::to_string(blocks) +
+                              " blocks, more than max-model-len needs (" +
+                              std::to_string(most_blocks) + ")");
+    }
     for (uint32_t b : s.new_blocks) {
       if (static_cast<int64_t>(b) >= L.kv_blocks) {
         return invalid_argument(who + ": block " + std::to_string(b) +
@@ -166,15 +172,24 @@ void RequestTable::record_sample(uint64_t request_id, int32_t token) {
   }
 }
 
-std::vector<ForwardSeq> RequestTable::batch(const StepInput& step) const {
-  std::vector<ForwardSeq> out;
-  out.reserve(step.seqs.size());
+StepBatch RequestTable::batch(const StepInput& step, std::vector<TokenFill> fills) const {
+  StepBatch out;
+  out.seqs_.reserve(step.seqs.size());
   for (const SeqStep& s : step.seqs) {
     const RequestState& r = requests_.at(s.request_id);
     const std::span<const int32_t> tokens(r.tokens);
-    out.push_back({tokens.subspan(static_cast<size_t>(s.start_position), s.tokens.size()),
-                   s.start_position, r.blocks, s.sample});
+    out.seqs_.push_back({tokens.subspan(static_cast<size_t>(s.start_position), s.tokens.size()),
+                         s.start_position, r.blocks, s.sample});
+    if (s.sample) out.rows_.push_back({s.request_id, &r});
   }
+  // The runner makes the fills from the placeholders apply() left and the rows of the step
+  // before (at most max_num_seqs of them): a fill elsewhere is a bug of this process.
+  for (const TokenFill& f : fills) {
+    TESSERA_CHECK(f.seq < out.seqs_.size() && out.seqs_[f.seq].tokens.size() == 1 &&
+                      static_cast<int64_t>(f.row) < limits_.max_num_seqs,
+                  "a token fill outside the batch's decode tokens");
+  }
+  out.fills_ = std::move(fills);
   return out;
 }
 

@@ -30,6 +30,46 @@ struct ForwardSeq {
   bool want_logits = false;  // logits of the last new token are returned
 };
 
+struct RequestState;
+
+// A row to sample: the request whose last forwarded token it follows.
+struct SampleRequest {
+  uint64_t request_id = 0;
+  const RequestState* state = nullptr;
+};
+
+// A token of a batch that is the sample of the step launched before, still running (async
+// scheduling): seqs()[seq].tokens holds one kSampledToken, which the backend replaces with that
+// step's sample of row `row` before the forward pass reads it.
+struct TokenFill {
+  size_t seq = 0;
+  size_t row = 0;
+};
+
+// One step as the backends run it, made only by RequestTable::batch from a step apply()
+// accepted. What that proves, the contract every backend relies on (and checks nothing of
+// again): at most max_num_seqs sequences and max_num_batched_tokens tokens; each sequence has
+// tokens, continues its request at start_position and ends within max_model_len; its block
+// table covers those positions, is no longer than max_model_len needs, and names blocks inside
+// the KV cache; its tokens are in the vocabulary, or kSampledToken exactly where a fill replaces
+// it (one decode token, from a row of the step before). Views into the table: valid until its
+// next apply().
+class StepBatch {
+ public:
+  std::span<const ForwardSeq> seqs() const { return seqs_; }
+  // The rows to sample (the sequences with want_logits, in order).
+  std::span<const SampleRequest> rows() const { return rows_; }
+  std::span<const TokenFill> fills() const { return fills_; }
+  bool empty() const { return seqs_.empty(); }
+
+ private:
+  friend class RequestTable;
+  StepBatch() = default;
+  std::vector<ForwardSeq> seqs_;
+  std::vector<SampleRequest> rows_;
+  std::vector<TokenFill> fills_;
+};
+
 struct RequestState {
   SamplingParams sampling;
   uint64_t seed = 0;  // sampling.seed, or one drawn when the request arrived
@@ -73,9 +113,10 @@ class RequestTable {
   // samples it is in flight (pending), a placeholder for that step's sample (placeholders()).
   Status apply(const StepInput& step);
 
-  // The forward batch of a step applied last (views valid until the next apply()); its tokens
-  // are the table's: a kSampledToken is the sample, or kSampledToken where it is a placeholder.
-  std::vector<ForwardSeq> batch(const StepInput& step) const;
+  // The forward batch of the step applied last (views valid until the next apply()); its tokens
+  // are the table's: a kSampledToken is the sample, or kSampledToken where it is a placeholder,
+  // which `fills` (by index in step.seqs) replace from the samples of the step before.
+  StepBatch batch(const StepInput& step, std::vector<TokenFill> fills = {}) const;
   // The indices in step.seqs of the last applied step's placeholders.
   const std::vector<size_t>& placeholders() const { return placeholders_; }
   // A rank that does not sample (tensor parallelism) never has the sample on the host: every

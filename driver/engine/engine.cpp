@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string_view>
+#include <tuple>
 
 namespace tessera {
 namespace {
@@ -32,52 +33,40 @@ size_t stop_prefix_at_end(std::string_view text, size_t from,
 
 // The scheduler's per-step seats: with several pipeline stages, the running sequences split
 // into as many micro-batches, one per step in flight (scheduler.h).
-EngineConfig with_step_seats(EngineConfig config, int depth) {
-  if (config.scheduler.async_scheduling) return config;  // full steps, overlapping
-  if (depth > 1 && config.scheduler.max_seqs_per_step == 0) {
-    const uint32_t d = static_cast<uint32_t>(depth);
-    config.scheduler.max_seqs_per_step = (config.scheduler.max_num_seqs + d - 1) / d;
+SchedulerConfig scheduler_config(const EngineConfig& config, int depth) {
+  SchedulerConfig s;
+  s.limits = config.model;
+  s.async_scheduling = config.async_scheduling;
+  if (!config.async_scheduling && depth > 1) {  // async: full steps, overlapping
+    const int64_t d = depth;
+    s.max_seqs_per_step = static_cast<uint32_t>((config.model.max_num_seqs + d - 1) / d);
   }
-  return config;
+  return s;
 }
 
 }  // namespace
 
 LlmEngine::LlmEngine(EngineConfig config, StepExecutor& executor, const Detokenizer& detokenizer)
-    : config_(with_step_seats(std::move(config), executor.pipeline_depth())),
-      depth_(std::max(executor.pipeline_depth(), config_.scheduler.async_scheduling ? 2 : 1)),
+    : config_(std::move(config)),
+      depth_(std::max(executor.pipeline_depth(), config_.async_scheduling ? 2 : 1)),
       executor_(executor),
       detokenizer_(detokenizer),
-      blocks_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),
-      scheduler_(config_.scheduler, blocks_),
-      max_len_(std::min<size_t>(config_.scheduler.max_model_len,
-                                static_cast<size_t>(config_.num_blocks) * config_.block_size)) {}
+      blocks_(static_cast<uint32_t>(config_.model.kv_blocks),
+              static_cast<uint32_t>(config_.model.block_size), config_.enable_prefix_caching),
+      scheduler_(scheduler_config(config_, executor.pipeline_depth()), blocks_),
+      max_len_(static_cast<size_t>(std::min(config_.model.max_model_len,
+                                            config_.model.kv_blocks * config_.model.block_size))) {}
 
-Expected<uint64_t> LlmEngine::add_request(std::vector<int32_t> prompt, SamplingParams sampling) {
-  if (prompt.empty()) return invalid_argument("the prompt is empty");
-  const size_t max_len = config_.scheduler.max_model_len;
-  if (prompt.size() >= max_len) {
-    return invalid_argument("the prompt has " + std::to_string(prompt.size()) +
-                            " tokens, but max-model-len is " + std::to_string(max_len) +
-                            ": shorten the prompt or raise --max-model-len");
+Expected<uint64_t> LlmEngine::add_request(Request request) {
+  const size_t prompt_len = request.prompt().size();
+  if (blocks_.blocks_for(prompt_len + 1) > blocks_.total_blocks()) {
+    return invalid_argument(
+        "the prompt has " + std::to_string(prompt_len) + " tokens, more than the KV cache holds (" +
+        std::to_string(blocks_.total_blocks() * blocks_.block_size()) + " tokens)");
   }
-  if (blocks_.blocks_for(prompt.size() + 1) > blocks_.total_blocks()) {
-    return invalid_argument("the prompt has " + std::to_string(prompt.size()) +
-                            " tokens, more than the KV cache holds (" +
-                            std::to_string(blocks_.total_blocks() * blocks_.block_size()) +
-                            " tokens)");
-  }
-  for (int32_t t : prompt) {
-    if (t < 0 || (config_.vocab_size > 0 && t >= config_.vocab_size)) {
-      return invalid_argument("token id " + std::to_string(t) + " is outside the vocabulary (" +
-                              std::to_string(config_.vocab_size) + " tokens)");
-    }
-  }
-  TESSERA_RETURN_IF_ERROR(sampling.validate(config_.vocab_size));
   auto seq = std::make_unique<Sequence>();
   seq->id = next_id_++;
-  seq->prompt = std::move(prompt);
-  seq->sampling = std::move(sampling);
+  std::tie(seq->prompt, seq->sampling) = std::move(request).take();
   seq->text_stream = detokenizer_.start(seq->prompt, seq->sampling.skip_special_tokens);
   uint64_t id = seq->id;
   scheduler_.add(std::move(seq));

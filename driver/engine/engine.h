@@ -28,6 +28,7 @@
 #include "common/step.h"
 #include "driver/engine/block_manager.h"
 #include "driver/engine/detokenizer.h"
+#include "driver/engine/request.h"
 #include "driver/engine/scheduler.h"
 #include "driver/engine/sequence.h"
 
@@ -46,11 +47,12 @@ class StepExecutor {
 };
 
 struct EngineConfig {
-  uint32_t num_blocks = 0;
-  uint32_t block_size = 16;
+  // The model as its actors reported it after loading (WorkerGroup::model()): the KV cache
+  // (kv_blocks of block_size tokens), the vocabulary, and the scheduler's limits
+  // (max_num_seqs, max_num_batched_tokens, max_model_len).
+  ModelInfo model;
   bool enable_prefix_caching = true;  // share cached KV blocks of common prompt prefixes
-  SchedulerConfig scheduler;
-  int64_t vocab_size = 0;
+  bool async_scheduling = false;      // scheduler.h
   std::vector<int32_t> eos_token_ids;
 };
 
@@ -94,9 +96,9 @@ class LlmEngine {
   // `executor` and `detokenizer` are borrowed and must outlive the engine.
   LlmEngine(EngineConfig config, StepExecutor& executor, const Detokenizer& detokenizer);
 
-  // Queues a request. INVALID_ARGUMENT for an empty prompt, a prompt that leaves no room in
-  // max_model_len, token ids outside the vocabulary, or bad sampling options.
-  Expected<uint64_t> add_request(std::vector<int32_t> prompt, SamplingParams sampling);
+  // Queues a request (valid: request.h). INVALID_ARGUMENT only for a prompt the whole KV cache
+  // cannot hold.
+  Expected<uint64_t> add_request(Request request);
   // Submits steps until pipeline_depth() are in flight (or nothing more can run), then collects
   // the oldest and returns the requests that produced output. A failed step fails the requests
   // that were in it (finish_reason kError, the step's Status as error) and the engine goes on.

@@ -42,9 +42,11 @@ bool Scheduler::make_room(size_t index) {
 
 std::vector<ScheduledChunk> Scheduler::schedule() {
   std::vector<ScheduledChunk> out;
-  size_t budget = config_.max_num_batched_tokens;
-  const size_t seats = config_.max_seqs_per_step > 0 ? config_.max_seqs_per_step
-                                                     : config_.max_num_seqs;
+  const ModelInfo& limits = config_.limits;
+  size_t budget = static_cast<size_t>(limits.max_num_batched_tokens);
+  const size_t max_num_seqs = static_cast<size_t>(limits.max_num_seqs);
+  const size_t max_model_len = static_cast<size_t>(limits.max_model_len);
+  const size_t seats = config_.max_seqs_per_step > 0 ? config_.max_seqs_per_step : max_num_seqs;
   const uint64_t preempted_before = preemptions_;
   // Running sequences: the rest of a chunked prompt, or one decode token.
   for (size_t i = 0; i < running_.size() && budget > 0 && out.size() < seats;) {
@@ -56,7 +58,7 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
       const size_t next = seq.total();  // the position of the token being sampled
       if (config_.async_scheduling && seq.in_flight == 1 && seq.sample_in_flight &&
           static_cast<int>(seq.output.size()) + 1 < seq.sampling.max_tokens &&
-          next + 1 < config_.max_model_len && blocks_.can_grow(seq, next + 1)) {
+          next + 1 < max_model_len && blocks_.can_grow(seq, next + 1)) {
         blocks_.grow(seq, next + 1);
         out.push_back({&seq, next, 1, true});
         ++seq.in_flight;
@@ -86,8 +88,7 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
   }
   if (preemptions_ != preempted_before) return out;
   // Admit waiting sequences in arrival order while budget, seats and blocks last.
-  while (!waiting_.empty() && budget > 0 && running_.size() < config_.max_num_seqs &&
-         out.size() < seats) {
+  while (!waiting_.empty() && budget > 0 && running_.size() < max_num_seqs && out.size() < seats) {
     Sequence& seq = *waiting_.front();
     std::vector<uint32_t> hits = blocks_.match_prefix(seq);
     size_t start = hits.size() * blocks_.block_size();

@@ -23,17 +23,20 @@
 #include <memory>
 #include <vector>
 
+#include "common/load_spec.h"
 #include "driver/engine/block_manager.h"
 #include "driver/engine/sequence.h"
 
 namespace tessera {
 
 struct SchedulerConfig {
-  uint32_t max_num_seqs = 256;  // sequences admitted (holding KV blocks) at once
-  // Sequences in one step; 0 = max_num_seqs. With several steps in flight (pipeline stages)
-  // the engine sets it to max_num_seqs / stages, so that the running sequences split into that
-  // many micro-batches, one per step, instead of the first step taking them all and leaving the
-  // other stages nothing to run.
+  // What the actors reported (WorkerGroup::model()): max_num_seqs sequences admitted (holding KV
+  // blocks) at once, max_num_batched_tokens computed per step, max_model_len per sequence.
+  ModelInfo limits;
+  // Sequences in one step; 0 = limits.max_num_seqs. With several steps in flight (pipeline
+  // stages) the engine sets it to max_num_seqs / stages, so that the running sequences split
+  // into that many micro-batches, one per step, instead of the first step taking them all and
+  // leaving the other stages nothing to run.
   uint32_t max_seqs_per_step = 0;
   // Async scheduling (vLLM's --async-scheduling): a decoding sequence whose step is still in
   // flight is scheduled again, for the token that step samples (kSampledToken), so that two
@@ -41,8 +44,6 @@ struct SchedulerConfig {
   // token in from its own sample, so this needs a single rank. A token that turns out to end the
   // sequence (EOS, a stop string) costs one discarded step for it.
   bool async_scheduling = false;
-  uint32_t max_num_batched_tokens = 2048;  // tokens computed per step
-  uint32_t max_model_len = 4096;
 };
 
 struct ScheduledChunk {

@@ -77,25 +77,11 @@ Expected<ParallelPlan> make_parallel_plan(const ModelConfig& c, const ParallelCo
       ParallelConfig at = parallel;
       at.tp_rank = t;
       at.pp_rank = s;
-      TESSERA_ASSIGN_OR_RETURN(LayerPlan lp, LayerPlan::make(c, at));
       RankPlan r;
-      r.rank = at.rank();
-      r.tp_rank = t;
-      r.pp_rank = s;
-      r.layer_begin = lp.layer_begin;
-      r.layer_end = lp.layer_end;
-      r.heads = lp.heads;
-      r.head_offset = lp.head_begin;
-      r.kv_heads = lp.kv_heads;
-      r.kv_head_offset = lp.kv_head_begin;
-      r.intermediate = lp.intermediate;
-      r.intermediate_offset = lp.intermediate_begin;
-      r.vocab_begin = lp.vocab_begin;
-      r.vocab_end = lp.vocab_begin + lp.vocab_shard;
-      r.lm_head = lp.last_stage;
+      TESSERA_ASSIGN_OR_RETURN(r.shard, LayerPlan::make(c, at));
+      const LayerPlan& lp = r.shard;
       int64_t vocab_tensors = 0;
       for (const WeightShard& w : lp.weights) {
-        if (w.spec.kind == WeightKind::kEmbed) r.embedding = true;
         if (w.spec.split == Split::kVocab) ++vocab_tensors;
       }
       r.padding_bytes =
@@ -107,10 +93,15 @@ Expected<ParallelPlan> make_parallel_plan(const ModelConfig& c, const ParallelCo
         plan.stage_layers.push_back(lp.num_layers());
         plan.padded_vocab = lp.vocab_padded;
       }
-      plan.ranks.push_back(r);
+      plan.ranks.push_back(std::move(r));
     }
   }
   return plan;
+}
+
+bool RankPlan::embedding() const {
+  return std::any_of(shard.weights.begin(), shard.weights.end(),
+                     [](const WeightShard& w) { return w.spec.kind == WeightKind::kEmbed; });
 }
 
 std::string describe_kv_heads(const ModelConfig& c, const ParallelPlan& plan) {
@@ -156,12 +147,13 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
       m.in_use = gpus[i]->used;
       m.budget =
           static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(m.total));
-      const uint64_t qkv = static_cast<uint64_t>((r.heads + 2 * r.kv_heads) * c.head_dim);
+      const uint64_t qkv =
+          static_cast<uint64_t>((r.shard.heads + 2 * r.shard.kv_heads) * c.head_dim);
       const uint64_t per_token = (4 * static_cast<uint64_t>(c.hidden_size) + 2 * qkv +
-                                  3 * static_cast<uint64_t>(r.intermediate)) *
+                                  3 * static_cast<uint64_t>(r.shard.intermediate)) *
                                  es;
       m.activations = max_tokens * per_token + kFixedBuffers + kGemmWorkspace + kCudaContext;
-      if (r.lm_head) {
+      if (r.shard.last_stage) {
         m.activations += static_cast<uint64_t>(options.max_num_seqs) *
                          static_cast<uint64_t>(plan.padded_vocab) * 4;
       }

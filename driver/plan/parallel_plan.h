@@ -34,24 +34,11 @@
 
 namespace tessera {
 
-// What one rank holds and computes. Ranges are half-open [begin, end) in the full model.
+// What one rank holds and computes: its LayerPlan (its place, layers, heads, KV heads, MLP
+// columns, vocabulary rows and tensors; ranges half-open in the full model) and what the planner
+// adds to it.
 struct RankPlan {
-  int64_t rank = 0;     // pp_rank * T + tp_rank
-  int64_t tp_rank = 0;  // position in its stage's TP group
-  int64_t pp_rank = 0;  // stage
-  int64_t layer_begin = 0;
-  int64_t layer_end = 0;
-  int64_t heads = 0;  // query heads: [head_offset, head_offset + heads)
-  int64_t head_offset = 0;
-  int64_t kv_heads = 0;        // KV heads held: [kv_head_offset, kv_head_offset + kv_heads);
-  int64_t kv_head_offset = 0;  // replicated KV heads: kv_heads == 1, shared by kv_replicas ranks
-  int64_t intermediate = 0;    // MLP columns: [intermediate_offset, + intermediate)
-  int64_t intermediate_offset = 0;
-  int64_t vocab_begin = 0;  // rows of the padded vocabulary held in the embedding and lm_head;
-  int64_t vocab_end = 0;    // rows >= config.vocab_size are padding
-  bool embedding = false;   // holds model.embed_tokens (stage 0; tied: the last stage too)
-  bool lm_head = false;     // computes logits (the last stage): lm_head.weight or, tied, the
-                            // embedding it already holds
+  LayerPlan shard;  // LayerPlan::make's, for this rank's shard.parallel
   // The bytes its tensors take on the device in the run dtype: LayerPlan::weight_bytes (the
   // shards as the checkpoint holds them, a tied embedding once) plus the zero padding rows of the
   // vocab-parallel tensors it holds.
@@ -59,7 +46,9 @@ struct RankPlan {
   uint64_t padding_bytes = 0;      // of which vocab padding
   int64_t kv_elems_per_token = 0;  // 2 (K, V) x its layers x kv_heads x head_dim
 
-  int64_t num_layers() const { return layer_end - layer_begin; }
+  int64_t rank() const { return shard.parallel.rank(); }  // pp_rank * T + tp_rank
+  // Holds model.embed_tokens: stage 0 and, with tied embeddings, the last stage (its lm_head).
+  bool embedding() const;
 };
 
 struct ParallelPlan {
@@ -70,7 +59,7 @@ struct ParallelPlan {
   int64_t kv_replicas = 1;            // ranks sharing each KV head (1 = KV heads split)
   int64_t padded_vocab = 0;           // vocab_size rounded up to a multiple of T
   std::vector<int64_t> stage_layers;  // layers per stage, P entries
-  std::vector<RankPlan> ranks;        // world entries; ranks[r].rank == r
+  std::vector<RankPlan> ranks;        // world entries; ranks[r].rank() == r
 
   // Precondition: pp_rank < pp, tp_rank < tp.
   const RankPlan& at(int64_t pp_rank, int64_t tp_rank) const {

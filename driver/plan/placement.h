@@ -1,7 +1,7 @@
 // Placement: which node and GPU each rank of a ParallelPlan runs on, and the choice of the plan
 // itself (-tp / -pp auto) on a cluster as it is. Pure functions of the nodes the driver sees (no
 // RPC here): `tessera plan` feeds them a cluster's NodeViews, tests synthetic ones; the worker
-// group's RankPlacement (driver/worker_group.h) is PlacedRank's {node_id, gpu}.
+// group's placement (RankInfo, common/rank_info.h) takes PlacedRank's {node_id, gpu}.
 //
 // Rules:
 //   - a TP group (the T ranks of a stage) stays on one node and, when the node allows, on one

@@ -396,7 +396,7 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
        (p.world > 1 ? "s" : "") + "\n";
   std::string stages;
   for (size_t s = 0; s < p.stage_layers.size(); ++s) {
-    const RankPlan& r = p.at(static_cast<int64_t>(s), 0);
+    const LayerPlan& r = p.at(static_cast<int64_t>(s), 0).shard;
     stages += (s ? ", " : "") + std::to_string(p.stage_layers[s]) + " (" +
               range(r.layer_begin, r.layer_end) + ")";
   }
@@ -422,18 +422,19 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
     rows[0].insert(rows[0].end(), {"activations", "in use", "KV cache", "KV tokens"});
   }
   for (const RankPlan& r : p.ranks) {
-    const PlacedRank& pl = cp.placement.ranks[static_cast<size_t>(r.rank)];
-    const RankMemory& rm = m.ranks[static_cast<size_t>(r.rank)];
+    const LayerPlan& s = r.shard;
+    const PlacedRank& pl = cp.placement.ranks[static_cast<size_t>(r.rank())];
+    const RankMemory& rm = m.ranks[static_cast<size_t>(r.rank())];
     std::vector<std::string> row = {
-        std::to_string(r.rank),
-        std::to_string(r.tp_rank),
-        std::to_string(r.pp_rank),
+        std::to_string(r.rank()),
+        std::to_string(s.parallel.tp_rank),
+        std::to_string(s.parallel.pp_rank),
         pl.node_name + " " + (pl.gpu >= 0 ? "gpu" + std::to_string(pl.gpu) : "cpu"),
-        range(r.layer_begin, r.layer_end),
-        range(r.head_offset, r.head_offset + r.heads),
-        range(r.kv_head_offset, r.kv_head_offset + r.kv_heads),
-        range(r.intermediate_offset, r.intermediate_offset + r.intermediate),
-        range(r.vocab_begin, r.vocab_end),
+        range(s.layer_begin, s.layer_end),
+        range(s.head_begin, s.head_begin + s.heads),
+        range(s.kv_head_begin, s.kv_head_begin + s.kv_heads),
+        range(s.intermediate_begin, s.intermediate_begin + s.intermediate),
+        range(s.vocab_begin, s.vocab_begin + s.vocab_shard),
         format_gib(r.weight_bytes)};
     if (gpu) {
       row.insert(row.end(), {format_gib(rm.activations), format_gib(rm.in_use),

@@ -106,27 +106,12 @@ AsyncEngine::~AsyncEngine() {
   if (thread_.joinable()) thread_.join();
 }
 
-Expected<uint64_t> AsyncEngine::add(std::vector<int32_t> prompt, SamplingParams sampling,
-                                    Sink sink) {
-  // loaded_, not host_->model(): the engine thread replaces the group when it restarts it.
-  const int64_t vocab_size = loaded_.vocab_size, max_model_len = loaded_.max_model_len;
-  if (prompt.empty()) return invalid_argument("the prompt is empty");
-  for (int32_t id : prompt) {
-    if (id < 0 || id >= vocab_size) {
-      return invalid_argument("token id " + std::to_string(id) + " is outside the vocabulary");
-    }
-  }
-  if (static_cast<int64_t>(prompt.size()) >= max_model_len) {
-    return invalid_argument("the prompt has " + std::to_string(prompt.size()) +
-                            " tokens; the context holds " + std::to_string(max_model_len));
-  }
-  TESSERA_RETURN_IF_ERROR(sampling.validate(vocab_size));
+Expected<uint64_t> AsyncEngine::add(Request request, Sink sink) {
   const uint64_t id = next_id_++;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return unavailable("the engine is shutting down");
-    commands_.push_back(
-        Command{false, id, std::move(prompt), std::move(sampling), std::move(sink)});
+    commands_.push_back(Command{false, id, std::move(request), std::move(sink)});
   }
   wake_.notify_one();
   return id;
@@ -160,7 +145,7 @@ void AsyncEngine::set_unhealthy(const std::string& why) {
 }
 
 void AsyncEngine::fail_all(const Status& why) {
-  for (auto& [id, t] : tracked_) t.sink(failed_output(id, why, t.prompt.size()));
+  for (auto& [id, t] : tracked_) t.sink(failed_output(id, why, t.request.prompt().size()));
   tracked_.clear();
   ours_.clear();
 }
@@ -196,13 +181,12 @@ void AsyncEngine::drain_commands() {
       c.sink(failed_output(c.id, unavailable(unhealthy_reason())));
       continue;
     }
-    auto engine_id = engine.add_request(c.prompt, c.sampling);
+    auto engine_id = engine.add_request(*c.request);
     if (!engine_id) {
       c.sink(failed_output(c.id, engine_id.status()));
       continue;
     }
-    tracked_[c.id] =
-        Tracked{std::move(c.prompt), std::move(c.sampling), std::move(c.sink), *engine_id, false};
+    tracked_.emplace(c.id, Tracked{std::move(*c.request), std::move(c.sink), *engine_id, false});
     ours_[*engine_id] = c.id;
   }
 }
@@ -233,11 +217,11 @@ void AsyncEngine::recover() {
                                    "again (last: " +
                                    why + ")"
                              : why),
-          t.prompt.size());
+          t.request.prompt().size());
       if (poison) {
         ++requests_failed_by_restarts_;
         spdlog::error("request {} failed: the group died {} times while it ran ({} prompt tokens)",
-                      it->first, t.deaths, t.prompt.size());
+                      it->first, t.deaths, t.request.prompt().size());
       }
       t.sink(std::move(last));
       it = tracked_.erase(it);
@@ -255,7 +239,7 @@ void AsyncEngine::recover() {
                    host_->load_seconds(), tracked_.size());
       LlmEngine& engine = host_->engine();
       for (auto it = tracked_.begin(); it != tracked_.end();) {
-        auto id = engine.add_request(it->second.prompt, it->second.sampling);
+        auto id = engine.add_request(it->second.request);
         if (!id) {
           it->second.sink(failed_output(it->first, id.status()));
           it = tracked_.erase(it);

@@ -30,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -76,9 +77,9 @@ class AsyncEngine {
   // Stops the loop (unfinished requests end with kAbort) and closes the session.
   ~AsyncEngine();
 
-  // Queues a request; its outputs go to `sink`. INVALID_ARGUMENT (nothing queued) when the prompt
-  // or the sampling parameters do not fit the model.
-  Expected<uint64_t> add(std::vector<int32_t> prompt, SamplingParams sampling, Sink sink);
+  // Queues a request (made against loaded(): request.h); its outputs go to `sink`. UNAVAILABLE
+  // (nothing queued) while the engine shuts down.
+  Expected<uint64_t> add(Request request, Sink sink);
   // Ends a request (its client went away); its sink gets a last output with kAbort. Unknown
   // or finished ids are ignored.
   void abort(uint64_t id);
@@ -104,8 +105,7 @@ class AsyncEngine {
   struct Command {
     bool abort = false;
     uint64_t id = 0;
-    std::vector<int32_t> prompt;
-    SamplingParams sampling;
+    std::optional<Request> request;  // none for an abort
     Sink sink;
   };
 
@@ -134,8 +134,7 @@ class AsyncEngine {
   void set_unhealthy(const std::string& why);
   // Engine thread only: every unfinished request, by our id, and the engine's ids to ours.
   struct Tracked {
-    std::vector<int32_t> prompt;
-    SamplingParams sampling;
+    Request request;  // kept to run it again on a restarted group
     Sink sink;
     uint64_t engine_id = 0;
     bool emitted = false;         // it has streamed tokens: it cannot be rerun unnoticed

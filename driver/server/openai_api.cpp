@@ -29,6 +29,9 @@ ApiError bad_request(std::string message, std::string param) {
 
 namespace {
 
+// The prompts of a request as they are parsed, before they become its Requests.
+using Prompts = std::vector<std::vector<int32_t>>;
+
 const char* type_name(const json& v) {
   switch (v.type()) {
     case json::value_t::null:
@@ -101,9 +104,9 @@ bool is_int_array(const json& v) {
 std::optional<ApiError> token_ids(const json& v, const ServedModel& m, std::vector<int32_t>& out) {
   for (const auto& x : v) {
     const int64_t id = x.get<int64_t>();
-    if (id < 0 || id >= m.vocab_size) {
+    if (id < 0 || id >= m.info.vocab_size) {
       return bad_request("token id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                             std::to_string(m.vocab_size) + ")",
+                             std::to_string(m.info.vocab_size) + ")",
                          "prompt");
     }
     out.push_back(static_cast<int32_t>(id));
@@ -111,28 +114,29 @@ std::optional<ApiError> token_ids(const json& v, const ServedModel& m, std::vect
   return std::nullopt;
 }
 
-std::optional<ApiError> parse_prompts(const json& body, const ServedModel& m, ApiRequest& out) {
+std::optional<ApiError> parse_prompts(const json& body, const ServedModel& m, ApiRequest& out,
+                                      Prompts& prompts) {
   auto it = body.find("prompt");
   if (it == body.end() || it->is_null()) return bad_request("prompt is required", "prompt");
   const json& p = *it;
   auto add_text = [&](const std::string& text) {
     out.prompt_texts.push_back(text);
-    out.prompts.push_back(m.tokenizer->encode(text, /*add_special_tokens=*/true));
+    prompts.push_back(m.tokenizer->encode(text, /*add_special_tokens=*/true));
   };
   if (p.is_string()) {
     add_text(p.get<std::string>());
   } else if (is_int_array(p)) {
-    out.prompts.emplace_back();
-    if (auto e = token_ids(p, m, out.prompts.back())) return e;
-    out.prompt_texts.push_back(m.tokenizer->decode(out.prompts.back(), false));
+    prompts.emplace_back();
+    if (auto e = token_ids(p, m, prompts.back())) return e;
+    out.prompt_texts.push_back(m.tokenizer->decode(prompts.back(), false));
   } else if (p.is_array() && !p.empty()) {
     for (const auto& one : p) {
       if (one.is_string()) {
         add_text(one.get<std::string>());
       } else if (is_int_array(one)) {
-        out.prompts.emplace_back();
-        if (auto e = token_ids(one, m, out.prompts.back())) return e;
-        out.prompt_texts.push_back(m.tokenizer->decode(out.prompts.back(), false));
+        prompts.emplace_back();
+        if (auto e = token_ids(one, m, prompts.back())) return e;
+        out.prompt_texts.push_back(m.tokenizer->decode(prompts.back(), false));
       } else {
         return bad_request(
             "prompt must be a string, a list of strings, a list of token ids or a list of lists "
@@ -146,7 +150,7 @@ std::optional<ApiError> parse_prompts(const json& body, const ServedModel& m, Ap
         "of token ids",
         "prompt");
   }
-  if (out.prompts.size() > 1024) return bad_request("at most 1024 prompts per request", "prompt");
+  if (prompts.size() > 1024) return bad_request("at most 1024 prompts per request", "prompt");
   return std::nullopt;
 }
 
@@ -211,7 +215,8 @@ std::optional<ApiError> parse_tools(const json& body, const ServedModel& m, ApiR
 
 // messages (with add_generation_prompt, continue_final_message, chat_template_kwargs and tools)
 // rendered by the chat template into the one prompt.
-std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, ApiRequest& out) {
+std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, ApiRequest& out,
+                                       Prompts& prompts) {
   auto it = body.find("messages");
   if (it == body.end() || !it->is_array() || it->empty()) {
     return bad_request("messages must be a non-empty list of messages", "messages");
@@ -253,7 +258,7 @@ std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, A
   }
   out.prompt_texts.push_back(text);
   // The template writes the special tokens itself.
-  out.prompts.push_back(m.tokenizer->encode(text, /*add_special_tokens=*/false));
+  prompts.push_back(m.tokenizer->encode(text, /*add_special_tokens=*/false));
   return std::nullopt;
 }
 
@@ -412,7 +417,7 @@ std::optional<ApiError> parse_stop(const json& body, const ServedModel& m, Sampl
         return bad_request("stop_token_ids must be a list of integers", "stop_token_ids");
       }
       const int64_t id = x.get<int64_t>();
-      if (id < 0 || id >= m.vocab_size) {
+      if (id < 0 || id >= m.info.vocab_size) {
         return bad_request("stop token id " + std::to_string(id) + " is outside the vocabulary",
                            "stop_token_ids");
       }
@@ -426,28 +431,28 @@ std::optional<ApiError> parse_stop(const json& body, const ServedModel& m, Sampl
 // default) and the rest of the context for chat, capped by generation_config.json. The longest
 // prompt and it must fit max_model_len.
 std::optional<ApiError> parse_max_tokens(const RequestFields& f, bool chat, const ServedModel& m,
-                                         ApiRequest& out) {
+                                         const Prompts& prompts, ApiRequest& out) {
   size_t longest = 0;
-  for (const auto& p : out.prompts) {
+  for (const auto& p : prompts) {
     if (p.empty()) return bad_request("the prompt is empty", chat ? "messages" : "prompt");
     longest = std::max(longest, p.size());
   }
-  const int64_t room = m.max_model_len - static_cast<int64_t>(longest);
+  const int64_t room = m.info.max_model_len - static_cast<int64_t>(longest);
   std::optional<int64_t> asked = f.max_completion_tokens ? f.max_completion_tokens : f.max_tokens;
   if (asked && *asked < 1) {
     return bad_request("max_tokens must be at least 1, got " + std::to_string(*asked),
                        f.max_completion_tokens ? "max_completion_tokens" : "max_tokens");
   }
   if (room < 1 || (asked && *asked > room)) {
-    return bad_request("This model's maximum context length is " + std::to_string(m.max_model_len) +
-                           " tokens. However, you requested " +
-                           std::to_string(static_cast<int64_t>(longest) + asked.value_or(1)) +
-                           " tokens (" + std::to_string(longest) + " in the " +
-                           (chat ? "messages" : "prompt") + ", " +
-                           std::to_string(asked.value_or(1)) +
-                           " in the completion). Please reduce the length of the " +
-                           (chat ? "messages" : "prompt") + " or completion.",
-                       chat ? "messages" : "prompt");
+    return bad_request(
+        "This model's maximum context length is " + std::to_string(m.info.max_model_len) +
+            " tokens. However, you requested " +
+            std::to_string(static_cast<int64_t>(longest) + asked.value_or(1)) + " tokens (" +
+            std::to_string(longest) + " in the " + (chat ? "messages" : "prompt") + ", " +
+            std::to_string(asked.value_or(1)) +
+            " in the completion). Please reduce the length of the " +
+            (chat ? "messages" : "prompt") + " or completion.",
+        chat ? "messages" : "prompt");
   }
   int64_t max = asked ? *asked : (chat ? room : std::min<int64_t>(16, room));
   if (!asked && m.defaults.max_new_tokens) max = std::min(max, *m.defaults.max_new_tokens);
@@ -475,16 +480,26 @@ std::optional<ApiError> parse_request(const json& body, bool chat, const ServedM
   out = ApiRequest{};
   out.chat = chat;
   if (auto e = parse_model(body, m, out)) return e;
-  if (auto e = chat ? parse_messages(body, m, out) : parse_prompts(body, m, out)) return e;
+  Prompts prompts;
+  if (auto e =
+          chat ? parse_messages(body, m, out, prompts) : parse_prompts(body, m, out, prompts)) {
+    return e;
+  }
   RequestFields f;
   if (auto e = read_fields(body, chat, f)) return e;
   if (auto e = apply_sampling(f, m.defaults, out)) return e;
   if (auto e = apply_choices(f, chat, out)) return e;
   if (auto e = parse_stop(body, m, out.sampling)) return e;
-  if (auto e = parse_max_tokens(f, chat, m, out)) return e;
-  Status valid = out.sampling.validate(m.vocab_size);
-  if (!valid) return bad_request(valid.message());
-  return parse_stream_options(body, out);
+  if (auto e = parse_max_tokens(f, chat, m, prompts, out)) return e;
+  if (auto e = parse_stream_options(body, out)) return e;
+  // The driver's boundary (request.h): each prompt with the sampling parameters as one Request,
+  // checked against the model once.
+  for (auto& p : prompts) {
+    auto r = Request::make(std::move(p), out.sampling, m.info);
+    if (!r) return bad_request(r.status().message());
+    out.requests.push_back(std::move(*r));
+  }
+  return std::nullopt;
 }
 
 std::string api_finish_reason(FinishReason reason) {
@@ -677,7 +692,7 @@ json models_response(const ServedModel& m) {
                     {"owned_by", "tessera"},
                     {"root", m.root},
                     {"parent", nullptr},
-                    {"max_model_len", m.max_model_len}});
+                    {"max_model_len", m.info.max_model_len}});
   }
   return {{"object", "list"}, {"data", data}};
 }

@@ -14,7 +14,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/checkpoint/model_config.h"
+#include "common/load_spec.h"
 #include "common/sampling_params.h"
+#include "driver/engine/request.h"
 #include "driver/engine/sequence.h"
 
 namespace tessera {
@@ -40,8 +42,8 @@ ApiError bad_request(std::string message, std::string param = {});
 struct ServedModel {
   std::vector<std::string> names;  // --served-model-name (first is the one responses carry)
   std::string root;                // the model directory
-  int64_t max_model_len = 0;
-  int64_t vocab_size = 0;
+  // As loaded (AsyncEngine::loaded()): vocab_size and max_model_len judge every request.
+  ModelInfo info;
   GenerationDefaults defaults;  // generation_config.json (--generation-config auto)
   const Tokenizer* tokenizer = nullptr;
   const chat::ChatTemplate* chat_template = nullptr;  // null: chat requests are refused
@@ -56,7 +58,9 @@ struct ServedModel {
 struct ApiRequest {
   bool chat = false;
   std::string model;  // as the response names it
-  std::vector<std::vector<int32_t>> prompts;
+  // One per prompt, made by parse_request (request.h): each prompt with `sampling`, valid for
+  // the served model.
+  std::vector<Request> requests;
   std::vector<std::string> prompt_texts;  // for echo (decoded when the prompt was token ids)
   SamplingParams sampling;
   int n = 1;

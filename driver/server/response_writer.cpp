@@ -21,7 +21,7 @@ class WriterBase : public ResponseWriter {
         id_(std::move(id)),
         created_(created),
         model_(model),
-        started_(req.prompts.size() * static_cast<size_t>(req.n), false) {}
+        started_(req.requests.size() * static_cast<size_t>(req.n), false) {}
 
   const char* stream_content_type() const override { return nullptr; }
   std::string on_output(size_t, const RequestOutput&, const ChoiceResult&) override { return ""; }
@@ -162,7 +162,7 @@ class GenerateWriter final : public WriterBase {
 ChoiceResults::ChoiceResults(const ApiRequest& req, Clock::time_point arrived)
     : req_(req),
       arrived_(arrived),
-      results_(req.prompts.size() * static_cast<size_t>(req.n)),
+      results_(req.requests.size() * static_cast<size_t>(req.n)),
       done_(results_.size(), false),
       last_(results_.size(), arrived) {}
 
@@ -188,7 +188,7 @@ void ChoiceResults::add(size_t index, const RequestOutput& out, Metrics& metrics
   done_[index] = true;
   finished_++;
   r.finish_reason = out.finish_reason;
-  r.prompt_tokens = req_.prompts[index / static_cast<size_t>(req_.n)].size();
+  r.prompt_tokens = req_.requests[index / static_cast<size_t>(req_.n)].prompt().size();
   if (out.finish_reason == FinishReason::kError) {
     error_ = out.error.message();
   } else {

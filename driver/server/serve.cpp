@@ -601,7 +601,7 @@ class Server {
   }
 
   json tokens_json(const std::vector<int32_t>& ids) const {
-    return {{"count", ids.size()}, {"max_model_len", model_.max_model_len}, {"tokens", ids}};
+    return {{"count", ids.size()}, {"max_model_len", model_.info.max_model_len}, {"tokens", ids}};
   }
 
   void tokenize(const json& body, Prepared& p) const {
@@ -625,7 +625,7 @@ class Server {
       p.error = std::move(e);
       return;
     }
-    p.response = tokens_json(parsed.prompts.front()).dump();
+    p.response = tokens_json(parsed.requests.front().prompt()).dump();
   }
 
   void detokenize(const json& body, Prepared& p) const {
@@ -635,9 +635,10 @@ class Server {
     }
     std::vector<int32_t> ids;
     for (const auto& t : body["tokens"]) {
-      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= model_.vocab_size) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
+          t.get<int64_t>() >= model_.info.vocab_size) {
         p.error = bad_request(
-            "tokens must be ids in [0, " + std::to_string(model_.vocab_size) + ")", "tokens");
+            "tokens must be ids in [0, " + std::to_string(model_.info.vocab_size) + ")", "tokens");
         return;
       }
       ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
@@ -690,17 +691,17 @@ class Server {
     co_return co_await finish(c, run, keep_alive);
   }
 
-  // Queues each choice (each prompt n times, the seed stepped per sample) on the engine, its
-  // outputs to run.pending. A refusal (the prompt or sampling does not fit the model) leaves
-  // none of them queued.
+  // Queues each choice (each prompt's Request n times, the seed stepped per sample) on the
+  // engine, its outputs to run.pending. A refusal (the engine shutting down) leaves none of them
+  // queued.
   Status add(Completion& run) {
     const ApiRequest& req = run.req;
     const size_t n = static_cast<size_t>(req.n);
     run.pending = std::make_shared<Pending>(ioc_.get_executor());
     for (size_t i = 0; i < run.results.size(); ++i) {
-      SamplingParams s = req.sampling;
-      if (s.seed && req.n > 1) *s.seed += i % n;
-      auto added = engine_.add(req.prompts[i / n], s, sink(run.pending, i));
+      tessera::Request r = req.requests[i / n];  // (Request alone is the HTTP request here)
+      if (req.sampling.seed && req.n > 1) r = r.with_seed(*req.sampling.seed + i % n);
+      auto added = engine_.add(std::move(r), sink(run.pending, i));
       if (!added) {
         abort_unfinished(run);
         return added.status();
@@ -906,8 +907,7 @@ int serve_command(const ServeOptions& options) {
   model.names =
       o.served_model_name.empty() ? std::vector<std::string>{o.engine.model} : o.served_model_name;
   model.root = o.engine.model;
-  model.max_model_len = (*engine)->loaded().max_model_len;
-  model.vocab_size = (*engine)->loaded().vocab_size;
+  model.info = (*engine)->loaded();
   if (o.generation_config == "auto") model.defaults = session.defaults();
   model.tokenizer = &session.tokenizer();
   model.created = unix_now();

@@ -138,7 +138,6 @@ Status apply_penalties(std::span<float> logits, std::span<const int32_t> prompt_
 }
 
 Status filter_logits(std::span<float> logits, const SamplingParams& params) {
-  TESSERA_RETURN_IF_ERROR(params.validate());
   float* l = logits.data();
   const int64_t vocab = static_cast<int64_t>(logits.size());
   nan_to_neg_inf(l, vocab);
@@ -171,8 +170,7 @@ int32_t greedy_argmax(const float* logits, int64_t vocab) {
   return static_cast<int32_t>(best);
 }
 
-Expected<Sampler> Sampler::create(const SamplingParams& params) {
-  TESSERA_RETURN_IF_ERROR(params.validate());
+Sampler Sampler::create(const SamplingParams& params) {
   uint64_t seed = 0;
   if (params.seed) {
     seed = *params.seed;

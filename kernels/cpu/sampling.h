@@ -49,7 +49,8 @@ Status apply_penalties(std::span<float> logits, std::span<const int32_t> prompt_
 // to -inf (for greedy, every token but the argmax). softmax(logits) afterwards is exactly the
 // distribution Sampler draws from (the oracle for a GPU sampling kernel).
 //   logits: [vocab] fp32, in place; NaN is treated as -inf
-// INVALID_ARGUMENT when params do not validate or no logit is finite.
+//   params: valid (SamplingParams::validate accepts them)
+// INVALID_ARGUMENT when no logit is finite.
 Status filter_logits(std::span<float> logits, const SamplingParams& params);
 
 // Index of the largest logit, the lowest index among ties (torch.argmax's choice). NaN is never
@@ -61,8 +62,10 @@ int32_t greedy_argmax(const float* logits, int64_t vocab);
 // thread-safe; one per request.
 class Sampler {
  public:
-  // params.validate()'s error, or a sampler.
-  static Expected<Sampler> create(const SamplingParams& params);
+  // `params` are valid: SamplingParams::validate accepted them where they entered the process
+  // (the actor's RequestTable::apply checks every request's once); the sampler checks nothing
+  // of them again.
+  static Sampler create(const SamplingParams& params);
 
   const SamplingParams& params() const { return params_; }
   uint64_t seed() const { return seed_; }  // the seed in use (to reproduce a random one)

@@ -62,8 +62,8 @@
 // Algorithm choice (kAuto): one-shot when count * dtype_size <= one_shot_max_bytes, else two-shot.
 // Default (default_one_shot_max_bytes): 256 KiB for 2 ranks, 128 KiB for 3-4, 64 KiB for 5-8.
 // One-shot has one barrier but every rank reads world - 1 full inputs over the links; two-shot
-// has two barriers but reads 2 (world - 1) / world of the input. The 2-rank figure follows the
-// H200 symmetric-memory measurements in shared/ANCHORS.md (one-shot ahead up to 64 KiB,
+// has two barriers but reads 2 (world - 1) / world of the input. The 2-rank figure follows
+// PyTorch's symmetric-memory all-reduce measured on 2 x H200 (one-shot ahead up to 64 KiB,
 // two-shot ahead at 512 KiB); custom_all_reduce_test prints both per size to retune it.
 //
 // Hangs. Every wait is bounded: after `timeout_ms` without the awaited flag (a peer died, hangs,

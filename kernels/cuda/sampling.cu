@@ -797,7 +797,182 @@ struct GpuSampler::Impl {
     id_capacity = cap;
     return Status::ok();
   }
+
+  // What a batch needs: which kernels run, and how many penalty ids it uploads.
+  struct BatchShape {
+    bool any_logprobs = false;
+    bool any_penalties = false;
+    bool any_greedy = false;
+    bool any_sampled = false;
+    size_t n_ids = 0;
+  };
+  Expected<BatchShape> check_rows(std::span<const SampleRow> rows) const;
+  // The rows' parameters and penalty ids into the staging image of `slot`.
+  void stage_rows(std::span<const SampleRow> rows, int slot) const;
+  // The kernels of a batch that is not all plain greedy, after its upload; the bytes to copy
+  // back from `results`.
+  Expected<size_t> launch_kernels(float* logits, int n, const BatchShape& shape, bool vec,
+                                  int slot);
+  // Everything of one call up to its copy back and its event.
+  Status enqueue_rows(float* logits, std::span<const SampleRow> rows, const BatchShape& shape,
+                      int slot);
 };
+
+namespace {
+
+// The penalty lists a row's kernels read: the prompt for the repetition penalty, the output for
+// any of the three.
+bool uses_prompt(const SamplingParams& sp) { return sp.repetition_penalty != 1.0f; }
+bool uses_output(const SamplingParams& sp) {
+  return uses_prompt(sp) || sp.frequency_penalty != 0.0f || sp.presence_penalty != 0.0f;
+}
+
+}  // namespace
+
+// The rows' params are valid (SampleRow); what is checked here is what this sampler was sized
+// for (logprobs) and the ids its kernels index with.
+Expected<GpuSampler::Impl::BatchShape> GpuSampler::Impl::check_rows(
+    std::span<const SampleRow> rows) const {
+  BatchShape shape;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const SampleRow& r = rows[i];
+    const SamplingParams& sp = r.params;
+    if (sp.logprobs > max_logprobs) {
+      return invalid_argument("sample: row " + std::to_string(i) + " asks for " +
+                              std::to_string(sp.logprobs) + " logprobs, the maximum is " +
+                              std::to_string(max_logprobs));
+    }
+    auto check = [&](std::span<const int32_t> list, const char* what) -> Status {
+      for (int32_t id : list) {
+        if (id < 0 || id >= vocab) {
+          return invalid_argument("sample: row " + std::to_string(i) + ": " + what + " token id " +
+                                  std::to_string(id) + " is outside the vocabulary [0, " +
+                                  std::to_string(vocab) + ")");
+        }
+      }
+      return Status::ok();
+    };
+    const bool use_prompt = uses_prompt(sp);
+    const bool use_output = uses_output(sp);
+    if (use_prompt) {
+      TESSERA_RETURN_IF_ERROR(check(r.prompt_ids, "prompt"));
+      shape.n_ids += r.prompt_ids.size();
+    }
+    if (use_output) {
+      TESSERA_RETURN_IF_ERROR(check(r.output_ids, "output"));
+      shape.n_ids += r.output_ids.size();
+    }
+    if ((use_prompt && !r.prompt_ids.empty()) || (use_output && !r.output_ids.empty())) {
+      shape.any_penalties = true;
+    }
+    shape.any_logprobs |= sp.logprobs >= 0;
+    if (sp.temperature < kSamplingEps) {
+      shape.any_greedy = true;
+    } else {
+      shape.any_sampled = true;
+    }
+  }
+  if (shape.n_ids > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return invalid_argument("sample: too many prompt / output ids in one batch");
+  }
+  return shape;
+}
+
+void GpuSampler::Impl::stage_rows(std::span<const SampleRow> rows, int slot) const {
+  auto* h_params = reinterpret_cast<RowParams*>(staging[slot].get());
+  auto* h_ids = reinterpret_cast<int32_t*>(staging[slot].get() + ids_offset());
+  size_t off = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const SampleRow& r = rows[i];
+    const SamplingParams& sp = r.params;
+    RowParams rp{};
+    rp.temperature = sp.temperature;
+    rp.top_p = sp.top_p;
+    rp.min_p = sp.min_p;
+    rp.repetition = sp.repetition_penalty;
+    rp.presence = sp.presence_penalty;
+    rp.frequency = sp.frequency_penalty;
+    rp.top_k = sp.top_k > 0 && sp.top_k < vocab ? sp.top_k : 0;
+    rp.logprobs = sp.logprobs < 0 ? -1 : std::min(sp.logprobs, vocab);
+    rp.flags = sp.temperature < kSamplingEps ? kGreedy : 0;
+    rp.ids_off = static_cast<int64_t>(off);
+    if (uses_prompt(sp)) {
+      std::copy(r.prompt_ids.begin(), r.prompt_ids.end(), h_ids + off);
+      off += r.prompt_ids.size();
+      rp.prompt_len = static_cast<int32_t>(r.prompt_ids.size());
+    }
+    if (uses_output(sp)) {
+      std::copy(r.output_ids.begin(), r.output_ids.end(), h_ids + off);
+      off += r.output_ids.size();
+      rp.output_len = static_cast<int32_t>(r.output_ids.size());
+    }
+    if (rp.prompt_len + rp.output_len > 0) rp.flags |= kPenalised;
+    rp.seed = r.seed;
+    rp.step = r.step;
+    h_params[i] = rp;
+  }
+}
+
+Expected<size_t> GpuSampler::Impl::launch_kernels(float* logits, int n, const BatchShape& shape,
+                                                  bool vec, int slot) {
+  auto* d_results = results.as<RowResult>();
+  auto* d_tops = reinterpret_cast<TopEntry*>(results.as<unsigned char>() + tops_offset());
+  auto* d_params = upload.as<RowParams>();
+  auto* d_ids = reinterpret_cast<int32_t*>(upload.as<unsigned char>() + ids_offset());
+  size_t back_bytes = sizeof(RowResult) * n;
+  const size_t up_bytes = shape.n_ids > 0 ? ids_offset() + shape.n_ids * sizeof(int32_t)
+                                          : sizeof(RowParams) * static_cast<size_t>(n);
+  TESSERA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(upload.get(), staging[slot].get(), up_bytes, cudaMemcpyHostToDevice, stream),
+      "uploading sampler parameters");
+  if (shape.any_logprobs) {
+    logprobs_kernel<<<n, kThreads, 0, stream>>>(logits, vocab, d_params, lse.as<double>(),
+                                                top_scratch.as<u64>(), max_logprobs, d_tops);
+    TESSERA_RETURN_IF_ERROR(launch_status("logprobs_kernel"));
+    back_bytes = tops_offset() + sizeof(TopEntry) * static_cast<size_t>(n) * max_logprobs;
+  }
+  if (shape.any_penalties) {
+    penalty_kernel<<<n, kSmallThreads, 0, stream>>>(logits, vocab, d_params, d_ids,
+                                                    saved.as<float>(), counts.as<int32_t>());
+    TESSERA_RETURN_IF_ERROR(launch_status("penalty_kernel"));
+  }
+  if (shape.any_greedy) {
+    argmax_kernel<<<n, kThreads, 0, stream>>>(logits, vocab, vec, d_params, d_results, nullptr);
+    TESSERA_RETURN_IF_ERROR(launch_status("argmax_kernel"));
+  }
+  if (shape.any_sampled) {
+    sample_kernel<<<n, kThreads, 0, stream>>>(logits, vocab, d_params, weight_scale, d_results);
+    TESSERA_RETURN_IF_ERROR(launch_status("sample_kernel"));
+  }
+  if (shape.any_logprobs) {
+    finalize_kernel<<<n, kSmallThreads, 0, stream>>>(
+        logits, vocab, d_params, d_ids, saved.as<float>(), lse.as<double>(), d_results);
+    TESSERA_RETURN_IF_ERROR(launch_status("finalize_kernel"));
+  }
+  return back_bytes;
+}
+
+Status GpuSampler::Impl::enqueue_rows(float* logits, std::span<const SampleRow> rows,
+                                      const BatchShape& shape, int slot) {
+  const int n = static_cast<int>(rows.size());
+  const bool vec = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  size_t back_bytes = sizeof(RowResult) * n;
+  if (!shape.any_logprobs && !shape.any_penalties && !shape.any_sampled) {
+    // All greedy: one argmax, no upload.
+    argmax_kernel<<<n, kThreads, 0, stream>>>(logits, vocab, vec, nullptr, results.as<RowResult>(),
+                                              nullptr);
+    TESSERA_RETURN_IF_ERROR(launch_status("argmax_kernel"));
+  } else {
+    TESSERA_RETURN_IF_ERROR(reserve_ids(shape.n_ids));
+    stage_rows(rows, slot);
+    TESSERA_ASSIGN_OR_RETURN(back_bytes, launch_kernels(logits, n, shape, vec, slot));
+  }
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_results[slot].get(), results.get(), back_bytes,
+                                               cudaMemcpyDeviceToHost, stream),
+                               "copying sampler results");
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(done[slot], stream), "sampler event");
+  return Status::ok();
+}
 
 Expected<std::unique_ptr<GpuSampler>> GpuSampler::create(int max_rows, int64_t vocab,
                                                          int max_logprobs, cudaStream_t stream) {
@@ -914,148 +1089,11 @@ Expected<SampleTicket> GpuSampler::enqueue(float* logits, std::span<const Sample
     return failed_precondition("sample: two calls are outstanding already (finish one first)");
   }
 
-  // Validate everything before anything is enqueued.
-  bool any_logprobs = false;
-  bool any_penalties = false;
-  bool any_greedy = false;
-  bool any_sampled = false;
-  size_t n_ids = 0;
-  for (int i = 0; i < n; ++i) {
-    const SampleRow& r = rows[i];
-    const SamplingParams& sp = r.params;
-    Status st = sp.validate();
-    if (!st.is_ok()) return st.with_context("sample: row " + std::to_string(i));
-    if (sp.logprobs > m.max_logprobs) {
-      return invalid_argument("sample: row " + std::to_string(i) + " asks for " +
-                              std::to_string(sp.logprobs) + " logprobs, the maximum is " +
-                              std::to_string(m.max_logprobs));
-    }
-    const bool use_prompt = sp.repetition_penalty != 1.0f;
-    const bool use_output =
-        use_prompt || sp.frequency_penalty != 0.0f || sp.presence_penalty != 0.0f;
-    auto check = [&](std::span<const int32_t> list, const char* what) -> Status {
-      for (int32_t id : list) {
-        if (id < 0 || id >= m.vocab) {
-          return invalid_argument("sample: row " + std::to_string(i) + ": " + what + " token id " +
-                                  std::to_string(id) + " is outside the vocabulary [0, " +
-                                  std::to_string(m.vocab) + ")");
-        }
-      }
-      return Status::ok();
-    };
-    if (use_prompt) {
-      TESSERA_RETURN_IF_ERROR(check(r.prompt_ids, "prompt"));
-      n_ids += r.prompt_ids.size();
-    }
-    if (use_output) {
-      TESSERA_RETURN_IF_ERROR(check(r.output_ids, "output"));
-      n_ids += r.output_ids.size();
-    }
-    if ((use_prompt && !r.prompt_ids.empty()) || (use_output && !r.output_ids.empty())) {
-      any_penalties = true;
-    }
-    any_logprobs |= sp.logprobs >= 0;
-    if (sp.temperature < kSamplingEps) {
-      any_greedy = true;
-    } else {
-      any_sampled = true;
-    }
-  }
-  if (n_ids > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
-    return invalid_argument("sample: too many prompt / output ids in one batch");
-  }
-
-  auto* d_results = m.results.as<RowResult>();
-  auto* d_tops = reinterpret_cast<TopEntry*>(m.results.as<unsigned char>() + m.tops_offset());
-  const bool vec = m.vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  size_t back_bytes = sizeof(RowResult) * n;
-
-  // Everything up to the copy back; on a failure the stream is drained before returning, so
-  // that the pinned buffers are never rewritten under a copy in flight.
-  const Status enqueued = [&]() -> Status {
-    if (!any_logprobs && !any_penalties && !any_sampled) {
-      // All greedy: one argmax, no upload.
-      argmax_kernel<<<n, kThreads, 0, m.stream>>>(logits, m.vocab, vec, nullptr, d_results,
-                                                  nullptr);
-      TESSERA_RETURN_IF_ERROR(launch_status("argmax_kernel"));
-    } else {
-      TESSERA_RETURN_IF_ERROR(m.reserve_ids(n_ids));
-      auto* h_params = reinterpret_cast<RowParams*>(m.staging[slot].get());
-      auto* h_ids = reinterpret_cast<int32_t*>(m.staging[slot].get() + m.ids_offset());
-      size_t off = 0;
-      for (int i = 0; i < n; ++i) {
-        const SampleRow& r = rows[i];
-        const SamplingParams& sp = r.params;
-        const bool use_prompt = sp.repetition_penalty != 1.0f;
-        const bool use_output =
-            use_prompt || sp.frequency_penalty != 0.0f || sp.presence_penalty != 0.0f;
-        RowParams rp{};
-        rp.temperature = sp.temperature;
-        rp.top_p = sp.top_p;
-        rp.min_p = sp.min_p;
-        rp.repetition = sp.repetition_penalty;
-        rp.presence = sp.presence_penalty;
-        rp.frequency = sp.frequency_penalty;
-        rp.top_k = sp.top_k > 0 && sp.top_k < m.vocab ? sp.top_k : 0;
-        rp.logprobs = sp.logprobs < 0 ? -1 : std::min(sp.logprobs, m.vocab);
-        rp.flags = sp.temperature < kSamplingEps ? kGreedy : 0;
-        rp.ids_off = static_cast<int64_t>(off);
-        if (use_prompt) {
-          std::copy(r.prompt_ids.begin(), r.prompt_ids.end(), h_ids + off);
-          off += r.prompt_ids.size();
-          rp.prompt_len = static_cast<int32_t>(r.prompt_ids.size());
-        }
-        if (use_output) {
-          std::copy(r.output_ids.begin(), r.output_ids.end(), h_ids + off);
-          off += r.output_ids.size();
-          rp.output_len = static_cast<int32_t>(r.output_ids.size());
-        }
-        if (rp.prompt_len + rp.output_len > 0) rp.flags |= kPenalised;
-        rp.seed = r.seed;
-        rp.step = r.step;
-        h_params[i] = rp;
-      }
-      auto* d_params = m.upload.as<RowParams>();
-      auto* d_ids = reinterpret_cast<int32_t*>(m.upload.as<unsigned char>() + m.ids_offset());
-      const size_t up_bytes = n_ids > 0 ? m.ids_offset() + n_ids * sizeof(int32_t)
-                                        : sizeof(RowParams) * static_cast<size_t>(n);
-      TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.upload.get(), m.staging[slot].get(), up_bytes,
-                                                   cudaMemcpyHostToDevice, m.stream),
-                                   "uploading sampler parameters");
-      if (any_logprobs) {
-        logprobs_kernel<<<n, kThreads, 0, m.stream>>>(logits, m.vocab, d_params, m.lse.as<double>(),
-                                                      m.top_scratch.as<u64>(), m.max_logprobs,
-                                                      d_tops);
-        TESSERA_RETURN_IF_ERROR(launch_status("logprobs_kernel"));
-        back_bytes = m.tops_offset() + sizeof(TopEntry) * static_cast<size_t>(n) * m.max_logprobs;
-      }
-      if (any_penalties) {
-        penalty_kernel<<<n, kSmallThreads, 0, m.stream>>>(
-            logits, m.vocab, d_params, d_ids, m.saved.as<float>(), m.counts.as<int32_t>());
-        TESSERA_RETURN_IF_ERROR(launch_status("penalty_kernel"));
-      }
-      if (any_greedy) {
-        argmax_kernel<<<n, kThreads, 0, m.stream>>>(logits, m.vocab, vec, d_params, d_results,
-                                                    nullptr);
-        TESSERA_RETURN_IF_ERROR(launch_status("argmax_kernel"));
-      }
-      if (any_sampled) {
-        sample_kernel<<<n, kThreads, 0, m.stream>>>(logits, m.vocab, d_params, m.weight_scale,
-                                                    d_results);
-        TESSERA_RETURN_IF_ERROR(launch_status("sample_kernel"));
-      }
-      if (any_logprobs) {
-        finalize_kernel<<<n, kSmallThreads, 0, m.stream>>>(
-            logits, m.vocab, d_params, d_ids, m.saved.as<float>(), m.lse.as<double>(), d_results);
-        TESSERA_RETURN_IF_ERROR(launch_status("finalize_kernel"));
-      }
-    }
-    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.host_results[slot].get(), m.results.get(),
-                                                 back_bytes, cudaMemcpyDeviceToHost, m.stream),
-                                 "copying sampler results");
-    TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.done[slot], m.stream), "sampler event");
-    return Status::ok();
-  }();
+  // Everything is checked before anything is enqueued.
+  TESSERA_ASSIGN_OR_RETURN(const Impl::BatchShape shape, m.check_rows(rows));
+  // Up to the copy back; on a failure the stream is drained before returning, so that the
+  // pinned buffers are never rewritten under a copy in flight.
+  const Status enqueued = m.enqueue_rows(logits, rows, shape, slot);
   if (!enqueued.is_ok()) {
     cudaStreamSynchronize(m.stream);
     cudaGetLastError();

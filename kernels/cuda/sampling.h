@@ -22,15 +22,17 @@
 #include <span>
 #include <vector>
 
-#include "common/status.h"
 #include "common/sampling_params.h"
+#include "common/status.h"
 #include "kernels/cuda/cuda_util.h"
 
 namespace tessera::cuda {
 
 // One row of the batch, on the host.
 struct SampleRow {
-  SamplingParams params;           // validated (params.validate() is OK)
+  // Valid (SamplingParams::validate accepted them where they entered the process: the actor's
+  // RequestTable::apply); the sampler checks only what it was sized for (logprobs).
+  SamplingParams params;
   uint64_t seed = 0;                    // the request's seed (the caller draws one if unset)
   uint64_t step = 0;                    // tokens this request has sampled before this one
   std::span<const int32_t> prompt_ids;  // repetition penalty (read only when it is != 1)
@@ -61,9 +63,10 @@ class GpuSampler {
   // top_logprobs when not asked for). One upload of the rows' parameters (and of the id lists
   // the penalties read), the kernels, one copy back and one synchronisation of the stream; an
   // all-greedy batch without penalties or logprobs is one argmax kernel and the copy back.
-  // INVALID_ARGUMENT (before anything is enqueued) for too many rows, params that do not
-  // validate, a logprobs count above max_logprobs or a token id out of range in a list that is
-  // read (prompt_ids only with a repetition penalty, output_ids only with some penalty on);
+  // INVALID_ARGUMENT (before anything is enqueued) for too many rows, a logprobs count above
+  // max_logprobs or a token id out of range in a list that is read (prompt_ids only with a
+  // repetition penalty, output_ids only with some penalty on); the params themselves are not
+  // checked again (SampleRow);
   // FAILED_PRECONDITION naming the first row with no finite logit (after the penalties and the
   // temperature; a +inf maximum counts as none for a sampled row). Not thread-safe.
   Expected<std::vector<SampleResult>> sample(float* logits, std::span<const SampleRow> rows);

@@ -35,13 +35,13 @@ int64_t ms_since(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
 }
 
-// PeerInfo of group ranks 0.. = world ranks `members` (all of `addresses` when empty).
-std::vector<PeerInfo> make_peers(const std::vector<std::string>& addresses,
+// RankInfo of group ranks 0.. = world ranks `members` (all of `addresses` when empty).
+std::vector<RankInfo> make_peers(const std::vector<std::string>& addresses,
                                  std::vector<int> members = {}) {
   if (members.empty()) {
     for (size_t r = 0; r < addresses.size(); ++r) members.push_back(static_cast<int>(r));
   }
-  std::vector<PeerInfo> peers;
+  std::vector<RankInfo> peers;
   for (size_t i = 0; i < members.size(); ++i) {
     const int w = members[i];
     peers.push_back({.rank = static_cast<int>(i),
@@ -151,7 +151,7 @@ TEST(DescribePeer, NamesActorGpuNodeAndAddress) {
 TEST(CommJoin, ValidatesItsArgumentsAndAGroupOfOneWorksAlone) {
   Endpoints e(2);
   auto peers = make_peers(e.addresses);
-  auto code = [&](const std::string& group, int rank, std::vector<PeerInfo> p,
+  auto code = [&](const std::string& group, int rank, std::vector<RankInfo> p,
                   const std::string& secret) {
     return e.eps[0]->join(group, rank, std::move(p), secret, 100ms).status().code();
   };

@@ -77,9 +77,12 @@ TEST_P(TokenizerDetokenizerTest, EngineTextStopsAtAStopStringAcrossTokens) {
   std::vector<int32_t> ids = tokenizer_->encode("The answer is 42, 你好. THE END and more", false);
   ex.ids.assign(ids.begin(), ids.end());
   EngineConfig c;
-  c.num_blocks = 64;
-  c.block_size = 16;
-  c.vocab_size = static_cast<int64_t>(tokenizer_->vocab_size());
+  c.model.kv_blocks = 64;
+  c.model.block_size = 16;
+  c.model.max_num_seqs = 1;
+  c.model.max_num_batched_tokens = 2048;
+  c.model.max_model_len = 1024;
+  c.model.vocab_size = static_cast<int64_t>(tokenizer_->vocab_size());
   LlmEngine engine(c, ex, d);
   SamplingParams s;
   s.max_tokens = 100;
@@ -88,7 +91,9 @@ TEST_P(TokenizerDetokenizerTest, EngineTextStopsAtAStopStringAcrossTokens) {
   std::string expected = after_prompt(prompt, ids);
   ASSERT_NE(expected.find("E END"), std::string::npos);
   expected.resize(expected.find("E END"));
-  auto id = engine.add_request(prompt, s);
+  auto request = Request::make(prompt, s, c.model);
+  ASSERT_TRUE(request) << request.status().message();
+  auto id = engine.add_request(std::move(*request));
   ASSERT_TRUE(id) << id.status().to_string();
   std::string text;
   std::string reason;

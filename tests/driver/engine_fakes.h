@@ -243,13 +243,23 @@ class FakeExecutor final : public StepExecutor {
 
 inline EngineConfig config(uint32_t blocks = 64, uint32_t budget = 2048, uint32_t max_len = 256) {
   EngineConfig c;
-  c.num_blocks = blocks;
-  c.block_size = 4;
-  c.scheduler.max_num_batched_tokens = budget;
-  c.scheduler.max_model_len = max_len;
-  c.vocab_size = 100;
+  c.model.kv_blocks = blocks;
+  c.model.block_size = 4;
+  c.model.max_num_seqs = 256;
+  c.model.max_num_batched_tokens = budget;
+  c.model.max_model_len = max_len;
+  c.model.vocab_size = 100;
   c.eos_token_ids = {9};
   return c;
+}
+
+// Queues a request made against the engine's model, as the driver's callers make theirs
+// (request.h): the checks of Request::make, then the engine's own.
+inline Expected<uint64_t> add(LlmEngine& engine, std::vector<int32_t> prompt,
+                              SamplingParams sampling) {
+  TESSERA_ASSIGN_OR_RETURN(
+      Request r, Request::make(std::move(prompt), std::move(sampling), engine.config().model));
+  return engine.add_request(std::move(r));
 }
 
 struct Run {

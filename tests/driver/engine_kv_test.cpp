@@ -33,7 +33,8 @@ struct Workload {
 
 // Runs `arrivals` through an engine over the content-computing fake, to the end.
 Workload run_workload(const EngineConfig& c, int depth, const std::vector<Arrival>& arrivals) {
-  FakeExecutor ex(c.block_size, c.num_blocks);
+  FakeExecutor ex(static_cast<uint32_t>(c.model.block_size),
+                  static_cast<uint32_t>(c.model.kv_blocks));
   ex.depth = depth;
   FakeDetokenizer dt;
   LlmEngine engine(c, ex, dt);
@@ -44,7 +45,7 @@ Workload run_workload(const EngineConfig& c, int depth, const std::vector<Arriva
   for (size_t step = 0; step < 5000; ++step) {
     for (size_t i = 0; i < arrivals.size(); ++i) {
       if (arrivals[i].at_step != step) continue;
-      auto id = engine.add_request(arrivals[i].prompt, opts(arrivals[i].max_tokens));
+      auto id = add(engine, arrivals[i].prompt, opts(arrivals[i].max_tokens));
       EXPECT_TRUE(id) << id.status().to_string();
       if (!id) return w;
       w.ids[i] = *id;
@@ -248,7 +249,7 @@ TEST(EnginePipelineTest, TwoMicroBatchesInFlightGiveTheSameOutput) {
       SCOPED_TRACE(std::string("prefix caching ") + (prefix ? "on" : "off") + ", " +
                    std::to_string(blocks) + " blocks");
       EngineConfig c = caching(prefix, blocks);
-      c.scheduler.max_num_seqs = 6;
+      c.model.max_num_seqs = 6;
       Workload one = run_workload(c, 1, crowd(10, 12));
       Workload two = run_workload(c, 2, crowd(10, 12));
       expect_same_output_two_in_flight(two, one);
@@ -273,7 +274,7 @@ TEST(EngineAsyncTest, SameOutputAsOneStepAtATime) {
                    std::to_string(blocks) + " blocks");
       EngineConfig c = caching(prefix, blocks);
       EngineConfig a = c;
-      a.scheduler.async_scheduling = true;
+      a.async_scheduling = true;
       Workload one = run_workload(c, 1, crowd(10, 12));
       Workload two = run_workload(a, 1, crowd(10, 12));
       expect_same_output_two_in_flight(two, one);
@@ -340,7 +341,7 @@ struct AbortFixture {
     engine = std::make_unique<LlmEngine>(c, ex, dt);
   }
   uint64_t add(std::vector<int32_t> prompt, int max_tokens) {
-    auto id = engine->add_request(std::move(prompt), opts(max_tokens));
+    auto id = engine_testing::add(*engine, std::move(prompt), opts(max_tokens));
     EXPECT_TRUE(id);
     return id ? *id : 0;
   }
@@ -487,7 +488,7 @@ TEST(EngineFairnessTest, DecodesGoOnWhileALongPromptIsChunked) {
 
 TEST(EngineAbortTest, Waiting) {
   EngineConfig c = config();
-  c.scheduler.max_num_seqs = 1;
+  c.model.max_num_seqs = 1;
   AbortFixture f(c);
   uint64_t a = f.add({30, 31, 32}, 4);
   uint64_t b = f.add({40, 41}, 4);

@@ -19,7 +19,7 @@ TEST(EngineTest, StopsAtMaxTokensWithLength) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  auto id = engine.add_request({1, 2, 3}, opts(5));
+  auto id = add(engine, {1, 2, 3}, opts(5));
   ASSERT_TRUE(id);
   ex.script[*id] = {1, 2, 1, 2, 1, 2};
   auto runs = run_all(engine);
@@ -46,10 +46,10 @@ TEST(EngineTest, EosStopsUnlessIgnored) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  auto a = engine.add_request({1}, opts(10));
+  auto a = add(engine, {1}, opts(10));
   SamplingParams ignore = opts(4);
   ignore.ignore_eos = true;
-  auto b = engine.add_request({1}, ignore);
+  auto b = add(engine, {1}, ignore);
   ex.script[*a] = {2, 9, 2};
   ex.script[*b] = {2, 9, 2, 2};
   auto runs = run_all(engine);
@@ -72,7 +72,7 @@ TEST(EngineTest, StopStringTruncatesAndIsNeverStreamed) {
   LlmEngine engine(config(), ex, dt);
   SamplingParams s = opts(20);
   s.stop = {"STOP"};
-  auto id = engine.add_request({1}, s);
+  auto id = add(engine, {1}, s);
   ex.script[*id] = {1, 5, 6, 7, 8};  // "a X" + "ST" + "OP" → stop before "STOP"
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*id].text, "a X");
@@ -86,7 +86,7 @@ TEST(EngineTest, StopTokenIds) {
   LlmEngine engine(config(), ex, dt);
   SamplingParams s = opts(20);
   s.stop_token_ids = {10};
-  auto id = engine.add_request({1}, s);
+  auto id = add(engine, {1}, s);
   ex.script[*id] = {1, 10, 1};
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*id].tokens, (std::vector<int32_t>{1, 10}));
@@ -97,7 +97,7 @@ TEST(EngineTest, PartialUtf8IsHeldBackUntilComplete) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  auto id = engine.add_request({1}, opts(3));
+  auto id = add(engine, {1}, opts(3));
   ex.script[*id] = {3, 4, 1};  // E4 | BD A0 → "你", then "a"
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*id].text,
@@ -113,8 +113,8 @@ TEST(EngineTest, ChunkedPrefillAndContinuousBatching) {
   FakeDetokenizer dt;
   LlmEngine engine(config(64, /*budget=*/8), ex, dt);
   std::vector<int32_t> long_prompt(20, 1);
-  auto a = engine.add_request(long_prompt, opts(3));
-  auto b = engine.add_request({2, 2}, opts(3));
+  auto a = add(engine, long_prompt, opts(3));
+  auto b = add(engine, {2, 2}, opts(3));
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*a].tokens.size(), 3u);
   EXPECT_EQ(runs[*b].tokens.size(), 3u);
@@ -137,8 +137,8 @@ TEST(EngineTest, WaitsForBlocksAndReusesThem) {
   FakeDetokenizer dt;
   // 3 blocks of 4 tokens: one 8-token sequence fits; the second must wait for the first.
   LlmEngine engine(config(/*blocks=*/3), ex, dt);
-  auto a = engine.add_request({1, 1, 1, 1, 1, 1}, opts(2));
-  auto b = engine.add_request({2, 2, 2, 2, 2, 2}, opts(2));
+  auto a = add(engine, {1, 1, 1, 1, 1, 1}, opts(2));
+  auto b = add(engine, {2, 2, 2, 2, 2, 2}, opts(2));
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*a].finish, "length");
   EXPECT_EQ(runs[*b].finish, "length");
@@ -148,13 +148,13 @@ TEST(EngineTest, FailedStepFailsOnlyItsRequests) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  auto a = engine.add_request({1}, opts(3));
+  auto a = add(engine, {1}, opts(3));
   ex.fail_next = 1;
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*a].finish, "error");
   EXPECT_FALSE(runs[*a].error.is_ok());
   // The engine goes on serving.
-  auto b = engine.add_request({1}, opts(2));
+  auto b = add(engine, {1}, opts(2));
   runs = run_all(engine);
   EXPECT_EQ(runs[*b].finish, "length");
 }
@@ -163,17 +163,17 @@ TEST(EngineTest, AFailedSubmitFailsItsRequestsAndForgetsNothing) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  auto a = engine.add_request({30}, opts(1));
+  auto a = add(engine, {30}, opts(1));
   ASSERT_TRUE(a);
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*a].finish, "length");
-  auto b = engine.add_request({31}, opts(2));
+  auto b = add(engine, {31}, opts(2));
   ex.fail_submit = 1;
   runs = run_all(engine);
   EXPECT_EQ(runs[*b].finish, "error");
   EXPECT_FALSE(runs[*b].error.is_ok());
   // The step that was to tell the actors to forget a never arrived: the next one does.
-  auto c = engine.add_request({32}, opts(2));
+  auto c = add(engine, {32}, opts(2));
   runs = run_all(engine);
   EXPECT_EQ(runs[*c].finish, "length");
   std::vector<uint64_t> forget;  // the last step's that had some
@@ -189,20 +189,37 @@ TEST(EngineTest, BadRequestsAreRefusedWithReasons) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(64, 2048, /*max_len=*/16), ex, dt);
-  EXPECT_EQ(engine.add_request({}, opts(1)).status().code(), Code::kInvalidArgument);
-  auto too_long = engine.add_request(std::vector<int32_t>(16, 1), opts(1));
+  EXPECT_EQ(add(engine, {}, opts(1)).status().code(), Code::kInvalidArgument);
+  auto too_long = add(engine, std::vector<int32_t>(16, 1), opts(1));
   ASSERT_FALSE(too_long);
   EXPECT_NE(too_long.status().message().find("max-model-len is 16"), std::string::npos);
-  EXPECT_NE(engine.add_request({100}, opts(1)).status().message().find("outside the vocab"),
+  EXPECT_NE(add(engine, {100}, opts(1)).status().message().find("outside the vocab"),
             std::string::npos);
   SamplingParams bad = opts(1);
   bad.top_p = 0;
-  EXPECT_NE(engine.add_request({1}, bad).status().message().find("top_p"), std::string::npos);
+  EXPECT_NE(add(engine, {1}, bad).status().message().find("top_p"), std::string::npos);
   bad = opts(0);
-  EXPECT_NE(engine.add_request({1}, bad).status().message().find("max_tokens"), std::string::npos);
+  EXPECT_NE(add(engine, {1}, bad).status().message().find("max_tokens"), std::string::npos);
   bad = opts(1);
   bad.temperature = -1;
-  EXPECT_NE(engine.add_request({1}, bad).status().message().find("temperature"), std::string::npos);
+  EXPECT_NE(add(engine, {1}, bad).status().message().find("temperature"), std::string::npos);
+}
+
+// What only the engine knows: a valid request (request.h) whose prompt the whole KV cache cannot
+// hold is refused there, with nothing queued.
+TEST(EngineTest, APromptLargerThanTheKvCacheIsRefusedByTheEngine) {
+  FakeExecutor ex;
+  FakeDetokenizer dt;
+  LlmEngine engine(config(/*blocks=*/2, 2048, /*max_len=*/256), ex, dt);  // 8 tokens of cache
+  auto request = Request::make(std::vector<int32_t>(8, 1), opts(1), engine.config().model);
+  ASSERT_TRUE(request) << request.status().to_string();
+  auto id = engine.add_request(std::move(*request));
+  ASSERT_FALSE(id);
+  EXPECT_NE(id.status().message().find("more than the KV cache holds (8 tokens)"),
+            std::string::npos)
+      << id.status().to_string();
+  EXPECT_FALSE(engine.has_unfinished());
+  EXPECT_TRUE(add(engine, std::vector<int32_t>(7, 1), opts(1)));
 }
 
 TEST(EngineTest, PipelineKeepsSeveralStepsInFlightWithDisjointSequences) {
@@ -210,8 +227,8 @@ TEST(EngineTest, PipelineKeepsSeveralStepsInFlightWithDisjointSequences) {
   ex.depth = 2;
   FakeDetokenizer dt;
   LlmEngine engine(config(64, 4), ex, dt);  // 4 tokens a step: two prompts cannot share one
-  auto a = engine.add_request({1, 2, 3, 4}, opts(3));
-  auto b = engine.add_request({1, 2, 3, 4}, opts(3));
+  auto a = add(engine, {1, 2, 3, 4}, opts(3));
+  auto b = add(engine, {1, 2, 3, 4}, opts(3));
   ASSERT_TRUE(a && b);
   ex.script[*a] = {1, 2, 8};
   ex.script[*b] = {2, 1, 8};
@@ -229,7 +246,7 @@ TEST(EngineTest, PipelineKeepsSeveralStepsInFlightWithDisjointSequences) {
 
 EngineConfig async_config() {
   EngineConfig c = config();
-  c.scheduler.async_scheduling = true;
+  c.async_scheduling = true;
   return c;
 }
 
@@ -243,14 +260,14 @@ TEST(EngineAsyncTest, StopConditionsGiveTheSameOutput) {
     FakeExecutor ex;
     FakeDetokenizer dt;
     LlmEngine engine(async ? async_config() : config(), ex, dt);
-    auto length = engine.add_request({1, 2, 3}, opts(5));
-    auto eos = engine.add_request({1}, opts(10));
+    auto length = add(engine, {1, 2, 3}, opts(5));
+    auto eos = add(engine, {1}, opts(10));
     SamplingParams stop_string = opts(20);
     stop_string.stop = {"STOP"};
-    auto stop = engine.add_request({1}, stop_string);
+    auto stop = add(engine, {1}, stop_string);
     SamplingParams stop_id = opts(20);
     stop_id.stop_token_ids = {10};
-    auto id10 = engine.add_request({1}, stop_id);
+    auto id10 = add(engine, {1}, stop_id);
     ASSERT_TRUE(length && eos && stop && id10);
     ex.script[*length] = {1, 2, 1, 2, 1, 2, 1};
     ex.script[*eos] = {2, 9, 2, 2};
@@ -292,7 +309,7 @@ TEST(EngineAsyncTest, FailuresAndAbortsWithTwoStepsInFlight) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(async_config(), ex, dt);
-  auto a = engine.add_request({1}, opts(6));
+  auto a = add(engine, {1}, opts(6));
   ASSERT_TRUE(a);
   ASSERT_TRUE(engine.step());  // the prompt's step, then the first decode ahead of it
   ASSERT_TRUE(engine.step());
@@ -304,8 +321,8 @@ TEST(EngineAsyncTest, FailuresAndAbortsWithTwoStepsInFlight) {
   // The step after the failed one continued `a` past the step the fake dropped (real actors
   // refuse that: a position that does not continue the request); its result was dropped.
   ex.violations.clear();
-  auto b = engine.add_request({1}, opts(8));
-  auto c = engine.add_request({2}, opts(8));
+  auto b = add(engine, {1}, opts(8));
+  auto c = add(engine, {2}, opts(8));
   ASSERT_TRUE(b && c);
   size_t c_tokens = 0, b_tokens = 0;
   for (int i = 0; i < 2; ++i) {
@@ -331,8 +348,8 @@ TEST(EngineTextTest, EachTokenIsDetokenizedOnce) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  auto a = engine.add_request({1}, opts(40));
-  auto b = engine.add_request({2}, opts(25));
+  auto a = add(engine, {1}, opts(40));
+  auto b = add(engine, {2}, opts(25));
   ASSERT_TRUE(a && b);
   for (int i = 0; i < 40; ++i) ex.script[*a].push_back(i % 2 ? 1 : 2);
   auto runs = run_all(engine);
@@ -346,7 +363,7 @@ TEST(EngineTextTest, OnlyWhatMayStartAStopStringIsHeldBack) {
   LlmEngine engine(config(), ex, dt);
   SamplingParams s = opts(20);
   s.stop = {"STOP", "zz"};
-  auto id = engine.add_request({1}, s);
+  auto id = add(engine, {1}, s);
   // "a" " X" "S" "T" "!" "S" "T" "O" "P": the stop string spans four tokens.
   ex.script[*id] = {1, 5, 11, 12, 8, 11, 12, 13, 14, 1};
   auto runs = run_all(engine);
@@ -359,7 +376,7 @@ TEST(EngineTextTest, AnUnfinishedCharacterAtTheEndIsDropped) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   LlmEngine engine(config(), ex, dt);
-  auto id = engine.add_request({1}, opts(2));
+  auto id = add(engine, {1}, opts(2));
   ex.script[*id] = {1, 3};  // "a", then the first byte of a 3-byte character
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*id].text, "a");
@@ -370,7 +387,7 @@ TEST(EngineTextTest, NoDetokenizerGivesTokensOnly) {
   FakeExecutor ex;
   NoDetokenizer none;
   LlmEngine engine(config(), ex, none);
-  auto id = engine.add_request({1}, opts(3));
+  auto id = add(engine, {1}, opts(3));
   ex.script[*id] = {1, 2, 1};
   auto runs = run_all(engine);
   EXPECT_EQ(runs[*id].tokens, (std::vector<int32_t>{1, 2, 1}));
@@ -381,13 +398,13 @@ TEST(EngineStatsTest, CountsRequestsBlocksAndTokens) {
   FakeExecutor ex;
   FakeDetokenizer dt;
   EngineConfig c = config(/*blocks=*/10);
-  c.scheduler.max_num_seqs = 1;
+  c.model.max_num_seqs = 1;
   LlmEngine engine(c, ex, dt);
   EngineStats s = engine.stats();
   EXPECT_EQ(s.kv_blocks_total, 10u);
   EXPECT_EQ(s.kv_cache_usage, 0.0);
-  ASSERT_TRUE(engine.add_request({30, 31, 32, 33, 34}, opts(5)));
-  ASSERT_TRUE(engine.add_request({40, 41}, opts(4)));
+  ASSERT_TRUE(add(engine, {30, 31, 32, 33, 34}, opts(5)));
+  ASSERT_TRUE(add(engine, {40, 41}, opts(4)));
   ASSERT_TRUE(engine.step());
   s = engine.stats();
   EXPECT_EQ(s.running, 1u);

@@ -25,8 +25,9 @@ constexpr int32_t kSampled = 7;  // the token every sampling step "samples"
 
 SchedulerConfig config(uint32_t max_num_seqs, uint32_t budget) {
   SchedulerConfig c;
-  c.max_num_seqs = max_num_seqs;
-  c.max_num_batched_tokens = budget;
+  c.limits.max_num_seqs = max_num_seqs;
+  c.limits.max_num_batched_tokens = budget;
+  c.limits.max_model_len = 4096;
   return c;
 }
 
@@ -391,7 +392,7 @@ TEST(SchedulerTest, AsyncSchedulingRunsOneDecodeAheadUpToMaxTokens) {
 TEST(SchedulerTest, AsyncSchedulingStopsAtMaxModelLen) {
   SchedulerConfig cfg = config(8, 1024);
   cfg.async_scheduling = true;
-  cfg.max_model_len = 6;
+  cfg.limits.max_model_len = 6;
   Harness h(cfg, 16, 4);
   h.add(1, 4);
   EXPECT_EQ(h.submit(), (Chunks{{1, 0, 4, true}}));

@@ -20,9 +20,8 @@ using testing::random_floats;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 Sampler make(const SamplingParams& p) {
-  auto s = Sampler::create(p);
-  EXPECT_TRUE(s.has_value()) << s.status().to_string();
-  return std::move(s).value();
+  EXPECT_TRUE(p.validate().is_ok()) << p.validate().to_string();  // the samplers' precondition
+  return Sampler::create(p);
 }
 
 int32_t draw(Sampler& s, const std::vector<float>& logits) {
@@ -111,7 +110,6 @@ TEST(SamplingParamsTest, ValidateRejectsOutOfRange) {
     Status st = p.validate();
     EXPECT_EQ(st.code(), Code::kInvalidArgument) << b.field;
     EXPECT_NE(st.message().find(b.field), std::string::npos) << st.message();
-    EXPECT_EQ(Sampler::create(p).status().code(), Code::kInvalidArgument) << b.field;
   }
   // NaN fails every range check.
   for (auto set : {+[](SamplingParams&p, float v) { p.temperature = v; },
@@ -355,8 +353,6 @@ TEST(SamplingTest, FilterLogitsGreedyAndErrors) {
   EXPECT_EQ(l, (std::vector<float>{-kInf, 2.0f, -kInf, -kInf}));
   std::vector<float> dead = {-kInf, std::numeric_limits<float>::quiet_NaN()};
   EXPECT_EQ(filter_logits(dead, {}).code(), Code::kInvalidArgument);
-  std::vector<float> ok = {1.0f};
-  EXPECT_EQ(filter_logits(ok, {.top_p = 0.0f}).code(), Code::kInvalidArgument);
 }
 
 TEST(SamplingTest, SampleErrorsAndNanLogits) {

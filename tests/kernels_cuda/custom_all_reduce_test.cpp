@@ -970,7 +970,7 @@ void timing_body(Rank& ctx) {
     table << line;
   }
   table << "  target: <= 5 us at 8 KiB; NCCL in a CUDA graph on 2 x H200: 9.7 / 10.5 / 13.4 / "
-           "29.9 / 49.7 us (shared/ANCHORS.md)";
+           "29.9 / 49.7 us (the project's reference figures)";
   if (ctx.rank() == 0) ctx.info(table.str());
   cudaEventDestroy(t0);
   cudaEventDestroy(t1);

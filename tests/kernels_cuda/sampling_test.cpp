@@ -220,8 +220,7 @@ TEST(GpuSampling, GreedySampleMatchesCpuSampler) {
       ASSERT_EQ(got->size(), static_cast<size_t>(rows));
       for (int r = 0; r < rows; ++r) {
         auto cpu_sampler = cpu::Sampler::create(batch.rows[r].params);
-        ASSERT_TRUE(cpu_sampler.has_value());
-        auto want = cpu_sampler->sample(host.data() + r * vocab, vocab, {}, {});
+        auto want = cpu_sampler.sample(host.data() + r * vocab, vocab, {}, {});
         ASSERT_TRUE(want.has_value());
         EXPECT_EQ((*got)[r].token, want->token) << "vocab " << vocab << " row " << r;
         if (!with_logprobs) {
@@ -273,8 +272,7 @@ TEST(GpuSampling, RawLogprobsAndTopLogprobsMatchCpu) {
       const float* l = host.data() + r * vocab;
       const std::string where = "vocab " + std::to_string(vocab) + " row " + std::to_string(r);
       auto cpu_sampler = cpu::Sampler::create(batch.rows[r].params);
-      ASSERT_TRUE(cpu_sampler.has_value());
-      auto want = cpu_sampler->sample(l, vocab, {}, {});
+      auto want = cpu_sampler.sample(l, vocab, {}, {});
       ASSERT_TRUE(want.has_value());
       const SampleResult& g = (*got)[r];
       if (batch.rows[r].params.temperature == 0.0f) {
@@ -336,9 +334,8 @@ TEST(GpuSampling, PenalisedGreedyTokenMatchesCpuApplyPenalties) {
             << "vocab " << vocab << " call " << call << " row " << r;
         if (row.params.logprobs >= 0) {  // raw: before the penalties
           auto cpu_sampler = cpu::Sampler::create(row.params);
-          ASSERT_TRUE(cpu_sampler.has_value());
           auto want =
-              cpu_sampler->sample(host.data() + r * vocab, vocab, row.prompt_ids, row.output_ids);
+              cpu_sampler.sample(host.data() + r * vocab, vocab, row.prompt_ids, row.output_ids);
           ASSERT_TRUE(want.has_value());
           EXPECT_EQ((*got)[r].token, want->token);
           expect_logprob_near(want->logprob, (*got)[r].logprob, "penalised row");
@@ -695,13 +692,6 @@ TEST(GpuSampling, Errors) {
     Rows batch;
     SamplingParams p;
     p.logprobs = 6;
-    batch.add(p);
-    EXPECT_EQ(code_of(rows_of(1), batch), Code::kInvalidArgument);
-  }
-  {  // invalid params
-    Rows batch;
-    SamplingParams p;
-    p.top_k = 0;
     batch.add(p);
     EXPECT_EQ(code_of(rows_of(1), batch), Code::kInvalidArgument);
   }

@@ -120,10 +120,10 @@ class RankGroup {
       LoadSpec spec = cpu_spec(model_dir, 256, parallel);
       StageComms stage;
       if (world > 1) {
-        spec.comm.backend = "tcp";
+        spec.comm.backend = CommBackend::kTcp;
         spec.comm.ranks = ranks;
         spec.comm.secret = "parity-test-secret-parity-test-secret";
-        spec.comm.init_timeout_ms = 30000;
+        spec.engine.nccl_init_timeout_s = 30;
         status[r] = g->comms_[r]->join(spec);
         if (!status[r].is_ok()) return;
         stage = g->comms_[r]->stage();

@@ -70,7 +70,8 @@ TEST(RequestTableTest, TheSampledTokenFillsAnAsyncDecodeStep) {
   EXPECT_EQ(t.at(1).tokens, (std::vector<int32_t>{5, 6, 7, 42}));
   EXPECT_EQ(std::vector<int32_t>(t.at(1).output().begin(), t.at(1).output().end()),
             (std::vector<int32_t>{42}));
-  const std::vector<ForwardSeq> batch = t.batch(ahead);
+  const StepBatch made = t.batch(ahead);
+  const std::span<const ForwardSeq> batch = made.seqs();
   ASSERT_EQ(batch.size(), 1u);
   EXPECT_EQ(std::vector<int32_t>(batch[0].tokens.begin(), batch[0].tokens.end()),
             (std::vector<int32_t>{42}));
@@ -98,7 +99,8 @@ TEST(RequestTableTest, APendingSampleLeavesAPlaceholderThatItsSampleFills) {
   ASSERT_TRUE(t.apply(ahead));
   EXPECT_EQ(t.placeholders(), (std::vector<size_t>{0, 1}));
   EXPECT_EQ(t.at(1).tokens, (std::vector<int32_t>{5, 6, 7, kSampledToken}));
-  const std::vector<ForwardSeq> batch = t.batch(ahead);
+  const StepBatch made = t.batch(ahead);
+  const std::span<const ForwardSeq> batch = made.seqs();
   ASSERT_EQ(batch.size(), 2u);
   EXPECT_EQ(batch[1].tokens[0], kSampledToken);
   EXPECT_EQ(batch[1].start_position, 3);
@@ -151,7 +153,8 @@ TEST(RequestTableTest, AFirstStepAfterACachedPrefixKeepsThePrefixInTheHistory) {
   EXPECT_EQ(r.tokens, (std::vector<int32_t>{1, 2, 3, 4, 5, 6}));
   EXPECT_EQ(std::vector<int32_t>(r.prompt().begin(), r.prompt().end()),
             (std::vector<int32_t>{1, 2, 3, 4, 5, 6}));
-  auto batch = t.batch(s);
+  const StepBatch made = t.batch(s);
+  const std::span<const ForwardSeq> batch = made.seqs();
   EXPECT_EQ(batch[0].start_position, 4);
   EXPECT_EQ(batch[0].tokens.size(), 2u);
   ASSERT_TRUE(t.apply(step({next(1, {50}, 6)})).is_ok());
@@ -182,12 +185,16 @@ TEST(RequestTableTest, DeltasRebuildTheWholeRequest) {
             (std::vector<int32_t>{1, 2, 3, 4, 5, 6}));
   EXPECT_EQ(std::vector<int32_t>(r.output().begin(), r.output().end()),
             (std::vector<int32_t>{50, 51, 52}));
-  auto batch = t.batch(s);
+  const StepBatch made = t.batch(s);
+  const std::span<const ForwardSeq> batch = made.seqs();
   ASSERT_EQ(batch.size(), 1u);
   EXPECT_EQ(batch[0].start_position, 8);
   EXPECT_EQ(batch[0].block_table.size(), 3u);
   EXPECT_EQ(batch[0].tokens.size(), 1u);
   EXPECT_TRUE(batch[0].want_logits);
+  // Its row to sample, which the backends take with it.
+  ASSERT_EQ(made.rows().size(), 1u);
+  EXPECT_EQ(made.rows()[0].state, &t.at(made.rows()[0].request_id));
 }
 
 TEST(RequestTableTest, SeedsAreKeptOrDrawnOnce) {
@@ -248,6 +255,8 @@ TEST(RequestTableTest, MalformedStepsAreRefusedWholeAndNamed) {
        "more than max-num-batched-tokens 16"},
       {step({first(2, std::vector<int32_t>(25, 1), {}, 25)}), Code::kInvalidArgument,
        "exceed max-model-len 24"},
+      {step({first(2, {1}, {0, 1, 2, 3, 4, 5, 6}, 1)}), Code::kInvalidArgument,
+       "7 blocks, more than max-model-len needs (6)"},
       {step({bad_sampling}), Code::kInvalidArgument, "top_p"},
       {step({stop_outside}), Code::kInvalidArgument, "100"},
       {step({late_first}), Code::kInvalidArgument, "starts after its cached prefix (0 tokens)"},

@@ -127,10 +127,10 @@ TEST(ParallelPlanTest, KvHeadsSplitWhenTheyDivide) {
   ParallelPlan p = must_plan(llama3_8b(), 4, 1);
   EXPECT_EQ(p.kv_replicas, 1);
   for (const RankPlan& r : p.ranks) {
-    EXPECT_EQ(r.heads, 8);
-    EXPECT_EQ(r.head_offset, 8 * r.tp_rank);
-    EXPECT_EQ(r.kv_heads, 2);
-    EXPECT_EQ(r.kv_head_offset, 2 * r.tp_rank);
+    EXPECT_EQ(r.shard.heads, 8);
+    EXPECT_EQ(r.shard.head_begin, 8 * r.shard.parallel.tp_rank);
+    EXPECT_EQ(r.shard.kv_heads, 2);
+    EXPECT_EQ(r.shard.kv_head_begin, 2 * r.shard.parallel.tp_rank);
   }
   EXPECT_EQ(describe_kv_heads(llama3_8b(), p), "KV heads: 8 split over -tp 4, 2 per rank");
 }
@@ -141,9 +141,9 @@ TEST(ParallelPlanTest, TwoKvHeadsOverFourRanksAreEachOnTwoRanks) {
   EXPECT_EQ(p.kv_replicas, 2);
   std::vector<int64_t> kv_head;
   for (const RankPlan& r : p.ranks) {
-    EXPECT_EQ(r.kv_heads, 1);
-    EXPECT_EQ(r.heads, 2);
-    kv_head.push_back(r.kv_head_offset);
+    EXPECT_EQ(r.shard.kv_heads, 1);
+    EXPECT_EQ(r.shard.heads, 2);
+    kv_head.push_back(r.shard.kv_head_begin);
   }
   EXPECT_EQ(kv_head, (std::vector<int64_t>{0, 0, 1, 1}));
   EXPECT_EQ(describe_kv_heads(c, p),
@@ -158,10 +158,10 @@ TEST(ParallelPlanTest, EightKvHeadsOverSixteenRanksReplicateAsVllmDoes) {
   ParallelPlan p = must_plan(llama3_8b(), 16, 1);
   EXPECT_EQ(p.kv_replicas, 2);
   for (const RankPlan& r : p.ranks) {
-    EXPECT_EQ(r.kv_heads, 1);
-    EXPECT_EQ(r.kv_head_offset, r.tp_rank / 2);
+    EXPECT_EQ(r.shard.kv_heads, 1);
+    EXPECT_EQ(r.shard.kv_head_begin, r.shard.parallel.tp_rank / 2);
     // The query heads it computes read that KV head (GQA group of 4 query heads).
-    EXPECT_EQ(r.head_offset / 4, r.kv_head_offset);
+    EXPECT_EQ(r.shard.head_begin / 4, r.shard.kv_head_begin);
   }
 }
 
@@ -176,8 +176,8 @@ std::vector<int64_t> stage_layers_of(const ModelConfig& c, int tp, int pp,
   int64_t next = 0;
   for (int64_t s = 0; s < plan->pp; ++s) {
     for (int64_t t = 0; t < plan->tp; ++t) {
-      EXPECT_EQ(plan->at(s, t).layer_begin, next);
-      EXPECT_EQ(plan->at(s, t).num_layers(), plan->stage_layers[static_cast<size_t>(s)]);
+      EXPECT_EQ(plan->at(s, t).shard.layer_begin, next);
+      EXPECT_EQ(plan->at(s, t).shard.num_layers(), plan->stage_layers[static_cast<size_t>(s)]);
     }
     next += plan->stage_layers[static_cast<size_t>(s)];
   }
@@ -229,7 +229,9 @@ TEST(ParallelPlanTest, VocabIsPaddedToAMultipleOfTp) {
   ParallelPlan p = must_plan(c, 4, 1);
   EXPECT_EQ(p.padded_vocab, 32004);
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (const RankPlan& r : p.ranks) ranges.push_back({r.vocab_begin, r.vocab_end});
+  for (const RankPlan& r : p.ranks) {
+    ranges.push_back({r.shard.vocab_begin, r.shard.vocab_begin + r.shard.vocab_shard});
+  }
   EXPECT_EQ(ranges, (std::vector<std::pair<int64_t, int64_t>>{
                         {0, 8001}, {8001, 16002}, {16002, 24003}, {24003, 32004}}));
   // Only the last rank holds padding: one row in the embedding and one in lm_head.
@@ -309,10 +311,11 @@ TEST(ParallelPlanTest, RankWeightBytesAddUpToTheModelForRealShapes) {
         EXPECT_EQ(sum, expected_sum(k.config, *plan)) << k.name << " tp " << tp << " pp " << pp;
         // TP ranks of one stage hold the same bytes up to the o_proj bias and vocab padding.
         for (const RankPlan& r : plan->ranks) {
-          const RankPlan& first = plan->at(r.pp_rank, 0);
-          const uint64_t o_bias = k.config.o_proj_bias ? r.num_layers() * 4096u * 2 : 0;
-          EXPECT_EQ(r.weight_bytes + (r.tp_rank == 0 ? 0 : o_bias), first.weight_bytes)
-              << k.name << " rank " << r.rank;
+          const RankPlan& first = plan->at(r.shard.parallel.pp_rank, 0);
+          const uint64_t o_bias = k.config.o_proj_bias ? r.shard.num_layers() * 4096u * 2 : 0;
+          EXPECT_EQ(r.weight_bytes + (r.shard.parallel.tp_rank == 0 ? 0 : o_bias),
+                    first.weight_bytes)
+              << k.name << " rank " << r.rank();
         }
       }
     }
@@ -329,20 +332,20 @@ TEST(ParallelPlanTest, Llama3_8bTp2RankBytesByHand) {
   EXPECT_EQ(p.ranks[0].weight_bytes, 2 * elements);
   EXPECT_EQ(p.ranks[1].weight_bytes, 2 * elements);
   EXPECT_EQ(p.ranks[0].kv_elems_per_token, 2 * 32 * 4 * 128);
-  EXPECT_TRUE(p.ranks[0].embedding && p.ranks[0].lm_head);
+  EXPECT_TRUE(p.ranks[0].embedding() && p.ranks[0].shard.last_stage);
 }
 
 TEST(ParallelPlanTest, PipelineStagesHoldEmbeddingFirstAndLmHeadLast) {
   ModelConfig c = qwen3_8b();
   ParallelPlan p = must_plan(c, 1, 3);
-  EXPECT_TRUE(p.ranks[0].embedding);
-  EXPECT_FALSE(p.ranks[0].lm_head);
-  EXPECT_FALSE(p.ranks[1].embedding || p.ranks[1].lm_head);
-  EXPECT_TRUE(p.ranks[2].lm_head);
-  EXPECT_FALSE(p.ranks[2].embedding);
+  EXPECT_TRUE(p.ranks[0].embedding());
+  EXPECT_FALSE(p.ranks[0].shard.last_stage);
+  EXPECT_FALSE(p.ranks[1].embedding() || p.ranks[1].shard.last_stage);
+  EXPECT_TRUE(p.ranks[2].shard.last_stage);
+  EXPECT_FALSE(p.ranks[2].embedding());
   c.tie_word_embeddings = true;
   ParallelPlan tied = must_plan(c, 1, 3);
-  EXPECT_TRUE(tied.ranks[2].embedding);  // the tied lm_head is the embedding
+  EXPECT_TRUE(tied.ranks[2].embedding());  // the tied lm_head is the embedding
 }
 
 // ---- memory -----------------------------------------------------------------------------------
@@ -872,7 +875,8 @@ Parsed parse_model_flags(std::vector<const char*> args) {
 }
 
 TEST(FlagsTest, ParallelSizesAreParsedAtTheFlag) {
-  Parsed p = parse_model_flags({"-tp", "auto", "-pp", "3", "--pipeline-layer-partition", "10,12,10"});
+  Parsed p =
+      parse_model_flags({"-tp", "auto", "-pp", "3", "--pipeline-layer-partition", "10,12,10"});
   ASSERT_EQ(p.error, "");
   EXPECT_TRUE(p.spec.tensor_parallel_size.is_auto());
   EXPECT_EQ(p.spec.pp(), 3);

@@ -53,10 +53,19 @@ void expect_equal(const SamplingParams& a, const SamplingParams& b) {
 
 TEST(ConvertTest, SamplingParamsEveryFieldAndTheDefaults) {
   expect_equal(round_trip<proto::SamplingParams>(unusual_sampling()), unusual_sampling());
-  // Defaults mean the same on both sides: an unset proto reads as SamplingParams{}.
+  // The defaults are written once, in SamplingParams: to_proto writes every field, so the
+  // defaults survive the trip, and the wire form has none of its own (an unset proto reads as
+  // zeros, not as SamplingParams{}).
+  expect_equal(round_trip<proto::SamplingParams>(SamplingParams{}), SamplingParams{});
   capnp::MallocMessageBuilder message;
-  auto empty = message.initRoot<proto::SamplingParams>();
-  expect_equal(from_proto(empty.asReader()), SamplingParams{});
+  const SamplingParams unset = from_proto(message.initRoot<proto::SamplingParams>().asReader());
+  EXPECT_EQ(unset.temperature, 0.0f);
+  EXPECT_EQ(unset.top_p, 0.0f);
+  EXPECT_EQ(unset.top_k, 0);
+  EXPECT_EQ(unset.repetition_penalty, 0.0f);
+  EXPECT_EQ(unset.logprobs, 0);
+  EXPECT_EQ(unset.max_tokens, 0);
+  EXPECT_FALSE(unset.skip_special_tokens);
   SamplingParams unseeded;
   unseeded.seed.reset();
   EXPECT_FALSE(round_trip<proto::SamplingParams>(unseeded).seed.has_value());
@@ -205,11 +214,10 @@ TEST(ConvertTest, LoadSpecEveryField) {
   in.parallel.tp_rank = 1;
   in.parallel.pp_rank = 2;
   in.parallel.layer_partition = {10, 12, 10};
-  in.comm.backend = "nccl";
+  in.comm.backend = CommBackend::kNccl;
   in.comm.ranks = {{0, "a-0", "n-0", 0, "10.0.0.1:1"}, {1, "a-1", "n-1", 3, "10.0.0.2:2"}};
   in.comm.secret = std::string("s\0cret", 6);
   in.comm.nccl_id = std::string(128, '\x7f');
-  in.comm.init_timeout_ms = 4321;
   in.comm.ipc_handles = {std::string(64, 'a'), std::string("b\0c", 3)};
   in.comm.custom_all_reduce_max_bytes = 3ull << 30;
   in.step_ring = "/tessera-1-2-ring-steps";
@@ -224,7 +232,7 @@ TEST(ConvertTest, LoadSpecEveryField) {
   EXPECT_EQ(out.parallel.tp_rank, 1);
   EXPECT_EQ(out.parallel.pp_rank, 2);
   EXPECT_EQ(out.parallel.layer_partition, in.parallel.layer_partition);
-  EXPECT_EQ(out.comm.backend, "nccl");
+  EXPECT_EQ(out.comm.backend, CommBackend::kNccl);
   ASSERT_EQ(out.comm.ranks.size(), 2u);
   EXPECT_EQ(out.comm.ranks[1].rank, 1);
   EXPECT_EQ(out.comm.ranks[1].actor_id, "a-1");
@@ -233,12 +241,20 @@ TEST(ConvertTest, LoadSpecEveryField) {
   EXPECT_EQ(out.comm.ranks[1].address, "10.0.0.2:2");
   EXPECT_EQ(out.comm.secret, in.comm.secret);
   EXPECT_EQ(out.comm.nccl_id, in.comm.nccl_id);
-  EXPECT_EQ(out.comm.init_timeout_ms, 4321u);
   EXPECT_EQ(out.comm.ipc_handles, in.comm.ipc_handles);
   EXPECT_EQ(out.comm.custom_all_reduce_max_bytes, in.comm.custom_all_reduce_max_bytes);
   EXPECT_EQ(out.step_ring, in.step_ring);
   EXPECT_EQ(out.step_ring_reader, 3u);
   EXPECT_EQ(out.output_ring, in.output_ring);
+}
+
+TEST(ConvertTest, EveryCommBackend) {
+  for (CommBackend b :
+       {CommBackend::kNone, CommBackend::kTcp, CommBackend::kNccl, CommBackend::kIpc}) {
+    LoadSpec in;
+    in.comm.backend = b;
+    EXPECT_EQ(round_trip<proto::LoadSpec>(in).comm.backend, b) << comm_backend_name(b);
+  }
 }
 
 TEST(ConvertTest, ModelInfoEveryField) {

@@ -77,8 +77,7 @@ class FakeGroup final : public StepExecutor {
 class FakeHost final : public EngineHost {
  public:
   explicit FakeHost(World& world) : world_(world) {
-    model_.vocab_size = 100;
-    model_.max_model_len = 256;
+    model_ = engine_testing::config().model;
     start_group();
   }
   ~FakeHost() override { engine_.reset(); }
@@ -114,6 +113,14 @@ class FakeHost final : public EngineHost {
   std::unique_ptr<FakeGroup> group_;
   std::unique_ptr<LlmEngine> engine_;
 };
+
+// Queues a request made against the model the engine loaded, as the server makes its own.
+Expected<uint64_t> add(AsyncEngine& engine, std::vector<int32_t> prompt, SamplingParams sampling,
+                       AsyncEngine::Sink sink) {
+  TESSERA_ASSIGN_OR_RETURN(Request r,
+                           Request::make(std::move(prompt), std::move(sampling), engine.loaded()));
+  return engine.add(std::move(r), std::move(sink));
+}
 
 // Every request's outputs, as the engine thread hands them over.
 class Outputs {
@@ -185,15 +192,15 @@ TEST(AsyncEngineTest, ServesRequestsOverAHost) {
   Outputs outs;  // outlives the engine, whose stop hands outputs to it
   auto engine = start(world);
   ASSERT_TRUE(engine);
-  auto id = engine->add({1, 2}, tokens(3), outs.sink());
+  auto id = add(*engine, {1, 2}, tokens(3), outs.sink());
   ASSERT_TRUE(id) << id.status().to_string();
   RequestOutput last = outs.last(*id);
   EXPECT_EQ(last.finish_reason, FinishReason::kLength);
   EXPECT_TRUE(last.error.is_ok());
   EXPECT_EQ(outs.tokens(*id), 3u);
   EXPECT_TRUE(engine->healthy());
-  // Checked before it is queued: nothing reaches the engine.
-  EXPECT_FALSE(engine->add({1000}, tokens(3), outs.sink()));
+  // A prompt outside the vocabulary makes no Request: nothing reaches the engine.
+  EXPECT_FALSE(add(*engine, {1000}, tokens(3), outs.sink()));
 }
 
 TEST(AsyncEngineTest, ARequestRunningAtEachDeathIsRetriedThenFailsWithTheBudgetMessage) {
@@ -204,10 +211,10 @@ TEST(AsyncEngineTest, ARequestRunningAtEachDeathIsRetriedThenFailsWithTheBudgetM
   // `streaming` has produced tokens when the poison request kills the group: its KV cache is
   // gone, so it fails naming the death. The poison request is run again on the new group, dies
   // with it again, and then fails instead of running a third time.
-  auto streaming = engine->add({1}, tokens(200), outs.sink());
+  auto streaming = add(*engine, {1}, tokens(200), outs.sink());
   ASSERT_TRUE(streaming);
   ASSERT_TRUE(outs.started(*streaming));
-  auto poison = engine->add({kPoison, 1}, tokens(4), outs.sink());
+  auto poison = add(*engine, {kPoison, 1}, tokens(4), outs.sink());
   ASSERT_TRUE(poison);
 
   RequestOutput failed = outs.last(*streaming);
@@ -232,7 +239,7 @@ TEST(AsyncEngineTest, ARequestRunningAtEachDeathIsRetriedThenFailsWithTheBudgetM
   ASSERT_TRUE(eventually([&] { return engine->healthy(); }));
 
   // The new group serves.
-  auto after = engine->add({1, 2}, tokens(3), outs.sink());
+  auto after = add(*engine, {1, 2}, tokens(3), outs.sink());
   ASSERT_TRUE(after);
   EXPECT_EQ(outs.last(*after).finish_reason, FinishReason::kLength);
   EXPECT_EQ(outs.tokens(*after), 3u);
@@ -243,7 +250,7 @@ TEST(AsyncEngineTest, AFailedRestartIsCountedAndTriedAgainWhileNewRequestsWait) 
   Outputs outs;  // outlives the engine, whose stop hands outputs to it
   auto engine = start(world);
   ASSERT_TRUE(engine);
-  auto running = engine->add({1}, tokens(200), outs.sink());
+  auto running = add(*engine, {1}, tokens(200), outs.sink());
   ASSERT_TRUE(running);
   ASSERT_TRUE(outs.started(*running));
   world.failing_restarts = 1;
@@ -257,7 +264,7 @@ TEST(AsyncEngineTest, AFailedRestartIsCountedAndTriedAgainWhileNewRequestsWait) 
   const std::string reason = std::string(kDeath) + "; restart failed: no node has a free CPU";
   ASSERT_TRUE(eventually([&] { return engine->unhealthy_reason() == reason; }));
   EXPECT_FALSE(engine->healthy());
-  auto waiting = engine->add({1, 2}, tokens(3), outs.sink());
+  auto waiting = add(*engine, {1, 2}, tokens(3), outs.sink());
   ASSERT_TRUE(waiting);
 
   RequestOutput done = outs.last(*waiting);
@@ -274,7 +281,7 @@ TEST(AsyncEngineTest, StoppingAbortsUnfinishedRequests) {
   Outputs outs;  // outlives the engine, whose stop hands outputs to it
   auto engine = start(world);
   ASSERT_TRUE(engine);
-  auto id = engine->add({1}, tokens(200), outs.sink());
+  auto id = add(*engine, {1}, tokens(200), outs.sink());
   ASSERT_TRUE(id);
   ASSERT_TRUE(outs.started(*id));
   engine.reset();

@@ -16,6 +16,13 @@ namespace {
 
 using nlohmann::json;
 
+// The token ids of a parsed request's prompts, in order.
+std::vector<std::vector<int32_t>> prompts(const ApiRequest& r) {
+  std::vector<std::vector<int32_t>> out;
+  for (const Request& q : r.requests) out.push_back(q.prompt());
+  return out;
+}
+
 class OpenAIApiTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -35,8 +42,8 @@ class OpenAIApiTest : public ::testing::Test {
     ServedModel m;
     m.names = {"tiny", "alias"};
     m.root = "/models/tiny";
-    m.max_model_len = 64;
-    m.vocab_size = 128256;
+    m.info.max_model_len = 64;
+    m.info.vocab_size = 128256;
     m.tokenizer = tokenizer_;
     m.chat_template = template_;
     m.created = 1700000000;
@@ -56,14 +63,14 @@ class OpenAIApiTest : public ::testing::Test {
 TEST_F(OpenAIApiTest, EveryPromptFormIsAccepted) {
   ApiRequest r;
   ASSERT_FALSE(parse({{"prompt", "Hello there"}}, r));
-  ASSERT_EQ(r.prompts.size(), 1u);
-  EXPECT_EQ(r.prompts[0], tokenizer_->encode("Hello there", true));
+  ASSERT_EQ(prompts(r).size(), 1u);
+  EXPECT_EQ(prompts(r)[0], tokenizer_->encode("Hello there", true));
   ASSERT_FALSE(parse({{"prompt", {"a", "b", "c"}}}, r));
-  EXPECT_EQ(r.prompts.size(), 3u);
+  EXPECT_EQ(prompts(r).size(), 3u);
   ASSERT_FALSE(parse({{"prompt", {1, 2, 3}}}, r));
-  EXPECT_EQ(r.prompts, (std::vector<std::vector<int32_t>>{{1, 2, 3}}));
+  EXPECT_EQ(prompts(r), (std::vector<std::vector<int32_t>>{{1, 2, 3}}));
   ASSERT_FALSE(parse({{"prompt", {{1, 2}, {3}}}}, r));
-  EXPECT_EQ(r.prompts.size(), 2u);
+  EXPECT_EQ(prompts(r).size(), 2u);
   EXPECT_EQ(r.model, "tiny");
   ASSERT_FALSE(parse({{"prompt", "x"}, {"model", "alias"}}, r));
   EXPECT_EQ(r.model, "alias");  // the response names the model the client asked for
@@ -90,7 +97,7 @@ TEST_F(OpenAIApiTest, DefaultsComeFromGenerationConfigAndTheRequestOverrides) {
   // Chat: the rest of the context by default, capped by max_new_tokens.
   json chat = {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}};
   ASSERT_FALSE(parse(chat, r, true, &m));
-  EXPECT_EQ(r.sampling.max_tokens, 64 - static_cast<int>(r.prompts[0].size()));
+  EXPECT_EQ(r.sampling.max_tokens, 64 - static_cast<int>(prompts(r)[0].size()));
   m.defaults.max_new_tokens = 5;
   ASSERT_FALSE(parse(chat, r, true, &m));
   EXPECT_EQ(r.sampling.max_tokens, 5);
@@ -268,15 +275,15 @@ TEST_F(OpenAIApiTest, ToolsGoThroughTheTemplateAndAutoNeedsTheParser) {
   auto qwen_template = chat::ChatTemplate::load(qwen + "/tokenizer_config.json");
   ASSERT_TRUE(qwen_template);
   ServedModel m = model();
-  m.max_model_len = 4096;
-  m.vocab_size = 151936;
+  m.info.max_model_len = 4096;
+  m.info.vocab_size = 151936;
   m.tokenizer = qwen_tokenizer->get();
   m.chat_template = &*qwen_template;
   m.tool_call_parser = "hermes";
   ASSERT_FALSE(parse(body, r, true, &m));
   EXPECT_TRUE(r.parse_tools);
   EXPECT_FALSE(r.sampling.skip_special_tokens);
-  const std::string prompt = m.tokenizer->decode(r.prompts[0], false);
+  const std::string prompt = m.tokenizer->decode(prompts(r)[0], false);
   EXPECT_NE(prompt.find("\"name\": \"get_weather\""), std::string::npos) << prompt;
   EXPECT_NE(prompt.find("<tool_call>"), std::string::npos) << prompt;
   body["tool_choice"] = "none";
@@ -310,14 +317,15 @@ TEST_F(OpenAIApiTest, ChatRendersTheTemplateAndTextParts) {
   ASSERT_FALSE(parse(
       {{"messages", {{{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Hi there"}}}}}}}},
       b, true));
-  EXPECT_EQ(a.prompts, b.prompts);
-  const std::string text = tokenizer_->decode(a.prompts[0], false);
+  EXPECT_EQ(prompts(a), prompts(b));
+  const std::string text = tokenizer_->decode(prompts(a)[0], false);
   EXPECT_EQ(text.rfind("<|begin_of_text|>", 0), 0u) << text;
   EXPECT_NE(text.find("Hi there<|eot_id|><|start_header_id|>assistant<|end_header_id|>"),
             std::string::npos)
       << text;
   // One BOS only: the template writes it, the tokenizer adds none.
-  EXPECT_EQ(std::count(a.prompts[0].begin(), a.prompts[0].end(), 128000), 1);
+  const std::vector<int32_t>& ids = a.requests.at(0).prompt();
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 128000), 1);
 }
 
 TEST_F(OpenAIApiTest, ResponsesAndChunksHaveOpenAIsShape) {
