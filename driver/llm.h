@@ -53,8 +53,7 @@ class LLM {
       const std::vector<std::vector<int32_t>>& prompt_token_ids, const SamplingParams& params,
       const std::function<void(size_t, const RequestOutput&)>& on_output = nullptr);
 
-  // The same for requests made already (Request::make against session().model(), or before
-  // the model loaded against the limits its spec gives: generate.cpp).
+  // The same for requests made already (Request::make against session().model()).
   Expected<std::vector<GenerationResult>> generate(
       std::vector<Request> requests,
       const std::function<void(size_t, const RequestOutput&)>& on_output = nullptr);

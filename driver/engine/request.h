@@ -20,8 +20,7 @@ namespace tessera {
 class Request {
  public:
   // `model` gives the vocabulary (vocab_size) and the context (max_model_len), as the actors
-  // reported them, or before they load, as the resolved spec says (request_limits below).
-  // INVALID_ARGUMENT naming what is wrong.
+  // reported them. INVALID_ARGUMENT naming what is wrong.
   static Expected<Request> make(std::vector<int32_t> prompt, SamplingParams sampling,
                                 const ModelInfo& model);
 
