@@ -180,9 +180,9 @@ Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& co
   return len;
 }
 
-int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len) {
+int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t tokens) {
   if (requested > 0) return requested;
-  return std::min<int64_t>(std::max<int64_t>(max_model_len, 2048), 16384);
+  return std::min(std::max(tokens, kDefaultBatchedTokensFloor), kDefaultBatchedTokensCeiling);
 }
 
 Expected<EngineSpec> resolve_lengths(EngineSpec spec, const ModelConfig& config) {

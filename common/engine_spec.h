@@ -58,6 +58,9 @@ inline constexpr int64_t kMaxParallelSize = 1024;
 Expected<std::vector<int64_t>> parse_layer_partition(std::string_view text);
 inline constexpr int64_t kMaxNumSeqsLimit = 65536;
 inline constexpr int64_t kMinBatchedTokens = 16;
+// --max-num-batched-tokens 0 (the default) resolves to the context length, within these.
+inline constexpr int64_t kDefaultBatchedTokensFloor = 2048;
+inline constexpr int64_t kDefaultBatchedTokensCeiling = 16384;
 
 struct EngineSpec {
   // ---- the model
@@ -76,7 +79,7 @@ struct EngineSpec {
   int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
   double gpu_memory_utilization = 0.9;  // of each GPU, whoever shares it (see LoadSpec)
   int64_t max_num_seqs = 256;
-  int64_t max_num_batched_tokens = 0;  // 0 = max(max_model_len, 2048), at most 16384
+  int64_t max_num_batched_tokens = 0;  // 0 = resolve_max_num_batched_tokens(0, max_model_len)
   int64_t block_size = 16;             // tokens per KV cache block
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   bool enforce_eager = false;  // no CUDA graphs
@@ -129,8 +132,9 @@ DType run_dtype(const EngineSpec& spec);
 
 // The spec's --max-model-len for `config` (0 = max_position_embeddings), INVALID_ARGUMENT past
 // it or past a sliding window (not implemented: the window must hold the whole context); and its
-// step budget: max_num_batched_tokens, or max(max_model_len, 2048) capped at 16384.
+// step budget: `requested`, or when it is 0 the `tokens` a step should hold (the context
+// length), raised to kDefaultBatchedTokensFloor and capped at kDefaultBatchedTokensCeiling.
 Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config);
-int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t max_model_len);
+int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t tokens);
 
 }  // namespace tessera

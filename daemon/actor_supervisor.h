@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "daemon/node_defaults.h"
 #include "protocol/rpc.h"
 
 namespace tessera {
@@ -67,12 +68,12 @@ struct SupervisorConfig {
   std::string log_dir;            // actor-<id>.log files go here
   std::string listen_host;        // the host actors bind and advertise
   uint32_t gpu_count = 0;         // GPUs on this node: requests for others are refused
-  uint32_t kill_grace_ms = 3000;  // SIGTERM → SIGKILL delay
-  uint32_t max_actors = 128;      // live actors at once
+  uint32_t kill_grace_ms = node_defaults::kKillGraceMs;  // SIGTERM → SIGKILL delay
+  uint32_t max_actors = node_defaults::kMaxActors;       // live actors at once
   // An actor whose heartbeat stops this long is killed and reported hung; 0 = no watchdog.
-  uint32_t health_timeout_ms = 10000;
+  uint32_t health_timeout_ms = node_defaults::kActorHealthTimeoutMs;
   // An actor stops its heartbeat when one step runs longer than this (a stuck kernel); 0 = never.
-  uint32_t step_timeout_ms = 120000;
+  uint32_t step_timeout_ms = node_defaults::kActorStepTimeoutMs;
   // Environment variables passed from the daemon's own environment to every actor, by exact
   // name or prefix "X*" (never TESSERA_CLUSTER_TOKEN).
   std::vector<std::string> passthrough = {

@@ -21,13 +21,14 @@
 #include <memory>
 #include <string>
 
+#include "daemon/node_defaults.h"
 #include "protocol/cluster.capnp.h"
 
 namespace tessera {
 
 struct RegistryConfig {
-  uint32_t heartbeat_ms = 1000;  // nodes beat this often
-  uint32_t missed_beats = 5;     // a node that misses this many in a row is dead
+  uint32_t heartbeat_ms = node_defaults::kHeartbeatMs;  // nodes beat this often
+  uint32_t missed_beats = node_defaults::kMissedBeats;  // missing this many in a row: dead
 };
 
 class ClusterRegistry final : private kj::TaskSet::ErrorHandler {

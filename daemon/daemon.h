@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "daemon/node_defaults.h"
 #include "protocol/rpc.h"
 
 namespace tessera {
@@ -27,14 +28,14 @@ struct DaemonConfig {
   std::string node_name;    // "" = hostname
   std::string session_dir;  // created by the caller (logs/ inside)
   std::string bin_dir;      // where tessera-actor lives; "" = next to this executable
-  uint64_t object_store_bytes = 2ull << 30;  // the node's shared memory: objects and rings
-  uint64_t shm_per_lease_bytes = 0;          // 0 = object_store_bytes
-  uint32_t heartbeat_ms = 1000;
-  uint32_t missed_beats = 5;
-  uint32_t kill_grace_ms = 3000;
-  uint32_t max_actors = 128;
-  uint32_t actor_health_timeout_ms = 10000;  // 0 = no watchdog
-  uint32_t actor_step_timeout_ms = 120000;
+  uint64_t object_store_bytes = node_defaults::kObjectStoreBytes;
+  uint64_t shm_per_lease_bytes = 0;  // 0 = object_store_bytes
+  uint32_t heartbeat_ms = node_defaults::kHeartbeatMs;
+  uint32_t missed_beats = node_defaults::kMissedBeats;
+  uint32_t kill_grace_ms = node_defaults::kKillGraceMs;
+  uint32_t max_actors = node_defaults::kMaxActors;
+  uint32_t actor_health_timeout_ms = node_defaults::kActorHealthTimeoutMs;  // 0 = no watchdog
+  uint32_t actor_step_timeout_ms = node_defaults::kActorStepTimeoutMs;      // 0 = no limit
   std::vector<std::string> actor_env_allow;  // patterns added to NCCL_* CUDA_* TESSERA_* ...
   rpc::ServerLimits limits;
   std::string nvml_library;  // "" = libnvidia-ml.so.1 (or $TESSERA_NVML_LIBRARY)

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "daemon/node_defaults.h"
 #include "daemon/node_service.h"
 #include "protocol/rpc.h"
 
@@ -56,8 +57,8 @@ class HeadLink final : private kj::TaskSet::ErrorHandler {
   NodeService* node_ = nullptr;
   kj::Own<rpc::Connection> conn_;
   proto::NodeSession::Client session_{nullptr};
-  uint32_t heartbeat_ms_ = 1000;
-  uint32_t missed_beats_ = 5;
+  uint32_t heartbeat_ms_ = node_defaults::kHeartbeatMs;
+  uint32_t missed_beats_ = node_defaults::kMissedBeats;
   std::string local_ip_;
   bool registered_ = false;  // session_ is valid
   bool leaving_ = false;

@@ -221,7 +221,8 @@ CLI::App* add_start_subcommand(CLI::App& app, StartOptions& start) {
                         "--node-ip");
   start_cmd
       ->add_option("--object-store-memory", start.object_store_memory,
-                   "Bytes of shared memory for objects and rings (default 2 GiB)")
+                   "Bytes of shared memory for objects and rings (default " +
+                       std::to_string(node_defaults::kObjectStoreBytes >> 30) + " GiB)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 50));
   start_cmd->add_option("--shm-per-lease", start.shm_per_lease,
                         "Bytes of shared memory one lease may hold (default: all of it)");
@@ -233,27 +234,30 @@ CLI::App* add_start_subcommand(CLI::App& app, StartOptions& start) {
       ->add_option("--max-message-mib", start.max_message_mib,
                    "Largest RPC message a peer may send, MiB (default 64)")
       ->check(CLI::Range(1u, 4096u));
-  start_cmd->add_option("--max-actors", start.max_actors, "Actors alive at once (default 128)")
+  start_cmd->add_option("--max-actors", start.max_actors, "Actors alive at once")
+      ->capture_default_str()
       ->check(CLI::Range(1u, 100000u));
   start_cmd
       ->add_option("--actor-health-timeout", start.actor_health_timeout_s,
-                   "Seconds without a heartbeat before an actor is killed as hung (default "
-                   "10; 0 = off)")
+                   "Seconds without a heartbeat before an actor is killed as hung (0 = off)")
+      ->capture_default_str()
       ->check(CLI::Range(0.0, 86400.0));
   start_cmd
       ->add_option("--actor-step-timeout", start.actor_step_timeout_s,
                    "Seconds a step may go without progress before the actor counts as "
-                   "stuck (default 120; 0 = off)")
+                   "stuck (0 = off)")
+      ->capture_default_str()
       ->check(CLI::Range(0.0, 86400.0));
   start_cmd->add_option("--actor-env-allow", start.actor_env_allow,
                         "More environment variables a driver may set on actors (NAME or "
                         "PREFIX_*; repeatable)");
   start_cmd->add_flag("--ephemeral", start.ephemeral)->group("");  // embedded local nodes
-  start_cmd->add_option("--heartbeat-ms", start.heartbeat_ms, "Heartbeat period (default 1000)")
+  start_cmd->add_option("--heartbeat-ms", start.heartbeat_ms, "Heartbeat period")
+      ->capture_default_str()
       ->check(CLI::Range(10u, 600000u));
   start_cmd
-      ->add_option("--missed-heartbeats", start.missed_beats,
-                   "Missed beats before a node is dead (default 5)")
+      ->add_option("--missed-heartbeats", start.missed_beats, "Missed beats before a node is dead")
+      ->capture_default_str()
       ->check(CLI::Range(1u, 1000u));
   start_cmd->add_option("--nvml-library", start.nvml_library,
                         "Path of libnvidia-ml.so.1 (default: the system's)");

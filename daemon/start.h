@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "daemon/node_defaults.h"
+
 namespace CLI {
 class App;
 }
@@ -23,15 +25,15 @@ struct StartOptions {
   std::string node_ip;             // the address to listen on and advertise
   std::string bind_host;           // listen here instead (e.g. 0.0.0.0), advertise node_ip
   std::string node_name;
-  uint64_t object_store_memory = 2ull << 30;
+  uint64_t object_store_memory = node_defaults::kObjectStoreBytes;
   uint64_t shm_per_lease = 0;  // 0 = object_store_memory
-  uint32_t heartbeat_ms = 1000;
-  uint32_t missed_beats = 5;
+  uint32_t heartbeat_ms = node_defaults::kHeartbeatMs;
+  uint32_t missed_beats = node_defaults::kMissedBeats;
   uint32_t max_connections = 512;
   uint32_t max_message_mib = 64;
-  uint32_t max_actors = 128;
-  double actor_health_timeout_s = 10.0;  // 0 = no watchdog
-  double actor_step_timeout_s = 120.0;   // 0 = no limit
+  uint32_t max_actors = node_defaults::kMaxActors;
+  double actor_health_timeout_s = node_defaults::kActorHealthTimeoutMs / 1000.0;  // 0 = off
+  double actor_step_timeout_s = node_defaults::kActorStepTimeoutMs / 1000.0;      // 0 = no limit
   std::vector<std::string> actor_env_allow;
   std::string nvml_library;
   std::string log_level;

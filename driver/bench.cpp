@@ -221,10 +221,9 @@ Status run_report(const BenchReportOptions& o) {
   EngineArgs args = o.engine;
   EngineSpec& mem = args;
   mem.max_num_seqs = std::max<int64_t>(mem.max_num_seqs, std::max<int64_t>(o.batch_size, 1));
-  if (mem.max_num_batched_tokens == 0) {
-    mem.max_num_batched_tokens = std::min<int64_t>(
-        16384, std::max<int64_t>({2048, o.prefill_len, int64_t{o.batch_size} * o.input_len}));
-  }
+  mem.max_num_batched_tokens = resolve_max_num_batched_tokens(
+      mem.max_num_batched_tokens,
+      std::max<int64_t>(o.prefill_len, int64_t{o.batch_size} * o.input_len));
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
   const ModelConfig& c = session->config();
   const ModelInfo& m = session->model();
@@ -347,10 +346,8 @@ Status run_latency(const BenchLatencyOptions& o) {
   EngineSpec& mem = args;
   // The whole batch runs in one step, as vLLM's benchmark sizes its engine for it.
   mem.max_num_seqs = std::max<int64_t>(mem.max_num_seqs, o.batch_size);
-  if (mem.max_num_batched_tokens == 0) {
-    mem.max_num_batched_tokens =
-        std::min<int64_t>(16384, std::max<int64_t>(2048, int64_t{o.batch_size} * o.input_len));
-  }
+  mem.max_num_batched_tokens = resolve_max_num_batched_tokens(mem.max_num_batched_tokens,
+                                                              int64_t{o.batch_size} * o.input_len);
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(args, "tessera bench", false));
   const ModelInfo& m = session->model();
   const int64_t vocab = session->config().vocab_size;

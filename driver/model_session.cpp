@@ -48,7 +48,8 @@ void add_engine_options(CLI::App* cmd, EngineArgs& args) {
                 "Schedule each decode step while the one before runs, its input the token that "
                 "step samples (pipeline parallel size 1; vLLM's flag)");
   cmd->add_option("--nccl-init-timeout", e.nccl_init_timeout_s,
-                  "Seconds every rank has to join the collectives at start-up (120)");
+                  "Seconds every rank has to join the collectives at start-up")
+      ->capture_default_str();
 }
 
 namespace {

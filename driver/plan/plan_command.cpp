@@ -67,11 +67,15 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
   cmd->add_option("--max-model-len", e.max_model_len,
                   "Context length (default: the model's max_position_embeddings)");
   cmd->add_option("--gpu-memory-utilization", e.gpu_memory_utilization,
-                  "Fraction of each GPU's memory to use (0.9)");
-  cmd->add_option("--max-num-seqs", e.max_num_seqs, "Most sequences in a step (256)");
+                  "Fraction of each GPU's memory to use")
+      ->capture_default_str();
+  cmd->add_option("--max-num-seqs", e.max_num_seqs, "Most sequences in a step")
+      ->capture_default_str();
   cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens,
-                  "Most tokens in a step (default max(max-model-len, 2048), at most 16384)");
-  cmd->add_option("--block-size", e.block_size, "Tokens per KV cache block (16)");
+                  "Most tokens in a step (default: max-model-len, at least " +
+                      std::to_string(kDefaultBatchedTokensFloor) + " and at most " +
+                      std::to_string(kDefaultBatchedTokensCeiling) + ")");
+  cmd->add_option("--block-size", e.block_size, "Tokens per KV cache block")->capture_default_str();
   cmd->add_flag("--enforce-eager", e.enforce_eager,
                 "Do not capture CUDA graphs (no memory kept for them)");
   cmd->add_option_function<std::string>(

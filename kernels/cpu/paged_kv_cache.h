@@ -21,7 +21,7 @@ namespace tessera::cpu {
 struct KvCacheShape {
   int64_t num_layers = 0;
   int64_t num_blocks = 0;
-  int64_t block_size = 16;  // tokens per block
+  int64_t block_size = 0;  // tokens per block: the engine's (EngineSpec::block_size); required
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   // kFp8E4M3: write() rounds every value to E4M3 (stored as that float), so the cpu backend

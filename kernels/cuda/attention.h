@@ -66,7 +66,7 @@ struct AttentionArgs {
   const void* k_cache = nullptr;
   const void* v_cache = nullptr;
   int64_t num_blocks = 0;
-  int block_size = 16;  // any value in [1, 256]
+  int block_size = 0;  // the engine's (EngineSpec::block_size), in [1, 256]; required
   // Per sequence (device memory):
   //   cu_query_lens: [num_seqs + 1] int32 prefix sums of the query lengths (rows of q / out)
   //   context_lens:  [num_seqs] int32, tokens in the cache including the new ones; a sequence
