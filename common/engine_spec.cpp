@@ -200,6 +200,9 @@ Expected<EngineSpec> resolve_engine_spec(EngineSpec spec, const ModelConfig& con
   TESSERA_ASSIGN_OR_RETURN(DType dtype,
                            resolve_dtype(spec.dtype, config.torch_dtype, device == Device::kCuda));
   spec.dtype = dtype == DType::kBF16 ? "bfloat16" : dtype == DType::kF16 ? "float16" : "float32";
+  TESSERA_ASSIGN_OR_RETURN(QuantConfig quant,
+                           resolve_quantization(spec.quantization, config.quant));
+  spec.quantization = quant.method;
   spec.device = device;
   spec.tensor_parallel_size = ParallelSize{tp};
   spec.pipeline_parallel_size = ParallelSize{pp};
@@ -212,11 +215,13 @@ Expected<EngineSpec> resolve_engine_spec(EngineSpec spec, const ModelConfig& con
 Status check_resolved(const EngineSpec& s) {
   if (!s.resolved || s.device == Device::kAuto || s.dtype == "auto" || s.max_model_len < 1 ||
       s.max_num_batched_tokens < 1 || s.tensor_parallel_size.is_auto() ||
-      !s.pipeline_parallel_size || s.pipeline_parallel_size->is_auto()) {
+      s.quantization == QuantMethod::kAuto || !s.pipeline_parallel_size ||
+      s.pipeline_parallel_size->is_auto()) {
     return invalid_argument(
         "the engine spec this actor was given is not resolved (device " +
         std::string(device_name(s.device)) + ", dtype " + s.dtype + ", max_model_len " +
-        std::to_string(s.max_model_len) + "): the driver resolves it before it loads a model");
+        std::to_string(s.max_model_len) + ", quantization " +
+        quant_method_name(s.quantization) + "): the driver resolves it before it loads a model");
   }
   return validate(s);
 }

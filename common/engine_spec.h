@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/checkpoint/quantization.h"
 #include "common/kv_cache_dtype.h"
 #include "common/status.h"
 #include "common/tensor.h"
@@ -68,6 +69,9 @@ struct EngineSpec {
   std::string dtype = "auto";   // --dtype: auto | bfloat16 | float16 | half | float32 | float;
                                 // resolved: bfloat16 | float16 | float32
   Device device = Device::kAuto;  // --device
+  // --quantization; kAuto: the checkpoint's quantization_config. Resolved: kNone, kAwq, kGptq
+  // or kFp8 (resolve_quantization with the checkpoint's gives the whole QuantConfig).
+  QuantMethod quantization = QuantMethod::kAuto;
 
   // ---- parallelism
   ParallelSize tensor_parallel_size;  // -tp, --tensor-parallel-size

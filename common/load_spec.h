@@ -88,6 +88,7 @@ struct ModelInfo {
   std::string backend;         // "cpu" | "cuda"
   std::string dtype;           // what the model computes in: "BF16", "F16", "F32"
   std::string kv_cache_dtype;  // what its KV cache stores: the dtype's name, or "F8_E4M3"
+  std::string quantization;    // its linear layers: "none" or QuantConfig::describe()
   std::string device_name;     // "NVIDIA H200"; empty on the cpu backend
 };
 

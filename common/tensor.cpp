@@ -14,11 +14,27 @@ const char* dtype_name(DType dtype) {
       return "F16";
     case DType::kBF16:
       return "BF16";
+    case DType::kI32:
+      return "I32";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
 
-size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+      return 2;
+    case DType::kF8E4M3:
+      return 1;
+  }
+  return 4;
+}
 
 int64_t TensorView::numel() const {
   int64_t n = 1;
@@ -40,6 +56,10 @@ float TensorView::at(int64_t i) const {
       return f16_to_float(static_cast<const uint16_t*>(data)[i]);
     case DType::kBF16:
       return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DType::kI32:
+      return static_cast<float>(static_cast<const int32_t*>(data)[i]);
+    case DType::kF8E4M3:
+      return fp8_e4m3_to_float(static_cast<const uint8_t*>(data)[i]);
   }
   return 0.f;
 }
@@ -61,6 +81,10 @@ void TensorView::row_to_float(int64_t r, float* out) const {
       for (int64_t c = 0; c < cols; ++c) out[c] = bf16_to_float(p[c]);
       return;
     }
+    case DType::kI32:
+    case DType::kF8E4M3:
+      for (int64_t c = 0; c < cols; ++c) out[c] = at(base + c);
+      return;
   }
 }
 

@@ -10,9 +10,11 @@
 
 namespace tessera {
 
-enum class DType : uint8_t { kF32, kF16, kBF16 };
+// kF32, kF16 and kBF16 are what models compute in; kI32 (packed int4/int8 weights, GPTQ's
+// g_idx) and kF8E4M3 (FP8 weights) are how quantized checkpoints store theirs.
+enum class DType : uint8_t { kF32, kF16, kBF16, kI32, kF8E4M3 };
 
-// "F32", "F16", "BF16" (the safetensors spellings).
+// "F32", "F16", "BF16", "I32", "F8_E4M3" (the safetensors spellings).
 const char* dtype_name(DType dtype);
 size_t dtype_size(DType dtype);
 
@@ -27,7 +29,7 @@ struct TensorView {
   size_t bytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
   // "[4096, 128256] BF16"
   std::string describe() const;
-  // Element i converted to float (any dtype).
+  // Element i converted to float (any dtype; an I32 element as its integer value).
   float at(int64_t i) const;
   // Row r of a 2-D tensor, converted to float into out[0..shape[1]).
   void row_to_float(int64_t r, float* out) const;

@@ -38,6 +38,7 @@ nlohmann::json run_json(const std::string& command, const std::string& model, co
           {"architecture", m.architecture},
           {"dtype", m.dtype},
           {"kv_cache_dtype", m.kv_cache_dtype},
+          {"quantization", m.quantization},
           {"backend", m.backend},
           {"device", m.device_name},
           {"hostname", host}};

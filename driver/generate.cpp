@@ -179,18 +179,19 @@ Status run(const GenerateOptions& o) {
     std::fputs(plan_summary(session->plan()).c_str(), stderr);
   }
   double decode_ms = first ? ms(t_end - *first).count() : 0.0;
-  std::fprintf(stderr,
-               "[%s, %s backend%s%s, %s, KV cache %s] %zu prompt(s), %zu prompt tokens, %zu output "
-               "tokens (%s); load %.0f ms, first token %.0f ms, %.1f tok/s after it\n",
-               m.architecture.c_str(), m.backend.c_str(), m.device_name.empty() ? "" : " on ",
-               m.device_name.c_str(), m.dtype.c_str(), m.kv_cache_dtype.c_str(), results.size(),
-               prompt_tokens, output_tokens,
-               results.size() == 1 ? finish_reason_name(results[0].finish_reason).data()
-                                   : "batched",
-               ms(t_loaded - t0).count(), first ? ms(*first - t_loaded).count() : 0.0,
-               output_tokens > results.size() && decode_ms > 0
-                   ? (output_tokens - results.size()) / (decode_ms / 1000.0)
-                   : 0.0);
+  std::fprintf(
+      stderr,
+      "[%s, %s backend%s%s, %s, weights %s, KV cache %s] %zu prompt(s), %zu prompt "
+      "tokens, %zu output "
+      "tokens (%s); load %.0f ms, first token %.0f ms, %.1f tok/s after it\n",
+      m.architecture.c_str(), m.backend.c_str(), m.device_name.empty() ? "" : " on ",
+      m.device_name.c_str(), m.dtype.c_str(), m.quantization.c_str(), m.kv_cache_dtype.c_str(),
+      results.size(), prompt_tokens, output_tokens,
+      results.size() == 1 ? finish_reason_name(results[0].finish_reason).data() : "batched",
+      ms(t_loaded - t0).count(), first ? ms(*first - t_loaded).count() : 0.0,
+      output_tokens > results.size() && decode_ms > 0
+          ? (output_tokens - results.size()) / (decode_ms / 1000.0)
+          : 0.0);
   return Status::ok();
 }
 

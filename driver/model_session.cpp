@@ -114,7 +114,8 @@ Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineSpec& 
     pc.pp_size = static_cast<int>(a.pp());
     pc.layer_partition = a.pipeline_layer_partition;
     TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(a.dtype, config.torch_dtype, true));
-    TESSERA_ASSIGN_OR_RETURN(shared.plan, make_parallel_plan(config, pc, dtype));
+    TESSERA_ASSIGN_OR_RETURN(QuantConfig quant, resolve_quantization(a.quantization, config.quant));
+    TESSERA_ASSIGN_OR_RETURN(shared.plan, make_parallel_plan(config, pc, dtype, quant));
     TESSERA_ASSIGN_OR_RETURN(shared.placement, share_gpus(shared, nodes));
     // The actors size their KV caches themselves; the load needs the resolved spec.
     TESSERA_ASSIGN_OR_RETURN(shared.engine,

@@ -185,6 +185,10 @@ static_assert(static_cast<int>(proto::EngineSpec::Collectives::NCCL) ==
               static_cast<int>(Collectives::kNccl));
 static_assert(static_cast<int>(proto::EngineSpec::KvCacheDtype::FP8_E4M3) ==
               static_cast<int>(KvCacheDtype::kFp8E4M3));
+static_assert(static_cast<int>(proto::EngineSpec::Quantization::NONE) ==
+              static_cast<int>(QuantMethod::kNone));
+static_assert(static_cast<int>(proto::EngineSpec::Quantization::FP8) ==
+              static_cast<int>(QuantMethod::kFp8));
 static_assert(static_cast<int>(proto::CommSpec::Backend::NONE) ==
               static_cast<int>(CommBackend::kNone));
 static_assert(static_cast<int>(proto::CommSpec::Backend::TCP) ==
@@ -217,6 +221,7 @@ void to_proto(const EngineSpec& in, proto::EngineSpec::Builder out) {
   out.setNcclInitTimeoutS(in.nccl_init_timeout_s);
   out.setReturnLogits(in.return_logits);
   out.setResolved(in.resolved);
+  out.setQuantization(static_cast<proto::EngineSpec::Quantization>(in.quantization));
 }
 
 EngineSpec from_proto(proto::EngineSpec::Reader in) {
@@ -243,6 +248,7 @@ EngineSpec from_proto(proto::EngineSpec::Reader in) {
   s.nccl_init_timeout_s = in.getNcclInitTimeoutS();
   s.return_logits = in.getReturnLogits();
   s.resolved = in.getResolved();
+  s.quantization = static_cast<QuantMethod>(in.getQuantization());
   return s;
 }
 
@@ -316,6 +322,7 @@ void to_proto(const ModelInfo& in, proto::ModelInfo::Builder out) {
   out.setDtype(in.dtype);
   out.setDeviceName(in.device_name);
   out.setKvCacheDtype(in.kv_cache_dtype);
+  out.setQuantization(in.quantization);
 }
 
 ModelInfo from_proto(proto::ModelInfo::Reader in) {
@@ -336,6 +343,7 @@ ModelInfo from_proto(proto::ModelInfo::Reader in) {
   m.dtype = in.getDtype().cStr();
   m.device_name = in.getDeviceName().cStr();
   m.kv_cache_dtype = in.getKvCacheDtype().cStr();
+  m.quantization = in.getQuantization().cStr();
   return m;
 }
 

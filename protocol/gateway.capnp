@@ -18,10 +18,10 @@ using C = import "cluster.capnp";
 using N = import "node.capnp";
 using A = import "actor.capnp";
 
-const protocolVersion :UInt32 = 4;
+const protocolVersion :UInt32 = 5;
 # Bump on any incompatible change to these schemas. v2: authenticated handshake; v3: sharded
 # loading (LoadSpec with the parallel position, prepareComm, initCache) and delta steps; v4: the
-# resolved EngineSpec inside LoadSpec.
+# resolved EngineSpec inside LoadSpec; v5: quantized checkpoints (EngineSpec.quantization).
 
 enum Role {
   head @0;   # a node daemon that also keeps the cluster registry

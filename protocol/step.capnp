@@ -96,6 +96,7 @@ struct EngineSpec {
   enum Device { auto @0; cuda @1; cpu @2; }
   enum Collectives { auto @0; tcp @1; nccl @2; ipc @3; }
   enum KvCacheDtype { auto @0; fp8E4m3 @1; }
+  enum Quantization { auto @0; none @1; awq @2; gptq @3; fp8 @4; }  # QuantMethod
   model @0 :Text;
   dtype @1 :Text;
   device @2 :Device;
@@ -116,6 +117,7 @@ struct EngineSpec {
   ncclInitTimeoutS @17 :UInt32;
   returnLogits @18 :Bool;
   resolved @19 :Bool;
+  quantization @20 :Quantization;
 }
 
 struct LoadSpec {
@@ -146,4 +148,5 @@ struct ModelInfo {
   dtype @13 :Text;
   deviceName @14 :Text;
   kvCacheDtype @15 :Text;
+  quantization @16 :Text;
 }

@@ -18,6 +18,10 @@ ncclDataType_t nccl_type(DType d) {
       return ncclFloat16;
     case DType::kBF16:
       return ncclBfloat16;
+    case DType::kI32:
+      return ncclInt32;
+    case DType::kF8E4M3:
+      return ncclFloat8e4m3;
   }
   return ncclFloat32;
 }

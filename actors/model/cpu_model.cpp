@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "actors/model/layer_loop.h"
@@ -40,7 +41,38 @@ Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config, 
       cpu::RopeTable::create(config.head_dim, config.rope_theta, engine.max_model_len, scaling);
   if (!rope) return rope.status();
   m->rope_ = std::make_unique<cpu::RopeTable>(std::move(*rope));
+  TESSERA_ASSIGN_OR_RETURN(m->quant_, resolve_quantization(engine.quantization, config.quant));
+  TESSERA_RETURN_IF_ERROR(m->dequantize_linears());
   return m;
+}
+
+Status CpuModel::dequantize_linears() {
+  if (quant_.method == QuantMethod::kNone) return Status::ok();
+  for (size_t i = 0; i < weights_.layers.size(); ++i) {
+    const std::string layer = layer_tensor_name(plan_.layer_begin + static_cast<int64_t>(i), "");
+    for (auto& [name, lw] : weights_.layers[i].linears()) {
+      const std::string module = layer + name;
+      if (quant_.online && quant_.quantizes(module)) {
+        // Online FP8: the plain weight as its FP8 bytes and scale, then as the checkpoint's.
+        Fp8Weight q = quantize_fp8(lw->weight);
+        std::vector<uint8_t>& bytes = weights_.owned.emplace_back(std::move(q.data));
+        std::vector<uint8_t>& scale = weights_.owned.emplace_back(sizeof(float));
+        std::memcpy(scale.data(), &q.scale, sizeof(float));
+        lw->weight = TensorView{bytes.data(), DType::kF8E4M3, lw->weight.shape};
+        lw->weight_scale = TensorView{scale.data(), DType::kF32, {1}};
+        lw->method = QuantMethod::kFp8;
+      }
+      if (lw->method == QuantMethod::kNone) continue;
+      const int64_t out = lw->out_features(quant_), in = lw->in_features(quant_);
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> w, dequantize(*lw, quant_, module));
+      std::vector<uint8_t>& storage = weights_.owned.emplace_back(w.size() * sizeof(float));
+      std::memcpy(storage.data(), w.data(), storage.size());
+      lw->weight = TensorView{storage.data(), DType::kF32, {out, in}};
+    }
+  }
+  spdlog::info("cpu backend: {} linear layers dequantized to F32 (the reference of the kernels)",
+               quant_.describe());
+  return Status::ok();
 }
 
 Status CpuModel::init_cache(int64_t blocks) {
@@ -78,6 +110,7 @@ ModelInfo CpuModel::info() const {
   i.backend = "cpu";
   i.dtype = dtype_name(DType::kF32);
   i.kv_cache_dtype = kv_cache_storage_name(engine_.kv_cache_dtype, DType::kF32);
+  i.quantization = quant_.describe();
   return i;
 }
 
@@ -181,9 +214,9 @@ class CpuModel::Step {
 
   Status qkv(int64_t i) {
     const LayerWeights& w = layer(i);
-    TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, hidden_, w.q_proj, bias(w.q_bias), q_));
-    TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, hidden_, w.k_proj, bias(w.k_bias), k_));
-    return cpu::linear(m_.ctx_, hidden_, w.v_proj, bias(w.v_bias), v_);
+    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.q_proj, bias(w.q_bias), q_));
+    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.k_proj, bias(w.k_bias), k_));
+    return linear(hidden_, w.v_proj, bias(w.v_bias), v_);
   }
 
   Status rope_cache(int64_t i) {
@@ -204,7 +237,7 @@ class CpuModel::Step {
 
   Status o_proj(int64_t i) {
     const LayerWeights& w = layer(i);
-    return cpu::linear(m_.ctx_, attn_out_, w.o_proj, bias(w.o_bias), proj_);
+    return linear(attn_out_, w.o_proj, bias(w.o_bias), proj_);
   }
 
   Status post_norm(int64_t i) {
@@ -214,10 +247,10 @@ class CpuModel::Step {
 
   Status mlp(int64_t i) {
     const LayerWeights& w = layer(i);
-    TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, hidden_, w.gate_proj, nullptr, gate_));
-    TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, hidden_, w.up_proj, nullptr, up_));
+    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.gate_proj, nullptr, gate_));
+    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.up_proj, nullptr, up_));
     TESSERA_RETURN_IF_ERROR(cpu::silu_mul(m_.ctx_, gate_, up_, act_));
-    return cpu::linear(m_.ctx_, act_, w.down_proj, nullptr, proj_);
+    return linear(act_, w.down_proj, nullptr, proj_);
   }
 
   Status logits() {
@@ -267,6 +300,23 @@ class CpuModel::Step {
   const LayerWeights& layer(int64_t i) const { return m_.weights_.layers[static_cast<size_t>(i)]; }
   static const TensorView* bias(const TensorView& t) { return t.data != nullptr ? &t : nullptr; }
 
+  // y = x · wᵀ (+ bias) with w dequantized; an FP8 layer's (W8A8) input is rounded to FP8
+  // first, per token or with its static input_scale, as the GPU's FP8 GEMM reads it.
+  Status linear(std::span<const float> x, const LinearWeight& w, const TensorView* b,
+                std::span<float> y) {
+    const Fp8Activations act = m_.quant_.activations;
+    if (w.method != QuantMethod::kFp8 || act == Fp8Activations::kNone) {
+      return cpu::linear(m_.ctx_, x, w.weight, b, y);
+    }
+    scratch_.assign(x.begin(), x.end());
+    const int64_t cols = w.weight.shape.at(1);
+    const float input_scale =
+        act == Fp8Activations::kStatic && w.input_scale.data != nullptr ? w.input_scale.at(0) : 0.f;
+    fake_quantize_fp8_activations(scratch_, static_cast<int64_t>(scratch_.size()) / cols, cols,
+                                  input_scale);
+    return cpu::linear(m_.ctx_, scratch_, w.weight, b, y);
+  }
+
   CpuModel& m_;
   std::span<const ForwardSeq> batch_;
   std::vector<int32_t> ids_;
@@ -275,6 +325,7 @@ class CpuModel::Step {
   std::vector<cpu::AttentionSeq> attn_;
   int64_t H_ = 0, q_dim_ = 0, kv_dim_ = 0;
   std::vector<float> residual_, proj_, hidden_, q_, k_, v_, attn_out_, gate_, up_, act_, logits_;
+  std::vector<float> scratch_;  // an FP8 layer's rounded input
 };
 
 Expected<std::vector<float>> CpuModel::forward(std::span<const ForwardSeq> batch) {

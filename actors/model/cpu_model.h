@@ -58,6 +58,9 @@ class CpuModel final : public Backend {
     std::vector<SampleResult> samples;
     std::vector<float> logits;
   };
+  // Each quantized linear layer's `weight` becomes its dequantized F32 [out, in] (online FP8:
+  // quantized first): the CPU backend computes what the checkpoint's format means, exactly.
+  Status dequantize_linears();
   Expected<std::vector<SampleResult>> run_step(std::span<const ForwardSeq> batch,
                                                std::span<const SampleRequest> rows,
                                                std::vector<float>* logits);
@@ -71,6 +74,7 @@ class CpuModel final : public Backend {
   std::unique_ptr<cpu::RopeTable> rope_;
   int64_t fit_blocks_ = 0;
   EngineSpec engine_;                          // resolved
+  QuantConfig quant_;                          // the linear layers' (resolved with engine_)
   std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
   std::vector<int32_t> last_tokens_;           // sampled by the last launch (async scheduling)
   std::deque<Launch> launched_;                // not collected yet, oldest first

@@ -109,6 +109,7 @@ class CudaBackend final : public Backend {
     i.kv_cache_dtype =
         kv_cache_storage_name(model_->engine().kv_cache_dtype, model_->dtype());
     i.device_name = m.device_name;
+    i.quantization = quant_method_name(model_->engine().quantization);
     return i;
   }
 

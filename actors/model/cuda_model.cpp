@@ -702,6 +702,12 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
                                                        const EngineSpec& engine,
                                                        int gpu_shares) {
   TESSERA_RETURN_IF_ERROR(check_resolved(engine));
+  if (engine.quantization != QuantMethod::kNone) {
+    return failed_precondition(
+        std::string("the CUDA backend does not run ") + quant_method_name(engine.quantization) +
+        " weights yet: run this model with --device cpu (the reference), or a "
+        "plain bf16/fp16 checkpoint on the GPU");
+  }
   const DType dtype = run_dtype(engine);
   if (!cuda::is_half_type(dtype)) {
     return invalid_argument("the CUDA backend runs in bfloat16 or float16, not " +

@@ -169,10 +169,11 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
     TESSERA_RETURN_IF_ERROR(put(l.input_norm, o.input_norm, n + "input_layernorm.weight"));
     TESSERA_RETURN_IF_ERROR(put(l.post_norm, o.post_norm, n + "post_attention_layernorm.weight"));
     // q | k | v stacked along the output dimension: one GEMM computes all three.
-    TESSERA_RETURN_IF_ERROR(put(l.q_proj, o.qkv, n + "self_attn.q_proj.weight"));
-    TESSERA_RETURN_IF_ERROR(put(l.k_proj, o.qkv + q_dim * H * es, n + "self_attn.k_proj.weight"));
+    TESSERA_RETURN_IF_ERROR(put(l.q_proj.weight, o.qkv, n + "self_attn.q_proj.weight"));
     TESSERA_RETURN_IF_ERROR(
-        put(l.v_proj, o.qkv + (q_dim + kv_dim) * H * es, n + "self_attn.v_proj.weight"));
+        put(l.k_proj.weight, o.qkv + q_dim * H * es, n + "self_attn.k_proj.weight"));
+    TESSERA_RETURN_IF_ERROR(
+        put(l.v_proj.weight, o.qkv + (q_dim + kv_dim) * H * es, n + "self_attn.v_proj.weight"));
     if (o.qkv_bias != SIZE_MAX) {
       TESSERA_RETURN_IF_ERROR(put(l.q_bias, o.qkv_bias, n + "self_attn.q_proj.bias"));
       TESSERA_RETURN_IF_ERROR(put(l.k_bias, o.qkv_bias + q_dim * es, n + "self_attn.k_proj.bias"));
@@ -180,7 +181,7 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
           put(l.v_bias, o.qkv_bias + (q_dim + kv_dim) * es, n + "self_attn.v_proj.bias"));
       x.qkv_bias = base + o.qkv_bias;
     }
-    TESSERA_RETURN_IF_ERROR(put(l.o_proj, o.o, n + "self_attn.o_proj.weight"));
+    TESSERA_RETURN_IF_ERROR(put(l.o_proj.weight, o.o, n + "self_attn.o_proj.weight"));
     if (o.o_bias != SIZE_MAX) {
       TESSERA_RETURN_IF_ERROR(put(l.o_bias, o.o_bias, n + "self_attn.o_proj.bias"));
       x.o_bias = base + o.o_bias;
@@ -192,10 +193,10 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
       x.k_norm = base + o.k_norm;
     }
     // gate | up stacked: one GEMM, silu_mul reads both halves of each row.
-    TESSERA_RETURN_IF_ERROR(put(l.gate_proj, o.gate_up, n + "mlp.gate_proj.weight"));
+    TESSERA_RETURN_IF_ERROR(put(l.gate_proj.weight, o.gate_up, n + "mlp.gate_proj.weight"));
     TESSERA_RETURN_IF_ERROR(
-        put(l.up_proj, o.gate_up + p.intermediate * H * es, n + "mlp.up_proj.weight"));
-    TESSERA_RETURN_IF_ERROR(put(l.down_proj, o.down, n + "mlp.down_proj.weight"));
+        put(l.up_proj.weight, o.gate_up + p.intermediate * H * es, n + "mlp.up_proj.weight"));
+    TESSERA_RETURN_IF_ERROR(put(l.down_proj.weight, o.down, n + "mlp.down_proj.weight"));
     x.input_norm = base + o.input_norm;
     x.post_norm = base + o.post_norm;
     x.qkv = base + o.qkv;

@@ -62,13 +62,13 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
   const ModelInfo info = r->backend_->info();
   spdlog::info(
       "loaded {} from {} in {:.1f} s: rank {} of {} (tp {}/{}, pp {}/{}), layers {}-{} of {}, "
-      "{:.1f} MiB of weights on the {} backend ({}, KV cache {}), {} KV blocks fit",
+      "{:.1f} MiB of weights ({}) on the {} backend ({}, KV cache {}), {} KV blocks fit",
       architecture_name(config.arch), e.model,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
       plan.parallel.rank(), plan.parallel.world_size(), plan.parallel.tp_rank,
       plan.parallel.tp_size, plan.parallel.pp_rank, plan.parallel.pp_size, plan.layer_begin,
       plan.layer_end - 1, config.num_layers, static_cast<double>(info.weight_bytes) / (1 << 20),
-      info.backend, info.dtype, info.kv_cache_dtype, info.kv_blocks);
+      info.quantization, info.backend, info.dtype, info.kv_cache_dtype, info.kv_blocks);
   return r;
 }
 

@@ -12,19 +12,22 @@
 
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
+#include "common/checkpoint/quantization.h"
 #include "common/checkpoint/safetensors.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
 namespace tessera {
 
-// A layer's tensors on this rank (shapes are the rank's slices; data == null when absent).
+// A layer's tensors on this rank (shapes are the rank's slices; data == null when absent). The
+// linear layers are as the checkpoint stores them (plain, or a quantized format's tensors);
+// the shapes below are their [out, in].
 struct LayerWeights {
   TensorView input_norm;  // [hidden]
-  TensorView q_proj;      // [heads * head_dim, hidden]       (this rank's heads)
-  TensorView k_proj;      // [kv_heads * head_dim, hidden]
-  TensorView v_proj;      // [kv_heads * head_dim, hidden]
-  TensorView o_proj;      // [hidden, heads * head_dim]       (its columns)
+  LinearWeight q_proj;    // [heads * head_dim, hidden]       (this rank's heads)
+  LinearWeight k_proj;    // [kv_heads * head_dim, hidden]
+  LinearWeight v_proj;    // [kv_heads * head_dim, hidden]
+  LinearWeight o_proj;    // [hidden, heads * head_dim]       (its columns)
   TensorView q_bias;      // [heads * head_dim]               (attention_bias only)
   TensorView k_bias;      // [kv_heads * head_dim]
   TensorView v_bias;      // [kv_heads * head_dim]
@@ -32,9 +35,12 @@ struct LayerWeights {
   TensorView q_norm;      // [head_dim]                       (qk_norm only)
   TensorView k_norm;      // [head_dim]
   TensorView post_norm;   // [hidden]
-  TensorView gate_proj;   // [intermediate, hidden]           (this rank's rows)
-  TensorView up_proj;     // [intermediate, hidden]
-  TensorView down_proj;   // [hidden, intermediate]           (its columns)
+  LinearWeight gate_proj;  // [intermediate, hidden]          (this rank's rows)
+  LinearWeight up_proj;    // [intermediate, hidden]
+  LinearWeight down_proj;  // [hidden, intermediate]          (its columns)
+
+  // The seven linear layers with their names ("self_attn.q_proj"), in checkpoint order.
+  std::vector<std::pair<const char*, LinearWeight*>> linears();
 };
 
 struct ModelWeights {
@@ -51,9 +57,10 @@ struct ModelWeights {
 std::string layer_tensor_name(int64_t layer, const std::string& suffix);
 
 // Checks the checkpoint against the whole model (every tensor expected_weights() names, with its
-// shape; a tensor the checkpoint has but the config does not use is an error too: the config
-// would be from another model) and binds `plan`'s slices. Errors name the tensor, its file and
-// both shapes.
+// shape and, for a quantized format's tensors, its dtype; a tensor the checkpoint has but the
+// config does not use is an error too: the config would be from another model, or the
+// quantization_config from another export) and binds `plan`'s slices. Errors name the tensor,
+// its file and both shapes.
 Expected<ModelWeights> bind_weights(const Checkpoint& checkpoint, const ModelConfig& config,
                                     const LayerPlan& plan);
 

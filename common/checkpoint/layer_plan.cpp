@@ -23,6 +23,83 @@ const char* fused_group(WeightKind kind) {
   }
 }
 
+namespace {
+
+// A tensor of a linear layer: `split` cuts dimension `dim` in units of `unit` features.
+WeightSpec linear_part(std::string name, std::vector<int64_t> shape, WeightKind kind, int64_t layer,
+                       Split split, WeightPart part, std::optional<DType> dtype, int dim,
+                       int64_t unit) {
+  WeightSpec w{std::move(name), std::move(shape), WeightRole::kLinear, kind, layer, split};
+  w.part = part;
+  w.dtype = dtype;
+  w.dim = dim;
+  w.unit = unit;
+  return w;
+}
+
+// The tensors of linear layer `module` ([out_f, in_f]) as `q` stores them; `split` is the
+// layer's (kRows: column-parallel, kColumns: row-parallel).
+void push_linear(std::vector<WeightSpec>& out, const QuantConfig& q, const std::string& module,
+                 int64_t out_f, int64_t in_f, WeightKind kind, int64_t layer, Split split) {
+  const bool rows = split == Split::kRows;
+  const auto part = [&](const char* suffix, std::vector<int64_t> shape, WeightPart p,
+                        std::optional<DType> dtype, Split s, int dim, int64_t unit) {
+    out.push_back(
+        linear_part(module + suffix, std::move(shape), kind, layer, s, p, dtype, dim, unit));
+  };
+  const Split none = Split::kNone;
+  if (!q.quantizes(module) || q.online) {
+    part(".weight", {out_f, in_f}, WeightPart::kWeight, std::nullopt, split, rows ? 0 : 1, 1);
+    return;
+  }
+  const int64_t g = q.group(in_f);
+  const int64_t groups = (in_f + g - 1) / g;
+  const int64_t pack = q.pack_factor();
+  switch (q.method) {
+    case QuantMethod::kAwq:
+      part(".qweight", {in_f, out_f / 8}, WeightPart::kQWeight, DType::kI32, split, rows ? 1 : 0,
+           rows ? 8 : 1);
+      part(".qzeros", {groups, out_f / 8}, WeightPart::kQZeros, DType::kI32, split, rows ? 1 : 0,
+           rows ? 8 : g);
+      part(".scales", {groups, out_f}, WeightPart::kScales, std::nullopt, split, rows ? 1 : 0,
+           rows ? 1 : g);
+      return;
+    case QuantMethod::kGptq: {
+      // A row-parallel layer's scales and zeros split by group, unless the groups are a
+      // permutation's (desc_act) or one: then every rank keeps them all (vLLM's rule).
+      const bool by_group = rows || (q.group_size > 0 && !q.desc_act);
+      part(".qweight", {in_f / pack, out_f}, WeightPart::kQWeight, DType::kI32, split, rows ? 1 : 0,
+           rows ? 1 : pack);
+      part(".qzeros", {groups, out_f / pack}, WeightPart::kQZeros, DType::kI32,
+           by_group ? split : none, rows ? 1 : 0, rows ? pack : g);
+      part(".scales", {groups, out_f}, WeightPart::kScales, std::nullopt, by_group ? split : none,
+           rows ? 1 : 0, rows ? 1 : g);
+      part(".g_idx", {in_f}, WeightPart::kGIdx, DType::kI32, rows ? none : split, 0, 1);
+      return;
+    }
+    case QuantMethod::kFp8: {
+      part(".weight", {out_f, in_f}, WeightPart::kWeight, DType::kF8E4M3, split, rows ? 0 : 1, 1);
+      const bool channel = q.weight_scale == Fp8Scale::kChannel;
+      out.push_back(linear_part(module + ".weight_scale",
+                                channel ? std::vector<int64_t>{out_f, 1} : std::vector<int64_t>{1},
+                                kind, layer, channel && rows ? split : none,
+                                WeightPart::kWeightScale, std::nullopt, 0, 1));
+      out.back().any_scale_shape = true;
+      if (q.activations == Fp8Activations::kStatic) {
+        out.push_back(linear_part(module + ".input_scale", {1}, kind, layer, none,
+                                  WeightPart::kInputScale, std::nullopt, 0, 1));
+        out.back().any_scale_shape = true;
+      }
+      return;
+    }
+    default:
+      part(".weight", {out_f, in_f}, WeightPart::kWeight, std::nullopt, split, rows ? 0 : 1, 1);
+      return;
+  }
+}
+
+}  // namespace
+
 std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
   const int64_t h = c.hidden_size;
   const int64_t q_out = c.num_heads * c.head_dim;
@@ -39,7 +116,7 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     auto linear = [&](const std::string& name, int64_t out_f, int64_t in_f, WeightKind kind,
                       Split split, bool bias, WeightKind bias_kind) {
-      out.push_back({p + name + ".weight", {out_f, in_f}, WeightRole::kLinear, kind, i, split});
+      push_linear(out, c.quant, p + name, out_f, in_f, kind, i, split);
       if (bias) {
         // A column-parallel layer's bias splits with its rows; a row-parallel one's is whole
         // (rank 0 adds it).
@@ -90,26 +167,22 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
 
 std::vector<int64_t> WeightShard::shape() const {
   std::vector<int64_t> s = spec.shape;
-  switch (spec.split) {
-    case Split::kNone:
-      break;
-    case Split::kRows:
-    case Split::kVocab:
-      s[0] = end - begin;
-      break;
-    case Split::kColumns:
-      s[1] = end - begin;
-      break;
-  }
+  if (spec.split != Split::kNone) s[static_cast<size_t>(spec.dim)] = (end - begin) / spec.unit;
   return s;
 }
 
-uint64_t LayerPlan::weight_bytes(DType dtype) const {
+uint64_t LayerPlan::weight_bytes(DType dtype, const QuantConfig& run) const {
   uint64_t total = 0;
   for (const WeightShard& w : weights) {
     int64_t n = 1;
     for (int64_t d : w.shape()) n *= d;
-    total += static_cast<uint64_t>(n) * dtype_size(dtype);
+    size_t es = w.spec.dtype ? dtype_size(*w.spec.dtype) : dtype_size(dtype);
+    if (run.online && w.spec.layer >= 0 && w.spec.role == WeightRole::kLinear &&
+        run.quantizes(w.spec.name.substr(0, w.spec.name.rfind('.')))) {
+      es = 1;  // FP8 at load (and one F32 scale)
+      total += 4;
+    }
+    total += static_cast<uint64_t>(n) * es;
   }
   return total;
 }
@@ -163,6 +236,44 @@ Expected<std::vector<std::pair<int64_t, int64_t>>> stage_layers(
 
 namespace {
 
+// A quantized checkpoint's packed tensors split only at whole int32s and, along a row-parallel
+// layer's inputs, at whole scale groups.
+std::string quantized_tp_problem(const ModelConfig& c, int64_t tp) {
+  const QuantConfig& q = c.quant;
+  if (q.method != QuantMethod::kAwq && q.method != QuantMethod::kGptq) return "";
+  if (tp == 1) return "";
+  const int64_t kv_rows = (c.num_kv_heads % tp == 0 ? c.num_kv_heads / tp : 1) * c.head_dim;
+  const int64_t pack = q.method == QuantMethod::kAwq ? 8 : q.pack_factor();
+  const std::pair<const char*, int64_t> outputs[] = {
+      {"q_proj", c.num_heads * c.head_dim / tp},
+      {"k_proj / v_proj", kv_rows},
+      {"gate_proj / up_proj", c.intermediate_size / tp}};
+  for (const auto& [name, n] : outputs) {
+    if (n % pack != 0) {
+      return "-tp " + std::to_string(tp) + " splits " + q.describe() + " packed weights: " + name +
+             " would hold " + std::to_string(n) + " output features per rank, not a " +
+             "multiple of the " + std::to_string(pack) + " packed in each int32";
+    }
+  }
+  const std::pair<const char*, int64_t> inputs[] = {{"o_proj", c.num_heads * c.head_dim / tp},
+                                                    {"down_proj", c.intermediate_size / tp}};
+  const bool by_group = q.group_size > 0 && (q.method == QuantMethod::kAwq || !q.desc_act);
+  const int64_t unit = q.method == QuantMethod::kGptq ? q.pack_factor() : 1;
+  for (const auto& [name, n] : inputs) {
+    if (by_group && n % q.group_size != 0) {
+      return "-tp " + std::to_string(tp) + " splits a quantization group: " + name +
+             " would hold " + std::to_string(n) + " input features per rank, not a multiple " +
+             "of the group size " + std::to_string(q.group_size);
+    }
+    if (n % unit != 0) {
+      return "-tp " + std::to_string(tp) + " splits " + q.describe() + " packed weights: " + name +
+             " would hold " + std::to_string(n) + " input features per rank, not a " +
+             "multiple of the " + std::to_string(unit) + " packed in each int32";
+    }
+  }
+  return "";
+}
+
 std::string tp_problem(const ModelConfig& c, int64_t tp) {
   if (tp < 1) return "-tp must be at least 1, got " + std::to_string(tp);
   if (c.num_heads % tp != 0) {
@@ -185,7 +296,7 @@ std::string tp_problem(const ModelConfig& c, int64_t tp) {
            " ranks (" + std::to_string(c.intermediate_size) + " % " + std::to_string(tp) + " = " +
            std::to_string(c.intermediate_size % tp) + ")";
   }
-  return "";
+  return quantized_tp_problem(c, tp);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,12 +37,25 @@ enum class WeightKind : uint8_t {
   kGate, kUp, kDown, kInputNorm, kPostNorm, kFinalNorm, kLmHead,
 };
 
-// How a tensor is divided among the tensor-parallel ranks.
+// How a tensor is divided among the tensor-parallel ranks: which features of its layer each
+// rank holds (WeightSpec::dim and unit say where they are in a packed tensor).
 enum class Split : uint8_t {
   kNone,     // every rank holds all of it
-  kRows,     // dimension 0 (output features): column-parallel layers
-  kColumns,  // dimension 1 (input features): row-parallel layers
-  kVocab,    // dimension 0 by vocabulary shard (embedding, lm_head)
+  kRows,     // the output features: column-parallel layers
+  kColumns,  // the input features: row-parallel layers
+  kVocab,    // the vocabulary (embedding, lm_head rows)
+};
+
+// Which tensor of a linear layer: a plain checkpoint stores `weight`; a quantized one the
+// tensors its format names (common/checkpoint/quantization.h).
+enum class WeightPart : uint8_t {
+  kWeight,
+  kQWeight,
+  kQZeros,
+  kScales,
+  kGIdx,
+  kWeightScale,
+  kInputScale,
 };
 
 // One tensor of a Hugging Face checkpoint: its exact HF name and shape (linear weights are
@@ -53,6 +67,18 @@ struct WeightSpec {
   WeightKind kind = WeightKind::kEmbed;
   int64_t layer = -1;  // -1 for model-wide tensors
   Split split = Split::kNone;
+  WeightPart part = WeightPart::kWeight;
+  // The dtype the format fixes (I32 for packed ints and g_idx, F8_E4M3 for FP8 weights); unset:
+  // any float dtype (the checkpoint's).
+  std::optional<DType> dtype;
+  // Where `split` cuts: features [begin, end) of the layer are indices [begin / unit,
+  // end / unit) of dimension `dim` (a packed tensor holds 32 / bits features per int32, a
+  // scale one group's).
+  int dim = 0;
+  int64_t unit = 1;
+  // The per-tensor / per-channel scales of FP8 checkpoints come as [], [1], [out] or [out, 1]:
+  // only the element count (shape's) is checked.
+  bool any_scale_shape = false;
 };
 
 // The GEMM a tensor is fused into when uploaded to a GPU: "qkv" (q, k, v and their biases stacked
@@ -63,7 +89,10 @@ const char* fused_group(WeightKind kind);
 // model.embed_tokens.weight; per layer self_attn.{q,k,v,o}_proj.weight (+ .bias where the config
 // has biases), self_attn.{q,k}_norm.weight (qk_norm), mlp.{gate,up,down}_proj.weight,
 // input_layernorm.weight, post_attention_layernorm.weight; model.norm.weight; lm_head.weight
-// unless tie_word_embeddings. Precondition: `config` passed parse_model_config's validation.
+// unless tie_word_embeddings. A quantized checkpoint (config.quant) stores each linear layer it
+// quantizes as its format's tensors instead of .weight (qweight, qzeros, scales, g_idx; or an
+// FP8 weight with weight_scale and input_scale). Precondition: `config` passed
+// parse_model_config's validation.
 std::vector<WeightSpec> expected_weights(const ModelConfig& config);
 
 // Where a rank sits: rank = pp_rank * tp_size + tp_rank.
@@ -79,8 +108,10 @@ struct ParallelConfig {
 };
 
 // OK when `tp` splits the model: attention heads divisible by tp, KV heads split or replicated
-// evenly (see the file comment), intermediate_size divisible by tp. INVALID_ARGUMENT otherwise,
-// naming both numbers and the valid -tp values for the model.
+// evenly (see the file comment), intermediate_size divisible by tp; for a quantized checkpoint
+// every rank's share of a packed dimension whole int32s, and of a row-parallel layer's inputs
+// whole scale groups (vLLM's rules). INVALID_ARGUMENT otherwise, naming the numbers and the
+// valid -tp values for the model.
 Status check_tensor_parallel(const ModelConfig& config, int64_t tp);
 
 // The -tp values check_tensor_parallel accepts, ascending, up to `max`.
@@ -117,8 +148,10 @@ struct LayerPlan {
   std::vector<WeightShard> weights;  // this rank's tensors, in expected_weights() order
 
   int64_t num_layers() const { return layer_end - layer_begin; }
-  // Bytes of this rank's shards in `dtype` (embedding and lm_head counted once when tied).
-  uint64_t weight_bytes(DType dtype) const;
+  // Bytes of this rank's shards, float tensors in `dtype`, packed ones as stored, linear
+  // layers FP8-quantized at load when `run` is online FP8 (embedding and lm_head counted once
+  // when tied).
+  uint64_t weight_bytes(DType dtype, const QuantConfig& run = {}) const;
 
   // The plan of one rank. INVALID_ARGUMENT, naming the numbers and what would work, when the
   // model cannot be split so (heads not divisible by tp_size, KV heads neither divisible by nor

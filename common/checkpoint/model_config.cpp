@@ -1,5 +1,7 @@
 #include "common/checkpoint/model_config.h"
 
+#include "common/checkpoint/json_fields.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -14,6 +16,8 @@
 namespace tessera {
 namespace {
 
+using json_fields::Fields;
+using json_fields::type_name;
 using nlohmann::json;
 
 struct ArchInfo {
@@ -37,119 +41,6 @@ const ArchInfo& arch_info(Architecture arch) {
   }
   return kArchs[0];
 }
-
-std::string type_name(const json& v) {
-  if (v.is_null()) return "null";
-  if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
-  if (v.is_string()) return "\"" + v.get<std::string>() + "\"";
-  if (v.is_number()) return v.dump();
-  if (v.is_array()) return "a list";
-  return "an object";
-}
-
-// Typed access to one JSON object's fields; every error names the file and the field.
-class Fields {
- public:
-  Fields(const json& obj, const std::string& file, std::string prefix = "")
-      : obj_(obj), file_(file), prefix_(std::move(prefix)) {}
-
-  bool has(const char* key) const { return obj_.contains(key); }
-  // Present and not null.
-  bool given(const char* key) const { return has(key) && !obj_.at(key).is_null(); }
-  const json& at(const char* key) const { return obj_.at(key); }
-
-  Status error(const char* key, const std::string& what) const {
-    return invalid_argument(file_ + ": " + prefix_ + key + " " + what);
-  }
-
-  // An integer (an integral float such as 4096.0 is accepted too).
-  Expected<int64_t> integer(const char* key) const {
-    const json& v = obj_.at(key);
-    if (v.is_number_integer()) {
-      if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)) {
-        return error(key, "is out of range, got " + v.dump());
-      }
-      return v.get<int64_t>();
-    }
-    if (v.is_number_float()) {
-      double d = v.get<double>();
-      if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) {
-        return static_cast<int64_t>(d);
-      }
-    }
-    return error(key, "must be an integer, got " + type_name(v));
-  }
-
-  // Required positive integer.
-  Expected<int64_t> positive(const char* key) const {
-    if (!has(key)) return error(key, "is missing (a positive integer is required)");
-    TESSERA_ASSIGN_OR_RETURN(int64_t v, integer(key));
-    if (v <= 0) return error(key, "must be a positive integer, got " + std::to_string(v));
-    return v;
-  }
-
-  // Positive integer, or `fallback` when absent or null.
-  Expected<int64_t> positive_or(const char* key, int64_t fallback) const {
-    if (!given(key)) return fallback;
-    return positive(key);
-  }
-
-  Expected<double> number_or(const char* key, double fallback) const {
-    if (!given(key)) return fallback;
-    const json& v = obj_.at(key);
-    if (!v.is_number()) return error(key, "must be a number, got " + type_name(v));
-    return v.get<double>();
-  }
-
-  Expected<double> positive_number_or(const char* key, double fallback) const {
-    TESSERA_ASSIGN_OR_RETURN(double v, number_or(key, fallback));
-    if (!(v > 0) || !std::isfinite(v)) {
-      return error(key, "must be a positive number, got " + obj_.at(key).dump());
-    }
-    return v;
-  }
-
-  Expected<bool> boolean_or(const char* key, bool fallback) const {
-    if (!given(key)) return fallback;
-    const json& v = obj_.at(key);
-    if (!v.is_boolean()) return error(key, "must be true or false, got " + type_name(v));
-    return v.get<bool>();
-  }
-
-  // A token id: a non-negative integer, or unset when absent/null.
-  Expected<std::optional<int64_t>> token_id(const char* key) const {
-    if (!given(key)) return std::optional<int64_t>();
-    TESSERA_ASSIGN_OR_RETURN(int64_t v, integer(key));
-    if (v < 0) return error(key, "must be a non-negative token id, got " + std::to_string(v));
-    return std::optional<int64_t>(v);
-  }
-
-  // eos_token_id: an int or a list of ints; empty when absent/null.
-  Expected<std::vector<int64_t>> token_ids(const char* key) const {
-    std::vector<int64_t> ids;
-    if (!given(key)) return ids;
-    const json& v = obj_.at(key);
-    if (v.is_array()) {
-      for (size_t i = 0; i < v.size(); ++i) {
-        const json& e = v[i];
-        if (!e.is_number_integer() || e.get<int64_t>() < 0) {
-          return error(key, "must be a token id or a list of token ids; element " +
-                                std::to_string(i) + " is " + type_name(e));
-        }
-        ids.push_back(e.get<int64_t>());
-      }
-      return ids;
-    }
-    TESSERA_ASSIGN_OR_RETURN(std::optional<int64_t> id, token_id(key));
-    ids.push_back(*id);
-    return ids;
-  }
-
- private:
-  const json& obj_;
-  const std::string& file_;
-  std::string prefix_;
-};
 
 Expected<json> parse_json_object(const std::string& text, const std::string& file) {
   json j;
@@ -344,15 +235,8 @@ Expected<ModelConfig> parse_model_config(const std::string& json_text, const std
   if (cfg.model_type.empty()) cfg.model_type = info.model_type;
 
   if (f.given("quantization_config")) {
-    const json& q = j["quantization_config"];
-    std::string method =
-        q.is_object() && q.contains("quant_method") && q["quant_method"].is_string()
-            ? q["quant_method"].get<std::string>()
-            : "unknown";
-    return invalid_argument(file +
-                            ": quantized checkpoints are not supported yet "
-                            "(quantization_config.quant_method = " +
-                            method + ")");
+    TESSERA_ASSIGN_OR_RETURN(cfg.quant,
+                             parse_quantization_config(j["quantization_config"].dump(), file));
   }
   if (f.given("hidden_act")) {
     const json& act = j["hidden_act"];

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/checkpoint/quantization.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
@@ -53,6 +54,7 @@ struct ModelConfig {
   bool qk_norm = false;         // per-head RMSNorm on q and k before RoPE (Qwen3)
   std::optional<int64_t> sliding_window;  // Mistral; Qwen2/Qwen3 only with use_sliding_window.
                                           // Recorded; the runtime refuses contexts longer than it
+  QuantConfig quant;  // config.json's quantization_config: how the linear layers are stored
   DType torch_dtype = DType::kBF16;  // the checkpoint's declared dtype ("torch_dtype" or the newer
                                      // "dtype" key); BF16 when the config names none
   // From config.json and generation_config.json (the latter wins).
@@ -83,7 +85,8 @@ Expected<ModelConfig> parse_model_config(const std::string& json_text,
 // num_key_value_heads = num_attention_heads, rope_theta 10000, tie_word_embeddings false,
 // max_position_embeddings 2048 / 131072 / 32768 / 32768, Llama and Mistral bos 1 / eos 2 when
 // the keys are absent (not when null). eos_token_id may be an int or a list. Refused with a clear
-// error: hidden_act other than silu, mlp_bias, quantization_config, rope scaling other than
+// error: hidden_act other than silu, mlp_bias, a quantization_config parse_quantization_config
+// refuses, rope scaling other than
 // llama3, num_attention_heads not a multiple of num_key_value_heads, odd head_dim.
 
 // Reads <dir>/config.json and, if present, <dir>/generation_config.json (eos ids, defaults).

@@ -160,8 +160,10 @@ Expected<DType> parse_safetensors_dtype(std::string_view name) {
   if (name == "F32") return DType::kF32;
   if (name == "F16") return DType::kF16;
   if (name == "BF16") return DType::kBF16;
+  if (name == "I32") return DType::kI32;
+  if (name == "F8_E4M3") return DType::kF8E4M3;
   return invalid_argument("dtype " + std::string(name) +
-                          " is not supported (supported: F32, F16, BF16)");
+                          " is not supported (supported: F32, F16, BF16, I32, F8_E4M3)");
 }
 
 Expected<SafetensorsHeader> parse_safetensors_header(std::span<const uint8_t> file,

@@ -18,14 +18,18 @@ namespace {
 constexpr size_t kWriteBufferBytes = 16u << 20;
 
 // The safetensors library lays tensors out by dtype, larger alignment first (its Dtype enum
-// order, descending: F32 > BF16 > F16), then by name.
+// order, descending: F32 > I32 > BF16 > F16 > F8_E4M3), then by name.
 int dtype_rank(DType d) {
   switch (d) {
     case DType::kF32:
-      return 2;
+      return 4;
+    case DType::kI32:
+      return 3;
     case DType::kBF16:
-      return 1;
+      return 2;
     case DType::kF16:
+      return 1;
+    case DType::kF8E4M3:
       return 0;
   }
   return 0;

@@ -150,6 +150,9 @@ const char* torch_dtype_name(DType d) {
       return "float16";
     case DType::kBF16:
       return "bfloat16";
+    case DType::kI32:
+    case DType::kF8E4M3:
+      break;
   }
   return "?";
 }
@@ -377,6 +380,9 @@ void fill_range(const Init& init, uint64_t first, size_t n, uint8_t* out) {
         std::memcpy(out + 2 * j, &b, 2);
         break;
       }
+      case DType::kI32:
+      case DType::kF8E4M3:
+        break;  // make-model draws float tensors; quantization packs them afterwards
     }
   }
 }
@@ -431,12 +437,85 @@ Status prepare_out_dir(const std::string& out) {
   return Status::ok();
 }
 
+// The tensors of a quantized linear layer, made (quantize_linear) from the float weights the
+// seed draws for its plain .weight; the writer asks for them in pieces, in its own order, so
+// the last layer made is kept.
+class QuantizedLayer {
+ public:
+  explicit QuantizedLayer(QuantConfig q) : q_(std::move(q)) {}
+
+  // A tensor of a quantized linear layer (not a plain float one).
+  static bool holds(const WeightSpec& w) {
+    return w.part != WeightPart::kWeight || (w.dtype && *w.dtype == DType::kF8E4M3);
+  }
+
+  // Adds tensor `w` to `writer`; `plain` is the model unquantized, `written(n)` counts bytes.
+  template <typename Written>
+  Status add(SafetensorsWriter& writer, const WeightSpec& w, const ModelConfig& plain,
+             uint64_t seed, Written written) {
+    const size_t dot = w.name.rfind('.');
+    const std::string module = w.name.substr(0, dot), suffix = w.name.substr(dot + 1);
+    WeightSpec source;
+    for (const WeightSpec& s : expected_weights_cached(plain)) {
+      if (s.name == module + ".weight") source = s;
+    }
+    if (source.name.empty()) return internal_error("make-model: no float weight for " + w.name);
+    const Init init = init_for(source, plain, seed, DType::kF32);
+    const DType dtype = w.dtype                         ? *w.dtype
+                        : w.part == WeightPart::kScales ? DType::kF16
+                                                        : DType::kF32;
+    auto self = this;
+    return writer.add(TensorSpec{w.name, dtype, w.shape},
+                      [self, init, source, module, suffix, dtype, shape = w.shape, seed, written](
+                          uint64_t offset, std::span<uint8_t> bytes) -> Status {
+                        TESSERA_ASSIGN_OR_RETURN(const QuantizedPart* part,
+                                                 self->part(module, suffix, init, source, seed));
+                        if (part->dtype != dtype || part->shape != shape ||
+                            offset + bytes.size() > part->bytes.size()) {
+                          return internal_error("make-model: " + module + "." + suffix +
+                                                " does not match the weight table");
+                        }
+                        std::memcpy(bytes.data(), part->bytes.data() + offset, bytes.size());
+                        written(bytes.size());
+                        return Status::ok();
+                      });
+  }
+
+ private:
+  const std::vector<WeightSpec>& expected_weights_cached(const ModelConfig& plain) {
+    if (table_.empty()) table_ = expected_weights(plain);
+    return table_;
+  }
+
+  Expected<const QuantizedPart*> part(const std::string& module, const std::string& suffix,
+                                      const Init& init, const WeightSpec& source, uint64_t seed) {
+    if (module != module_) {
+      const int64_t out = source.shape[0], in = source.shape[1];
+      std::vector<float> w(static_cast<size_t>(out * in));
+      TESSERA_RETURN_IF_ERROR(
+          fill(init, 0, std::span<uint8_t>(reinterpret_cast<uint8_t*>(w.data()), w.size() * 4)));
+      parts_ = quantize_linear(w, out, in, q_, tensor_key(seed, module));
+      module_ = module;
+    }
+    for (const QuantizedPart& p : parts_) {
+      if (p.suffix == suffix) return &p;
+    }
+    return internal_error("make-model: " + q_.describe() + " writes no " + module + "." + suffix);
+  }
+
+  QuantConfig q_;
+  std::vector<WeightSpec> table_;  // the plain model's
+  std::string module_;             // the layer parts_ holds
+  std::vector<QuantizedPart> parts_;
+};
+
 struct Plan {
   Shape shape;  // the preset's, with the options' overrides
   DType dtype;
   TokenizerInfo tok;
   json config;
-  ModelConfig parsed;
+  ModelConfig parsed;  // what config.json says, quantization_config included
+  ModelConfig plain;   // the same model unquantized: the float weights the quantized are made of
 };
 
 Expected<Plan> plan(const MakeModelOptions& o) {
@@ -478,10 +557,23 @@ Expected<Plan> plan(const MakeModelOptions& o) {
                             " (use the model's own tokenizer)");
   }
   p.config = build_config(p.shape, tok, vocab, p.dtype);
+  TESSERA_ASSIGN_OR_RETURN(QuantConfig quant, make_model_quantization(o.quantization));
+  if (quant.method != QuantMethod::kNone) {
+    p.config["quantization_config"] = json::parse(quantization_config_json(quant));
+  }
   // Parse what we are about to write: the reader is the judge of a valid config.
   Expected<ModelConfig> parsed = parse_model_config(p.config.dump(), "config.json (generated)");
   if (!parsed) return parsed.status().with_context("make-model: internal error");
   p.parsed = *parsed;
+  p.plain = *parsed;
+  p.plain.quant = QuantConfig{};
+  // A quantized model's shape must split into its format's groups and int32s.
+  for (const WeightSpec& w : expected_weights(p.plain)) {
+    if (w.role != WeightRole::kLinear || w.layer < 0) continue;
+    TESSERA_RETURN_IF_ERROR(
+        check_linear_shape(quant, w.shape[0], w.shape[1], w.name.substr(0, w.name.rfind('.')))
+            .with_context("make-model"));
+  }
   return p;
 }
 
@@ -491,6 +583,46 @@ std::vector<MakeModelPreset> make_model_presets() {
   std::vector<MakeModelPreset> out;
   for (const Shape& s : kShapes) out.push_back({s.name, s.arch, s.source});
   return out;
+}
+
+Expected<QuantConfig> make_model_quantization(const MakeModelOptions::Quantization& o) {
+  QuantConfig q;
+  if (o.method == "none" || o.method.empty()) return q;
+  if (o.method != "awq" && o.method != "gptq" && o.method != "fp8") {
+    return invalid_argument("make-model: --quantization " + o.method +
+                            " is not one of none, awq, gptq, fp8");
+  }
+  // The exporter's own config is the judge: write it, then read it back.
+  QuantConfig want;
+  if (o.method == "fp8") {
+    want.method = QuantMethod::kFp8;
+    want.bits = 8;
+    if (o.weight_scale != "tensor" && o.weight_scale != "channel") {
+      return invalid_argument("make-model: --weight-scale must be tensor or channel, got " +
+                              o.weight_scale);
+    }
+    want.weight_scale = o.weight_scale == "channel" ? Fp8Scale::kChannel : Fp8Scale::kTensor;
+    if (o.activations == "dynamic") {
+      want.activations = Fp8Activations::kDynamic;
+    } else if (o.activations == "static") {
+      want.activations = Fp8Activations::kStatic;
+    } else if (o.activations == "none") {
+      want.activations = Fp8Activations::kNone;
+    } else {
+      return invalid_argument("make-model: --activations must be dynamic, static or none, got " +
+                              o.activations);
+    }
+  } else {
+    want.method = o.method == "awq" ? QuantMethod::kAwq : QuantMethod::kGptq;
+    want.bits = o.bits;
+    want.group_size = o.group_size == -1 ? 0 : o.group_size;
+    want.desc_act = o.desc_act;
+    want.sym = want.method == QuantMethod::kGptq && !o.asym;
+  }
+  Expected<QuantConfig> back =
+      parse_quantization_config(quantization_config_json(want), "make-model --quantization");
+  if (!back) return back.status();
+  return *back;
 }
 
 Expected<std::string> make_model_config_json(const MakeModelOptions& options) {
@@ -510,7 +642,16 @@ Status make_model(const MakeModelOptions& o) {
   auto progress = std::make_shared<Progress>("make-model: writing weights");
   auto produced = std::make_shared<uint64_t>(0);
   auto all_bytes = std::make_shared<uint64_t>(0);  // the writer's total, known once all are added
+  auto quantized = std::make_shared<QuantizedLayer>(p.parsed.quant);
   for (const WeightSpec& w : weights) {
+    if (QuantizedLayer::holds(w)) {
+      TESSERA_RETURN_IF_ERROR(
+          quantized->add(writer, w, p.plain, o.seed, [progress, produced, all_bytes](size_t n) {
+            *produced += n;
+            progress->update(*produced, *all_bytes);
+          }));
+      continue;
+    }
     const Init init = init_for(w, p.parsed, o.seed, p.dtype);
     TESSERA_RETURN_IF_ERROR(writer.add(
         TensorSpec{w.name, p.dtype, w.shape},
@@ -584,8 +725,27 @@ CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& o) {
   sub->add_option("--vocab-size", ov.vocab_size,
                   "Override the vocabulary size (at least the tokenizer's; extra rows are "
                   "padding, as many real models have)");
+  MakeModelOptions::Quantization& q = o.quantization;
+  sub->add_option("--quantization", q.method,
+                  "none | awq | gptq | fp8: write the linear layers as AutoAWQ (gemm), GPTQ or "
+                  "FP8 exporters do, with their quantization_config")
+      ->capture_default_str();
+  sub->add_option("--bits", q.bits, "gptq: 4 or 8 bits per weight")->capture_default_str();
+  sub->add_option("--group-size", q.group_size,
+                  "awq / gptq: input features per scale, 32, 64 or 128 (gptq: -1 for one group)")
+      ->capture_default_str();
+  sub->add_flag("--desc-act", q.desc_act, "gptq: act-order groups (g_idx a permutation's)");
+  sub->add_flag("--asym", q.asym, "gptq: zero points per group (default symmetric)");
+  sub->add_option("--weight-scale", q.weight_scale,
+                  "fp8: tensor (quant_method fp8) or channel (compressed-tensors)")
+      ->capture_default_str();
+  sub->add_option("--activations", q.activations,
+                  "fp8: dynamic (per token), static (an input_scale per layer) or none (W8A16)")
+      ->capture_default_str();
   add_examples(sub, {"tessera make-model --preset llama3-8b --tokenizer ./llama3-tokenizer "
-                     "--out ./llama3-8b"});
+                     "--out ./llama3-8b",
+                     "tessera make-model --preset llama3-70b --tokenizer ./llama3-tokenizer "
+                     "--quantization awq --out ./llama3-70b-awq"});
   return sub;
 }
 

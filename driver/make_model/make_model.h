@@ -51,6 +51,18 @@ struct MakeModelOptions {
     int64_t hidden_size = 0, intermediate_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0,
             head_dim = 0, vocab_size = 0;
   } overrides;
+  // --quantization awq|gptq|fp8: the linear layers (q, k, v, o, gate, up, down) as that format's
+  // exporter writes them, with its quantization_config in config.json: quantized from the
+  // float weights the same seed draws (common/checkpoint/quantization.h's quantize_linear).
+  struct Quantization {
+    std::string method = "none";          // none | awq | gptq | fp8
+    int bits = 4;                         // gptq: 4 or 8
+    int64_t group_size = 128;             // awq / gptq: 32, 64, 128; gptq -1: one group
+    bool desc_act = false;                // gptq: groups of a permutation (act-order)
+    bool asym = false;                    // gptq: zero points (default symmetric)
+    std::string weight_scale = "tensor";  // fp8: tensor | channel (compressed-tensors)
+    std::string activations = "dynamic";  // fp8: dynamic | static | none (W8A16)
+  } quantization;
 };
 
 // One preset: its name, architecture and the model whose published config.json it copies.
@@ -67,6 +79,10 @@ std::vector<MakeModelPreset> make_model_presets();
 // vocab size and special-token ids taken from the tokenizer. Errors as make_model's, minus the
 // output-directory checks. Exposed for tests and `--dry-run`-style tooling.
 Expected<std::string> make_model_config_json(const MakeModelOptions& options);
+
+// The QuantConfig `q` asks make-model to write (method kNone for none); INVALID_ARGUMENT naming
+// the flag for a value the format does not have.
+Expected<QuantConfig> make_model_quantization(const MakeModelOptions::Quantization& q);
 
 // Writes the model directory. INVALID_ARGUMENT for an unknown arch/preset/dtype, an arch that
 // contradicts the preset, a tokenizer larger than the preset's vocab_size, an --out that exists

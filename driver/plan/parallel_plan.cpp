@@ -15,12 +15,6 @@ constexpr uint64_t kCudaContext = 512 * kMiB;   // context + library handles, be
 constexpr uint64_t kGraphReserve = 512 * kMiB;  // CUDA graphs (cuda_model.cpp kGraphReserve)
 constexpr uint64_t kCommReserve = 256 * kMiB;   // NCCL / custom all-reduce buffers
 
-uint64_t numel(const std::vector<int64_t>& shape) {
-  uint64_t n = 1;
-  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
-  return n;
-}
-
 }  // namespace
 
 std::string format_gib(uint64_t bytes) {
@@ -46,6 +40,8 @@ const char* run_dtype_name(DType dtype) {
     case DType::kF16:
       return "float16";
     case DType::kF32:
+    case DType::kI32:
+    case DType::kF8E4M3:
       break;
   }
   return "float32";
@@ -53,14 +49,17 @@ const char* run_dtype_name(DType dtype) {
 
 // ---- the plan --------------------------------------------------------------------------------
 
-uint64_t model_weight_bytes(const ModelConfig& config, DType dtype) {
-  uint64_t total = 0;
-  for (const WeightSpec& w : expected_weights(config)) total += numel(w.shape);
-  return total * dtype_size(dtype);
+uint64_t model_weight_bytes(const ModelConfig& config, DType dtype, const QuantConfig& run) {
+  LayerPlan whole;  // every tensor whole
+  for (const WeightSpec& w : expected_weights(config)) {
+    whole.weights.push_back(WeightShard{w, 0, 0});
+    whole.weights.back().spec.split = Split::kNone;
+  }
+  return whole.weight_bytes(dtype, run);
 }
 
 Expected<ParallelPlan> make_parallel_plan(const ModelConfig& c, const ParallelConfig& parallel,
-                                          DType dtype) {
+                                          DType dtype, const QuantConfig& run) {
   const int64_t tp = parallel.tp_size;
   const int64_t pp = parallel.pp_size;
   TESSERA_RETURN_IF_ERROR(check_tensor_parallel(c, tp));
@@ -87,7 +86,7 @@ Expected<ParallelPlan> make_parallel_plan(const ModelConfig& c, const ParallelCo
       r.padding_bytes =
           static_cast<uint64_t>(vocab_tensors * (lp.vocab_shard - lp.vocab_rows) * c.hidden_size) *
           es;
-      r.weight_bytes = lp.weight_bytes(dtype) + r.padding_bytes;
+      r.weight_bytes = lp.weight_bytes(dtype, run) + r.padding_bytes;
       r.kv_elems_per_token = 2 * lp.num_layers() * lp.kv_heads * c.head_dim;
       if (t == 0) {
         plan.stage_layers.push_back(lp.num_layers());

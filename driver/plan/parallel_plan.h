@@ -70,14 +70,16 @@ struct ParallelPlan {
 // check_tensor_parallel and valid_tensor_parallel_sizes: common/checkpoint/layer_plan.h.
 
 // The plan for `parallel`'s tp_size x pp_size (and layer_partition; its tp_rank and pp_rank
-// are not read) with weights and KV cache in `dtype`. Errors: check_tensor_parallel's, then
-// LayerPlan::make's (more stages than layers, a partition that does not add up: INVALID_ARGUMENT
-// naming the flag and the numbers).
+// are not read) with weights and KV cache in `dtype` (packed tensors as stored; linear layers
+// in FP8 when `run` quantizes at load). Errors: check_tensor_parallel's, then LayerPlan::make's
+// (more stages than layers, a partition that does not add up: INVALID_ARGUMENT naming the flag
+// and the numbers).
 Expected<ParallelPlan> make_parallel_plan(const ModelConfig& config, const ParallelConfig& parallel,
-                                          DType dtype);
+                                          DType dtype, const QuantConfig& run = {});
 
-// Bytes of every tensor of the checkpoint, each once and unpadded, in `dtype`.
-uint64_t model_weight_bytes(const ModelConfig& config, DType dtype);
+// Bytes of every tensor of the checkpoint, each once and unpadded: float tensors in `dtype`,
+// packed ones as stored, linear layers in FP8 when `run` quantizes at load.
+uint64_t model_weight_bytes(const ModelConfig& config, DType dtype, const QuantConfig& run = {});
 
 // "KV heads: 8 split over -tp 2, 4 per rank" or "KV heads: 2 replicated over -tp 4: KV head 0 on
 // TP ranks 0-1, KV head 1 on TP ranks 2-3".

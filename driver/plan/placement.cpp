@@ -512,6 +512,7 @@ struct Context {
   const std::vector<ClusterNode>& nodes;
   std::vector<int64_t> partition;
   DType dtype;
+  QuantConfig quant;  // the run's: what the weights take on each rank
   bool cpu;
   EngineSpec memory;  // resolve_lengths: max_model_len and max_num_batched_tokens filled in
 };
@@ -523,7 +524,7 @@ Expected<ClusterPlan> evaluate(const Context& cx, int64_t tp, int64_t pp) {
   shape.pp_size = static_cast<int>(pp);
   shape.layer_partition = cx.partition;
   ClusterPlan out;
-  TESSERA_ASSIGN_OR_RETURN(out.plan, make_parallel_plan(cx.config, shape, cx.dtype));
+  TESSERA_ASSIGN_OR_RETURN(out.plan, make_parallel_plan(cx.config, shape, cx.dtype, cx.quant));
   TESSERA_ASSIGN_OR_RETURN(out.placement, place_ranks(tp, pp, cx.nodes, cx.cpu));
   std::vector<std::optional<GpuMemory>> gpus;
   for (const PlacedRank& r : out.placement.ranks) {
@@ -605,11 +606,13 @@ Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpe
   }
   TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(spec.dtype, config.torch_dtype, !cpu));
   TESSERA_ASSIGN_OR_RETURN(EngineSpec memory, resolve_lengths(spec, config));
+  TESSERA_ASSIGN_OR_RETURN(QuantConfig quant,
+                           resolve_quantization(spec.quantization, config.quant));
   std::optional<int64_t> tp, pp;
   if (!spec.tensor_parallel_size.is_auto()) tp = spec.tp();
   if (spec.pp() != 0) pp = spec.pp();  // unset: the partition's stages, or 1
   const std::vector<int64_t>& partition = spec.pipeline_layer_partition;
-  Context cx{config, nodes, partition, dtype, cpu, memory};
+  Context cx{config, nodes, partition, dtype, quant, cpu, memory};
   // CPU actors are not counted: auto keeps them to one rank per fixed size.
   const int64_t max_world = cpu ? tp.value_or(1) * pp.value_or(1) : free_gpus(nodes);
 

@@ -61,6 +61,12 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
       ->type_name("LIST");
   cmd->add_option("--dtype", e.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
   cmd->add_option_function<std::string>(
+         "--quantization,-q",
+         [&e](const std::string& t) { set_parsed(e.quantization, t, parse_quant_method); },
+         "awq|awq_marlin|gptq|gptq_marlin|fp8|none: how the linear layers are stored (default: "
+         "the checkpoint's quantization_config; fp8 on a plain checkpoint quantizes at load)")
+      ->type_name("METHOD");
+  cmd->add_option_function<std::string>(
          "--device", [&e](const std::string& t) { set_parsed(e.device, t, parse_device); },
          "auto (GPUs when there are any)|cuda|cpu")
       ->type_name("DEVICE");
@@ -387,14 +393,20 @@ std::string table(const std::vector<std::vector<std::string>>& rows, const std::
 
 std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
   const ParallelPlan& p = cp.plan;
+  // cp.engine is resolved: its method is concrete and agrees with the checkpoint.
+  const Expected<QuantConfig> resolved = resolve_quantization(cp.engine.quantization, c.quant);
+  const QuantConfig quant = resolved ? *resolved : QuantConfig{};
   const MemoryPlan& m = cp.memory;
   std::string o;
-  o += std::string("Model: ") + architecture_name(c.arch) + ", " + std::to_string(c.num_layers) +
-       " layers, hidden " + std::to_string(c.hidden_size) + ", " + std::to_string(c.num_heads) +
-       " heads (" + std::to_string(c.num_kv_heads) + " KV, head_dim " + std::to_string(c.head_dim) +
-       "), intermediate " + std::to_string(c.intermediate_size) + ", vocab " +
-       std::to_string(c.vocab_size) + (c.tie_word_embeddings ? " (tied)" : "") + "; weights " +
-       format_gib(model_weight_bytes(c, p.dtype)) + " in " + run_dtype_name(p.dtype) + "\n";
+  o +=
+      std::string("Model: ") + architecture_name(c.arch) + ", " + std::to_string(c.num_layers) +
+      " layers, hidden " + std::to_string(c.hidden_size) + ", " + std::to_string(c.num_heads) +
+      " heads (" + std::to_string(c.num_kv_heads) + " KV, head_dim " + std::to_string(c.head_dim) +
+      "), intermediate " + std::to_string(c.intermediate_size) + ", vocab " +
+      std::to_string(c.vocab_size) + (c.tie_word_embeddings ? " (tied)" : "") + "; weights " +
+      format_gib(model_weight_bytes(c, p.dtype, quant)) + " in " + run_dtype_name(p.dtype) +
+      (quant.method == QuantMethod::kNone ? std::string() : ", linear layers " + quant.describe()) +
+      "\n";
   if (!cp.choice.empty()) o += cp.choice + "\n";
   o += "Plan: " + shape_flags(p.tp, p.pp) + " = " + std::to_string(p.world) + " rank" +
        (p.world > 1 ? "s" : "") + "\n";

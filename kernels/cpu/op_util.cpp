@@ -79,6 +79,10 @@ void to_float(const TensorView& view, int64_t begin, int64_t count, float* out) 
       for (int64_t i = 0; i < count; ++i) out[i] = half_to_float(p[i]);
       return;
     }
+    case DType::kI32:
+    case DType::kF8E4M3:
+      for (int64_t i = 0; i < count; ++i) out[i] = view.at(begin + i);
+      return;
   }
 }
 

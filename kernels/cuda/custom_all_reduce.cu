@@ -612,6 +612,9 @@ Status CustomAllReduce::all_reduce(const void* in, void* out, int64_t count, DTy
     case DType::kBF16:
       launch_typed<__nv_bfloat16>(world_, two_shot, blocks, a, stream);
       break;
+    case DType::kI32:
+    case DType::kF8E4M3:
+      break;  // refused above
   }
   return launch_status(two_shot ? "custom all-reduce (two-shot)" : "custom all-reduce (one-shot)");
 }

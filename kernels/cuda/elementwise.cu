@@ -39,6 +39,9 @@ Status with_type(DType dtype, Fn&& fn) {
       return fn(TypeTag<__half>{});
     case DType::kBF16:
       return fn(TypeTag<__nv_bfloat16>{});
+    case DType::kI32:
+    case DType::kF8E4M3:
+      break;
   }
   return invalid_argument("unknown dtype " + std::to_string(static_cast<int>(dtype)));
 }

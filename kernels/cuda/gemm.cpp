@@ -22,6 +22,10 @@ const char* short_name(DType d) {
       return "f16";
     case DType::kBF16:
       return "bf16";
+    case DType::kI32:
+      return "i32";
+    case DType::kF8E4M3:
+      return "fp8e4m3";
   }
   return "?";
 }
@@ -32,6 +36,10 @@ cudaDataType_t cuda_type(DType d) {
       return CUDA_R_16F;
     case DType::kBF16:
       return CUDA_R_16BF;
+    case DType::kF8E4M3:
+      return CUDA_R_8F_E4M3;
+    case DType::kI32:
+      return CUDA_R_32I;
     case DType::kF32:
       break;
   }

@@ -74,6 +74,7 @@ TEST(ActorServiceTest, ACancelledLoadStillEnds) {
   spec.engine.max_model_len = 64;
   spec.engine.max_num_batched_tokens = 64;
   spec.engine.pipeline_parallel_size = ParallelSize{1};
+  spec.engine.quantization = QuantMethod::kNone;
   spec.engine.resolved = true;
   {
     auto dropped = service.load_model(spec);  // cancelled when it goes out of scope

@@ -365,5 +365,110 @@ TEST(LayerPlanTest, FusedGroups) {
   }
 }
 
+// ---- quantized checkpoints -------------------------------------------------------------------
+
+// A Llama whose widths split into AWQ / GPTQ groups of 32 at tp 2 but not 4: q 256 wide,
+// intermediate 192 (96 per rank at tp 2: three groups; 48 at tp 4: not whole groups).
+ModelConfig quantized(QuantMethod method, bool desc_act = false) {
+  ModelConfig c = small();
+  c.hidden_size = 256;
+  c.num_heads = 8;
+  c.num_kv_heads = 4;
+  c.head_dim = 32;
+  c.intermediate_size = 192;
+  c.quant.method = method;
+  c.quant.bits = method == QuantMethod::kFp8 ? 8 : 4;
+  c.quant.group_size = method == QuantMethod::kFp8 ? 0 : 32;
+  c.quant.desc_act = desc_act;
+  c.quant.sym = method == QuantMethod::kGptq;
+  return c;
+}
+
+const WeightSpec* spec(const std::vector<WeightSpec>& table, const std::string& name) {
+  for (const WeightSpec& w : table) {
+    if (w.name == name) return &w;
+  }
+  return nullptr;
+}
+
+TEST(LayerPlanTest, QuantizedTablesNameEachFormatsTensors) {
+  const std::string q = "model.layers.0.self_attn.q_proj.";
+  const std::string down = "model.layers.0.mlp.down_proj.";
+  auto awq = expected_weights(quantized(QuantMethod::kAwq));
+  EXPECT_EQ(spec(awq, q + "weight"), nullptr) << "a quantized layer has no plain weight";
+  ASSERT_NE(spec(awq, q + "qweight"), nullptr);
+  EXPECT_EQ(spec(awq, q + "qweight")->shape, (std::vector<int64_t>{256, 256 / 8}));
+  EXPECT_EQ(spec(awq, q + "qzeros")->shape, (std::vector<int64_t>{256 / 32, 256 / 8}));
+  EXPECT_EQ(spec(awq, q + "scales")->shape, (std::vector<int64_t>{256 / 32, 256}));
+  EXPECT_EQ(spec(awq, q + "qweight")->dtype, DType::kI32);
+  EXPECT_FALSE(spec(awq, q + "scales")->dtype.has_value());
+  EXPECT_EQ(spec(awq, down + "qweight")->shape, (std::vector<int64_t>{192, 256 / 8}));
+  // Embedding, norms and lm_head stay plain.
+  EXPECT_NE(spec(awq, "lm_head.weight"), nullptr);
+  EXPECT_NE(spec(awq, "model.layers.0.input_layernorm.weight"), nullptr);
+
+  auto gptq = expected_weights(quantized(QuantMethod::kGptq));
+  EXPECT_EQ(spec(gptq, q + "qweight")->shape, (std::vector<int64_t>{256 / 8, 256}));
+  EXPECT_EQ(spec(gptq, q + "qzeros")->shape, (std::vector<int64_t>{256 / 32, 256 / 8}));
+  EXPECT_EQ(spec(gptq, q + "g_idx")->shape, (std::vector<int64_t>{256}));
+
+  auto fp8 = expected_weights(quantized(QuantMethod::kFp8));
+  EXPECT_EQ(spec(fp8, q + "weight")->dtype, DType::kF8E4M3);
+  EXPECT_TRUE(spec(fp8, q + "weight_scale")->any_scale_shape);
+  EXPECT_EQ(spec(fp8, q + "input_scale"), nullptr) << "dynamic activations have no scale";
+
+  // A module left unquantized keeps its plain weight.
+  ModelConfig mixed = quantized(QuantMethod::kAwq);
+  mixed.quant.ignored = {"model.layers.0.mlp.down_proj"};
+  auto m = expected_weights(mixed);
+  EXPECT_NE(spec(m, down + "weight"), nullptr);
+  EXPECT_EQ(spec(m, down + "qweight"), nullptr);
+  EXPECT_NE(spec(m, "model.layers.1.mlp.down_proj.qweight"), nullptr);
+}
+
+TEST(LayerPlanTest, PackedShardsCutWholeInt32sAndGroups) {
+  const ModelConfig c = quantized(QuantMethod::kAwq);
+  const LayerPlan r1 = must_make(c, rank(2, 1));
+  auto shape = [&](const LayerPlan& p, const std::string& n) {
+    const WeightShard* s = find(p, n);
+    return s ? s->shape() : std::vector<int64_t>{};
+  };
+  const std::string l = "model.layers.0.";
+  // Column-parallel q (its output features split): AWQ packs 8 outputs per int32.
+  EXPECT_EQ(shape(r1, l + "self_attn.q_proj.qweight"), (std::vector<int64_t>{256, 128 / 8}));
+  EXPECT_EQ(shape(r1, l + "self_attn.q_proj.scales"), (std::vector<int64_t>{8, 128}));
+  // Row-parallel down (its inputs split): scales and zeros by group.
+  EXPECT_EQ(shape(r1, l + "mlp.down_proj.qweight"), (std::vector<int64_t>{96, 256 / 8}));
+  EXPECT_EQ(shape(r1, l + "mlp.down_proj.qzeros"), (std::vector<int64_t>{3, 256 / 8}));
+  EXPECT_EQ(find(r1, l + "mlp.down_proj.qzeros")->begin, 96);
+
+  // GPTQ: qweight packs inputs; desc_act keeps a row-parallel layer's scales and zeros whole.
+  const LayerPlan g = must_make(quantized(QuantMethod::kGptq), rank(2, 1));
+  EXPECT_EQ(shape(g, l + "mlp.down_proj.qweight"), (std::vector<int64_t>{96 / 8, 256}));
+  EXPECT_EQ(shape(g, l + "mlp.down_proj.scales"), (std::vector<int64_t>{3, 256}));
+  EXPECT_EQ(shape(g, l + "mlp.down_proj.g_idx"), (std::vector<int64_t>{96}));
+  EXPECT_EQ(shape(g, l + "self_attn.q_proj.g_idx"), (std::vector<int64_t>{256}));
+  const LayerPlan d = must_make(quantized(QuantMethod::kGptq, true), rank(2, 1));
+  EXPECT_EQ(shape(d, l + "mlp.down_proj.scales"), (std::vector<int64_t>{6, 256}));
+  EXPECT_EQ(shape(d, l + "mlp.down_proj.qzeros"), (std::vector<int64_t>{6, 256 / 8}));
+}
+
+TEST(LayerPlanTest, ATensorParallelSizeThatSplitsAGroupIsRefusedWithTheValidOnes) {
+  const ModelConfig c = quantized(QuantMethod::kAwq);
+  EXPECT_EQ(valid_tensor_parallel_sizes(c, 8), (std::vector<int64_t>{1, 2}));
+  const std::string why = refusal(c, rank(4, 0));
+  EXPECT_NE(why.find("-tp 4 splits a quantization group"), std::string::npos) << why;
+  EXPECT_NE(why.find("48 input features per rank"), std::string::npos) << why;
+  EXPECT_NE(why.find("valid -tp values for this model: 1, 2"), std::string::npos) << why;
+  // desc_act: GPTQ's row-parallel groups are not split, so only the int32 packing binds.
+  EXPECT_EQ(valid_tensor_parallel_sizes(quantized(QuantMethod::kGptq, true), 8),
+            (std::vector<int64_t>{1, 2, 4, 8}));
+  // FP8 splits like the plain model.
+  ModelConfig plain = quantized(QuantMethod::kFp8);
+  plain.quant = QuantConfig{};
+  EXPECT_EQ(valid_tensor_parallel_sizes(plain, 8), (std::vector<int64_t>{1, 2, 4, 8}));
+  EXPECT_EQ(valid_tensor_parallel_sizes(quantized(QuantMethod::kFp8), 8),
+            valid_tensor_parallel_sizes(plain, 8));
+}
 }  // namespace
 }  // namespace tessera

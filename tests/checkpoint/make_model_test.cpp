@@ -326,6 +326,54 @@ TEST(MakeModelTest, Refusals) {
   EXPECT_FALSE(fs::exists(dir / "x"));  // refused before creating anything
 }
 
+// --quantization writes the exporter's quantization_config (read back by the same parser the
+// runtime uses) and the format's tensors; a shape the format cannot pack, or a value it does not
+// have, is refused before anything is written. (tests/model/quantized_test.cpp loads and runs
+// every format.)
+TEST(MakeModelTest, QuantizedCheckpoints) {
+  REQUIRE_TOKENIZERS();
+  TempDir dir;
+  MakeModelOptions o = tiny_options(kTiny[0], dir / "awq");
+  o.overrides.intermediate_size = 192;
+  o.quantization.method = "awq";
+  o.quantization.group_size = 64;
+  json j = json::parse(*make_model_config_json(o));
+  EXPECT_EQ(j["quantization_config"]["quant_method"], "awq");
+  EXPECT_EQ(j["quantization_config"]["group_size"], 64);
+  EXPECT_EQ(j["quantization_config"]["version"], "gemm");
+  ASSERT_TRUE(make_model(o).is_ok());
+  auto ckpt = Checkpoint::open(dir / "awq");
+  ASSERT_TRUE(ckpt);
+  auto qweight = (*ckpt)->tensor("model.layers.0.mlp.down_proj.qweight");
+  ASSERT_TRUE(qweight);
+  EXPECT_EQ(qweight->dtype, DType::kI32);
+  EXPECT_EQ(qweight->shape, (std::vector<int64_t>{192, 64 / 8}));
+  EXPECT_EQ((*ckpt)->tensor("model.layers.0.mlp.down_proj.scales")->dtype, DType::kF16);
+  EXPECT_FALSE((*ckpt)->has("model.layers.0.mlp.down_proj.weight"));
+  EXPECT_EQ((*ckpt)->tensor("lm_head.weight")->dtype, DType::kBF16) << "lm_head stays plain";
+
+  o.quantization.method = "fp8";
+  o.quantization.weight_scale = "channel";
+  j = json::parse(*make_model_config_json(o));
+  EXPECT_EQ(j["quantization_config"]["quant_method"], "compressed-tensors");
+
+  MakeModelOptions bad = tiny_options(kTiny[0], dir / "x");
+  bad.quantization.method = "int3";
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("--quantization int3"));
+  bad.quantization.method = "gptq";
+  bad.quantization.bits = 3;
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("bits must be 4 or 8"));
+  bad.quantization.bits = 4;
+  bad.quantization.group_size = 48;
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("group_size must be 32, 64, 128"));
+  bad.quantization.group_size = 32;  // the tiny MLP's 176 inputs are not whole groups of 32
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("down_proj has 176 input features"));
+  bad.quantization.method = "fp8";
+  bad.quantization.activations = "sometimes";
+  EXPECT_THAT(make_model(bad).message(), HasSubstr("--activations"));
+  EXPECT_FALSE(fs::exists(dir / "x"));
+}
+
 // Shape overrides give tiny models of unusual shapes; what the reader refuses, or a Qwen2 head
 // size its config cannot say, is refused before anything is written.
 TEST(MakeModelTest, ShapeOverrides) {

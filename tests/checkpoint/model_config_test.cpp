@@ -105,6 +105,25 @@ TEST(ModelConfigTest, Llama31WithRopeScalingAndEosList) {
   EXPECT_FALSE(c->pad_token_id.has_value());
 }
 
+// A quantized export's config.json: the model's fields as before, quantization_config read
+// into ModelConfig::quant (tests/checkpoint/quantization_test.cpp covers the formats).
+TEST(ModelConfigTest, QuantizationConfigIsTheCheckpointsFormat) {
+  nlohmann::json j = nlohmann::json::parse(kLlama31_8B);
+  auto plain = parse_model_config(j.dump());
+  ASSERT_TRUE(plain);
+  EXPECT_EQ(plain->quant.method, QuantMethod::kNone);
+  j["quantization_config"] = {{"bits", 4},
+                              {"group_size", 128},
+                              {"quant_method", "awq"},
+                              {"version", "gemm"},
+                              {"zero_point", true}};
+  auto awq = parse_model_config(j.dump());
+  ASSERT_TRUE(awq) << awq.status().to_string();
+  EXPECT_EQ(awq->quant.method, QuantMethod::kAwq);
+  EXPECT_EQ(awq->quant.group_size, 128);
+  EXPECT_EQ(awq->hidden_size, 4096);
+}
+
 TEST(ModelConfigTest, OlderRopeScalingSpellingAndRopeParameters) {
   Expected<ModelConfig> c = parse_model_config(
       patched(kLlama31_8B,
@@ -262,7 +281,10 @@ TEST(ModelConfigTest, BadValuesNameFileAndField) {
       {{{"tie_word_embeddings", 1}}, {"tie_word_embeddings", "true or false"}},
       {{{"hidden_act", "gelu"}}, {"hidden_act", "silu", "gelu"}},
       {{{"mlp_bias", true}}, {"mlp_bias"}},
-      {{{"quantization_config", {{"quant_method", "awq"}}}}, {"quantized", "awq"}},
+      {{{"quantization_config", {{"quant_method", "awq"}, {"version", "gemv"}}}},
+       {"quantization_config.version", "gemv"}},
+      {{{"quantization_config", {{"quant_method", "bitsandbytes"}}}},
+       {"quantization_config.quant_method", "bitsandbytes"}},
       {{{"eos_token_id", {128001, "x"}}}, {"eos_token_id", "element 1"}},
       {{{"eos_token_id", 999999}}, {"eos_token_id", "vocab_size"}},
       {{{"architectures", "LlamaForCausalLM"}}, {"architectures", "list"}},

@@ -289,6 +289,45 @@ TEST_F(GenerateTest, Fp8KvCacheRunsDeterministically) {
   EXPECT_NE(r.err.find("E5M2 is not supported"), std::string::npos) << r.err;
 }
 
+// The user's path for a quantized checkpoint: make-model writes an AWQ one, generate reads the
+// method from its quantization_config (or the agreeing flag, vLLM's awq_marlin spelling too),
+// and refuses a contradicting flag naming both; plan sizes its int4 weights.
+TEST_F(GenerateTest, AnAwqCheckpointRunsAndAContradictingFlagIsRefused) {
+  const std::string awq = dir_ + "-awq";
+  std::filesystem::remove_all(awq);
+  auto made = run_command({bin("tessera"), "make-model", "--arch", "llama", "--preset", "tiny",
+                           "--intermediate-size", "192", "--tokenizer",
+                           source("tests/assets/tokenizers/llama3"), "--quantization", "awq",
+                           "--group-size", "32", "--out", awq});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv = {bin("tessera"), "generate", "--model", awq, "--device",
+                                     "cpu", "--prompt", "The capital of France is",
+                                     "--temperature", "0", "--ignore-eos", "--max-tokens", "6",
+                                     "--json"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return run_command(argv);
+  };
+  CommandResult a = run({});
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  EXPECT_NE(a.err.find("weights awq (4-bit, group 32)"), std::string::npos) << a.err;
+  CommandResult b = run({"--quantization", "awq_marlin"});
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  EXPECT_EQ(a.out, b.out) << "the same method, the same tokens";
+  CommandResult c = run({"-q", "gptq"});
+  EXPECT_NE(c.exit_code, 0);
+  EXPECT_NE(c.err.find("--quantization gptq contradicts the checkpoint, which is awq"),
+            std::string::npos)
+      << c.err;
+  CommandResult d = run({"--quantization", "int4"});
+  EXPECT_NE(d.exit_code, 0);
+  EXPECT_NE(d.err.find("--quantization int4 is not supported"), std::string::npos) << d.err;
+  CommandResult p = run_command({bin("tessera"), "plan", "--model", awq, "--device", "cpu"});
+  EXPECT_EQ(p.exit_code, 0) << p.err;
+  EXPECT_NE(p.out.find("linear layers awq (4-bit, group 32)"), std::string::npos) << p.out;
+  std::filesystem::remove_all(awq);
+}
+
 // `tessera bench latency` (vLLM's meaning) on the CPU backend: warm-up iterations are not
 // measured, every measured one is, and the percentiles are ordered and within the measured range.
 TEST_F(GenerateTest, BenchLatencyMeasuresEveryIterationOfOneBatch) {

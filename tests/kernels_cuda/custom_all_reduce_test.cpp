@@ -507,6 +507,9 @@ uint32_t encode(DType d, float v) {
       return float_to_f16(v);
     case DType::kBF16:
       return float_to_bf16(v);
+    case DType::kI32:
+    case DType::kF8E4M3:
+      break;  // not all-reduced
   }
   return 0;
 }
@@ -522,6 +525,9 @@ float decode(DType d, uint32_t bits) {
       return f16_to_float(static_cast<uint16_t>(bits));
     case DType::kBF16:
       return bf16_to_float(static_cast<uint16_t>(bits));
+    case DType::kI32:
+    case DType::kF8E4M3:
+      break;  // not all-reduced
   }
   return 0.0f;
 }

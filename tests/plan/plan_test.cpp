@@ -263,6 +263,49 @@ TEST(ParallelPlanTest, WholeModelBytesMatchThePublishedParameterCounts) {
   EXPECT_EQ(model_weight_bytes(llama3_70b(), DType::kF32), 4 * 70553706496u);
 }
 
+// Quantized weights count as stored: AWQ int4 with group 128 holds per linear parameter half a
+// byte of weight, 1/256 of zeros (4 bits per 128 inputs) and 1/64 of scales (fp16 per 128
+// inputs); embedding, lm_head and norms stay bf16. Online FP8: a byte per linear parameter
+// and an F32 scale per layer.
+TEST(ParallelPlanTest, QuantizedWeightsCountAsStored) {
+  ModelConfig awq = llama3_8b();
+  awq.quant.method = QuantMethod::kAwq;
+  awq.quant.bits = 4;
+  awq.quant.group_size = 128;
+  const uint64_t linear = 4096ull * (4096 + 1024 + 1024 + 4096) + 3ull * 4096 * 14336;
+  const uint64_t plain = 2ull * 128256 * 4096 * 2 + 32ull * 2 * 4096 * 2 + 4096 * 2;
+  EXPECT_EQ(model_weight_bytes(awq, DType::kBF16), 32 * (linear * 133 / 256) + plain);
+  QuantConfig online;
+  online.method = QuantMethod::kFp8;
+  online.bits = 8;
+  online.online = true;
+  EXPECT_EQ(model_weight_bytes(llama3_8b(), DType::kBF16, online),
+            32 * (linear + 7 * 4) + plain);
+  // The ranks of a plan hold it too: TP 2's two ranks split the packed linear layers.
+  ParallelConfig tp2;
+  tp2.tp_size = 2;
+  auto p = make_parallel_plan(awq, tp2, DType::kBF16);
+  ASSERT_TRUE(p) << p.status().to_string();
+  EXPECT_EQ(p->ranks[0].weight_bytes - p->ranks[0].padding_bytes,
+            16 * (linear * 133 / 256) + plain / 2 + 32 * 2 * 4096 + 4096);
+  // Qwen2.5-72B's MLP (29568 = 231 groups of 128) splits into no ranks of whole groups, which
+  // is why Qwen's AWQ export pads it to 29696 (232 groups): that one splits 8 ways.
+  ModelConfig qwen72 = llama3_70b();
+  qwen72.intermediate_size = 29568;
+  qwen72.quant = awq.quant;
+  ParallelConfig tp8;
+  tp8.tp_size = 8;
+  auto refused = make_parallel_plan(qwen72, tp8, DType::kF16);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.status().message().find("-tp 8 splits a quantization group: down_proj"),
+            std::string::npos)
+      << refused.status().message();
+  EXPECT_TRUE(refused.status().message().ends_with("valid -tp values for this model: 1"))
+      << refused.status().message();
+  qwen72.intermediate_size = 29696;
+  EXPECT_TRUE(make_parallel_plan(qwen72, tp8, DType::kF16));
+}
+
 // What the ranks hold together, exactly: every tensor once, plus
 //   - the replicated tensors (input/post-attention norms, q/k norms, the final norm) T - 1 more
 //     times (each rank of a stage holds them whole);

@@ -185,6 +185,7 @@ EngineSpec every_engine_field() {
   e.nccl_init_timeout_s = 77;
   e.return_logits = true;
   e.resolved = true;
+  e.quantization = QuantMethod::kGptq;
   return e;
 }
 
@@ -274,6 +275,7 @@ TEST(ConvertTest, ModelInfoEveryField) {
   in.backend = "cuda";
   in.dtype = "BF16";
   in.device_name = "NVIDIA H200";
+  in.quantization = "awq (4-bit, group 128)";
   ModelInfo out = round_trip<proto::ModelInfo>(in);
   EXPECT_EQ(out.architecture, in.architecture);
   EXPECT_EQ(out.vocab_size, in.vocab_size);
@@ -290,6 +292,7 @@ TEST(ConvertTest, ModelInfoEveryField) {
   EXPECT_EQ(out.backend, in.backend);
   EXPECT_EQ(out.dtype, in.dtype);
   EXPECT_EQ(out.device_name, in.device_name);
+  EXPECT_EQ(out.quantization, in.quantization);
 }
 
 }  // namespace
