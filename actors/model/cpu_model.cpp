@@ -214,9 +214,10 @@ class CpuModel::Step {
 
   Status qkv(int64_t i) {
     const LayerWeights& w = layer(i);
-    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.q_proj, bias(w.q_bias), q_));
-    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.k_proj, bias(w.k_bias), k_));
-    return linear(hidden_, w.v_proj, bias(w.v_bias), v_);
+    const float in = shared_input_scale({&w.q_proj, &w.k_proj, &w.v_proj});
+    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.q_proj, in, bias(w.q_bias), q_));
+    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.k_proj, in, bias(w.k_bias), k_));
+    return linear(hidden_, w.v_proj, in, bias(w.v_bias), v_);
   }
 
   Status rope_cache(int64_t i) {
@@ -237,7 +238,7 @@ class CpuModel::Step {
 
   Status o_proj(int64_t i) {
     const LayerWeights& w = layer(i);
-    return linear(attn_out_, w.o_proj, bias(w.o_bias), proj_);
+    return linear(attn_out_, w.o_proj, shared_input_scale({&w.o_proj}), bias(w.o_bias), proj_);
   }
 
   Status post_norm(int64_t i) {
@@ -247,10 +248,11 @@ class CpuModel::Step {
 
   Status mlp(int64_t i) {
     const LayerWeights& w = layer(i);
-    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.gate_proj, nullptr, gate_));
-    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.up_proj, nullptr, up_));
+    const float in = shared_input_scale({&w.gate_proj, &w.up_proj});
+    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.gate_proj, in, nullptr, gate_));
+    TESSERA_RETURN_IF_ERROR(linear(hidden_, w.up_proj, in, nullptr, up_));
     TESSERA_RETURN_IF_ERROR(cpu::silu_mul(m_.ctx_, gate_, up_, act_));
-    return linear(act_, w.down_proj, nullptr, proj_);
+    return linear(act_, w.down_proj, shared_input_scale({&w.down_proj}), nullptr, proj_);
   }
 
   Status logits() {
@@ -301,19 +303,18 @@ class CpuModel::Step {
   static const TensorView* bias(const TensorView& t) { return t.data != nullptr ? &t : nullptr; }
 
   // y = x · wᵀ (+ bias) with w dequantized; an FP8 layer's (W8A8) input is rounded to FP8
-  // first, per token or with its static input_scale, as the GPU's FP8 GEMM reads it.
-  Status linear(std::span<const float> x, const LinearWeight& w, const TensorView* b,
-                std::span<float> y) {
+  // first, per token (input_scale 0) or with the static scale its fused group shares
+  // (shared_input_scale), as the GPU's FP8 GEMM reads it.
+  Status linear(std::span<const float> x, const LinearWeight& w, float input_scale,
+                const TensorView* b, std::span<float> y) {
     const Fp8Activations act = m_.quant_.activations;
     if (w.method != QuantMethod::kFp8 || act == Fp8Activations::kNone) {
       return cpu::linear(m_.ctx_, x, w.weight, b, y);
     }
     scratch_.assign(x.begin(), x.end());
     const int64_t cols = w.weight.shape.at(1);
-    const float input_scale =
-        act == Fp8Activations::kStatic && w.input_scale.data != nullptr ? w.input_scale.at(0) : 0.f;
     fake_quantize_fp8_activations(scratch_, static_cast<int64_t>(scratch_.size()) / cols, cols,
-                                  input_scale);
+                                  act == Fp8Activations::kStatic ? input_scale : 0.f);
     return cpu::linear(m_.ctx_, scratch_, w.weight, b, y);
   }
 

@@ -606,6 +606,14 @@ Fp8Weight quantize_fp8(const TensorView& weight) {
   return out;
 }
 
+float shared_input_scale(std::initializer_list<const LinearWeight*> layers) {
+  float scale = 0.f;
+  for (const LinearWeight* w : layers) {
+    if (w->input_scale.data != nullptr) scale = std::max(scale, w->input_scale.at(0));
+  }
+  return scale;
+}
+
 void fake_quantize_fp8_activations(std::span<float> x, int64_t rows, int64_t cols,
                                    float input_scale) {
   for (int64_t r = 0; r < rows; ++r) {

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <string_view>
@@ -179,8 +180,14 @@ struct Fp8Weight {
 };
 Fp8Weight quantize_fp8(const TensorView& weight);
 
+// The static input scale of layers that share one input (q, k, v; gate, up): the largest of
+// theirs, as vLLM's fused layers take it, so the one rounded input serves them all; 0 when none
+// has one (dynamic).
+float shared_input_scale(std::initializer_list<const LinearWeight*> layers);
+
 // W8A8's activation rounding on the CPU: each row of x [rows, cols] becomes fp8(x / a) * a,
-// a = `input_scale` when > 0 (static), else max|row| / 448 (dynamic per token).
+// a = `input_scale` when > 0 (static), else max|row| / 448 (dynamic per token). Under tensor
+// parallelism a row-parallel layer's rank rounds its share of the row (vLLM's W8A8 does too).
 void fake_quantize_fp8_activations(std::span<float> x, int64_t rows, int64_t cols,
                                    float input_scale);
 

@@ -467,5 +467,15 @@ TEST(QuantFp8Test, OnlineQuantizationAndActivationRounding) {
   EXPECT_EQ(s[1], 448.f);
 }
 
+TEST(QuantFp8Test, FusedLayersShareTheLargestStaticInputScale) {
+  const float a = 0.5f, b = 2.f;
+  LinearWeight q, k, v;
+  q.input_scale = {&a, DType::kF32, {1}};
+  k.input_scale = {&b, DType::kF32, {}};
+  EXPECT_EQ(shared_input_scale({&q, &k, &v}), 2.f);
+  EXPECT_EQ(shared_input_scale({&q}), 0.5f);
+  EXPECT_EQ(shared_input_scale({&v}), 0.f) << "no scale: dynamic";
+}
+
 }  // namespace
 }  // namespace tessera
