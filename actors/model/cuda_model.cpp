@@ -158,6 +158,13 @@ Status CudaModel::allocate_buffers() {
   const size_t ws = cuda::attention_workspace_bytes(S, static_cast<int>(p.heads),
                                                     static_cast<int>(c.head_dim), max_splits);
   TESSERA_RETURN_IF_ERROR(alloc(attn_workspace_, ws, "split-K attention"));
+  if (const uint64_t w4 = weights_->w4_workspace_bytes(T); w4 > 0) {
+    // The int4 layers' split-K counters start zero and every call leaves them so; the prefill
+    // path dequantizes a layer's weight here.
+    TESSERA_RETURN_IF_ERROR(alloc(w4_workspace_, w4, "int4 GEMM workspace"));
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(w4_workspace_.get(), 0, w4, stream_),
+                                 "clearing the int4 GEMM workspace");
+  }
   MetaLayout m = MetaLayout::make(T, S, max_blocks_per_seq_);
   TESSERA_RETURN_IF_ERROR(alloc(meta_, m.bytes, "step metadata"));
   for (void*& host : meta_host_) {
@@ -433,8 +440,8 @@ class CudaModel::Ops {
 
   Status qkv(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
-    return gemm(T_, qkv_rows(m_.config_, m_.plan_), H_, m_.hidden_.get(), w.qkv, w.qkv_bias,
-                m_.qkv_.get(), dt_);
+    return linear(w.qkv, T_, qkv_rows(m_.config_, m_.plan_), H_, m_.hidden_.get(), w.qkv_bias,
+                  m_.qkv_.get());
   }
 
   Status rope_cache(int64_t i) {
@@ -454,8 +461,8 @@ class CudaModel::Ops {
 
   Status o_proj(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
-    return gemm(T_, H_, m_.plan_.heads * m_.config_.head_dim, m_.attn_.get(), w.o, w.o_bias,
-                m_.proj_.get(), dt_);
+    return linear(w.o, T_, H_, m_.plan_.heads * m_.config_.head_dim, m_.attn_.get(), w.o_bias,
+                  m_.proj_.get());
   }
 
   Status post_norm(int64_t i) {
@@ -467,9 +474,9 @@ class CudaModel::Ops {
     const CudaLayer& w = m_.weights_->layer(i);
     const int64_t I = m_.plan_.intermediate;
     TESSERA_RETURN_IF_ERROR(
-        gemm(T_, 2 * I, H_, m_.hidden_.get(), w.gate_up, nullptr, m_.gate_up_.get(), dt_));
+        linear(w.gate_up, T_, 2 * I, H_, m_.hidden_.get(), nullptr, m_.gate_up_.get()));
     TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
-    return gemm(T_, H_, I, m_.act_.get(), w.down, nullptr, m_.proj_.get(), dt_);
+    return linear(w.down, T_, H_, I, m_.act_.get(), nullptr, m_.proj_.get());
   }
 
   Status logits() {
@@ -513,6 +520,16 @@ class CudaModel::Ops {
               void* out, DType out_dt) {
     cuda::GemmShape shape{M, N, K, dt_, out_dt, b != nullptr};
     return m_.gemm_->linear(shape, x, w, b, out, st_);
+  }
+  // out[M, N] = x[M, K] · Wᵀ (+ b) for a decoder linear layer: cuBLASLt for a plain weight, the
+  // W4A16 kernels for an int4 one (then the bias, which they do not add).
+  Status linear(const CudaLinear& l, int64_t M, int64_t N, int64_t K, const void* x, const void* b,
+                void* out) {
+    if (!l.int4()) return gemm(M, N, K, x, l.w, b, out, dt_);
+    TESSERA_RETURN_IF_ERROR(cuda::w4_linear(l.w4, x, M, out, m_.w4_workspace_.get(),
+                                            m_.w4_workspace_.bytes(), m_.gemm_.get(), st_));
+    if (b == nullptr) return Status::ok();
+    return cuda::add_bias(dt_, out, b, M, N, st_);
   }
 
   CudaModel& m_;
@@ -702,11 +719,13 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
                                                        const EngineSpec& engine,
                                                        int gpu_shares) {
   TESSERA_RETURN_IF_ERROR(check_resolved(engine));
-  if (engine.quantization != QuantMethod::kNone) {
-    return failed_precondition(
-        std::string("the CUDA backend does not run ") + quant_method_name(engine.quantization) +
-        " weights yet: run this model with --device cpu (the reference), or a "
-        "plain bf16/fp16 checkpoint on the GPU");
+  TESSERA_ASSIGN_OR_RETURN(const QuantConfig quant,
+                           resolve_quantization(engine.quantization, config.quant));
+  if (quant.method == QuantMethod::kFp8 ||
+      (quant.method == QuantMethod::kGptq && quant.bits != 4)) {
+    return failed_precondition("the CUDA backend does not run " + quant.describe() +
+                               " weights yet: run this model with --device cpu (the reference), "
+                               "or an AWQ / 4-bit GPTQ checkpoint on the GPU");
   }
   const DType dtype = run_dtype(engine);
   if (!cuda::is_half_type(dtype)) {
@@ -737,13 +756,21 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   // Would the weights and activations fit at all? Check before touching the GPU's memory.
   {
     const size_t es = dtype_size(dtype);
-    const uint64_t weights = CudaWeights::bytes_needed(config, plan, dtype);
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t weights,
+                             CudaWeights::bytes_needed(config, plan, dtype));
     const uint64_t per_token =
         (4 * config.hidden_size + 2 * qkv_rows(config, plan) + 3 * plan.intermediate) * es;
     const uint64_t logits = plan.last_stage ? engine.max_num_seqs * config.vocab_size * 4 *
                                                   (plan.parallel.tp_size > 1 ? 2 : 1)
                                             : 0;
-    const uint64_t activations = m->max_tokens_ * per_token + logits + 64 * kMiB;
+    // int4 layers: a prefill dequantizes the largest one's weight into the workspace.
+    const uint64_t w4 = quant.method == QuantMethod::kNone
+                            ? 0
+                            : std::max({qkv_rows(config, plan) * config.hidden_size,
+                                        2 * plan.intermediate * config.hidden_size,
+                                        plan.heads * config.head_dim * config.hidden_size}) *
+                                  es;
+    const uint64_t activations = m->max_tokens_ * per_token + logits + w4 + 64 * kMiB;
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *
                             m->kv_block_bytes_per_layer();
     const uint64_t need = weights + activations + min_kv;

@@ -131,6 +131,7 @@ class CudaModel {
   cuda::DeviceBuffer shard_logits_;  // [T][max_num_seqs][vocab_shard] fp32 (T: tp ranks)
   cuda::DeviceBuffer logits_;        // [max_num_seqs][vocab] fp32
   cuda::DeviceBuffer attn_workspace_;
+  cuda::DeviceBuffer w4_workspace_;    // the int4 layers' (zeroed once; kernels/cuda/quant_gemm.h)
   cuda::DeviceBuffer sampled_tokens_;  // tensor parallelism: [max_num_seqs] packed, [tp][...]
   // Step metadata: one device block and two pinned host images used in turn (a step is staged
   // while the one before runs, whose copies read their image when they run).

@@ -3,6 +3,9 @@
 // double-buffered staging. q|k|v (and their biases) and gate|up are stacked along the output
 // dimension so each is one GEMM; lm_head's vocabulary slice is zero-padded to the plan's
 // vocab_shard rows so every tensor-parallel rank computes the same number of logit columns.
+// An int4 checkpoint's (AWQ, 4-bit GPTQ) linear layers are uploaded as stored, repacked on the
+// GPU for the W4A16 kernels (kernels/cuda/quant_gemm.h) and stacked the same way: the kernels'
+// layout is a sequence of 64-output units, so q's, k's and v's follow one another.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,33 +18,49 @@
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/quant_gemm.h"
 
 namespace tessera {
+
+// A linear layer on the GPU: a plain [out, in] weight in the run dtype (a cuBLASLt GEMM), or
+// an int4 layer repacked for the W4A16 kernels.
+struct CudaLinear {
+  const void* w = nullptr;
+  cuda::W4Layer w4;
+  bool int4() const { return w4.qweight != nullptr; }
+};
 
 // A layer's device tensors (null when absent). Shapes are this rank's.
 struct CudaLayer {
   const void* input_norm = nullptr;  // [hidden]
   const void* post_norm = nullptr;   // [hidden]
-  const void* qkv = nullptr;         // [(heads + 2 kv_heads) head_dim, hidden]
+  CudaLinear qkv;                    // [(heads + 2 kv_heads) head_dim, hidden]
   const void* qkv_bias = nullptr;    // [(heads + 2 kv_heads) head_dim] or null
-  const void* o = nullptr;           // [hidden, heads head_dim]
+  CudaLinear o;                      // [hidden, heads head_dim]
   const void* o_bias = nullptr;      // [hidden] or null (tp rank 0 only)
   const void* q_norm = nullptr;      // [head_dim] or null
   const void* k_norm = nullptr;      // [head_dim] or null
-  const void* gate_up = nullptr;     // [2 intermediate, hidden]
-  const void* down = nullptr;        // [hidden, intermediate]
+  CudaLinear gate_up;                // [2 intermediate, hidden]
+  CudaLinear down;                   // [hidden, intermediate]
 };
 
 class CudaWeights {
  public:
   // Uploads `host` (the plan's shards) converted to `dtype` (kBF16 or kF16) on `stream`.
+  // config.quant says how the linear layers are stored; those it quantizes in AWQ or 4-bit
+  // GPTQ are repacked (INVALID_ARGUMENT naming the layer for a shape the kernels cannot take).
   static Expected<std::unique_ptr<CudaWeights>> upload(const ModelConfig& config,
                                                        const LayerPlan& plan,
                                                        const ModelWeights& host, DType dtype,
                                                        cudaStream_t stream);
 
   // Bytes the upload will take (for the memory check before anything is allocated).
-  static uint64_t bytes_needed(const ModelConfig& config, const LayerPlan& plan, DType dtype);
+  // Errors: an int4 layer the kernels cannot take (its shape, or parts stored differently).
+  static Expected<uint64_t> bytes_needed(const ModelConfig& config, const LayerPlan& plan,
+                                         DType dtype);
+
+  // The workspace the int4 layers need for steps of up to `max_m` tokens (0: none is int4).
+  uint64_t w4_workspace_bytes(int64_t max_m) const;
 
   const CudaLayer& layer(int64_t i) const { return layers_[static_cast<size_t>(i)]; }
   const void* embed() const { return embed_; }            // [vocab_rows, hidden], first stage

@@ -482,6 +482,20 @@ class QuantizedLayer {
   }
 
  private:
+  // The input a layer reads, named for the layers that share it: GPTQ's act-order comes from
+  // the input's statistics, so q, k and v (and gate and up) share their g_idx.
+  static std::string input_of(const std::string& module) {
+    for (const auto& [part, shared] : {std::pair{"self_attn.q_proj", "self_attn.qkv"},
+                                       {"self_attn.k_proj", "self_attn.qkv"},
+                                       {"self_attn.v_proj", "self_attn.qkv"},
+                                       {"mlp.gate_proj", "mlp.gate_up"},
+                                       {"mlp.up_proj", "mlp.gate_up"}}) {
+      const std::string p(part);
+      if (module.ends_with(p)) return module.substr(0, module.size() - p.size()) + shared;
+    }
+    return module;
+  }
+
   const std::vector<WeightSpec>& expected_weights_cached(const ModelConfig& plain) {
     if (table_.empty()) table_ = expected_weights(plain);
     return table_;
@@ -494,7 +508,7 @@ class QuantizedLayer {
       std::vector<float> w(static_cast<size_t>(out * in));
       TESSERA_RETURN_IF_ERROR(
           fill(init, 0, std::span<uint8_t>(reinterpret_cast<uint8_t*>(w.data()), w.size() * 4)));
-      parts_ = quantize_linear(w, out, in, q_, tensor_key(seed, module));
+      parts_ = quantize_linear(w, out, in, q_, tensor_key(seed, input_of(module)));
       module_ = module;
     }
     for (const QuantizedPart& p : parts_) {

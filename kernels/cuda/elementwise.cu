@@ -618,6 +618,17 @@ __global__ void convert_kernel(const From* __restrict__ src, To* __restrict__ ds
   }
 }
 
+template <typename T>
+__global__ void add_bias_kernel(T* __restrict__ out, const T* __restrict__ bias, int64_t rows,
+                                int64_t cols) {
+  const int64_t n = rows * cols;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    out[i] = dev::from_float<T>(dev::to_float(out[i]) + dev::to_float(bias[i % cols]));
+  }
+}
+
 // ---- vocabulary-parallel embedding, residual add ----
 
 template <typename T>
@@ -795,6 +806,26 @@ Status silu_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, v
   return with_half_type(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return launch_silu_mul<T>(gate_up, rows, inter, out, stream);
+  });
+}
+
+Status add_bias(DType dtype, void* out, const void* bias, int64_t rows, int64_t cols,
+                cudaStream_t stream) {
+  constexpr const char* kOp = "add_bias";
+  TESSERA_RETURN_IF_ERROR(check_half_dtype(dtype, kOp));
+  TESSERA_RETURN_IF_ERROR(check_non_negative(rows, kOp, "rows"));
+  TESSERA_RETURN_IF_ERROR(check_positive(cols, kOp, "cols"));
+  if (rows == 0) return Status::ok();
+  TESSERA_RETURN_IF_ERROR(check_not_null(out, kOp, "out"));
+  TESSERA_RETURN_IF_ERROR(check_not_null(bias, kOp, "bias"));
+  constexpr int kThreads = 256;
+  const unsigned grid =
+      static_cast<unsigned>(std::min<int64_t>(ceil_div(rows * cols, kThreads), 8192));
+  return with_half_type(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    add_bias_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<T*>(out),
+                                                      static_cast<const T*>(bias), rows, cols);
+    return launch_status("add_bias_kernel");
   });
 }
 

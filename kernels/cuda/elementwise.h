@@ -109,6 +109,12 @@ Status rope_and_cache(const RopeCacheArgs& args, cudaStream_t stream);
 Status silu_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, void* out,
                 cudaStream_t stream);
 
+// out[r, c] = round(out[r, c] + bias[c]): the bias of a linear layer whose GEMM does not add it
+// (the int4 kernels).
+//   out: [rows, cols] dtype;  bias: [cols] dtype
+Status add_bias(DType dtype, void* out, const void* bias, int64_t rows, int64_t cols,
+                cudaStream_t stream);
+
 // Converts n elements between dtypes (kF32, kF16, kBF16; round to nearest even).
 Status convert(DType from, const void* src, DType to, void* dst, int64_t n, cudaStream_t stream);
 

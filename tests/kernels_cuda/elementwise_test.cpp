@@ -737,6 +737,30 @@ TEST(CudaSiluMul, MatchesCpu) {
   }
 }
 
+// add_bias: each element once rounded, out + bias[column], bit for bit.
+TEST(CudaAddBias, RoundsOutPlusBiasOnce) {
+  TESSERA_REQUIRE_GPU();
+  for (DType d : kHalfTypes) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 8}, {7, 4096 + 3}, {300, 64}}) {
+      const HalfTensor out = random_half(d, rows * cols, 60 + rows, -4.0f, 4.0f);
+      const HalfTensor bias = random_half(d, cols, 61 + cols, -1.0f, 1.0f);
+      std::vector<uint16_t> want(out.bits.size());
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        want[i] = to_bits(d, out.values[i] + bias.values[i % cols]);
+      }
+      DeviceBuffer d_out = alloc(out.bits.size() * 2);
+      upload_to(static_cast<uint16_t*>(d_out.get()), out.bits);
+      DeviceBuffer d_bias = alloc(bias.bits.size() * 2);
+      upload_to(static_cast<uint16_t*>(d_bias.get()), bias.bits);
+      ASSERT_TRUE(add_bias(d, d_out.get(), d_bias.get(), rows, cols, nullptr).is_ok());
+      EXPECT_EQ(download<uint16_t>(d_out.get(), want.size()), want)
+          << label(d, "add_bias " + std::to_string(rows) + " x " + std::to_string(cols));
+    }
+  }
+  EXPECT_FALSE(add_bias(DType::kF32, nullptr, nullptr, 1, 1, nullptr).is_ok());
+  EXPECT_FALSE(add_bias(DType::kBF16, nullptr, nullptr, 1, 1, nullptr).is_ok());
+}
+
 // More rows than the grid covers at once (4 rows a thread, 65535 CTAs down): the row loop.
 TEST(CudaSiluMul, RowsPastOneGrid) {
   TESSERA_REQUIRE_GPU();

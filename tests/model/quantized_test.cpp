@@ -354,6 +354,90 @@ TEST(QuantizedModelErrorsTest, OnlineFp8IsTheFp8OfThePlainWeights) {
   fs::remove_all(fp8_dir);
 }
 
+// Against Hugging Face transformers: scripts/goldens/quant_goldens.py (run on the GPU machine)
+// makes the same checkpoints, dequantizes them with its own Python reading of each format,
+// runs transformers' LlamaForCausalLM in fp32 and records probe logits at every prompt position
+// and greedy tokens (tests/assets/goldens/quant_<format>.json). The CPU backend must agree: the
+// formats are read the same way by two implementations.
+class QuantGoldenTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(QuantGoldenTest, LogitsAndGreedyTokensMatchTransformers) {
+  std::ifstream in(source_dir() + "/tests/assets/goldens/quant_" + GetParam() + ".json");
+  ASSERT_TRUE(in) << "missing golden for " << GetParam();
+  const nlohmann::json g = nlohmann::json::parse(in);
+  MakeModelOptions o;
+  o.arch = "llama";
+  o.preset = "tiny";
+  o.tokenizer_dir = source_dir() + "/tests/assets/tokenizers/" + g["tokenizer"].get<std::string>();
+  o.seed = g["seed"].get<uint64_t>();
+  o.dtype = "bf16";
+  o.overrides.intermediate_size = 192;
+  o.overrides.num_layers = 3;
+  const auto flags = g["flags"].get<std::vector<std::string>>();
+  for (size_t i = 0; i < flags.size(); ++i) {
+    const std::string& f = flags[i];
+    auto next = [&] { return flags.at(++i); };
+    if (f == "--quantization")
+      o.quantization.method = next();
+    else if (f == "--group-size")
+      o.quantization.group_size = std::stoll(next());
+    else if (f == "--bits")
+      o.quantization.bits = std::stoi(next());
+    else if (f == "--desc-act")
+      o.quantization.desc_act = true;
+    else if (f == "--asym")
+      o.quantization.asym = true;
+    else if (f == "--weight-scale")
+      o.quantization.weight_scale = next();
+    else if (f == "--activations")
+      o.quantization.activations = next();
+    else
+      FAIL() << "unknown flag in the golden: " << f;
+  }
+  o.out = temp_dir("golden-" + GetParam());
+  ASSERT_TRUE(make_model(o).is_ok());
+  auto group = RankGroup::load(o.out, 1, 1);
+  ASSERT_TRUE(group) << group.status().to_string();
+  const auto probe = g["probe_ids"].get<std::vector<int64_t>>();
+  double worst = 0;
+  uint64_t request = 1;
+  for (const auto& c : g["cases"]) {
+    const auto ids = c["ids"].get<std::vector<int32_t>>();
+    const int64_t n = static_cast<int64_t>(ids.size());
+    const std::vector<uint32_t> blocks = {0, 1, 2, 3};
+    std::vector<int32_t> tokens;
+    for (int64_t pos = 0; pos < n; ++pos) {  // token by token: logits at every position
+      auto out = (*group)->execute(seq_step(request, {ids[pos]}, pos, pos == 0, n,
+                                            pos == 0 ? blocks : std::vector<uint32_t>{}));
+      ASSERT_TRUE(out) << out.status().to_string();
+      for (size_t k = 0; k < probe.size(); ++k) {
+        const double diff = std::abs(out->logits[static_cast<size_t>(probe[k])] -
+                                     c["probe_logits"][pos][k].get<double>());
+        worst = std::max(worst, diff);
+        ASSERT_LT(diff, 1e-4) << GetParam() << " position " << pos << " id " << probe[k];
+      }
+      if (pos == n - 1) tokens.push_back(out->outputs[0].sample.token);
+    }
+    const auto greedy = c["greedy"].get<std::vector<int32_t>>();
+    while (tokens.size() < greedy.size()) {
+      auto out = (*group)->execute(seq_step(
+          request, {tokens.back()}, n + static_cast<int64_t>(tokens.size()) - 1, false, 0, {}));
+      ASSERT_TRUE(out) << out.status().to_string();
+      tokens.push_back(out->outputs[0].sample.token);
+    }
+    EXPECT_EQ(tokens, greedy) << GetParam() << ": " << c["prompt"];
+    ASSERT_TRUE((*group)->execute(finish(request)));
+    ++request;
+  }
+  std::printf("%s: max |logit diff| vs transformers = %.3g\n", GetParam().c_str(), worst);
+  group->reset();
+  fs::remove_all(o.out);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantGoldenTest,
+                         ::testing::Values("awq", "gptq_desc_act_asym", "gptq_8bit",
+                                           "fp8_channel"));
+
 // The load error of `dir` on one CPU rank.
 std::string load_error(const std::string& dir, QuantMethod flag = QuantMethod::kAuto) {
   EngineSpec engine;
