@@ -109,7 +109,10 @@ class CudaBackend final : public Backend {
     i.kv_cache_dtype =
         kv_cache_storage_name(model_->engine().kv_cache_dtype, model_->dtype());
     i.device_name = m.device_name;
-    i.quantization = quant_method_name(model_->engine().quantization);
+    // The spec is resolved, so this agrees with the checkpoint (CudaModel::create checked it).
+    const Expected<QuantConfig> quant =
+        resolve_quantization(model_->engine().quantization, c.quant);
+    i.quantization = quant ? quant->describe() : quant_method_name(model_->engine().quantization);
     return i;
   }
 
