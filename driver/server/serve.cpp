@@ -845,6 +845,38 @@ Expected<std::string> read_text(const std::string& path) {
 // How long SIGTERM may take to end the server (Kubernetes gives 30 s, Docker 10 s).
 constexpr std::chrono::seconds kStopGrace{8};
 
+namespace {
+
+// The chat template: --chat-template's (a file, or the template itself), else the model's
+// tokenizer_config.json's; none (with a warning) when the model has none.
+Expected<std::optional<chat::ChatTemplate>> load_chat_template(const ServeOptions& o,
+                                                               const Tokenizer& tokenizer) {
+  if (!o.chat_template.empty()) {
+    std::string source = o.chat_template;
+    if (std::filesystem::is_regular_file(o.chat_template)) {
+      auto text = read_text(o.chat_template);
+      if (!text) return text.status();
+      source = *text;
+    }
+    auto bos = tokenizer.bos_id();
+    auto eos = tokenizer.eos_ids();
+    auto parsed = chat::ChatTemplate::parse(
+        source, bos ? tokenizer.id_to_token(*bos).value_or("") : "",
+        eos.empty() ? "" : tokenizer.id_to_token(eos.front()).value_or(""));
+    if (!parsed) return parsed.status().with_context("--chat-template");
+    return std::optional<chat::ChatTemplate>(std::move(*parsed));
+  }
+  auto loaded = chat::ChatTemplate::load(o.engine.model + "/tokenizer_config.json");
+  if (loaded) return std::optional<chat::ChatTemplate>(std::move(*loaded));
+  if (loaded.status().code() != Code::kNotFound) return loaded.status();
+  spdlog::warn(
+      "the model has no chat template: /v1/chat/completions answers 400 (give one with "
+      "--chat-template)");
+  return std::optional<chat::ChatTemplate>();
+}
+
+}  // namespace
+
 int serve_command(const ServeOptions& options) {
   auto fail = [](const Status& st) {
     std::cerr << "tessera serve: " << st.message() << "\n";
@@ -912,34 +944,9 @@ int serve_command(const ServeOptions& options) {
   model.tokenizer = &session.tokenizer();
   model.created = unix_now();
   model.tool_call_parser = o.tool_call_parser;
-  std::optional<chat::ChatTemplate> chat_template;
-  if (!o.chat_template.empty()) {
-    std::string source = o.chat_template;
-    if (std::filesystem::is_regular_file(o.chat_template)) {
-      auto text = read_text(o.chat_template);
-      if (!text) return fail(text.status());
-      source = *text;
-    }
-    auto bos = session.tokenizer().bos_id();
-    auto eos = session.tokenizer().eos_ids();
-    auto parsed = chat::ChatTemplate::parse(
-        source, bos ? session.tokenizer().id_to_token(*bos).value_or("") : "",
-        eos.empty() ? "" : session.tokenizer().id_to_token(eos.front()).value_or(""));
-    if (!parsed) return fail(parsed.status().with_context("--chat-template"));
-    chat_template = std::move(*parsed);
-  } else {
-    auto loaded = chat::ChatTemplate::load(o.engine.model + "/tokenizer_config.json");
-    if (loaded) {
-      chat_template = std::move(*loaded);
-    } else if (loaded.status().code() == Code::kNotFound) {
-      spdlog::warn(
-          "the model has no chat template: /v1/chat/completions answers 400 (give one with "
-          "--chat-template)");
-    } else {
-      return fail(loaded.status());
-    }
-  }
-  if (chat_template) model.chat_template = &*chat_template;
+  auto chat_template = load_chat_template(o, session.tokenizer());
+  if (!chat_template) return fail(chat_template.status());
+  if (*chat_template) model.chat_template = &**chat_template;
 
   beast::error_code ec;
   acceptor.listen(asio::socket_base::max_listen_connections, ec);
@@ -959,11 +966,12 @@ int serve_command(const ServeOptions& options) {
     const ModelInfo& m = (*engine)->loaded();
     const int64_t kv_tokens = m.kv_blocks * m.block_size;
     spdlog::info(
-        "model: {} in {} on the {} backend{}{}, {} rank(s); weights {:.2f} GiB, KV cache {:.2f} "
+        "model: {} in {} on the {} backend{}{}, {} rank(s); weights {:.2f} GiB ({}), KV cache "
+        "{:.2f} "
         "GiB = {} blocks of {} tokens = {} tokens ({:.1f} sequences of --max-model-len {}); "
         "loaded in {:.1f} s",
         m.architecture, m.dtype, m.backend, m.device_name.empty() ? "" : " on ", m.device_name,
-        session.plan().plan.world, static_cast<double>(m.weight_bytes) / (1 << 30),
+        session.plan().plan.world, static_cast<double>(m.weight_bytes) / (1 << 30), m.quantization,
         static_cast<double>(m.kv_cache_bytes) / (1 << 30), m.kv_blocks, m.block_size, kv_tokens,
         m.max_model_len > 0 ? static_cast<double>(kv_tokens) / static_cast<double>(m.max_model_len)
                             : 0.0,
