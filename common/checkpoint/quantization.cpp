@@ -653,6 +653,14 @@ float f16_at_least(float s) {
   return f16_to_float(h);
 }
 
+// std::lround for |v| < 2^31, inline: the truncation, then a step away from zero at .5 (v - t
+// is exact in float).
+inline int round_half_away(float v) {
+  const int t = static_cast<int>(v);
+  const float d = v - static_cast<float>(t);
+  return t + (d >= 0.5f ? 1 : 0) - (d <= -0.5f ? 1 : 0);
+}
+
 GroupScale group_scale(float lo, float hi, int bits, bool sym, int min_zero) {
   const int maxq = (1 << bits) - 1;
   if (sym) {
@@ -792,11 +800,20 @@ std::vector<QuantizedPart> quantize_linear(std::span<const float> w, int64_t out
   // Per group and output: the range, then the scale and zero.
   std::vector<float> lo(static_cast<size_t>(groups * out), 0.f), hi(lo.size(), 0.f);
   parallel_for(out, [&](int64_t first, int64_t last) {
+    std::vector<float> row_lo(static_cast<size_t>(groups)), row_hi(row_lo.size());
     for (int64_t o = first; o < last; ++o) {
+      std::fill(row_lo.begin(), row_lo.end(), 0.f);
+      std::fill(row_hi.begin(), row_hi.end(), 0.f);
+      const float* row = w.data() + o * in;
       for (int64_t i = 0; i < in; ++i) {
-        const size_t at = static_cast<size_t>(g_idx[i] * out + o);
-        lo[at] = std::min(lo[at], w[o * in + i]);
-        hi[at] = std::max(hi[at], w[o * in + i]);
+        float& l = row_lo[static_cast<size_t>(g_idx[i])];
+        float& h = row_hi[static_cast<size_t>(g_idx[i])];
+        l = std::min(l, row[i]);
+        h = std::max(h, row[i]);
+      }
+      for (int64_t k = 0; k < groups; ++k) {
+        lo[static_cast<size_t>(k * out + o)] = row_lo[static_cast<size_t>(k)];
+        hi[static_cast<size_t>(k * out + o)] = row_hi[static_cast<size_t>(k)];
       }
     }
   });
@@ -814,12 +831,17 @@ std::vector<QuantizedPart> quantize_linear(std::span<const float> w, int64_t out
   }
   const int maxq = (1 << bits) - 1;
   std::vector<uint8_t> ints(static_cast<size_t>(in * out));  // [in, out]
-  parallel_for(out, [&](int64_t first, int64_t last) {
-    for (int64_t o = first; o < last; ++o) {
+  // By blocks of kBlock outputs: each input's row of the block is one contiguous write.
+  constexpr int64_t kBlock = 64;
+  parallel_for((out + kBlock - 1) / kBlock, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t o0 = b * kBlock, o1 = std::min(out, o0 + kBlock);
       for (int64_t i = 0; i < in; ++i) {
-        const size_t at = static_cast<size_t>(g_idx[i] * out + o);
-        const int v = static_cast<int>(std::lround(w[o * in + i] / scale_f[at])) + zeros[at];
-        ints[i * out + o] = static_cast<uint8_t>(std::clamp(v, 0, maxq));
+        const size_t at = static_cast<size_t>(g_idx[i] * out);
+        for (int64_t o = o0; o < o1; ++o) {
+          const int v = round_half_away(w[o * in + i] / scale_f[at + o]) + zeros[at + o];
+          ints[i * out + o] = static_cast<uint8_t>(std::clamp(v, 0, maxq));
+        }
       }
     }
   });
