@@ -752,8 +752,20 @@ Status check_linear_shape(const QuantConfig& q, int64_t out, int64_t in, const s
 
 std::vector<QuantizedPart> quantize_linear(std::span<const float> w, int64_t out, int64_t in,
                                            const QuantConfig& q, uint64_t seed) {
+  return quantize_linear(
+      [&](int64_t first, int64_t last, float* dst) {
+        std::memcpy(dst, w.data() + first * in, static_cast<size_t>((last - first) * in) * 4);
+      },
+      out, in, q, seed);
+}
+
+std::vector<QuantizedPart> quantize_linear(const WeightRows& rows, int64_t out, int64_t in,
+                                           const QuantConfig& q, uint64_t seed) {
   std::vector<QuantizedPart> parts;
   if (q.method == QuantMethod::kFp8) {
+    std::vector<float> w(static_cast<size_t>(out * in));
+    parallel_for(out,
+                 [&](int64_t first, int64_t last) { rows(first, last, w.data() + first * in); });
     const bool channel = q.weight_scale == Fp8Scale::kChannel;
     std::vector<uint8_t> bytes(static_cast<size_t>(out * in));
     std::vector<float> row_max(static_cast<size_t>(out), 0.f);
@@ -797,50 +809,50 @@ std::vector<QuantizedPart> quantize_linear(std::span<const float> w, int64_t out
     }
   }
   for (int64_t k = 0; k < in; ++k) g_idx[perm[k]] = static_cast<int32_t>(k / g);
-  // Per group and output: the range, then the scale and zero.
-  std::vector<float> lo(static_cast<size_t>(groups * out), 0.f), hi(lo.size(), 0.f);
-  parallel_for(out, [&](int64_t first, int64_t last) {
-    std::vector<float> row_lo(static_cast<size_t>(groups)), row_hi(row_lo.size());
-    for (int64_t o = first; o < last; ++o) {
-      std::fill(row_lo.begin(), row_lo.end(), 0.f);
-      std::fill(row_hi.begin(), row_hi.end(), 0.f);
-      const float* row = w.data() + o * in;
-      for (int64_t i = 0; i < in; ++i) {
-        float& l = row_lo[static_cast<size_t>(g_idx[i])];
-        float& h = row_hi[static_cast<size_t>(g_idx[i])];
-        l = std::min(l, row[i]);
-        h = std::max(h, row[i]);
-      }
-      for (int64_t k = 0; k < groups; ++k) {
-        lo[static_cast<size_t>(k * out + o)] = row_lo[static_cast<size_t>(k)];
-        hi[static_cast<size_t>(k * out + o)] = row_hi[static_cast<size_t>(k)];
-      }
-    }
-  });
   const bool sym = q.method == QuantMethod::kGptq && q.sym;
   // GPTQ's stored zero - 1 cannot hold -1: asymmetric zeros start at 1.
   const int min_zero = q.method == QuantMethod::kGptq && q.zero_offset ? 1 : 0;
-  std::vector<uint16_t> scales(lo.size());
-  std::vector<uint8_t> zeros(lo.size());
-  std::vector<float> scale_f(lo.size());
-  for (size_t k = 0; k < lo.size(); ++k) {
-    const GroupScale gs = group_scale(lo[k], hi[k], bits, sym, min_zero);
-    scales[k] = float_to_f16(gs.scale);
-    scale_f[k] = gs.scale;
-    zeros[k] = static_cast<uint8_t>(gs.zero);
-  }
   const int maxq = (1 << bits) - 1;
+  std::vector<uint16_t> scales(static_cast<size_t>(groups * out));
+  std::vector<uint8_t> zeros(scales.size());
   std::vector<uint8_t> ints(static_cast<size_t>(in * out));  // [in, out]
-  // By blocks of kBlock outputs: each input's row of the block is one contiguous write.
+  // By blocks of kBlock outputs, each made, ranged, scaled and rounded while it is in cache (a
+  // 70B layer's floats are never all in memory); each input's row of a block is one contiguous
+  // write of the [in, out] ints.
   constexpr int64_t kBlock = 64;
   parallel_for((out + kBlock - 1) / kBlock, [&](int64_t first, int64_t last) {
+    std::vector<float> w(static_cast<size_t>(kBlock * in));
+    std::vector<float> lo(static_cast<size_t>(kBlock * groups)), hi(lo.size()), scale_f(lo.size());
+    std::vector<uint8_t> zero(lo.size());
     for (int64_t b = first; b < last; ++b) {
-      const int64_t o0 = b * kBlock, o1 = std::min(out, o0 + kBlock);
+      const int64_t o0 = b * kBlock, o1 = std::min(out, o0 + kBlock), n = o1 - o0;
+      rows(o0, o1, w.data());
+      std::fill(lo.begin(), lo.end(), 0.f);
+      std::fill(hi.begin(), hi.end(), 0.f);
+      for (int64_t r = 0; r < n; ++r) {  // per group and output: the range
+        const float* row = w.data() + r * in;
+        float* l = lo.data() + r * groups;
+        float* h = hi.data() + r * groups;
+        for (int64_t i = 0; i < in; ++i) {
+          l[g_idx[i]] = std::min(l[g_idx[i]], row[i]);
+          h[g_idx[i]] = std::max(h[g_idx[i]], row[i]);
+        }
+        for (int64_t k = 0; k < groups; ++k) {  // then the scale and zero
+          const GroupScale gs = group_scale(l[k], h[k], bits, sym, min_zero);
+          scale_f[static_cast<size_t>(r * groups + k)] = gs.scale;
+          zero[static_cast<size_t>(r * groups + k)] = static_cast<uint8_t>(gs.zero);
+          scales[static_cast<size_t>(k * out + o0 + r)] = float_to_f16(gs.scale);
+          zeros[static_cast<size_t>(k * out + o0 + r)] = static_cast<uint8_t>(gs.zero);
+        }
+      }
       for (int64_t i = 0; i < in; ++i) {
-        const size_t at = static_cast<size_t>(g_idx[i] * out);
-        for (int64_t o = o0; o < o1; ++o) {
-          const int v = round_half_away(w[o * in + i] / scale_f[at + o]) + zeros[at + o];
-          ints[i * out + o] = static_cast<uint8_t>(std::clamp(v, 0, maxq));
+        const int64_t k = g_idx[i];
+        for (int64_t r = 0; r < n; ++r) {
+          const size_t at = static_cast<size_t>(r * groups + k);
+          const int v =
+              round_half_away(w[static_cast<size_t>(r * in + i)] / scale_f[at]) + zero[at];
+          ints[static_cast<size_t>(i * out + o0 + r)] =
+              static_cast<uint8_t>(std::clamp(v, 0, maxq));
         }
       }
     }

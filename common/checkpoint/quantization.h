@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <span>
 #include <string>
@@ -171,6 +172,12 @@ struct QuantizedPart {
 Status check_linear_shape(const QuantConfig& q, int64_t out, int64_t in, const std::string& name);
 
 std::vector<QuantizedPart> quantize_linear(std::span<const float> w, int64_t out, int64_t in,
+                                           const QuantConfig& q, uint64_t seed);
+// The same, the weights asked for by rows: rows(first, last, dst) writes rows [first, last) of
+// w to dst ([last - first, in]), from several threads at once (disjoint rows). AWQ and GPTQ
+// never hold more than a block of rows per thread (make-model's 70B layers).
+using WeightRows = std::function<void(int64_t first, int64_t last, float* dst)>;
+std::vector<QuantizedPart> quantize_linear(const WeightRows& rows, int64_t out, int64_t in,
                                            const QuantConfig& q, uint64_t seed);
 
 // FP8 of a plain [out, in] weight, per tensor (online FP8): the E4M3 bytes and the scale.

@@ -503,13 +503,28 @@ class QuantizedLayer {
 
   Expected<const QuantizedPart*> part(const std::string& module, const std::string& suffix,
                                       const Init& init, const WeightSpec& source, uint64_t seed) {
+    // The writer orders a file's tensors by dtype, then name: a layer's int32 qweight and
+    // qzeros come together, its F16 scales in a later run over all layers. So the small parts
+    // of every layer made are kept (scales, zeros, g_idx, weight_scale: ~1/64 of the bytes),
+    // and the large one of the last layer only; a layer is made again only when its large part
+    // is asked for after it was dropped (FP8's weight after its F32 scale).
+    if (const auto it = small_.find(module + "." + suffix); it != small_.end()) return &it->second;
     if (module != module_) {
       const int64_t out = source.shape[0], in = source.shape[1];
-      std::vector<float> w(static_cast<size_t>(out * in));
-      TESSERA_RETURN_IF_ERROR(
-          fill(init, 0, std::span<uint8_t>(reinterpret_cast<uint8_t*>(w.data()), w.size() * 4)));
-      parts_ = quantize_linear(w, out, in, q_, tensor_key(seed, input_of(module)));
+      // The float weights block by block as quantize_linear asks (never the whole layer).
+      auto rows = [&init, in](int64_t first, int64_t last, float* dst) {
+        fill_range(init, static_cast<uint64_t>(first * in),
+                   static_cast<size_t>((last - first) * in), reinterpret_cast<uint8_t*>(dst));
+      };
+      parts_ = quantize_linear(rows, out, in, q_, tensor_key(seed, input_of(module)));
       module_ = module;
+      const QuantizedPart* largest = nullptr;
+      for (const QuantizedPart& p : parts_) {
+        if (largest == nullptr || p.bytes.size() > largest->bytes.size()) largest = &p;
+      }
+      for (const QuantizedPart& p : parts_) {
+        if (&p != largest) small_.emplace(module + "." + p.suffix, p);
+      }
     }
     for (const QuantizedPart& p : parts_) {
       if (p.suffix == suffix) return &p;
@@ -521,6 +536,7 @@ class QuantizedLayer {
   std::vector<WeightSpec> table_;  // the plain model's
   std::string module_;             // the layer parts_ holds
   std::vector<QuantizedPart> parts_;
+  std::map<std::string, QuantizedPart> small_;  // every layer's small parts, by tensor name
 };
 
 struct Plan {

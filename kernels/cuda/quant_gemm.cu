@@ -23,7 +23,6 @@ constexpr int kTile = static_cast<int>(kW4Tile);  // outputs of a tile, inputs o
 constexpr int kUnitWords = kTile * kTile / 8;     // one (64 x 64) unit of int4 weights
 constexpr int kUnitBytes = kUnitWords * 4;        // 2 KiB
 constexpr int kThreads = 128;                     // 4 warps, 16 outputs of the tile each
-constexpr int kStages = 4;                        // cp.async pipeline depth
 constexpr int64_t kLockBytes = 32 << 10;          // split-K counters at the workspace's start
 constexpr int64_t kMaxTiles = kLockBytes / 4;     // one int32 counter per 64-output tile
 constexpr int64_t kMaxFusedCtas = 1024;           // the partial-sum slots are sized for this
@@ -335,14 +334,26 @@ constexpr int kSlotScales = kUnitBytes;        // 2 groups x 64 scales x 2 bytes
 constexpr int kSlotZeros = kSlotScales + 256;  // 2 groups x 64 zeros
 constexpr int kSlotX = kSlotZeros + 128;       // 8 NT rows of 64 inputs, 128 bytes each
 
-template <int NT>
+// One instance of the fused kernel: NT n-tiles of 8 tokens; ONE: m = 1 exactly (NT = 1), so a
+// slot holds x's one row and ldmatrix reads it for all 8 columns of the n-tile (columns 1..7
+// are copies whose outputs are never stored): 40 KiB per CTA instead of 54, five CTAs per SM;
+// TWO: group 32 (a unit spans two groups). Both are template arguments so that a stage's units
+// are straight-line code without branches, which the compiler interleaves.
+template <int NT_, bool ONE_, bool TWO_>
 struct FusedConfig {
-  static constexpr int kRows = 8 * NT;
+  static constexpr int NT = NT_;
+  static constexpr bool kOne = ONE_;
+  static constexpr bool kTwo = TWO_;
+  static_assert(!kOne || NT == 1, "one row is one n-tile");
+  static constexpr int kRows = kOne ? 1 : 8 * NT;
   static constexpr int kUnits = NT <= 2 ? 4 : 2;  // units per stage
   static constexpr int kSlotBytes = kSlotX + kRows * 128;
+  // cp.async pipeline depth. One row: 3 stages of 10 KiB, six CTAs per SM (measured on the
+  // H200 against 4 stages and five CTAs: 1.04-1.08x on layers of 59 MB and more).
+  static constexpr int kStages = kOne ? 3 : 4;
   static constexpr int kSmemBytes = kStages * kUnits * kSlotBytes;
-  // What fits in an H200 SM's 228 KiB (54, 70, 51, 83 KiB per CTA): the register cap.
-  static constexpr int kMinBlocks = NT == 1 ? 4 : NT == 2 ? 3 : NT == 4 ? 4 : 2;
+  // What fits in an H200 SM's 228 KiB (30, 54, 70, 51, 83 KiB per CTA): the register cap.
+  static constexpr int kMinBlocks = kOne ? 6 : NT == 1 ? 4 : NT == 2 ? 3 : NT == 4 ? 4 : 2;
   // Independent accumulator chains: with one n-tile, the 4 MMAs of a unit would otherwise wait
   // on each other (added together at the flush).
   static constexpr int kAccSets = NT == 1 ? 2 : 1;
@@ -382,9 +393,9 @@ struct Cursor {
 //   x: chunk tid % 8 of rows tid / 8 + 16 i (i < kXIters), for the rows below m;
 //   scales / zeros (threads 64..): one 16-byte chunk of the unit's group rows (8 chunks of
 //     scales and 4 of zeros per group).
-template <int NT>
+template <typename C>
 struct UnitLoader {
-  static constexpr int kXIters = NT == 1 ? 1 : NT / 2;  // 8 NT rows x 8 chunks / 128 threads
+  static constexpr int kXIters = C::NT == 1 ? 1 : C::NT / 2;  // 8 NT rows x 8 chunks / 128 threads
   const uint8_t* w;
   const uint8_t* x;
   int64_t x_step;     // 16 rows of x, in bytes
@@ -401,7 +412,7 @@ struct UnitLoader {
     x_step = static_cast<int64_t>(16) * p.in * 2;
     x_dst = kSlotX + row * 128 + ((chunk ^ (row & 7)) << 4);
     x_chunks = row < p.m ? min(kXIters, (p.m - row + 15) / 16) : 0;
-    const int groups_per_unit = p.two_groups ? 2 : 1;
+    const int groups_per_unit = C::kTwo ? 2 : 1;
     const int i = tid - 64;
     sz = nullptr;
     sz_row = 0;
@@ -439,9 +450,10 @@ struct UnitLoader {
 };
 
 // Adds the unit in `slot` (generic pointer into shared memory) to the warp's accumulators.
-template <typename T, int NT, int SETS>
-__device__ __forceinline__ void compute_unit(const uint8_t* slot, int m, bool two_groups, int warp,
-                                             int lane, float (&acc)[SETS][NT][4]) {
+template <typename T, typename C>
+__device__ __forceinline__ void compute_unit(const uint8_t* slot, int m, int warp, int lane,
+                                             float (&acc)[C::kAccSets][C::NT][4]) {
+  constexpr int NT = C::NT, SETS = C::kAccSets;
   using Ops = W4Ops<T>;
   const int r = lane >> 2;
   const uint4 q4 = *reinterpret_cast<const uint4*>(slot + warp * 512 + lane * 16);
@@ -455,7 +467,7 @@ __device__ __forceinline__ void compute_unit(const uint8_t* slot, int m, bool tw
   s[0][1] = scale_pair<T>(sp[8]);
   z[0][0] = zero_pair<T>(zp[0]);
   z[0][1] = zero_pair<T>(zp[8]);
-  if (two_groups) {
+  if constexpr (C::kTwo) {
     s[1][0] = scale_pair<T>(sp[kTile]);
     s[1][1] = scale_pair<T>(sp[kTile + 8]);
     z[1][0] = zero_pair<T>(zp[kTile]);
@@ -476,12 +488,12 @@ __device__ __forceinline__ void compute_unit(const uint8_t* slot, int m, bool tw
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      if (nt * 8 >= m) break;  // warp-uniform: n-tiles of padding rows only
+      if (nt > 0 && nt * 8 >= m) break;  // warp-uniform: n-tiles of padding rows only
       // Matrices: steps 2h and 2h + 1, inputs 0..7 and 8..15 of each = b0, b1, b0, b1.
-      const int row = nt * 8 + (lane & 7);
+      const int row = C::kOne ? 0 : nt * 8 + (lane & 7);
       const int chunk = h * 4 + (lane >> 3);
       uint32_t b[4];
-      ldmatrix_x4(xs + row * 128 + ((chunk ^ (lane & 7)) << 4), b);
+      ldmatrix_x4(xs + row * 128 + ((chunk ^ (row & 7)) << 4), b);
       Ops::mma(acc[h % SETS][nt], a[2 * h], b[0], b[1]);
       Ops::mma(acc[h % SETS][nt], a[2 * h + 1], b[2], b[3]);
     }
@@ -544,10 +556,10 @@ __device__ void flush_tile(const FusedParams& p, int tile, int warp, int lane,
   }
 }
 
-template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads, FusedConfig<NT>::kMinBlocks)
+template <typename T, typename C>
+__global__ void __launch_bounds__(kThreads, C::kMinBlocks)
     w4_fused_kernel(const __grid_constant__ FusedParams p) {
-  using C = FusedConfig<NT>;
+  constexpr int NT = C::NT;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_last;
   const int tid = static_cast<int>(threadIdx.x);
@@ -558,13 +570,13 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<NT>::kMinBlocks)
   const Cursor first{u_begin, u_begin / p.k_iters, u_begin % p.k_iters};
   const uint32_t base = smem_u32(smem);
   auto slot_addr = [&](int stage, int j) {
-    return static_cast<uint32_t>(((stage % kStages) * C::kUnits + j) * C::kSlotBytes);
+    return static_cast<uint32_t>(((stage % C::kStages) * C::kUnits + j) * C::kSlotBytes);
   };
 
   // The weights are constant: requested before the wait for the kernel that writes x.
-  const UnitLoader<NT> loader(p, tid);
+  const UnitLoader<C> loader(p, tid);
   Cursor load = first;
-  for (int st = 0; st < kStages - 1; ++st) {
+  for (int st = 0; st < C::kStages - 1; ++st) {
     for (int j = 0; j < C::kUnits && load.unit < u_end; ++j, load.advance(p.k_iters)) {
       loader.weights(p, load, base + slot_addr(st, j));
     }
@@ -573,13 +585,13 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<NT>::kMinBlocks)
   dev::pdl_launch_dependents();
   // Rows m.. of every x slot: zero (never loaded; their outputs are never stored).
   const int pad_chunks = (C::kRows - p.m) * 8;
-  for (int s = 0; s < kStages * C::kUnits; ++s) {
+  for (int s = 0; s < C::kStages * C::kUnits; ++s) {
     for (int c = tid; c < pad_chunks; c += kThreads) {
       sts128_zero(base + static_cast<uint32_t>(s * C::kSlotBytes + kSlotX + p.m * 128 + c * 16));
     }
   }
   Cursor load_x = first;
-  for (int st = 0; st < kStages - 1; ++st) {
+  for (int st = 0; st < C::kStages - 1; ++st) {
     for (int j = 0; j < C::kUnits && load_x.unit < u_end; ++j, load_x.advance(p.k_iters)) {
       loader.x_cols(load_x, base + slot_addr(st, j));
     }
@@ -617,9 +629,9 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<NT>::kMinBlocks)
   };
   Cursor comp = first;
   for (int st = 0; st < num_stages; ++st) {
-    cp_async_wait<kStages - 2>();  // stage st has landed (this thread's copies) ...
+    cp_async_wait<C::kStages - 2>();  // stage st has landed (this thread's copies) ...
     __syncthreads();               // ... everyone's; and stage st - 1's slots are free
-    const int next = st + kStages - 1;
+    const int next = st + C::kStages - 1;
     for (int j = 0; j < C::kUnits && load.unit < u_end; ++j, load.advance(p.k_iters)) {
       loader.weights(p, load, base + slot_addr(next, j));
       loader.x_cols(load, base + slot_addr(next, j));
@@ -630,8 +642,7 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<NT>::kMinBlocks)
       // over its units, so that their loads and dequantization overlap each other's MMAs.
 #pragma unroll
       for (int j = 0; j < C::kUnits; ++j) {
-        compute_unit<T, NT, C::kAccSets>(smem + slot_addr(st, j), p.m, p.two_groups, warp, lane,
-                                         acc);
+        compute_unit<T, C>(smem + slot_addr(st, j), p.m, warp, lane, acc);
       }
       comp.unit += C::kUnits;
       comp.kit += C::kUnits;
@@ -642,13 +653,136 @@ __global__ void __launch_bounds__(kThreads, FusedConfig<NT>::kMinBlocks)
       }
     } else {
       for (int j = 0; j < C::kUnits && comp.unit < u_end; ++j, comp.advance(p.k_iters)) {
-        compute_unit<T, NT, C::kAccSets>(smem + slot_addr(st, j), p.m, p.two_groups, warp, lane,
-                                         acc);
+        compute_unit<T, C>(smem + slot_addr(st, j), p.m, warp, lane, acc);
         if (comp.kit == p.k_iters - 1 || comp.unit == u_end - 1) flush(comp.tile);
       }
     }
   }
   cp_async_wait<0>();  // only empty groups remain; nothing may target shared memory at exit
+}
+
+// ---- the m = 1 kernel (decode of one sequence)
+//
+// No shared staging of the weights and no cross-CTA reduction: a warp owns a strip of 16
+// outputs (warp w of a 64-output tile, 512 contiguous bytes of every unit) over a range of the
+// tile's units, and streams its pieces straight into registers, kGemvDepth units ahead (16
+// bytes per lane each, ld.global.nc: the weights are read once). A CTA is 8 warps: kGemvSplit
+// K-slices of 8 / kGemvSplit strips, chosen per layer so that a small layer still spreads over
+// every SM (4096 x 4096: 256 CTAs of one strip, 8 K-slices of 8 units) and a large one shares
+// x among more strips. x's row is copied once into shared memory; ldmatrix reads it for all 8
+// columns of the MMA's n-tile (column 0 is the token; columns 1..7 are copies never stored).
+// At the end the K-slices' sums meet in shared memory and are added in slice order, so the
+// result does not depend on timing. Scales and zeros are read with each unit, through L1.
+constexpr int kGemvWarps = 8;
+constexpr int kGemvDepth = 4;
+
+struct GemvParams {
+  const uint8_t* qweight;
+  const void* scales;    // [out / 64][groups][64] T
+  const uint8_t* zeros;  // [out / 64][groups][64]
+  const void* x;         // [in] T, 16-byte aligned
+  void* y;               // [out] T
+  int in, groups, k_iters;
+  int group_mul, group_shift;
+  int split;  // K-slices per strip: 1, 2, 4 or 8 (kGemvWarps / split strips per CTA)
+};
+
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+template <typename T, bool TWO>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    w4_gemv_kernel(const __grid_constant__ GemvParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  float* red = reinterpret_cast<float*>(smem);  // [kGemvWarps][16] K-slice sums
+  uint8_t* xs = smem + kGemvWarps * 16 * 4;     // x's row
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int slice = warp % p.split;
+  const int strip = static_cast<int>(blockIdx.x) * (kGemvWarps / p.split) + warp / p.split;
+  const int tile = strip / 4, w = strip % 4;
+  const int per = (p.k_iters + p.split - 1) / p.split;
+  const int k0 = min(slice * per, p.k_iters), k1 = min(k0 + per, p.k_iters);
+  const int r = lane >> 2;
+  const uint8_t* wp =
+      p.qweight + (static_cast<int64_t>(tile) * p.k_iters) * kUnitBytes + w * 512 + lane * 16;
+  // Scale and zero of rows r and r + 8 of the strip in group g: index + g * 64.
+  const int64_t sz0 = static_cast<int64_t>(tile) * p.groups * kTile + w * 16 + r;
+  const auto* sc = static_cast<const uint16_t*>(p.scales) + sz0;
+  const uint8_t* zc = p.zeros + sz0;
+
+  uint4 q[kGemvDepth];
+  uint32_t s[kGemvDepth][TWO ? 4 : 2], z[kGemvDepth][TWO ? 4 : 2];
+  auto fetch = [&](int j, int kit) {
+    if (kit < k1) {
+      q[j] = ldg_stream(wp + static_cast<int64_t>(kit) * kUnitBytes);
+      const int g = (kit * p.group_mul) >> p.group_shift;
+#pragma unroll
+      for (int h = 0; h < (TWO ? 2 : 1); ++h) {
+        const int64_t at = static_cast<int64_t>(g + h) * kTile;
+        s[j][2 * h] = scale_pair<T>(__ldg(sc + at));
+        s[j][2 * h + 1] = scale_pair<T>(__ldg(sc + at + 8));
+        z[j][2 * h] = zero_pair<T>(__ldg(zc + at));
+        z[j][2 * h + 1] = zero_pair<T>(__ldg(zc + at + 8));
+      }
+    }
+  };
+  // The weights are constant: requested before the wait for the kernel that writes x.
+#pragma unroll
+  for (int j = 0; j < kGemvDepth; ++j) fetch(j, k0 + j);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  {
+    const auto* xg = static_cast<const uint4*>(p.x);
+    for (int i = static_cast<int>(threadIdx.x); i < p.in / 8; i += kGemvWarps * 32) {
+      reinterpret_cast<uint4*>(xs)[i] = xg[i];
+    }
+  }
+  __syncthreads();
+
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  const uint32_t xbase = smem_u32(xs) + (lane >> 3) * 16;  // matrix lane / 8 of each ldmatrix
+  for (int base = k0; base < k1; base += kGemvDepth) {
+#pragma unroll
+    for (int j = 0; j < kGemvDepth; ++j) {
+      const int kit = base + j;
+      if (kit >= k1) break;
+      const uint32_t qw[4] = {q[j].x, q[j].y, q[j].z, q[j].w};
+      uint32_t a[4][4];
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const int h = TWO ? (step >> 1) : 0;
+        const uint32_t zz[2] = {z[j][2 * h], z[j][2 * h + 1]};
+        const uint32_t ss[2] = {s[j][2 * h], s[j][2 * h + 1]};
+        dequant_word<T>(qw[step], zz, ss, a[step]);
+      }
+      fetch(j, kit + kGemvDepth);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t b[4];
+        ldmatrix_x4(xbase + (kit * kTile + h * 32) * 2, b);
+        W4Ops<T>::mma(acc[h], a[2 * h], b[0], b[1]);
+        W4Ops<T>::mma(acc[h], a[2 * h + 1], b[2], b[3]);
+      }
+    }
+  }
+  // Token 0's outputs: lanes 4r hold rows r (c0) and r + 8 (c2).
+  if ((lane & 3) == 0) {
+    red[warp * 16 + r] = acc[0][0] + acc[1][0];
+    red[warp * 16 + r + 8] = acc[0][2] + acc[1][2];
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < (kGemvWarps / p.split) * 16) {
+    const int ls = static_cast<int>(threadIdx.x) / 16, o = static_cast<int>(threadIdx.x) % 16;
+    float sum = 0.f;
+    for (int k = 0; k < p.split; ++k) sum += red[(ls * p.split + k) * 16 + o];
+    const int out_strip = static_cast<int>(blockIdx.x) * (kGemvWarps / p.split) + ls;
+    static_cast<T*>(p.y)[static_cast<int64_t>(out_strip) * 16 + o] = dev::from_float<T>(sum);
+  }
 }
 
 // ---- host side
@@ -810,10 +944,9 @@ uint64_t fused_scratch_bytes(int64_t out, int64_t in, int64_t m) {
   return fused_x_bytes(m, in) + align_up(slots * static_cast<uint64_t>(m) * kTile * 4);
 }
 
-template <typename T, int NT>
+template <typename T, typename C>
 Status launch_fused(FusedParams p, cudaStream_t stream) {
-  using C = FusedConfig<NT>;
-  auto* kernel = w4_fused_kernel<T, NT>;
+  auto* kernel = w4_fused_kernel<T, C>;
   if constexpr (C::kSmemBytes > 48 * 1024) {
     // Per launch rather than once: a host-side call, legal during stream capture.
     TESSERA_CUDA_RETURN_IF_ERROR(
@@ -845,12 +978,59 @@ Status launch_fused(FusedParams p, cudaStream_t stream) {
   return launch_status("w4_linear fused");
 }
 
-template <typename T>
+// Shared memory of the m = 1 kernel: the K-slice sums and x's row.
+uint64_t gemv_smem_bytes(int64_t in) { return static_cast<uint64_t>(kGemvWarps * 16 * 4 + in * 2); }
+// Inputs up to which the m = 1 kernel holds x's row (96 KiB of shared memory); longer rows
+// take the fused kernel.
+constexpr int64_t kGemvMaxIn = 48 * 1024;
+// Weights (out x in) up to which m = 1 takes w4_gemv_kernel. Measured on the H200 (graph
+// replay, tests/kernels_cuda DecodeBandwidth): 4096 x 4096 5.9 us against the fused kernel's
+// 8.8, 6144 x 4096 6.7 against 10.2; from 8192 x 8192 on the fused kernel's deeper pipeline and
+// six CTAs per SM win (28672 x 4096: 24.7 against 30.9 us).
+constexpr int64_t kGemvMaxWeights = int64_t{32} << 20;
+
+template <typename T, bool TWO>
+Status launch_gemv(const FusedParams& f, cudaStream_t stream) {
+  GemvParams p{};
+  p.qweight = f.qweight;
+  p.scales = f.scales;
+  p.zeros = f.zeros;
+  p.x = f.x;
+  p.y = f.y;
+  p.in = f.in;
+  p.groups = f.groups;
+  p.k_iters = f.k_iters;
+  p.group_mul = f.group_mul;
+  p.group_shift = f.group_shift;
+  // K-slices: as many as keep the layer's CTAs over ~2 per SM (a small layer), fewer for a
+  // large one so that its CTAs share x among more strips. Strips per CTA must divide strips.
+  const int64_t strips = f.out / 16;
+  int split = strips <= 512 ? 8 : strips <= 1024 ? 4 : strips <= 2048 ? 2 : 1;
+  while (strips % (kGemvWarps / split) != 0) split *= 2;
+  p.split = split;
+  const uint64_t smem = gemv_smem_bytes(f.in);
+  auto* kernel = w4_gemv_kernel<T, TWO>;
+  if (smem > 48 * 1024) {
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(gemv_smem_bytes(kGemvMaxIn))),
+        "w4_linear: raising the dynamic shared memory limit");
+  }
+  const auto grid = static_cast<unsigned>(strips / (kGemvWarps / split));
+  launch_pdl(kernel, dim3(grid), dim3(kGemvWarps * 32), static_cast<size_t>(smem), stream, p);
+  return launch_status("w4_linear gemv");
+}
+
+template <typename T, bool TWO>
 Status launch_fused_for_m(const FusedParams& p, cudaStream_t stream) {
-  if (p.m <= 8) return launch_fused<T, 1>(p, stream);
-  if (p.m <= 16) return launch_fused<T, 2>(p, stream);
-  if (p.m <= 32) return launch_fused<T, 4>(p, stream);
-  return launch_fused<T, 8>(p, stream);
+  if (p.m == 1 && p.in <= kGemvMaxIn && int64_t{p.out} * p.in <= kGemvMaxWeights) {
+    return launch_gemv<T, TWO>(p, stream);
+  }
+  if (p.m == 1) return launch_fused<T, FusedConfig<1, true, TWO>>(p, stream);
+  if (p.m <= 8) return launch_fused<T, FusedConfig<1, false, TWO>>(p, stream);
+  if (p.m <= 16) return launch_fused<T, FusedConfig<2, false, TWO>>(p, stream);
+  if (p.m <= 32) return launch_fused<T, FusedConfig<4, false, TWO>>(p, stream);
+  return launch_fused<T, FusedConfig<8, false, TWO>>(p, stream);
 }
 
 }  // namespace
@@ -992,8 +1172,12 @@ Status w4_linear(const W4Layer& layer, const void* x, int64_t m, void* y, void* 
   p.group_shift = layer.group == 128 ? 1 : 0;
   p.k_iters = static_cast<int>(layer.in / kW4Tile);
   p.total_units = static_cast<int>((layer.out / kW4Tile) * p.k_iters);
-  return bf16 ? launch_fused_for_m<__nv_bfloat16>(p, stream)
-              : launch_fused_for_m<__half>(p, stream);
+  if (p.two_groups) {
+    return bf16 ? launch_fused_for_m<__nv_bfloat16, true>(p, stream)
+                : launch_fused_for_m<__half, true>(p, stream);
+  }
+  return bf16 ? launch_fused_for_m<__nv_bfloat16, false>(p, stream)
+              : launch_fused_for_m<__half, false>(p, stream);
 }
 
 }  // namespace tessera::cuda
