@@ -18,11 +18,12 @@ using nlohmann::json;
 constexpr float kFp8Max = 448.f;
 
 // fn(begin, end) over [0, n) in slices on the machine's cores (make-model quantizes a 70B
-// checkpoint's 560 linear layers through these loops). Each index is one slice's alone.
+// checkpoint's 560 linear layers through these loops). Each index is one slice's alone; below
+// `serial_below` indices (cheap ones, such as a row's) one thread does them all.
 template <typename Fn>
-void parallel_for(int64_t n, Fn fn) {
+void parallel_for(int64_t n, Fn fn, int64_t serial_below = 256) {
   const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 32);
-  if (n < 256 || threads == 1) {
+  if (n < serial_below || threads == 1) {
     fn(int64_t{0}, n);
     return;
   }
@@ -820,43 +821,47 @@ std::vector<QuantizedPart> quantize_linear(const WeightRows& rows, int64_t out, 
   // 70B layer's floats are never all in memory); each input's row of a block is one contiguous
   // write of the [in, out] ints.
   constexpr int64_t kBlock = 64;
-  parallel_for((out + kBlock - 1) / kBlock, [&](int64_t first, int64_t last) {
-    std::vector<float> w(static_cast<size_t>(kBlock * in));
-    std::vector<float> lo(static_cast<size_t>(kBlock * groups)), hi(lo.size()), scale_f(lo.size());
-    std::vector<uint8_t> zero(lo.size());
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t o0 = b * kBlock, o1 = std::min(out, o0 + kBlock), n = o1 - o0;
-      rows(o0, o1, w.data());
-      std::fill(lo.begin(), lo.end(), 0.f);
-      std::fill(hi.begin(), hi.end(), 0.f);
-      for (int64_t r = 0; r < n; ++r) {  // per group and output: the range
-        const float* row = w.data() + r * in;
-        float* l = lo.data() + r * groups;
-        float* h = hi.data() + r * groups;
-        for (int64_t i = 0; i < in; ++i) {
-          l[g_idx[i]] = std::min(l[g_idx[i]], row[i]);
-          h[g_idx[i]] = std::max(h[g_idx[i]], row[i]);
+  parallel_for(
+      (out + kBlock - 1) / kBlock,
+      [&](int64_t first, int64_t last) {
+        std::vector<float> w(static_cast<size_t>(kBlock * in));
+        std::vector<float> lo(static_cast<size_t>(kBlock * groups)), hi(lo.size()),
+            scale_f(lo.size());
+        std::vector<uint8_t> zero(lo.size());
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t o0 = b * kBlock, o1 = std::min(out, o0 + kBlock), n = o1 - o0;
+          rows(o0, o1, w.data());
+          std::fill(lo.begin(), lo.end(), 0.f);
+          std::fill(hi.begin(), hi.end(), 0.f);
+          for (int64_t r = 0; r < n; ++r) {  // per group and output: the range
+            const float* row = w.data() + r * in;
+            float* l = lo.data() + r * groups;
+            float* h = hi.data() + r * groups;
+            for (int64_t i = 0; i < in; ++i) {
+              l[g_idx[i]] = std::min(l[g_idx[i]], row[i]);
+              h[g_idx[i]] = std::max(h[g_idx[i]], row[i]);
+            }
+            for (int64_t k = 0; k < groups; ++k) {  // then the scale and zero
+              const GroupScale gs = group_scale(l[k], h[k], bits, sym, min_zero);
+              scale_f[static_cast<size_t>(r * groups + k)] = gs.scale;
+              zero[static_cast<size_t>(r * groups + k)] = static_cast<uint8_t>(gs.zero);
+              scales[static_cast<size_t>(k * out + o0 + r)] = float_to_f16(gs.scale);
+              zeros[static_cast<size_t>(k * out + o0 + r)] = static_cast<uint8_t>(gs.zero);
+            }
+          }
+          for (int64_t i = 0; i < in; ++i) {
+            const int64_t k = g_idx[i];
+            for (int64_t r = 0; r < n; ++r) {
+              const size_t at = static_cast<size_t>(r * groups + k);
+              const int v =
+                  round_half_away(w[static_cast<size_t>(r * in + i)] / scale_f[at]) + zero[at];
+              ints[static_cast<size_t>(i * out + o0 + r)] =
+                  static_cast<uint8_t>(std::clamp(v, 0, maxq));
+            }
+          }
         }
-        for (int64_t k = 0; k < groups; ++k) {  // then the scale and zero
-          const GroupScale gs = group_scale(l[k], h[k], bits, sym, min_zero);
-          scale_f[static_cast<size_t>(r * groups + k)] = gs.scale;
-          zero[static_cast<size_t>(r * groups + k)] = static_cast<uint8_t>(gs.zero);
-          scales[static_cast<size_t>(k * out + o0 + r)] = float_to_f16(gs.scale);
-          zeros[static_cast<size_t>(k * out + o0 + r)] = static_cast<uint8_t>(gs.zero);
-        }
-      }
-      for (int64_t i = 0; i < in; ++i) {
-        const int64_t k = g_idx[i];
-        for (int64_t r = 0; r < n; ++r) {
-          const size_t at = static_cast<size_t>(r * groups + k);
-          const int v =
-              round_half_away(w[static_cast<size_t>(r * in + i)] / scale_f[at]) + zero[at];
-          ints[static_cast<size_t>(i * out + o0 + r)] =
-              static_cast<uint8_t>(std::clamp(v, 0, maxq));
-        }
-      }
-    }
-  });
+      },
+      /*serial_below=*/2);  // a block is ~a million weights: a thread each from two blocks on
   if (q.method == QuantMethod::kAwq) {
     parts.push_back({"qweight", DType::kI32, {in, out / 8}, as_bytes(pack_awq(ints, in, out))});
     parts.push_back({"qzeros", DType::kI32, {groups, out / 8}, as_bytes(pack_awq(zeros, groups, out))});
