@@ -336,7 +336,8 @@ constexpr int kSlotX = kSlotZeros + 128;       // 8 NT rows of 64 inputs, 128 by
 
 // One instance of the fused kernel: NT n-tiles of 8 tokens; ONE: m = 1 exactly (NT = 1), so a
 // slot holds x's one row and ldmatrix reads it for all 8 columns of the n-tile (columns 1..7
-// are copies whose outputs are never stored): 40 KiB per CTA instead of 54, five CTAs per SM;
+// are copies whose outputs are never stored): with 3 stages 30 KiB per CTA instead of 54, six
+// CTAs per SM;
 // TWO: group 32 (a unit spans two groups). Both are template arguments so that a stage's units
 // are straight-line code without branches, which the compiler interleaves.
 template <int NT_, bool ONE_, bool TWO_>
@@ -666,12 +667,12 @@ __global__ void __launch_bounds__(kThreads, C::kMinBlocks)
 // No shared staging of the weights and no cross-CTA reduction: a warp owns a strip of 16
 // outputs (warp w of a 64-output tile, 512 contiguous bytes of every unit) over a range of the
 // tile's units, and streams its pieces straight into registers, kGemvDepth units ahead (16
-// bytes per lane each, ld.global.nc: the weights are read once). A CTA is 8 warps: kGemvSplit
-// K-slices of 8 / kGemvSplit strips, chosen per layer so that a small layer still spreads over
-// every SM (4096 x 4096: 256 CTAs of one strip, 8 K-slices of 8 units) and a large one shares
-// x among more strips. x's row is copied once into shared memory; ldmatrix reads it for all 8
-// columns of the MMA's n-tile (column 0 is the token; columns 1..7 are copies never stored).
-// At the end the K-slices' sums meet in shared memory and are added in slice order, so the
+// bytes per lane each, ld.global.nc: the weights are read once). A CTA is kGemvWarps warps:
+// p.split K-slices of kGemvWarps / p.split strips, chosen per layer (launch_gemv) so that a small
+// layer still spreads over every SM (4096 x 4096: 256 CTAs of one strip, 8 K-slices of 8 units) and
+// a large one shares x among more strips. x's row is copied once into shared memory; ldmatrix reads
+// it for all 8 columns of the MMA's n-tile (column 0 is the token; columns 1..7 are copies never
+// stored). At the end the K-slices' sums meet in shared memory and are added in slice order, so the
 // result does not depend on timing. Scales and zeros are read with each unit, through L1.
 constexpr int kGemvWarps = 8;
 constexpr int kGemvDepth = 4;

@@ -462,6 +462,30 @@ TEST(W4LinearTest, LlamaShapes) {
   check_linear(*l, DType::kBF16, ms, *gemm);
 }
 
+// m = 1 on both sides of the kernels' split (w4_gemv_kernel up to 32 M weights, the fused
+// kernel's one-row instance above): 8192 x 4224 (34.6 M) takes the one-row fused kernel, with
+// group 128 and with group 32 (a unit over two groups); 16384 x 1024 and 32768 x 512 take the
+// gemv kernel with 4 and 2 K-slices per strip (the smaller layers of the tests above take 8 or 1).
+TEST(W4LinearTest, OneTokenBothKernels) {
+  REQUIRE_CUDA_DEVICE();
+  auto gemm = make_gemm();
+  ASSERT_NE(gemm, nullptr);
+  const int64_t ms[] = {1};
+  uint64_t seed = 250;
+  struct Case {
+    QuantConfig q;
+    int64_t out, in;
+  };
+  const Case cases[] = {{awq(128), 8192, 4224},
+                        {gptq(32, /*sym=*/false, /*desc_act=*/false), 8192, 4224},
+                        {awq(128), 16384, 1024},
+                        {gptq(64, /*sym=*/true, /*desc_act=*/true), 32768, 512}};
+  for (const Case& c : cases) {
+    auto l = make_layer(c.q, c.out, c.in, seed++);
+    check_linear(*l, DType::kBF16, ms, *gemm);
+  }
+}
+
 // A wide, short layer (600 tiles of 2 units): CTAs take several tiles, writing whole ones
 // directly and sharing the tiles at their ends, and stages cross tile boundaries.
 TEST(W4LinearTest, ManyTilesPerCta) {
