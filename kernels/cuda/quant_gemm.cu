@@ -9,7 +9,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/cuda_util.h"
@@ -668,14 +671,24 @@ __global__ void __launch_bounds__(kThreads, C::kMinBlocks)
 // outputs (warp w of a 64-output tile, 512 contiguous bytes of every unit) over a range of the
 // tile's units, and streams its pieces straight into registers, kGemvDepth units ahead (16
 // bytes per lane each, ld.global.nc: the weights are read once). A CTA is kGemvWarps warps:
-// p.split K-slices of kGemvWarps / p.split strips, chosen per layer (launch_gemv) so that a small
-// layer still spreads over every SM (4096 x 4096: 256 CTAs of one strip, 8 K-slices of 8 units) and
-// a large one shares x among more strips. x's row is copied once into shared memory; ldmatrix reads
-// it for all 8 columns of the MMA's n-tile (column 0 is the token; columns 1..7 are copies never
-// stored). At the end the K-slices' sums meet in shared memory and are added in slice order, so the
-// result does not depend on timing. Scales and zeros are read with each unit, through L1.
+// p.split K-slices of kGemvWarps / p.split strips (launch_gemv picks p.split so that the layer's
+// CTAs fill the GPU in one wave). x's row is copied once into shared memory; ldmatrix reads it
+// for all 8 columns of the MMA's n-tile (column 0 is the token; columns 1..7 are copies never
+// stored). At the end the K-slices' sums meet in shared memory and are added in slice order, so
+// the result does not depend on timing.
+//
+// Few instructions per weight (at m = 1 the kernel is issue-bound, not bandwidth-bound, if each
+// weight costs a subtract and a multiply): the MMA takes the magic-biased nibbles kMagic + q as
+// they are, one and_or per pair, and the scale and zero are applied to fp32 sums of 32 inputs:
+//   sum_i (q_i - z) s x_i = s (T - (kMagic + z) X),  T = sum_i (kMagic + q_i) x_i,  X = sum_i x_i
+// with X of every 32 inputs computed once per CTA from x's row. T is exact to fp32's 24 bits of
+// kMagic |x| (kMagic + q <= 1039), far below the output's rounding. So this kernel computes
+// x . ((q - z) s) with each product exact, where the other paths round each weight to the dtype
+// first (quant_gemm.h: w4_decode_kernel says which path a call takes).
 constexpr int kGemvWarps = 8;
 constexpr int kGemvDepth = 4;
+// Three CTAs per SM (80 registers): at two, a 6144 x 4096 layer's 384 CTAs take two waves.
+constexpr int kGemvMinBlocks = 3;
 
 struct GemvParams {
   const uint8_t* qweight;
@@ -696,12 +709,56 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   return v;
 }
 
+// Shared memory of the m = 1 kernel: the K-slice sums, the sums of x's 32-input pieces, x's row
+// (16-byte aligned).
+__host__ __device__ constexpr int gemv_x_offset(int in) {
+  return kGemvWarps * 16 * 4 + (in / 32 * 4 + 15) / 16 * 16;
+}
+
+// A scale's bits in the run dtype, as a float.
+template <typename T>
+__device__ __forceinline__ float scale_float(uint16_t bits);
+template <>
+__device__ __forceinline__ float scale_float<__half>(uint16_t bits) {
+  return __half2float(__ushort_as_half(bits));
+}
+template <>
+__device__ __forceinline__ float scale_float<__nv_bfloat16>(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+
+// Copies x's row into shared memory and writes xsum[j] = the fp32 sum of inputs 32j..32j+31
+// (four threads' 8 inputs each, added in a fixed order: every CTA gets the same sums).
+template <typename T>
+__device__ __forceinline__ void stage_x(const GemvParams& p, uint8_t* xs, float* xsum) {
+  const auto* xg = static_cast<const uint4*>(p.x);
+  const int vecs = p.in / 8;
+  const int rounded = (vecs + 31) / 32 * 32;  // whole warps take part in the shuffles
+  for (int i = static_cast<int>(threadIdx.x); i < rounded; i += kGemvWarps * 32) {
+    float sum = 0.f;
+    if (i < vecs) {
+      const uint4 v = xg[i];
+      reinterpret_cast<uint4*>(xs)[i] = v;
+      const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) sum += dev::to_float(e[k]);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (i < vecs && i % 4 == 0) xsum[i / 4] = sum;
+  }
+}
+
 template <typename T, bool TWO>
-__global__ void __launch_bounds__(kGemvWarps * 32)
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks)
     w4_gemv_kernel(const __grid_constant__ GemvParams p) {
+  constexpr float kMagic = std::is_same_v<T, __half> ? 1024.f : 128.f;
+  constexpr uint32_t kMagic2 = W4Ops<T>::kMagic * 0x10001u;
+  constexpr int kGroups = TWO ? 2 : 1;  // scale groups per unit
   extern __shared__ __align__(16) uint8_t smem[];
   float* red = reinterpret_cast<float*>(smem);  // [kGemvWarps][16] K-slice sums
-  uint8_t* xs = smem + kGemvWarps * 16 * 4;     // x's row
+  float* xsum = red + kGemvWarps * 16;          // [in / 32]
+  uint8_t* xs = smem + gemv_x_offset(p.in);     // x's row
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int slice = warp % p.split;
   const int strip = static_cast<int>(blockIdx.x) * (kGemvWarps / p.split) + warp / p.split;
@@ -716,19 +773,21 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   const auto* sc = static_cast<const uint16_t*>(p.scales) + sz0;
   const uint8_t* zc = p.zeros + sz0;
 
+  // The ring of units in flight: a lane's 16 bytes of weights, and per scale group the scales
+  // and the zeros of rows r (low half) and r + 8 (high half), packed to save registers.
   uint4 q[kGemvDepth];
-  uint32_t s[kGemvDepth][TWO ? 4 : 2], z[kGemvDepth][TWO ? 4 : 2];
+  uint32_t s[kGemvDepth][kGroups], z[kGemvDepth][kGroups];
   auto fetch = [&](int j, int kit) {
     if (kit < k1) {
       q[j] = ldg_stream(wp + static_cast<int64_t>(kit) * kUnitBytes);
       const int g = (kit * p.group_mul) >> p.group_shift;
 #pragma unroll
-      for (int h = 0; h < (TWO ? 2 : 1); ++h) {
+      for (int h = 0; h < kGroups; ++h) {
         const int64_t at = static_cast<int64_t>(g + h) * kTile;
-        s[j][2 * h] = scale_pair<T>(__ldg(sc + at));
-        s[j][2 * h + 1] = scale_pair<T>(__ldg(sc + at + 8));
-        z[j][2 * h] = zero_pair<T>(__ldg(zc + at));
-        z[j][2 * h + 1] = zero_pair<T>(__ldg(zc + at + 8));
+        s[j][h] = static_cast<uint32_t>(__ldg(sc + at)) | static_cast<uint32_t>(__ldg(sc + at + 8))
+                                                              << 16;
+        z[j][h] = static_cast<uint32_t>(__ldg(zc + at)) | static_cast<uint32_t>(__ldg(zc + at + 8))
+                                                              << 16;
       }
     }
   };
@@ -737,15 +796,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   for (int j = 0; j < kGemvDepth; ++j) fetch(j, k0 + j);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  {
-    const auto* xg = static_cast<const uint4*>(p.x);
-    for (int i = static_cast<int>(threadIdx.x); i < p.in / 8; i += kGemvWarps * 32) {
-      reinterpret_cast<uint4*>(xs)[i] = xg[i];
-    }
-  }
+  stage_x<T>(p, xs, xsum);
   __syncthreads();
 
-  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  float acc0 = 0.f, acc8 = 0.f;                            // rows r and r + 8, token column
   const uint32_t xbase = smem_u32(xs) + (lane >> 3) * 16;  // matrix lane / 8 of each ldmatrix
   for (int base = k0; base < k1; base += kGemvDepth) {
 #pragma unroll
@@ -756,25 +810,38 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
       uint32_t a[4][4];
 #pragma unroll
       for (int step = 0; step < 4; ++step) {
-        const int h = TWO ? (step >> 1) : 0;
-        const uint32_t zz[2] = {z[j][2 * h], z[j][2 * h + 1]};
-        const uint32_t ss[2] = {s[j][2 * h], s[j][2 * h + 1]};
-        dequant_word<T>(qw[step], zz, ss, a[step]);
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp)
+          a[step][pp] = and_or(qw[step] >> (4 * pp), 0x000f000fu, kMagic2);
+      }
+      float sf[2 * kGroups], zf[2 * kGroups];
+#pragma unroll
+      for (int h = 0; h < kGroups; ++h) {
+        sf[2 * h] = scale_float<T>(static_cast<uint16_t>(s[j][h]));
+        sf[2 * h + 1] = scale_float<T>(static_cast<uint16_t>(s[j][h] >> 16));
+        zf[2 * h] = -(kMagic + static_cast<float>(z[j][h] & 0xffu));
+        zf[2 * h + 1] = -(kMagic + static_cast<float>(z[j][h] >> 16));
       }
       fetch(j, kit + kGemvDepth);
+      const float2 xh = *reinterpret_cast<const float2*>(xsum + 2 * kit);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         uint32_t b[4];
         ldmatrix_x4(xbase + (kit * kTile + h * 32) * 2, b);
-        W4Ops<T>::mma(acc[h], a[2 * h], b[0], b[1]);
-        W4Ops<T>::mma(acc[h], a[2 * h + 1], b[2], b[3]);
+        float t[4] = {0.f, 0.f, 0.f, 0.f};
+        W4Ops<T>::mma(t, a[2 * h], b[0], b[1]);
+        W4Ops<T>::mma(t, a[2 * h + 1], b[2], b[3]);
+        const int e = TWO ? 2 * h : 0;
+        const float xsh = h == 0 ? xh.x : xh.y;
+        acc0 = fmaf(sf[e], fmaf(zf[e], xsh, t[0]), acc0);
+        acc8 = fmaf(sf[e + 1], fmaf(zf[e + 1], xsh, t[2]), acc8);
       }
     }
   }
   // Token 0's outputs: lanes 4r hold rows r (c0) and r + 8 (c2).
   if ((lane & 3) == 0) {
-    red[warp * 16 + r] = acc[0][0] + acc[1][0];
-    red[warp * 16 + r + 8] = acc[0][2] + acc[1][2];
+    red[warp * 16 + r] = acc0;
+    red[warp * 16 + r + 8] = acc8;
   }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < (kGemvWarps / p.split) * 16) {
@@ -979,16 +1046,35 @@ Status launch_fused(FusedParams p, cudaStream_t stream) {
   return launch_status("w4_linear fused");
 }
 
-// Shared memory of the m = 1 kernel: the K-slice sums and x's row.
-uint64_t gemv_smem_bytes(int64_t in) { return static_cast<uint64_t>(kGemvWarps * 16 * 4 + in * 2); }
+uint64_t gemv_smem_bytes(int64_t in) {
+  return static_cast<uint64_t>(gemv_x_offset(static_cast<int>(in)) + in * 2);
+}
 // Inputs up to which the m = 1 kernel holds x's row (96 KiB of shared memory); longer rows
 // take the fused kernel.
 constexpr int64_t kGemvMaxIn = 48 * 1024;
-// Weights (out x in) up to which m = 1 takes w4_gemv_kernel. Measured on the H200 (graph
-// replay, tests/kernels_cuda DecodeBandwidth): 4096 x 4096 5.9 us against the fused kernel's
-// 8.8, 6144 x 4096 6.7 against 10.2; from 8192 x 8192 on the fused kernel's deeper pipeline and
-// six CTAs per SM win (28672 x 4096: 24.7 against 30.9 us).
-constexpr int64_t kGemvMaxWeights = int64_t{32} << 20;
+
+// The m = 1 kernel's CTAs resident on the whole GPU at `smem` bytes of shared memory each
+// (asked once per device, instance and size class: host queries, legal during capture).
+template <typename T, bool TWO>
+Expected<int> gemv_resident(uint64_t smem) {
+  constexpr int kClasses = 8;  // shared memory in 12 KiB classes up to 96 KiB
+  static std::atomic<int> cached[kMaxDevices][kClasses] = {};
+  int device = 0;
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "w4_linear: cudaGetDevice");
+  const int cls = std::min<int>(static_cast<int>(smem / (12 << 10)), kClasses - 1);
+  const bool cache = device >= 0 && device < kMaxDevices;
+  if (cache && cached[device][cls].load() > 0) return cached[device][cls].load();
+  int sms = 0, per_sm = 0;
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                               "w4_linear: SM count");
+  const auto class_smem = static_cast<size_t>((cls + 1) * (12 << 10));  // the class's worst
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                   &per_sm, w4_gemv_kernel<T, TWO>, kGemvWarps * 32, class_smem),
+                               "w4_linear: occupancy");
+  const int resident = std::max(sms * per_sm, 1);
+  if (cache) cached[device][cls].store(resident);
+  return resident;
+}
 
 template <typename T, bool TWO>
 Status launch_gemv(const FusedParams& f, cudaStream_t stream) {
@@ -1003,12 +1089,6 @@ Status launch_gemv(const FusedParams& f, cudaStream_t stream) {
   p.k_iters = f.k_iters;
   p.group_mul = f.group_mul;
   p.group_shift = f.group_shift;
-  // K-slices: as many as keep the layer's CTAs over ~2 per SM (a small layer), fewer for a
-  // large one so that its CTAs share x among more strips. Strips per CTA must divide strips.
-  const int64_t strips = f.out / 16;
-  int split = strips <= 512 ? 8 : strips <= 1024 ? 4 : strips <= 2048 ? 2 : 1;
-  while (strips % (kGemvWarps / split) != 0) split *= 2;
-  p.split = split;
   const uint64_t smem = gemv_smem_bytes(f.in);
   auto* kernel = w4_gemv_kernel<T, TWO>;
   if (smem > 48 * 1024) {
@@ -1017,16 +1097,47 @@ Status launch_gemv(const FusedParams& f, cudaStream_t stream) {
                              static_cast<int>(gemv_smem_bytes(kGemvMaxIn))),
         "w4_linear: raising the dynamic shared memory limit");
   }
+  TESSERA_ASSIGN_OR_RETURN(const int resident, (gemv_resident<T, TWO>(smem)));
+  // K-slices: the most (up to one per warp) whose CTAs still run in one wave, so a small layer
+  // spreads over every SM and a large one keeps long strips (x copied by fewer CTAs). Strips
+  // per CTA must divide the layer's strips.
+  const int64_t strips = f.out / 16;
+  int split = 1;
+  while (split < kGemvWarps && strips * split * 2 / kGemvWarps <= resident) split *= 2;
+  while (strips % (kGemvWarps / split) != 0) split *= 2;
+  p.split = split;
   const auto grid = static_cast<unsigned>(strips / (kGemvWarps / split));
   launch_pdl(kernel, dim3(grid), dim3(kGemvWarps * 32), static_cast<size_t>(smem), stream, p);
   return launch_status("w4_linear gemv");
 }
 
+// TESSERA_W4_DECODE=fused sends m = 1 to the fused kernel, =gemv to the gemv kernel wherever x's
+// row fits (to compare the two side by side); unset or auto: kGemvMaxWeights decides.
+std::string_view m1_forced() {
+  static const std::string forced = [] {
+    const char* v = std::getenv("TESSERA_W4_DECODE");
+    return std::string(v != nullptr ? v : "auto");
+  }();
+  return forced;
+}
+
+// Weights (out x in) up to which m = 1 takes w4_gemv_kernel. Measured on the H200 (graph
+// replay, tests/kernels_cuda DecodeBandwidth): 4096 x 4096 5.8 us against the fused kernel's
+// 9.2, 6144 x 4096 6.7 against 11.1; from 28672 x 4096 on, the fused kernel's stream-K
+// balance wins (its CTAs split the units evenly; the gemv's strips come in waves of CTAs).
+constexpr int64_t kGemvMaxWeights = int64_t{32} << 20;
+
+W4DecodeKernel decode_kernel_for(int64_t out, int64_t in, int64_t m) {
+  if (m > kW4FusedMaxM) return W4DecodeKernel::kDequantGemm;
+  if (m > 1 || in > kGemvMaxIn || m1_forced() == "fused") return W4DecodeKernel::kFused;
+  if (m1_forced() == "gemv" || out * in <= kGemvMaxWeights) return W4DecodeKernel::kGemv;
+  return W4DecodeKernel::kFused;
+}
+
 template <typename T, bool TWO>
 Status launch_fused_for_m(const FusedParams& p, cudaStream_t stream) {
-  if (p.m == 1 && p.in <= kGemvMaxIn && int64_t{p.out} * p.in <= kGemvMaxWeights) {
+  if (decode_kernel_for(p.out, p.in, p.m) == W4DecodeKernel::kGemv)
     return launch_gemv<T, TWO>(p, stream);
-  }
   if (p.m == 1) return launch_fused<T, FusedConfig<1, true, TWO>>(p, stream);
   if (p.m <= 8) return launch_fused<T, FusedConfig<1, false, TWO>>(p, stream);
   if (p.m <= 16) return launch_fused<T, FusedConfig<2, false, TWO>>(p, stream);
@@ -1116,6 +1227,10 @@ uint64_t w4_workspace_bytes(int64_t out, int64_t in, int64_t max_m) {
   const uint64_t fused = fused_scratch_bytes(out, in, std::min(max_m, kW4FusedMaxM));
   const uint64_t prefill = max_m > kW4FusedMaxM ? align_up(static_cast<uint64_t>(out * in * 2)) : 0;
   return static_cast<uint64_t>(kLockBytes) + std::max(fused, prefill);
+}
+
+W4DecodeKernel w4_decode_kernel(int64_t out, int64_t in, int64_t m) {
+  return decode_kernel_for(out, in, m);
 }
 
 Status w4_linear(const W4Layer& layer, const void* x, int64_t m, void* y, void* workspace,

@@ -13,8 +13,9 @@
 //     sums (warps stream 16-output strips into registers) does the same in less latency.
 //   m > kW4FusedMaxM (prefill): the weights are dequantized into the workspace as [out, in] in
 //     the run dtype and the given cuBLASLt Gemm multiplies.
-// Both paths see the same dequantized weight: round((q - z) * round(s)) in the run dtype (s is
-// the checkpoint's fp16 scale, rounded to bf16 for a bf16 run), then fp32 sums of its products.
+// The fused kernel and the prefill path see the same dequantized weight: round((q - z) *
+// round(s)) in the run dtype (s is the checkpoint's fp16 scale, rounded to bf16 for a bf16 run),
+// then fp32 sums of its products; the m = 1 kernel skips the weight's rounding (w4_decode_kernel).
 //
 // Shapes: out and in multiples of 64 (kW4Tile), group 32, 64, 128 or in ("one group"), in a
 // multiple of group. Every Llama / Qwen projection at tensor-parallel splits 1, 2, 4 and 8 fits
@@ -127,6 +128,16 @@ Status w4_dequantize(const W4Layer& layer, void* w, cudaStream_t stream);
 // sums, the prefill path's [out, in] dequantized weight when max_m > kW4FusedMaxM). Layers may
 // share one workspace (take the largest) as long as their calls are ordered on one stream.
 uint64_t w4_workspace_bytes(int64_t out, int64_t in, int64_t max_m);
+
+// The kernel w4_linear runs for a layer [out, in] and m rows: for m = 1 and a layer of up to
+// 32 Mi weights (in <= 48 Ki) the gemv kernel, which multiplies the exact (q - z) by x and
+// applies the scale to fp32 sums of 32 products, so its result is x . ((q - z) s) with s in the
+// dtype but no weight rounded; the fused kernel for the rest of m <= kW4FusedMaxM, dequantize +
+// cuBLASLt above. The fused kernel and the dequantize path multiply the rounded weight of
+// w4_dequantize. TESSERA_W4_DECODE=fused|gemv in the environment forces m = 1's kernel (the
+// gemv where in allows) to compare them.
+enum class W4DecodeKernel : uint8_t { kGemv, kFused, kDequantGemm };
+W4DecodeKernel w4_decode_kernel(int64_t out, int64_t in, int64_t m);
 
 // y = x . W^T for the layer (see the file comment for the two paths).
 //   x:  [m, in] layer.dtype (any alignment; a 16-byte aligned x is read in place)

@@ -8,7 +8,8 @@
 //
 // Linear: y = w4_linear(x) for x in U(-1, 1) rounded to the dtype, against two double-precision
 // references: ya = x . W^T with dequantize's exact W, and yd = x . Wd^T with the weight the
-// kernels multiply (the round trip checks Wd). Per output element, with K = in,
+// kernels multiply (the round trip checks Wd; the m = 1 kernel's Wd is (q - z) * round(s) without
+// the rounding to the dtype, quant_gemm.h's w4_decode_kernel). Per output element, with K = in,
 // S = sum_i |x_i Wd_i| and A = 2^-20 sqrt(K) S:
 //   |y - yd| <= u |yd| + 2 A   u = 2^-8 (bf16) / 2^-11 (fp16): the one rounding of the fp32
 //                              result to the output dtype (half an ulp, relative);
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <span>
@@ -234,8 +236,9 @@ Expected<W4Layer> repack(const QuantLayer& l, DType dtype, DeviceBuffer* dst) {
   return layer;
 }
 
-// The weight the kernels multiply (file comment): round((q - z) * round(s)) in dtype.
-std::vector<float> kernel_weight(const QuantLayer& l, DType dtype) {
+// The weight the kernels multiply (file comment): round((q - z) * round(s)) in dtype, or with
+// `exact`, (q - z) * round(s) unrounded (the m = 1 kernel's, exact in a float).
+std::vector<float> kernel_weight(const QuantLayer& l, DType dtype, bool exact = false) {
   std::vector<float> wd(l.w.size());
   parallel_for(l.out, [&](int64_t first, int64_t last) {
     for (int64_t o = first; o < last; ++o) {
@@ -243,7 +246,8 @@ std::vector<float> kernel_weight(const QuantLayer& l, DType dtype) {
         const size_t at = static_cast<size_t>(o * l.in + i);
         const float s = l.scale(o, i);
         const float n = std::nearbyint(l.w[at] / s);  // q - z, exact in [-16, 15]
-        wd[at] = round_to(n * round_to(s, dtype), dtype);
+        const float product = n * round_to(s, dtype);
+        wd[at] = exact ? product : round_to(product, dtype);
       }
     }
   });
@@ -341,6 +345,7 @@ void check_linear(const QuantLayer& l, DType dtype, std::span<const int64_t> ms,
   auto layer = repack(l, dtype, &dst);
   ASSERT_TRUE(layer.has_value()) << l.name() << ": " << layer.status().to_string();
   const std::vector<float> wd = kernel_weight(l, dtype);
+  const std::vector<float> wd_exact = kernel_weight(l, dtype, /*exact=*/true);
   const int64_t max_m = *std::max_element(ms.begin(), ms.end());
   DeviceBuffer ws = make_workspace(l.out, l.in, max_m);
   for (int64_t m : ms) {
@@ -355,7 +360,8 @@ void check_linear(const QuantLayer& l, DType dtype, std::span<const int64_t> ms,
     const std::vector<uint16_t> bits = download_bits(yd.get(), static_cast<size_t>(m * l.out));
     std::vector<float> y(bits.size());
     for (size_t i = 0; i < bits.size(); ++i) y[i] = from_half_bits(bits[i], dtype);
-    expect_close(l, wd, x, m, dtype, y, what);
+    const bool gemv = w4_decode_kernel(l.out, l.in, m) == W4DecodeKernel::kGemv;
+    expect_close(l, gemv ? wd_exact : wd, x, m, dtype, y, what + (gemv ? " (gemv)" : ""));
     expect_counters_zero(ws, what);
   }
 }
@@ -465,7 +471,9 @@ TEST(W4LinearTest, LlamaShapes) {
 // m = 1 on both sides of the kernels' split (w4_gemv_kernel up to 32 M weights, the fused
 // kernel's one-row instance above): 8192 x 4224 (34.6 M) takes the one-row fused kernel, with
 // group 128 and with group 32 (a unit over two groups); 16384 x 1024 and 32768 x 512 take the
-// gemv kernel with 4 and 2 K-slices per strip (the smaller layers of the tests above take 8 or 1).
+// gemv kernel with fewer K-slices per strip than the small layers above (launch_gemv picks them
+// by the GPU's resident CTAs); in = 49216 is too long for the gemv's shared memory. Run with
+// TESSERA_W4_DECODE=fused and =gemv (scripts/gpu-check does), each kernel takes every case.
 TEST(W4LinearTest, OneTokenBothKernels) {
   REQUIRE_CUDA_DEVICE();
   auto gemm = make_gemm();
@@ -479,11 +487,15 @@ TEST(W4LinearTest, OneTokenBothKernels) {
   const Case cases[] = {{awq(128), 8192, 4224},
                         {gptq(32, /*sym=*/false, /*desc_act=*/false), 8192, 4224},
                         {awq(128), 16384, 1024},
-                        {gptq(64, /*sym=*/true, /*desc_act=*/true), 32768, 512}};
+                        {gptq(64, /*sym=*/true, /*desc_act=*/true), 32768, 512},
+                        {awq(64), 128, 49216}};
   for (const Case& c : cases) {
     auto l = make_layer(c.q, c.out, c.in, seed++);
-    check_linear(*l, DType::kBF16, ms, *gemm);
+    for (DType dt : {DType::kBF16, DType::kF16}) check_linear(*l, dt, ms, *gemm);
   }
+  EXPECT_EQ(w4_decode_kernel(128, 49216, 1), W4DecodeKernel::kFused);
+  EXPECT_EQ(w4_decode_kernel(4096, 4096, 2), W4DecodeKernel::kFused);
+  EXPECT_EQ(w4_decode_kernel(4096, 4096, kW4FusedMaxM + 1), W4DecodeKernel::kDequantGemm);
 }
 
 // A wide, short layer (600 tiles of 2 units): CTAs take several tiles, writing whole ones
@@ -501,7 +513,7 @@ TEST(W4LinearTest, ManyTilesPerCta) {
   }
 }
 
-// x one element into its buffer (2-byte aligned): the fused path copies it first.
+// x one element into its buffer (2-byte aligned): the fused and gemv paths copy it first.
 TEST(W4LinearTest, MisalignedInput) {
   REQUIRE_CUDA_DEVICE();
   auto l = make_layer(awq(64), 256, 1024, 7);
@@ -510,6 +522,7 @@ TEST(W4LinearTest, MisalignedInput) {
   auto layer = repack(*l, dt, &dst);
   ASSERT_TRUE(layer.has_value()) << layer.status().to_string();
   const std::vector<float> wd = kernel_weight(*l, dt);
+  const std::vector<float> wd_exact = kernel_weight(*l, dt, /*exact=*/true);
   DeviceBuffer ws = make_workspace(l->out, l->in, 64);
   for (int64_t m : {1, 5, 20, 40}) {
     const Input x = make_input(m, l->in, dt, 3 + m);
@@ -524,7 +537,8 @@ TEST(W4LinearTest, MisalignedInput) {
     const auto bits = download_bits(yd.get(), static_cast<size_t>(m * l->out));
     std::vector<float> y(bits.size());
     for (size_t i = 0; i < bits.size(); ++i) y[i] = from_half_bits(bits[i], dt);
-    expect_close(*l, wd, x, m, dt, y, "misaligned x m=" + std::to_string(m));
+    const bool gemv = w4_decode_kernel(l->out, l->in, m) == W4DecodeKernel::kGemv;
+    expect_close(*l, gemv ? wd_exact : wd, x, m, dt, y, "misaligned x m=" + std::to_string(m));
   }
 }
 
@@ -707,12 +721,16 @@ TEST(W4LinearTest, InvalidArguments) {
 
 // ---- decode speed (reported, not asserted: a shared GPU's timing is no test)
 
-// The fused path on Llama-3-8B / 70B-sized layers from random int4 tensors, m = 1 and 16: time
-// per call and the bandwidth of its weight, scale and zero bytes (H200: ~4.8 TB/s peak, ~4.3
+// Llama-3-8B / 70B-sized layers from random int4 tensors, m = 1, 16 and 128 (the prefill path,
+// printed beside a bf16 GEMM of the same shape): time per call and the bandwidth of the int4
+// weight, scale and zero bytes (H200: ~4.8 TB/s peak, ~4.3
 // TB/s for a device copy). Calls are replayed from a CUDA graph (no launch overhead) and cycle
 // through copies of the layer that together exceed the 60 MB L2, so weights come from HBM.
 TEST(W4LinearTest, DecodeBandwidth) {
   REQUIRE_CUDA_DEVICE();
+  constexpr int64_t kPrefillM = 128;  // a short prompt: the dequantize + cuBLASLt path
+  auto gemm = make_gemm();
+  ASSERT_NE(gemm, nullptr);
   const int64_t shapes[][2] = {{4096, 4096}, {6144, 4096},  {28672, 4096}, {4096, 14336},
                                {8192, 8192}, {57344, 8192}, {8192, 28672}, {1024, 4096}};
   cudaStream_t stream = nullptr;
@@ -743,38 +761,58 @@ TEST(W4LinearTest, DecodeBandwidth) {
       layers.push_back(*layer);
     }
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    DeviceBuffer ws = make_workspace(out, in, 16);
-    const Input x = make_input(16, in, DType::kBF16, 9);
+    DeviceBuffer ws = make_workspace(out, in, kPrefillM);
+    const Input x = make_input(kPrefillM, in, DType::kBF16, 9);
     DeviceBuffer xd = upload(x.bits.data(), x.bits.size() * 2, "x");
-    DeviceBuffer yd = device_alloc(static_cast<size_t>(16 * out) * 2, "y");
-    for (int64_t m : {1, 16}) {
+    DeviceBuffer yd = device_alloc(static_cast<size_t>(kPrefillM * out) * 2, "y");
+    // The time per call of `call(i)`, replayed from a graph of max(copies, 20) calls.
+    auto time_calls = [&](const std::function<Status(int64_t)>& call) -> double {
       const int64_t calls = std::max<int64_t>(copies, 20);
-      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+      EXPECT_TRUE(call(0).is_ok());  // eager first: plans and attributes outside the capture
+      EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
       for (int64_t i = 0; i < calls; ++i) {
-        Status st = w4_linear(layers[static_cast<size_t>(i % copies)], xd.get(), m, yd.get(),
-                              ws.get(), ws.bytes(), nullptr, stream);
+        Status st = call(i);
         EXPECT_TRUE(st.is_ok()) << st.to_string();
       }
       cudaGraph_t graph = nullptr;
-      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
       cudaGraphExec_t exec = nullptr;
-      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);  // warm-up
+      EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);  // warm-up
       constexpr int kReplays = 5;
-      ASSERT_EQ(cudaEventRecord(start, stream), cudaSuccess);
-      for (int r = 0; r < kReplays; ++r) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-      ASSERT_EQ(cudaEventRecord(stop, stream), cudaSuccess);
-      ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+      EXPECT_EQ(cudaEventRecord(start, stream), cudaSuccess);
+      for (int r = 0; r < kReplays; ++r) EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      EXPECT_EQ(cudaEventRecord(stop, stream), cudaSuccess);
+      EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
       float ms = 0;
-      ASSERT_EQ(cudaEventElapsedTime(&ms, start, stop), cudaSuccess);
-      const double us = 1000.0 * ms / static_cast<double>(kReplays * calls);
-      const double bytes = static_cast<double>(out * in / 2 + (in / group) * out * 3);
-      std::printf("w4_linear m=%-2lld [%6lld x %6lld]: %8.2f us, %7.1f GB/s\n",
-                  static_cast<long long>(m), static_cast<long long>(out),
-                  static_cast<long long>(in), us, bytes / us / 1e3);
+      EXPECT_EQ(cudaEventElapsedTime(&ms, start, stop), cudaSuccess);
       EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
       EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+      return 1000.0 * ms / static_cast<double>(kReplays * calls);
+    };
+    for (int64_t m : {int64_t{1}, int64_t{16}, kPrefillM}) {
+      const double us = time_calls([&](int64_t i) {
+        return w4_linear(layers[static_cast<size_t>(i % copies)], xd.get(), m, yd.get(), ws.get(),
+                         ws.bytes(), gemm.get(), stream);
+      });
+      const double bytes = static_cast<double>(out * in / 2 + (in / group) * out * 3);
+      std::printf("w4_linear m=%-3lld [%6lld x %6lld]: %8.2f us, %7.1f GB/s (%s)\n",
+                  static_cast<long long>(m), static_cast<long long>(out),
+                  static_cast<long long>(in), us, bytes / us / 1e3,
+                  w4_decode_kernel(out, in, m) == W4DecodeKernel::kGemv    ? "gemv"
+                  : w4_decode_kernel(out, in, m) == W4DecodeKernel::kFused ? "fused"
+                                                                           : "dequantize + gemm");
     }
+    // The prefill path's cost beside a bf16 layer's GEMM alone (the same cuBLASLt call; one
+    // weight, so a layer under 60 MB is read from L2 there).
+    DeviceBuffer wb = device_alloc(static_cast<size_t>(out * in) * 2, "bf16 weight");
+    ASSERT_EQ(cudaMemset(wb.get(), 0, wb.bytes()), cudaSuccess);
+    const GemmShape shape{kPrefillM, out, in, DType::kBF16, DType::kBF16, false};
+    const double gemm_us = time_calls([&](int64_t) {
+      return gemm->linear(shape, xd.get(), wb.get(), nullptr, yd.get(), stream);
+    });
+    std::printf("bf16 gemm m=%-3lld [%6lld x %6lld]: %8.2f us\n", static_cast<long long>(kPrefillM),
+                static_cast<long long>(out), static_cast<long long>(in), gemm_us);
     expect_counters_zero(ws, "bandwidth runs");
   }
   EXPECT_EQ(cudaEventDestroy(start), cudaSuccess);
