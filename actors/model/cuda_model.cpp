@@ -97,6 +97,7 @@ CudaModel::~CudaModel() {
   }
   sampler_.reset();
   gemm_.reset();
+  fp8_gemm_.reset();
   weights_.reset();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
@@ -165,6 +166,11 @@ Status CudaModel::allocate_buffers() {
     TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(w4_workspace_.get(), 0, w4, stream_),
                                  "clearing the int4 GEMM workspace");
   }
+  if (weights_->any_fp8()) {
+    const int64_t widest = std::max({c.hidden_size, q_dim, p.intermediate});
+    TESSERA_RETURN_IF_ERROR(alloc(fp8_act_, T * widest, "FP8 layer inputs"));
+    TESSERA_RETURN_IF_ERROR(alloc(fp8_scales_, T * sizeof(float), "FP8 row scales"));
+  }
   MetaLayout m = MetaLayout::make(T, S, max_blocks_per_seq_);
   TESSERA_RETURN_IF_ERROR(alloc(meta_, m.bytes, "step metadata"));
   for (void*& host : meta_host_) {
@@ -190,6 +196,36 @@ Status CudaModel::allocate_buffers() {
   TESSERA_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(rope_sin_.get(), rope.sin(0), table, cudaMemcpyHostToDevice), "RoPE table");
   memory_.activations += total;
+  return Status::ok();
+}
+
+Status CudaModel::create_fp8_gemm() {
+  if (!weights_->any_fp8()) return Status::ok();
+  // TESSERA_FP8_GEMM=outer-vector|epilogue forces how the GEMM applies the row and output scales
+  // (default auto: cuBLASLt's outer-vector scaling when its probe passes, else the epilogue).
+  cuda::Fp8GemmPath path = cuda::Fp8GemmPath::kAuto;
+  if (const char* env = std::getenv("TESSERA_FP8_GEMM"); env != nullptr) {
+    auto parsed = cuda::parse_fp8_gemm_path(env);
+    if (!parsed) {
+      return invalid_argument("TESSERA_FP8_GEMM: " + parsed.status().message() +
+                              "; set one of those or unset it");
+    }
+    path = *parsed;
+  }
+  int64_t max_n = 16;
+  for (int64_t i = 0; i < plan_.num_layers(); ++i) {
+    const CudaLayer& l = weights_->layer(i);
+    for (const CudaLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      if (lin->is_fp8()) max_n = std::max(max_n, lin->fp8.out);
+    }
+  }
+  TESSERA_ASSIGN_OR_RETURN(fp8_gemm_,
+                           cuda::Fp8Gemm::create(path, max_tokens_, max_n, dtype_, stream_));
+  memory_.activations += fp8_gemm_->device_bytes();
+  const std::string& why = fp8_gemm_->probe_failure();
+  spdlog::info("FP8 GEMM: {}{}{}", cuda::fp8_gemm_path_name(fp8_gemm_->path()),
+               why.empty() ? "" : " (cuBLASLt's outer-vector scaling did not pass its probe: ",
+               why.empty() ? "" : why + ")");
   return Status::ok();
 }
 
@@ -430,6 +466,11 @@ class CudaModel::Ops {
 
   Status input_norm(int64_t i, bool add) {
     const CudaLayer& w = m_.weights_->layer(i);
+    if (w.qkv.is_fp8()) {  // the normed row goes to q|k|v as FP8
+      void* x = add ? m_.proj_.get() : m_.residual_.get();
+      return cuda::rms_norm_fp8(dt_, x, add ? m_.residual_.get() : nullptr, w.input_norm, T_, H_,
+                                eps_, w.qkv.fp8.input_scale, fp8_act(), fp8_scales(), st_);
+    }
     if (!add) {
       return cuda::rms_norm(dt_, m_.residual_.get(), w.input_norm, T_, H_, eps_, m_.hidden_.get(),
                             st_);
@@ -461,11 +502,21 @@ class CudaModel::Ops {
 
   Status o_proj(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
+    if (w.o.is_fp8()) {
+      TESSERA_RETURN_IF_ERROR(cuda::quantize_fp8_rows(
+          dt_, m_.attn_.get(), T_, w.o.fp8.in, w.o.fp8.input_scale, fp8_act(), fp8_scales(), st_));
+    }
     return linear(w.o, T_, H_, m_.plan_.heads * m_.config_.head_dim, m_.attn_.get(), w.o_bias,
                   m_.proj_.get());
   }
 
   Status post_norm(int64_t i) {
+    const CudaLinear& gate_up = m_.weights_->layer(i).gate_up;
+    if (gate_up.is_fp8()) {  // the normed row goes to gate|up as FP8
+      return cuda::rms_norm_fp8(dt_, m_.proj_.get(), m_.residual_.get(),
+                                m_.weights_->layer(i).post_norm, T_, H_, eps_,
+                                gate_up.fp8.input_scale, fp8_act(), fp8_scales(), st_);
+    }
     return cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
                               m_.weights_->layer(i).post_norm, T_, H_, eps_, m_.hidden_.get(), st_);
   }
@@ -475,7 +526,12 @@ class CudaModel::Ops {
     const int64_t I = m_.plan_.intermediate;
     TESSERA_RETURN_IF_ERROR(
         linear(w.gate_up, T_, 2 * I, H_, m_.hidden_.get(), nullptr, m_.gate_up_.get()));
-    TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
+    if (w.down.is_fp8()) {  // the activation goes to down as FP8
+      TESSERA_RETURN_IF_ERROR(cuda::silu_mul_fp8(
+          dt_, m_.gate_up_.get(), T_, I, w.down.fp8.input_scale, fp8_act(), fp8_scales(), st_));
+    } else {
+      TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
+    }
     return linear(w.down, T_, H_, I, m_.act_.get(), nullptr, m_.proj_.get());
   }
 
@@ -521,10 +577,27 @@ class CudaModel::Ops {
     cuda::GemmShape shape{M, N, K, dt_, out_dt, b != nullptr};
     return m_.gemm_->linear(shape, x, w, b, out, st_);
   }
+  uint8_t* fp8_act() const { return m_.fp8_act_.as<uint8_t>(); }
+  float* fp8_scales() const { return m_.fp8_scales_.as<float>(); }
   // out[M, N] = x[M, K] · Wᵀ (+ b) for a decoder linear layer: cuBLASLt for a plain weight, the
-  // W4A16 kernels for an int4 one (then the bias, which they do not add).
+  // W4A16 kernels for an int4 one (then the bias, which they do not add), the FP8 GEMM for an
+  // FP8 one, whose input is x as the op before quantized it into fp8_act / fp8_scales.
   Status linear(const CudaLinear& l, int64_t M, int64_t N, int64_t K, const void* x, const void* b,
                 void* out) {
+    if (l.is_fp8()) {
+      cuda::Fp8GemmArgs a;
+      a.m = M;
+      a.n = N;
+      a.k = K;
+      a.out_dtype = dt_;
+      a.x = fp8_act();
+      a.x_scales = fp8_scales();
+      a.w = l.fp8.w;
+      a.w_scales = l.fp8.scales;
+      a.bias = b;
+      a.out = out;
+      return m_.fp8_gemm_->linear(a, st_);
+    }
     if (!l.int4()) return gemm(M, N, K, x, l.w, b, out, dt_);
     TESSERA_RETURN_IF_ERROR(cuda::w4_linear(l.w4, x, M, out, m_.w4_workspace_.get(),
                                             m_.w4_workspace_.bytes(), m_.gemm_.get(), st_));
@@ -721,11 +794,16 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   TESSERA_RETURN_IF_ERROR(check_resolved(engine));
   TESSERA_ASSIGN_OR_RETURN(const QuantConfig quant,
                            resolve_quantization(engine.quantization, config.quant));
-  if (quant.method == QuantMethod::kFp8 ||
-      (quant.method == QuantMethod::kGptq && quant.bits != 4)) {
+  const bool fp8 = quant.method == QuantMethod::kFp8;
+  if ((quant.method == QuantMethod::kGptq && quant.bits != 4) ||
+      (fp8 && quant.activations == Fp8Activations::kNone)) {
     return failed_precondition("the CUDA backend does not run " + quant.describe() +
                                " weights yet: run this model with --device cpu (the reference), "
-                               "or an AWQ / 4-bit GPTQ checkpoint on the GPU");
+                               "or an AWQ / 4-bit GPTQ / FP8 W8A8 checkpoint on the GPU");
+  }
+  if (fp8 && config.hidden_size > 32768) {  // cuda::rms_norm_fp8's bound
+    return invalid_argument("hidden_size " + std::to_string(config.hidden_size) +
+                            " is above the CUDA backend's FP8 norm's 32768: use --device cpu");
   }
   const DType dtype = run_dtype(engine);
   if (!cuda::is_half_type(dtype)) {
@@ -757,42 +835,60 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   {
     const size_t es = dtype_size(dtype);
     TESSERA_ASSIGN_OR_RETURN(const uint64_t weights,
-                             CudaWeights::bytes_needed(config, plan, dtype));
+                             CudaWeights::bytes_needed(config, plan, quant, dtype));
     const uint64_t per_token =
         (4 * config.hidden_size + 2 * qkv_rows(config, plan) + 3 * plan.intermediate) * es;
     const uint64_t logits = plan.last_stage ? engine.max_num_seqs * config.vocab_size * 4 *
                                                   (plan.parallel.tp_size > 1 ? 2 : 1)
                                             : 0;
     // int4 layers: a prefill dequantizes the largest one's weight into the workspace.
-    const uint64_t w4 = quant.method == QuantMethod::kNone
+    const uint64_t w4 = quant.method == QuantMethod::kNone || fp8
                             ? 0
                             : std::max({qkv_rows(config, plan) * config.hidden_size,
                                         2 * plan.intermediate * config.hidden_size,
                                         plan.heads * config.head_dim * config.hidden_size}) *
                                   es;
-    const uint64_t activations = m->max_tokens_ * per_token + logits + w4 + 64 * kMiB;
+    // FP8 layers: their quantized inputs and row scales, the GEMM's workspace and at most its
+    // epilogue path's fp32 chunk (kernels/cuda/fp8_linear.h).
+    const uint64_t fp8_ws =
+        fp8 ? m->max_tokens_ * (std::max({config.hidden_size, plan.heads * config.head_dim,
+                                          plan.intermediate}) +
+                                4) +
+                  96 * kMiB
+            : 0;
+    const uint64_t activations = m->max_tokens_ * per_token + logits + w4 + fp8_ws + 64 * kMiB;
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *
                             m->kv_block_bytes_per_layer();
-    const uint64_t need = weights + activations + min_kv;
+    // While the weights load, a checkpoint in another dtype crosses through device staging,
+    // freed before the activations are allocated: the peak is the larger of the two.
+    const uint64_t staging = CudaWeights::kConvertStagingBytes;
+    const uint64_t need = weights + std::max(activations + min_kv, staging);
     const uint64_t available = std::min<uint64_t>(m->memory_.budget, free0);
     if (need > available) {
+      const std::string load_peak =
+          staging > activations + min_kv
+              ? fmt::format(
+                    " (the load's {} MiB of dtype-conversion staging, more than "
+                    "activations and KV cache, counts instead)",
+                    staging / kMiB)
+              : "";
       return resource_exhausted(fmt::format(
           "the model does not fit on {}: this rank's weights {:.2f} GiB + activations for "
           "--max-num-batched-tokens {} {:.2f} GiB + the KV cache of one --max-model-len {} "
-          "sequence {:.2f} GiB = {:.2f} GiB, but {} allows {:.2f} "
+          "sequence {:.2f} GiB = {:.2f} GiB{}, but {} allows {:.2f} "
           "GiB ({:.2f} GiB are free: {:.2f} GiB are in use by others). Lower --max-model-len or "
           "--max-num-batched-tokens, raise --gpu-memory-utilization, spread the model over more "
           "GPUs (--tensor-parallel-size, --pipeline-parallel-size) or use a quantized checkpoint "
           "(--quantization awq|gptq)",
           prop.name, gib(weights), m->max_tokens_, gib(activations), engine.max_model_len,
-          gib(min_kv), gib(need), m->utilization_text(), gib(m->memory_.budget),
+          gib(min_kv), gib(need), load_peak, m->utilization_text(), gib(m->memory_.budget),
           gib(free0), gib(m->memory_.used_at_start)));
     }
   }
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&m->stream_, cudaStreamNonBlocking),
                                "creating the model's stream");
   TESSERA_ASSIGN_OR_RETURN(
-      m->weights_, CudaWeights::upload(config, plan, host_weights, dtype, m->stream_));
+      m->weights_, CudaWeights::upload(config, plan, host_weights, quant, dtype, m->stream_));
   m->memory_.weights = m->weights_->bytes();
   // TESSERA_GEMM_AUTOTUNE=1 times cuBLASLt's candidates per shape (the default takes the
   // heuristic's first choice: reproducible across runs).
@@ -810,6 +906,7 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   TESSERA_ASSIGN_OR_RETURN(
       m->gemm_, cuda::Gemm::create(32u << 20, tune != nullptr && std::string(tune) == "1"));
   m->memory_.activations += 32 * kMiB;  // the GEMM workspace
+  TESSERA_RETURN_IF_ERROR(m->create_fp8_gemm());
   if (plan.last_stage && plan.parallel.tp_rank == 0) {
     TESSERA_ASSIGN_OR_RETURN(m->sampler_,
                              cuda::GpuSampler::create(static_cast<int>(engine.max_num_seqs),

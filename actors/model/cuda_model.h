@@ -98,6 +98,8 @@ class CudaModel {
   std::string utilization_text() const;
 
   Status allocate_buffers();
+  // The FP8 GEMM (its path from TESSERA_FP8_GEMM) when some layer is FP8.
+  Status create_fp8_gemm();
   // One KV block of one layer, K or V: block_size x kv_heads x head_dim in the cache's dtype.
   uint64_t kv_block_bytes_per_layer() const;
   Status allocate_kv_cache(int64_t blocks);
@@ -132,6 +134,11 @@ class CudaModel {
   cuda::DeviceBuffer logits_;        // [max_num_seqs][vocab] fp32
   cuda::DeviceBuffer attn_workspace_;
   cuda::DeviceBuffer w4_workspace_;    // the int4 layers' (zeroed once; kernels/cuda/quant_gemm.h)
+  // FP8 layers (kernels/cuda/fp8_linear.h): their GEMM, and the input of the one running, as the
+  // norm / silu_mul / quantizer before it writes it: [max_tokens, widest FP8 input] E4M3 and
+  // [max_tokens] fp32 row scales. Null / empty without FP8 layers.
+  std::unique_ptr<cuda::Fp8Gemm> fp8_gemm_;
+  cuda::DeviceBuffer fp8_act_, fp8_scales_;
   cuda::DeviceBuffer sampled_tokens_;  // tensor parallelism: [max_num_seqs] packed, [tp][...]
   // Step metadata: one device block and two pinned host images used in turn (a step is staged
   // while the one before runs, whose copies read their image when they run).

@@ -1,10 +1,12 @@
 #include "actors/model/cuda_weights.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
 #include "actors/model/load_progress.h"
+#include "kernels/cuda/elementwise.h"
 
 namespace tessera {
 
@@ -15,19 +17,17 @@ constexpr size_t kMiB = 1ull << 20;
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// Converts n elements of `src` (any dtype) into `dst` (kBF16 or kF16) on the host.
-void convert_host(const TensorView& src, int64_t first, int64_t n, DType to, uint16_t* dst) {
-  for (int64_t i = 0; i < n; ++i) {
-    float f = src.at(first + i);
-    dst[i] = to == DType::kBF16 ? float_to_bf16(f) : float_to_f16(f);
-  }
-}
-
-// Copies host tensors into device memory through two pinned staging chunks, converting the
-// dtype on the way when it differs.
+// Copies host tensors into device memory through two pinned staging chunks: the host copies
+// chunk k + 1 into one while chunk k crosses to the GPU from the other. A tensor stored in
+// another dtype crosses as stored, into one of two device staging chunks, and cuda::convert
+// writes it in the destination dtype at its place (bit for bit common/tensor.h's conversion the
+// host ran before: ~250 MB/s on one core, where the copy runs at the link's speed). The device
+// chunks are allocated with the first tensor that needs them and freed with the Uploader;
+// CudaWeights::kConvertStagingBytes counts them in the memory check.
 class Uploader {
  public:
   static constexpr size_t kChunk = 64 * kMiB;
+  static_assert(2 * kChunk == CudaWeights::kConvertStagingBytes);
 
   static Expected<std::unique_ptr<Uploader>> create(cudaStream_t stream) {
     auto u = std::unique_ptr<Uploader>(new Uploader());
@@ -48,36 +48,63 @@ class Uploader {
     }
   }
 
-  // Writes `src` (converted to `to`) at device address `dst`.
+  // Writes `src` (converted to `to`) at device address `dst`. A conversion takes an F32, F16,
+  // BF16 or F8_E4M3 tensor to F32, F16 or BF16 (cuda::convert's dtypes).
   Status upload(const TensorView& src, DType to, void* dst, const std::string& name) {
-    const size_t esize = dtype_size(to);
+    const bool convert = src.dtype != to;
+    if (convert) TESSERA_RETURN_IF_ERROR(prepare_conversion(src.dtype, to, name));
+    // Each chunk fills a staging slot with the stored elements; `dst` takes them in `to`.
+    const size_t in_size = dtype_size(src.dtype), out_size = dtype_size(to);
     const int64_t n = src.numel();
-    const int64_t per_chunk = static_cast<int64_t>(kChunk / esize);
+    const int64_t per_chunk = static_cast<int64_t>(kChunk / in_size);
     for (int64_t first = 0; first < n; first += per_chunk) {
       const int64_t count = std::min(per_chunk, n - first);
+      const size_t in_bytes = static_cast<size_t>(count) * in_size;
       const int slot = next_++ % 2;
+      // The slot's last chunk has crossed (and been converted): its host and device staging
+      // are free again.
       TESSERA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(done_[slot]), "uploading " + name);
-      if (src.dtype == to) {
-        std::memcpy(staging_[slot], static_cast<const char*>(src.data) + first * esize,
-                    static_cast<size_t>(count) * esize);
-      } else {
-        convert_host(src, first, count, to, static_cast<uint16_t*>(staging_[slot]));
-      }
+      std::memcpy(staging_[slot], static_cast<const char*>(src.data) + first * in_size, in_bytes);
+      char* out = static_cast<char*>(dst) + first * out_size;
+      void* landing = convert ? device_staging_[slot].get() : out;
       TESSERA_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(static_cast<char*>(dst) + first * esize, staging_[slot],
-                          static_cast<size_t>(count) * esize, cudaMemcpyHostToDevice, stream_),
+          cudaMemcpyAsync(landing, staging_[slot], in_bytes, cudaMemcpyHostToDevice, stream_),
           "uploading " + name);
+      if (convert) {
+        TESSERA_RETURN_IF_ERROR(cuda::convert(src.dtype, landing, to, out, count, stream_)
+                                    .with_context("converting " + name));
+      }
       TESSERA_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_[slot], stream_), "uploading " + name);
-      load_progress().bytes_done += static_cast<uint64_t>(count) * esize;
+      load_progress().bytes_done += static_cast<uint64_t>(count) * out_size;
     }
     return Status::ok();
   }
 
  private:
   Uploader() = default;
+
+  // Checks that the GPU converts `from` to `to` and allocates the device staging (once).
+  Status prepare_conversion(DType from, DType to, const std::string& name) {
+    const bool from_ok = from == DType::kF32 || from == DType::kF16 || from == DType::kBF16 ||
+                         from == DType::kF8E4M3;
+    const bool to_ok = to == DType::kF32 || to == DType::kF16 || to == DType::kBF16;
+    if (!from_ok || !to_ok) {
+      return internal_error(name + " is " + dtype_name(from) + ": the weight upload does not " +
+                            "convert it to " + dtype_name(to));
+    }
+    for (cuda::DeviceBuffer& b : device_staging_) {
+      if (b.get() != nullptr) continue;
+      TESSERA_ASSIGN_OR_RETURN(
+          b, cuda::DeviceBuffer::allocate(kChunk, "device staging to convert the weights' dtype"));
+    }
+    return Status::ok();
+  }
+
   cudaStream_t stream_ = nullptr;
   void* staging_[2] = {nullptr, nullptr};
   cudaEvent_t done_[2] = {nullptr, nullptr};
+  // Destroyed after ~Uploader's synchronisation: no conversion is still reading them.
+  cuda::DeviceBuffer device_staging_[2];
   int next_ = 0;
 };
 
@@ -100,11 +127,11 @@ std::vector<LinearGroup> linear_groups(const ModelConfig& c, const LayerPlan& p)
       {"down", {{"mlp.down_proj", H}}, I}};
 }
 
-// Whether the group's layers are int4 (AWQ or 4-bit GPTQ) in this checkpoint; an error when its
-// parts disagree (one quantized, one not: they could not share a GEMM).
-Expected<bool> int4_group(const QuantConfig& q, int64_t layer, const LinearGroup& g) {
-  const bool format =
-      q.method == QuantMethod::kAwq || (q.method == QuantMethod::kGptq && q.bits == 4);
+// Whether the group's layers are quantized (`format`: the method's layers run on the GPU's
+// kernels for it); an error when its parts disagree (one quantized, one not: they could not share
+// a GEMM).
+Expected<bool> quantized_group(const QuantConfig& q, bool format, int64_t layer,
+                               const LinearGroup& g) {
   if (!format) return false;
   const bool first = q.quantizes(layer_tensor_name(layer, g.parts.front().first));
   for (const auto& [name, out] : g.parts) {
@@ -118,11 +145,26 @@ Expected<bool> int4_group(const QuantConfig& q, int64_t layer, const LinearGroup
   return first;
 }
 
-// Where one stacked linear layer lives in the allocation: a plain weight, or an int4 layer's
-// arrays (kernels/cuda/quant_gemm.h's W4Layer).
+// Whether the group's layers are int4 (AWQ or 4-bit GPTQ) in this checkpoint.
+Expected<bool> int4_group(const QuantConfig& q, int64_t layer, const LinearGroup& g) {
+  const bool format =
+      q.method == QuantMethod::kAwq || (q.method == QuantMethod::kGptq && q.bits == 4);
+  return quantized_group(q, format, layer, g);
+}
+
+// Whether the group's layers are FP8 (a checkpoint's, or quantized at load).
+Expected<bool> fp8_group(const QuantConfig& q, int64_t layer, const LinearGroup& g) {
+  return quantized_group(q, q.method == QuantMethod::kFp8, layer, g);
+}
+
+// Where one stacked linear layer lives in the allocation: a plain weight, an int4 layer's
+// arrays (kernels/cuda/quant_gemm.h's W4Layer), or an FP8 layer's E4M3 weight (at w) and its
+// fp32 scale per output.
 struct LinearOffsets {
   size_t w = SIZE_MAX;
   bool int4 = false;
+  bool fp8 = false;
+  size_t fp8_scales = SIZE_MAX;
   int64_t out = 0, in = 0, group = 0;
   size_t qweight = SIZE_MAX, scales = SIZE_MAX, zeros = SIZE_MAX, perm = SIZE_MAX;
 };
@@ -137,7 +179,8 @@ struct Layout {
   std::vector<LayerOffsets> layers;
   size_t bytes = 0;
 
-  static Expected<Layout> make(const ModelConfig& c, const LayerPlan& p, DType dtype) {
+  static Expected<Layout> make(const ModelConfig& c, const LayerPlan& p, const QuantConfig& q,
+                               DType dtype) {
     const size_t es = dtype_size(dtype);
     const int64_t H = c.hidden_size, hd = c.head_dim;
     const int64_t q_dim = p.heads * hd, kv_dim = p.kv_heads * hd;
@@ -152,12 +195,25 @@ struct Layout {
       LinearOffsets o;
       o.in = g.in;
       for (const auto& part : g.parts) o.out += part.second;
-      TESSERA_ASSIGN_OR_RETURN(o.int4, int4_group(c.quant, layer, g));
+      TESSERA_ASSIGN_OR_RETURN(o.int4, int4_group(q, layer, g));
+      TESSERA_ASSIGN_OR_RETURN(o.fp8, fp8_group(q, layer, g));
+      if (o.fp8) {
+        // cuBLASLt's FP8 GEMM reads 16-byte rows of x and w and writes rows of the output.
+        if (o.out % 16 != 0 || o.in % 16 != 0) {
+          return invalid_argument(
+              "layer " + std::to_string(layer) + "'s " + g.name + " projection is [" +
+              std::to_string(o.out) + ", " + std::to_string(o.in) + "] on this rank: the GPU's " +
+              "FP8 GEMM needs both multiples of 16 (--device cpu runs any shape)");
+        }
+        o.w = take_bytes(static_cast<size_t>(o.out * o.in));
+        o.fp8_scales = take_bytes(static_cast<size_t>(o.out) * sizeof(float));
+        return o;
+      }
       if (!o.int4) {
         o.w = take(o.out * o.in);
         return o;
       }
-      o.group = c.quant.group(o.in);
+      o.group = q.group(o.in);
       // Each part is repacked on its own: each must fit the kernels' tiles.
       for (const auto& [name, out] : g.parts) {
         TESSERA_RETURN_IF_ERROR(
@@ -169,7 +225,7 @@ struct Layout {
       o.qweight = take_bytes(static_cast<size_t>(o.out * o.in / 2));
       o.scales = take(o.out * groups);
       o.zeros = take_bytes(static_cast<size_t>(o.out * groups));
-      if (c.quant.method == QuantMethod::kGptq && c.quant.desc_act) {
+      if (q.method == QuantMethod::kGptq && q.desc_act) {
         o.perm = take_bytes(static_cast<size_t>(o.in) * 4);
       }
       return o;
@@ -309,12 +365,149 @@ Expected<cuda::W4Layer> upload_int4(
   return w;
 }
 
+// ---- FP8 layers ----
+
+using NamedLinears = std::vector<std::pair<std::string, const LinearWeight*>>;
+
+// Device scratch of online FP8: one plain part as stored (grown as parts need), and the
+// quantizer's max.
+class Fp8Scratch {
+ public:
+  Expected<void*> weight(size_t bytes, cudaStream_t stream) {
+    if (weight_.bytes() < bytes) {
+      // The last part's quantizer may still read the old buffer.
+      TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "growing the FP8 scratch");
+      weight_.reset();
+      TESSERA_ASSIGN_OR_RETURN(weight_,
+                               cuda::DeviceBuffer::allocate(align_up(bytes), "online FP8 scratch"));
+    }
+    return weight_.get();
+  }
+  Expected<uint32_t*> amax() {
+    if (amax_.get() == nullptr) {
+      TESSERA_ASSIGN_OR_RETURN(amax_, cuda::DeviceBuffer::allocate(kAlign, "online FP8 max"));
+    }
+    return amax_.as<uint32_t>();
+  }
+
+ private:
+  cuda::DeviceBuffer weight_, amax_;
+};
+
+// The device scratch online FP8 takes while it loads: the largest plain part it quantizes, in
+// the checkpoint's declared dtype, and the quantizer's max (0 without online FP8).
+uint64_t online_fp8_scratch_bytes(const ModelConfig& c, const LayerPlan& p, const QuantConfig& q) {
+  if (q.method != QuantMethod::kFp8 || !q.online) return 0;
+  int64_t largest = 0;
+  for (const LinearGroup& g : linear_groups(c, p)) {
+    for (const auto& part : g.parts) largest = std::max(largest, part.second * g.in);
+  }
+  const size_t es = std::max<size_t>(dtype_size(c.torch_dtype), 2);
+  return align_up(static_cast<size_t>(largest) * es) + kAlign;
+}
+
+// A checkpoint's weight_scale of an [out, in] FP8 weight as one fp32 scale per output (a
+// per-tensor scale repeated), each positive and finite (dequantize_fp8's rules).
+Expected<std::vector<float>> fp8_weight_scales(const LinearWeight& lw, int64_t out,
+                                               const std::string& name) {
+  const TensorView& s = lw.weight_scale;
+  if (s.data == nullptr) {
+    return invalid_argument(name + ".weight_scale is missing: an FP8 weight needs its scale");
+  }
+  const int64_t n = s.numel();
+  const bool is_float = s.dtype == DType::kF32 || s.dtype == DType::kBF16 || s.dtype == DType::kF16;
+  if (!is_float || (n != 1 && n != out) || s.shape.size() > 2) {
+    return invalid_argument(name + ".weight_scale is " + s.describe() +
+                            ": not one float scale ([] or [1]) or one per output feature ([" +
+                            std::to_string(out) + ", 1])");
+  }
+  std::vector<float> scales(static_cast<size_t>(out));
+  for (int64_t o = 0; o < out; ++o) {
+    const float v = s.at(n == 1 ? 0 : o);
+    if (!(v > 0) || !std::isfinite(v)) {
+      return invalid_argument(name + ".weight_scale holds " + std::to_string(v) +
+                              ", not a positive finite scale");
+    }
+    scales[static_cast<size_t>(o)] = v;
+  }
+  return scales;
+}
+
+// The static input scale of layers that share one input: the largest of their parts' (the CPU's
+// shared_input_scale); 0 (dynamic per token) when the activations are dynamic or none has one.
+Expected<float> fp8_input_scale(const QuantConfig& q, const NamedLinears& parts) {
+  float scale = 0.f;
+  if (q.activations != Fp8Activations::kStatic) return scale;
+  for (const auto& [name, lw] : parts) {
+    const float s = shared_input_scale({lw});
+    if (!std::isfinite(s)) {
+      return invalid_argument(name + ".input_scale holds " + std::to_string(s) +
+                              ", not a finite scale");
+    }
+    scale = std::max(scale, s);
+  }
+  return scale;
+}
+
+// Uploads the parts of one stacked FP8 layer one after another along the outputs: a checkpoint's
+// E4M3 weights as stored and their scales expanded per output, or (online) each plain weight
+// into the scratch as stored and quantized from there into its place.
+Expected<cuda::Fp8Layer> upload_fp8(Uploader& up, Fp8Scratch& scratch, const QuantConfig& q,
+                                    const LinearOffsets& o, char* base, const NamedLinears& parts,
+                                    cudaStream_t stream) {
+  int64_t out_at = 0;
+  for (const auto& [name, lw] : parts) {
+    const TensorView& t = lw->weight;
+    const DType want = q.online ? t.dtype : DType::kF8E4M3;
+    const bool dtype_ok =
+        q.online ? (t.dtype == DType::kF32 || t.dtype == DType::kF16 || t.dtype == DType::kBF16)
+                 : t.dtype == DType::kF8E4M3;
+    if (t.data == nullptr || t.shape.size() != 2 || t.shape[1] != o.in || !dtype_ok ||
+        out_at + t.shape[0] > o.out) {
+      return invalid_argument(
+          name + ".weight is " + (t.data == nullptr ? std::string("missing") : t.describe()) +
+          ": the GPU's FP8 layer takes " + (q.online ? "an F32, F16 or BF16" : "an F8_E4M3") +
+          " [out, " + std::to_string(o.in) + "] matrix here");
+    }
+    const int64_t out = t.shape[0];
+    auto* q8 = reinterpret_cast<uint8_t*>(base + o.w) + out_at * o.in;
+    auto* scales = reinterpret_cast<float*>(base + o.fp8_scales) + out_at;
+    if (q.online) {
+      TESSERA_ASSIGN_OR_RETURN(void* plain, scratch.weight(t.bytes(), stream));
+      TESSERA_ASSIGN_OR_RETURN(uint32_t * amax, scratch.amax());
+      TESSERA_RETURN_IF_ERROR(up.upload(t, want, plain, name + ".weight"));
+      TESSERA_RETURN_IF_ERROR(
+          cuda::quantize_fp8_weight(t.dtype, plain, out, o.in, q8, scales, amax, stream)
+              .with_context("quantizing " + name + ".weight to FP8 at load"));
+    } else {
+      TESSERA_RETURN_IF_ERROR(up.upload(t, want, q8, name + ".weight"));
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> s, fp8_weight_scales(*lw, out, name));
+      const TensorView view{s.data(), DType::kF32, {out}};
+      // The staging copies `s` before upload returns.
+      TESSERA_RETURN_IF_ERROR(up.upload(view, DType::kF32, scales, name + ".weight_scale"));
+    }
+    out_at += out;
+  }
+  if (out_at != o.out) {
+    return invalid_argument(parts.front().first + ": the stacked FP8 parts have " +
+                            std::to_string(out_at) + " outputs on this rank, not " +
+                            std::to_string(o.out));
+  }
+  cuda::Fp8Layer l;
+  l.out = o.out;
+  l.in = o.in;
+  l.w = reinterpret_cast<const uint8_t*>(base + o.w);
+  l.scales = reinterpret_cast<const float*>(base + o.fp8_scales);
+  TESSERA_ASSIGN_OR_RETURN(l.input_scale, fp8_input_scale(q, parts));
+  return l;
+}
+
 }  // namespace
 
 Expected<uint64_t> CudaWeights::bytes_needed(const ModelConfig& config, const LayerPlan& plan,
-                                             DType dtype) {
-  TESSERA_ASSIGN_OR_RETURN(Layout lo, Layout::make(config, plan, dtype));
-  return lo.bytes;
+                                             const QuantConfig& quant, DType dtype) {
+  TESSERA_ASSIGN_OR_RETURN(Layout lo, Layout::make(config, plan, quant, dtype));
+  return lo.bytes + online_fp8_scratch_bytes(config, plan, quant);
 }
 
 uint64_t CudaWeights::w4_workspace_bytes(int64_t max_m) const {
@@ -329,9 +522,10 @@ uint64_t CudaWeights::w4_workspace_bytes(int64_t max_m) const {
 }
 
 Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c, const LayerPlan& p,
-                                                           const ModelWeights& w, DType dt,
+                                                           const ModelWeights& w,
+                                                           const QuantConfig& quant, DType dt,
                                                            cudaStream_t stream) {
-  TESSERA_ASSIGN_OR_RETURN(const Layout lo, Layout::make(c, p, dt));
+  TESSERA_ASSIGN_OR_RETURN(const Layout lo, Layout::make(c, p, quant, dt));
   const size_t es = dtype_size(dt);
   const int64_t q_dim = p.heads * c.head_dim, kv_dim = p.kv_heads * c.head_dim;
   std::unique_ptr<CudaWeights> d(new CudaWeights());
@@ -341,21 +535,28 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
   TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base, 0, lo.bytes, stream), "clearing the weights");
   TESSERA_ASSIGN_OR_RETURN(auto up, Uploader::create(stream));
   Int4Scratch scratch;
+  Fp8Scratch fp8_scratch;
   load_progress().start(lo.bytes);
   auto put = [&](const TensorView& t, size_t offset, const std::string& name) -> Status {
     if (t.data == nullptr) return internal_error("no host tensor bound for " + name);
     return up->upload(t, dt, base + offset, name);
   };
-  // One stacked linear layer: plain parts one after another along the outputs, or int4 parts
-  // repacked and stacked the same way.
+  // One stacked linear layer: plain parts one after another along the outputs, or int4 / FP8
+  // parts uploaded (repacked, quantized) and stacked the same way.
   auto linear = [&](const LinearOffsets& o, const std::string& prefix,
                     const std::vector<std::pair<std::string, const LinearWeight*>>& parts)
       -> Expected<CudaLinear> {
     CudaLinear lin;
+    NamedLinears named;
+    for (const auto& [suffix, lw] : parts) named.emplace_back(prefix + suffix, lw);
     if (o.int4) {
-      std::vector<std::pair<std::string, const LinearWeight*>> named;
-      for (const auto& [suffix, lw] : parts) named.emplace_back(prefix + suffix, lw);
       TESSERA_ASSIGN_OR_RETURN(lin.w4, upload_int4(*up, scratch, c, o, base, dt, named, stream));
+      return lin;
+    }
+    if (o.fp8) {
+      TESSERA_ASSIGN_OR_RETURN(lin.fp8,
+                               upload_fp8(*up, fp8_scratch, quant, o, base, named, stream));
+      d->any_fp8_ = true;
       return lin;
     }
     size_t at = o.w;

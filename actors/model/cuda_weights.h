@@ -1,11 +1,16 @@
 // One rank's weights on its GPU: the shards of its LayerPlan (bound on the host by
-// weights.h), converted to the run dtype and uploaded into one allocation through pinned
+// weights.h), converted to the run dtype (on the GPU, cuda::convert: bit for bit what
+// common/tensor.h's conversions give) and uploaded into one allocation through pinned
 // double-buffered staging. q|k|v (and their biases) and gate|up are stacked along the output
 // dimension so each is one GEMM; lm_head's vocabulary slice is zero-padded to the plan's
 // vocab_shard rows so every tensor-parallel rank computes the same number of logit columns.
 // An int4 checkpoint's (AWQ, 4-bit GPTQ) linear layers are uploaded as stored, repacked on the
 // GPU for the W4A16 kernels (kernels/cuda/quant_gemm.h) and stacked the same way: the kernels'
 // layout is a sequence of 64-output units, so q's, k's and v's follow one another.
+// An FP8 checkpoint's linear layers are uploaded as stored (E4M3 [out, in]) with one fp32 weight
+// scale per output (a per-tensor scale repeated: q | k | v with three tensor scales stack into one
+// layer); --quantization fp8 on a plain checkpoint quantizes each linear on the GPU at load
+// (cuda::quantize_fp8_weight, bit for bit quantize_fp8), as vLLM's online FP8 does.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,16 +23,20 @@
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/fp8_linear.h"
 #include "kernels/cuda/quant_gemm.h"
 
 namespace tessera {
 
-// A linear layer on the GPU: a plain [out, in] weight in the run dtype (a cuBLASLt GEMM), or
-// an int4 layer repacked for the W4A16 kernels.
+// A linear layer on the GPU: a plain [out, in] weight in the run dtype (a cuBLASLt GEMM), an
+// int4 layer repacked for the W4A16 kernels, or an FP8 W8A8 layer (cuda::Fp8Gemm; its input
+// quantized per token, or with fp8.input_scale: the largest of its stacked parts' static scales).
 struct CudaLinear {
   const void* w = nullptr;
   cuda::W4Layer w4;
+  cuda::Fp8Layer fp8;
   bool int4() const { return w4.qweight != nullptr; }
+  bool is_fp8() const { return fp8.w != nullptr; }
 };
 
 // A layer's device tensors (null when absent). Shapes are this rank's.
@@ -47,20 +56,34 @@ struct CudaLayer {
 class CudaWeights {
  public:
   // Uploads `host` (the plan's shards) converted to `dtype` (kBF16 or kF16) on `stream`.
-  // config.quant says how the linear layers are stored; those it quantizes in AWQ or 4-bit
-  // GPTQ are repacked (INVALID_ARGUMENT naming the layer for a shape the kernels cannot take).
+  // `quant` (resolve_quantization's: the checkpoint's, or online FP8) says how the linear layers
+  // are stored and run; those it quantizes in AWQ or 4-bit GPTQ are repacked, FP8 ones uploaded
+  // or quantized at load (INVALID_ARGUMENT naming the layer for a shape the kernels cannot take,
+  // or a missing / bad tensor).
   static Expected<std::unique_ptr<CudaWeights>> upload(const ModelConfig& config,
                                                        const LayerPlan& plan,
-                                                       const ModelWeights& host, DType dtype,
+                                                       const ModelWeights& host,
+                                                       const QuantConfig& quant, DType dtype,
                                                        cudaStream_t stream);
 
-  // Bytes the upload will take (for the memory check before anything is allocated).
-  // Errors: an int4 layer the kernels cannot take (its shape, or parts stored differently).
+  // Bytes the upload will take (for the memory check before anything is allocated): the
+  // weights (FP8 layers: a byte per weight and 4 per output's scale) and, with online FP8, the
+  // device scratch one plain layer crosses in before it is quantized.
+  // Errors: an int4 or FP8 layer the kernels cannot take (its shape, or parts stored
+  // differently).
   static Expected<uint64_t> bytes_needed(const ModelConfig& config, const LayerPlan& plan,
-                                         DType dtype);
+                                         const QuantConfig& quant, DType dtype);
+
+  // Device memory upload() takes besides the weights while it runs, freed before it returns:
+  // two 64 MiB chunks that a tensor stored in another dtype than the run's crosses in before
+  // the GPU converts it into place (allocated only when some tensor needs it).
+  static constexpr uint64_t kConvertStagingBytes = 2 * (64ull << 20);
 
   // The workspace the int4 layers need for steps of up to `max_m` tokens (0: none is int4).
   uint64_t w4_workspace_bytes(int64_t max_m) const;
+
+  // Whether some linear layer is FP8 (the model then sizes its FP8 activation workspace).
+  bool any_fp8() const { return any_fp8_; }
 
   const CudaLayer& layer(int64_t i) const { return layers_[static_cast<size_t>(i)]; }
   const void* embed() const { return embed_; }            // [vocab_rows, hidden], first stage
@@ -75,6 +98,7 @@ class CudaWeights {
   const void* embed_ = nullptr;
   const void* final_norm_ = nullptr;
   const void* lm_head_ = nullptr;
+  bool any_fp8_ = false;
 };
 
 }  // namespace tessera

@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/rms_norm.cuh"
 
 namespace tessera::cuda {
 
@@ -140,66 +141,9 @@ Status check_copy_dtype(DType dtype, const char* op) {
 
 // ---- rms_norm / add_rms_norm ----
 
-// One CTA per row (grid-stride over rows). Fast path: hidden % 8 == 0 and 16-byte aligned
-// buffers; each thread keeps V 16-byte vectors of its row in registers, packed as the dtype (one
-// global read), and its weight vectors, loaded once before the row loop. All reads of x precede the
-// block reduction's barrier and all writes of out follow it, so x and out may alias.
-template <typename T, int V, bool kAdd>
-__global__ void __launch_bounds__(512)
-    rms_norm_vec_kernel(const T* x, T* residual, const T* __restrict__ weight, int64_t rows,
-                        int64_t hidden, float eps, T* out) {
-  __shared__ float scratch[32];
-  const int64_t nvec = hidden / kHalfVec;
-  const float inv_hidden = 1.0f / static_cast<float>(hidden);
-  uint4 w[V];
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    w[k] = j < nvec ? __ldg(reinterpret_cast<const uint4*>(weight) + j) : make_uint4(0, 0, 0, 0);
-  }
-  // The weights are constant: loaded before the wait for the kernel that writes x.
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t base = row * hidden;
-    uint4 hv[V];  // the row's values as the dtype holds them (x, or the rounded residual sum)
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      hv[k] = make_uint4(0, 0, 0, 0);
-      if (j < nvec) {
-        hv[k] = *reinterpret_cast<const uint4*>(x + base + j * kHalfVec);
-        float h[kHalfVec];
-        dev::unpack8<T>(hv[k], h);
-        if constexpr (kAdd) {
-          float r[kHalfVec];
-          dev::load8(residual + base + j * kHalfVec, r);
-#pragma unroll
-          for (int e = 0; e < kHalfVec; ++e) h[e] = r[e] + h[e];
-          hv[k] = dev::pack8<T>(h);
-          *reinterpret_cast<uint4*>(residual + base + j * kHalfVec) = hv[k];
-          dev::unpack8<T>(hv[k], h);
-        }
-#pragma unroll
-        for (int e = 0; e < kHalfVec; ++e) ss += h[e] * h[e];
-      }
-    }
-    const float inv = rsqrtf(dev::block_sum(ss, scratch) * inv_hidden + eps);
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (j < nvec) {
-        float h[kHalfVec], wf[kHalfVec];
-        dev::unpack8<T>(hv[k], h);
-        dev::unpack8<T>(w[k], wf);
-#pragma unroll
-        for (int e = 0; e < kHalfVec; ++e) h[e] = wf[e] * dev::round_to<T>(h[e] * inv);
-        dev::store8(out + base + j * kHalfVec, h);
-      }
-    }
-  }
-}
+// Fast path: hidden % 8 == 0 and 16-byte aligned buffers: the row kernel of rms_norm.cuh (shared
+// with rms_norm_fp8), storing the normed row in the dtype (its StoreRow policy, made from `out`).
+using norm::rms_norm_vec_kernel;
 
 // Any hidden size and alignment: scalar, two passes over the row (the second re-reads x or the
 // rounded residual, which this thread itself wrote, from cache). Pass 2 reads element i and then
@@ -608,14 +552,151 @@ Status launch_silu_mul(const void* gate_upv, int64_t rows, int64_t inter, void* 
 }
 
 // ---- convert ----
+//
+// Device ports of common/tensor.h's conversions, line for line, on the bits of the float (a
+// uint32_t) so that no floating-point instruction touches a value: CUDA's cvt instructions
+// (__float2bfloat16_rn, __float2half_rn) agree on finite values but return a canonical NaN where
+// the host keeps part of the payload (bf16) or writes 0x7e00 (fp16), and a float negation may
+// rewrite a NaN. cuda_elementwise_test compares every 16-bit and 8-bit pattern and millions of
+// fp32 patterns with the host functions, bit for bit.
+namespace port {
 
-template <typename From, typename To>
-__global__ void convert_kernel(const From* __restrict__ src, To* __restrict__ dst, int64_t n) {
+// bf16_to_float
+__device__ __forceinline__ uint32_t bf16_to_float(uint16_t h) {
+  return static_cast<uint32_t>(h) << 16;
+}
+
+// float_to_bf16: round to nearest even; NaN keeps its top bits and gets the quiet bit.
+__device__ __forceinline__ uint16_t float_to_bf16(uint32_t bits) {
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+// f16_to_float: subnormals normalised, inf and NaN (payload shifted up) kept.
+__device__ __forceinline__ uint32_t f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    if (mant == 0) return sign;
+    exp = 127 - 15 + 1;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    mant &= 0x3ffu;
+    return sign | (exp << 23) | (mant << 13);
+  }
+  if (exp == 31) return sign | 0x7f800000u | (mant << 13);
+  return sign | ((exp + 127 - 15) << 23) | (mant << 13);
+}
+
+// float_to_f16: round to nearest even, overflow to inf, subnormals rounded, NaN -> 0x7e00.
+__device__ __forceinline__ uint16_t float_to_f16(uint32_t bits) {
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;
+  if (abs < 0x38800000u) {
+    if (abs < 0x33000000u) return sign;
+    const uint32_t exp = abs >> 23;
+    const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - exp;  // 14..24
+    uint32_t half = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (half & 1u))) ++half;
+    return sign | static_cast<uint16_t>(half);
+  }
+  uint32_t h = ((abs >> 13) - ((127 - 15) << 10));
+  const uint32_t rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return sign | static_cast<uint16_t>(h);
+}
+
+// fp8_e4m3_to_float: exact; 0x7f / 0xff are the quiet NaN 0x7fc00000 with the sign bit (the host
+// negates quiet_NaN(), which flips the sign bit).
+__device__ __forceinline__ uint32_t fp8_e4m3_to_float(uint8_t v) {
+  const uint32_t exp = (v >> 3) & 0xfu;
+  const uint32_t man = v & 7u;
+  uint32_t a;
+  if (exp == 15 && man == 7) {
+    a = 0x7fc00000u;
+  } else if (exp == 0) {
+    a = __float_as_uint(static_cast<float>(man) * 0x1p-9f);  // exact (ldexp(man, -9))
+  } else {
+    a = ((exp + 120u) << 23) | (man << 20);  // (8 + man) * 2^(exp - 10)
+  }
+  return (v & 0x80u) ? (a | 0x80000000u) : a;
+}
+
+}  // namespace port
+
+// The stored element of each dtype convert takes, and its value as fp32 bits.
+template <DType D>
+struct Stored;
+template <>
+struct Stored<DType::kF32> {
+  using type = uint32_t;
+  __device__ static uint32_t decode(uint32_t x) { return x; }
+  __device__ static uint32_t encode(uint32_t bits) { return bits; }
+};
+template <>
+struct Stored<DType::kF16> {
+  using type = uint16_t;
+  __device__ static uint32_t decode(uint16_t x) { return port::f16_to_float(x); }
+  __device__ static uint16_t encode(uint32_t bits) { return port::float_to_f16(bits); }
+};
+template <>
+struct Stored<DType::kBF16> {
+  using type = uint16_t;
+  __device__ static uint32_t decode(uint16_t x) { return port::bf16_to_float(x); }
+  __device__ static uint16_t encode(uint32_t bits) { return port::float_to_bf16(bits); }
+};
+template <>
+struct Stored<DType::kF8E4M3> {
+  using type = uint8_t;
+  __device__ static uint32_t decode(uint8_t x) { return port::fp8_e4m3_to_float(x); }
+};
+
+// dst[i] = encode_To(decode_From(src[i])), grid-stride.
+template <DType From, DType To>
+__global__ void convert_kernel(const typename Stored<From>::type* __restrict__ src,
+                               typename Stored<To>::type* __restrict__ dst, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    dst[i] = dev::from_float<To>(dev::to_float(src[i]));
+    dst[i] = Stored<To>::encode(Stored<From>::decode(src[i]));
   }
+}
+
+// 256 threads, one element per thread per pass, at most 8192 CTAs (grid-stride beyond).
+template <DType From, DType To>
+Status launch_convert(const void* src, void* dst, int64_t n, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 8192));
+  convert_kernel<From, To>
+      <<<grid, kThreads, 0, stream>>>(static_cast<const typename Stored<From>::type*>(src),
+                                      static_cast<typename Stored<To>::type*>(dst), n);
+  return launch_status("convert_kernel");
+}
+
+template <DType From>
+Status launch_convert_from(const void* src, DType to, void* dst, int64_t n, cudaStream_t stream) {
+  switch (to) {
+    case DType::kF32:
+      return launch_convert<From, DType::kF32>(src, dst, n, stream);
+    case DType::kF16:
+      return launch_convert<From, DType::kF16>(src, dst, n, stream);
+    case DType::kBF16:
+      return launch_convert<From, DType::kBF16>(src, dst, n, stream);
+    case DType::kI32:
+    case DType::kF8E4M3:
+      break;
+  }
+  return invalid_argument("convert: unsupported destination dtype " +
+                          std::to_string(static_cast<int>(to)));
 }
 
 template <typename T>
@@ -831,23 +912,26 @@ Status add_bias(DType dtype, void* out, const void* bias, int64_t rows, int64_t 
 
 Status convert(DType from, const void* src, DType to, void* dst, int64_t n, cudaStream_t stream) {
   constexpr const char* kOp = "convert";
-  TESSERA_RETURN_IF_ERROR(check_copy_dtype(from, kOp));
+  if (from != DType::kF8E4M3) TESSERA_RETURN_IF_ERROR(check_copy_dtype(from, kOp));
   TESSERA_RETURN_IF_ERROR(check_copy_dtype(to, kOp));
   TESSERA_RETURN_IF_ERROR(check_non_negative(n, kOp, "n"));
   if (n == 0) return Status::ok();
   TESSERA_RETURN_IF_ERROR(check_not_null(src, kOp, "src"));
   TESSERA_RETURN_IF_ERROR(check_not_null(dst, kOp, "dst"));
-  constexpr int kThreads = 256;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 8192));
-  return with_type(from, [&](auto from_tag) {
-    using From = typename decltype(from_tag)::type;
-    return with_type(to, [&](auto to_tag) {
-      using To = typename decltype(to_tag)::type;
-      convert_kernel<From, To>
-          <<<grid, kThreads, 0, stream>>>(static_cast<const From*>(src), static_cast<To*>(dst), n);
-      return launch_status("convert_kernel");
-    });
-  });
+  switch (from) {
+    case DType::kF32:
+      return launch_convert_from<DType::kF32>(src, to, dst, n, stream);
+    case DType::kF16:
+      return launch_convert_from<DType::kF16>(src, to, dst, n, stream);
+    case DType::kBF16:
+      return launch_convert_from<DType::kBF16>(src, to, dst, n, stream);
+    case DType::kF8E4M3:
+      return launch_convert_from<DType::kF8E4M3>(src, to, dst, n, stream);
+    case DType::kI32:
+      break;
+  }
+  return invalid_argument("convert: unsupported source dtype " +
+                          std::to_string(static_cast<int>(from)));
 }
 
 }  // namespace tessera::cuda

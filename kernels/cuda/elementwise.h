@@ -115,7 +115,13 @@ Status silu_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, v
 Status add_bias(DType dtype, void* out, const void* bias, int64_t rows, int64_t cols,
                 cudaStream_t stream);
 
-// Converts n elements between dtypes (kF32, kF16, kBF16; round to nearest even).
+// dst[i] = src[i] converted from `from` to `to`, bit for bit what the host does with
+// common/tensor.h: encode(TensorView::at(i)), encode = float_to_bf16 / float_to_f16 (round to
+// nearest even, fp16 overflow to inf, subnormals rounded, their NaN encodings) or the fp32 bits.
+// A same-dtype call goes through the same decode and encode (a 16-bit NaN may come back quieted).
+//   src: [n] of `from`: kF32, kF16, kBF16 or kF8E4M3
+//   dst: [n] of `to`: kF32, kF16 or kBF16 (must not overlap src)
+// Any alignment of the element type. The weight upload's converter (actors/model/cuda_weights.cpp).
 Status convert(DType from, const void* src, DType to, void* dst, int64_t n, cudaStream_t stream);
 
 }  // namespace tessera::cuda

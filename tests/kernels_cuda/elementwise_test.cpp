@@ -15,6 +15,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -780,73 +781,79 @@ TEST(CudaSiluMul, RowsPastOneGrid) {
 
 // ---- convert ----
 
-// Host conversion of raw element bits between dtypes (round to nearest even, as the GPU).
+// What the weight upload did on the host before the GPU converted: TensorView::at decodes the
+// element (any stored dtype), float_to_bf16 / float_to_f16 encode it (fp32: its bits).
 std::vector<uint8_t> host_convert(DType from, const std::vector<uint8_t>& src, DType to) {
-  const size_t n = src.size() / dtype_size(from);
-  std::vector<uint8_t> out(n * dtype_size(to));
+  const size_t n = src.size() / dtype_size(from), esize = dtype_size(to);
+  TensorView view{src.data(), from, {static_cast<int64_t>(n)}};
+  std::vector<uint8_t> out(n * esize);
   for (size_t i = 0; i < n; ++i) {
-    float f;
-    if (from == DType::kF32) {
-      std::memcpy(&f, src.data() + 4 * i, 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, src.data() + 2 * i, 2);
-      f = from_bits(from, h);
-    }
+    const float f = view.at(static_cast<int64_t>(i));
     if (to == DType::kF32) {
       std::memcpy(out.data() + 4 * i, &f, 4);
     } else {
-      const uint16_t h = to_bits(to, f);
+      const uint16_t h = to == DType::kBF16 ? float_to_bf16(f) : float_to_f16(f);
       std::memcpy(out.data() + 2 * i, &h, 2);
     }
   }
   return out;
 }
 
-float element(DType d, const std::vector<uint8_t>& v, size_t i) {
-  if (d == DType::kF32) {
-    float f;
-    std::memcpy(&f, v.data() + 4 * i, 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, v.data() + 2 * i, 2);
-  return from_bits(d, h);
+// The stored bits of element i, as hex.
+std::string hex_bits(DType d, const std::vector<uint8_t>& v, size_t i) {
+  const size_t es = dtype_size(d);
+  uint32_t b = 0;
+  std::memcpy(&b, v.data() + i * es, es);  // little-endian: the element's value
+  char text[16];
+  std::snprintf(text, sizeof(text), "0x%0*x", static_cast<int>(2 * es), b);
+  return text;
 }
 
-// Every 16-bit pattern of the half types; for fp32, special values, rounding ties, overflow,
-// subnormals and random values over a wide exponent range. NaN must stay NaN (payloads may
-// differ); everything else must match bit for bit.
-TEST(CudaConvert, MatchesHostRoundingBitForBit) {
-  TESSERA_REQUIRE_GPU();
-  std::vector<float> f32 = {0.0f,
-                            -0.0f,
-                            1.0f,
-                            -1.0f,
-                            1.0f + 0x1p-8f,
-                            1.0f + 3 * 0x1p-8f,
-                            1.0f + 0x1p-11f,
-                            1.0f + 3 * 0x1p-11f,
-                            65504.0f,
-                            65519.99f,
-                            65520.0f,
-                            -1e6f,
-                            FLT_MAX,
-                            -FLT_MAX,
-                            std::numeric_limits<float>::infinity(),
-                            -std::numeric_limits<float>::infinity(),
-                            std::numeric_limits<float>::quiet_NaN(),
-                            0x1p-25f,
-                            3 * 0x1p-26f,
-                            0x1p-24f,
-                            1e-8f,
-                            6.1e-5f,
-                            1e-40f,
-                            -1e-42f};
+// fp32 bit patterns for convert: specials (infinities, NaNs with payloads and signs, signalling
+// NaNs), zeros, the largest and smallest floats, every boundary of float_to_f16 (overflow at
+// 0x477ff000, subnormal results below 0x38800000, zero below 0x33000000) and its neighbours,
+// every upper half-word with the low half-words that decide bf16 and fp16 rounding (ties, one
+// either side, all ones), a stride through all 2^32 patterns and random values.
+std::vector<uint32_t> f32_patterns() {
+  std::vector<uint32_t> p = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u,
+                             0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fbfffffu, 0x7fc00001u,
+                             0x7fffffffu, 0xffffffffu, 0x7f7fffffu, 0xff7fffffu, 0x00000001u,
+                             0x80000001u, 0x007fffffu, 0x00800000u, 0x3f800000u, 0xbf800000u};
+  for (uint32_t edge : {0x477ff000u, 0x477fe000u, 0x47800000u, 0x38800000u, 0x33000000u,
+                        0x33800000u, 0x387fe000u, 0x38000000u, 0x7f7f8000u, 0x7f7fffffu}) {
+    for (uint32_t d = 0; d < 64; ++d) {
+      for (uint32_t sign : {0u, 0x80000000u}) {
+        p.push_back(sign | (edge + d));
+        p.push_back(sign | (edge - d));
+      }
+    }
+  }
+  for (uint32_t hi = 0; hi < 65536; ++hi) {
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu, 0x2000u, 0x3000u,
+                        0x7fffu, 0x8000u, 0x8001u, 0xf000u, 0xffffu}) {
+      p.push_back(hi << 16 | lo);
+    }
+  }
+  for (uint64_t b = 0; b < (1ull << 32); b += 1021) p.push_back(static_cast<uint32_t>(b));
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> mant(-1.0f, 1.0f);
   std::uniform_int_distribution<int> expo(-40, 40);
-  for (int i = 0; i < 100000; ++i) f32.push_back(std::ldexp(mant(rng), expo(rng)));
+  for (int i = 0; i < 100000; ++i) {
+    const float f = std::ldexp(mant(rng), expo(rng));
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    p.push_back(b);
+  }
+  return p;
+}
+
+// Every 16-bit pattern of bf16 and fp16, every E4M3 byte, and several million fp32 patterns,
+// converted to each of fp32, fp16 and bf16: bit for bit what the host functions give (the weight
+// upload's conversion moved from them to the GPU), NaNs included. 5 million elements is also
+// past the kernel's 8192 x 256 threads: its grid-stride loop runs.
+TEST(CudaConvert, MatchesTheHostConversionBitForBit) {
+  TESSERA_REQUIRE_GPU();
+  const std::vector<uint32_t> f32 = f32_patterns();
   std::vector<uint8_t> f32_bytes(f32.size() * 4);
   std::memcpy(f32_bytes.data(), f32.data(), f32_bytes.size());
   std::vector<uint8_t> half_bytes(65536 * 2);
@@ -854,10 +861,14 @@ TEST(CudaConvert, MatchesHostRoundingBitForBit) {
     const uint16_t h = static_cast<uint16_t>(b);
     std::memcpy(half_bytes.data() + 2 * b, &h, 2);
   }
+  std::vector<uint8_t> fp8_bytes(256);
+  std::iota(fp8_bytes.begin(), fp8_bytes.end(), uint8_t{0});
 
-  for (DType from : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType from : {DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3}) {
     for (DType to : {DType::kF32, DType::kF16, DType::kBF16}) {
-      const std::vector<uint8_t>& src = from == DType::kF32 ? f32_bytes : half_bytes;
+      const std::vector<uint8_t>& src = from == DType::kF32      ? f32_bytes
+                                        : from == DType::kF8E4M3 ? fp8_bytes
+                                                                 : half_bytes;
       const size_t n = src.size() / dtype_size(from);
       const std::vector<uint8_t> want = host_convert(from, src, to);
       DeviceBuffer d_src = upload(src);
@@ -866,17 +877,45 @@ TEST(CudaConvert, MatchesHostRoundingBitForBit) {
           convert(from, d_src.get(), to, d_dst.get(), static_cast<int64_t>(n), nullptr).is_ok());
       const std::vector<uint8_t> got = download<uint8_t>(d_dst.get(), want.size());
       const size_t esize = dtype_size(to);
-      int failures = 0;
-      for (size_t i = 0; i < n && failures < 5; ++i) {
-        const float g = element(to, got, i), w = element(to, want, i);
-        if (std::isnan(w)
-                ? !std::isnan(g)
-                : std::memcmp(got.data() + i * esize, want.data() + i * esize, esize) != 0) {
-          ++failures;
+      size_t failures = 0;
+      for (size_t i = 0; i < n; ++i) {
+        if (std::memcmp(got.data() + i * esize, want.data() + i * esize, esize) == 0) continue;
+        if (++failures <= 5) {
           ADD_FAILURE() << "convert " << dtype_name(from) << " -> " << dtype_name(to) << " of "
-                        << element(from, src, i) << " (element " << i << "): got " << g
-                        << ", expected " << w;
+                        << hex_bits(from, src, i) << " (element " << i << "): got "
+                        << hex_bits(to, got, i) << ", the host gives " << hex_bits(to, want, i);
         }
+      }
+      EXPECT_EQ(failures, 0u) << dtype_name(from) << " -> " << dtype_name(to) << " of " << n;
+    }
+  }
+}
+
+// The weight upload converts chunks into the middle of its allocation: a destination at any
+// element offset, an odd count, and nothing written outside [dst, dst + n).
+TEST(CudaConvert, WritesExactlyItsElementsAtAnyOffset) {
+  TESSERA_REQUIRE_GPU();
+  const int64_t n = 1001, pad = 64;
+  std::vector<float> values(n);
+  for (int64_t i = 0; i < n; ++i) values[i] = 0.37f * static_cast<float>(i - 500);
+  DeviceBuffer d_src = upload(values);
+  for (DType to : {DType::kF16, DType::kBF16, DType::kF32}) {
+    const size_t es = dtype_size(to);
+    for (int64_t offset : {int64_t{0}, int64_t{1}, int64_t{3}}) {
+      DeviceBuffer d_dst = upload(std::vector<uint8_t>((n + 2 * pad) * es, 0xa5));
+      char* at = d_dst.as<char>() + static_cast<size_t>(pad + offset) * es;
+      ASSERT_TRUE(convert(DType::kF32, d_src.get(), to, at, n, nullptr).is_ok());
+      const std::vector<uint8_t> got = download<uint8_t>(d_dst.get(), (n + 2 * pad) * es);
+      std::vector<uint8_t> src_bytes(n * 4);
+      std::memcpy(src_bytes.data(), values.data(), src_bytes.size());
+      const std::vector<uint8_t> want = host_convert(DType::kF32, src_bytes, to);
+      const size_t begin = static_cast<size_t>(pad + offset) * es, end = begin + n * es;
+      EXPECT_EQ(std::memcmp(got.data() + begin, want.data(), want.size()), 0)
+          << dtype_name(to) << " at offset " << offset;
+      for (size_t b = 0; b < got.size(); ++b) {
+        if (b >= begin && b < end) continue;
+        ASSERT_EQ(got[b], 0xa5) << "byte " << b << " outside the destination was written ("
+                                << dtype_name(to) << ", offset " << offset << ")";
       }
     }
   }
@@ -937,6 +976,10 @@ TEST(CudaElementwise, BadArgumentsAreInvalidArgumentWithoutLaunching) {
   expect_invalid(convert(bf16, x.get(), DType::kF16, out.get(), -1, nullptr), "convert n -1");
   expect_invalid(convert(static_cast<DType>(7), x.get(), DType::kF16, out.get(), 4, nullptr),
                  "convert unknown dtype");
+  expect_invalid(convert(DType::kI32, x.get(), DType::kF16, out.get(), 4, nullptr),
+                 "convert from I32");
+  expect_invalid(convert(bf16, x.get(), DType::kF8E4M3, out.get(), 4, nullptr),
+                 "convert to F8_E4M3");
 
   RopeCacheArgs good;
   good.dtype = bf16;

@@ -1,0 +1,744 @@
+// FP8 W8A8 linear layers: the activation quantizers (fused into RMSNorm and silu_mul, and
+// standalone), the online weight quantizer and the cuBLASLt FP8 GEMM. See fp8_linear.h for the
+// contract; the rounding of each quantizer is common/checkpoint/quantization.cpp's, line for line
+// (x / a in IEEE fp32 division, never a multiply by 1 / a; E4M3 round-to-nearest-even saturating
+// at +-448, which is what __nv_cvt_float_to_fp8(.., __NV_SATFINITE, __NV_E4M3) does and what
+// float_to_fp8_e4m3 mirrors on the host).
+#include "kernels/cuda/fp8_linear.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/rms_norm.cuh"
+
+namespace tessera::cuda {
+
+namespace {
+
+using dev::kHalfVec;
+
+constexpr int64_t kMaxGridX = 2147483647;
+constexpr int64_t kMaxGridY = 65535;
+constexpr int kMaxNormHidden = 512 * kHalfVec * 8;  // rms_norm_vec_kernel's V = 8 at 512 threads
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+template <typename Fn>
+Status with_half_type(DType dtype, const char* op, Fn&& fn) {
+  if (dtype == DType::kBF16) return fn(TypeTag<__nv_bfloat16>{});
+  if (dtype == DType::kF16) return fn(TypeTag<__half>{});
+  return invalid_argument(std::string(op) + ": dtype must be BF16 or F16, got " +
+                          dtype_name(dtype));
+}
+
+// The checks every activation quantizer makes: sizes, and the 16-byte vectors it reads and
+// writes (`in` and the output rows of `width` E4M3 bytes).
+Status check_rows(const char* op, int64_t rows, int64_t width, float static_scale,
+                  std::initializer_list<const void*> in, const uint8_t* q, const float* scales) {
+  if (rows < 0 || width <= 0 || width % kHalfVec != 0) {
+    return invalid_argument(std::string(op) + ": rows " + std::to_string(rows) + " and width " +
+                            std::to_string(width) + " must be >= 0 and a positive multiple of 8");
+  }
+  if (!(static_scale >= 0.0f) || static_scale > 3.0e38f) {
+    return invalid_argument(std::string(op) + ": static_scale " + std::to_string(static_scale) +
+                            " is not 0 (dynamic) or a positive finite scale");
+  }
+  if (rows == 0) return Status::ok();
+  for (const void* p : in) {
+    if (p == nullptr || !aligned(p, 16)) {
+      return invalid_argument(std::string(op) + ": an input is null or not 16-byte aligned");
+    }
+  }
+  if (q == nullptr || scales == nullptr || !aligned(q, 16)) {
+    return invalid_argument(std::string(op) + ": q (16-byte aligned) and scales must be set");
+  }
+  return Status::ok();
+}
+
+// ---- device helpers ----
+
+// Max over the whole block of non-negative values; every thread gets it. blockDim.x a multiple
+// of 32; `scratch` __shared__ float[32], reusable after (a barrier last).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int num_warps = static_cast<int>(blockDim.x) >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = lane < num_warps ? scratch[lane] : 0.0f;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    total = fmaxf(total, __shfl_xor_sync(0xffffffffu, total, offset));
+  }
+  __syncthreads();
+  return total;
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// fp8(v[e] / a) for 8 values, packed as 8 bytes.
+__device__ __forceinline__ uint2 quantize8(const float (&v)[kHalfVec], float a) {
+  uint2 r;
+  uint8_t* b = reinterpret_cast<uint8_t*>(&r);
+#pragma unroll
+  for (int e = 0; e < kHalfVec; ++e) b[e] = to_e4m3(v[e] / a);
+  return r;
+}
+
+// The row scale: the static one, or max|row| / 448 (1 for a zero row) from this thread's
+// `amax` and the block's.
+__device__ __forceinline__ float row_scale(float static_scale, float amax, float* scratch) {
+  if (static_scale > 0.0f) return static_scale;
+  amax = block_max(amax, scratch);
+  return amax > 0.0f ? amax / kFp8Max : 1.0f;
+}
+
+// ---- fused RMSNorm + quantization: rms_norm_vec_kernel's store policy ----
+
+template <typename T>
+struct StoreFp8Row {
+  uint8_t* q;
+  float* scales;
+  float static_scale;
+  template <int V, typename Normed>
+  __device__ __forceinline__ void row(int64_t row, int64_t hidden, const Normed& normed,
+                                      float* scratch) const {
+    const int64_t nvec = hidden / kHalfVec;
+    float amax = 0.0f;
+    if (!(static_scale > 0.0f)) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+        if (j < nvec) {
+          float h[kHalfVec];
+          normed(k, h);
+#pragma unroll
+          for (int e = 0; e < kHalfVec; ++e) amax = fmaxf(amax, fabsf(dev::round_to<T>(h[e])));
+        }
+      }
+    }
+    const float a = row_scale(static_scale, amax, scratch);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (j < nvec) {
+        float h[kHalfVec];
+        normed(k, h);
+#pragma unroll
+        for (int e = 0; e < kHalfVec; ++e) h[e] = dev::round_to<T>(h[e]);
+        *reinterpret_cast<uint2*>(q + row * hidden + j * kHalfVec) = quantize8(h, a);
+      }
+    }
+    if (threadIdx.x == 0) scales[row] = a;
+  }
+};
+
+// ---- standalone and silu_mul quantizers: one CTA per row, two passes over it ----
+
+// `value(j, v)` writes the 8 values (already rounded to the dtype) of vector j of the row.
+template <typename Value>
+__device__ __forceinline__ void quantize_row(const Value& value, int64_t row, int64_t cols,
+                                             float static_scale, uint8_t* q, float* scales,
+                                             float* scratch) {
+  const int64_t nvec = cols / kHalfVec;
+  float amax = 0.0f;
+  if (!(static_scale > 0.0f)) {
+    for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+      float v[kHalfVec];
+      value(j, v);
+#pragma unroll
+      for (int e = 0; e < kHalfVec; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    }
+  }
+  const float a = row_scale(static_scale, amax, scratch);
+  for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+    float v[kHalfVec];
+    value(j, v);
+    *reinterpret_cast<uint2*>(q + row * cols + j * kHalfVec) = quantize8(v, a);
+  }
+  if (threadIdx.x == 0) scales[row] = a;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+    quantize_rows_kernel(const T* x, int64_t rows, int64_t cols, float static_scale, uint8_t* q,
+                         float* scales) {
+  __shared__ float scratch[32];
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * cols;
+    auto value = [&](int64_t j, float(&v)[kHalfVec]) { dev::load8(xr + j * kHalfVec, v); };
+    quantize_row(value, row, cols, static_scale, q, scales, scratch);
+  }
+}
+
+// silu_mul_vec_kernel's arithmetic (elementwise.cu), then the row's quantization.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    silu_mul_fp8_kernel(const T* gate_up, int64_t rows, int64_t inter, float static_scale,
+                        uint8_t* q, float* scales) {
+  __shared__ float scratch[32];
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* gr = gate_up + row * 2 * inter;
+    auto value = [&](int64_t j, float(&o)[kHalfVec]) {
+      float g[kHalfVec], u[kHalfVec];
+      dev::load8(gr + j * kHalfVec, g);
+      dev::load8(gr + inter + j * kHalfVec, u);
+#pragma unroll
+      for (int e = 0; e < kHalfVec; ++e) {
+        const float sg = dev::round_to<T>(g[e] / (1.0f + expf(-g[e])));
+        o[e] = dev::round_to<T>(sg * u[e]);
+      }
+    };
+    quantize_row(value, row, inter, static_scale, q, scales, scratch);
+  }
+}
+
+// One row-quantizing launch: one CTA per row, up to 256 threads (fewer for narrow rows).
+template <typename Kernel, typename... Args>
+Status launch_rows(Kernel kernel, const char* name, int64_t rows, int64_t cols, cudaStream_t stream,
+                   Args... args) {
+  const int threads =
+      static_cast<int>(std::min<int64_t>(256, ceil_div(ceil_div(cols, kHalfVec), 32) * 32));
+  const unsigned grid = static_cast<unsigned>(std::min(rows, kMaxGridX));
+  launch_pdl(kernel, grid, threads, 0, stream, args...);
+  return launch_status(name);
+}
+
+// ---- online weight quantization ----
+
+template <typename T>
+__global__ void weight_amax_kernel(const T* __restrict__ w, int64_t n, uint32_t* amax) {
+  float m = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    m = fmaxf(m, fabsf(dev::to_float(w[i])));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  }
+  // Non-negative floats order as their bits do.
+  if ((threadIdx.x & 31) == 0) atomicMax(amax, __float_as_uint(m));
+}
+
+template <typename T>
+__global__ void weight_quantize_kernel(const T* __restrict__ w, int64_t n, int64_t out,
+                                       const uint32_t* amax, uint8_t* q, float* scales) {
+  const float m = __uint_as_float(*amax);
+  const float scale = m > 0.0f ? m / kFp8Max : 1.0f;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < n; i += stride) q[i] = to_e4m3(dev::to_float(w[i]) / scale);
+  for (int64_t o = first; o < out; o += stride) scales[o] = scale;
+}
+
+template <typename T>
+Status launch_weight_quantize(const void* w, int64_t out, int64_t in, uint8_t* q, float* scales,
+                              uint32_t* amax, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const int64_t n = out * in;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 16384));
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax, 0, sizeof(uint32_t), stream),
+                               "clearing the FP8 weight quantizer's max");
+  weight_amax_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(w), n, amax);
+  TESSERA_RETURN_IF_ERROR(launch_status("weight_amax_kernel"));
+  weight_quantize_kernel<T>
+      <<<grid, kThreads, 0, stream>>>(static_cast<const T*>(w), n, out, amax, q, scales);
+  return launch_status("weight_quantize_kernel");
+}
+
+// ---- the epilogue path: out = acc * a[m] * s[n] (+ bias[n]), rounded once ----
+
+// Grid: x covers a row's 8-column vectors, y strides over the rows.
+template <typename T>
+__global__ void scale_epilogue_kernel(const float* __restrict__ acc, int64_t rows, int64_t n,
+                                      const float* __restrict__ a, const float* __restrict__ s,
+                                      const T* __restrict__ bias, T* __restrict__ out) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= n / kHalfVec) return;
+  float sv[kHalfVec], bv[kHalfVec] = {};
+#pragma unroll
+  for (int e = 0; e < kHalfVec; ++e) sv[e] = __ldg(s + c * kHalfVec + e);
+  if (bias != nullptr) dev::load8_ro(bias + c * kHalfVec, bv);
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float4* p = reinterpret_cast<const float4*>(acc + r * n + c * kHalfVec);
+    const float4 lo = p[0], hi = p[1];
+    const float v[kHalfVec] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const float ar = a[r];
+    float o[kHalfVec];
+#pragma unroll
+    for (int e = 0; e < kHalfVec; ++e) o[e] = v[e] * ar * sv[e] + bv[e];
+    dev::store8(out + r * n + c * kHalfVec, o);
+  }
+}
+
+// ---- cuBLASLt ----
+
+Status lt_status(cublasStatus_t st, const std::string& what) {
+  if (st == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  std::string msg = what + ": " + cublasLtGetStatusName(st);
+  if (st == CUBLAS_STATUS_ALLOC_FAILED) return resource_exhausted(msg);
+  return internal_error(msg);
+}
+
+cudaDataType_t cuda_type(DType d) {
+  return d == DType::kBF16 ? CUDA_R_16BF : d == DType::kF16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+// "[m=1 n=4096 k=4096 fp8->bf16 outer-vector]"
+std::string describe(int64_t m, int64_t n, int64_t k, DType out, bool bias, bool outer) {
+  return "[m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+         " fp8->" + dtype_name(out) + (bias ? " +bias" : "") +
+         (outer ? " outer-vector" : " fp32 for the epilogue") + "]";
+}
+
+struct PreferenceGuard {
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~PreferenceGuard() {
+    if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+  }
+};
+
+constexpr size_t kWorkspaceBytes = 32u << 20;
+constexpr uint64_t kEpilogueScratchBytes = 64ull << 20;
+constexpr uint32_t kAlignment = 16;  // every pointer Fp8Gemm passes is 16-byte aligned
+
+}  // namespace
+
+// ---- activation quantization ----
+
+Status quantize_fp8_rows(DType dtype, const void* x, int64_t rows, int64_t cols, float static_scale,
+                         uint8_t* q, float* scales, cudaStream_t stream) {
+  constexpr const char* kOp = "quantize_fp8_rows";
+  TESSERA_RETURN_IF_ERROR(check_rows(kOp, rows, cols, static_scale, {x}, q, scales));
+  if (rows == 0) return Status::ok();
+  return with_half_type(dtype, kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return launch_rows(quantize_rows_kernel<T>, "quantize_rows_kernel", rows, cols, stream,
+                       static_cast<const T*>(x), rows, cols, static_scale, q, scales);
+  });
+}
+
+Status rms_norm_fp8(DType dtype, const void* x, void* residual, const void* weight, int64_t rows,
+                    int64_t hidden, float eps, float static_scale, uint8_t* q, float* scales,
+                    cudaStream_t stream) {
+  constexpr const char* kOp = "rms_norm_fp8";
+  TESSERA_RETURN_IF_ERROR(check_rows(kOp, rows, hidden, static_scale, {x, weight}, q, scales));
+  if (hidden > kMaxNormHidden) {
+    return invalid_argument("rms_norm_fp8: hidden " + std::to_string(hidden) + " is above " +
+                            std::to_string(kMaxNormHidden));
+  }
+  if (rows == 0) return Status::ok();
+  if (residual != nullptr && (!aligned(residual, 16) || residual == x)) {
+    return invalid_argument("rms_norm_fp8: residual must be 16-byte aligned and not alias x");
+  }
+  const int64_t nvec = hidden / kHalfVec;
+  int v = 8;
+  for (int cand : {1, 2, 4, 8}) {
+    if (nvec <= static_cast<int64_t>(cand) * 512) {
+      v = cand;
+      break;
+    }
+  }
+  const int threads = static_cast<int>(ceil_div(ceil_div(nvec, v), 32) * 32);
+  const unsigned grid = static_cast<unsigned>(std::min(rows, kMaxGridX));
+  return with_half_type(dtype, kOp, [&](auto tag) -> Status {
+    using T = typename decltype(tag)::type;
+    const T* xt = static_cast<const T*>(x);
+    T* res = static_cast<T*>(residual);
+    const T* w = static_cast<const T*>(weight);
+    const StoreFp8Row<T> store{q, scales, static_scale};
+    auto launch = [&](auto kernel) {
+      launch_pdl(kernel, grid, threads, 0, stream, xt, res, w, rows, hidden, eps, store);
+      return launch_status("rms_norm_fp8");
+    };
+    const bool add = residual != nullptr;
+    switch (v) {
+      case 1:
+        return add ? launch(norm::rms_norm_vec_kernel<T, 1, true, StoreFp8Row<T>>)
+                   : launch(norm::rms_norm_vec_kernel<T, 1, false, StoreFp8Row<T>>);
+      case 2:
+        return add ? launch(norm::rms_norm_vec_kernel<T, 2, true, StoreFp8Row<T>>)
+                   : launch(norm::rms_norm_vec_kernel<T, 2, false, StoreFp8Row<T>>);
+      case 4:
+        return add ? launch(norm::rms_norm_vec_kernel<T, 4, true, StoreFp8Row<T>>)
+                   : launch(norm::rms_norm_vec_kernel<T, 4, false, StoreFp8Row<T>>);
+      default:
+        return add ? launch(norm::rms_norm_vec_kernel<T, 8, true, StoreFp8Row<T>>)
+                   : launch(norm::rms_norm_vec_kernel<T, 8, false, StoreFp8Row<T>>);
+    }
+  });
+}
+
+Status silu_mul_fp8(DType dtype, const void* gate_up, int64_t rows, int64_t inter,
+                    float static_scale, uint8_t* q, float* scales, cudaStream_t stream) {
+  constexpr const char* kOp = "silu_mul_fp8";
+  TESSERA_RETURN_IF_ERROR(check_rows(kOp, rows, inter, static_scale, {gate_up}, q, scales));
+  if (rows == 0) return Status::ok();
+  return with_half_type(dtype, kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return launch_rows(silu_mul_fp8_kernel<T>, "silu_mul_fp8_kernel", rows, inter, stream,
+                       static_cast<const T*>(gate_up), rows, inter, static_scale, q, scales);
+  });
+}
+
+// ---- weights ----
+
+Status quantize_fp8_weight(DType dtype, const void* w, int64_t out, int64_t in, uint8_t* q,
+                           float* scales, uint32_t* amax, cudaStream_t stream) {
+  if (out <= 0 || in <= 0) {
+    return invalid_argument("quantize_fp8_weight: out " + std::to_string(out) + " and in " +
+                            std::to_string(in) + " must be positive");
+  }
+  if (w == nullptr || q == nullptr || scales == nullptr || amax == nullptr) {
+    return invalid_argument("quantize_fp8_weight: null w, q, scales or amax");
+  }
+  switch (dtype) {
+    case DType::kF32:
+      return launch_weight_quantize<float>(w, out, in, q, scales, amax, stream);
+    case DType::kF16:
+      return launch_weight_quantize<__half>(w, out, in, q, scales, amax, stream);
+    case DType::kBF16:
+      return launch_weight_quantize<__nv_bfloat16>(w, out, in, q, scales, amax, stream);
+    case DType::kI32:
+    case DType::kF8E4M3:
+      break;
+  }
+  return invalid_argument(std::string("quantize_fp8_weight: a ") + dtype_name(dtype) +
+                          " weight is not quantized at load (F32, F16 or BF16)");
+}
+
+// ---- the GEMM ----
+
+Expected<Fp8GemmPath> parse_fp8_gemm_path(std::string_view text) {
+  if (text == "auto" || text.empty()) return Fp8GemmPath::kAuto;
+  if (text == "outer-vector") return Fp8GemmPath::kOuterVector;
+  if (text == "epilogue") return Fp8GemmPath::kEpilogue;
+  return invalid_argument("\"" + std::string(text) +
+                          "\" is not an FP8 GEMM path (auto, outer-vector or epilogue)");
+}
+
+const char* fp8_gemm_path_name(Fp8GemmPath path) {
+  switch (path) {
+    case Fp8GemmPath::kAuto:
+      return "auto";
+    case Fp8GemmPath::kOuterVector:
+      return "outer-vector";
+    case Fp8GemmPath::kEpilogue:
+      return "epilogue";
+  }
+  return "?";
+}
+
+struct Fp8Gemm::Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr;  // w: col-major [k, n], used transposed (FP8 wants TN)
+  cublasLtMatrixLayout_t b = nullptr;  // x: col-major [k, m]
+  cublasLtMatrixLayout_t d = nullptr;  // out: col-major [n, m] (also C, beta = 0)
+  cublasLtMatmulAlgo_t algo{};
+  bool bias_in_gemm = false;  // false with a bias: add_bias after the GEMM
+  std::string what;
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() { destroy(); }
+  void destroy() {
+    if (d != nullptr) cublasLtMatrixLayoutDestroy(d);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+    d = b = a = nullptr;
+    desc = nullptr;
+  }
+
+  // D^T[n, m] = W[n, k] . X^T[k, m] in cuBLASLt's column-major terms; the outer vectors scale
+  // A's rows (s[n]) and B's columns (a[m]).
+  Status init(int64_t m, int64_t n, int64_t k, DType out, bool bias, bool outer) {
+    const std::string w = "creating cuBLASLt FP8 descriptors for " + what;
+    TESSERA_RETURN_IF_ERROR(
+        lt_status(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), w));
+    auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t size) {
+      return lt_status(cublasLtMatmulDescSetAttribute(desc, attr, v, size), w);
+    };
+    const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
+    TESSERA_RETURN_IF_ERROR(set(CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
+    TESSERA_RETURN_IF_ERROR(set(CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)));
+    if (outer) {
+      const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      TESSERA_RETURN_IF_ERROR(set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode)));
+      TESSERA_RETURN_IF_ERROR(set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode)));
+    }
+    if (bias) {
+      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      const int32_t bias_type = cuda_type(out);
+      TESSERA_RETURN_IF_ERROR(set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+      TESSERA_RETURN_IF_ERROR(
+          set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+    }
+    const auto mu = static_cast<uint64_t>(m), nu = static_cast<uint64_t>(n),
+               ku = static_cast<uint64_t>(k);
+    TESSERA_RETURN_IF_ERROR(
+        lt_status(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, ku, nu, k), w));
+    TESSERA_RETURN_IF_ERROR(
+        lt_status(cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, ku, mu, k), w));
+    TESSERA_RETURN_IF_ERROR(
+        lt_status(cublasLtMatrixLayoutCreate(&d, cuda_type(out), nu, mu, n), w));
+    bias_in_gemm = bias;
+    return Status::ok();
+  }
+
+  // The heuristic's first algorithm (fp32 split-K reductions only, 16-byte aligned pointers).
+  Status choose(cublasLtHandle_t handle, uint64_t workspace) {
+    const std::string w = "cublasLtMatmulAlgoGetHeuristic " + what;
+    PreferenceGuard guard;
+    TESSERA_RETURN_IF_ERROR(lt_status(cublasLtMatmulPreferenceCreate(&guard.pref), w));
+    auto pref = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t size) {
+      return lt_status(cublasLtMatmulPreferenceSetAttribute(guard.pref, attr, v, size), w);
+    };
+    const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    TESSERA_RETURN_IF_ERROR(
+        pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
+    TESSERA_RETURN_IF_ERROR(
+        pref(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof(reductions)));
+    for (const auto attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+      TESSERA_RETURN_IF_ERROR(pref(attr, &kAlignment, sizeof(kAlignment)));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    TESSERA_RETURN_IF_ERROR(lt_status(
+        cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, guard.pref, 1, &result, &found),
+        w));
+    if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+      return lt_status(CUBLAS_STATUS_NOT_SUPPORTED, w + " (no algorithm)");
+    }
+    algo = result.algo;
+    return Status::ok();
+  }
+};
+
+Expected<Fp8Gemm::Plan*> Fp8Gemm::plan(int64_t m, int64_t n, int64_t k, DType out, bool bias,
+                                       bool outer) {
+  const auto key = std::make_tuple(m, n, k, out, bias, outer);
+  if (auto it = plans_.find(key); it != plans_.end()) return it->second.get();
+  auto p = std::make_unique<Plan>();
+  p->what = describe(m, n, k, out, bias, outer);
+  TESSERA_RETURN_IF_ERROR(p->init(m, n, k, out, bias, outer));
+  if (Status chosen = p->choose(handle_, workspace_.bytes()); !chosen.is_ok()) {
+    if (!bias) return chosen;
+    // No FP8 kernel with this bias epilogue: the GEMM without it, then add_bias.
+    p->destroy();
+    TESSERA_RETURN_IF_ERROR(p->init(m, n, k, out, false, outer));
+    TESSERA_RETURN_IF_ERROR(p->choose(handle_, workspace_.bytes()));
+  }
+  return plans_.emplace(key, std::move(p)).first->second.get();
+}
+
+Expected<std::unique_ptr<Fp8Gemm>> Fp8Gemm::create(Fp8GemmPath path, int64_t max_m, int64_t max_n,
+                                                   DType out_dtype, cudaStream_t stream) {
+  if (max_m <= 0 || max_n <= 0 || max_n % 16 != 0 || !is_half_type(out_dtype)) {
+    return invalid_argument("Fp8Gemm::create: max_m " + std::to_string(max_m) + " and max_n " +
+                            std::to_string(max_n) +
+                            " must be positive, max_n a multiple of 16, the output BF16 or F16");
+  }
+  std::unique_ptr<Fp8Gemm> g(new Fp8Gemm());
+  g->max_n_ = max_n;
+  TESSERA_RETURN_IF_ERROR(lt_status(cublasLtCreate(&g->handle_), "cublasLtCreate"));
+  TESSERA_ASSIGN_OR_RETURN(g->workspace_,
+                           DeviceBuffer::allocate(kWorkspaceBytes, "the FP8 GEMM's workspace"));
+  g->path_ = Fp8GemmPath::kEpilogue;
+  if (path != Fp8GemmPath::kEpilogue) {
+    Status probed = g->probe(out_dtype, stream);
+    if (probed.is_ok()) {
+      g->path_ = Fp8GemmPath::kOuterVector;
+    } else if (path == Fp8GemmPath::kOuterVector) {
+      return failed_precondition(
+          "TESSERA_FP8_GEMM=outer-vector: cuBLASLt's outer-vector FP8 scaling does not work "
+          "here (" +
+          probed.message() + "); unset it or set epilogue");
+    } else {
+      g->probe_failure_ = probed.message();
+    }
+  }
+  if (g->path_ == Fp8GemmPath::kEpilogue) {
+    // Rows per chunk: a multiple of 16 (x's chunks stay 256-byte aligned), the scratch <= 64 MiB.
+    int64_t rows = static_cast<int64_t>(kEpilogueScratchBytes / (4 * static_cast<uint64_t>(max_n)));
+    rows = std::max<int64_t>(16, rows / 16 * 16);
+    g->chunk_rows_ = std::min(rows, max_m);
+    TESSERA_ASSIGN_OR_RETURN(
+        g->scratch_,
+        DeviceBuffer::allocate(static_cast<size_t>(g->chunk_rows_ * max_n) * sizeof(float),
+                               "the FP8 GEMM's fp32 output chunk"));
+  }
+  return std::move(g);
+}
+
+Fp8Gemm::~Fp8Gemm() {
+  plans_.clear();
+  if (handle_ != nullptr) cublasLtDestroy(handle_);
+}
+
+// A 3 x 32 x 32 GEMM of ones whose scales make every output distinct: out[m][n] = 32 * (m + 1) *
+// (n + 1) / 16 (+ n) = 2 (m + 1)(n + 1) (+ n), integers below 256 (exact in bf16 and fp16), with
+// and without the bias. The outer-vector path is taken only when cuBLASLt computes exactly these.
+Status Fp8Gemm::probe(DType out_dtype, cudaStream_t stream) {
+  constexpr int64_t M = 3, N = 32, K = 32;
+  constexpr size_t kX = 0, kW = 256, kA = 2048, kS = 2304, kBias = 2560, kOut = 2816;
+  TESSERA_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::allocate(4096, "the FP8 GEMM probe"));
+  std::vector<uint8_t> host(4096, 0);
+  std::fill_n(host.begin() + kX, M * K, uint8_t{0x38});  // E4M3 1.0
+  std::fill_n(host.begin() + kW, N * K, uint8_t{0x38});
+  for (int64_t m = 0; m < M; ++m) {
+    const float a = static_cast<float>(m + 1);
+    std::memcpy(host.data() + kA + m * 4, &a, 4);
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    const float s = static_cast<float>(n + 1) / 16.0f;
+    const uint16_t b = out_dtype == DType::kBF16 ? float_to_bf16(static_cast<float>(n))
+                                                 : float_to_f16(static_cast<float>(n));
+    std::memcpy(host.data() + kS + n * 4, &s, 4);
+    std::memcpy(host.data() + kBias + n * 2, &b, 2);
+  }
+  char* d = buf.as<char>();
+  TESSERA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(d, host.data(), host.size(), cudaMemcpyHostToDevice, stream), "FP8 probe");
+  for (bool bias : {false, true}) {
+    Fp8GemmArgs args;
+    args.m = M;
+    args.n = N;
+    args.k = K;
+    args.out_dtype = out_dtype;
+    args.x = reinterpret_cast<const uint8_t*>(d + kX);
+    args.w = reinterpret_cast<const uint8_t*>(d + kW);
+    args.x_scales = reinterpret_cast<const float*>(d + kA);
+    args.w_scales = reinterpret_cast<const float*>(d + kS);
+    args.bias = bias ? d + kBias : nullptr;
+    args.out = d + kOut;
+    TESSERA_RETURN_IF_ERROR(outer_vector(args, stream));
+    std::vector<uint16_t> got(static_cast<size_t>(M * N));
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(got.data(), d + kOut, got.size() * 2, cudaMemcpyDeviceToHost, stream),
+        "FP8 probe");
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "FP8 probe");
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) {
+        const float want = static_cast<float>(2 * (m + 1) * (n + 1) + (bias ? n : 0));
+        const uint16_t bits = got[static_cast<size_t>(m * N + n)];
+        const float have = out_dtype == DType::kBF16 ? bf16_to_float(bits) : f16_to_float(bits);
+        if (have != want) {
+          plans_.clear();
+          return internal_error("the probe GEMM" + std::string(bias ? " with a bias" : "") +
+                                " gave " + std::to_string(have) + " at [" + std::to_string(m) +
+                                ", " + std::to_string(n) + "], not " + std::to_string(want));
+        }
+      }
+    }
+  }
+  plans_.clear();
+  return Status::ok();
+}
+
+Status Fp8Gemm::outer_vector(const Fp8GemmArgs& a, cudaStream_t stream) {
+  TESSERA_ASSIGN_OR_RETURN(Plan * p, plan(a.m, a.n, a.k, a.out_dtype, a.bias != nullptr, true));
+  auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* ptr) {
+    return cublasLtMatmulDescSetAttribute(p->desc, attr, &ptr, sizeof(ptr));
+  };
+  // Messages are built only for an error.
+  cublasStatus_t st = set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a.w_scales);
+  if (st == CUBLAS_STATUS_SUCCESS) st = set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.x_scales);
+  if (st == CUBLAS_STATUS_SUCCESS && p->bias_in_gemm) {
+    st = set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, a.bias);
+  }
+  if (st != CUBLAS_STATUS_SUCCESS) return lt_status(st, "setting the scales of " + p->what);
+  const float alpha = 1.0f, beta = 0.0f;
+  st = cublasLtMatmul(handle_, p->desc, &alpha, a.w, p->a, a.x, p->b, &beta, a.out, p->d, a.out,
+                      p->d, &p->algo, workspace_.get(), workspace_.bytes(), stream);
+  if (st != CUBLAS_STATUS_SUCCESS) return lt_status(st, "cublasLtMatmul " + p->what);
+  if (a.bias == nullptr || p->bias_in_gemm) return Status::ok();
+  return add_bias(a.out_dtype, a.out, a.bias, a.m, a.n, stream);
+}
+
+Status Fp8Gemm::epilogue(const Fp8GemmArgs& a, cudaStream_t stream) {
+  if (a.n > max_n_) {
+    return invalid_argument("Fp8Gemm::linear: n " + std::to_string(a.n) + " is above the max_n " +
+                            std::to_string(max_n_) + " it was made for");
+  }
+  float* acc = scratch_.as<float>();
+  for (int64_t r0 = 0; r0 < a.m; r0 += chunk_rows_) {
+    const int64_t mc = std::min(chunk_rows_, a.m - r0);
+    TESSERA_ASSIGN_OR_RETURN(Plan * p, plan(mc, a.n, a.k, DType::kF32, false, false));
+    const float alpha = 1.0f, beta = 0.0f;
+    const cublasStatus_t mm =
+        cublasLtMatmul(handle_, p->desc, &alpha, a.w, p->a, a.x + r0 * a.k, p->b, &beta, acc, p->d,
+                       acc, p->d, &p->algo, workspace_.get(), workspace_.bytes(), stream);
+    if (mm != CUBLAS_STATUS_SUCCESS) return lt_status(mm, "cublasLtMatmul " + p->what);
+    constexpr int kThreads = 128;
+    const dim3 grid(static_cast<unsigned>(ceil_div(a.n / kHalfVec, kThreads)),
+                    static_cast<unsigned>(std::min(mc, kMaxGridY)));
+    Status st = with_half_type(a.out_dtype, "Fp8Gemm", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      launch_pdl(scale_epilogue_kernel<T>, grid, kThreads, 0, stream, acc, mc, a.n, a.x_scales + r0,
+                 a.w_scales, static_cast<const T*>(a.bias), static_cast<T*>(a.out) + r0 * a.n);
+      return launch_status("scale_epilogue_kernel");
+    });
+    TESSERA_RETURN_IF_ERROR(st);
+  }
+  return Status::ok();
+}
+
+Status Fp8Gemm::linear(const Fp8GemmArgs& a, cudaStream_t stream) {
+  // Built only for an error (a decode step makes seven calls a layer).
+  auto where = [&] {
+    return "Fp8Gemm::linear " + describe(a.m, a.n, a.k, a.out_dtype, a.bias != nullptr,
+                                         path_ == Fp8GemmPath::kOuterVector);
+  };
+  if (a.m <= 0 || a.n <= 0 || a.k <= 0 || a.n % 16 != 0 || a.k % 16 != 0) {
+    return invalid_argument(where() + ": m, n and k must be positive, n and k multiples of 16");
+  }
+  if (!is_half_type(a.out_dtype)) {
+    return invalid_argument(where() + ": the output must be BF16 or F16");
+  }
+  for (const void* p : {static_cast<const void*>(a.x), static_cast<const void*>(a.w),
+                        static_cast<const void*>(a.x_scales), static_cast<const void*>(a.w_scales),
+                        static_cast<const void*>(a.out)}) {
+    if (p == nullptr || !aligned(p, kAlignment)) {
+      return invalid_argument(where() + ": x, w, their scales and out must be 16-byte aligned");
+    }
+  }
+  if (a.bias != nullptr && !aligned(a.bias, kAlignment)) {
+    return invalid_argument(where() + ": the bias must be 16-byte aligned");
+  }
+  return path_ == Fp8GemmPath::kOuterVector ? outer_vector(a, stream) : epilogue(a, stream);
+}
+
+}  // namespace tessera::cuda

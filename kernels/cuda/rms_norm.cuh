@@ -1,0 +1,99 @@
+// The RMSNorm row kernel shared by rms_norm / add_rms_norm (elementwise.cu) and rms_norm_fp8
+// (fp8_linear.cu): one implementation of the normalisation (transformers' LlamaRMSNorm rounding,
+// elementwise.h), with what is done with the normed row a policy. Include from .cu files only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/device_math.cuh"
+
+namespace tessera::cuda::norm {
+
+// The store policy of rms_norm: the normed row in the dtype, out [rows, hidden]. Made from the
+// output pointer (implicitly: launch_pdl converts the T* argument to the kernel's parameter).
+template <typename T>
+struct StoreRow {
+  T* out;
+  StoreRow(T* o) : out(o) {}  // NOLINT(google-explicit-constructor)
+  // `normed(k, h)` writes the 8 normed values (fp32, before their rounding to T) of this
+  // thread's vector k (elements 8 j .. 8 j + 7 of the row, j = threadIdx.x + k blockDim.x).
+  template <int V, typename Normed>
+  __device__ __forceinline__ void row(int64_t row, int64_t hidden, const Normed& normed,
+                                      float* /*scratch*/) const {
+    const int64_t nvec = hidden / dev::kHalfVec;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (j < nvec) {
+        float h[dev::kHalfVec];
+        normed(k, h);
+        dev::store8(out + row * hidden + j * dev::kHalfVec, h);
+      }
+    }
+  }
+};
+
+// One CTA per row (grid-stride over rows). hidden % 8 == 0 and 16-byte aligned buffers; each
+// thread keeps V 16-byte vectors of its row in registers, packed as the dtype (one global read),
+// and its weight vectors, loaded once before the row loop. All reads of x precede the block
+// reduction's barrier and all writes of the store follow it, so x and out may alias. The store
+// is called by every thread of the block (it may reduce over the block with `scratch`, which it
+// must leave reusable: a barrier last).
+//   h = float(x) (kAdd: residual = round(residual + x), h = that); inv = rsqrt(mean(h^2) + eps);
+//   normed = weight * round(h * inv), rounded to T by the store
+template <typename T, int V, bool kAdd, typename Store = StoreRow<T>>
+__global__ void __launch_bounds__(512)
+    rms_norm_vec_kernel(const T* x, T* residual, const T* __restrict__ weight, int64_t rows,
+                        int64_t hidden, float eps, Store store) {
+  __shared__ float scratch[32];
+  const int64_t nvec = hidden / dev::kHalfVec;
+  const float inv_hidden = 1.0f / static_cast<float>(hidden);
+  uint4 w[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    w[k] = j < nvec ? __ldg(reinterpret_cast<const uint4*>(weight) + j) : make_uint4(0, 0, 0, 0);
+  }
+  // The weights are constant: loaded before the wait for the kernel that writes x.
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * hidden;
+    uint4 hv[V];  // the row's values as the dtype holds them (x, or the rounded residual sum)
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      hv[k] = make_uint4(0, 0, 0, 0);
+      if (j < nvec) {
+        hv[k] = *reinterpret_cast<const uint4*>(x + base + j * dev::kHalfVec);
+        float h[dev::kHalfVec];
+        dev::unpack8<T>(hv[k], h);
+        if constexpr (kAdd) {
+          float r[dev::kHalfVec];
+          dev::load8(residual + base + j * dev::kHalfVec, r);
+#pragma unroll
+          for (int e = 0; e < dev::kHalfVec; ++e) h[e] = r[e] + h[e];
+          hv[k] = dev::pack8<T>(h);
+          *reinterpret_cast<uint4*>(residual + base + j * dev::kHalfVec) = hv[k];
+          dev::unpack8<T>(hv[k], h);
+        }
+#pragma unroll
+        for (int e = 0; e < dev::kHalfVec; ++e) ss += h[e] * h[e];
+      }
+    }
+    const float inv = rsqrtf(dev::block_sum(ss, scratch) * inv_hidden + eps);
+    auto normed = [&](int k, float(&h)[dev::kHalfVec]) {
+      float wf[dev::kHalfVec];
+      dev::unpack8<T>(hv[k], h);
+      dev::unpack8<T>(w[k], wf);
+#pragma unroll
+      for (int e = 0; e < dev::kHalfVec; ++e) h[e] = wf[e] * dev::round_to<T>(h[e] * inv);
+    };
+    store.template row<V>(row, hidden, normed, scratch);
+  }
+}
+
+}  // namespace tessera::cuda::norm
