@@ -854,7 +854,7 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
         fp8 ? m->max_tokens_ * (std::max({config.hidden_size, plan.heads * config.head_dim,
                                           plan.intermediate}) +
                                 4) +
-                  96 * kMiB
+                  cuda::Fp8Gemm::kMaxDeviceBytes
             : 0;
     const uint64_t activations = m->max_tokens_ * per_token + logits + w4 + fp8_ws + 64 * kMiB;
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *

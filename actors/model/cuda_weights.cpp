@@ -406,33 +406,6 @@ uint64_t online_fp8_scratch_bytes(const ModelConfig& c, const LayerPlan& p, cons
   return align_up(static_cast<size_t>(largest) * es) + kAlign;
 }
 
-// A checkpoint's weight_scale of an [out, in] FP8 weight as one fp32 scale per output (a
-// per-tensor scale repeated), each positive and finite (dequantize_fp8's rules).
-Expected<std::vector<float>> fp8_weight_scales(const LinearWeight& lw, int64_t out,
-                                               const std::string& name) {
-  const TensorView& s = lw.weight_scale;
-  if (s.data == nullptr) {
-    return invalid_argument(name + ".weight_scale is missing: an FP8 weight needs its scale");
-  }
-  const int64_t n = s.numel();
-  const bool is_float = s.dtype == DType::kF32 || s.dtype == DType::kBF16 || s.dtype == DType::kF16;
-  if (!is_float || (n != 1 && n != out) || s.shape.size() > 2) {
-    return invalid_argument(name + ".weight_scale is " + s.describe() +
-                            ": not one float scale ([] or [1]) or one per output feature ([" +
-                            std::to_string(out) + ", 1])");
-  }
-  std::vector<float> scales(static_cast<size_t>(out));
-  for (int64_t o = 0; o < out; ++o) {
-    const float v = s.at(n == 1 ? 0 : o);
-    if (!(v > 0) || !std::isfinite(v)) {
-      return invalid_argument(name + ".weight_scale holds " + std::to_string(v) +
-                              ", not a positive finite scale");
-    }
-    scales[static_cast<size_t>(o)] = v;
-  }
-  return scales;
-}
-
 // The static input scale of layers that share one input: the largest of their parts' (the CPU's
 // shared_input_scale); 0 (dynamic per token) when the activations are dynamic or none has one.
 Expected<float> fp8_input_scale(const QuantConfig& q, const NamedLinears& parts) {
@@ -481,7 +454,7 @@ Expected<cuda::Fp8Layer> upload_fp8(Uploader& up, Fp8Scratch& scratch, const Qua
               .with_context("quantizing " + name + ".weight to FP8 at load"));
     } else {
       TESSERA_RETURN_IF_ERROR(up.upload(t, want, q8, name + ".weight"));
-      TESSERA_ASSIGN_OR_RETURN(std::vector<float> s, fp8_weight_scales(*lw, out, name));
+      TESSERA_ASSIGN_OR_RETURN(std::vector<float> s, fp8_weight_scales(*lw, q, name));
       const TensorView view{s.data(), DType::kF32, {out}};
       // The staging copies `s` before upload returns.
       TESSERA_RETURN_IF_ERROR(up.upload(view, DType::kF32, scales, name + ".weight_scale"));

@@ -300,27 +300,13 @@ Expected<std::vector<float>> dequantize_gptq(const LinearWeight& w, const QuantC
 
 Expected<std::vector<float>> dequantize_fp8(const LinearWeight& w, const QuantConfig& q,
                                             const std::string& name) {
+  TESSERA_ASSIGN_OR_RETURN(const std::vector<float> scales, fp8_weight_scales(w, q, name));
   const TensorView& t = w.weight;
-  if (t.dtype != DType::kF8E4M3 || t.shape.size() != 2) {
-    return bad_shape(name, "weight", t, "an F8_E4M3 [out, in] matrix");
-  }
-  if (w.weight_scale.data == nullptr) return missing(name, "weight_scale", q);
   const int64_t out = t.shape[0], in = t.shape[1];
-  const TensorView& s = w.weight_scale;
-  const int64_t n = s.numel();
-  if (!is_float(s.dtype) || (n != 1 && n != out) || s.shape.size() > 2) {
-    return bad_shape(name, "weight_scale", s,
-                     "one F32 scale ([] or [1]) or one per output feature ([" +
-                         std::to_string(out) + ", 1])");
-  }
   const auto* p = static_cast<const uint8_t*>(t.data);
   std::vector<float> result(static_cast<size_t>(out * in));
   for (int64_t o = 0; o < out; ++o) {
-    const float scale = s.at(n == 1 ? 0 : o);
-    if (!(scale > 0) || !std::isfinite(scale)) {
-      return invalid_argument(name + ".weight_scale holds " + std::to_string(scale) +
-                              ", not a positive finite scale");
-    }
+    const float scale = scales[static_cast<size_t>(o)];
     for (int64_t i = 0; i < in; ++i) {
       result[static_cast<size_t>(o * in + i)] = fp8_e4m3_to_float(p[o * in + i]) * scale;
     }
@@ -329,6 +315,33 @@ Expected<std::vector<float>> dequantize_fp8(const LinearWeight& w, const QuantCo
 }
 
 }  // namespace
+
+Expected<std::vector<float>> fp8_weight_scales(const LinearWeight& w, const QuantConfig& q,
+                                               const std::string& name) {
+  const TensorView& t = w.weight;
+  if (t.dtype != DType::kF8E4M3 || t.shape.size() != 2) {
+    return bad_shape(name, "weight", t, "an F8_E4M3 [out, in] matrix");
+  }
+  if (w.weight_scale.data == nullptr) return missing(name, "weight_scale", q);
+  const int64_t out = t.shape[0];
+  const TensorView& s = w.weight_scale;
+  const int64_t n = s.numel();
+  if (!is_float(s.dtype) || (n != 1 && n != out) || s.shape.size() > 2) {
+    return bad_shape(name, "weight_scale", s,
+                     "one F32 scale ([] or [1]) or one per output feature ([" +
+                         std::to_string(out) + ", 1])");
+  }
+  std::vector<float> scales(static_cast<size_t>(out));
+  for (int64_t o = 0; o < out; ++o) {
+    const float scale = s.at(n == 1 ? 0 : o);
+    if (!(scale > 0) || !std::isfinite(scale)) {
+      return invalid_argument(name + ".weight_scale holds " + std::to_string(scale) +
+                              ", not a positive finite scale");
+    }
+    scales[static_cast<size_t>(o)] = scale;
+  }
+  return scales;
+}
 
 Expected<QuantMethod> parse_quant_method(std::string_view text) {
   if (text == "auto") return QuantMethod::kAuto;

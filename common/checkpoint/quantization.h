@@ -187,6 +187,13 @@ struct Fp8Weight {
 };
 Fp8Weight quantize_fp8(const TensorView& weight);
 
+// An FP8 checkpoint's weight_scale of `w` as one scale per output feature (a per-tensor scale
+// repeated), each positive and finite; INVALID_ARGUMENT naming `name`'s tensor otherwise (the
+// weight not F8_E4M3 [out, in], the scale missing, shaped otherwise, or not a positive finite
+// number). dequantize (the CPU) and the GPU's upload both read the scales through it.
+Expected<std::vector<float>> fp8_weight_scales(const LinearWeight& w, const QuantConfig& q,
+                                               const std::string& name);
+
 // The static input scale of layers that share one input (q, k, v; gate, up): the largest of
 // theirs, as vLLM's fused layers take it, so the one rounded input serves them all; 0 when none
 // has one (dynamic).

@@ -30,24 +30,7 @@ struct TypeTag {
   using type = T;
 };
 
-// Calls fn(TypeTag<T>{}) with T the element type behind `dtype`.
-template <typename Fn>
-Status with_type(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kF32:
-      return fn(TypeTag<float>{});
-    case DType::kF16:
-      return fn(TypeTag<__half>{});
-    case DType::kBF16:
-      return fn(TypeTag<__nv_bfloat16>{});
-    case DType::kI32:
-    case DType::kF8E4M3:
-      break;
-  }
-  return invalid_argument("unknown dtype " + std::to_string(static_cast<int>(dtype)));
-}
-
-// The same for the ops that take only the 2-byte activation types (validated before).
+// Calls fn(TypeTag<T>{}) with T the 2-byte activation type behind `dtype` (validated before).
 template <typename Fn>
 Status with_half_type(DType dtype, Fn&& fn) {
   if (dtype == DType::kBF16) return fn(TypeTag<__nv_bfloat16>{});

@@ -329,6 +329,7 @@ struct PreferenceGuard {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
 constexpr uint64_t kEpilogueScratchBytes = 64ull << 20;
+static_assert(kWorkspaceBytes + kEpilogueScratchBytes <= Fp8Gemm::kMaxDeviceBytes);
 constexpr uint32_t kAlignment = 16;  // every pointer Fp8Gemm passes is 16-byte aligned
 
 }  // namespace

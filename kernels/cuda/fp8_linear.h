@@ -116,6 +116,8 @@ class Fp8Gemm {
   // Why kAuto did not take the outer vectors ("" when it did, or was not asked to).
   const std::string& probe_failure() const { return probe_failure_; }
   uint64_t device_bytes() const { return workspace_.bytes() + scratch_.bytes(); }
+  // The most device_bytes() can be, whatever the shapes (for a memory check before create).
+  static constexpr uint64_t kMaxDeviceBytes = 96ull << 20;
 
   // out = (x * a) . (w * s)^T (+ bias), as the file comment says. Bad arguments are
   // INVALID_ARGUMENT; cuBLASLt failures name the status and the shape. A shape is planned on
