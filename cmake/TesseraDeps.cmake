@@ -10,14 +10,22 @@ find_program(CAPNP_EXECUTABLE capnp REQUIRED)
 find_program(CAPNPC_CXX_EXECUTABLE capnpc-c++ REQUIRED)
 find_path(CAPNP_INCLUDE_DIR capnp/rpc.h REQUIRED)
 
+# A shared object (the Python extension) cannot take Debian's static archives, which are not
+# position-independent: a target with the property TESSERA_SHARED_DEPS set links the shared
+# libraries instead (evaluated for the target being linked).
+set(tessera_capnp_static)
+set(tessera_capnp_shared)
 foreach(lib capnp-rpc capnp kj-async kj)
   string(REPLACE "-" "_" var "TESSERA_LIB_${lib}")
   find_library(${var} NAMES lib${lib}.a REQUIRED)
+  find_library(${var}_shared NAMES lib${lib}.so REQUIRED)
+  list(APPEND tessera_capnp_static ${${var}})
+  list(APPEND tessera_capnp_shared ${${var}_shared})
 endforeach()
 add_library(tessera_capnp INTERFACE)
 target_include_directories(tessera_capnp SYSTEM INTERFACE ${CAPNP_INCLUDE_DIR})
 target_link_libraries(tessera_capnp INTERFACE
-  ${TESSERA_LIB_capnp_rpc} ${TESSERA_LIB_capnp} ${TESSERA_LIB_kj_async} ${TESSERA_LIB_kj}
+  "$<IF:$<BOOL:$<TARGET_PROPERTY:TESSERA_SHARED_DEPS>>,${tessera_capnp_shared},${tessera_capnp_static}>"
   Threads::Threads)
 
 find_path(SPDLOG_INCLUDE_DIR spdlog/spdlog.h REQUIRED)

@@ -43,8 +43,10 @@ Expected<std::vector<GenerationResult>> LLM::generate(
   std::vector<GenerationResult> results(requests.size());
   std::map<uint64_t, size_t> index;
   std::vector<Status> errors(requests.size());  // of the requests that failed
+  const auto now = std::chrono::steady_clock::now();
   for (size_t i = 0; i < requests.size(); ++i) {
     results[i].prompt_token_ids = requests[i].prompt();
+    results[i].arrival = now;
     auto id = engine.add_request(std::move(requests[i]));
     if (!id) {
       // Nothing of this call may stay queued.
@@ -54,6 +56,10 @@ Expected<std::vector<GenerationResult>> LLM::generate(
     index[*id] = i;
   }
   while (engine.has_unfinished()) {
+    if (Status stop = interrupt_ ? interrupt_() : Status::ok(); !stop) {
+      for (const auto& [queued, _] : index) engine.abort_request(queued);
+      return stop;
+    }
     TESSERA_ASSIGN_OR_RETURN(auto outs, engine.step());
     for (auto& out : outs) {
       auto it = index.find(out.request_id);
@@ -64,7 +70,12 @@ Expected<std::vector<GenerationResult>> LLM::generate(
       r.text += out.delta;
       r.token_ids.insert(r.token_ids.end(), out.new_tokens.begin(), out.new_tokens.end());
       r.logprobs.insert(r.logprobs.end(), out.new_logprobs.begin(), out.new_logprobs.end());
-      if (out.finished) r.finish_reason = out.finish_reason;
+      r.finished = std::chrono::steady_clock::now();
+      r.cached_tokens = out.cached_tokens;
+      if (out.finished) {
+        r.finish_reason = out.finish_reason;
+        r.stop_reason = out.stop_reason;
+      }
       if (out.finish_reason == FinishReason::kError) errors[it->second] = out.error;
       if (on_output) on_output(it->second, out);
     }

@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "driver/model_session.h"
@@ -32,7 +33,12 @@ struct GenerationResult {
   std::vector<int32_t> token_ids;
   std::vector<TokenLogprobs> logprobs;  // when params.logprobs >= 0
   FinishReason finish_reason = FinishReason::kNone;  // kStop or kLength
+  std::variant<std::monostate, int32_t, std::string> stop_reason;  // RequestOutput's
+  size_t cached_tokens = 0;  // prompt tokens found in the prefix cache
+  // When the call queued it, when its first token and its last output came.
+  std::chrono::steady_clock::time_point arrival;
   std::optional<std::chrono::steady_clock::time_point> first_token;
+  std::chrono::steady_clock::time_point finished;
 };
 
 class LLM {
@@ -59,9 +65,15 @@ class LLM {
       const std::function<void(size_t, const RequestOutput&)>& on_output = nullptr);
   ModelSession& session() { return *session_; }
 
+  // Asked between engine steps while generate() runs: a non-OK status aborts the call's
+  // requests (none of them stays queued) and generate() returns it. How a caller's Ctrl-C ends
+  // a call (the Python module asks the interpreter whether a signal came). Null: never asked.
+  void set_interrupt(std::function<Status()> check) { interrupt_ = std::move(check); }
+
  private:
   LLM() = default;
   std::unique_ptr<ModelSession> session_;
+  std::function<Status()> interrupt_;
 };
 
 }  // namespace tessera

@@ -206,14 +206,18 @@ Status ModelSession::connect() {
   const ClusterOptions& a = cluster_options_;
   std::string token;
   if (a.address.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(local_, LocalNode::start());
+    TESSERA_ASSIGN_OR_RETURN(local_, LocalNode::start(a.tessera_binary));
     address_ = local_->address();
     token = local_->token();
   } else {
     address_ = a.address;
-    auto root = find_cluster_root("");
-    TESSERA_ASSIGN_OR_RETURN(
-        token, auth::resolve_cluster_token(a.cluster_token_file, root ? *root : std::string()));
+    if (!a.cluster_token.empty()) {
+      token = a.cluster_token;
+    } else {
+      auto root = find_cluster_root("");
+      TESSERA_ASSIGN_OR_RETURN(
+          token, auth::resolve_cluster_token(a.cluster_token_file, root ? *root : std::string()));
+    }
   }
   token_ = token;
   TESSERA_ASSIGN_OR_RETURN(cluster_, ClusterClient::connect(*loop_, address_, token));

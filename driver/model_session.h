@@ -25,6 +25,12 @@ struct ClusterOptions {
   std::string address;             // a cluster's head; "" = start a local node for this command
   std::string cluster_token_file;  // with address: where the token is (else the environment
                                    // or this machine's temp root, see protocol/auth.h)
+  // With address: the token itself, for a program that started the node it joins (the Python
+  // module's tessera.init()); it takes precedence over cluster_token_file. Never a flag.
+  std::string cluster_token;
+  // The `tessera` executable a local node is started from ("" = this process's own, as for the
+  // CLI; a program linking the driver library, such as the Python module, names it).
+  std::string tessera_binary;
   // Local ranks take steps through the node's shared-memory rings; false sends every step as an
   // execute RPC, as ranks on other machines get them (`tessera bench control-plane --transport
   // rpc` compares the two).

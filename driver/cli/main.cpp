@@ -7,7 +7,7 @@
 //   tessera status [--address HEAD:PORT] [--json]    nodes, GPUs, links, actors
 //   tessera stop                                     stop the daemons started here
 //   tessera serve MODEL_DIR [--port 8000] [-tp T]    an OpenAI-compatible HTTP server
-//   tessera generate --model DIR --prompt TEXT       one completion, end to end
+//   tessera generate MODEL_DIR --prompt TEXT         one completion, end to end
 //   tessera make-model --arch A --preset P ...       a seeded random checkpoint of real shape
 //   tessera topo [--address HEAD:PORT] [--json]      GPU links per node, TP sizes on NVLink
 //   tessera plan --model DIR -tp T -pp P ...         TP x PP split, placement, memory per GPU
@@ -104,12 +104,12 @@ void add_subcommands(CLI::App& app, Commands& c) {
   add_examples(c.version_cmd, {"tessera version", "tessera --version"});
 }
 
-// Parses argv into `app`, vLLM's spellings CLI11 cannot define (`serve MODEL`, -tp / -pp)
-// rewritten first. nullopt when a subcommand is to run, else the exit code: 0 after --help or
-// --version, 2 for bad usage (after the nearest valid names).
+// Parses argv into `app`, vLLM's spellings CLI11 cannot define (`serve MODEL`, for every model
+// command; -tp / -pp) rewritten first. nullopt when a subcommand is to run, else the exit code:
+// 0 after --help or --version, 2 for bad usage (after the nearest valid names).
 std::optional<int> parse(CLI::App& app, int argc, char** argv) {
   std::vector<std::string> raw(argv, argv + argc);
-  raw = tessera::server::serve_positional_model(std::move(raw));
+  raw = tessera::positional_model_argv(std::move(raw));
   std::vector<const char*> raw_ptrs;
   for (const auto& a : raw) raw_ptrs.push_back(a.c_str());
   tessera::ParallelFlagArgv args(static_cast<int>(raw_ptrs.size()), raw_ptrs.data());
@@ -186,6 +186,10 @@ int main(int argc, char** argv) {
   if (auto st = tessera::init_logging({"cli", "", level}); !st) {
     std::cerr << "tessera: " << st.message() << "\n";
     return 2;
+  }
+  // Once logging is set up, so that --log-level decides whether it shows.
+  if (std::string note = tessera::trust_remote_code_note(app); !note.empty()) {
+    spdlog::info("{}", note);
   }
   // The command as typed, recorded in the benches' JSON.
   std::string command_line;

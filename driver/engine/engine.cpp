@@ -247,6 +247,7 @@ void LlmEngine::postprocess(Sequence& seq, const TokenLogprobs& sampled, Request
   seq.text += seq.text_stream->push(sampled.token);
   if ((is_eos && !s.ignore_eos) || is_stop_id) {
     seq.finish_reason = FinishReason::kStop;
+    if (is_stop_id && !(is_eos && !s.ignore_eos)) out.stop_reason = sampled.token;
   } else if (static_cast<int>(seq.output.size()) >= s.max_tokens) {
     seq.finish_reason = FinishReason::kLength;
   } else if (seq.total() >= max_len_) {
@@ -260,15 +261,20 @@ void LlmEngine::postprocess(Sequence& seq, const TokenLogprobs& sampled, Request
   }
   // Stop strings: a new match ends in the new text, so it starts at most size - 1 bytes before.
   size_t stop_at = std::string::npos;
+  const std::string* stop_string = nullptr;
   for (const auto& stop : s.stop) {
     if (stop.empty()) continue;
     size_t from = searched - std::min(searched, stop.size() - 1);
     size_t pos = seq.text.find(stop, from);
-    if (pos != std::string::npos) stop_at = std::min(stop_at, pos);
+    if (pos != std::string::npos && pos < stop_at) {
+      stop_at = pos;
+      stop_string = &stop;
+    }
   }
-  if (stop_at != std::string::npos) {
+  if (stop_string != nullptr) {
     seq.text.resize(stop_at);
     seq.finish_reason = FinishReason::kStop;
+    out.stop_reason = *stop_string;
   }
   out.finished = seq.finish_reason != FinishReason::kNone;
   out.finish_reason = seq.finish_reason;

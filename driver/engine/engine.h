@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "common/status.h"
@@ -63,6 +64,9 @@ struct RequestOutput {
   std::vector<TokenLogprobs> new_logprobs;  // when logprobs were asked for
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;  // set when finished
+  // vLLM's stop_reason, set when finished by kStop: the stop string that ended the text, or the
+  // stop_token_ids entry sampled; empty (None) for an end-of-sequence token.
+  std::variant<std::monostate, int32_t, std::string> stop_reason;
   Status error;  // why it failed (finish_reason kError); OK otherwise
   size_t prompt_tokens = 0;
   size_t completion_tokens = 0;

@@ -384,10 +384,15 @@ Expected<Placement> place_ranks(int64_t tp, int64_t pp, const std::vector<Cluste
         detail += ")";
       }
     }
-    return resource_exhausted("-tp " + std::to_string(tp) + " -pp " + std::to_string(pp) +
-                              " needs " + std::to_string(world) + " GPUs but the cluster has " +
-                              std::to_string(total_free) + " free (" + detail +
-                              "): lower -tp or -pp, stop the actors holding GPUs, or add nodes");
+    // NCCL refuses two ranks on one GPU; the driver's ipc collectives do not (model_session's
+    // plan_session shares the GPUs then), which is how a one-GPU machine runs -tp 2.
+    return resource_exhausted(
+        "-tp " + std::to_string(tp) + " -pp " + std::to_string(pp) + " needs " +
+        std::to_string(world) + " GPUs but the cluster has " + std::to_string(total_free) +
+        " free (" + detail +
+        "): lower -tp or -pp, stop the actors holding GPUs, add nodes, or share GPUs: serve, "
+        "generate and bench take --collectives ipc (ranks share a GPU through CUDA IPC: for "
+        "testing tensor parallelism, not for speed)");
   }
   pl.ranks.resize(world);
   auto assign = [&](const ClusterNode& n, int64_t stage, const std::vector<size_t>& group) {
@@ -684,6 +689,14 @@ Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpe
   }
 
   chosen.warnings = chosen.placement.warnings;
+  if (cpu && (spec.dtype == "half" || spec.dtype == "float16" || spec.dtype == "bfloat16")) {
+    // The CPU backend computes in float32 whatever the flag says (actors/model/cpu_model.cpp):
+    // a user who asked for half precision is told, not given float32 silently. The driver
+    // logs the plan's warnings once (plan_session); `tessera plan` prints them.
+    chosen.warnings.push_back("--dtype " + spec.dtype +
+                              ": the CPU backend computes in float32; bfloat16 and float16 "
+                              "apply on the GPU (--device cuda)");
+  }
   if (chosen.placement.cpu) {
     // CPU ranks live in host memory: say when a node's ranks need more than it has available.
     std::map<std::string, uint64_t> need;

@@ -90,6 +90,49 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
          "auto (the model's dtype) | fp8 | fp8_e4m3: FP8 halves the cache's memory and the "
          "bytes attention reads, for ~6% relative error per cached value")
       ->type_name("DTYPE");
+  // vLLM's tutorials pass it for models whose Python code ships beside the weights; Tessera
+  // runs none, so it changes nothing: taken, and noted (trust_remote_code_note).
+  cmd->add_flag("--trust-remote-code")
+      ->description("Accepted as vLLM takes it; Tessera executes no code from the model directory");
+}
+
+std::string trust_remote_code_note(const CLI::App& app) {
+  for (const CLI::App* sub : app.get_subcommands()) {
+    const CLI::Option* flag = sub->get_option_no_throw("--trust-remote-code");
+    if (flag != nullptr && flag->count() > 0) {
+      return "--trust-remote-code: Tessera executes no code from the model directory (it reads "
+             "config.json, generation_config.json, the safetensors weights and the tokenizer "
+             "files only)";
+    }
+    if (std::string note = trust_remote_code_note(*sub); !note.empty()) return note;
+  }
+  return "";
+}
+
+std::vector<std::string> positional_model_argv(std::vector<std::string> args) {
+  // The subcommands that load a model, as the words that name them (bench serve is a client).
+  static const std::vector<std::vector<std::string>> kModelCommands = {{"serve"},
+                                                                       {"generate"},
+                                                                       {"plan"},
+                                                                       {"bench", "latency"},
+                                                                       {"bench", "throughput"},
+                                                                       {"bench", "report"},
+                                                                       {"bench", "control-plane"}};
+  // tessera's own flags may come first; --log-level is the one that takes a separate value.
+  size_t at = 1;
+  while (at < args.size() && args[at].rfind('-', 0) == 0) at += args[at] == "--log-level" ? 2 : 1;
+  for (const auto& words : kModelCommands) {
+    if (at + words.size() >= args.size() ||
+        !std::equal(words.begin(), words.end(), args.begin() + static_cast<long>(at))) {
+      continue;
+    }
+    const size_t next = at + words.size();
+    if (!args[next].empty() && args[next][0] != '-') {
+      args.insert(args.begin() + static_cast<long>(next), "--model");
+    }
+    break;
+  }
+  return args;
 }
 
 ParallelFlagArgv::ParallelFlagArgv(int argc, const char* const* argv) {

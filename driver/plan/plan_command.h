@@ -31,9 +31,20 @@ namespace tessera {
 // `spec` (common/engine_spec.h), with vLLM's names: --model (required), -tp / -pp (parsed here,
 // once, into ParallelSize; a bad value is a usage error), --pipeline-layer-partition, --dtype,
 // --device, --max-model-len, --gpu-memory-utilization, --max-num-seqs,
-// --max-num-batched-tokens, --block-size, --enforce-eager and --kv-cache-dtype. Bounds are
-// checked by validate(EngineSpec).
+// --max-num-batched-tokens, --block-size, --enforce-eager, --kv-cache-dtype and vLLM's
+// --trust-remote-code (taken, changing nothing: trust_remote_code_note). Bounds are checked by
+// validate(EngineSpec).
 void add_model_options(CLI::App* cmd, EngineSpec& spec);
+
+// After `app` parsed a command line: the line to log when its model command was given
+// --trust-remote-code (nothing of the model's runs here: it is read, never executed), else "".
+std::string trust_remote_code_note(const CLI::App& app);
+
+// vLLM's `serve MODEL` spelling for every model command (serve, generate, plan, and bench
+// latency, throughput, report and control-plane): a first argument after the command that is
+// not a flag becomes --model (also after tessera's own flags, e.g. --log-level info). Other
+// command lines are returned as they are.
+std::vector<std::string> positional_model_argv(std::vector<std::string> args);
 
 // A copy of argv with vLLM's spellings rewritten for CLI11: "-tp" becomes
 // "--tensor-parallel-size", "-pp" "--pipeline-parallel-size" (also "-tp=2"). Arguments after a

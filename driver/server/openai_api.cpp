@@ -29,20 +29,24 @@ ApiError bad_request(std::string message, std::string param) {
 
 namespace {
 
+// A request body, as parse_request reads it: object keys in the client's order (see
+// parse_request in openai_api.h).
+using Body = nlohmann::ordered_json;
+
 // The prompts of a request as they are parsed, before they become its Requests.
 using Prompts = std::vector<std::vector<int32_t>>;
 
-const char* type_name(const json& v) {
+const char* type_name(const Body& v) {
   switch (v.type()) {
-    case json::value_t::null:
+    case Body::value_t::null:
       return "null";
-    case json::value_t::boolean:
+    case Body::value_t::boolean:
       return "a boolean";
-    case json::value_t::string:
+    case Body::value_t::string:
       return "a string";
-    case json::value_t::array:
+    case Body::value_t::array:
       return "an array";
-    case json::value_t::object:
+    case Body::value_t::object:
       return "an object";
     default:
       return "a number";
@@ -51,7 +55,7 @@ const char* type_name(const json& v) {
 
 // Reads body[key] when present and not null; a wrong type is a 400 naming the field.
 template <typename T>
-std::optional<ApiError> field(const json& body, const char* key, std::optional<T>& out) {
+std::optional<ApiError> field(const Body& body, const char* key, std::optional<T>& out) {
   auto it = body.find(key);
   if (it == body.end() || it->is_null()) return std::nullopt;
   if constexpr (std::is_same_v<T, bool>) {
@@ -93,7 +97,7 @@ std::optional<ApiError> field(const json& body, const char* key, std::optional<T
     if (auto e_ = field(body, key, var); e_.has_value()) return *e_; \
   } while (0)
 
-bool is_int_array(const json& v) {
+bool is_int_array(const Body& v) {
   if (!v.is_array() || v.empty()) return false;
   for (const auto& x : v) {
     if (!x.is_number_integer()) return false;
@@ -101,7 +105,7 @@ bool is_int_array(const json& v) {
   return true;
 }
 
-std::optional<ApiError> token_ids(const json& v, const ServedModel& m, std::vector<int32_t>& out) {
+std::optional<ApiError> token_ids(const Body& v, const ServedModel& m, std::vector<int32_t>& out) {
   for (const auto& x : v) {
     const int64_t id = x.get<int64_t>();
     if (id < 0 || id >= m.info.vocab_size) {
@@ -114,11 +118,11 @@ std::optional<ApiError> token_ids(const json& v, const ServedModel& m, std::vect
   return std::nullopt;
 }
 
-std::optional<ApiError> parse_prompts(const json& body, const ServedModel& m, ApiRequest& out,
+std::optional<ApiError> parse_prompts(const Body& body, const ServedModel& m, ApiRequest& out,
                                       Prompts& prompts) {
   auto it = body.find("prompt");
   if (it == body.end() || it->is_null()) return bad_request("prompt is required", "prompt");
-  const json& p = *it;
+  const Body& p = *it;
   auto add_text = [&](const std::string& text) {
     out.prompt_texts.push_back(text);
     prompts.push_back(m.tokenizer->encode(text, /*add_special_tokens=*/true));
@@ -155,13 +159,13 @@ std::optional<ApiError> parse_prompts(const json& body, const ServedModel& m, Ap
 }
 
 // The messages as the chat template takes them: key order kept, text parts joined.
-std::optional<ApiError> template_messages(const json& list, nlohmann::ordered_json& messages) {
-  messages = nlohmann::ordered_json::array();
+std::optional<ApiError> template_messages(const Body& list, Body& messages) {
+  messages = Body::array();
   for (const auto& msg : list) {
     if (!msg.is_object() || !msg.contains("role") || !msg["role"].is_string()) {
       return bad_request("each message must be an object with a string role", "messages");
     }
-    nlohmann::ordered_json one = nlohmann::ordered_json::parse(msg.dump());
+    Body one = msg;
     auto content = msg.find("content");
     if (content != msg.end() && content->is_array()) {
       // Text parts are joined with newlines (vLLM's default content format "string").
@@ -188,8 +192,8 @@ std::optional<ApiError> template_messages(const json& list, nlohmann::ordered_js
 
 // tools and tool_choice: the tools go to the template (in `extra`); "auto" with tools asks for
 // tool calls to be parsed (ApiRequest::parse_tools), which needs the server's tool-call parser.
-std::optional<ApiError> parse_tools(const json& body, const ServedModel& m, ApiRequest& out,
-                                    nlohmann::ordered_json& extra) {
+std::optional<ApiError> parse_tools(const Body& body, const ServedModel& m, ApiRequest& out,
+                                    Body& extra) {
   auto tools = body.find("tools");
   if (tools == body.end() || tools->is_null()) return std::nullopt;
   if (!tools->is_array()) return bad_request("tools must be a list of tools", "tools");
@@ -209,19 +213,19 @@ std::optional<ApiError> parse_tools(const json& body, const ServedModel& m, ApiR
     return bad_request("tool_choice " + choice + " is not supported: use \"auto\" or \"none\"",
                        "tool_choice");
   }
-  extra["tools"] = nlohmann::ordered_json::parse(tools->dump());
+  extra["tools"] = *tools;
   return std::nullopt;
 }
 
 // messages (with add_generation_prompt, continue_final_message, chat_template_kwargs and tools)
 // rendered by the chat template into the one prompt.
-std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, ApiRequest& out,
+std::optional<ApiError> parse_messages(const Body& body, const ServedModel& m, ApiRequest& out,
                                        Prompts& prompts) {
   auto it = body.find("messages");
   if (it == body.end() || !it->is_array() || it->empty()) {
     return bad_request("messages must be a non-empty list of messages", "messages");
   }
-  nlohmann::ordered_json messages;
+  Body messages;
   if (auto e = template_messages(*it, messages)) return e;
   if (m.chat_template == nullptr) {
     return bad_request(
@@ -231,12 +235,12 @@ std::optional<ApiError> parse_messages(const json& body, const ServedModel& m, A
   std::optional<bool> add_generation_prompt, continue_final;
   TRY_FIELD(body, "add_generation_prompt", add_generation_prompt);
   TRY_FIELD(body, "continue_final_message", continue_final);
-  nlohmann::ordered_json extra = nlohmann::ordered_json::object();
+  Body extra = Body::object();
   if (auto kw = body.find("chat_template_kwargs"); kw != body.end() && !kw->is_null()) {
     if (!kw->is_object()) {
       return bad_request("chat_template_kwargs must be an object", "chat_template_kwargs");
     }
-    extra = nlohmann::ordered_json::parse(kw->dump());
+    extra = *kw;
     extra.erase("messages");
     extra.erase("add_generation_prompt");
   }
@@ -272,7 +276,7 @@ struct RequestFields {
   std::optional<bool> stream, echo, ignore_eos, skip_special, include_stop, chat_logprobs;
 };
 
-std::optional<ApiError> read_fields(const json& body, bool chat, RequestFields& f) {
+std::optional<ApiError> read_fields(const Body& body, bool chat, RequestFields& f) {
   TRY_FIELD(body, "temperature", f.temperature);
   TRY_FIELD(body, "top_p", f.top_p);
   TRY_FIELD(body, "min_p", f.min_p);
@@ -301,7 +305,7 @@ std::optional<ApiError> read_fields(const json& body, bool chat, RequestFields& 
 }
 
 // model: one of the names served (or the model directory); 404 otherwise.
-std::optional<ApiError> parse_model(const json& body, const ServedModel& m, ApiRequest& out) {
+std::optional<ApiError> parse_model(const Body& body, const ServedModel& m, ApiRequest& out) {
   out.model = m.names.empty() ? m.root : m.names.front();
   std::optional<std::string> model;
   TRY_FIELD(body, "model", model);
@@ -395,7 +399,7 @@ std::optional<ApiError> apply_choices(const RequestFields& f, bool chat, ApiRequ
 }
 
 // stop: a string or a list of strings; stop_token_ids: integers.
-std::optional<ApiError> parse_stop(const json& body, const ServedModel& m, SamplingParams& s) {
+std::optional<ApiError> parse_stop(const Body& body, const ServedModel& m, SamplingParams& s) {
   if (auto stop = body.find("stop"); stop != body.end() && !stop->is_null()) {
     if (stop->is_string()) {
       s.stop.push_back(stop->get<std::string>());
@@ -461,7 +465,7 @@ std::optional<ApiError> parse_max_tokens(const RequestFields& f, bool chat, cons
 }
 
 // stream_options (with stream only): include_usage.
-std::optional<ApiError> parse_stream_options(const json& body, ApiRequest& out) {
+std::optional<ApiError> parse_stream_options(const Body& body, ApiRequest& out) {
   auto opts = body.find("stream_options");
   if (opts == body.end() || opts->is_null()) return std::nullopt;
   if (!out.stream) return bad_request("stream_options needs stream: true", "stream_options");
@@ -474,8 +478,8 @@ std::optional<ApiError> parse_stream_options(const json& body, ApiRequest& out) 
 
 }  // namespace
 
-std::optional<ApiError> parse_request(const json& body, bool chat, const ServedModel& m,
-                                      ApiRequest& out) {
+std::optional<ApiError> parse_request(const nlohmann::ordered_json& body, bool chat,
+                                      const ServedModel& m, ApiRequest& out) {
   if (!body.is_object()) return bad_request("the request body must be a JSON object");
   out = ApiRequest{};
   out.chat = chat;

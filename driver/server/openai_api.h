@@ -73,7 +73,10 @@ struct ApiRequest {
 
 // Parses a request body. `chat` selects /v1/chat/completions. Errors are 400s naming the field
 // (or 404 for an unknown model). The prompt must leave room in max_model_len.
-std::optional<ApiError> parse_request(const nlohmann::json& body, bool chat,
+// An ordered_json, parsed from the client's text: the chat template prints messages, tools and
+// chat_template_kwargs (tojson) in the order their keys arrived, as vLLM and transformers do
+// (a nlohmann::json converts implicitly, but with its keys sorted).
+std::optional<ApiError> parse_request(const nlohmann::ordered_json& body, bool chat,
                                       const ServedModel& model, ApiRequest& out);
 
 // One choice's result so far.

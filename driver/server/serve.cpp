@@ -41,6 +41,7 @@
 
 #include "common/tokenizer/tokenizer.h"
 #include "driver/chat/chat_template.h"
+#include "driver/chat_setup.h"
 #include "driver/server/async_engine.h"
 #include "driver/server/metrics.h"
 #include "driver/server/openai_api.h"
@@ -54,6 +55,7 @@ namespace http = beast::http;
 using asio::awaitable;
 using asio::use_awaitable;
 using nlohmann::json;
+using nlohmann::ordered_json;
 using tcp = asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
 
@@ -83,18 +85,6 @@ CLI::App* add_serve_subcommand(CLI::App& app, ServeOptions& o) {
                   "is closed (5)");
   cmd->footer("Example: tessera serve /models/Llama-3.1-8B-Instruct -tp 2 --port 8000");
   return cmd;
-}
-
-std::vector<std::string> serve_positional_model(std::vector<std::string> args) {
-  for (size_t i = 0; i + 1 < args.size(); ++i) {
-    if (args[i] == "serve") {
-      const std::string& next = args[i + 1];
-      if (!next.empty() && next[0] != '-') args.insert(args.begin() + i + 1, "--model");
-      break;
-    }
-    if (!args[i].empty() && args[i][0] != '-' && i > 0) break;  // another subcommand
-  }
-  return args;
 }
 
 namespace {
@@ -584,7 +574,8 @@ class Server {
   Prepared prepare(Route route, const std::string& text) const {
     Prepared p;
     try {
-      json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+      // Ordered: the chat template shows the keys of messages and tools in the client's order.
+      ordered_json body = ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
       if (body.is_discarded()) {
         p.error = bad_request("the request body is not valid JSON");
       } else if (route == Route::kTokenize) {
@@ -604,10 +595,10 @@ class Server {
     return {{"count", ids.size()}, {"max_model_len", model_.info.max_model_len}, {"tokens", ids}};
   }
 
-  void tokenize(const json& body, Prepared& p) const {
+  void tokenize(const ordered_json& body, Prepared& p) const {
     ApiRequest parsed;
     const bool chat = body.is_object() && body.contains("messages");
-    json as_request = body;
+    ordered_json as_request = body;
     if (as_request.is_object()) {
       as_request.erase("max_tokens");
       if (!chat) {
@@ -628,7 +619,7 @@ class Server {
     p.response = tokens_json(parsed.requests.front().prompt()).dump();
   }
 
-  void detokenize(const json& body, Prepared& p) const {
+  void detokenize(const ordered_json& body, Prepared& p) const {
     if (!body.is_object() || !body.contains("tokens") || !body["tokens"].is_array()) {
       p.error = bad_request("tokens must be a list of token ids", "tokens");
       return;
@@ -832,14 +823,6 @@ class Server {
   asio::thread_pool workers_;       // request parsing and tokenization
 };
 
-Expected<std::string> read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return not_found("cannot read " + path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 }  // namespace
 
 // How long SIGTERM may take to end the server (Kubernetes gives 30 s, Docker 10 s).
@@ -847,32 +830,16 @@ constexpr std::chrono::seconds kStopGrace{8};
 
 namespace {
 
-// The chat template: --chat-template's (a file, or the template itself), else the model's
-// tokenizer_config.json's; none (with a warning) when the model has none.
+// The chat template (driver/chat_setup.h), with a warning when the model has none.
 Expected<std::optional<chat::ChatTemplate>> load_chat_template(const ServeOptions& o,
                                                                const Tokenizer& tokenizer) {
-  if (!o.chat_template.empty()) {
-    std::string source = o.chat_template;
-    if (std::filesystem::is_regular_file(o.chat_template)) {
-      auto text = read_text(o.chat_template);
-      if (!text) return text.status();
-      source = *text;
-    }
-    auto bos = tokenizer.bos_id();
-    auto eos = tokenizer.eos_ids();
-    auto parsed = chat::ChatTemplate::parse(
-        source, bos ? tokenizer.id_to_token(*bos).value_or("") : "",
-        eos.empty() ? "" : tokenizer.id_to_token(eos.front()).value_or(""));
-    if (!parsed) return parsed.status().with_context("--chat-template");
-    return std::optional<chat::ChatTemplate>(std::move(*parsed));
+  auto loaded = tessera::load_chat_template(o.chat_template, o.engine.model, tokenizer);
+  if (loaded && !*loaded) {
+    spdlog::warn(
+        "the model has no chat template: /v1/chat/completions answers 400 (give one with "
+        "--chat-template)");
   }
-  auto loaded = chat::ChatTemplate::load(o.engine.model + "/tokenizer_config.json");
-  if (loaded) return std::optional<chat::ChatTemplate>(std::move(*loaded));
-  if (loaded.status().code() != Code::kNotFound) return loaded.status();
-  spdlog::warn(
-      "the model has no chat template: /v1/chat/completions answers 400 (give one with "
-      "--chat-template)");
-  return std::optional<chat::ChatTemplate>();
+  return loaded;
 }
 
 }  // namespace

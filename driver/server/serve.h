@@ -54,9 +54,6 @@ struct ServeOptions {
 // Adds `serve` with its flags to `app`.
 CLI::App* add_serve_subcommand(CLI::App& app, ServeOptions& options);
 
-// vLLM's `serve MODEL` spelling: a first positional argument after "serve" becomes --model.
-std::vector<std::string> serve_positional_model(std::vector<std::string> args);
-
 // Runs until SIGINT or SIGTERM; returns the exit code (errors printed to stderr prefixed
 // "tessera serve: ").
 int serve_command(const ServeOptions& options);

@@ -1,9 +1,10 @@
 // FP8 W8A8 linear layers: the activation quantizers (fused into RMSNorm and silu_mul, and
-// standalone), the online weight quantizer and the cuBLASLt FP8 GEMM. See fp8_linear.h for the
-// contract; the rounding of each quantizer is common/checkpoint/quantization.cpp's, line for line
-// (x / a in IEEE fp32 division, never a multiply by 1 / a; E4M3 round-to-nearest-even saturating
-// at +-448, which is what __nv_cvt_float_to_fp8(.., __NV_SATFINITE, __NV_E4M3) does and what
-// float_to_fp8_e4m3 mirrors on the host).
+// standalone), the online weight quantizer, the cuBLASLt FP8 GEMM and the small-m (decode) kernel
+// that replaces it at m <= kFp8GemvMaxM. See fp8_linear.h for the contract; the rounding of each
+// quantizer is common/checkpoint/quantization.cpp's, line for line (x / a in IEEE fp32 division,
+// never a multiply by 1 / a; E4M3 round-to-nearest-even saturating at +-448, which is what
+// __nv_cvt_float_to_fp8(.., __NV_SATFINITE, __NV_E4M3) does and what float_to_fp8_e4m3 mirrors on
+// the host).
 #include "kernels/cuda/fp8_linear.h"
 
 #include <cuda_bf16.h>
@@ -11,8 +12,10 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -300,6 +303,227 @@ __global__ void scale_epilogue_kernel(const float* __restrict__ acc, int64_t row
   }
 }
 
+// ---- the small-m path: out = (x . w^T) * a * s (+ bias) in one kernel, without cuBLASLt ----
+//
+// At m <= kFp8GemvMaxM a layer reads each weight byte once for at most four products, so its time
+// is the weight stream's and the kernel is built to keep HBM busy. A warp owns a strip of
+// kGemvRows consecutive outputs over a K-slice of whole chunks (kGemvChunk = 32 lanes x 16 bytes:
+// one coalesced 16-byte load per lane and row) and keeps two chunks of its rows in flight (2 x
+// kGemvRows loads of 16 bytes per lane, ld.global.nc.L1::no_allocate: read once, kept out of L1).
+// A lane reads the 16 bytes of x at the same k for each token, once for the strip's kGemvRows
+// rows (cached loads: every warp of the SM reads them, so they stay in L1; no shared staging, so
+// no limit on k), and widens both operands E4M3 -> f16 (cvt.rn.f16x2.e4m3x2, exact) -> fp32. The
+// products (up to 448^2) are summed in fp32 FMAs, each lane over its k, then across the warp and
+// the K-slices in a fixed order (no atomics: the result does not depend on timing). A CTA is
+// kGemvWarps warps: p.split K-slices of kGemvWarps / p.split strips (gemv_split picks p.split so
+// that a small layer still spreads over every SM). The scales, the bias and the one rounding to
+// out_dtype are applied where the sums meet: no fp32 output, no second kernel.
+constexpr int kGemvWarps = 8;
+constexpr int kGemvRows = 4;
+constexpr int kGemvChunk = 32 * 16;
+// CTAs per SM the registers must allow: 3 (<= 80 registers) at m <= 2, 2 (<= 128) from m = 3 on,
+// whose 4 x m sums and widened x do not fit in 80. Even 2 keep 16 warps x 32 lanes x 8 loads of
+// 16 bytes in flight per SM, about 2.5x what HBM's latency x bandwidth asks of an SM.
+constexpr int gemv_min_blocks(int m) { return m <= 2 ? 3 : 2; }
+
+struct GemvParams {
+  const uint8_t* x;  // [m, k] E4M3
+  const float* a;    // [m]
+  const uint8_t* w;  // [n, k] E4M3
+  const float* s;    // [n]
+  const void* bias;  // [n] T, or null
+  void* out;         // [m, n] T
+  int64_t n, k;
+  int chunks;  // ceil(k / kGemvChunk)
+  int strips;  // n / kGemvRows
+  int split;   // K-slices per strip: 1, 2, 4 or 8
+};
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// The 4 E4M3 values of a 32-bit word, widened exactly: pairs to f16x2 by the hardware
+// conversion (sm_89+), then to fp32. x and w go through the same calls, so their orders match.
+__device__ __forceinline__ void widen4(uint32_t v, float (&f)[4]) {
+  uint32_t lo, hi;
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  f[0] = a.x;
+  f[1] = a.y;
+  f[2] = b.x;
+  f[3] = b.y;
+}
+
+// Sums each of the Width values v[0, Width) over the lanes, for rounds offset, offset / 2, .., 1
+// of a butterfly: while a lane holds more than one value, each round halves them (the lane keeps
+// the half its bit `offset` names and adds its partner's copy of it: Width / 2 shuffles instead
+// of Width); then whole pairs add. Lane l ends with the total of value l >> (5 - log2(Width)) in
+// v[0] (offset = 16), the same bits in every lane that holds it.
+template <int Width, int V>
+__device__ __forceinline__ void fold(float (&v)[V], int lane, int offset) {
+  if constexpr (Width > 1) {
+    constexpr int kHalf = Width / 2;
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const float send = upper ? v[i] : v[i + kHalf];
+      const float keep = upper ? v[i + kHalf] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+    fold<kHalf>(v, lane, offset >> 1);
+  } else {
+#pragma unroll
+    for (int o = offset; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+  }
+}
+
+constexpr int gemv_values(int m) {  // a warp's sums (kGemvRows x m), rounded up to a power of 2
+  int v = 1;
+  while (v < kGemvRows * m) v *= 2;
+  return v;
+}
+constexpr int log2_int(int v) { return v <= 1 ? 0 : 1 + log2_int(v / 2); }
+
+// acc[r * M + t] += w[r][k] x[t][k] over one chunk's 16 values of this lane.
+template <int M>
+__device__ __forceinline__ void gemv_chunk(const uint4 (&w)[kGemvRows], const uint4 (&x)[M],
+                                           float* acc) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float xf[M][4];
+#pragma unroll
+    for (int t = 0; t < M; ++t) widen4(word(x[t], i), xf[t]);
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) {
+      float wf[4];
+      widen4(word(w[r], i), wf);
+#pragma unroll
+      for (int t = 0; t < M; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r * M + t] = fmaf(wf[e], xf[t][e], acc[r * M + t]);
+      }
+    }
+  }
+}
+
+// The CTA's outputs from the warps' sums red[warp][r * M + t]: K-slices added in slice order, then
+// scaled, biased and rounded once (scale_epilogue_kernel's arithmetic).
+template <typename T, int M, int V>
+__device__ __forceinline__ void gemv_store(const GemvParams& p, const float (*red)[V]) {
+  const int strips_per_cta = kGemvWarps / p.split;
+  const int rows = strips_per_cta * kGemvRows;
+  for (int i = static_cast<int>(threadIdx.x); i < rows * M; i += blockDim.x) {
+    const int t = i / rows, row = i % rows;
+    const int ls = row / kGemvRows, r = row % kGemvRows;
+    const int strip = static_cast<int>(blockIdx.x) * strips_per_cta + ls;
+    if (strip >= p.strips) continue;
+    float sum = 0.0f;
+    for (int sl = 0; sl < p.split; ++sl) sum += red[ls * p.split + sl][r * M + t];
+    const int64_t n = static_cast<int64_t>(strip) * kGemvRows + r;
+    const float b = p.bias != nullptr ? dev::to_float(static_cast<const T*>(p.bias)[n]) : 0.0f;
+    static_cast<T*>(p.out)[t * p.n + n] = dev::from_float<T>(sum * p.a[t] * __ldg(p.s + n) + b);
+  }
+}
+
+template <typename T, int M>
+__global__ void __launch_bounds__(kGemvWarps * 32, gemv_min_blocks(M))
+    fp8_gemv_kernel(const __grid_constant__ GemvParams p) {
+  constexpr int V = gemv_values(M);
+  __shared__ float red[kGemvWarps][V];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int strip = static_cast<int>(blockIdx.x) * (kGemvWarps / p.split) + warp / p.split;
+  const int slice = warp % p.split;
+  const int c0 = strip < p.strips ? slice * p.chunks / p.split : 0;
+  const int c1 = strip < p.strips ? (slice + 1) * p.chunks / p.split : 0;
+  const int64_t lane_k = lane * 16;
+  const uint8_t* wp = p.w + static_cast<int64_t>(strip) * kGemvRows * p.k + lane_k;
+  const uint8_t* xp = p.x + lane_k;
+  // Chunk c is this lane's when it is in the slice and the lane's 16 bytes are inside k.
+  auto mine = [&](int c) { return c < c1 && c * int64_t{kGemvChunk} + lane_k < p.k; };
+  uint4 wq[2][kGemvRows] = {}, xq[2][M] = {};
+  auto fetch_w = [&](int slot, int c) {
+    if (!mine(c)) return;
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r)
+      wq[slot][r] = dev::ldg_stream(wp + r * p.k + int64_t{c} * kGemvChunk);
+  };
+  auto fetch_x = [&](int slot, int c) {
+    if (!mine(c)) return;
+#pragma unroll
+    for (int t = 0; t < M; ++t) {
+      xq[slot][t] = *reinterpret_cast<const uint4*>(xp + t * p.k + int64_t{c} * kGemvChunk);
+    }
+  };
+  // The weights are constant: requested before the wait for the kernel that writes x.
+  fetch_w(0, c0);
+  fetch_w(1, c0 + 1);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  fetch_x(0, c0);
+  fetch_x(1, c0 + 1);
+  float acc[V] = {};
+  for (int c = c0; c < c1; c += 2) {
+#pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+      if (mine(c + slot)) gemv_chunk<M>(wq[slot], xq[slot], acc);
+      fetch_w(slot, c + slot + 2);
+      fetch_x(slot, c + slot + 2);
+    }
+  }
+  fold<V>(acc, lane, 16);
+  constexpr int kShift = 5 - log2_int(V);
+  if ((lane & ((1 << kShift) - 1)) == 0) red[warp][lane >> kShift] = acc[0];
+  __syncthreads();
+  gemv_store<T, M, V>(p, red);
+}
+
+// K-slices per strip: the fewest (1, 2, 4 or 8, at most one per chunk) whose CTAs take every
+// slot of the GPU (`resident` CTAs) at least once, so that a small layer's weights still stream
+// through every SM. More CTAs than slots cost nothing: each keeps its loads in flight and a
+// finished one's slot is taken by the next.
+int gemv_split(int64_t strips, int64_t chunks, int64_t resident) {
+  int split = 1;
+  while (split < kGemvWarps && split * 2 <= chunks &&
+         ceil_div(strips * split, kGemvWarps) < resident) {
+    split *= 2;
+  }
+  return split;
+}
+
+template <typename T, int M>
+Status launch_gemv(const Fp8GemmArgs& a, int64_t resident, cudaStream_t stream) {
+  GemvParams p{};
+  p.x = a.x;
+  p.a = a.x_scales;
+  p.w = a.w;
+  p.s = a.w_scales;
+  p.bias = a.bias;
+  p.out = a.out;
+  p.n = a.n;
+  p.k = a.k;
+  p.chunks = static_cast<int>(ceil_div(a.k, kGemvChunk));
+  p.strips = static_cast<int>(a.n / kGemvRows);
+  p.split = gemv_split(p.strips, p.chunks, resident);
+  const int64_t grid = ceil_div(p.strips, kGemvWarps / p.split);
+  launch_pdl(fp8_gemv_kernel<T, M>, dim3(static_cast<unsigned>(grid)), dim3(kGemvWarps * 32), 0,
+             stream, p);
+  return launch_status("fp8_gemv_kernel");
+}
+
+// TESSERA_FP8_GEMV=0 sends every m to cuBLASLt (to time the two side by side); read once.
+bool gemv_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TESSERA_FP8_GEMV");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return enabled;
+}
+
 // ---- cuBLASLt ----
 
 Status lt_status(cublasStatus_t st, const std::string& what) {
@@ -577,6 +801,7 @@ Expected<std::unique_ptr<Fp8Gemm>> Fp8Gemm::create(Fp8GemmPath path, int64_t max
   TESSERA_RETURN_IF_ERROR(lt_status(cublasLtCreate(&g->handle_), "cublasLtCreate"));
   TESSERA_ASSIGN_OR_RETURN(g->workspace_,
                            DeviceBuffer::allocate(kWorkspaceBytes, "the FP8 GEMM's workspace"));
+  TESSERA_RETURN_IF_ERROR(g->count_gemv_slots());
   g->path_ = Fp8GemmPath::kEpilogue;
   if (path != Fp8GemmPath::kEpilogue) {
     Status probed = g->probe(out_dtype, stream);
@@ -717,6 +942,44 @@ Status Fp8Gemm::epilogue(const Fp8GemmArgs& a, cudaStream_t stream) {
   return Status::ok();
 }
 
+// Asked once at create (host queries; linear may run inside a graph capture).
+Status Fp8Gemm::count_gemv_slots() {
+  int device = 0, sms = 0;
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "Fp8Gemm: cudaGetDevice");
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                               "Fp8Gemm: SM count");
+  auto count = [&](auto kernel, int64_t& slots) {
+    int per_sm = 0;
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvWarps * 32, 0),
+        "Fp8Gemm: the small-m kernel's occupancy");
+    slots = std::max<int64_t>(int64_t{sms} * per_sm, 1);
+    return Status::ok();
+  };
+  static_assert(kFp8GemvMaxM == 4);
+  TESSERA_RETURN_IF_ERROR(count(fp8_gemv_kernel<__nv_bfloat16, 1>, gemv_slots_[0]));
+  TESSERA_RETURN_IF_ERROR(count(fp8_gemv_kernel<__nv_bfloat16, 2>, gemv_slots_[1]));
+  TESSERA_RETURN_IF_ERROR(count(fp8_gemv_kernel<__nv_bfloat16, 3>, gemv_slots_[2]));
+  return count(fp8_gemv_kernel<__nv_bfloat16, 4>, gemv_slots_[3]);
+}
+
+Status Fp8Gemm::gemv(const Fp8GemmArgs& a, cudaStream_t stream) {
+  const int64_t slots = gemv_slots_[static_cast<size_t>(a.m - 1)];
+  return with_half_type(a.out_dtype, "Fp8Gemm", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    switch (a.m) {
+      case 1:
+        return launch_gemv<T, 1>(a, slots, stream);
+      case 2:
+        return launch_gemv<T, 2>(a, slots, stream);
+      case 3:
+        return launch_gemv<T, 3>(a, slots, stream);
+      default:
+        return launch_gemv<T, 4>(a, slots, stream);
+    }
+  });
+}
+
 Status Fp8Gemm::linear(const Fp8GemmArgs& a, cudaStream_t stream) {
   // Built only for an error (a decode step makes seven calls a layer).
   auto where = [&] {
@@ -739,6 +1002,7 @@ Status Fp8Gemm::linear(const Fp8GemmArgs& a, cudaStream_t stream) {
   if (a.bias != nullptr && !aligned(a.bias, kAlignment)) {
     return invalid_argument(where() + ": the bias must be 16-byte aligned");
   }
+  if (a.m <= kFp8GemvMaxM && a.small_m_kernel && gemv_enabled()) return gemv(a, stream);
   return path_ == Fp8GemmPath::kOuterVector ? outer_vector(a, stream) : epilogue(a, stream);
 }
 

@@ -20,6 +20,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -81,12 +82,24 @@ Status quantize_fp8_weight(DType dtype, const void* w, int64_t out, int64_t in, 
 
 // How Fp8Gemm applies a[m] * s[n]: cuBLASLt's outer-vector scaling (CUBLASLT_MATMUL_MATRIX_
 // SCALE_OUTER_VEC_32F, cuBLAS 12.9+) inside the GEMM, or an fp32 GEMM output and an epilogue
-// kernel. kAuto takes the outer vectors when a probe at create() shows they work.
+// kernel. kAuto takes the outer vectors when a probe at create() shows they work. Steps of
+// m <= kFp8GemvMaxM rows bypass cuBLASLt on either path (see kFp8GemvMaxM).
 enum class Fp8GemmPath : uint8_t { kAuto, kOuterVector, kEpilogue };
 
 // "auto", "outer-vector", "epilogue" (TESSERA_FP8_GEMM); INVALID_ARGUMENT otherwise.
 Expected<Fp8GemmPath> parse_fp8_gemm_path(std::string_view text);
 const char* fp8_gemm_path_name(Fp8GemmPath path);
+
+// Rows (tokens) up to which Fp8Gemm::linear runs its own kernel instead of cuBLASLt: batch-1
+// to 4 decode, where a layer reads each weight byte once for at most 4 products and its time is
+// the weight stream's. cuBLASLt's FP8 kernels are far from HBM bandwidth there (at m = 1 FP8 gave
+// 1.27x bf16's tokens/s against the bytes' 2x), and without the outer-vector scaling they add an
+// epilogue launch. The kernel streams w once (16-byte loads that bypass L1, 8 in flight per
+// thread), widens E4M3 exactly (E4M3 -> f16 -> fp32), sums the products in fp32 and writes
+// out_dtype rounded once; its sums are deterministic (a fixed order, no atomics), its
+// accumulation order is not cuBLASLt's. TESSERA_FP8_GEMV=0 (read once per process) sends every m
+// to cuBLASLt, to time the two side by side.
+inline constexpr int64_t kFp8GemvMaxM = 4;
 
 struct Fp8GemmArgs {
   int64_t m = 0, n = 0, k = 0;      // m >= 1; n and k multiples of 16
@@ -97,6 +110,8 @@ struct Fp8GemmArgs {
   const float* w_scales = nullptr;  // [n] fp32: s[n]
   const void* bias = nullptr;       // [n] out_dtype, or null
   void* out = nullptr;              // [m, n] out_dtype; overlaps no input
+  // false: cuBLASLt at every m, as TESSERA_FP8_GEMV=0 (tests and benchmarks compare the two).
+  bool small_m_kernel = true;
 };
 
 class Fp8Gemm {
@@ -121,7 +136,9 @@ class Fp8Gemm {
 
   // out = (x * a) . (w * s)^T (+ bias), as the file comment says. Bad arguments are
   // INVALID_ARGUMENT; cuBLASLt failures name the status and the shape. A shape is planned on
-  // its first call (the heuristic's first algorithm), also inside a graph capture.
+  // its first call (the heuristic's first algorithm), also inside a graph capture. m <=
+  // kFp8GemvMaxM takes the small-m kernel (any n, k; no plan, no workspace) unless
+  // args.small_m_kernel is false or TESSERA_FP8_GEMV=0.
   Status linear(const Fp8GemmArgs& args, cudaStream_t stream);
 
  private:
@@ -131,6 +148,8 @@ class Fp8Gemm {
   Expected<Plan*> plan(int64_t m, int64_t n, int64_t k, DType out, bool bias, bool outer);
   Status outer_vector(const Fp8GemmArgs& a, cudaStream_t stream);
   Status epilogue(const Fp8GemmArgs& a, cudaStream_t stream);
+  Status count_gemv_slots();
+  Status gemv(const Fp8GemmArgs& a, cudaStream_t stream);
 
   Fp8GemmPath path_ = Fp8GemmPath::kEpilogue;
   std::string probe_failure_;
@@ -138,6 +157,9 @@ class Fp8Gemm {
   DeviceBuffer workspace_;
   DeviceBuffer scratch_;  // the epilogue path's fp32 [chunk_rows_, max_n_]
   int64_t max_n_ = 0, chunk_rows_ = 0;
+  // The small-m kernel's CTAs resident on the GPU at once, for m = 1 .. kFp8GemvMaxM: how far it
+  // splits K so that a small layer fills every SM.
+  std::array<int64_t, kFp8GemvMaxM> gemv_slots_{};
   std::map<std::tuple<int64_t, int64_t, int64_t, DType, bool, bool>, std::unique_ptr<Plan>> plans_;
 };
 

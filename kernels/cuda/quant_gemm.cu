@@ -238,28 +238,30 @@ __global__ void repack_scales_kernel(const __half* __restrict__ scales,
 
 // ---- dequantize (w4_dequantize and the prefill path)
 
-// One thread per uint4 of qweight (as repack_weights_kernel): its 32 weights through the same
-// dequant_word as the fused kernel, written to w [out, in] at their checkpoint input index.
+// One CTA per (64 x 64) unit, one thread per uint4 of it (as repack_weights_kernel): each
+// thread's 32 weights go through the same dequant_word as the fused kernel into a shared tile
+// in MMA-fragment order, then the CTA writes the tile's 64 rows of w [out, in] as 128-byte runs
+// (act-order: each value at its checkpoint input index perm[k]). The writes dominate (4x the
+// bytes read): written straight from the fragments they were 16-byte pieces of 8 rows, half of
+// every 32-byte sector, and the prefill path ran at a tenth of the copy bandwidth.
+constexpr int kDequantPitch = kTile + 8;  // shared row pitch in elements: 16-byte aligned rows
+
 template <typename T>
-__global__ void dequantize_kernel(const uint4* __restrict__ qweight, const T* __restrict__ scales,
-                                  const uint8_t* __restrict__ zeros,
-                                  const int32_t* __restrict__ perm, int out, int in, int group,
-                                  T* __restrict__ w) {
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint4* __restrict__ qweight, const T* __restrict__ scales,
+                      const uint8_t* __restrict__ zeros, const int32_t* __restrict__ perm, int out,
+                      int in, int group, T* __restrict__ w) {
+  __shared__ __align__(16) T tile_w[kTile * kDequantPitch];
   // Launched with launch_pdl: w is a workspace the kernels before may still read.
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= static_cast<int64_t>(out) * in / 32) return;
-  const int lane = static_cast<int>(idx % 32);
-  const int warp = static_cast<int>((idx / 32) % 4);
-  const int64_t unit = idx / 128;
+  const int unit = static_cast<int>(blockIdx.x);  // < out * in / 4096 <= 2^22 (check_w4_shape)
   const int k_iters = in / kTile;
   const int groups = in / group;
-  const int tile = static_cast<int>(unit / k_iters);
-  const int kit = static_cast<int>(unit % k_iters);
+  const int tile = unit / k_iters, kit = unit - tile * k_iters;
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int r = lane >> 2, c = 2 * (lane & 3);
-  const int o0 = tile * kTile + warp * 16 + r;
-  const uint4 q4 = qweight[idx];
+  const uint4 q4 = qweight[static_cast<int64_t>(unit) * kThreads + threadIdx.x];
   const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
   for (int step = 0; step < 4; ++step) {
@@ -274,15 +276,29 @@ __global__ void dequantize_kernel(const uint4* __restrict__ qweight, const T* __
     dequant_word<T>(q[step], zp, sp, a);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const int64_t row = static_cast<int64_t>(o0 + 8 * (p & 1)) * in;
-      const int k = k0 + c + 8 * (p >> 1);
-      if (perm == nullptr) {
-        memcpy(w + row + k, &a[p], 4);  // k is even: a 4-byte aligned pair
-      } else {
-        const uint16_t lo = static_cast<uint16_t>(a[p]), hi = static_cast<uint16_t>(a[p] >> 16);
-        memcpy(w + row + perm[k], &lo, 2);
-        memcpy(w + row + perm[k + 1], &hi, 2);
-      }
+      const int row = warp * 16 + r + 8 * (p & 1);
+      const int k = step * 16 + c + 8 * (p >> 1);
+      memcpy(&tile_w[row * kDequantPitch + k], &a[p], 4);
+    }
+  }
+  __syncthreads();
+  T* w_tile = w + static_cast<int64_t>(tile) * kTile * in + static_cast<int64_t>(kit) * kTile;
+  if (perm == nullptr) {
+    // 512 pieces of 16 bytes: 8 threads write one row's 128 bytes.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int piece = static_cast<int>(threadIdx.x) + kThreads * i;
+      const int row = piece >> 3, col = (piece & 7) * 8;
+      uint4 v;
+      memcpy(&v, &tile_w[row * kDequantPitch + col], 16);
+      memcpy(w_tile + static_cast<int64_t>(row) * in + col, &v, 16);
+    }
+  } else {
+    const int32_t* unit_perm = perm + kit * kTile;
+    T* w_rows = w + static_cast<int64_t>(tile) * kTile * in;
+    for (int e = static_cast<int>(threadIdx.x); e < kTile * kTile; e += kThreads) {
+      const int row = e / kTile, col = e % kTile;
+      w_rows[static_cast<int64_t>(row) * in + unit_perm[col]] = tile_w[row * kDequantPitch + col];
     }
   }
 }
@@ -701,14 +717,6 @@ struct GemvParams {
   int split;  // K-slices per strip: 1, 2, 4 or 8 (kGemvWarps / split strips per CTA)
 };
 
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Shared memory of the m = 1 kernel: the K-slice sums, the sums of x's 32-input pieces, x's row
 // (16-byte aligned).
 __host__ __device__ constexpr int gemv_x_offset(int in) {
@@ -779,7 +787,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks)
   uint32_t s[kGemvDepth][kGroups], z[kGemvDepth][kGroups];
   auto fetch = [&](int j, int kit) {
     if (kit < k1) {
-      q[j] = ldg_stream(wp + static_cast<int64_t>(kit) * kUnitBytes);
+      q[j] = dev::ldg_stream(wp + static_cast<int64_t>(kit) * kUnitBytes);
       const int g = (kit * p.group_mul) >> p.group_shift;
 #pragma unroll
       for (int h = 0; h < kGroups; ++h) {
@@ -985,11 +993,10 @@ Expected<std::vector<int32_t>> act_order_perm(std::span<const int32_t> g_idx, in
 
 template <typename T>
 Status launch_dequantize(const W4Layer& l, void* w, cudaStream_t stream) {
-  constexpr int kBlock = 256;
-  launch_pdl(dequantize_kernel<T>, blocks_for(l.out * l.in / 32, kBlock), kBlock, 0, stream,
-             reinterpret_cast<const uint4*>(l.qweight), static_cast<const T*>(l.scales), l.zeros,
-             l.perm, static_cast<int>(l.out), static_cast<int>(l.in), static_cast<int>(l.group),
-             static_cast<T*>(w));
+  launch_pdl(dequantize_kernel<T>, static_cast<unsigned>(l.out * l.in / (kTile * kTile)), kThreads,
+             0, stream, reinterpret_cast<const uint4*>(l.qweight), static_cast<const T*>(l.scales),
+             l.zeros, l.perm, static_cast<int>(l.out), static_cast<int>(l.in),
+             static_cast<int>(l.group), static_cast<T*>(w));
   return launch_status("w4_dequantize");
 }
 
@@ -1217,7 +1224,7 @@ Status w4_dequantize(const W4Layer& layer, void* w, cudaStream_t stream) {
   const char* op = "w4_dequantize";
   TESSERA_RETURN_IF_ERROR(check_layer(layer, op));
   TESSERA_RETURN_IF_ERROR(check_not_null(w, op, "w"));
-  TESSERA_RETURN_IF_ERROR(check_aligned(w, 4, op, "w"));
+  TESSERA_RETURN_IF_ERROR(check_aligned(w, 16, op, "w"));
   if (layer.dtype == DType::kBF16) return launch_dequantize<__nv_bfloat16>(layer, w, stream);
   return launch_dequantize<__half>(layer, w, stream);
 }

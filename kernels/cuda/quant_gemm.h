@@ -121,6 +121,7 @@ Expected<W4Layer> repack_gptq(const GptqTensors& t, DType dtype, void* dst, uint
 // The layer's weight as the kernels use it: w [out, in] row-major in layer.dtype, in the
 // checkpoint's input order (perm undone), each value round((q - z) * s) in the dtype. The
 // prefill path of w4_linear, and the tests' round trip against the CPU's dequantize.
+// w must be 16-byte aligned.
 Status w4_dequantize(const W4Layer& layer, void* w, cudaStream_t stream);
 
 // Workspace bytes w4_linear needs for this layer and any m <= max_m: a fixed 32 KiB of split-K

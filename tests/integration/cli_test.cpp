@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,50 @@ TEST(CliTest, EveryHelpEndsWithAnExample) {
     const size_t at = r.out.find("\nExample");
     ASSERT_NE(at, std::string::npos) << name << ":\n" << r.out;
     EXPECT_NE(r.out.find("  tessera " + c[0], at), std::string::npos) << name << ":\n" << r.out;
+  }
+}
+
+// The command lines of vLLM's tutorials parse as they are: the model as --model or positional
+// (after tessera's own flags too), --trust-remote-code on every model command with one line
+// saying that no code of the model's runs. The model is not there, so each fails at config.json
+// (exit 1), after the flags were taken (2 would be bad usage).
+TEST(CliTest, VllmTutorialCommandLinesAreAccepted) {
+  const std::string trust = "--trust-remote-code: Tessera executes no code from the model";
+  // The tutorial's serve line, word for word but for the model.
+  std::vector<std::string> line = {bin("tessera")};
+  std::istringstream words(
+      "serve --host 0.0.0.0 --port 8080 --model /nowhere --tensor-parallel-size 4 --dtype half "
+      "--gpu-memory-utilization 0.9 --max-model-len 32768 --quantization awq "
+      "--enable-auto-tool-choice --tool-call-parser hermes --trust-remote-code");
+  for (std::string w; words >> w;) line.push_back(w);
+  CommandResult serve = run_command(line);
+  EXPECT_EQ(serve.exit_code, 1) << serve.err;
+  EXPECT_TRUE(serve.err.find("/nowhere/config.json") != std::string::npos ||
+              serve.err.find("cannot listen on 0.0.0.0:8080") != std::string::npos)
+      << serve.err;
+  EXPECT_NE(serve.err.find(trust), std::string::npos) << serve.err;
+  const std::vector<std::vector<std::string>> commands = {{"serve"},
+                                                          {"generate"},
+                                                          {"plan"},
+                                                          {"bench", "latency"},
+                                                          {"bench", "throughput"},
+                                                          {"bench", "report"},
+                                                          {"bench", "control-plane"}};
+  for (const auto& command : commands) {
+    for (bool positional : {true, false}) {
+      std::vector<std::string> argv = {bin("tessera"), "--log-level", "info"};
+      argv.insert(argv.end(), command.begin(), command.end());
+      if (!positional) argv.push_back("--model");
+      argv.push_back("/nowhere");
+      argv.push_back("--trust-remote-code");
+      if (command[0] == "generate") argv.insert(argv.end(), {"--prompt", "hi"});
+      CommandResult r = run_command(argv);
+      const std::string name =
+          command.back() + (positional ? " MODEL" : " --model MODEL") + ": " + r.err;
+      EXPECT_EQ(r.exit_code, 1) << name;
+      EXPECT_NE(r.err.find("/nowhere/config.json"), std::string::npos) << name;
+      EXPECT_NE(r.err.find(trust), std::string::npos) << name;
+    }
   }
 }
 

@@ -254,6 +254,23 @@ TEST_F(GenerateTest, DeviceFlagIsHonoured) {
   EXPECT_NE(r.err.find("cpu backend"), std::string::npos) << r.err;
 }
 
+// --dtype half on the cpu backend runs, and says once that it computes in float32 (the model
+// as vLLM's positional, too); the model's own dtype (auto) says nothing.
+TEST_F(GenerateTest, HalfOnTheCpuBackendSaysItComputesInFloat32) {
+  const std::string note = "--dtype half: the CPU backend computes in float32";
+  CommandResult half = run_command({bin("tessera"), "generate", dir_, "--device", "cpu", "--dtype",
+                                    "half", "--prompt", "hi", "--max-tokens", "2"});
+  ASSERT_EQ(half.exit_code, 0) << half.err;
+  const size_t at = half.err.find(note);
+  EXPECT_NE(at, std::string::npos) << half.err;
+  EXPECT_EQ(half.err.find(note, at + 1), std::string::npos) << half.err;  // once
+  EXPECT_NE(half.err.find("cpu backend, F32"), std::string::npos) << half.err;
+  CommandResult plain = run_command({bin("tessera"), "generate", "--model", dir_, "--device", "cpu",
+                                     "--prompt", "hi", "--max-tokens", "2"});
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  EXPECT_EQ(plain.err.find("the CPU backend computes in float32"), std::string::npos) << plain.err;
+}
+
 // --kv-cache-dtype fp8 on the cpu backend: the actor stores E4M3-rounded K/V (the log says so;
 // kernels_cpu_test checks the rounding, cuda_model_test the GPU against this backend) and
 // decodes deterministically. The tokens are not compared with the bf16 goldens: the tiny random

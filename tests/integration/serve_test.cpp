@@ -77,13 +77,16 @@ struct Reply {
   json j() const { return json::parse(body, nullptr, false); }
 };
 
-// A running server on a port of its own.
+// A running server on a port of its own; `model` is vLLM's positional (empty: `extra` gives
+// --model).
 class Server {
  public:
   Server(const std::string& model, const std::string& root, std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {bin("tessera"), "serve",  model, "--device",
-                                     "cpu",          "--port", "0",   "--served-model-name",
-                                     "tiny"};
+    std::vector<std::string> argv = {bin("tessera"), "serve"};
+    if (!model.empty()) argv.push_back(model);
+    for (std::string a : {"--device", "cpu", "--port", "0", "--served-model-name", "tiny"}) {
+      argv.push_back(a);
+    }
     argv.insert(argv.end(), extra.begin(), extra.end());
     process_ = std::make_unique<BackgroundProcess>(
         argv, std::vector<std::string>{"TESSERA_TMPDIR=" + root});
@@ -580,14 +583,32 @@ ScriptedModel make_tool_call_model(const std::string& root) {
 }
 
 // With tools, the model's <tool_call>{...}</tool_call> comes back as tool_calls (finish_reason
-// tool_calls), whole and streamed, through curl and the OpenAI SDK for Node.
+// tool_calls), whole and streamed, through curl and the OpenAI SDK for Node. The server is
+// started as the tutorials start vLLM: --model DIR, --trust-remote-code; the tools reach the
+// template in the client's key order.
 TEST_F(ServeTest, AToolCallTheModelWritesComesBackAsToolCalls) {
   ScriptedModel m = make_tool_call_model(root_);
   ASSERT_FALSE(m.answer.empty());
-  Server server(
-      m.dir, root_ + "/tool-run",
-      {"--api-key", "secret", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"});
+  Server server("", root_ + "/tool-run",
+                {"--model", m.dir, "--trust-remote-code", "--api-key", "secret",
+                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"});
   ASSERT_GT(server.port(), 0) << server.process().err();
+  EXPECT_NE(server.process().err().find("--trust-remote-code: Tessera executes no code"),
+            std::string::npos)
+      << server.process().err();
+  // Qwen 3's template prints each tool with tojson: the prompt holds it as the client wrote it
+  // (keys not sorted), as vLLM's does.
+  const std::string tool =
+      R"({"type": "function", "function": {"name": "get_weather", "description": "Weather", )"
+      R"("parameters": {"type": "object", "properties": {"days": {"type": "integer"}, )"
+      R"("city": {"type": "string"}}}}})";
+  Reply tokenized = server.call(
+      "POST", "/tokenize",
+      R"({"messages": [{"role": "user", "content": "Paris?"}], "tools": [)" + tool + "]}");
+  ASSERT_EQ(tokenized.status, 200) << tokenized.body;
+  Reply prompt = server.post("/detokenize", {{"tokens", tokenized.j()["tokens"]}});
+  ASSERT_EQ(prompt.status, 200) << prompt.body;
+  EXPECT_NE(prompt.j()["prompt"].get<std::string>().find(tool), std::string::npos) << prompt.body;
   const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
       "description": "The weather in a city", "parameters": {"type": "object",
       "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}])");

@@ -20,6 +20,17 @@
 // instructions), so each product is accurate to 2^-14 of a partial sum <= S, and the sum to
 // 2^-13 S at worst. A wrong row, column or scale errs by about |ref| ~ S / sqrt(k), >= 2^-6 S
 // for these k: far outside. The worst ratio to the bound is printed.
+//
+// The small-m kernel (m <= kFp8GemvMaxM, Fp8GemvTest): against the same double-precision sum,
+// for every m up to the limit, tiny, odd (n = 48, k = 272: part of a 512-byte chunk) and Llama
+// shapes, an lm_head-wide n and k = 32768, with random per-output scales. It sums in fp32 FMAs,
+// so only the order of fp32 additions differs from the exact sum: each output within
+//   |y - ref| <= u |ref| + 1e-5 S
+// (the one output rounding, and fp32 sums of up to k / 32 products per lane, then a tree: errors
+// of order sqrt(k) 2^-24 S, far below 1e-5 S). The same inputs through cuBLASLt agree with it
+// within the two bounds; replayed from a CUDA graph it is bit for bit the eager call (no atomics).
+// DecodeBandwidth times it beside cuBLASLt's FP8 path and a bf16 GEMM on Llama-3-8B's layers at
+// m = 1 and prints the weights' GB/s (it asserts only correctness).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -29,6 +40,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,6 +51,7 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/fp8_linear.h"
+#include "kernels/cuda/gemm.h"
 
 namespace tessera::cuda {
 namespace {
@@ -372,6 +385,7 @@ void check_gemm(Fp8Gemm& g, const GemmCase& c, uint64_t seed) {
   args.w_scales = ds.as<float>();
   args.bias = c.bias ? db.get() : nullptr;
   args.out = dout.get();
+  args.small_m_kernel = false;  // cuBLASLt at m = 1 and 3 too: the Fp8GemvTest cases test the other
   Status st = g.linear(args, nullptr);
   ASSERT_TRUE(st.is_ok()) << what << ": " << st.to_string();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
@@ -498,6 +512,377 @@ TEST(Fp8GemmTest, RefusesShapesAndPointersItCannotTake) {
   EXPECT_EQ((*g)->linear(a, nullptr).code(), Code::kInvalidArgument);
   EXPECT_FALSE(parse_fp8_gemm_path("fast"));
   EXPECT_EQ(*parse_fp8_gemm_path("epilogue"), Fp8GemmPath::kEpilogue);
+}
+
+// ---- the small-m kernel ----
+
+// Runs fn(first, last) over [0, total) split between the host's cores.
+void parallel_for(int64_t total, const std::function<void(int64_t, int64_t)>& fn) {
+  const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 32);
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t) {
+    pool.emplace_back(fn, total * t / threads, total * (t + 1) / threads);
+  }
+  for (auto& t : pool) t.join();
+}
+
+// Random E4M3 bytes over every finite code (zero and magnitudes 2^-9 .. 448, both signs: the
+// subnormals too); the NaN codes 0x7f / 0xff become +-448 (0x7e / 0xfe).
+std::vector<uint8_t> random_e4m3(int64_t count, uint64_t seed) {
+  std::vector<uint8_t> v(static_cast<size_t>(count));
+  parallel_for((count + 7) / 8, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      uint64_t z = (seed + static_cast<uint64_t>(i)) * 0x9E3779B97F4A7C15ull;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z ^= z >> 31;
+      for (int64_t b = 0; b < 8 && i * 8 + b < count; ++b) {
+        uint8_t byte = static_cast<uint8_t>(z >> (8 * b));
+        if ((byte & 0x7f) == 0x7f) byte ^= 1;
+        v[static_cast<size_t>(i * 8 + b)] = byte;
+      }
+    }
+  });
+  return v;
+}
+
+// E4M3 operands on both sides: rows of x [rows, k] with their scales (`rows` x or w).
+struct Fp8Operand {
+  int64_t rows = 0, k = 0;
+  std::vector<uint8_t> q;
+  std::vector<float> scales;
+  DeviceBuffer dq, dscales;
+};
+
+Fp8Operand make_operand(int64_t rows, int64_t k, float min_scale, uint64_t seed) {
+  Fp8Operand o;
+  o.rows = rows;
+  o.k = k;
+  o.q = random_e4m3(rows * k, seed);
+  Uniform u{seed ^ 0x5555};
+  o.scales.resize(static_cast<size_t>(rows));
+  for (float& s : o.scales) s = (min_scale + std::fabs(u())) / 448.0f;
+  o.dq = upload(o.q);
+  o.dscales = upload(o.scales);
+  return o;
+}
+
+// The exact dot products of x's and w's rows (E4M3 products are exact in double; a sum of k of
+// them errs by k 2^-53 at most) and the sums of their magnitudes, unscaled: [x.rows, w.rows].
+struct Dots {
+  std::vector<double> dot, abs;
+};
+
+Dots exact_dots(const Fp8Operand& x, const Fp8Operand& w) {
+  double value[256];
+  for (int b = 0; b < 256; ++b) value[b] = fp8_e4m3_to_float(static_cast<uint8_t>(b));
+  Dots d;
+  d.dot.resize(static_cast<size_t>(x.rows * w.rows));
+  d.abs.resize(d.dot.size());
+  parallel_for(x.rows * w.rows, [&](int64_t first, int64_t last) {
+    for (int64_t at = first; at < last; ++at) {
+      const uint8_t* xr = x.q.data() + (at / w.rows) * x.k;
+      const uint8_t* wr = w.q.data() + (at % w.rows) * w.k;
+      double dot = 0, abs = 0;
+      for (int64_t k = 0; k < x.k; ++k) {
+        const double t = value[xr[k]] * value[wr[k]];
+        dot += t;
+        abs += std::fabs(t);
+      }
+      d.dot[static_cast<size_t>(at)] = dot;
+      d.abs[static_cast<size_t>(at)] = abs;
+    }
+  });
+  return d;
+}
+
+struct Fp8Run {
+  DType d = DType::kBF16;
+  const DeviceBuffer* bias = nullptr;  // [n] of d, or null
+  bool small_m = true;                 // Fp8GemmArgs::small_m_kernel
+};
+
+Fp8GemmArgs fp8_args(const Fp8Operand& x, const Fp8Operand& w, const Fp8Run& r, void* out) {
+  Fp8GemmArgs a;
+  a.m = x.rows;
+  a.n = w.rows;
+  a.k = w.k;
+  a.out_dtype = r.d;
+  a.x = x.dq.as<uint8_t>();
+  a.x_scales = x.dscales.as<float>();
+  a.w = w.dq.as<uint8_t>();
+  a.w_scales = w.dscales.as<float>();
+  a.bias = r.bias != nullptr ? r.bias->get() : nullptr;
+  a.out = out;
+  a.small_m_kernel = r.small_m;
+  return a;
+}
+
+// out = linear(x, w) through `g`, eagerly; the output's bits.
+std::vector<uint16_t> run_fp8(Fp8Gemm& g, const Fp8Operand& x, const Fp8Operand& w,
+                              const Fp8Run& r) {
+  DeviceBuffer out = alloc(static_cast<size_t>(x.rows * w.rows) * 2);
+  Status st = g.linear(fp8_args(x, w, r, out.get()), nullptr);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return download<uint16_t>(out.get(), static_cast<size_t>(x.rows * w.rows));
+}
+
+// The reference of output `at` (= t * n + j) in double, and the bound on an fp32 sum of its
+// products in units of S (`acc`) plus the output's rounding: u |ref| (and half a subnormal step).
+struct Reference {
+  const Fp8Operand& x;
+  const Fp8Operand& w;
+  const Dots& dots;
+  DType d;
+  const std::vector<uint16_t>* bias;  // host bits, or null
+  double value(int64_t at) const {
+    const int64_t t = at / w.rows, j = at % w.rows;
+    const double scale =
+        static_cast<double>(x.scales[static_cast<size_t>(t)]) * w.scales[static_cast<size_t>(j)];
+    const double b = bias != nullptr ? from_half_bits((*bias)[static_cast<size_t>(j)], d) : 0.0;
+    return dots.dot[static_cast<size_t>(at)] * scale + b;
+  }
+  double bound(int64_t at, double acc) const {
+    const int64_t t = at / w.rows, j = at % w.rows;
+    const double s_abs = dots.abs[static_cast<size_t>(at)] * x.scales[static_cast<size_t>(t)] *
+                         w.scales[static_cast<size_t>(j)];
+    const double unit = d == DType::kBF16 ? 1.0 / 256 : 1.0 / 2048;
+    const double tiny = d == DType::kBF16 ? 0x1p-133 : 0x1p-25;
+    return unit * std::fabs(value(at)) + acc * s_abs + tiny;
+  }
+};
+
+// The worst |y - ref| / bound over the outputs, and where.
+std::pair<double, int64_t> worst_error(const Reference& ref, const std::vector<uint16_t>& got,
+                                       double acc) {
+  std::vector<double> ratio(got.size());
+  parallel_for(static_cast<int64_t>(got.size()), [&](int64_t first, int64_t last) {
+    for (int64_t at = first; at < last; ++at) {
+      const double y = from_half_bits(got[static_cast<size_t>(at)], ref.d);
+      const double r = std::fabs(y - ref.value(at)) / ref.bound(at, acc);
+      ratio[static_cast<size_t>(at)] = std::isnan(r) ? 1e30 : r;
+    }
+  });
+  const auto it = std::max_element(ratio.begin(), ratio.end());
+  return {*it, it - ratio.begin()};
+}
+
+constexpr double kGemvAcc = 1e-5;         // the small-m kernel's fp32 sums, in units of S
+constexpr double kCublasLtAcc = 0x1p-13;  // cuBLASLt's FP8 tensor-core sums (file comment)
+
+std::vector<uint16_t> random_bias(int64_t n, DType d, uint64_t seed) {
+  std::vector<uint16_t> bias(static_cast<size_t>(n));
+  Uniform u{seed};
+  for (auto& v : bias) v = to_half_bits(0.5f * u(), d);
+  return bias;
+}
+
+std::string shape_name(int64_t m, int64_t n, int64_t k, DType d, bool bias) {
+  return std::string(name(d)) + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
+         " k=" + std::to_string(k) + (bias ? " +bias" : "");
+}
+
+// Every m up to kFp8GemvMaxM, both dtypes, with and without a bias, against the exact sum.
+void check_gemv_shape(Fp8Gemm& g, int64_t n, int64_t k, uint64_t seed) {
+  const Fp8Operand w = make_operand(n, k, 0.1f, seed);
+  double worst = 0;
+  for (int64_t m = 1; m <= kFp8GemvMaxM; ++m) {
+    const Fp8Operand x = make_operand(m, k, 0.5f, seed * 31 + static_cast<uint64_t>(m));
+    const Dots dots = exact_dots(x, w);
+    for (DType d : {DType::kBF16, DType::kF16}) {
+      const std::vector<uint16_t> bias = random_bias(n, d, seed + 7);
+      const DeviceBuffer dbias = upload(bias);
+      for (bool with_bias : {false, true}) {
+        const Fp8Run run{d, with_bias ? &dbias : nullptr, true};
+        const auto got = run_fp8(g, x, w, run);
+        const Reference ref{x, w, dots, d, with_bias ? &bias : nullptr};
+        const auto [ratio, at] = worst_error(ref, got, kGemvAcc);
+        EXPECT_LE(ratio, 1.0) << shape_name(m, n, k, d, with_bias) << ": worst at [" << at / n
+                              << ", " << at % n << "]: " << from_half_bits(got[at], d) << " vs "
+                              << ref.value(at);
+        worst = std::max(worst, ratio);
+      }
+    }
+  }
+  std::printf("[fp8 gemv] n=%lld k=%lld: worst |y - ref| / bound %.3f\n", static_cast<long long>(n),
+              static_cast<long long>(k), worst);
+}
+
+TEST(Fp8GemvTest, TracksTheExactProductAtEveryM) {
+  REQUIRE_CUDA_DEVICE();
+  auto g = Fp8Gemm::create(Fp8GemmPath::kAuto, 16, 4096, DType::kBF16, nullptr);
+  ASSERT_TRUE(g) << g.status().to_string();
+  // Tiny, odd (k = 272: lanes past k in the only chunk; n = 48: a CTA with idle warps), several
+  // chunks and K-slices, Llama-3's 8B and 70B-like layers, k = 32768, an lm_head-wide n.
+  const int64_t shapes[][2] = {{16, 16},      {48, 272},     {96, 1040},   {352, 64},
+                               {1024, 4096},  {1024, 14336}, {6144, 4096}, {28672, 4096},
+                               {4096, 14336}, {256, 32768},  {128256, 64}};
+  uint64_t seed = 11;
+  for (const auto& [n, k] : shapes) check_gemv_shape(**g, n, k, seed++);
+}
+
+// The small-m kernel and cuBLASLt (the path create() picked) on the same inputs: each within its
+// bound of the exact sum, so within the two bounds' sum of each other. The kernel is
+// deterministic: a graph replay of the call gives the eager call's bits.
+TEST(Fp8GemvTest, AgreesWithCublasLtAndReplaysBitForBit) {
+  REQUIRE_CUDA_DEVICE();
+  auto g = Fp8Gemm::create(Fp8GemmPath::kAuto, 16, 1 << 15, DType::kBF16, nullptr);
+  ASSERT_TRUE(g) << g.status().to_string();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const int64_t shapes[][2] = {{48, 272}, {1024, 4096}, {6144, 4096}, {4096, 14336}};
+  uint64_t seed = 101;
+  for (const auto& [n, k] : shapes) {
+    const Fp8Operand w = make_operand(n, k, 0.1f, seed++);
+    for (int64_t m = 1; m <= kFp8GemvMaxM; ++m) {
+      const Fp8Operand x = make_operand(m, k, 0.5f, seed++);
+      const Dots dots = exact_dots(x, w);
+      const DType d = m % 2 == 1 ? DType::kBF16 : DType::kF16;
+      const bool with_bias = m >= 3;
+      const std::vector<uint16_t> bias = random_bias(n, d, seed);
+      const DeviceBuffer dbias = upload(bias);
+      const std::string what = shape_name(m, n, k, d, with_bias);
+      const Fp8Run gemv{d, with_bias ? &dbias : nullptr, true};
+      Fp8Run lt = gemv;
+      lt.small_m = false;
+      const auto y_gemv = run_fp8(**g, x, w, gemv), y_lt = run_fp8(**g, x, w, lt);
+      const Reference ref{x, w, dots, d, with_bias ? &bias : nullptr};
+      int64_t same = 0, bad = 0;
+      for (int64_t at = 0; at < m * n; ++at) {
+        const double a = from_half_bits(y_gemv[at], d), b = from_half_bits(y_lt[at], d);
+        same += y_gemv[at] == y_lt[at];
+        bad += std::fabs(a - b) > ref.bound(at, kGemvAcc) + ref.bound(at, kCublasLtAcc);
+      }
+      EXPECT_EQ(bad, 0) << what << ": outputs apart by more than the two bounds";
+      EXPECT_LE(worst_error(ref, y_lt, kCublasLtAcc).first, 1.0) << what << " (cuBLASLt)";
+      std::printf("[fp8 gemv] %s: %.1f%% of the outputs equal cuBLASLt's bit for bit\n",
+                  what.c_str(), 100.0 * static_cast<double>(same) / static_cast<double>(m * n));
+      // The same call captured into a graph and replayed twice.
+      DeviceBuffer out = alloc(static_cast<size_t>(m * n) * 2);
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+      Status st = (*g)->linear(fp8_args(x, w, gemv, out.get()), stream);
+      cudaGraph_t graph = nullptr;
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      ASSERT_TRUE(st.is_ok()) << what << ": " << st.to_string();
+      cudaGraphExec_t exec = nullptr;
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      for (int replay = 0; replay < 2; ++replay) {
+        ASSERT_EQ(cudaMemsetAsync(out.get(), 0xff, out.bytes(), stream), cudaSuccess);
+        ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        EXPECT_EQ(download<uint16_t>(out.get(), static_cast<size_t>(m * n)), y_gemv)
+            << what << ": graph replay " << replay;
+      }
+      EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+      EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    }
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// The time per call of call(i) in microseconds: `calls` calls captured into a graph (after an
+// eager first one: a cuBLASLt shape is planned outside the capture), one warm-up replay, then
+// five timed.
+double time_graph(cudaStream_t stream, int64_t calls, const std::function<Status(int64_t)>& call) {
+  Status first = call(0);
+  EXPECT_TRUE(first.is_ok()) << first.to_string();
+  EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  for (int64_t i = 0; i < calls; ++i) {
+    Status st = call(i);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  EXPECT_EQ(cudaEventCreate(&start), cudaSuccess);
+  EXPECT_EQ(cudaEventCreate(&stop), cudaSuccess);
+  constexpr int kReplays = 5;
+  EXPECT_EQ(cudaEventRecord(start, stream), cudaSuccess);
+  for (int r = 0; r < kReplays; ++r) EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  EXPECT_EQ(cudaEventRecord(stop, stream), cudaSuccess);
+  EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+  float ms = 0;
+  EXPECT_EQ(cudaEventElapsedTime(&ms, start, stop), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(start), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(stop), cudaSuccess);
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  return 1000.0 * ms / static_cast<double>(kReplays * calls);
+}
+
+// Copies of `bytes` at `src` (the first is src itself) so that a graph cycling through them
+// reads ~256 MB, far beyond the L2: the weights come from HBM, as a model's layers do.
+std::vector<const void*> weight_copies(const void* src, uint64_t bytes,
+                                       std::vector<DeviceBuffer>& keep) {
+  const auto copies = std::clamp<uint64_t>(((256ull << 20) + bytes - 1) / bytes, 1, 32);
+  std::vector<const void*> ptrs{src};
+  for (uint64_t c = 1; c < copies; ++c) {
+    keep.push_back(alloc(bytes));
+    EXPECT_EQ(cudaMemcpy(keep.back().get(), src, bytes, cudaMemcpyDeviceToDevice), cudaSuccess);
+    ptrs.push_back(keep.back().get());
+  }
+  return ptrs;
+}
+
+// Llama-3-8B's layers at m = 1 (decode): the small-m kernel, cuBLASLt's FP8 path (on the same
+// Fp8Gemm) and a bf16 GEMM of the same shape, each as GB/s of the weight bytes it reads (n k
+// for FP8, 2 n k for bf16). Asserts only that both FP8 paths meet their bounds here.
+TEST(Fp8GemvTest, DecodeBandwidth) {
+  REQUIRE_CUDA_DEVICE();
+  auto g = Fp8Gemm::create(Fp8GemmPath::kAuto, 16, 1 << 15, DType::kBF16, nullptr);
+  ASSERT_TRUE(g) << g.status().to_string();
+  auto bf16 = Gemm::create();
+  ASSERT_TRUE(bf16) << bf16.status().to_string();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const int64_t shapes[][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+  uint64_t seed = 1001;
+  for (const auto& [n, k] : shapes) {
+    const Fp8Operand w = make_operand(n, k, 0.1f, seed++), x = make_operand(1, k, 0.5f, seed++);
+    const Dots dots = exact_dots(x, w);
+    const Reference ref{x, w, dots, DType::kBF16, nullptr};
+    const std::string what = shape_name(1, n, k, DType::kBF16, false);
+    const Fp8Run gemv{DType::kBF16, nullptr, true}, lt{DType::kBF16, nullptr, false};
+    EXPECT_LE(worst_error(ref, run_fp8(**g, x, w, gemv), kGemvAcc).first, 1.0) << what;
+    EXPECT_LE(worst_error(ref, run_fp8(**g, x, w, lt), kCublasLtAcc).first, 1.0) << what;
+
+    std::vector<DeviceBuffer> keep;
+    const auto fp8_w = weight_copies(w.dq.get(), static_cast<uint64_t>(n * k), keep);
+    DeviceBuffer out = alloc(static_cast<size_t>(n) * 2);
+    auto fp8_call = [&](const Fp8Run& run) {
+      return [&, run](int64_t i) {
+        Fp8GemmArgs a = fp8_args(x, w, run, out.get());
+        a.w = static_cast<const uint8_t*>(fp8_w[static_cast<size_t>(i) % fp8_w.size()]);
+        return (*g)->linear(a, stream);
+      };
+    };
+    const auto calls = std::max<int64_t>(static_cast<int64_t>(fp8_w.size()), 20);
+    const double us_gemv = time_graph(stream, calls, fp8_call(gemv));
+    const double us_lt = time_graph(stream, calls, fp8_call(lt));
+
+    DeviceBuffer wb = alloc(static_cast<size_t>(n * k) * 2), xb = alloc(static_cast<size_t>(k) * 2);
+    ASSERT_EQ(cudaMemset(wb.get(), 0, wb.bytes()), cudaSuccess);
+    ASSERT_EQ(cudaMemset(xb.get(), 0, xb.bytes()), cudaSuccess);
+    const auto bf16_w = weight_copies(wb.get(), static_cast<uint64_t>(n * k) * 2, keep);
+    const GemmShape shape{1, n, k, DType::kBF16, DType::kBF16, false};
+    const double us_bf16 = time_graph(
+        stream, std::max<int64_t>(static_cast<int64_t>(bf16_w.size()), 20), [&](int64_t i) {
+          return (*bf16)->linear(shape, xb.get(), bf16_w[static_cast<size_t>(i) % bf16_w.size()],
+                                 nullptr, out.get(), stream);
+        });
+    const double bytes = static_cast<double>(n * k);
+    std::printf(
+        "[fp8 gemv] m=1 [%6lld x %6lld]: gemv %7.2f us %7.1f GB/s | cuBLASLt fp8 (%s) %7.2f us "
+        "%7.1f GB/s | bf16 %7.2f us %7.1f GB/s | gemv %.2fx cuBLASLt fp8, %.2fx bf16\n",
+        static_cast<long long>(n), static_cast<long long>(k), us_gemv, bytes / us_gemv / 1e3,
+        fp8_gemm_path_name((*g)->path()), us_lt, bytes / us_lt / 1e3, us_bf16,
+        2 * bytes / us_bf16 / 1e3, us_lt / us_gemv, us_bf16 / us_gemv);
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 }  // namespace

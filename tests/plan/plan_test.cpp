@@ -705,10 +705,64 @@ TEST(PlacementTest, BusyGpusAreSkipped) {
                        "-tp 4 -pp 1 needs 4 GPUs but the cluster has 2 free (node-a: 2 of 8 "
                        "free (busy: gpu0 gpu1 gpu2 gpu3 gpu4 gpu5))"))
       << full.status().message();
+  // Short of GPUs, the message says how ranks can share them.
+  EXPECT_TRUE(contains(full.status().message(), "--collectives ipc")) << full.status().message();
   // Dead nodes do not count.
   nodes.push_back(make_node("gone", 8, 80 * kGiB, nv18));
   nodes.back().node.alive = false;
   EXPECT_FALSE(place_ranks(4, 1, nodes));
+}
+
+// -tp 2 on a one-GPU machine (a tutorial's line on a workstation): the error names the way to
+// run it anyway, two ranks on the one GPU through CUDA IPC.
+TEST(PlacementTest, TooFewGpusNamesTheWayToShareOne) {
+  auto p = place_ranks(2, 1, {make_node("box", 1, 80 * kGiB, nv18)});
+  ASSERT_FALSE(p);
+  EXPECT_EQ(p.status().code(), Code::kResourceExhausted);
+  const std::string m = p.status().message();
+  EXPECT_TRUE(contains(m, "-tp 2 -pp 1 needs 2 GPUs but the cluster has 1 free (box: 1 of 1 free)"))
+      << m;
+  EXPECT_TRUE(contains(m, "--collectives ipc (ranks share a GPU through CUDA IPC")) << m;
+  // The planner passes it on.
+  EngineSpec spec = model_spec();
+  spec.tensor_parallel_size = ParallelSize{2};
+  auto cp = plan_on_cluster(llama3_8b(), spec, {make_node("box", 1, 80 * kGiB, nv18)});
+  ASSERT_FALSE(cp);
+  EXPECT_TRUE(contains(cp.status().message(), "--collectives ipc")) << cp.status().message();
+  // CPU ranks are not short of GPUs.
+  spec.device = Device::kCpu;
+  EXPECT_TRUE(plan_on_cluster(llama3_8b(), spec, {make_node("box", 1, 80 * kGiB, nv18)}));
+}
+
+// --dtype half / float16 / bfloat16 on CPU ranks: they compute in float32, and the plan says so
+// (the driver logs its warnings) rather than run float32 silently.
+TEST(PlacementTest, AHalfDtypeOnCpuRanksSaysTheyComputeInFloat32) {
+  const std::vector<ClusterNode> cpu = synthetic_nodes(1, 0, 0);
+  for (const std::string dtype : {"half", "float16", "bfloat16"}) {
+    EngineSpec spec = model_spec();
+    spec.dtype = dtype;
+    auto cp = plan_on_cluster(llama3_8b(), spec, cpu);
+    ASSERT_TRUE(cp) << cp.status().message();
+    ASSERT_EQ(cp->warnings.size(), 1u) << dtype;
+    EXPECT_EQ(
+        cp->warnings[0].rfind("--dtype " + dtype + ": the CPU backend computes in float32", 0), 0u)
+        << cp->warnings[0];
+    EXPECT_TRUE(contains(render_cluster_plan(llama3_8b(), *cp), "warning: --dtype " + dtype))
+        << dtype;
+  }
+  // No note where the dtype is what runs: float32 or auto on the CPU, half on a GPU.
+  for (const std::string dtype : {"float32", "auto"}) {
+    EngineSpec spec = model_spec();
+    spec.dtype = dtype;
+    auto cp = plan_on_cluster(llama3_8b(), spec, cpu);
+    ASSERT_TRUE(cp) << cp.status().message();
+    EXPECT_TRUE(cp->warnings.empty()) << dtype << ": " << cp->warnings[0];
+  }
+  EngineSpec gpu = model_spec();
+  gpu.dtype = "half";
+  auto cp = plan_on_cluster(llama3_8b(), gpu, synthetic_nodes(1, 1, 80 * kGiB));
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_TRUE(cp->warnings.empty()) << cp->warnings[0];
 }
 
 TEST(PlacementTest, CpuOnlyClusterSpreadsStagesAndKeepsTpGroupsTogether) {
@@ -897,10 +951,31 @@ TEST(FlagsTest, ShortSpellingsAreRewritten) {
   EXPECT_STREQ(fixed.argv()[8], "-tp");  // after "--": left alone
 }
 
+// vLLM's positional model: the first word after a model command becomes --model, after
+// tessera's own flags too; other commands and a --model given as a flag are left alone.
+TEST(FlagsTest, APositionalModelBecomesTheModelFlag) {
+  using Args = std::vector<std::string>;
+  EXPECT_EQ(positional_model_argv({"tessera", "serve", "/m", "-tp", "2"}),
+            (Args{"tessera", "serve", "--model", "/m", "-tp", "2"}));
+  EXPECT_EQ(positional_model_argv({"tessera", "--log-level", "info", "generate", "/m"}),
+            (Args{"tessera", "--log-level", "info", "generate", "--model", "/m"}));
+  EXPECT_EQ(positional_model_argv({"tessera", "--log-level=info", "plan", "/m"}),
+            (Args{"tessera", "--log-level=info", "plan", "--model", "/m"}));
+  EXPECT_EQ(positional_model_argv({"tessera", "bench", "latency", "/m", "--batch-size", "1"}),
+            (Args{"tessera", "bench", "latency", "--model", "/m", "--batch-size", "1"}));
+  for (const Args& same :
+       {Args{"tessera", "serve", "--model", "/m"}, Args{"tessera", "serve"},
+        Args{"tessera", "bench", "serve", "--model", "tiny"}, Args{"tessera", "bench", "latency"},
+        Args{"tessera", "status"}, Args{"tessera", "make-model", "--out", "x"}}) {
+    EXPECT_EQ(positional_model_argv(same), same) << same[1];
+  }
+}
+
 // Parses `args` (after "x plan") into a fresh spec through the flags every model command has.
 struct Parsed {
   EngineSpec spec;
   std::string error;  // CLI11's message when the flags were refused
+  std::string trust_note;  // trust_remote_code_note of the parsed command line
 };
 Parsed parse_model_flags(std::vector<const char*> args) {
   CLI::App app;
@@ -914,7 +989,28 @@ Parsed parse_model_flags(std::vector<const char*> args) {
   } catch (const CLI::ParseError& e) {
     out.error = e.what();
   }
+  out.trust_note = trust_remote_code_note(app);
   return out;
+}
+
+// The model flags of a vLLM tutorial's line, --trust-remote-code among them: taken, and the
+// one that changes nothing here gets its note.
+TEST(FlagsTest, TheTutorialsModelFlagsAreTaken) {
+  Parsed p = parse_model_flags({"--tensor-parallel-size", "4", "--dtype", "half",
+                                "--gpu-memory-utilization", "0.9", "--max-model-len", "32768",
+                                "--quantization", "awq", "--trust-remote-code"});
+  ASSERT_EQ(p.error, "");
+  EXPECT_EQ(p.spec.tp(), 4);
+  EXPECT_EQ(p.spec.dtype, "half");
+  EXPECT_EQ(p.spec.max_model_len, 32768);
+  EXPECT_EQ(p.spec.quantization, QuantMethod::kAwq);
+  EXPECT_TRUE(validate(p.spec));
+  EXPECT_EQ(p.trust_note.rfind("--trust-remote-code: Tessera executes no code from the model "
+                               "directory",
+                               0),
+            0u)
+      << p.trust_note;
+  EXPECT_EQ(parse_model_flags({"-tp", "4"}).trust_note, "");
 }
 
 TEST(FlagsTest, ParallelSizesAreParsedAtTheFlag) {

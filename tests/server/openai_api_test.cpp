@@ -311,6 +311,34 @@ TEST_F(OpenAIApiTest, ToolsGoThroughTheTemplateAndAutoNeedsTheParser) {
   EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls");
 }
 
+// The template sees the request's objects with the client's key order, as vLLM and transformers
+// render them (json.loads keeps it): a tool schema printed with tojson is the model's prompt, and
+// models are trained on {"type": "function", "function": ...}, not on sorted keys.
+TEST_F(OpenAIApiTest, TheTemplateSeesTheClientsKeyOrder) {
+  auto printer = chat::ChatTemplate::parse(
+      "{{ tools | tojson }}\n{{ messages | tojson }}\n{{ options | tojson }}", "", "");
+  ASSERT_TRUE(printer) << printer.status().to_string();
+  ServedModel m = model();
+  m.info.max_model_len = 4096;
+  m.chat_template = &*printer;
+  m.tool_call_parser = "hermes";
+  const std::string tools =
+      R"([{"type": "function", "function": {"name": "get_weather", "description": "d", )"
+      R"("parameters": {"type": "object", "properties": {"b": {"type": "string"}, )"
+      R"("a": {"type": "integer"}}, "required": ["b"]}}}])";
+  const std::string messages = R"([{"role": "user", "content": "Hi", "name": "zed"}])";
+  const std::string options = R"({"zeta": 1, "alpha": {"y": 2, "x": 3}})";
+  // The body as the server reads it: parsed from the client's text.
+  const auto body =
+      nlohmann::ordered_json::parse(R"({"messages": )" + messages + R"(, "tools": )" + tools +
+                                    R"(, "chat_template_kwargs": {"options": )" + options + "}}");
+  ApiRequest r;
+  auto e = parse_request(body, /*chat=*/true, m, r);
+  ASSERT_FALSE(e) << e->message;
+  ASSERT_EQ(r.prompt_texts.size(), 1u);
+  EXPECT_EQ(r.prompt_texts[0], tools + "\n" + messages + "\n" + options);
+}
+
 TEST_F(OpenAIApiTest, ChatRendersTheTemplateAndTextParts) {
   ApiRequest a, b;
   ASSERT_FALSE(parse({{"messages", {{{"role", "user"}, {"content", "Hi there"}}}}}, a, true));

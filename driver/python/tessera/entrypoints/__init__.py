@@ -1,0 +1,1 @@
+"""Entry points kept under vLLM's module names."""
