@@ -803,6 +803,14 @@ TEST(W4LinearTest, DecodeBandwidth) {
                   : w4_decode_kernel(out, in, m) == W4DecodeKernel::kFused ? "fused"
                                                                            : "dequantize + gemm");
     }
+    // The prefill path's first half alone: the dequantize kernel's bytes (int4 in, bf16 out).
+    DeviceBuffer wd = device_alloc(static_cast<size_t>(out * in) * 2, "dequantized weight");
+    const double dq_us = time_calls([&](int64_t i) {
+      return w4_dequantize(layers[static_cast<size_t>(i % copies)], wd.get(), stream);
+    });
+    std::printf("w4_dequantize  [%6lld x %6lld]: %8.2f us, %7.1f GB/s\n",
+                static_cast<long long>(out), static_cast<long long>(in), dq_us,
+                static_cast<double>(out * in / 2 + out * in * 2) / dq_us / 1e3);
     // The prefill path's cost beside a bf16 layer's GEMM alone (the same cuBLASLt call; one
     // weight, so a layer under 60 MB is read from L2 there).
     DeviceBuffer wb = device_alloc(static_cast<size_t>(out * in) * 2, "bf16 weight");
