@@ -278,20 +278,22 @@ __global__ void __launch_bounds__(kThreads)
     for (int p = 0; p < 4; ++p) {
       const int row = warp * 16 + r + 8 * (p & 1);
       const int k = step * 16 + c + 8 * (p >> 1);
-      memcpy(&tile_w[row * kDequantPitch + k], &a[p], 4);
+      // k even: a 4-byte aligned pair. Typed stores, not memcpy through a T*: nvcc splits a
+      // memcpy it cannot prove aligned into 2-byte (or byte) stores.
+      *reinterpret_cast<uint32_t*>(&tile_w[row * kDequantPitch + k]) = a[p];
     }
   }
   __syncthreads();
   T* w_tile = w + static_cast<int64_t>(tile) * kTile * in + static_cast<int64_t>(kit) * kTile;
   if (perm == nullptr) {
-    // 512 pieces of 16 bytes: 8 threads write one row's 128 bytes.
+    // 512 pieces of 16 bytes: 8 threads write one row's 128 bytes (16-byte aligned: w is, in is
+    // a multiple of 64, col of 8).
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int piece = static_cast<int>(threadIdx.x) + kThreads * i;
       const int row = piece >> 3, col = (piece & 7) * 8;
-      uint4 v;
-      memcpy(&v, &tile_w[row * kDequantPitch + col], 16);
-      memcpy(w_tile + static_cast<int64_t>(row) * in + col, &v, 16);
+      const uint4 v = *reinterpret_cast<const uint4*>(&tile_w[row * kDequantPitch + col]);
+      *reinterpret_cast<uint4*>(w_tile + static_cast<int64_t>(row) * in + col) = v;
     }
   } else {
     const int32_t* unit_perm = perm + kit * kTile;
