@@ -231,6 +231,12 @@ Status run_report(const BenchReportOptions& o) {
   std::mt19937_64 rng(o.seed);
   const int64_t params = matmul_parameters(c);
   const size_t es = m.dtype == "F32" ? 4 : 2;
+  // The bytes a batch-1 decode step reads at least: the weights as stored (quantized layers at
+  // their packed size, scales included), less the embedding table, of which it reads one row
+  // (unless lm_head is that table). Unquantized, this is the matmul parameters x es.
+  const uint64_t embedding_bytes =
+      c.tie_word_embeddings ? 0 : static_cast<uint64_t>(c.vocab_size * c.hidden_size) * es;
+  const uint64_t decode_bytes = m.weight_bytes - std::min(m.weight_bytes, embedding_bytes);
   nlohmann::json scenarios = nlohmann::json::object();
   text.say("%s on %s (%s backend, %s), loaded in %.1f s\n", m.architecture.c_str(),
            m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
@@ -328,7 +334,7 @@ Status run_report(const BenchReportOptions& o) {
             {"detokenize", false},
             {"weight_bytes", m.weight_bytes},
             {"matmul_parameters", params},
-            {"decode_bytes_per_token", static_cast<uint64_t>(params) * es},
+            {"decode_bytes_per_token", decode_bytes},
             {"kv_blocks", m.kv_blocks},
             {"load_seconds", session->load_seconds()},
             {"scenarios", scenarios}});
