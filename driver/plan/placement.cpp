@@ -319,8 +319,11 @@ void describe_groups(Placement& pl, int64_t tp, int64_t pp, const std::vector<Cl
   }
 }
 
+// CPU ranks: the nodes with the fewest running actors first (a second replica of a model goes
+// to another node), then the most CPUs.
 Placement place_cpu(int64_t tp, int64_t pp, std::vector<const ClusterNode*> alive) {
   std::stable_sort(alive.begin(), alive.end(), [](const ClusterNode* a, const ClusterNode* b) {
+    if (a->actors != b->actors) return a->actors < b->actors;
     return a->node.resources.cpus > b->node.resources.cpus;
   });
   Placement pl;

@@ -33,6 +33,7 @@ namespace tessera {
 struct ClusterNode {
   NodeView node;                    // as the head reports it; nodes not alive are skipped
   std::vector<uint32_t> busy_gpus;  // GpuDevice::index values taken by running actors
+  size_t actors = 0;                // running actors: CPU ranks go to the nodes with fewest
 };
 
 // "node-a": the node's name, or its id when it has none.

@@ -146,6 +146,8 @@ ParallelFlagArgv::ParallelFlagArgv(int argc, const char* const* argv) {
         a = "--tensor-parallel-size" + a.substr(3);
       } else if (a == "-pp" || a.rfind("-pp=", 0) == 0) {
         a = "--pipeline-parallel-size" + a.substr(3);
+      } else if (a == "-dp" || a.rfind("-dp=", 0) == 0) {
+        a = "--data-parallel-size" + a.substr(3);
       }
     }
     args_.push_back(std::move(a));
@@ -162,6 +164,7 @@ std::vector<ClusterNode> cluster_nodes(const ClusterStatus& status) {
     ClusterNode n{ns.node, {}};
     for (const ActorView& a : ns.actors) {
       if (a.state == "dead") continue;
+      ++n.actors;
       for (uint32_t g : a.gpus) {
         if (std::find(n.busy_gpus.begin(), n.busy_gpus.end(), g) == n.busy_gpus.end()) {
           n.busy_gpus.push_back(g);

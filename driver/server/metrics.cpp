@@ -84,3 +84,47 @@ std::string prometheus(const Metrics& m, const EngineStats& s, const std::string
 }
 
 }  // namespace tessera::server
+
+namespace tessera::server {
+
+std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const std::string& model) {
+  if (replicas.size() < 2) return "";
+  std::ostringstream o;
+  struct Series {
+    const char* name;
+    const char* type;
+    const char* help;
+    double (*value)(const ReplicaView&);
+  };
+  static const Series kSeries[] = {
+      {"tessera:replica_healthy", "gauge", "1 while the replica takes requests",
+       [](const ReplicaView& r) { return r.healthy ? 1.0 : 0.0; }},
+      {"tessera:replica_requests_routed", "counter", "Requests the router sent to the replica",
+       [](const ReplicaView& r) { return static_cast<double>(r.routed); }},
+      {"tessera:replica_requests_outstanding", "gauge", "Routed to it and not finished",
+       [](const ReplicaView& r) { return static_cast<double>(r.outstanding); }},
+      {"tessera:replica_prefix_matched_tokens", "counter",
+       "Prompt tokens the router found in the replica's mirrored prefix cache",
+       [](const ReplicaView& r) { return static_cast<double>(r.prefix_matched_tokens); }},
+      {"tessera:replica_num_requests_running", "gauge", "Requests running in the replica",
+       [](const ReplicaView& r) { return static_cast<double>(r.stats.running); }},
+      {"tessera:replica_num_requests_waiting", "gauge", "Requests waiting in the replica",
+       [](const ReplicaView& r) { return static_cast<double>(r.stats.waiting); }},
+      {"tessera:replica_kv_cache_usage_perc", "gauge", "The replica's KV cache usage (0-1)",
+       [](const ReplicaView& r) { return r.stats.kv_cache_usage; }},
+      {"tessera:replica_prefix_cache_hits", "counter", "Prompt tokens found in its prefix cache",
+       [](const ReplicaView& r) { return static_cast<double>(r.stats.prefix_cache_hits); }},
+      {"tessera:replica_prefix_cache_queries", "counter", "Prompt tokens looked up in it",
+       [](const ReplicaView& r) { return static_cast<double>(r.stats.prefix_cache_queries); }},
+  };
+  for (const Series& s : kSeries) {
+    o << "# HELP " << s.name << ' ' << s.help << "\n# TYPE " << s.name << ' ' << s.type << '\n';
+    for (size_t i = 0; i < replicas.size(); ++i) {
+      o << s.name << "{model_name=\"" << model << "\",replica=\"" << i << "\"} "
+        << s.value(replicas[i]) << '\n';
+    }
+  }
+  return o.str();
+}
+
+}  // namespace tessera::server

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "driver/engine/engine.h"
+#include "driver/server/replica_set.h"
 
 namespace tessera::server {
 
@@ -34,6 +35,10 @@ struct Metrics {
 
 // The Prometheus text exposition (version 0.0.4) of `m` and `s`, labelled with `model`.
 std::string prometheus(const Metrics& m, const EngineStats& s, const std::string& model);
+
+// With more than one replica (-dp): each replica's state, routed requests, load, prefix matches
+// and engine gauges, labelled replica="i" (tessera: names; vLLM has no per-replica metrics).
+std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const std::string& model);
 
 // One server-sent event carrying `data` ("data: ...\n\n").
 std::string sse_event(const std::string& data);

@@ -45,6 +45,7 @@
 #include "driver/server/async_engine.h"
 #include "driver/server/metrics.h"
 #include "driver/server/openai_api.h"
+#include "driver/server/replica_set.h"
 #include "driver/server/response_writer.h"
 
 namespace tessera::server {
@@ -83,6 +84,31 @@ CLI::App* add_serve_subcommand(CLI::App& app, ServeOptions& o) {
   cmd->add_option("--timeout-keep-alive", o.timeout_keep_alive,
                   "Seconds before an idle connection, or one still sending its request header, "
                   "is closed (5)");
+  cmd->add_option_function<std::string>(
+         "--data-parallel-size",
+         [&o](const std::string& text) {
+           auto size = ParallelSize::parse(text, "-dp/--data-parallel-size");
+           if (!size) throw CLI::ValidationError(size.status().message());
+           if (size->is_auto()) {
+             throw CLI::ValidationError(
+                 "-dp/--data-parallel-size auto is not supported yet: give a number");
+           }
+           const int64_t n = size->ranks;
+           o.replicas.data_parallel_size = n;
+         },
+         "-dp: replicas of the model's T x P plan behind this endpoint, each with its own "
+         "scheduler and KV cache (1)")
+      ->type_name("N");
+  cmd->add_option_function<std::string>(
+         "--router",
+         [&o](const std::string& text) {
+           auto policy = parse_router_policy(text);
+           if (!policy) throw CLI::ValidationError(policy.status().message());
+           o.replicas.router = *policy;
+         },
+         "With -dp: round_robin | least_load | prefix (the replica holding the longest cached "
+         "prefix of the prompt unless it is much busier; the default)")
+      ->type_name("POLICY");
   cmd->footer("Example: tessera serve /models/Llama-3.1-8B-Instruct -tp 2 --port 8000");
   return cmd;
 }
@@ -270,7 +296,7 @@ struct Prepared {
 
 class Server {
  public:
-  Server(asio::io_context& ioc, AsyncEngine& engine, ServedModel model, const ServeOptions& o)
+  Server(asio::io_context& ioc, ReplicaSet& engine, ServedModel model, const ServeOptions& o)
       : ioc_(ioc),
         engine_(engine),
         model_(std::move(model)),
@@ -545,7 +571,8 @@ class Server {
       }
       case Route::kMetrics:
         co_return co_await send(c, http::status::ok,
-                                prometheus(metrics_, engine_.stats(), model_.names.front()),
+                                prometheus(metrics_, engine_.stats(), model_.names.front()) +
+                                    replica_prometheus(engine_.replicas(), model_.names.front()),
                                 "text/plain; version=0.0.4", keep_alive);
       default:
         co_return co_await send_json(c, models_response(model_), keep_alive);
@@ -807,7 +834,7 @@ class Server {
   }
 
   asio::io_context& ioc_;
-  AsyncEngine& engine_;
+  ReplicaSet& engine_;
   const ServedModel model_;
   const std::string api_key_;
   const uint64_t max_request_bytes_;
@@ -898,7 +925,7 @@ int serve_command(const ServeOptions& options) {
     }
   }
 
-  auto engine = AsyncEngine::start(o.engine, "tessera serve");
+  auto engine = ReplicaSet::start(o.engine, o.replicas, "tessera serve");
   if (!engine) return fail(engine.status());
   const ModelSession& session = (*engine)->session();
 

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "driver/model_session.h"
+#include "driver/server/replica_set.h"
 
 namespace CLI {
 class App;
@@ -49,6 +50,7 @@ struct ServeOptions {
   double timeout_keep_alive = 5.0;
   bool enable_auto_tool_choice = false;  // with tool_call_parser: tool calls become tool_calls
   std::string tool_call_parser;          // hermes
+  ReplicaOptions replicas;               // -dp, --router
 };
 
 // Adds `serve` with its flags to `app`.

@@ -397,6 +397,118 @@ TEST_F(ServeTest, ManyConcurrentStreamsGetWhatOneAtATimeGets) {
   for (int i = 0; i < n; ++i) EXPECT_EQ(together[i], alone[i]) << "request " << i;
 }
 
+// Each replica's value of a per-replica metric (tessera:replica_..., -dp).
+std::vector<double> replica_metric(const Server& server, const std::string& name, size_t n) {
+  std::vector<double> out(n, -1);
+  std::istringstream lines(server.call("GET", "/metrics").body);
+  static const std::regex sample("\\{model_name=\"[^\"]*\",replica=\"([0-9]+)\"\\} (.*)");
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (line.rfind(name + "{", 0) != 0) continue;
+    const std::string rest = line.substr(name.size());
+    if (std::regex_match(rest, m, sample) && std::stoul(m[1]) < n) {
+      out[std::stoul(m[1])] = std::stod(m[2]);
+    }
+  }
+  return out;
+}
+
+// Two replicas behind one endpoint (-dp 2, CPU actors on the local node): the same answers as
+// one, an idle-start burst spread (neither takes more than 60%), the repeats of a prefix routed
+// to the replica that holds it (--router prefix), and round robin alternating.
+TEST_F(ServeTest, TwoReplicasShareTheLoadAndKeepPrefixesTogether) {
+  Server dp(model_, root_, {"-dp", "2", "--router", "prefix", "--max-model-len", "512"});
+  ASSERT_GT(dp.port(), 0) << dp.process().err();
+  EXPECT_NE(dp.process().err().find("2 replicas behind one endpoint, router prefix"),
+            std::string::npos);
+  auto body = [](const std::string& prompt) {
+    return json{{"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}};
+  };
+  // Same greedy answers as the single-replica server.
+  for (const char* p : {"The capital of France is", "Once upon a time"}) {
+    Reply one = server_->post("/v1/completions", body(p));
+    Reply two = dp.post("/v1/completions", body(p), "");
+    ASSERT_EQ(two.status, 200) << two.body;
+    EXPECT_EQ(two.j()["choices"][0]["text"], one.j()["choices"][0]["text"]) << p;
+  }
+  // A burst of 20 distinct prompts at once.
+  const std::vector<double> before = replica_metric(dp, "tessera:replica_requests_routed", 2);
+  std::vector<std::thread> burst;
+  std::vector<int> status(20, 0);
+  for (int i = 0; i < 20; ++i) {
+    burst.emplace_back([&, i] {
+      status[i] = dp.post("/v1/completions",
+                          body("Burst request " + std::to_string(i) + " asks about topic " +
+                               std::to_string(i * 7)),
+                          "")
+                      .status;
+    });
+  }
+  for (auto& t : burst) t.join();
+  EXPECT_EQ(std::count(status.begin(), status.end(), 200), 20);
+  const std::vector<double> after = replica_metric(dp, "tessera:replica_requests_routed", 2);
+  const double a = after[0] - before[0], b = after[1] - before[1];
+  EXPECT_EQ(a + b, 20);
+  EXPECT_LE(std::max(a, b), 12) << a << " / " << b;
+  // Three long shared prefixes, each asked four times in turn: every repeat goes where the
+  // first went, and finds its prefix there.
+  std::vector<std::string> prefixes;
+  for (int k = 0; k < 3; ++k) {
+    std::string p = "System prompt " + std::to_string(k) + ": ";
+    for (int i = 0; i < 8; ++i) p += "rule " + std::to_string(k * 10 + i) + " is to help. ";
+    prefixes.push_back(p);
+  }
+  std::vector<int> home(3, -1);
+  for (int user = 0; user < 4; ++user) {
+    for (int k = 0; k < 3; ++k) {
+      const std::vector<double> was = replica_metric(dp, "tessera:replica_requests_routed", 2);
+      Reply r = dp.post("/v1/completions",
+                        body(prefixes[k] + "User " + std::to_string(user) + " asks"), "");
+      ASSERT_EQ(r.status, 200) << r.body;
+      const std::vector<double> now = replica_metric(dp, "tessera:replica_requests_routed", 2);
+      const int went = now[0] > was[0] ? 0 : 1;
+      if (user == 0) {
+        home[k] = went;
+      } else {
+        EXPECT_EQ(went, home[k]) << "prefix " << k << " user " << user;
+        EXPECT_GT(r.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 32);
+      }
+    }
+  }
+  const std::vector<double> matched =
+      replica_metric(dp, "tessera:replica_prefix_matched_tokens", 2);
+  EXPECT_GT(matched[0] + matched[1], 9 * 32);
+  EXPECT_EQ(replica_metric(dp, "tessera:replica_healthy", 2), (std::vector<double>{1, 1}));
+}
+
+TEST_F(ServeTest, RoundRobinAlternatesAndBadDataParallelSizesAreRefused) {
+  Server rr(model_, root_,
+            {"--data-parallel-size", "2", "--router", "round_robin", "--max-model-len", "512"});
+  ASSERT_GT(rr.port(), 0) << rr.process().err();
+  std::vector<int> went;
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<double> was = replica_metric(rr, "tessera:replica_requests_routed", 2);
+    Reply r = rr.post(
+        "/v1/completions",
+        json{{"prompt", "Same prompt every time, a long one to share blocks"}, {"max_tokens", 2}},
+        "");
+    ASSERT_EQ(r.status, 200) << r.body;
+    const std::vector<double> now = replica_metric(rr, "tessera:replica_requests_routed", 2);
+    went.push_back(now[0] > was[0] ? 0 : 1);
+  }
+  EXPECT_EQ(went, (std::vector<int>{0, 1, 0, 1}));
+  for (std::vector<std::string> bad :
+       {std::vector<std::string>{"-dp", "0"}, std::vector<std::string>{"-dp", "two"},
+        std::vector<std::string>{"-dp", "2", "--router", "random"}}) {
+    std::vector<std::string> argv = {bin("tessera"), "serve", model_, "--device", "cpu"};
+    argv.insert(argv.end(), bad.begin(), bad.end());
+    CommandResult r = run_command(argv, 30s);
+    EXPECT_EQ(r.exit_code, 2) << bad[1];
+    EXPECT_NE(r.err.find(bad.size() == 2 ? "data-parallel-size" : "--router"), std::string::npos)
+        << r.err;
+  }
+}
+
 TEST_F(ServeTest, AClientThatGoesAwayIsAbortedAndItsBlocksFreed) {
   const double generated_before = server_->metric("vllm:generation_tokens_total");
   const int fd = connect_local(server_->port());

@@ -1,0 +1,95 @@
+// The engines behind one endpoint: `tessera serve -dp N` runs N replicas of the model's T x P
+// plan, each an AsyncEngine (its own worker group, scheduler and KV cache), and a Router picks
+// the replica of each request (router.h). One replica is the plain server.
+//
+// Placement: the replicas are started one after another on one cluster (the --address one, else
+// a local node started here for all of them), so each plan sees the GPUs the ones before hold
+// as busy and CPU replicas go to the nodes with the fewest actors: replicas spread over GPUs
+// and nodes. Loading is therefore sequential for now.
+//
+// Each replica recovers from its own actors' deaths (async_engine.h); while one is unhealthy
+// the router skips it, and the service is healthy while any replica is.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "driver/local_node.h"
+#include "driver/server/async_engine.h"
+#include "driver/server/router.h"
+
+namespace tessera::server {
+
+// -dp and --router, as `serve` takes them.
+struct ReplicaOptions {
+  int64_t data_parallel_size = 1;  // replicas, >= 1
+  RouterPolicy router = RouterPolicy::kPrefix;
+};
+
+// One replica as /metrics shows it.
+struct ReplicaView {
+  bool healthy = false;
+  std::string unhealthy_reason;
+  uint64_t routed = 0;                 // requests routed to it since start
+  uint64_t outstanding = 0;            // of which not finished
+  uint64_t prefix_matched_tokens = 0;  // prompt tokens the router found in its mirror
+  EngineStats stats;
+};
+
+class ReplicaSet {
+ public:
+  // Starts the replicas (one after another; the first failure stops and is returned, naming
+  // the replica). INVALID_ARGUMENT for a data_parallel_size < 1.
+  static Expected<std::unique_ptr<ReplicaSet>> start(const EngineArgs& args,
+                                                     const ReplicaOptions& options,
+                                                     const std::string& owner);
+  // Stops every replica (their unfinished requests end with kAbort), then the local node.
+  ~ReplicaSet();
+
+  // Routes the request and queues it there; its outputs go to `sink`. UNAVAILABLE naming the
+  // replicas when none is healthy.
+  Expected<uint64_t> add(Request request, AsyncEngine::Sink sink);
+  // Ends a request (its client went away); unknown or finished ids are ignored.
+  void abort(uint64_t id);
+
+  bool healthy() const;
+  // Each unhealthy replica and why ("replica 1: ...; replica 2: ...").
+  std::string unhealthy_reason() const;
+  // The replicas' stats summed (counters and gauges; kv_cache_usage over all their blocks).
+  EngineStats stats() const;
+  std::vector<ReplicaView> replicas() const;
+  size_t size() const { return engines_.size(); }
+  RouterPolicy policy() const { return router_.policy(); }
+
+  // Replica 0's session and model (they are the same model, tokenizer and plan shape).
+  const ModelSession& session() const { return engines_.front()->session(); }
+  const ModelInfo& loaded() const { return engines_.front()->loaded(); }
+  double load_seconds() const { return load_seconds_; }
+
+ private:
+  ReplicaSet(RouterPolicy policy, size_t replicas, const ModelInfo& model);
+
+  struct Routed {
+    size_t replica = 0;
+    uint64_t engine_id = 0;
+    uint64_t prompt_tokens = 0;
+    bool started = false;  // it produced an output
+  };
+
+  std::unique_ptr<LocalNode> local_;  // the node all replicas share, when there is no --address
+  std::vector<std::unique_ptr<AsyncEngine>> engines_;
+  double load_seconds_ = 0;
+
+  mutable std::mutex mu_;  // the router, the loads and the routed requests
+  Router router_;
+  std::vector<ReplicaLoad> load_;
+  std::vector<uint64_t> routed_count_, matched_tokens_;
+  std::unordered_map<uint64_t, Routed> routed_;  // by our id
+  uint64_t next_id_ = 1;
+};
+
+}  // namespace tessera::server
