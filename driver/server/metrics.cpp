@@ -1,5 +1,7 @@
 #include "driver/server/metrics.h"
 
+#include "driver/server/replica_set.h"
+
 #include <sstream>
 
 namespace tessera::server {
@@ -87,9 +89,25 @@ std::string prometheus(const Metrics& m, const EngineStats& s, const std::string
 
 namespace tessera::server {
 
-std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const std::string& model) {
+std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const Histogram& routing,
+                               const std::string& model) {
   if (replicas.size() < 2) return "";
   std::ostringstream o;
+  {
+    const char* name = "tessera:router_decision_seconds";
+    o << "# HELP " << name << " Time the router takes to pick a replica\n# TYPE " << name
+      << " histogram\n";
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < routing.bounds.size(); ++i) {
+      cumulative += routing.counts[i];
+      o << name << "_bucket{le=\"" << routing.bounds[i] << "\",model_name=\"" << model << "\"} "
+        << cumulative << '\n';
+    }
+    cumulative += routing.counts.back();
+    o << name << "_bucket{le=\"+Inf\",model_name=\"" << model << "\"} " << cumulative << '\n';
+    o << name << "_sum{model_name=\"" << model << "\"} " << routing.sum << '\n';
+    o << name << "_count{model_name=\"" << model << "\"} " << routing.count << '\n';
+  }
   struct Series {
     const char* name;
     const char* type;

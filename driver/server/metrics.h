@@ -8,9 +8,10 @@
 #include <vector>
 
 #include "driver/engine/engine.h"
-#include "driver/server/replica_set.h"
 
 namespace tessera::server {
+
+struct ReplicaView;  // replica_set.h
 
 struct Histogram {
   std::vector<double> bounds;    // upper bounds, ascending
@@ -38,7 +39,9 @@ std::string prometheus(const Metrics& m, const EngineStats& s, const std::string
 
 // With more than one replica (-dp): each replica's state, routed requests, load, prefix matches
 // and engine gauges, labelled replica="i" (tessera: names; vLLM has no per-replica metrics).
-std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const std::string& model);
+// `routing`: the router's decision times, in seconds.
+std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const Histogram& routing,
+                               const std::string& model);
 
 // One server-sent event carrying `data` ("data: ...\n\n").
 std::string sse_event(const std::string& data);

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <utility>
 
 namespace tessera::server {
@@ -63,7 +64,9 @@ Expected<uint64_t> ReplicaSet::add(Request request, AsyncEngine::Sink sink) {
   std::unique_lock lock(mu_);
   for (size_t i = 0; i < engines_.size(); ++i) load_[i].routable = engines_[i]->healthy();
   if (engines_.size() == 1) load_[0].routable = true;  // its own add() says why it refuses
+  const auto t0 = std::chrono::steady_clock::now();
   auto decision = router_.route(request.prompt(), load_);
+  routing_.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   if (!decision) {
     lock.unlock();
     return unavailable("no healthy replica: " + unhealthy_reason());
@@ -166,6 +169,11 @@ EngineStats ReplicaSet::stats() const {
                                                 : static_cast<double>(sum.kv_blocks_used) /
                                                       static_cast<double>(sum.kv_blocks_total);
   return sum;
+}
+
+Histogram ReplicaSet::routing_times() const {
+  std::lock_guard lock(mu_);
+  return routing_;
 }
 
 std::vector<ReplicaView> ReplicaSet::replicas() const {

@@ -20,6 +20,7 @@
 
 #include "driver/local_node.h"
 #include "driver/server/async_engine.h"
+#include "driver/server/metrics.h"
 #include "driver/server/router.h"
 
 namespace tessera::server {
@@ -62,6 +63,8 @@ class ReplicaSet {
   // The replicas' stats summed (counters and gauges; kv_cache_usage over all their blocks).
   EngineStats stats() const;
   std::vector<ReplicaView> replicas() const;
+  // How long routing decisions took (seconds), for /metrics.
+  Histogram routing_times() const;
   size_t size() const { return engines_.size(); }
   RouterPolicy policy() const { return router_.policy(); }
 
@@ -89,6 +92,7 @@ class ReplicaSet {
   std::vector<ReplicaLoad> load_;
   std::vector<uint64_t> routed_count_, matched_tokens_;
   std::unordered_map<uint64_t, Routed> routed_;  // by our id
+  Histogram routing_{{1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2}};
   uint64_t next_id_ = 1;
 };
 

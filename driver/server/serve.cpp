@@ -572,7 +572,8 @@ class Server {
       case Route::kMetrics:
         co_return co_await send(c, http::status::ok,
                                 prometheus(metrics_, engine_.stats(), model_.names.front()) +
-                                    replica_prometheus(engine_.replicas(), model_.names.front()),
+                                    replica_prometheus(engine_.replicas(), engine_.routing_times(),
+                                                       model_.names.front()),
                                 "text/plain; version=0.0.4", keep_alive);
       default:
         co_return co_await send_json(c, models_response(model_), keep_alive);

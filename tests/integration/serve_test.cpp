@@ -479,6 +479,8 @@ TEST_F(ServeTest, TwoReplicasShareTheLoadAndKeepPrefixesTogether) {
       replica_metric(dp, "tessera:replica_prefix_matched_tokens", 2);
   EXPECT_GT(matched[0] + matched[1], 9 * 32);
   EXPECT_EQ(replica_metric(dp, "tessera:replica_healthy", 2), (std::vector<double>{1, 1}));
+  // Every routing decision was timed: 2 + 20 + 12 of them.
+  EXPECT_EQ(dp.metric("tessera:router_decision_seconds_count"), 34);
 }
 
 TEST_F(ServeTest, RoundRobinAlternatesAndBadDataParallelSizesAreRefused) {
