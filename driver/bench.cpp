@@ -231,12 +231,15 @@ Status run_report(const BenchReportOptions& o) {
   std::mt19937_64 rng(o.seed);
   const int64_t params = matmul_parameters(c);
   const size_t es = m.dtype == "F32" ? 4 : 2;
-  // The bytes a batch-1 decode step reads at least: the weights as stored (quantized layers at
-  // their packed size, scales included), less the embedding table, of which it reads one row
-  // (unless lm_head is that table). Unquantized, this is the matmul parameters x es.
+  // The bytes a batch-1 decode step reads at least: the matmul weights in the run dtype; for a
+  // quantized model (on the GPU) the weights as stored (packed, scales included) less the
+  // embedding table, of which a step reads one row (unless lm_head is that table).
   const uint64_t embedding_bytes =
       c.tie_word_embeddings ? 0 : static_cast<uint64_t>(c.vocab_size * c.hidden_size) * es;
-  const uint64_t decode_bytes = m.weight_bytes - std::min(m.weight_bytes, embedding_bytes);
+  const uint64_t decode_bytes =
+      m.quantization == "none" || m.backend != "cuda"
+          ? static_cast<uint64_t>(params) * es
+          : m.weight_bytes - std::min(m.weight_bytes, embedding_bytes);
   nlohmann::json scenarios = nlohmann::json::object();
   text.say("%s on %s (%s backend, %s), loaded in %.1f s\n", m.architecture.c_str(),
            m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
