@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -31,7 +32,6 @@ Expected<std::unique_ptr<ReplicaSet>> ReplicaSet::start(const EngineArgs& given,
     args.cluster_token = local->token();
   }
   std::vector<std::unique_ptr<AsyncEngine>> engines;
-  double load_seconds = 0;
   for (size_t i = 0; i < n; ++i) {
     if (n > 1) spdlog::info("replica {} of {}: placing and loading", i, n);
     auto engine = AsyncEngine::start(args, n > 1 ? owner + " replica " + std::to_string(i) : owner);
@@ -40,13 +40,10 @@ Expected<std::unique_ptr<ReplicaSet>> ReplicaSet::start(const EngineArgs& given,
       return engine.status().with_context("replica " + std::to_string(i) + " of " +
                                           std::to_string(n) + " (-dp)");
     }
-    load_seconds += (*engine)->load_seconds();
     engines.push_back(std::move(*engine));
   }
-  std::unique_ptr<ReplicaSet> set(new ReplicaSet(options.router, n, engines.front()->loaded()));
+  auto set = over(std::move(engines), options.router);
   set->local_ = std::move(local);
-  set->engines_ = std::move(engines);
-  set->load_seconds_ = load_seconds;
   if (n > 1) {
     spdlog::info("{} replicas behind one endpoint, router {}", n,
                  router_policy_name(options.router));
@@ -54,67 +51,189 @@ Expected<std::unique_ptr<ReplicaSet>> ReplicaSet::start(const EngineArgs& given,
   return set;
 }
 
+std::unique_ptr<ReplicaSet> ReplicaSet::over(std::vector<std::unique_ptr<AsyncEngine>> engines,
+                                             RouterPolicy policy) {
+  std::unique_ptr<ReplicaSet> set(
+      new ReplicaSet(policy, engines.size(), engines.front()->loaded()));
+  set->engines_ = std::move(engines);
+  for (const auto& e : set->engines_) set->load_seconds_ += e->load_seconds();
+  if (set->engines_.size() > 1) set->monitor_ = std::thread([s = set.get()] { s->monitor(); });
+  return set;
+}
+
 ReplicaSet::~ReplicaSet() {
-  // Replicas first (their actors stop), then the node they ran on.
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  stop_cv_.notify_all();
+  if (monitor_.joinable()) monitor_.join();
+  // Replicas next (their actors stop), then the node they ran on.
   engines_.clear();
   local_.reset();
 }
 
+void ReplicaSet::unbook(Routed& r) {
+  ReplicaLoad& l = load_[r.replica];
+  l.outstanding -= std::min<uint64_t>(l.outstanding, 1);
+  if (!r.started) l.waiting_prompt_tokens -= std::min(l.waiting_prompt_tokens, r.prompt_tokens);
+}
+
 Expected<uint64_t> ReplicaSet::add(Request request, AsyncEngine::Sink sink) {
   std::unique_lock lock(mu_);
-  for (size_t i = 0; i < engines_.size(); ++i) load_[i].routable = engines_[i]->healthy();
-  if (engines_.size() == 1) load_[0].routable = true;  // its own add() says why it refuses
-  const auto t0 = std::chrono::steady_clock::now();
-  auto decision = router_.route(request.prompt(), load_);
-  routing_.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  if (!decision) {
-    lock.unlock();
-    return unavailable("no healthy replica: " + unhealthy_reason());
-  }
-  const size_t r = decision->replica;
   const uint64_t id = next_id_++;
-  const auto prompt_tokens = static_cast<uint64_t>(request.prompt().size());
-  routed_[id] = Routed{r, 0, prompt_tokens, false};
-  ++load_[r].outstanding;
-  load_[r].waiting_prompt_tokens += prompt_tokens;
-  ++routed_count_[r];
-  matched_tokens_[r] += decision->matched_tokens;
-  lock.unlock();  // the sink may run on the engine thread before add() returns
-  auto wrapped = [this, id, sink = std::move(sink)](RequestOutput out) {
-    {
-      std::lock_guard guard(mu_);
-      auto it = routed_.find(id);
-      if (it != routed_.end()) {
-        Routed& rr = it->second;
-        ReplicaLoad& l = load_[rr.replica];
-        if (!rr.started) {
-          rr.started = true;
-          l.waiting_prompt_tokens -= std::min(l.waiting_prompt_tokens, rr.prompt_tokens);
-        }
-        if (out.finished) {
-          l.outstanding -= std::min<uint64_t>(l.outstanding, 1);
-          routed_.erase(it);
-        }
-      }
-    }
-    sink(std::move(out));
-  };
-  auto engine_id = engines_[r]->add(std::move(request), std::move(wrapped));
-  lock.lock();
-  auto it = routed_.find(id);
-  if (!engine_id) {
-    if (it != routed_.end()) {
-      ReplicaLoad& l = load_[r];
-      l.outstanding -= std::min<uint64_t>(l.outstanding, 1);
-      if (!it->second.started) {
-        l.waiting_prompt_tokens -= std::min(l.waiting_prompt_tokens, prompt_tokens);
-      }
-      routed_.erase(it);
-    }
-    return engine_id.status();
+  Routed& r = routed_[id];
+  r.prompt_tokens = static_cast<uint64_t>(request.prompt().size());
+  r.request = std::move(request);
+  r.sink = std::move(sink);
+  r.tried.assign(engines_.size(), false);
+  if (Status st = dispatch(lock, id); !st) {
+    routed_.erase(id);
+    return st;
   }
-  if (it != routed_.end()) it->second.engine_id = *engine_id;
   return id;
+}
+
+Status ReplicaSet::dispatch(std::unique_lock<std::mutex>& lock, uint64_t id) {
+  for (;;) {
+    auto it = routed_.find(id);
+    if (it == routed_.end()) return Status::ok();  // finished meanwhile
+    Routed& r = it->second;
+    for (size_t i = 0; i < engines_.size(); ++i) {
+      load_[i].routable = !r.tried[i] && engines_[i]->healthy();
+    }
+    // One replica: its own add() says why it refuses (it queues while it restarts).
+    if (engines_.size() == 1) load_[0].routable = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto decision = router_.route(r.request->prompt(), load_);
+    routing_.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (!decision) {
+      lock.unlock();
+      std::string why = unhealthy_reason();
+      lock.lock();
+      return unavailable("no healthy replica" + (why.empty() ? "" : ": " + why));
+    }
+    const size_t replica = decision->replica;
+    r.replica = replica;
+    r.engine_id = 0;
+    const uint32_t attempt = ++r.attempt;
+    ++load_[replica].outstanding;
+    load_[replica].waiting_prompt_tokens += r.prompt_tokens;
+    ++routed_count_[replica];
+    matched_tokens_[replica] += decision->matched_tokens;
+    Request copy = *r.request;
+    lock.unlock();  // the sink may run on the engine thread before add() returns
+    auto engine_id = engines_[replica]->add(
+        std::move(copy),
+        [this, id, attempt](RequestOutput out) { on_output(id, attempt, std::move(out)); });
+    lock.lock();
+    it = routed_.find(id);
+    if (it == routed_.end() || it->second.attempt != attempt) return Status::ok();
+    if (engine_id) {
+      it->second.engine_id = *engine_id;
+      return Status::ok();
+    }
+    // Refused there (it is stopping): another replica, if there is one.
+    unbook(it->second);
+    it->second.tried[replica] = true;
+    if (engines_.size() == 1) return engine_id.status();
+  }
+}
+
+void ReplicaSet::on_output(uint64_t id, uint32_t attempt, RequestOutput out) {
+  std::unique_lock lock(mu_);
+  auto it = routed_.find(id);
+  if (it == routed_.end() || it->second.attempt != attempt) return;  // an attempt moved away
+  const bool output = !out.new_tokens.empty() || !out.delta.empty();
+  {
+    Routed& r = it->second;
+    if (!r.started && out.finished && out.finish_reason == FinishReason::kError && !output &&
+        engines_.size() > 1 && !engines_[r.replica]->healthy()) {
+      // Failed unstarted because its replica gave up: another replica runs it.
+      spdlog::warn("replica {} failed a request before it started ({}): routing it again",
+                   r.replica, out.error.message());
+      unbook(r);
+      r.tried[r.replica] = true;
+      if (dispatch(lock, id).is_ok()) return;
+      it = routed_.find(id);
+      if (it == routed_.end()) return;
+    }
+  }
+  Routed& r = it->second;
+  if (!r.started && (output || out.finished)) {
+    ReplicaLoad& l = load_[r.replica];
+    l.waiting_prompt_tokens -= std::min(l.waiting_prompt_tokens, r.prompt_tokens);
+    r.started = true;
+    r.request.reset();
+  }
+  AsyncEngine::Sink sink = r.sink;
+  if (out.finished) {
+    ReplicaLoad& l = load_[r.replica];
+    l.outstanding -= std::min<uint64_t>(l.outstanding, 1);
+    routed_.erase(it);
+  }
+  lock.unlock();
+  sink(std::move(out));
+}
+
+void ReplicaSet::monitor() {
+  std::vector<bool> was_healthy(engines_.size(), true);
+  std::unique_lock lock(mu_);
+  while (!stop_cv_.wait_for(lock, kMonitorPeriod, [this] { return stopping_; })) {
+    for (size_t i = 0; i < engines_.size(); ++i) {
+      const bool healthy = engines_[i]->healthy();
+      if (!healthy) {
+        lock.unlock();
+        move_unstarted(i);
+        lock.lock();
+        if (stopping_) return;
+      }
+      if (healthy != was_healthy[i]) {
+        spdlog::warn("replica {} is {}", i,
+                     healthy ? "healthy again: the router sends it requests"
+                             : "unhealthy: the router skips it, and its requests that have not "
+                               "started move to the others");
+        was_healthy[i] = healthy;
+      }
+    }
+  }
+}
+
+void ReplicaSet::move_unstarted(size_t replica) {
+  std::unique_lock lock(mu_);
+  bool other = false;
+  for (size_t i = 0; i < engines_.size(); ++i) other |= i != replica && engines_[i]->healthy();
+  if (!other) return;  // nowhere better: they wait for it to come back
+  std::vector<std::pair<uint64_t, uint64_t>> moving;  // (our id, its id on the replica)
+  for (auto& [id, r] : routed_) {
+    if (r.replica != replica || r.started || r.engine_id == 0) continue;
+    moving.emplace_back(id, r.engine_id);
+    unbook(r);
+    r.tried[replica] = true;
+    ++r.attempt;  // what the replica still says of it is dropped
+  }
+  for (const auto& [id, engine_id] : moving) {
+    lock.unlock();
+    engines_[replica]->abort(engine_id);
+    lock.lock();
+    if (Status st = dispatch(lock, id); !st) {
+      auto it = routed_.find(id);
+      if (it == routed_.end()) continue;
+      AsyncEngine::Sink sink = it->second.sink;
+      routed_.erase(it);
+      lock.unlock();
+      RequestOutput failed;
+      failed.finished = true;
+      failed.finish_reason = FinishReason::kError;
+      failed.error = st;
+      sink(std::move(failed));
+      lock.lock();
+    }
+  }
+  if (!moving.empty()) {
+    spdlog::warn("replica {} is unhealthy: {} request(s) that had not started moved", replica,
+                 moving.size());
+  }
 }
 
 void ReplicaSet::abort(uint64_t id) {

@@ -8,13 +8,22 @@
 // and nodes. Loading is therefore sequential for now.
 //
 // Each replica recovers from its own actors' deaths (async_engine.h); while one is unhealthy
-// the router skips it, and the service is healthy while any replica is.
+// the router skips it, and the service is healthy while any replica is. The requests a replica
+// holds that have not produced anything yet do not wait for it: when it turns unhealthy (a
+// monitor looks every kMonitorPeriod) they are aborted there and routed to a healthy replica,
+// and one that fails there unstarted because the replica gave up is routed again too. A request
+// that has streamed tokens fails with the cause (its KV cache is gone). No request is lost or
+// duplicated: outputs of an attempt that was moved are dropped.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -48,6 +57,10 @@ class ReplicaSet {
   static Expected<std::unique_ptr<ReplicaSet>> start(const EngineArgs& args,
                                                      const ReplicaOptions& options,
                                                      const std::string& owner);
+  // Over engines started already (tests: AsyncEngines over fake hosts); not empty.
+  static std::unique_ptr<ReplicaSet> over(std::vector<std::unique_ptr<AsyncEngine>> engines,
+                                          RouterPolicy policy);
+  static constexpr std::chrono::milliseconds kMonitorPeriod{100};
   // Stops every replica (their unfinished requests end with kAbort), then the local node.
   ~ReplicaSet();
 
@@ -80,8 +93,22 @@ class ReplicaSet {
     size_t replica = 0;
     uint64_t engine_id = 0;
     uint64_t prompt_tokens = 0;
-    bool started = false;  // it produced an output
+    bool started = false;            // it produced output: it stays where it is
+    uint32_t attempt = 0;            // outputs of an earlier attempt (moved away) are dropped
+    std::optional<Request> request;  // kept until it starts, to route it again
+    AsyncEngine::Sink sink;          // the caller's
+    std::vector<bool> tried;         // replicas it failed on or was moved from
   };
+  // Routes request `id` (its `request`) to a routable replica it has not tried and queues it
+  // there; `lock` holds mu_ and is released around the replica's add().
+  Status dispatch(std::unique_lock<std::mutex>& lock, uint64_t id);
+  // An output of attempt `attempt` of request `id`, on the replica's engine thread.
+  void on_output(uint64_t id, uint32_t attempt, RequestOutput out);
+  // Takes a request off its replica's load.
+  void unbook(Routed& r);
+  // The monitor: moves the unstarted requests of replicas that turned unhealthy.
+  void monitor();
+  void move_unstarted(size_t replica);
 
   std::unique_ptr<LocalNode> local_;  // the node all replicas share, when there is no --address
   std::vector<std::unique_ptr<AsyncEngine>> engines_;
@@ -94,6 +121,9 @@ class ReplicaSet {
   std::unordered_map<uint64_t, Routed> routed_;  // by our id
   Histogram routing_{{1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2}};
   uint64_t next_id_ = 1;
+  std::condition_variable stop_cv_;
+  bool stopping_ = false;
+  std::thread monitor_;  // with more than one replica
 };
 
 }  // namespace tessera::server

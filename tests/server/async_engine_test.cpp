@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "driver/server/replica_set.h"
 #include "tests/driver/engine_fakes.h"
 
 namespace tessera::server {
@@ -286,6 +287,58 @@ TEST(AsyncEngineTest, StoppingAbortsUnfinishedRequests) {
   ASSERT_TRUE(outs.started(*id));
   engine.reset();
   EXPECT_EQ(outs.last(*id).finish_reason, FinishReason::kAbort);
+}
+
+// Two replicas (ReplicaSet over fake hosts): replica 0's group dies at its first step and never
+// comes back. The requests it held had not started: they move to replica 1 and finish there,
+// each exactly once with all its tokens; new requests skip the dead replica; health names it.
+TEST(ReplicaSetTest, UnstartedRequestsOfADeadReplicaFinishOnAnother) {
+  World w0, w1;
+  w0.kill_next_step = true;
+  w0.failing_restarts = 1000000;
+  std::vector<std::unique_ptr<AsyncEngine>> engines;
+  engines.push_back(start(w0));
+  engines.push_back(start(w1));
+  ASSERT_TRUE(engines[0] && engines[1]);
+  const ModelInfo model = engines[0]->loaded();
+  auto set = ReplicaSet::over(std::move(engines), RouterPolicy::kRoundRobin);
+
+  constexpr int kRequests = 8;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int> finished(kRequests, 0), tokens_seen(kRequests, 0);
+  std::vector<RequestOutput> last(kRequests);
+  for (int k = 0; k < kRequests; ++k) {
+    auto r = Request::make({1, 2, 3}, tokens(5), model);
+    ASSERT_TRUE(r);
+    auto id = set->add(std::move(*r), [&, k](RequestOutput out) {
+      std::lock_guard lock(mu);
+      tokens_seen[k] += static_cast<int>(out.new_tokens.size());
+      if (out.finished) {
+        ++finished[k];
+        last[k] = out;
+        cv.notify_all();
+      }
+    });
+    ASSERT_TRUE(id) << id.status().to_string();
+  }
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 20s, [&] {
+      return std::all_of(finished.begin(), finished.end(), [](int f) { return f > 0; });
+    }));
+  }
+  std::this_thread::sleep_for(3 * ReplicaSet::kMonitorPeriod);  // anything duplicated shows
+  std::lock_guard lock(mu);
+  for (int k = 0; k < kRequests; ++k) {
+    EXPECT_EQ(finished[k], 1) << k;
+    EXPECT_EQ(last[k].finish_reason, FinishReason::kLength) << k << ": " << last[k].error.message();
+    EXPECT_EQ(tokens_seen[k], 5) << k;
+  }
+  EXPECT_FALSE(set->replicas()[0].healthy);
+  EXPECT_TRUE(set->healthy());
+  EXPECT_NE(set->unhealthy_reason().find("replica 0: "), std::string::npos);
+  EXPECT_EQ(set->replicas()[1].outstanding, 0u);
 }
 
 }  // namespace
