@@ -757,4 +757,33 @@ Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpe
   return chosen;
 }
 
+size_t ReplicaPlans::fitting() const {
+  if (!failure.is_ok()) return plans.size();
+  return plans.size() - (plans.empty() || plans.back().fit.is_ok() ? 0 : 1);
+}
+
+ReplicaPlans plan_replicas(const ModelConfig& config, const EngineSpec& spec,
+                           std::vector<ClusterNode> nodes, int64_t replicas) {
+  ReplicaPlans out;
+  for (int64_t r = 0; r < replicas; ++r) {
+    auto plan = plan_on_cluster(config, spec, nodes);
+    if (!plan) {
+      out.failure = plan.status();
+      return out;
+    }
+    out.plans.push_back(std::move(*plan));
+    const ClusterPlan& p = out.plans.back();
+    if (!p.fit) return out;
+    // What this replica holds, as the next one's plan sees it.
+    for (const PlacedRank& rank : p.placement.ranks) {
+      for (ClusterNode& n : nodes) {
+        if (n.node.node_id != rank.node_id) continue;
+        ++n.actors;
+        if (rank.gpu >= 0) n.busy_gpus.push_back(static_cast<uint32_t>(rank.gpu));
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace tessera

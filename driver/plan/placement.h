@@ -129,4 +129,16 @@ struct ClusterPlan {
 Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpec& spec,
                                       const std::vector<ClusterNode>& nodes);
 
+// `replicas` data-parallel replicas of the plan (`-dp`), each planned with plan_on_cluster on
+// the nodes as the ones before left them (their GPUs busy, their actors counted), as
+// `tessera serve -dp` places them. Stops at the first replica that cannot be placed or does
+// not fit and returns the plans so far and that one (its `fit`, or the status, saying why).
+struct ReplicaPlans {
+  std::vector<ClusterPlan> plans;  // the replicas that fit, then the one that did not, if any
+  Status failure;                  // why replica plans.size() - 1 (or plans.size()) does not fit
+  size_t fitting() const;
+};
+ReplicaPlans plan_replicas(const ModelConfig& config, const EngineSpec& spec,
+                           std::vector<ClusterNode> nodes, int64_t replicas);
+
 }  // namespace tessera

@@ -568,6 +568,10 @@ CLI::App* add_plan_subcommand(CLI::App& app, PlanOptions& o) {
   cmd->add_option("--nodes", o.nodes, "With --gpus: that many nodes (1)");
   cmd->add_option("--gpu-memory", o.gpu_memory_gib,
                   "GiB per GPU with --gpus (default: this machine's GPUs')");
+  cmd->add_option("--data-parallel-size", o.data_parallel_size,
+                  "-dp: replicas of the plan (tessera serve -dp), each placed where the ones "
+                  "before left room (1)")
+      ->check(CLI::Range(int64_t{1}, kMaxParallelSize));
   return cmd;
 }
 
@@ -690,6 +694,30 @@ int topo_command(const TopoOptions& o) {
   return 0;
 }
 
+namespace {
+
+// `tessera plan -dp N`: each replica's report, then how many fit.
+int plan_replicas_command(const PlanOptions& o, const ModelConfig& config,
+                          const std::vector<ClusterNode>& nodes, const std::string& where) {
+  const ReplicaPlans r = plan_replicas(config, o.engine, nodes, o.data_parallel_size);
+  std::cout << where << "\n";
+  for (size_t i = 0; i < r.plans.size(); ++i) {
+    std::cout << "\nReplica " << i << " of " << o.data_parallel_size << ":\n"
+              << render_cluster_plan(config, r.plans[i]);
+  }
+  const size_t fit = r.fitting();
+  if (fit == static_cast<size_t>(o.data_parallel_size)) {
+    std::cout << "\nAll " << fit << " replicas fit.\n";
+    return 0;
+  }
+  const std::string why = !r.failure.is_ok() ? r.failure.message() : r.plans.back().fit.message();
+  std::cout << "\n-dp " << o.data_parallel_size << " does not fit: " << fit << " replica"
+            << (fit == 1 ? "" : "s") << " fit; replica " << fit << ": " << why << "\n";
+  return 1;
+}
+
+}  // namespace
+
 int plan_command(const PlanOptions& o) {
   auto config = load_model_config(o.engine.model);
   if (!config) {
@@ -701,6 +729,8 @@ int plan_command(const PlanOptions& o) {
     std::cerr << "tessera plan: " << nodes.status().message() << "\n";
     return 1;
   }
+  if (o.data_parallel_size > 1)
+    return plan_replicas_command(o, *config, nodes->first, nodes->second);
   auto plan = plan_on_cluster(*config, o.engine, nodes->first);
   if (!plan) {
     std::cerr << "tessera plan: " << plan.status().message() << "\n";

@@ -105,6 +105,7 @@ struct PlanOptions {
   EngineSpec engine;  // the model flags; config.json is all that is read of the model
   // Where the nodes come from, first that applies: cluster_file; gpus >= 0 (made up); address;
   // the head started on this machine; this machine (describe_this_machine).
+  int64_t data_parallel_size = 1;  // -dp: replicas of the plan, placed one after another
   std::string cluster_file;   // a `tessera topo --json` output
   int64_t gpus = -1;          // --gpus N per node, without a cluster (0 = CPU ranks)
   int64_t nodes = 1;          // --nodes, with --gpus

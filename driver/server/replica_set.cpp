@@ -37,8 +37,12 @@ Expected<std::unique_ptr<ReplicaSet>> ReplicaSet::start(const EngineArgs& given,
     auto engine = AsyncEngine::start(args, n > 1 ? owner + " replica " + std::to_string(i) : owner);
     if (!engine) {
       if (n == 1) return engine.status();
-      return engine.status().with_context("replica " + std::to_string(i) + " of " +
-                                          std::to_string(n) + " (-dp)");
+      // "-dp 3: 2 replicas fit; replica 2: <why>" (tessera plan -dp shows the placements).
+      return Status(engine.status().code(), "-dp " + std::to_string(n) + ": " + std::to_string(i) +
+                                                (i == 1 ? " replica fits" : " replicas fit") +
+                                                "; replica " + std::to_string(i) + ": " +
+                                                engine.status().message() + " (tessera plan -dp " +
+                                                std::to_string(n) + " shows the placements)");
     }
     engines.push_back(std::move(*engine));
   }

@@ -1107,3 +1107,35 @@ TEST(FlagsTest, ThePlanResolvesTheSpecOnce) {
 
 }  // namespace
 }  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// -dp: each replica is planned where the ones before left room: on two one-GPU nodes, two
+// replicas go one per node and a third does not fit, saying how many did and why; CPU replicas
+// go to the node with the fewest actors.
+TEST(PlacementTest, ReplicasArePlacedWhereTheOnesBeforeLeftRoom) {
+  const std::vector<ClusterNode> two = {make_node("a", 1, 141 * kGiB, nv18),
+                                        make_node("b", 1, 141 * kGiB, nv18)};
+  EngineSpec spec = model_spec();
+  ReplicaPlans r = plan_replicas(llama3_8b(), spec, two, 2);
+  ASSERT_EQ(r.plans.size(), 2u);
+  EXPECT_TRUE(r.failure.is_ok());
+  EXPECT_EQ(r.fitting(), 2u);
+  EXPECT_NE(r.plans[0].placement.ranks[0].node_id, r.plans[1].placement.ranks[0].node_id);
+
+  r = plan_replicas(llama3_8b(), spec, two, 3);
+  EXPECT_EQ(r.fitting(), 2u);
+  ASSERT_FALSE(r.failure.is_ok());
+  EXPECT_TRUE(contains(r.failure.message(), "0 of 1 free (busy: gpu0)")) << r.failure.message();
+
+  spec.device = Device::kCpu;
+  r = plan_replicas(llama3_8b(), spec, synthetic_nodes(3, 0, 0), 3);
+  ASSERT_EQ(r.fitting(), 3u);
+  std::set<std::string> nodes;
+  for (const ClusterPlan& p : r.plans) nodes.insert(p.placement.ranks[0].node_id);
+  EXPECT_EQ(nodes.size(), 3u);
+}
+
+}  // namespace
+}  // namespace tessera
