@@ -483,6 +483,74 @@ TEST_F(ServeTest, TwoReplicasShareTheLoadAndKeepPrefixesTogether) {
   EXPECT_EQ(dp.metric("tessera:router_decision_seconds_count"), 34);
 }
 
+// Two nodes (two daemons of one cluster on this machine, distinct node identities) and
+// `serve -dp 2 --address`: one replica per node; a burst is spread over both; the member's
+// daemon SIGKILLed mid-load loses no request: every one is answered, completed or failed naming
+// the cause (only those that had streamed may fail), and the service goes on.
+TEST_F(ServeTest, ReplicasOnTwoNodesOutliveAMembersDeath) {
+  testing::TestCluster cluster;
+  const std::string head = cluster.start_head();
+  ASSERT_FALSE(head.empty()) << cluster.last().err;
+  const std::string member = cluster.start_member("host-b");
+  ASSERT_FALSE(member.empty()) << cluster.last().err;
+  Server dp(model_, root_,
+            {"-dp", "2", "--address", head, "--cluster-token-file",
+             cluster.root() + "/cluster_token", "--max-model-len", "512"});
+  ASSERT_GT(dp.port(), 0) << dp.process().err();
+  const std::string log = dp.process().err();
+  const size_t first = log.find("plan: stage 0: "), second = log.find("plan: stage 0: ", first + 1);
+  ASSERT_NE(second, std::string::npos) << log;
+  EXPECT_NE(log.substr(first, log.find('\n', first) - first).find("host-b") == std::string::npos,
+            log.substr(second, log.find('\n', second) - second).find("host-b") == std::string::npos)
+      << "one replica per node: " << log;
+
+  auto body = [](int i, int tokens) {
+    return json{{"prompt", "Request " + std::to_string(i) + " on two nodes"},
+                {"max_tokens", tokens},
+                {"temperature", 0},
+                {"ignore_eos", true}};
+  };
+  auto run = [&](int n, int tokens, const std::function<void()>& meanwhile) {
+    std::vector<Reply> replies(static_cast<size_t>(n));
+    std::vector<std::thread> clients;
+    for (int i = 0; i < n; ++i) {
+      clients.emplace_back(
+          [&, i] { replies[i] = dp.post("/v1/completions", body(i, tokens), ""); });
+    }
+    meanwhile();
+    for (auto& t : clients) t.join();
+    return replies;
+  };
+  for (const Reply& r : run(12, 4, [] {})) EXPECT_EQ(r.status, 200) << r.body;
+  const std::vector<double> routed = replica_metric(dp, "tessera:replica_requests_routed", 2);
+  EXPECT_LE(std::max(routed[0], routed[1]), 8) << routed[0] << " / " << routed[1];
+
+  const int pid = cluster.daemon_pid(member);
+  ASSERT_GT(pid, 0);
+  const std::vector<Reply> replies = run(16, 48, [&] {
+    std::this_thread::sleep_for(300ms);
+    ::kill(pid, SIGKILL);
+  });
+  int ok = 0, failed = 0;
+  for (const Reply& r : replies) {
+    if (r.status == 200) {
+      ++ok;
+      EXPECT_EQ(r.j()["usage"]["completion_tokens"], 48) << r.body;
+    } else {
+      ++failed;
+      EXPECT_GE(r.status, 500) << r.body;  // answered, naming why: its replica's group died
+      EXPECT_FALSE(r.j()["error"]["message"].get<std::string>().empty()) << r.body;
+    }
+  }
+  std::printf("[dp] member killed mid-load: %d of 16 completed, %d failed naming the cause\n", ok,
+              failed);
+  EXPECT_EQ(ok + failed, 16);
+  EXPECT_GT(ok, 0);
+  // The service goes on: a new request is answered.
+  wait_until([&] { return dp.call("GET", "/health").status == 200; }, 30s);
+  EXPECT_EQ(dp.post("/v1/completions", body(99, 4), "").status, 200);
+}
+
 TEST_F(ServeTest, RoundRobinAlternatesAndBadDataParallelSizesAreRefused) {
   Server rr(model_, root_,
             {"--data-parallel-size", "2", "--router", "round_robin", "--max-model-len", "512"});
