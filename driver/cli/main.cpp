@@ -33,6 +33,7 @@
 #include "driver/generate.h"
 #include "driver/make_model/make_model.h"
 #include "driver/plan/plan_command.h"
+#include "driver/server/bench_router.h"
 #include "driver/server/bench_serve.h"
 #include "driver/server/serve.h"
 #include "driver/status.h"
@@ -57,6 +58,7 @@ struct Commands {
   tessera::BenchThroughputOptions throughput;
   tessera::BenchControlPlaneOptions control_plane;
   tessera::server::BenchServeOptions bench_serve;
+  tessera::server::BenchRouterOptions bench_router;
   tessera::MakeModelOptions make_model;
   tessera::TopoOptions topo;
   tessera::PlanOptions plan;
@@ -71,6 +73,7 @@ struct Commands {
   CLI::App* throughput_cmd = nullptr;
   CLI::App* control_plane_cmd = nullptr;
   CLI::App* bench_serve_cmd = nullptr;
+  CLI::App* bench_router_cmd = nullptr;
   CLI::App* make_model_cmd = nullptr;
   CLI::App* topo_cmd = nullptr;
   CLI::App* plan_cmd = nullptr;
@@ -91,6 +94,7 @@ void add_subcommands(CLI::App& app, Commands& c) {
   c.throughput_cmd = tessera::add_bench_throughput_subcommand(*bench, c.throughput);
   c.control_plane_cmd = tessera::add_bench_control_plane_subcommand(*bench, c.control_plane);
   c.bench_serve_cmd = tessera::server::add_bench_serve_subcommand(*bench, c.bench_serve);
+  c.bench_router_cmd = tessera::server::add_bench_router_subcommand(*bench, c.bench_router);
   c.make_model_cmd = tessera::add_make_model_subcommand(app, c.make_model);
   c.topo_cmd = tessera::add_topo_subcommand(app, c.topo);
   add_examples(c.topo_cmd, {"tessera topo", "tessera topo --json > cluster.json"});
@@ -140,6 +144,10 @@ int run_command(Commands& c, const std::string& command_line) {
   if (*c.report_cmd) {
     c.report.command_line = command_line;
     return tessera::bench_report_command(c.report);
+  }
+  if (*c.bench_router_cmd) {
+    c.bench_router.command_line = command_line;
+    return tessera::server::bench_router_command(c.bench_router);
   }
   if (*c.bench_serve_cmd) {
     c.bench_serve.command_line = command_line;
