@@ -135,6 +135,23 @@ std::vector<std::string> positional_model_argv(std::vector<std::string> args) {
   return args;
 }
 
+void add_data_parallel_option(CLI::App* cmd, int64_t& replicas) {
+  cmd->add_option_function<std::string>(
+         "--data-parallel-size",
+         [&replicas](const std::string& text) {
+           auto size = ParallelSize::parse(text, "-dp/--data-parallel-size");
+           if (!size) throw CLI::ValidationError(size.status().message());
+           if (size->is_auto()) {
+             throw CLI::ValidationError(
+                 "-dp/--data-parallel-size auto is not supported yet: give a number");
+           }
+           replicas = size->ranks;
+         },
+         "-dp: replicas of the model's T x P plan behind one endpoint, each with its own "
+         "scheduler and KV cache, placed where the ones before left room (1)")
+      ->type_name("N");
+}
+
 ParallelFlagArgv::ParallelFlagArgv(int argc, const char* const* argv) {
   bool rest = false;
   for (int i = 0; i < argc; ++i) {
@@ -568,10 +585,7 @@ CLI::App* add_plan_subcommand(CLI::App& app, PlanOptions& o) {
   cmd->add_option("--nodes", o.nodes, "With --gpus: that many nodes (1)");
   cmd->add_option("--gpu-memory", o.gpu_memory_gib,
                   "GiB per GPU with --gpus (default: this machine's GPUs')");
-  cmd->add_option("--data-parallel-size", o.data_parallel_size,
-                  "-dp: replicas of the plan (tessera serve -dp), each placed where the ones "
-                  "before left room (1)")
-      ->check(CLI::Range(int64_t{1}, kMaxParallelSize));
+  add_data_parallel_option(cmd, o.data_parallel_size);
   return cmd;
 }
 

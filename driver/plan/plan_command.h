@@ -49,6 +49,10 @@ std::vector<std::string> positional_model_argv(std::vector<std::string> args);
 // A copy of argv with vLLM's spellings rewritten for CLI11: "-tp" becomes
 // "--tensor-parallel-size", "-pp" "--pipeline-parallel-size" (also "-tp=2"). Arguments after a
 // bare "--" are left alone. Hand argc()/argv() to CLI::App::parse; they live as long as this.
+// -dp / --data-parallel-size N: replicas of the plan (serve runs them, plan places them), 1 to
+// kMaxParallelSize; the flag's one parser for both commands.
+void add_data_parallel_option(CLI::App* cmd, int64_t& replicas);
+
 class ParallelFlagArgv {
  public:
   ParallelFlagArgv(int argc, const char* const* argv);

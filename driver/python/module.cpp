@@ -386,7 +386,6 @@ class Engine {
     }
     std::vector<Request> requests;
     for (size_t i = 0; i < prompts.size(); ++i) {
-      params[i].check();
       Request r = unwrap(Request::make(prompts[i], params[i], llm().session().model()));
       for (int c = 0; c < params[i].n; ++c) {
         const bool reseed = params[i].seed && params[i].n > 1;
@@ -421,7 +420,6 @@ class Engine {
 
   std::unique_ptr<Stream> stream(const std::vector<int32_t>& prompt,
                                  const PySamplingParams& params) {
-    params.check();
     if (params.n != 1) throw py::value_error("stream: n must be 1 (one request is streamed)");
     Request r = unwrap(Request::make(prompt, params, llm().session().model()));
     auto id = run([&] { return llm().session().engine().add_request(std::move(r)); });

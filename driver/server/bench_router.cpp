@@ -11,6 +11,8 @@
 #include <random>
 #include <vector>
 
+#include "driver/bench.h"
+
 namespace tessera::server {
 
 CLI::App* add_bench_router_subcommand(CLI::App& bench, BenchRouterOptions& o) {
@@ -44,11 +46,6 @@ std::vector<int32_t> random_tokens(std::mt19937_64& rng, uint32_t n) {
   std::vector<int32_t> t(n);
   for (int32_t& v : t) v = static_cast<int32_t>(rng() % 128000);
   return t;
-}
-
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * static_cast<double>(v.size())))];
 }
 
 }  // namespace

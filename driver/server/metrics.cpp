@@ -16,6 +16,27 @@ void Histogram::observe(double v) {
   count++;
 }
 
+namespace {
+
+// One histogram in the exposition format, labelled with the model.
+void write_histogram(std::ostream& o, const char* name, const char* help, const Histogram& h,
+                     const std::string& model) {
+  const std::string label = "{model_name=\"" + model + "\"}";
+  o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " histogram\n";
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < h.bounds.size(); ++i) {
+    cumulative += h.counts[i];
+    o << name << "_bucket{le=\"" << h.bounds[i] << "\",model_name=\"" << model << "\"} "
+      << cumulative << '\n';
+  }
+  cumulative += h.counts.back();
+  o << name << "_bucket{le=\"+Inf\",model_name=\"" << model << "\"} " << cumulative << '\n';
+  o << name << "_sum" << label << ' ' << h.sum << '\n';
+  o << name << "_count" << label << ' ' << h.count << '\n';
+}
+
+}  // namespace
+
 std::string sse_event(const std::string& data) { return "data: " + data + "\n\n"; }
 
 std::string prometheus(const Metrics& m, const EngineStats& s, const std::string& model) {
@@ -30,17 +51,7 @@ std::string prometheus(const Metrics& m, const EngineStats& s, const std::string
       << name << label << ' ' << v << '\n';
   };
   auto histogram = [&](const char* name, const char* help, const Histogram& h) {
-    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " histogram\n";
-    uint64_t cumulative = 0;
-    for (size_t i = 0; i < h.bounds.size(); ++i) {
-      cumulative += h.counts[i];
-      o << name << "_bucket{le=\"" << h.bounds[i] << "\",model_name=\"" << model << "\"} "
-        << cumulative << '\n';
-    }
-    cumulative += h.counts.back();
-    o << name << "_bucket{le=\"+Inf\",model_name=\"" << model << "\"} " << cumulative << '\n';
-    o << name << "_sum" << label << ' ' << h.sum << '\n';
-    o << name << "_count" << label << ' ' << h.count << '\n';
+    write_histogram(o, name, help, h, model);
   };
   gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
         static_cast<double>(s.running));
@@ -93,21 +104,8 @@ std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const H
                                const std::string& model) {
   if (replicas.size() < 2) return "";
   std::ostringstream o;
-  {
-    const char* name = "tessera:router_decision_seconds";
-    o << "# HELP " << name << " Time the router takes to pick a replica\n# TYPE " << name
-      << " histogram\n";
-    uint64_t cumulative = 0;
-    for (size_t i = 0; i < routing.bounds.size(); ++i) {
-      cumulative += routing.counts[i];
-      o << name << "_bucket{le=\"" << routing.bounds[i] << "\",model_name=\"" << model << "\"} "
-        << cumulative << '\n';
-    }
-    cumulative += routing.counts.back();
-    o << name << "_bucket{le=\"+Inf\",model_name=\"" << model << "\"} " << cumulative << '\n';
-    o << name << "_sum{model_name=\"" << model << "\"} " << routing.sum << '\n';
-    o << name << "_count{model_name=\"" << model << "\"} " << routing.count << '\n';
-  }
+  write_histogram(o, "tessera:router_decision_seconds", "Time the router takes to pick a replica",
+                  routing, model);
   struct Series {
     const char* name;
     const char* type;

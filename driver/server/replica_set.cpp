@@ -89,7 +89,7 @@ Expected<uint64_t> ReplicaSet::add(Request request, AsyncEngine::Sink sink) {
   Routed& r = routed_[id];
   r.prompt_tokens = static_cast<uint64_t>(request.prompt().size());
   r.request = std::move(request);
-  r.sink = std::move(sink);
+  r.sink = std::make_shared<const AsyncEngine::Sink>(std::move(sink));
   r.tried.assign(engines_.size(), false);
   if (Status st = dispatch(lock, id); !st) {
     routed_.erase(id);
@@ -170,14 +170,14 @@ void ReplicaSet::on_output(uint64_t id, uint32_t attempt, RequestOutput out) {
     r.started = true;
     r.request.reset();
   }
-  AsyncEngine::Sink sink = r.sink;
+  std::shared_ptr<const AsyncEngine::Sink> sink = r.sink;
   if (out.finished) {
     ReplicaLoad& l = load_[r.replica];
     l.outstanding -= std::min<uint64_t>(l.outstanding, 1);
     routed_.erase(it);
   }
   lock.unlock();
-  sink(std::move(out));
+  (*sink)(std::move(out));
 }
 
 void ReplicaSet::monitor() {
@@ -223,14 +223,14 @@ void ReplicaSet::move_unstarted(size_t replica) {
     if (Status st = dispatch(lock, id); !st) {
       auto it = routed_.find(id);
       if (it == routed_.end()) continue;
-      AsyncEngine::Sink sink = it->second.sink;
+      std::shared_ptr<const AsyncEngine::Sink> sink = it->second.sink;
       routed_.erase(it);
       lock.unlock();
       RequestOutput failed;
       failed.finished = true;
       failed.finish_reason = FinishReason::kError;
       failed.error = st;
-      sink(std::move(failed));
+      (*sink)(std::move(failed));
       lock.lock();
     }
   }

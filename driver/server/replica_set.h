@@ -96,7 +96,8 @@ class ReplicaSet {
     bool started = false;            // it produced output: it stays where it is
     uint32_t attempt = 0;            // outputs of an earlier attempt (moved away) are dropped
     std::optional<Request> request;  // kept until it starts, to route it again
-    AsyncEngine::Sink sink;          // the caller's
+    // The caller's; shared so that an output (one per token) hands it out without a copy.
+    std::shared_ptr<const AsyncEngine::Sink> sink;
     std::vector<bool> tried;         // replicas it failed on or was moved from
   };
   // Routes request `id` (its `request`) to a routable replica it has not tried and queues it

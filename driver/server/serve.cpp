@@ -84,21 +84,7 @@ CLI::App* add_serve_subcommand(CLI::App& app, ServeOptions& o) {
   cmd->add_option("--timeout-keep-alive", o.timeout_keep_alive,
                   "Seconds before an idle connection, or one still sending its request header, "
                   "is closed (5)");
-  cmd->add_option_function<std::string>(
-         "--data-parallel-size",
-         [&o](const std::string& text) {
-           auto size = ParallelSize::parse(text, "-dp/--data-parallel-size");
-           if (!size) throw CLI::ValidationError(size.status().message());
-           if (size->is_auto()) {
-             throw CLI::ValidationError(
-                 "-dp/--data-parallel-size auto is not supported yet: give a number");
-           }
-           const int64_t n = size->ranks;
-           o.replicas.data_parallel_size = n;
-         },
-         "-dp: replicas of the model's T x P plan behind this endpoint, each with its own "
-         "scheduler and KV cache (1)")
-      ->type_name("N");
+  add_data_parallel_option(cmd, o.replicas.data_parallel_size);
   cmd->add_option_function<std::string>(
          "--router",
          [&o](const std::string& text) {

@@ -76,7 +76,6 @@ def test_init_nodes_resources_shutdown(local_cluster, tiny_model):
     assert wait_gone(pids) == []
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("x", GREEDY)
-    daemon = head["Actors"] and None  # noqa: F841 (the daemon is this process's child)
     tessera.shutdown()
     assert not tessera.is_initialized()
     with pytest.raises(RuntimeError, match="init"):
