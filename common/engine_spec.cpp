@@ -161,6 +161,19 @@ Status validate(const EngineSpec& s) {
                             std::to_string(s.block_size));
   }
   if (s.nccl_init_timeout_s < 1) return invalid_argument("--nccl-init-timeout must be >= 1 s");
+  if (s.num_gpu_blocks_override < 0) {
+    return invalid_argument(
+        "--num-gpu-blocks-override must be 0 (no cap) or a number of blocks, "
+        "got " +
+        std::to_string(s.num_gpu_blocks_override));
+  }
+  if (s.num_gpu_blocks_override > 0 && s.max_model_len > 0 &&
+      s.num_gpu_blocks_override * s.block_size < s.max_model_len) {
+    return invalid_argument(
+        "--num-gpu-blocks-override " + std::to_string(s.num_gpu_blocks_override) + " holds " +
+        std::to_string(s.num_gpu_blocks_override * s.block_size) +
+        " tokens, less than one sequence of --max-model-len " + std::to_string(s.max_model_len));
+  }
   return Status::ok();
 }
 

@@ -85,6 +85,9 @@ struct EngineSpec {
   int64_t max_num_seqs = 256;
   int64_t max_num_batched_tokens = 0;  // 0 = resolve_max_num_batched_tokens(0, max_model_len)
   int64_t block_size = 16;             // tokens per KV cache block
+  // vLLM's --num-gpu-blocks-override: at most this many KV blocks (0 = what the memory holds);
+  // caps the cache to study eviction and routing (the memory figures still size the rest).
+  int64_t num_gpu_blocks_override = 0;
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   bool enforce_eager = false;  // no CUDA graphs
 

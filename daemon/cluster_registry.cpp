@@ -1,5 +1,7 @@
 #include "daemon/cluster_registry.h"
 
+#include <capnp/membrane.h>
+#include <capnp/schema.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -31,7 +33,60 @@ struct ClusterRegistry::Member {
   std::string secret;    // the node secret its id is bound to
   kj::TimePoint last_beat = kj::origin<kj::TimePoint>();
   kj::Maybe<kj::TimePoint> lost_since;  // its connection dropped; waiting for it to come back
+
+  // "second (n-3f2a9c0d1e)", or the id alone for a node without a name.
+  std::string label() const {
+    auto r = info.asReader();
+    std::string id = r.getNodeId().cStr();
+    return r.getName().size() == 0 ? id : std::string(r.getName().cStr()) + " (" + id + ")";
+  }
 };
+
+namespace {
+
+uint16_t method_ordinal(capnp::InterfaceSchema schema, kj::StringPtr name) {
+  return schema.getMethodByName(name).getOrdinal();
+}
+
+// Turns away the calls that would start an actor on a draining node: Node.openLease, and
+// Lease.spawnActor on the leases it hands out (the membrane wraps them too). Every other call,
+// and every capability passed either way (an owner's ActorWatcher), goes by unchanged.
+class DrainGuard final : public capnp::MembranePolicy, public kj::Refcounted {
+ public:
+  DrainGuard(ClusterRegistry& registry, std::weak_ptr<int> registry_alive, std::string node_id)
+      : registry_(registry),
+        registry_alive_(std::move(registry_alive)),
+        node_id_(std::move(node_id)) {}
+
+  kj::Maybe<capnp::Capability::Client> inboundCall(uint64_t interface_id, uint16_t method_id,
+                                                   capnp::Capability::Client) override {
+    static const uint16_t open_lease =
+        method_ordinal(capnp::Schema::from<proto::Node>(), "openLease");
+    static const uint16_t spawn_actor =
+        method_ordinal(capnp::Schema::from<proto::Lease>(), "spawnActor");
+    const bool starts_actor =
+        (interface_id == capnp::typeId<proto::Node>() && method_id == open_lease) ||
+        (interface_id == capnp::typeId<proto::Lease>() && method_id == spawn_actor);
+    if (!starts_actor || registry_alive_.expired()) return nullptr;
+    Status admitted = registry_.admits_actors(node_id_);
+    if (admitted) return nullptr;
+    // The call fails with this error; the capability itself stays usable.
+    return capnp::Capability::Client(capnp::newBrokenCap(kj::Exception(
+        kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(admitted.to_string().c_str()))));
+  }
+  kj::Maybe<capnp::Capability::Client> outboundCall(uint64_t, uint16_t,
+                                                    capnp::Capability::Client) override {
+    return nullptr;
+  }
+  kj::Own<capnp::MembranePolicy> addRef() override { return kj::addRef(*this); }
+
+ private:
+  ClusterRegistry& registry_;
+  std::weak_ptr<int> registry_alive_;
+  std::string node_id_;
+};
+
+}  // namespace
 
 // A node's membership. Released when the node's connection drops.
 class SessionImpl final : public proto::NodeSession::Server {
@@ -106,6 +161,11 @@ class ClusterImpl final : public proto::Cluster::Server {
     context.getResults().setSubscription(kj::heap<SubscriptionImpl>(registry_, alive_, id));
     return kj::READY_NOW;
   }
+  kj::Promise<void> drainNode(DrainNodeContext context) override {
+    auto p = context.getParams();
+    context.getResults().setNode(registry_.drain(p.getNode().cStr(), p.getUndo()));
+    return kj::READY_NOW;
+  }
 
  private:
   ClusterRegistry& registry_;
@@ -165,11 +225,14 @@ ClusterRegistry::Registered ClusterRegistry::register_node(proto::NodeInfo::Read
     }
     was_alive = found->second->alive;
   }
+  // A drain outlives the node's connection: a member that reconnects stays drained.
+  const bool draining = found != members_.end() && found->second->info.getDraining();
   auto m = std::make_unique<Member>();
   m->message->setRoot(info);
   m->info = m->message->getRoot<proto::NodeInfo>();
   m->info.setAlive(true);
   m->info.setDeathReason("");
+  m->info.setDraining(draining);
   m->info.setLastHeartbeatMs(wall_ms());
   m->node = kj::mv(node);
   m->session = next_id_++;
@@ -252,8 +315,64 @@ void ClusterRegistry::fill_nodes(bool include_dead, proto::Cluster::ListNodesRes
   for (size_t i = 0; i < chosen.size(); ++i) {
     auto e = list[static_cast<unsigned>(i)];
     e.setInfo(chosen[i]->info.asReader());
-    if (chosen[i]->alive) e.setNode(chosen[i]->node);
+    if (chosen[i]->alive) {
+      e.setNode(guarded(chosen[i]->info.getNodeId().cStr(), chosen[i]->node));
+    }
   }
+}
+
+proto::NodeInfo::Reader ClusterRegistry::drain(const std::string& node, bool undo) {
+  if (node.empty()) rpc::throw_status(invalid_argument("drainNode: no node id or name given"));
+  Member* found = nullptr;
+  auto by_id = members_.find(node);
+  if (by_id != members_.end() && by_id->second->alive) found = by_id->second.get();
+  std::vector<Member*> named;
+  std::string live;
+  for (auto& [id, m] : members_) {
+    if (!m->alive) continue;
+    live += (live.empty() ? "" : ", ") + m->label();
+    if (node == m->info.getName().cStr()) named.push_back(m.get());
+  }
+  if (found == nullptr && named.size() > 1) {
+    std::string ids;
+    for (Member* m : named)
+      ids += (ids.empty() ? "" : ", ") + std::string(m->info.getNodeId().cStr());
+    rpc::throw_status(invalid_argument("node name " + node + " is shared by " +
+                                       std::to_string(named.size()) + " live nodes (" + ids +
+                                       "): pass the node id"));
+  }
+  if (found == nullptr && named.size() == 1) found = named.front();
+  if (found == nullptr) {
+    std::string why = "no live node has the id or name " + node;
+    if (by_id != members_.end()) {
+      why = "node " + by_id->second->label() + " is dead (" +
+            std::string(by_id->second->info.getDeathReason().cStr()) + ")";
+    }
+    rpc::throw_status(not_found(why + "; the live nodes: " + live));
+  }
+  const bool was = found->info.getDraining();
+  found->info.setDraining(!undo);
+  if (was != !undo) {
+    if (undo) {
+      spdlog::info("node {} is no longer draining: new actors may go there again", found->label());
+    } else {
+      spdlog::info("node {} is draining: no new actors go there", found->label());
+    }
+  }
+  return found->info.asReader();
+}
+
+Status ClusterRegistry::admits_actors(const std::string& node_id) const {
+  auto it = members_.find(node_id);
+  if (it == members_.end() || !it->second->info.getDraining()) return Status::ok();
+  const std::string name = it->second->info.getName().cStr();
+  return failed_precondition("node " + it->second->label() +
+                             " is draining: no new actors go there (`tessera drain " +
+                             (name.empty() ? node_id : name) + " --undo` takes it back)");
+}
+
+proto::Node::Client ClusterRegistry::guarded(const std::string& node_id, proto::Node::Client node) {
+  return capnp::membrane(kj::mv(node), kj::refcounted<DrainGuard>(*this, alive_, node_id));
 }
 
 uint64_t ClusterRegistry::subscribe(proto::ClusterListener::Client listener) {

@@ -10,6 +10,11 @@
 // connection can take it over. If the head itself was paused (SIGSTOP, a VM freeze) it gives
 // every member a fresh window instead of declaring them dead unheard.
 //
+// A node can be marked draining (`tessera drain`): the mark is listed with it (NodeInfo.draining)
+// and kept when it re-registers, and every Node capability the registry hands out (guarded())
+// then refuses openLease, and spawnActor on its leases, so no new actor starts there; what runs
+// there is left alone. The mark lives as long as the head: a restarted head forgets it.
+//
 // Single-threaded: lives on the head daemon's kj event loop.
 #pragma once
 
@@ -21,6 +26,7 @@
 #include <memory>
 #include <string>
 
+#include "common/status.h"
 #include "daemon/node_defaults.h"
 #include "protocol/cluster.capnp.h"
 
@@ -56,6 +62,18 @@ class ClusterRegistry final : private kj::TaskSet::ErrorHandler {
   // The session's connection dropped: dead unless it registers again within the window.
   void session_lost(const std::string& node_id, uint64_t session);
   void fill_nodes(bool include_dead, proto::Cluster::ListNodesResults::Builder out);
+  // Marks the live node whose id, else whose name, is `node` draining (`undo`: clears the mark)
+  // and returns its info, valid until the registry next changes. NOT_FOUND (thrown as an RPC
+  // error) naming `node` and listing the live nodes when none matches; INVALID_ARGUMENT when a
+  // name fits several nodes, listing their ids.
+  proto::NodeInfo::Reader drain(const std::string& node, bool undo);
+  // OK, or FAILED_PRECONDITION naming the node of this id and saying that it drains (and how to
+  // take it back) when it is marked draining.
+  Status admits_actors(const std::string& node_id) const;
+  // `node`, the capability of the node `node_id`, wrapped (a Cap'n Proto membrane, which also
+  // wraps the leases it returns) so that openLease and Lease.spawnActor fail with
+  // FAILED_PRECONDITION while that node is marked draining. Every other call passes through.
+  proto::Node::Client guarded(const std::string& node_id, proto::Node::Client node);
   uint64_t subscribe(proto::ClusterListener::Client listener);
   void unsubscribe(uint64_t id);
 

@@ -158,8 +158,13 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
   endpoint.secret = c.cluster_token;
   auto* self = &d;
   endpoint.grant = [self](proto::Handshake::AuthenticateResults::Builder out) {
-    out.setNode(self->node->client());
-    if (self->registry) out.setCluster(self->registry->client());
+    if (self->registry) {
+      // The head's own node, refusing new actors while it drains (`tessera drain`).
+      out.setNode(self->registry->guarded(self->identity.node_id, self->node->client()));
+      out.setCluster(self->registry->client());
+    } else {
+      out.setNode(self->node->client());
+    }
   };
   std::string host_part =
       bind_host.find(':') != std::string::npos ? "[" + bind_host + "]" : bind_host;

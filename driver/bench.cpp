@@ -15,6 +15,7 @@
 #include "common/checkpoint/safetensors.h"
 #include "common/kv_cache_dtype.h"
 #include "driver/cli/cli_help.h"
+#include "driver/server/replica_generate.h"
 
 namespace tessera {
 
@@ -42,6 +43,24 @@ nlohmann::json run_json(const std::string& command, const std::string& model, co
           {"backend", m.backend},
           {"device", m.device_name},
           {"hostname", host}};
+}
+
+// `bench throughput`'s workload and rates, with one replica or many.
+nlohmann::json throughput_figures(const BenchThroughputOptions& o, size_t requests,
+                                  size_t input_tokens, size_t output_tokens, double wall) {
+  const double in_s = static_cast<double>(input_tokens) / wall;
+  const double out_s = static_cast<double>(output_tokens) / wall;
+  return {{"num_requests", requests},
+          {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
+          {"input_len", o.dataset_path.empty() ? o.input_len : 0},
+          {"output_len", o.dataset_path.empty() ? o.output_len : 0},
+          {"input_tokens", input_tokens},
+          {"output_tokens", output_tokens},
+          {"elapsed_s", wall},
+          {"requests_per_second", static_cast<double>(requests) / wall},
+          {"input_tokens_per_second", in_s},
+          {"output_tokens_per_second", out_s},
+          {"total_tokens_per_second", in_s + out_s}};
 }
 
 }  // namespace
@@ -486,25 +505,149 @@ Status run_control_plane(const BenchControlPlaneOptions& o) {
   return Status::ok();
 }
 
-Status run_throughput(const BenchThroughputOptions& o) {
-  const BenchOutput text(o.json);
+// bench throughput's requests: --num-prompts random prompts or the dataset's, tokenized.
+Expected<std::vector<BenchPrompt>> throughput_prompts(const BenchThroughputOptions& o,
+                                                      const ModelSession& session) {
+  std::vector<BenchPrompt> w;
+  if (o.dataset_path.empty()) {
+    w = random_bench_prompts(o.num_prompts, o.input_len, o.output_len, o.seed,
+                             session.config().vocab_size);
+  } else {
+    TESSERA_ASSIGN_OR_RETURN(w, read_bench_dataset(o.dataset_path, o.num_prompts, o.output_len,
+                                                   session.config().vocab_size));
+  }
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (w[i].ids.empty()) w[i].ids = session.tokenizer().encode(w[i].text, true);
+    if (w[i].ids.empty())
+      return invalid_argument("request " + std::to_string(i) + ": empty prompt");
+  }
+  return w;
+}
+
+// Request i's sampling: sampled, as vLLM's benchmark does (seeded per request), EOS ignored.
+SamplingParams throughput_sampling(const BenchThroughputOptions& o, size_t i,
+                                   const BenchPrompt& p) {
+  SamplingParams s;
+  s.temperature = 1.0f;
+  s.seed = o.seed + i;
+  s.max_tokens = static_cast<int>(p.output_len);
+  s.ignore_eos = true;
+  return s;
+}
+
+// "bench throughput: N of M requests done, ..." on stderr at each tenth of the requests done,
+// and at least every 10 s.
+class ThroughputProgress {
+ public:
+  ThroughputProgress(size_t requests, Clock::time_point t0)
+      : requests_(requests), t0_(t0), last_report_(t0) {}
+  void update(size_t finished, size_t output_tokens, Clock::time_point now) {
+    if (finished * 10 < next_tenth_ * requests_ && now - last_report_ <= std::chrono::seconds(10))
+      return;
+    while (finished * 10 >= next_tenth_ * requests_) ++next_tenth_;
+    last_report_ = now;
+    std::fprintf(stderr,
+                 "bench throughput: %zu of %zu requests done, %zu output tokens, %.0f tok/s so "
+                 "far\n",
+                 finished, requests_, output_tokens, output_tokens / seconds(now - t0_));
+  }
+
+ private:
+  size_t requests_;
+  Clock::time_point t0_, last_report_;
+  size_t next_tenth_ = 1;
+};
+
+Status check_throughput(const BenchThroughputOptions& o) {
   if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
   if (o.dataset_path.empty() && (o.input_len == 0 || o.output_len == 0)) {
     return invalid_argument("--input-len and --output-len must be at least 1");
   }
+  return Status::ok();
+}
+
+// -dp N or auto: every request added at once to the replicas; the requests and tokens each one
+// ran beside the totals. The steps' time split is the single engine's report (it reads one
+// worker group's step times).
+Status run_throughput_replicas(const BenchThroughputOptions& o) {
+  const BenchOutput text(o.json);
+  const auto start = Clock::now();
+  TESSERA_ASSIGN_OR_RETURN(auto replicas,
+                           server::ReplicaSet::start(o.engine, o.replicas, "tessera bench"));
+  const double load_s = seconds(Clock::now() - start);
+  const ModelSession& session = replicas->session();
+  const ModelInfo& m = replicas->loaded();
+  TESSERA_ASSIGN_OR_RETURN(auto w, throughput_prompts(o, session));
+  text.say("%s on %s (%s backend, %s), %zu replicas loaded in %.1f s: %zu requests\n",
+           m.architecture.c_str(), m.device_name.empty() ? "the CPU" : m.device_name.c_str(),
+           m.backend.c_str(), m.dtype.c_str(), replicas->size(), load_s, w.size());
+  std::fflush(text.text());
+  std::vector<Request> requests;
+  requests.reserve(w.size());
+  size_t input_tokens = 0, output_tokens = 0, finished = 0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    auto r = Request::make(w[i].ids, throughput_sampling(o, i, w[i]), m);
+    if (!r) return r.status().with_context("request " + std::to_string(i));
+    input_tokens += w[i].ids.size();
+    requests.push_back(std::move(*r));
+  }
+  const auto t0 = Clock::now();
+  auto t_end = t0;
+  ThroughputProgress progress(w.size(), t0);
+  TESSERA_ASSIGN_OR_RETURN(server::ReplicaGeneration g,
+                           server::generate_on_replicas(*replicas, std::move(requests),
+                                                        [&](size_t, const RequestOutput& out) {
+                                                          output_tokens += out.new_tokens.size();
+                                                          finished += out.finished;
+                                                          t_end = Clock::now();
+                                                          progress.update(finished, output_tokens,
+                                                                          t_end);
+                                                        }));
+  const double wall = seconds(t_end - t0);
+  const double rps = w.size() / wall, out_s = output_tokens / wall;
+  text.say("Throughput: %.2f requests/s, %.1f total tokens/s, %.1f output tokens/s\n", rps,
+           (input_tokens + output_tokens) / wall, out_s);
+  text.table({{"requests", std::to_string(w.size()), ""},
+              {"input tokens", std::to_string(input_tokens), ""},
+              {"output tokens", std::to_string(output_tokens), ""},
+              {"elapsed", fixed(wall, 2), "s"},
+              {"replicas", std::to_string(g.replicas.size()),
+               std::string("router ") + server::router_policy_name(replicas->policy())}},
+             "lrl");
+  std::vector<std::vector<std::string>> rows = {
+      {"replica", "requests", "input tokens", "output tokens"}};
+  nlohmann::json per_replica = nlohmann::json::array();
+  for (size_t i = 0; i < g.replicas.size(); ++i) {
+    const server::ReplicaRun& r = g.replicas[i];
+    rows.push_back({std::to_string(i), std::to_string(r.requests), std::to_string(r.prompt_tokens),
+                    std::to_string(r.output_tokens)});
+    per_replica.push_back({{"replica", i},
+                           {"requests", r.requests},
+                           {"input_tokens", r.prompt_tokens},
+                           {"output_tokens", r.output_tokens}});
+  }
+  text.table(rows, "lrrr");
+  nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+  j.update(throughput_figures(o, w.size(), input_tokens, output_tokens, wall));
+  j.update({{"tensor_parallel_size", session.plan().plan.tp},
+            {"pipeline_parallel_size", session.plan().plan.pp},
+            {"data_parallel_size", g.replicas.size()},
+            {"router", server::router_policy_name(replicas->policy())},
+            {"kv_blocks", m.kv_blocks},
+            {"load_seconds", load_s},
+            {"detokenize", true},
+            {"weight_bytes", m.weight_bytes},
+            {"replicas", per_replica}});
+  return text.finish(o.output_json, j);
+}
+
+Status run_throughput(const BenchThroughputOptions& o) {
+  TESSERA_RETURN_IF_ERROR(check_throughput(o));
+  if (o.replicas.data_parallel_size.ranks != 1) return run_throughput_replicas(o);
+  const BenchOutput text(o.json);
   TESSERA_ASSIGN_OR_RETURN(auto session, ModelSession::open(o.engine, "tessera bench", true));
   const ModelInfo& m = session->model();
-  std::vector<BenchPrompt> w;
-  if (o.dataset_path.empty()) {
-    w = random_bench_prompts(o.num_prompts, o.input_len, o.output_len, o.seed,
-                             session->config().vocab_size);
-  } else {
-    TESSERA_ASSIGN_OR_RETURN(w, read_bench_dataset(o.dataset_path, o.num_prompts, o.output_len,
-                                                   session->config().vocab_size));
-  }
-  for (BenchPrompt& p : w) {
-    if (p.ids.empty()) p.ids = session->tokenizer().encode(p.text, true);
-  }
+  TESSERA_ASSIGN_OR_RETURN(auto w, throughput_prompts(o, *session));
   text.say("%s on %s (%s backend, %s), loaded in %.1f s: %zu requests\n", m.architecture.c_str(),
            m.device_name.empty() ? "the CPU" : m.device_name.c_str(), m.backend.c_str(),
            m.dtype.c_str(), session->load_seconds(), w.size());
@@ -514,18 +657,10 @@ Status run_throughput(const BenchThroughputOptions& o) {
   double gpu_s = 0, actor_s = 0, call_s = 0;
   const auto t0 = Clock::now();
   for (size_t i = 0; i < w.size(); ++i) {
-    if (w[i].ids.empty())
-      return invalid_argument("request " + std::to_string(i) + ": empty prompt");
-    SamplingParams s;
-    s.temperature = 1.0f;  // sampled, as vLLM's benchmark does (seeded per request)
-    s.seed = o.seed + i;
-    s.max_tokens = static_cast<int>(w[i].output_len);
-    s.ignore_eos = true;
     input_tokens += w[i].ids.size();
-    TESSERA_RETURN_IF_ERROR(add(engine, w[i].ids, s).status());
+    TESSERA_RETURN_IF_ERROR(add(engine, w[i].ids, throughput_sampling(o, i, w[i])).status());
   }
-  auto last_report = t0;
-  size_t next_tenth = 1;
+  ThroughputProgress progress(w.size(), t0);
   // The timeline: a sample every half second of what the steps in it did, and the bytes each
   // step had to read at least (the weights once, the K/V of the tokens in the cache), from which
   // scripts/bench-plot draws the fraction of the memory roofline over the run.
@@ -579,17 +714,10 @@ Status run_throughput(const BenchThroughputOptions& o) {
       iv = Interval{};
       iv_start = now;
     }
-    if (finished * 10 >= next_tenth * w.size() || now - last_report > std::chrono::seconds(10)) {
-      while (finished * 10 >= next_tenth * w.size()) ++next_tenth;
-      last_report = now;
-      std::fprintf(
-          stderr,
-          "bench throughput: %zu of %zu requests done, %zu output tokens, %.0f tok/s so far\n",
-          finished, w.size(), output_tokens, output_tokens / seconds(now - t0));
-    }
+    progress.update(finished, output_tokens, now);
   }
   const double wall = seconds(Clock::now() - t0);
-  const double rps = w.size() / wall, in_s = input_tokens / wall, out_s = output_tokens / wall;
+  const double rps = w.size() / wall, out_s = output_tokens / wall;
   // vLLM's summary line, then the figures as a table.
   text.say("Throughput: %.2f requests/s, %.1f total tokens/s, %.1f output tokens/s\n", rps,
            (input_tokens + output_tokens) / wall, out_s);
@@ -607,22 +735,12 @@ Status run_throughput(const BenchThroughputOptions& o) {
                fixed(call_s, 2), "s", share(call_s)}},
              "lrlr");
   nlohmann::json j = run_json(o.command_line, o.engine.model, m);
+  j.update(throughput_figures(o, w.size(), input_tokens, output_tokens, wall));
   j.update({{"tensor_parallel_size", session->plan().plan.tp},
             {"pipeline_parallel_size", session->plan().plan.pp},
             {"kv_blocks", m.kv_blocks},
             {"load_seconds", session->load_seconds()},
             {"async_scheduling", engine.config().async_scheduling},
-            {"num_requests", w.size()},
-            {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
-            {"input_len", o.dataset_path.empty() ? o.input_len : 0},
-            {"output_len", o.dataset_path.empty() ? o.output_len : 0},
-            {"input_tokens", input_tokens},
-            {"output_tokens", output_tokens},
-            {"elapsed_s", wall},
-            {"requests_per_second", rps},
-            {"input_tokens_per_second", in_s},
-            {"output_tokens_per_second", out_s},
-            {"total_tokens_per_second", in_s + out_s},
             {"steps", steps},
             {"gpu_forward_s", gpu_s},
             {"gpu_busy_fraction", gpu_s / wall},
@@ -753,6 +871,7 @@ CLI::App* add_bench_throughput_subcommand(CLI::App& bench, BenchThroughputOption
   auto* throughput_cmd = bench.add_subcommand(
       "throughput", "Offline throughput: many requests at once through one engine (vLLM's)");
   add_engine_options(throughput_cmd, throughput.engine);
+  server::add_replica_options(throughput_cmd, throughput.replicas);
   throughput_cmd->add_option("--num-prompts", throughput.num_prompts, "Requests (1000)");
   throughput_cmd->add_option("--input-len", throughput.input_len, "Random prompt tokens (1024)");
   throughput_cmd->add_option("--output-len", throughput.output_len,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "driver/model_session.h"
+#include "driver/server/replica_set.h"
 
 namespace tessera {
 
@@ -65,9 +66,13 @@ int bench_report_command(const BenchReportOptions& options);
 // (EOS ignored), all added at once to one engine, detokenized as vLLM's LLM.generate does.
 // Reports requests/s and input/output/total tokens/s, and where the wall time went: the GPU's
 // forward passes (summed over steps) against the whole, the rest being host work the GPU waited
-// for. --output-json writes every figure with the machine and command.
+// for. --output-json writes every figure with the machine and command. With -dp N (or auto) the
+// requests are all added at once to N replicas of the plan (vLLM's --data-parallel-size): the
+// report has the totals and rates, the replicas' count ("data_parallel_size" in the JSON) and
+// the requests, input and output tokens each one ran ("replicas"), not the step time split.
 struct BenchThroughputOptions {
   EngineArgs engine;
+  server::ReplicaOptions replicas;  // -dp and --router
   uint32_t num_prompts = 1000;
   uint32_t input_len = 1024;
   uint32_t output_len = 128;

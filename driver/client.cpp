@@ -98,6 +98,7 @@ NodeView node_view(proto::NodeInfo::Reader info) {
   v.address = info.getAddress().cStr();
   v.is_head = info.getIsHead();
   v.alive = info.getAlive();
+  v.draining = info.getDraining();
   v.death_reason = info.getDeathReason().cStr();
   v.started_at_ms = info.getStartedAtMs();
   v.last_heartbeat_ms = info.getLastHeartbeatMs();
@@ -426,6 +427,14 @@ Expected<NodeHandle> ClusterClient::node(const std::string& node_id) {
 }
 
 NodeHandle ClusterClient::head_node() { return NodeHandle(loop_, conn_->node); }
+
+Expected<NodeView> ClusterClient::drain(const std::string& node, bool undo) {
+  auto req = conn_->cluster.drainNodeRequest();
+  req.setNode(node);
+  req.setUndo(undo);
+  return await(loop_, req.send().then([](auto&& resp) { return node_view(resp.getNode()); }),
+               undo ? "undo drain" : "drain node");
+}
 
 namespace {
 

@@ -71,12 +71,18 @@ struct NodeView {
   std::string address;
   bool is_head = false;
   bool alive = false;
+  // Marked by `tessera drain` (as the head lists it: NodeHandle::info(), which the node answers
+  // itself, leaves it false): no new actors go there.
+  bool draining = false;
   std::string death_reason;
   uint64_t started_at_ms = 0;
   uint64_t last_heartbeat_ms = 0;
   std::string session_dir;
   int pid = 0;
   NodeResources resources;
+
+  // Alive and not draining: placement may put new ranks there.
+  bool takes_actors() const { return alive && !draining; }
 };
 
 struct ActorView {
@@ -202,6 +208,12 @@ class ClusterClient {
   Expected<NodeHandle> node(const std::string& node_id);
   // The head's own node.
   NodeHandle head_node();
+
+  // `tessera drain`: marks the live node whose id or name is `node` draining (`undo`: clears the
+  // mark) and returns it as the head now lists it. While it drains, planning skips it and the
+  // head refuses to open leases or spawn actors there (FAILED_PRECONDITION); running actors stay.
+  // NOT_FOUND naming `node` and listing the live nodes when there is no such node.
+  Expected<NodeView> drain(const std::string& node, bool undo = false);
 
   // Calls `on_added` / `on_dead` as nodes join or die, while the loop runs; the subscription
   // ends when the returned object is destroyed.

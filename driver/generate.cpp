@@ -16,6 +16,7 @@
 #include "driver/engine/engine.h"
 #include "driver/llm.h"
 #include "driver/model_session.h"
+#include "driver/server/replica_generate.h"
 
 namespace tessera {
 
@@ -97,65 +98,82 @@ nlohmann::json result_json(const GenerationResult& r) {
           {"logprobs", lp}};
 }
 
-Status run(const GenerateOptions& o) {
+using Clock = std::chrono::steady_clock;
+
+// What is checked before a node starts or a model loads: the flags, the prompts, --input (read
+// whole) and --output (opened).
+struct Checked {
+  std::vector<InputPrompt> inputs;
+  std::unique_ptr<std::ofstream> output;
+};
+
+Expected<Checked> check(const GenerateOptions& o) {
   if (o.prompts.empty() == o.input.empty()) {
     return invalid_argument("give --prompt (one or more) or --input FILE.jsonl");
   }
-  // Everything that can be checked is checked before a node starts or a model loads.
   TESSERA_RETURN_IF_ERROR(validate(o.engine));
   TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(o.engine.model));
   // The flags' sampling parameters, at once (their prompts are checked as Requests once the
-  // tokenizer is loaded: LLM::generate).
+  // tokenizer is loaded).
   TESSERA_RETURN_IF_ERROR(Request::check_sampling(o.sampling, config.vocab_size));
   // Prompts are text: ill-formed UTF-8 is refused, not silently replaced.
   for (size_t i = 0; i < o.prompts.size(); ++i) {
     TESSERA_RETURN_IF_ERROR(check_utf8(o.prompts[i], i + 1).with_context("--prompt"));
   }
-  std::vector<InputPrompt> inputs;
+  Checked c;
   if (!o.input.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(inputs, read_inputs(o.input));
+    TESSERA_ASSIGN_OR_RETURN(c.inputs, read_inputs(o.input));
   }
-  std::unique_ptr<std::ofstream> output;
   if (!o.output.empty()) {
-    output = std::make_unique<std::ofstream>(o.output);
-    if (!*output) return invalid_argument("--output: cannot write " + o.output);
+    c.output = std::make_unique<std::ofstream>(o.output);
+    if (!*c.output) return invalid_argument("--output: cannot write " + o.output);
   }
-  auto t0 = std::chrono::steady_clock::now();
-  TESSERA_ASSIGN_OR_RETURN(auto llm, LLM::open(o.engine, "tessera generate"));
-  ModelSession* session = &llm->session();
-  auto t_loaded = std::chrono::steady_clock::now();
-  std::vector<std::string> texts = o.prompts;
+  return c;
+}
+
+// Each prompt's text (as the output shows it) and ids: --prompt texts tokenized, or the --input
+// lines (text tokenized, ids decoded).
+struct Prompts {
+  std::vector<std::string> texts;
   std::vector<std::vector<int32_t>> ids;
+};
+
+Prompts tokenize(const GenerateOptions& o, std::vector<InputPrompt> inputs,
+                 const Tokenizer& tokenizer) {
+  Prompts p{o.prompts, {}};
   if (!o.input.empty()) {
-    for (auto& p : inputs) {
-      if (p.text) {
-        ids.push_back(session->tokenizer().encode(*p.text, /*add_special_tokens=*/true));
-        texts.push_back(std::move(*p.text));
+    for (auto& in : inputs) {
+      if (in.text) {
+        p.ids.push_back(tokenizer.encode(*in.text, /*add_special_tokens=*/true));
+        p.texts.push_back(std::move(*in.text));
       } else {
-        texts.push_back(session->tokenizer().decode(p.ids, false));
-        ids.push_back(std::move(p.ids));
+        p.texts.push_back(tokenizer.decode(in.ids, false));
+        p.ids.push_back(std::move(in.ids));
       }
     }
   } else {
-    for (const auto& p : texts) ids.push_back(session->tokenizer().encode(p, true));
+    for (const auto& text : p.texts) p.ids.push_back(tokenizer.encode(text, true));
   }
-  const bool stream = texts.size() == 1 && !o.json && !output;
-  TESSERA_ASSIGN_OR_RETURN(auto results,
-                           llm->generate(ids, o.sampling, [&](size_t, const RequestOutput& out) {
-                             if (stream) std::cout << out.delta << std::flush;
-                           }));
-  auto t_end = std::chrono::steady_clock::now();
+  return p;
+}
+
+// Text streams to stdout as it comes for one prompt printed as text.
+bool streams(const GenerateOptions& o, const Checked& c, const Prompts& p) {
+  return p.texts.size() == 1 && !o.json && !c.output;
+}
+
+// The results, in the prompts' order: to --output, as JSON lines, or as text (after the stream).
+Status print_results(const GenerateOptions& o, std::ofstream* output, const Prompts& p,
+                     const std::vector<GenerationResult>& results, bool stream) {
   if (output) {
     for (size_t i = 0; i < results.size(); ++i) {
       nlohmann::json j = result_json(results[i]);
-      j["prompt"] = texts[i];
+      j["prompt"] = p.texts[i];
       *output << j.dump() << "\n";
     }
     output->flush();
     if (!*output) return unavailable("--output: writing " + o.output + " failed (disk full?)");
     std::fprintf(stderr, "wrote %zu results to %s\n", results.size(), o.output.c_str());
-  }
-  if (output) {
     // The results are in the file.
   } else if (o.json) {
     for (const auto& r : results) std::cout << result_json(r).dump() << "\n";
@@ -163,20 +181,23 @@ Status run(const GenerateOptions& o) {
     std::cout << std::endl;  // before the summary on stderr
   } else {
     for (size_t i = 0; i < results.size(); ++i) {
-      std::cout << "[" << i << "] " << texts[i] << results[i].text << "\n";
+      std::cout << "[" << i << "] " << p.texts[i] << results[i].text << "\n";
     }
   }
+  return Status::ok();
+}
+
+// The summary line on stderr: the model, the tokens, the load time, the first token's and the
+// decode rate after it.
+void print_summary(const ModelInfo& m, const std::vector<GenerationResult>& results,
+                   Clock::time_point t0, Clock::time_point t_loaded, Clock::time_point t_end) {
   using ms = std::chrono::duration<double, std::milli>;
   size_t prompt_tokens = 0, output_tokens = 0;
-  std::optional<std::chrono::steady_clock::time_point> first;
+  std::optional<Clock::time_point> first;
   for (const auto& r : results) {
     prompt_tokens += r.prompt_token_ids.size();
     output_tokens += r.token_ids.size();
     if (r.first_token && (!first || *r.first_token < *first)) first = r.first_token;
-  }
-  const ModelInfo& m = session->model();
-  if (session->plan().plan.world > 1 || !session->plan().choice.empty()) {
-    std::fputs(plan_summary(session->plan()).c_str(), stderr);
   }
   double decode_ms = first ? ms(t_end - *first).count() : 0.0;
   std::fprintf(
@@ -192,7 +213,69 @@ Status run(const GenerateOptions& o) {
       output_tokens > results.size() && decode_ms > 0
           ? (output_tokens - results.size()) / (decode_ms / 1000.0)
           : 0.0);
+}
+
+// -dp 1: one engine (LLM).
+Status run_one(const GenerateOptions& o, Checked c) {
+  auto t0 = Clock::now();
+  TESSERA_ASSIGN_OR_RETURN(auto llm, LLM::open(o.engine, "tessera generate"));
+  ModelSession* session = &llm->session();
+  auto t_loaded = Clock::now();
+  const Prompts p = tokenize(o, std::move(c.inputs), session->tokenizer());
+  const bool stream = streams(o, c, p);
+  TESSERA_ASSIGN_OR_RETURN(auto results,
+                           llm->generate(p.ids, o.sampling, [&](size_t, const RequestOutput& out) {
+                             if (stream) std::cout << out.delta << std::flush;
+                           }));
+  auto t_end = Clock::now();
+  TESSERA_RETURN_IF_ERROR(print_results(o, c.output.get(), p, results, stream));
+  if (session->plan().plan.world > 1 || !session->plan().choice.empty()) {
+    std::fputs(plan_summary(session->plan()).c_str(), stderr);
+  }
+  print_summary(session->model(), results, t0, t_loaded, t_end);
   return Status::ok();
+}
+
+// -dp N or auto: the prompts spread over the replicas, then a line per replica.
+Status run_replicas(const GenerateOptions& o, Checked c) {
+  auto t0 = Clock::now();
+  TESSERA_ASSIGN_OR_RETURN(auto replicas,
+                           server::ReplicaSet::start(o.engine, o.replicas, "tessera generate"));
+  auto t_loaded = Clock::now();
+  const Prompts p = tokenize(o, std::move(c.inputs), replicas->session().tokenizer());
+  std::vector<Request> requests;
+  requests.reserve(p.ids.size());
+  for (size_t i = 0; i < p.ids.size(); ++i) {
+    auto r = Request::make(p.ids[i], o.sampling, replicas->loaded());
+    if (!r) return r.status().with_context("prompt " + std::to_string(i));
+    requests.push_back(std::move(*r));
+  }
+  const bool stream = streams(o, c, p);
+  TESSERA_ASSIGN_OR_RETURN(server::ReplicaGeneration g,
+                           server::generate_on_replicas(*replicas, std::move(requests),
+                                                        [&](size_t, const RequestOutput& out) {
+                                                          if (stream)
+                                                            std::cout << out.delta << std::flush;
+                                                        }));
+  auto t_end = Clock::now();
+  TESSERA_RETURN_IF_ERROR(print_results(o, c.output.get(), p, g.results, stream));
+  print_summary(replicas->loaded(), g.results, t0, t_loaded, t_end);
+  for (size_t i = 0; i < g.replicas.size(); ++i) {
+    const server::ReplicaRun& r = g.replicas[i];
+    std::fprintf(stderr,
+                 "replica %zu ran %llu request(s): %llu prompt tokens, %llu output tokens\n", i,
+                 static_cast<unsigned long long>(r.requests),
+                 static_cast<unsigned long long>(r.prompt_tokens),
+                 static_cast<unsigned long long>(r.output_tokens));
+  }
+  return Status::ok();
+}
+
+Status run(const GenerateOptions& o) {
+  // Everything that can be checked is checked before a node starts or a model loads.
+  TESSERA_ASSIGN_OR_RETURN(Checked c, check(o));
+  if (o.replicas.data_parallel_size.ranks == 1) return run_one(o, std::move(c));
+  return run_replicas(o, std::move(c));
 }
 
 }  // namespace
@@ -201,6 +284,7 @@ CLI::App* add_generate_subcommand(CLI::App& app, GenerateOptions& gen) {
   gen.sampling.max_tokens = 64;
   auto* gen_cmd = app.add_subcommand("generate", "Generate completions for one or more prompts");
   add_engine_options(gen_cmd, gen.engine);
+  server::add_replica_options(gen_cmd, gen.replicas);
   gen_cmd->add_option("--prompt", gen.prompts, "The prompt text (repeat for a batch)");
   gen_cmd->add_option("--input", gen.input,
                       "A JSONL file of {\"prompt\": ...} or {\"prompt_token_ids\": [...]}");

@@ -166,7 +166,9 @@ CommBackend pick_collectives(Collectives asked, const std::vector<RankInfo>& ran
 
 }  // namespace
 
-ModelSession::~ModelSession() {
+ModelSession::~ModelSession() { close(); }
+
+void ModelSession::close() {
   engine_.reset();
   group_.reset();  // stops the actors
   cluster_.reset();

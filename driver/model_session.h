@@ -71,6 +71,10 @@ class ModelSession {
   // left; a head that is gone is connected to again (a local node is started anew). The old
   // engine and its requests are gone.
   Status restart();
+  // Stops the worker group (its actors exit) and the engine, for good: engine(), model() and
+  // group() are gone; the tokenizer, config, defaults and plan stay (a replica taken out of
+  // service while the server still uses them).
+  void close();
 
  private:
   ModelSession() = default;

@@ -32,7 +32,11 @@ Expected<ClusterStatus> collect_status(EventLoop& loop, const std::string& head_
       if (!handle) {
         ns.error = handle.status().message();
       } else {
-        if (auto info = handle->info()) ns.node = *info;  // fresh GPU memory readings
+        if (auto info = handle->info()) {
+          // Fresh GPU memory readings; the drain mark is the head's (the node does not know it).
+          ns.node = *info;
+          ns.node.draining = n.draining;
+        }
         if (auto actors = handle->actors()) {
           ns.actors = *actors;
         } else {
@@ -72,20 +76,29 @@ std::string pad(std::string s, size_t width) {
 
 std::string render_status(const ClusterStatus& status) {
   std::ostringstream o;
-  size_t alive = 0;
-  for (const auto& n : status.nodes) alive += n.node.alive ? 1 : 0;
+  size_t alive = 0, draining = 0;
+  for (const auto& n : status.nodes) {
+    alive += n.node.alive ? 1 : 0;
+    draining += n.node.alive && n.node.draining ? 1 : 0;
+  }
   o << "Cluster at " << status.head_address << " (head " << status.head_id << "): " << alive
     << " node(s) alive";
+  if (draining > 0) o << " (" << draining << " draining)";
   if (alive != status.nodes.size()) o << ", " << status.nodes.size() - alive << " dead";
   o << "\n";
   for (const auto& ns : status.nodes) {
     const NodeView& n = ns.node;
     const NodeResources& r = n.resources;
+    const char* state = !n.alive ? "DEAD" : (n.draining ? "draining" : "alive");
     o << "\nNode " << n.node_id << " (" << n.name << ")" << (n.is_head ? " [head]" : "") << "  "
-      << n.address << "  " << (n.alive ? "alive" : "DEAD") << "  pid " << n.pid << "\n";
+      << n.address << "  " << state << "  pid " << n.pid << "\n";
     if (!n.alive) {
       o << "  died: " << n.death_reason << "\n";
       continue;
+    }
+    if (n.draining) {
+      o << "  draining: no new actors go there (`tessera drain " << n.name
+        << " --undo` takes it back)\n";
     }
     o << "  CPUs " << r.cpus << ", memory " << gib(r.memory_available) << " GiB free of "
       << gib(r.memory_total) << " GiB\n";
@@ -163,6 +176,7 @@ std::string render_status_json(const ClusterStatus& status) {
                      {"address", n.address},
                      {"is_head", n.is_head},
                      {"alive", n.alive},
+                     {"draining", n.draining},
                      {"death_reason", n.death_reason},
                      {"pid", n.pid},
                      {"session_dir", n.session_dir},
@@ -184,46 +198,56 @@ std::string render_status_json(const ClusterStatus& status) {
   return out.dump(2) + "\n";
 }
 
+void add_head_options(CLI::App* cmd, std::string& address, std::string& temp_dir,
+                      std::string& token_file) {
+  cmd->add_option("--address", address,
+                  "Head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's cluster)")
+      ->envname("TESSERA_ADDRESS");
+  cmd->add_option("--temp-dir", temp_dir, "The root the head was started with");
+  cmd->add_option("--cluster-token-file", token_file,
+                  "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
+}
+
 CLI::App* add_status_subcommand(CLI::App& app, StatusOptions& options) {
   auto* status_cmd = app.add_subcommand("status", "Show the cluster: nodes, GPUs, actors");
-  status_cmd
-      ->add_option("--address", options.address,
-                   "Head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's cluster)")
-      ->envname("TESSERA_ADDRESS");
-  status_cmd->add_option("--temp-dir", options.temp_dir, "The root the head was started with");
-  status_cmd->add_option("--cluster-token-file", options.cluster_token_file,
-                         "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
+  add_head_options(status_cmd, options.address, options.temp_dir, options.cluster_token_file);
   status_cmd->add_flag("--json", options.json, "Print JSON");
   add_examples(status_cmd, {"tessera status", "tessera status --address 10.0.0.1:6380 --json"});
   return status_cmd;
 }
 
+Expected<HeadTarget> find_head(const std::string& address_flag, const std::string& temp_dir,
+                               const std::string& token_file) {
+  auto root = find_cluster_root(temp_dir);
+  HeadTarget target{address_flag, ""};
+  if (target.address.empty()) {
+    auto found = root ? read_head_address(*root) : Expected<std::string>(root.status());
+    if (!found) return found.status();
+    target.address = *found;
+  }
+  auto token = auth::resolve_cluster_token(token_file, root ? *root : std::string());
+  if (!token) return token.status();
+  target.token = *token;
+  return target;
+}
+
 int status_command(const StatusOptions& options) {
   const std::string& address_flag = options.address;
-  auto root = find_cluster_root(options.temp_dir);
-  std::string address = address_flag;
-  if (address.empty()) {
-    auto found = root ? read_head_address(*root) : Expected<std::string>(root.status());
-    if (!found) {
-      std::cerr << "tessera status: " << found.status().message() << "\n";
-      return 1;
-    }
-    address = *found;
-  }
-  auto token =
-      auth::resolve_cluster_token(options.cluster_token_file, root ? *root : std::string());
-  if (!token) {
-    std::cerr << "tessera status: " << token.status().message() << "\n";
+  auto head = find_head(address_flag, options.temp_dir, options.cluster_token_file);
+  if (!head) {
+    std::cerr << "tessera status: " << head.status().message() << "\n";
     const char* env = std::getenv("TESSERA_ADDRESS");
     if (address_flag.empty() || env == nullptr || address_flag != env) return 1;
-    // The address came from the environment: after `tessera stop` it names a cluster that is
-    // gone, the likelier reason than a token missing for a live one.
-    std::cerr << "  (the address " << address << " comes from $TESSERA_ADDRESS: if that cluster "
+    // Given an address, only the token can be missing. The address came from the environment:
+    // after `tessera stop` it names a cluster that is gone, the likelier reason than a token
+    // missing for a live one.
+    std::cerr << "  (the address " << address_flag
+              << " comes from $TESSERA_ADDRESS: if that cluster "
               << "was stopped, unset TESSERA_ADDRESS or start one with `tessera start --head`)\n";
     return 1;
   }
   EventLoop loop;
-  auto status = collect_status(loop, address, *token);
+  auto status = collect_status(loop, head->address, head->token);
   if (!status) {
     std::cerr << "tessera status: " << status.status().message() << "\n";
     return 1;

@@ -25,6 +25,20 @@ struct ClusterStatus {
   std::vector<NodeStatus> nodes;  // head first; dead nodes last
 };
 
+// The head a cluster command (status, drain) talks to and the token it proves: --address, else
+// the head recorded in this machine's cluster root (--temp-dir); --cluster-token-file, else
+// $TESSERA_CLUSTER_TOKEN or the root's token. Errors say which of the two is missing.
+struct HeadTarget {
+  std::string address;
+  std::string token;
+};
+Expected<HeadTarget> find_head(const std::string& address_flag, const std::string& temp_dir,
+                               const std::string& token_file);
+// The three flags find_head reads, as every cluster command (status, topo, plan, drain) takes
+// them: --address (or $TESSERA_ADDRESS), --temp-dir, --cluster-token-file.
+void add_head_options(CLI::App* cmd, std::string& address, std::string& temp_dir,
+                      std::string& token_file);
+
 // Asks the head for its members and each live member for its actors and shared memory.
 Expected<ClusterStatus> collect_status(EventLoop& loop, const std::string& head_address,
                                        const std::string& token);

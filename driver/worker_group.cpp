@@ -524,6 +524,16 @@ Expected<WorkerGroup::Loaded> WorkerGroup::load_weights() {
     if (!loaded[r]) return explain(loaded[r].status().with_context(ranks_[r]->describe()));
     out.kv_blocks = std::min(out.kv_blocks, loaded[r]->kv_blocks);
   }
+  if (const int64_t cap = spec_.load.engine.num_gpu_blocks_override; cap > 0) {
+    if (cap > out.kv_blocks) {
+      spdlog::warn("--num-gpu-blocks-override {}: only {} KV blocks fit; using {}", cap,
+                   out.kv_blocks, out.kv_blocks);
+    } else {
+      spdlog::info("--num-gpu-blocks-override: {} KV blocks of the {} that fit", cap,
+                   out.kv_blocks);
+      out.kv_blocks = cap;
+    }
+  }
   return out;
 }
 

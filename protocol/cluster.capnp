@@ -40,4 +40,11 @@ interface Cluster {
   # without declaring the node dead.
   listNodes @1 (includeDead :Bool) -> (nodes :List(NodeEntry));
   subscribe @2 (listener :ClusterListener) -> (subscription :Subscription);
+  drainNode @3 (node :Text, undo :Bool) -> (node :N.NodeInfo);
+  # `tessera drain`: marks a live node draining (undo: clears the mark) and returns it as listed.
+  # `node` is a node id or a node name (as `tessera status` prints them); no live node of that
+  # id or name: NOT_FOUND naming it and listing the live nodes. While a node drains, placement
+  # puts no new ranks there, and the Node capabilities the head hands out (listNodes, and the
+  # head's own from the handshake) refuse openLease, and spawnActor on their leases, with
+  # FAILED_PRECONDITION; its running actors are left alone.
 }

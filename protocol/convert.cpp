@@ -212,6 +212,7 @@ void to_proto(const EngineSpec& in, proto::EngineSpec::Builder out) {
   out.setMaxNumSeqs(in.max_num_seqs);
   out.setMaxNumBatchedTokens(in.max_num_batched_tokens);
   out.setBlockSize(in.block_size);
+  out.setNumGpuBlocksOverride(in.num_gpu_blocks_override);
   out.setKvCacheDtype(static_cast<proto::EngineSpec::KvCacheDtype>(in.kv_cache_dtype));
   out.setEnforceEager(in.enforce_eager);
   out.setEnablePrefixCaching(in.enable_prefix_caching);
@@ -239,6 +240,7 @@ EngineSpec from_proto(proto::EngineSpec::Reader in) {
   s.max_num_seqs = in.getMaxNumSeqs();
   s.max_num_batched_tokens = in.getMaxNumBatchedTokens();
   s.block_size = in.getBlockSize();
+  s.num_gpu_blocks_override = in.getNumGpuBlocksOverride();
   s.kv_cache_dtype = static_cast<KvCacheDtype>(in.getKvCacheDtype());
   s.enforce_eager = in.getEnforceEager();
   s.enable_prefix_caching = in.getEnablePrefixCaching();

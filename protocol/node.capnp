@@ -18,6 +18,7 @@ struct NodeInfo {
   lastHeartbeatMs @8 :UInt64; # unix epoch milliseconds of the last beat the head saw
   sessionDir @9 :Text;        # where this daemon writes its logs
   pid @10 :Int32;             # the daemon's PID
+  draining @11 :Bool;         # set by `tessera drain`: no new actors go there
 }
 
 enum ActorState {

@@ -118,6 +118,7 @@ struct EngineSpec {
   returnLogits @18 :Bool;
   resolved @19 :Bool;
   quantization @20 :Quantization;
+  numGpuBlocksOverride @21 :Int64;          # 0 = what the memory holds
 }
 
 struct LoadSpec {

@@ -144,8 +144,11 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
     } else {
       m.total = gpus[i]->total;
       m.in_use = gpus[i]->used;
-      m.budget =
-          static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(m.total));
+      // vLLM's rule, as the actor applies it: utilization x total for this rank, whoever else
+      // uses the GPU, as long as they leave that much free (two replicas at 0.45 share one).
+      m.budget = std::min<uint64_t>(
+          static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(m.total)),
+          m.total - std::min(m.in_use, m.total));
       const uint64_t qkv =
           static_cast<uint64_t>((r.shard.heads + 2 * r.shard.kv_heads) * c.head_dim);
       const uint64_t per_token = (4 * static_cast<uint64_t>(c.hidden_size) + 2 * qkv +
@@ -158,7 +161,7 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
       }
       if (!options.enforce_eager) m.activations += kGraphReserve;
       if (plan.world > 1) m.activations += kCommReserve;
-      const uint64_t committed = m.in_use + m.weights + m.activations;
+      const uint64_t committed = m.weights + m.activations;
       const uint64_t block_bytes = m.kv_bytes_per_token * static_cast<uint64_t>(options.block_size);
       if (m.budget > committed && block_bytes > 0) {
         const uint64_t blocks = (m.budget - committed) / block_bytes;
@@ -186,15 +189,15 @@ Status memory_status(const MemoryPlan& plan, const std::vector<std::string>& ran
   const EngineSpec& o = plan.engine;
   const std::string who =
       "rank " + std::to_string(r) + (r < rank_labels.size() ? " (" + rank_labels[r] + ")" : "");
-  const uint64_t committed = m.in_use + m.weights + m.activations;
+  const uint64_t committed = m.weights + m.activations;
   const uint64_t need_kv = m.kv_bytes_per_token * static_cast<uint64_t>(o.max_model_len);
   char util[32];
   std::snprintf(util, sizeof(util), "%.2f", o.gpu_memory_utilization);
   std::string msg = "the model does not fit: on " + who + ", --gpu-memory-utilization " + util +
                     " of " + format_gib(m.total) + " allows " + format_gib(m.budget) +
-                    "; weights take " + format_gib(m.weights) + ", activations (estimated) " +
-                    format_gib(m.activations) + " and memory already in use " +
-                    format_gib(m.in_use);
+                    (m.in_use > 0 ? " (" + format_gib(m.in_use) + " already in use)" : "") +
+                    "; weights take " + format_gib(m.weights) + " and activations (estimated) " +
+                    format_gib(m.activations);
   const std::string len = std::to_string(o.max_model_len);
   if (committed >= m.budget) {
     msg += ": together " + format_gib(committed - m.budget) +
@@ -211,7 +214,9 @@ Status memory_status(const MemoryPlan& plan, const std::vector<std::string>& ran
   }
   const double need_util = static_cast<double>(committed + need_kv) /
                            static_cast<double>(std::max<uint64_t>(m.total, 1));
-  if (need_util <= 1.0) {
+  const double free_util = static_cast<double>(m.total - std::min(m.in_use, m.total)) /
+                           static_cast<double>(std::max<uint64_t>(m.total, 1));
+  if (need_util <= free_util) {
     std::snprintf(util, sizeof(util), "%.2f", std::ceil(need_util * 100.0) / 100.0);
     fixes.push_back("raise --gpu-memory-utilization to " + std::string(util));
   }

@@ -98,8 +98,9 @@ struct GpuMemory {
   uint64_t used = 0;
 };
 
-// One rank's memory. GPU ranks: budget = utilization x total; in_use + weights + activations
-// come off it and the KV cache gets the rest, in whole blocks.
+// One rank's memory. GPU ranks: budget = utilization x total, or what others leave free when
+// that is less (vLLM's per-instance rule: two replicas at 0.45 share a GPU); weights +
+// activations come off it and the KV cache gets the rest, in whole blocks.
 struct RankMemory {
   bool gpu = true;  // false: a CPU rank, sized per sequence (kv_tokens = max_model_len)
   uint64_t total = 0;

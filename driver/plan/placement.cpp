@@ -348,12 +348,19 @@ Expected<Placement> place_ranks(int64_t tp, int64_t pp, const std::vector<Cluste
   if (tp < 1 || pp < 1) return invalid_argument("-tp and -pp must be at least 1");
   std::vector<const ClusterNode*> alive;
   size_t gpus = 0;
+  std::string draining;  // `tessera drain`: alive, but no new ranks go there
   for (const ClusterNode& n : nodes) {
-    if (!n.node.alive) continue;
+    if (n.node.alive && n.node.draining)
+      draining += (draining.empty() ? "" : ", ") + node_label(n.node);
+    if (!n.node.takes_actors()) continue;
     alive.push_back(&n);
     gpus += n.node.resources.gpus.size();
   }
-  if (alive.empty()) return failed_precondition("the cluster has no live node to place ranks on");
+  if (alive.empty()) {
+    return failed_precondition(
+        "the cluster has no live node to place ranks on" +
+        (draining.empty() ? "" : " (draining: " + draining + "; `tessera drain NODE --undo`)"));
+  }
   Placement pl;
   if (cpu || gpus == 0) {
     pl = place_cpu(tp, pp, alive);
@@ -387,6 +394,7 @@ Expected<Placement> place_ranks(int64_t tp, int64_t pp, const std::vector<Cluste
         detail += ")";
       }
     }
+    if (!draining.empty()) detail += "; draining, so not used: " + draining;
     // NCCL refuses two ranks on one GPU; the driver's ipc collectives do not (model_session's
     // plan_session shares the GPUs then), which is how a one-GPU machine runs -tp 2.
     return resource_exhausted(
@@ -553,7 +561,7 @@ std::string why_not(const Expected<ClusterPlan>& e) {
   if (!e) return e.status().message();
   const MemoryPlan& m = e->memory;
   const RankMemory& r = m.ranks.at(static_cast<size_t>(m.limiting_rank));
-  if (r.in_use + r.weights + r.activations >= r.budget) {
+  if (r.weights + r.activations >= r.budget) {
     return "weights " + format_gib(r.weights) + " + activations " + format_gib(r.activations) +
            " leave no KV room in a " + format_gib(r.budget) + " budget";
   }
@@ -585,7 +593,7 @@ std::vector<Candidate> candidates(const Context& cx, std::optional<int64_t> tp,
 int64_t free_gpus(const std::vector<ClusterNode>& nodes) {
   int64_t n = 0;
   for (const ClusterNode& c : nodes) {
-    if (c.node.alive) {
+    if (c.node.takes_actors()) {
       n += static_cast<int64_t>(free_positions(c.node.resources, c.busy_gpus).size());
     }
   }
@@ -603,11 +611,27 @@ std::string group_links_summary(const ClusterPlan& p) {
 
 }  // namespace
 
+std::vector<ClusterNode> with_shared_gpus(std::vector<ClusterNode> nodes, double utilization) {
+  for (ClusterNode& n : nodes) {
+    std::erase_if(n.busy_gpus, [&](uint32_t index) {
+      for (const GpuDevice& g : n.node.resources.gpus) {
+        if (g.index != index || g.memory_total == 0) continue;
+        const uint64_t free = g.memory_total - std::min(g.memory_used, g.memory_total);
+        return static_cast<double>(free) >= utilization * static_cast<double>(g.memory_total);
+      }
+      return false;
+    });
+  }
+  return nodes;
+}
+
 Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpec& spec,
-                                      const std::vector<ClusterNode>& nodes) {
+                                      const std::vector<ClusterNode>& given) {
   TESSERA_RETURN_IF_ERROR(validate(spec));
+  const std::vector<ClusterNode> nodes = with_shared_gpus(given, spec.gpu_memory_utilization);
   bool any_gpu = false;
-  for (const ClusterNode& n : nodes) any_gpu |= n.node.alive && !n.node.resources.gpus.empty();
+  for (const ClusterNode& n : nodes)
+    any_gpu |= n.node.takes_actors() && !n.node.resources.gpus.empty();
   bool cpu = spec.device == Device::kCpu || (spec.device == Device::kAuto && !any_gpu);
   if (spec.device == Device::kCuda && !any_gpu) {
     return failed_precondition("--device cuda: the cluster has no GPUs");
@@ -765,21 +789,40 @@ size_t ReplicaPlans::fitting() const {
 ReplicaPlans plan_replicas(const ModelConfig& config, const EngineSpec& spec,
                            std::vector<ClusterNode> nodes, int64_t replicas) {
   ReplicaPlans out;
-  for (int64_t r = 0; r < replicas; ++r) {
+  const bool automatic = replicas == 0;
+  std::set<std::string> taken;  // nodes holding CPU ranks of a replica planned here
+  for (int64_t r = 0; automatic ? r < kMaxParallelSize : r < replicas; ++r) {
     auto plan = plan_on_cluster(config, spec, nodes);
     if (!plan) {
       out.failure = plan.status();
+      if (automatic && !out.plans.empty()) out.failure = Status::ok();
       return out;
     }
+    const ClusterPlan& p = *plan;
+    if (automatic && p.placement.cpu) {
+      // CPU ranks always place; auto gives each replica nodes of its own.
+      bool shared = false;
+      for (const PlacedRank& rank : p.placement.ranks) shared |= taken.contains(rank.node_id);
+      if (shared && !out.plans.empty()) return out;
+    }
+    if (automatic && !p.fit && !out.plans.empty()) return out;
     out.plans.push_back(std::move(*plan));
-    const ClusterPlan& p = out.plans.back();
-    if (!p.fit) return out;
-    // What this replica holds, as the next one's plan sees it.
-    for (const PlacedRank& rank : p.placement.ranks) {
+    const ClusterPlan& kept = out.plans.back();
+    if (!kept.fit) return out;
+    // What this replica holds, as the next one's plan sees it: its GPUs busy, with the memory
+    // its budget takes in use (another replica shares one when the rest holds its budget).
+    for (size_t i = 0; i < kept.placement.ranks.size(); ++i) {
+      const PlacedRank& rank = kept.placement.ranks[i];
+      taken.insert(rank.node_id);
       for (ClusterNode& n : nodes) {
         if (n.node.node_id != rank.node_id) continue;
         ++n.actors;
-        if (rank.gpu >= 0) n.busy_gpus.push_back(static_cast<uint32_t>(rank.gpu));
+        if (rank.gpu < 0) continue;
+        n.busy_gpus.push_back(static_cast<uint32_t>(rank.gpu));
+        for (GpuDevice& g : n.node.resources.gpus) {
+          if (static_cast<int64_t>(g.index) != rank.gpu) continue;
+          g.memory_used = std::min(g.memory_total, g.memory_used + kept.memory.ranks.at(i).budget);
+        }
       }
     }
   }

@@ -11,7 +11,9 @@
 //     whose TP groups have the best links, then the most free GPUs); otherwise stages go over
 //     the nodes in order of free GPUs, most first, each node taking as many consecutive stages
 //     as it has whole TP groups of free GPUs;
-//   - busy GPUs (an actor runs there) are never used;
+//   - busy GPUs (an actor runs there) are not used by place_ranks; plan_on_cluster first frees
+//     those whose free memory still holds --gpu-memory-utilization x their total
+//     (with_shared_gpus: vLLM's per-instance rule, so two replicas at 0.45 share a GPU);
 //   - a cluster without GPUs (or device "cpu") gets CPU actors: each stage's TP group on one
 //     node, stages spread over the nodes (most CPUs first) in consecutive runs.
 #pragma once
@@ -31,7 +33,7 @@ namespace tessera {
 
 // A node as planning sees it.
 struct ClusterNode {
-  NodeView node;                    // as the head reports it; nodes not alive are skipped
+  NodeView node;                    // as the head reports it; skipped when not alive or draining
   std::vector<uint32_t> busy_gpus;  // GpuDevice::index values taken by running actors
   size_t actors = 0;                // running actors: CPU ranks go to the nodes with fewest
 };
@@ -129,10 +131,16 @@ struct ClusterPlan {
 Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpec& spec,
                                       const std::vector<ClusterNode>& nodes);
 
+// `nodes` with the busy GPUs that can take one more rank at `utilization` no longer busy: their
+// free memory (total - used) holds utilization x total.
+std::vector<ClusterNode> with_shared_gpus(std::vector<ClusterNode> nodes, double utilization);
+
 // `replicas` data-parallel replicas of the plan (`-dp`), each planned with plan_on_cluster on
-// the nodes as the ones before left them (their GPUs busy, their actors counted), as
-// `tessera serve -dp` places them. Stops at the first replica that cannot be placed or does
-// not fit and returns the plans so far and that one (its `fit`, or the status, saying why).
+// the nodes as the ones before left them (their GPUs busy with their budgets in use, their
+// actors counted), as `tessera serve -dp` places them. Stops at the first replica that cannot
+// be placed or does not fit and returns the plans so far and that one (its `fit`, or the
+// status, saying why). replicas == 0 is -dp auto: as many as fit (CPU replicas: as long as
+// each gets nodes no other one uses), the first that does not fit left out, failure OK.
 struct ReplicaPlans {
   std::vector<ClusterPlan> plans;  // the replicas that fit, then the one that did not, if any
   Status failure;                  // why replica plans.size() - 1 (or plans.size()) does not fit

@@ -75,6 +75,10 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
   cmd->add_option("--gpu-memory-utilization", e.gpu_memory_utilization,
                   "Fraction of each GPU's memory to use")
       ->capture_default_str();
+  cmd->add_option("--num-gpu-blocks-override", e.num_gpu_blocks_override,
+                  "At most this many KV cache blocks, whatever the memory holds (0: no cap; for "
+                  "studying eviction and routing, as vLLM's)")
+      ->capture_default_str();
   cmd->add_option("--max-num-seqs", e.max_num_seqs, "Most sequences in a step")
       ->capture_default_str();
   cmd->add_option("--max-num-batched-tokens", e.max_num_batched_tokens,
@@ -135,21 +139,18 @@ std::vector<std::string> positional_model_argv(std::vector<std::string> args) {
   return args;
 }
 
-void add_data_parallel_option(CLI::App* cmd, int64_t& replicas) {
+void add_data_parallel_option(CLI::App* cmd, ParallelSize& replicas) {
   cmd->add_option_function<std::string>(
          "--data-parallel-size",
          [&replicas](const std::string& text) {
            auto size = ParallelSize::parse(text, "-dp/--data-parallel-size");
            if (!size) throw CLI::ValidationError(size.status().message());
-           if (size->is_auto()) {
-             throw CLI::ValidationError(
-                 "-dp/--data-parallel-size auto is not supported yet: give a number");
-           }
-           replicas = size->ranks;
+           replicas = *size;
          },
-         "-dp: replicas of the model's T x P plan behind one endpoint, each with its own "
-         "scheduler and KV cache, placed where the ones before left room (1)")
-      ->type_name("N");
+         "-dp: replicas of the model's T x P plan, each with its own scheduler and KV cache, "
+         "placed where the ones before left room; auto: as many as fit, and one more on each "
+         "node that joins while there is room (1)")
+      ->type_name("N|auto");
 }
 
 ParallelFlagArgv::ParallelFlagArgv(int argc, const char* const* argv) {
@@ -283,6 +284,7 @@ std::string topology_json(const std::string& head_address, const std::vector<Clu
                          {"address", n.address},
                          {"is_head", n.is_head},
                          {"alive", n.alive},
+                         {"draining", n.draining},
                          {"cpus", r.cpus},
                          {"memory_total", r.memory_total},
                          {"memory_available", r.memory_available},
@@ -319,6 +321,7 @@ Expected<std::vector<ClusterNode>> parse_topology_json(const std::string& text,
       n.is_head = jn.value("is_head", false);
       n.alive = jn.value("alive", true);
       if (!n.alive) continue;
+      n.draining = jn.value("draining", false);
       if (n.node_id.empty()) n.node_id = n.name.empty() ? "node-" + std::to_string(i - 1) : n.name;
       NodeResources& r = n.resources;
       r.hostname = n.name;
@@ -383,7 +386,7 @@ std::string render_topology(const std::string& head_address,
     const NodeResources& r = n.resources;
     o << "\nNode " << n.node_id;
     if (!n.name.empty() && n.name != n.node_id) o << " (" << n.name << ")";
-    o << (n.is_head ? " [head]" : "");
+    o << (n.is_head ? " [head]" : "") << (n.draining ? " [draining: no new ranks]" : "");
     if (r.gpus.empty()) {
       o << ": no GPUs" << (r.gpu_note.empty() ? "" : " (" + r.gpu_note + ")")
         << "; ranks here run as CPU actors\n";
@@ -557,12 +560,7 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
 
 CLI::App* add_topo_subcommand(CLI::App& app, TopoOptions& o) {
   auto* cmd = app.add_subcommand("topo", "Show each node's GPU links and the TP sizes on NVLink");
-  cmd->add_option("--address", o.address,
-                  "Head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's cluster)")
-      ->envname("TESSERA_ADDRESS");
-  cmd->add_option("--temp-dir", o.temp_dir, "The root the head was started with");
-  cmd->add_option("--cluster-token-file", o.cluster_token_file,
-                  "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
+  add_head_options(cmd, o.address, o.temp_dir, o.cluster_token_file);
   cmd->add_flag("--json", o.json, "Print JSON (tessera plan --cluster-file reads it)");
   return cmd;
 }
@@ -571,13 +569,7 @@ CLI::App* add_plan_subcommand(CLI::App& app, PlanOptions& o) {
   auto* cmd = app.add_subcommand(
       "plan", "Plan tensor x pipeline parallelism for a model on a cluster; starts nothing");
   add_model_options(cmd, o.engine);
-  cmd->add_option("--address", o.address,
-                  "A cluster's head HOST:PORT (default: $TESSERA_ADDRESS, else this machine's "
-                  "cluster)")
-      ->envname("TESSERA_ADDRESS");
-  cmd->add_option("--temp-dir", o.temp_dir, "The root the head was started with");
-  cmd->add_option("--cluster-token-file", o.cluster_token_file,
-                  "The cluster token (default: $TESSERA_CLUSTER_TOKEN or this machine's)");
+  add_head_options(cmd, o.address, o.temp_dir, o.cluster_token_file);
   cmd->add_option("--cluster-file", o.cluster_file,
                   "Plan on the nodes of a `tessera topo --json` (or `status --json`) file");
   cmd->add_option("--gpus", o.gpus,
@@ -659,15 +651,17 @@ Expected<std::pair<std::vector<ClusterNode>, std::string>> find_nodes(const Plan
   }
   auto live = connect_cluster(o.address, o.temp_dir, o.cluster_token_file);
   if (live) {
-    size_t gpus = 0, busy = 0;
+    size_t gpus = 0, busy = 0, draining = 0;
     for (const ClusterNode& n : live->nodes) {
       gpus += n.node.resources.gpus.size();
       busy += n.busy_gpus.size();
+      draining += n.node.draining ? 1 : 0;
     }
-    return Result{std::move(live->nodes), "Cluster at " + live->address + ": " +
-                                              std::to_string(live->nodes.size()) + " node(s), " +
-                                              std::to_string(gpus) + " GPU(s), " +
-                                              std::to_string(busy) + " busy"};
+    return Result{std::move(live->nodes),
+                  "Cluster at " + live->address + ": " + std::to_string(live->nodes.size()) +
+                      " node(s), " + std::to_string(gpus) + " GPU(s), " + std::to_string(busy) +
+                      " busy" +
+                      (draining ? ", " + std::to_string(draining) + " draining (not used)" : "")};
   }
   if (!o.address.empty()) return live.status();
   // No cluster: this machine as one node.
@@ -710,22 +704,29 @@ int topo_command(const TopoOptions& o) {
 
 namespace {
 
-// `tessera plan -dp N`: each replica's report, then how many fit.
+// `tessera plan -dp N|auto`: each replica's report, then how many fit.
 int plan_replicas_command(const PlanOptions& o, const ModelConfig& config,
                           const std::vector<ClusterNode>& nodes, const std::string& where) {
-  const ReplicaPlans r = plan_replicas(config, o.engine, nodes, o.data_parallel_size);
+  const ParallelSize& dp = o.data_parallel_size;
+  const ReplicaPlans r = plan_replicas(config, o.engine, nodes, dp.ranks);
   std::cout << where << "\n";
   for (size_t i = 0; i < r.plans.size(); ++i) {
-    std::cout << "\nReplica " << i << " of " << o.data_parallel_size << ":\n"
+    std::cout << "\nReplica " << i << (dp.is_auto() ? "" : " of " + dp.to_string()) << ":\n"
               << render_cluster_plan(config, r.plans[i]);
   }
   const size_t fit = r.fitting();
-  if (fit == static_cast<size_t>(o.data_parallel_size)) {
+  if (dp.is_auto() && fit > 0) {
+    std::cout << "\n-dp auto: " << fit << " replica" << (fit == 1 ? "" : "s")
+              << " fit now; a node that joins a running `tessera serve -dp auto` gets one more "
+                 "when it has room.\n";
+    return 0;
+  }
+  if (fit == static_cast<size_t>(dp.ranks)) {
     std::cout << "\nAll " << fit << " replicas fit.\n";
     return 0;
   }
   const std::string why = !r.failure.is_ok() ? r.failure.message() : r.plans.back().fit.message();
-  std::cout << "\n-dp " << o.data_parallel_size << " does not fit: " << fit << " replica"
+  std::cout << "\n-dp " << dp.to_string() << " does not fit: " << fit << " replica"
             << (fit == 1 ? "" : "s") << " fit; replica " << fit << ": " << why << "\n";
   return 1;
 }
@@ -743,8 +744,9 @@ int plan_command(const PlanOptions& o) {
     std::cerr << "tessera plan: " << nodes.status().message() << "\n";
     return 1;
   }
-  if (o.data_parallel_size > 1)
+  if (o.data_parallel_size.is_auto() || o.data_parallel_size.ranks > 1) {
     return plan_replicas_command(o, *config, nodes->first, nodes->second);
+  }
   auto plan = plan_on_cluster(*config, o.engine, nodes->first);
   if (!plan) {
     std::cerr << "tessera plan: " << plan.status().message() << "\n";

@@ -51,7 +51,7 @@ std::vector<std::string> positional_model_argv(std::vector<std::string> args);
 // bare "--" are left alone. Hand argc()/argv() to CLI::App::parse; they live as long as this.
 // -dp / --data-parallel-size N: replicas of the plan (serve runs them, plan places them), 1 to
 // kMaxParallelSize; the flag's one parser for both commands.
-void add_data_parallel_option(CLI::App* cmd, int64_t& replicas);
+void add_data_parallel_option(CLI::App* cmd, ParallelSize& replicas);
 
 class ParallelFlagArgv {
  public:
@@ -77,9 +77,9 @@ std::vector<ClusterNode> cluster_nodes(const ClusterStatus& status);
 std::vector<ClusterNode> synthetic_nodes(int64_t nodes, int64_t gpus_per_node, uint64_t gpu_memory);
 
 // `tessera topo --json`: {"head_address", "nodes": [{"node_id", "name", "address", "is_head",
-// "cpus", "memory_total", "memory_available", "gpu_note", "gpus": [{"index", "name", "uuid",
-// "pci_bus_id", "memory_total", "memory_used", "busy"}], "links": [["X", "NV18", ...], ...],
-// "nvlink_islands": [[0, 1], ...], "nvlink_tp_sizes": [{"tp", "groups"}]}]}.
+// "alive", "draining", "cpus", "memory_total", "memory_available", "gpu_note", "gpus": [{"index",
+// "name", "uuid", "pci_bus_id", "memory_total", "memory_used", "busy"}], "links": [["X", "NV18",
+// ...], ...], "nvlink_islands": [[0, 1], ...], "nvlink_tp_sizes": [{"tp", "groups"}]}]}.
 std::string topology_json(const std::string& head_address, const std::vector<ClusterNode>& nodes);
 // Reads topology_json's output back (`tessera plan --cluster-file`): the nodes with their GPUs,
 // links and busy GPUs. INVALID_ARGUMENT naming `file` and the field on malformed input.
@@ -109,7 +109,7 @@ struct PlanOptions {
   EngineSpec engine;  // the model flags; config.json is all that is read of the model
   // Where the nodes come from, first that applies: cluster_file; gpus >= 0 (made up); address;
   // the head started on this machine; this machine (describe_this_machine).
-  int64_t data_parallel_size = 1;  // -dp: replicas of the plan, placed one after another
+  ParallelSize data_parallel_size;  // -dp: replicas of the plan, placed one after another
   std::string cluster_file;   // a `tessera topo --json` output
   int64_t gpus = -1;          // --gpus N per node, without a cluster (0 = CPU ranks)
   int64_t nodes = 1;          // --nodes, with --gpus

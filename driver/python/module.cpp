@@ -151,6 +151,7 @@ py::dict spec_dict(const EngineSpec& e) {
   d["max_num_seqs"] = e.max_num_seqs;
   d["max_num_batched_tokens"] = e.max_num_batched_tokens;
   d["block_size"] = e.block_size;
+  d["num_gpu_blocks_override"] = e.num_gpu_blocks_override;
   d["kv_cache_dtype"] = kv_cache_dtype_name(e.kv_cache_dtype);
   d["enforce_eager"] = e.enforce_eager;
   d["enable_prefix_caching"] = e.enable_prefix_caching;

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <future>
 
 namespace tessera::server {
@@ -23,6 +24,14 @@ class SessionHost final : public EngineHost {
   Status abort_steps(std::chrono::milliseconds within) override {
     auto dropped = session_->group().abort(within);
     return dropped ? Status::ok() : dropped.status();
+  }
+  void retire() override { session_->close(); }
+  std::vector<std::string> nodes() const override {
+    std::vector<std::string> out;
+    for (const PlacedRank& r : session_->plan().placement.ranks) {
+      if (std::find(out.begin(), out.end(), r.node_id) == out.end()) out.push_back(r.node_id);
+    }
+    return out;
   }
 
  private:
@@ -79,9 +88,23 @@ Expected<std::unique_ptr<AsyncEngine>> AsyncEngine::start(OpenHost open) {
     self->loaded_ = self->host_->model();
     self->load_seconds_ = self->host_->load_seconds();
     self->healthy_ = true;
+    self->nodes_ = self->host_->nodes();
     self->publish_stats();
     opened.set_value(Status::ok());
     self->run();
+    self->end_requests();
+    std::unique_lock<std::mutex> lock(self->mu_);
+    if (self->retire_ && !self->stop_) {
+      // Retired: the group stops now; the session (tokenizer, config, plan) stays until the
+      // engine is destroyed, on this thread, which owns the event loop.
+      lock.unlock();
+      self->host_->retire();
+      lock.lock();
+      self->retired_ = true;
+      self->wake_.notify_all();
+      self->wake_.wait(lock, [self] { return self->stop_; });
+    }
+    lock.unlock();
     self->host_.reset();  // the actors stop; on this thread, which owns the event loop
   });
   Status st = ready.get();
@@ -111,6 +134,7 @@ Expected<uint64_t> AsyncEngine::add(Request request, Sink sink) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return unavailable("the engine is shutting down");
+    if (retire_) return unavailable("the replica was taken out of service: " + unhealthy_);
     commands_.push_back(Command{false, id, std::move(request), std::move(sink)});
   }
   wake_.notify_one();
@@ -131,6 +155,11 @@ void AsyncEngine::abort(uint64_t id) {
 std::string AsyncEngine::unhealthy_reason() const {
   std::lock_guard<std::mutex> lock(mu_);
   return unhealthy_;
+}
+
+std::vector<std::string> AsyncEngine::nodes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return nodes_;
 }
 
 EngineStats AsyncEngine::stats() const {
@@ -254,13 +283,17 @@ void AsyncEngine::recover() {
       std::lock_guard<std::mutex> lock(mu_);
       healthy_ = true;
       unhealthy_.clear();
+      nodes_ = host_->nodes();
       return;
     }
     ++restart_failures_;
     spdlog::error("restart failed: {}", st.message());
     set_unhealthy(why + "; restart failed: " + st.message());
     std::unique_lock<std::mutex> lock(mu_);
-    if (wake_.wait_for(lock, std::chrono::seconds(2 * attempt), [this] { return stop_; })) return;
+    if (wake_.wait_for(lock, std::chrono::seconds(2 * attempt),
+                       [this] { return stop_ || retire_; })) {
+      return;
+    }
   }
   spdlog::error("giving up after {} failed restarts: the served model is down; restart the server",
                 kMaxRestarts);
@@ -268,11 +301,24 @@ void AsyncEngine::recover() {
   fail_all(unavailable(unhealthy_reason()));
 }
 
+Status AsyncEngine::retire(const std::string& why) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stop_) return unavailable("the engine is shutting down");
+  if (!retire_) {
+    retire_ = true;
+    healthy_ = false;
+    unhealthy_ = "taken out of service: " + why;
+  }
+  wake_.notify_all();
+  wake_.wait(lock, [this] { return retired_ || stop_; });
+  return Status::ok();
+}
+
 void AsyncEngine::run() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (stop_) break;
+      if (stop_ || retire_) break;
     }
     drain_commands();
     if (!given_up_ && !host_->alive()) {
@@ -321,7 +367,22 @@ void AsyncEngine::run() {
     }
     publish_stats();
   }
+}
+
+void AsyncEngine::end_requests() {
   // Shutting down: every unfinished request ends, the steps in flight are dropped.
+  {
+    // Queued adds and aborts that never reached the engine.
+    std::deque<Command> left;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      left.swap(commands_);
+    }
+    for (Command& c : left) {
+      if (!c.abort) c.sink(aborted_output(c.id));
+    }
+  }
+  if (given_up_) return;  // fail_all ended them
   LlmEngine& engine = host_->engine();
   for (auto& [id, t] : tracked_) {
     std::optional<RequestOutput> last;

@@ -60,6 +60,10 @@ class EngineHost {
   virtual void poll() = 0;
   // Stopping: drops the steps in flight, waiting for them at most `within`.
   virtual Status abort_steps(std::chrono::milliseconds within) = 0;
+  // The ids of the nodes the group's ranks run on (none for a fake).
+  virtual std::vector<std::string> nodes() const { return {}; }
+  // Out of service: stops the group (its actors); nothing but the destructor follows.
+  virtual void retire() {}
 };
 
 class AsyncEngine {
@@ -83,11 +87,18 @@ class AsyncEngine {
   // Ends a request (its client went away); its sink gets a last output with kAbort. Unknown
   // or finished ids are ignored.
   void abort(uint64_t id);
+  // Takes the engine out of service (a drained replica): unfinished requests end with kAbort,
+  // the worker group stops (its actors exit), health turns false with `why`, and add() refuses
+  // from then on. The session (tokenizer, config, plan) stays until the engine is destroyed.
+  // Returns once the actors are stopped.
+  Status retire(const std::string& why);
 
   // Every actor alive and the loop running.
   bool healthy() const { return healthy_.load(); }
   std::string unhealthy_reason() const;
   EngineStats stats() const;
+  // The nodes (ids) its ranks run on, as last placed (a restart may move them).
+  std::vector<std::string> nodes() const;
 
   // The session, for what does not change when the engine thread restarts the worker group:
   // the tokenizer, the config, the plan. Its model() and engine() belong to the engine thread.
@@ -101,6 +112,8 @@ class AsyncEngine {
   AsyncEngine() = default;
   void run();
   void drain_commands();
+  // After run(): every unfinished or queued request ends (kAbort), the steps in flight dropped.
+  void end_requests();
 
   struct Command {
     bool abort = false;
@@ -116,9 +129,12 @@ class AsyncEngine {
   std::condition_variable wake_;
   std::deque<Command> commands_;
   bool stop_ = false;
+  bool retire_ = false;   // retire() asked: run() ends, then the group stops
+  bool retired_ = false;  // the group has stopped
   std::atomic<bool> healthy_{false};
   std::string unhealthy_;
   EngineStats stats_;
+  std::vector<std::string> nodes_;
   std::atomic<uint64_t> next_id_{1};
   ModelInfo loaded_;  // as loaded at start
   double load_seconds_ = 0;

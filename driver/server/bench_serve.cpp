@@ -1,17 +1,22 @@
 #include "driver/server/bench_serve.h"
 
+#include <sys/utsname.h>
 #include <unistd.h>
+
 #include <algorithm>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <mutex>
@@ -19,6 +24,7 @@
 #include <numeric>
 #include <random>
 #include <semaphore>
+#include <sstream>
 #include <thread>
 
 #include "common/status.h"
@@ -256,17 +262,6 @@ Expected<std::string> served_model(const Url& url, const BenchServeOptions& o,
   return j["data"][0].value("id", "");
 }
 
-// The requests: --num-prompts random ones, or the first of --dataset-path.
-Expected<std::vector<BenchPrompt>> bench_prompts(const BenchServeOptions& o) {
-  if (!o.dataset_path.empty()) {
-    return read_bench_dataset(o.dataset_path, o.num_prompts, o.output_len, INT32_MAX);
-  }
-  if (o.input_len == 0 || o.output_len == 0) {
-    return invalid_argument("--input-len and --output-len must be at least 1");
-  }
-  return random_bench_prompts(o.num_prompts, o.input_len, o.output_len, o.seed);
-}
-
 // Sends every prompt, each on a thread of its own: at Poisson arrivals of --request-rate (all at
 // once without one), at most --max-concurrency in flight. Every tenth finished is said on
 // stderr. The results in the prompts' order, and the seconds from the first send to the last
@@ -341,21 +336,166 @@ Tally tally(const std::vector<RequestResult>& results, const std::map<std::strin
   return t;
 }
 
-// The run as --output-json writes it: the command, the workload, and every figure.
-json results_json(const BenchServeOptions& o, const std::string& model, size_t num_prompts,
-                  const Tally& t, double duration, const std::map<std::string, double>& slo) {
+// The dataset and its parameters, as --output-json records them.
+json dataset_json(const BenchServeOptions& o, BenchServeDataset d) {
+  json params;
+  switch (d) {
+    case BenchServeDataset::kRandom:
+      params = {{"input_len", o.input_len}, {"output_len", o.output_len}};
+      break;
+    case BenchServeDataset::kPrefixRepetition: {
+      const PrefixRepetitionOptions& p = o.prefix_repetition;
+      params = {{"prefix_len", p.prefix_len},
+                {"suffix_len", p.suffix_len},
+                {"num_prefixes", p.num_prefixes},
+                {"output_len", p.output_len}};
+      break;
+    }
+    case BenchServeDataset::kCustom:
+      params = {{"path", o.dataset_path}, {"output_len", o.output_len}};
+      break;
+  }
+  return params;
+}
+
+// The machine the benchmark ran on (the client's; the server may be elsewhere).
+json machine_json() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  utsname u{};
+  uname(&u);
+  return {{"hostname", host},
+          {"os", std::string(u.sysname) + " " + u.release},
+          {"arch", u.machine},
+          {"cpus", std::thread::hardware_concurrency()}};
+}
+
+// The commit: $TESSERA_COMMIT, else the HEAD of the git checkout this executable sits in (a
+// build directory inside the source tree), else null.
+json commit_json() {
+  if (const char* c = std::getenv("TESSERA_COMMIT"); c != nullptr && *c != '\0') return c;
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return nullptr;
+  std::string quoted = "'";
+  for (char ch : exe.parent_path().string())
+    quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  quoted += "'";
+  FILE* git = ::popen(("git -C " + quoted + " rev-parse HEAD 2>/dev/null").c_str(), "r");
+  if (git == nullptr) return nullptr;
+  char buf[128] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, git);
+  const int rc = ::pclose(git);
+  std::string sha(buf, n);
+  while (!sha.empty() && std::isspace(static_cast<unsigned char>(sha.back()))) sha.pop_back();
+  const bool hex = sha.size() == 40 && std::all_of(sha.begin(), sha.end(), [](char c) {
+                     return std::isxdigit(static_cast<unsigned char>(c));
+                   });
+  return rc == 0 && hex ? json(sha) : json(nullptr);
+}
+
+// The server's version from GET /version ({"version": ...}, ours and vLLM's), or null.
+json server_version(const Url& url, const std::string& key) {
+  std::string body;
+  auto status = http_call(url, http::verb::get, "/version", "", key, {}, &body);
+  if (!status || *status != 200) return nullptr;
+  json j = json::parse(body, nullptr, false);
+  return !j.is_discarded() && j.is_object() && j.contains("version") ? j["version"] : json(nullptr);
+}
+
+// The server's counters now, from GET /metrics; the error says why there are none.
+Expected<ServerCounters> scrape_metrics(const Url& url, const std::string& key) {
+  std::string body;
+  TESSERA_ASSIGN_OR_RETURN(int status,
+                           http_call(url, http::verb::get, "/metrics", "", key, {}, &body));
+  if (status != 200) return unavailable("GET /metrics answered " + std::to_string(status));
+  Expected<ServerCounters> counters = parse_server_metrics(body);
+  if (!counters) return counters.status().with_context("GET /metrics");
+  return counters;
+}
+
+// The run's server figures from the counters before and after it.
+Expected<ServerCacheFigures> run_figures(const Expected<ServerCounters>& before,
+                                         const Expected<ServerCounters>& after) {
+  if (!before) return before.status();
+  if (!after) return after.status();
+  Expected<ServerCacheFigures> f = server_cache_figures(*before, *after);
+  if (!f) return f.status().with_context("GET /metrics");
+  return f;
+}
+
+json optional_json(const std::optional<double>& v) { return v ? json(*v) : json(nullptr); }
+
+// The server's figures as --output-json records them: null where it has none.
+json server_json(const Expected<ServerCacheFigures>& f, bool tessera) {
+  json out = {{"server_metrics", nullptr},
+              {"prefix_cache_queries", nullptr},
+              {"prefix_cache_hits", nullptr},
+              {"prefix_cache_hit_rate", nullptr},
+              {"replica_requests_routed", nullptr},
+              {"replica_max_share", nullptr},
+              {"replica_prefix_cache_hit_rate", nullptr},
+              {"router_decision_mean_ms", nullptr}};
+  if (!f) {
+    out["server_metrics_error"] = f.status().message();
+    return out;
+  }
+  out["server_metrics"] = tessera ? "tessera" : "vllm";
+  out["prefix_cache_queries"] = f->prefix_cache_queries;
+  out["prefix_cache_hits"] = f->prefix_cache_hits;
+  out["prefix_cache_hit_rate"] = optional_json(f->prefix_cache_hit_rate);
+  if (!f->replica_requests_routed.empty()) {
+    out["replica_requests_routed"] = f->replica_requests_routed;
+    out["replica_max_share"] = optional_json(f->replica_max_share);
+    json rates = json::array();
+    for (const auto& r : f->replica_prefix_cache_hit_rate) rates.push_back(optional_json(r));
+    out["replica_prefix_cache_hit_rate"] = rates;
+  }
+  out["router_decision_mean_ms"] = optional_json(f->router_decision_mean_ms);
+  return out;
+}
+
+// One run: what was asked, what came back, and the server's side of it.
+struct RunRecord {
+  std::string model;
+  BenchServeDataset dataset = BenchServeDataset::kRandom;
+  size_t num_prompts = 0;
+  Tally tally;
+  double duration = 0;
+  std::map<std::string, double> slo;
+  Expected<ServerCacheFigures> server = internal_error("not scraped");
+  bool tessera = false;  // the server's /metrics are ours
+  json server_version;
+};
+
+// The run as --output-json writes it: the command, the machine and commit, the workload, and
+// every figure, the server's included.
+json results_json(const BenchServeOptions& o, const RunRecord& r) {
+  const Tally& t = r.tally;
+  const double duration = r.duration;
+  const bool prefixed = r.dataset == BenchServeDataset::kPrefixRepetition;
+  const PrefixRepetitionOptions& p = o.prefix_repetition;
   json out = {{"command", o.command_line},
+              {"machine", machine_json()},
+              {"commit", commit_json()},
               {"base_url", o.base_url},
               {"endpoint", o.endpoint},
-              {"model", model},
-              {"num_prompts", num_prompts},
-              {"dataset", o.dataset_path.empty() ? "random" : o.dataset_path},
-              {"input_len", o.dataset_path.empty() ? o.input_len : 0},
-              {"output_len", o.dataset_path.empty() ? o.output_len : 0},
+              {"model", r.model},
+              {"server_version", r.server_version},
+              {"num_prompts", r.num_prompts},
+              {"dataset", bench_serve_dataset_name(r.dataset)},
+              {"dataset_params", dataset_json(o, r.dataset)},
+              {"input_len", r.dataset == BenchServeDataset::kRandom ? o.input_len
+                            : prefixed                              ? p.prefix_len + p.suffix_len
+                                                                    : 0u},
+              {"output_len", r.dataset == BenchServeDataset::kRandom ? o.output_len
+                             : prefixed                              ? p.output_len
+                                                                     : 0u},
+              {"seed", o.seed},
               {"request_rate", o.request_rate > 0 ? json(o.request_rate) : json("inf")},
               {"max_concurrency", o.max_concurrency > 0 ? json(o.max_concurrency) : json(nullptr)},
               {"completed", t.completed},
-              {"failed", num_prompts - t.completed},
+              {"failed", r.num_prompts - t.completed},
               {"duration_s", duration},
               {"total_input_tokens", t.input_tokens},
               {"total_output_tokens", t.output_tokens},
@@ -365,29 +505,64 @@ json results_json(const BenchServeOptions& o, const std::string& model, size_t n
               {"ttft_ms", summary(t.ttft)},
               {"tpot_ms", summary(t.tpot)},
               {"itl_ms", summary(t.itl)},
-              {"e2el_ms", summary(t.e2el)}};
-  if (!slo.empty()) {
-    out["goodput_slo_ms"] = slo;
-    out["goodput"] = t.good / duration;
-  }
+              {"e2el_ms", summary(t.e2el)},
+              {"goodput_slo_ms", r.slo.empty() ? json(nullptr) : json(r.slo)},
+              {"goodput", r.slo.empty() ? json(nullptr) : json(t.good / duration)}};
+  out.update(server_json(r.server, r.tessera));
   json errs = json::object();
   for (const auto& [e, n] : t.errors) errs[e] = n;
   out["errors"] = errs;
   return out;
 }
 
+// The server's lines of the report: its prefix cache over the run and, behind a router, each
+// replica's share; one line saying why when its /metrics have none.
+void print_server(const BenchOutput& text, const Expected<ServerCacheFigures>& f) {
+  if (!f) {
+    text.say("Server cache figures: none (%s)\n", f.status().message().c_str());
+    return;
+  }
+  if (f->prefix_cache_hit_rate) {
+    text.say("%-32s %12.2f  (%.0f of %.0f prompt tokens)\n",
+             "Prefix cache hit rate (%):", 100 * *f->prefix_cache_hit_rate, f->prefix_cache_hits,
+             f->prefix_cache_queries);
+  } else {
+    text.say("%-32s %12s  (no prefix-cache queries: caching off?)\n",
+             "Prefix cache hit rate (%):", "-");
+  }
+  if (f->replica_requests_routed.empty()) return;
+  std::string routed;
+  for (size_t i = 0; i < f->replica_requests_routed.size(); ++i) {
+    char cell[64];
+    const auto& rate = f->replica_prefix_cache_hit_rate[i];
+    std::snprintf(
+        cell, sizeof(cell), "%s%.0f (hits %s)", i ? ", " : "", f->replica_requests_routed[i],
+        rate ? (std::to_string(static_cast<int>(std::lround(100 * *rate))) + "%").c_str() : "-");
+    routed += cell;
+  }
+  text.say("%-32s %s\n", "Requests per replica:", routed.c_str());
+  if (f->replica_max_share) {
+    text.say("%-32s %12.2f\n", "Max replica share (%):", 100 * *f->replica_max_share);
+  }
+  if (f->router_decision_mean_ms) {
+    text.say("%-32s %12.4f\n", "Router decision mean (ms):", *f->router_decision_mean_ms);
+  }
+}
+
 // The human-readable report of `out` (results_json's) as vLLM prints it.
-void print_results(const BenchOutput& text, const json& out, const Tally& t, size_t num_prompts,
-                   double duration, bool goodput) {
+void print_results(const BenchOutput& text, const json& out, const RunRecord& r) {
+  const Tally& t = r.tally;
+  const double duration = r.duration;
   text.say("%-32s %12zu\n%-32s %12zu\n%-32s %12.2f\n%-32s %12zu\n%-32s %12zu\n",
-           "Successful requests:", t.completed, "Failed requests:", num_prompts - t.completed,
+           "Successful requests:", t.completed, "Failed requests:", r.num_prompts - t.completed,
            "Duration (s):", duration, "Total input tokens:", t.input_tokens,
            "Total generated tokens:", t.output_tokens);
   text.say("%-32s %12.2f\n%-32s %12.2f\n%-32s %12.2f\n",
            "Request throughput (req/s):", t.completed / duration,
            "Output token throughput (tok/s):", t.output_tokens / duration,
            "Total token throughput (tok/s):", (t.input_tokens + t.output_tokens) / duration);
-  if (goodput) text.say("%-32s %12.2f\n", "Goodput (req/s):", t.good / duration);
+  if (!r.slo.empty()) text.say("%-32s %12.2f\n", "Goodput (req/s):", t.good / duration);
+  print_server(text, r.server);
   for (const char* name : {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"}) {
     const json& s = out[name];
     text.say("%-8s mean %10.2f  p50 %10.2f  p90 %10.2f  p99 %10.2f  (ms)\n", name,
@@ -397,37 +572,282 @@ void print_results(const BenchOutput& text, const json& out, const Tally& t, siz
   for (const auto& [e, n] : t.errors) text.say("  %zu failed: %s\n", n, e.c_str());
 }
 
+// "random, 1000 requests" / "prefix_repetition: 64 prefixes of 1000 tokens, ..." for the
+// first line of the report.
+std::string workload_line(const BenchServeOptions& o, BenchServeDataset d, size_t n) {
+  const PrefixRepetitionOptions& p = o.prefix_repetition;
+  std::string line = std::to_string(n) + " requests (" + bench_serve_dataset_name(d);
+  if (d == BenchServeDataset::kPrefixRepetition) {
+    line += ": " + std::to_string(p.num_prefixes) + " prefixes of " + std::to_string(p.prefix_len) +
+            " tokens, suffixes of " + std::to_string(p.suffix_len) + ", " +
+            std::to_string(p.output_len) + " out";
+  }
+  return line + ")";
+}
+
 Status run(const BenchServeOptions& o) {
   const BenchOutput text(o.json);
-  if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
   if (o.request_rate < 0) return invalid_argument("--request-rate must be positive (or inf)");
+  RunRecord r;
+  TESSERA_ASSIGN_OR_RETURN(r.dataset, bench_serve_dataset(o));
   TESSERA_ASSIGN_OR_RETURN(Url url, parse_url(o.base_url));
-  TESSERA_ASSIGN_OR_RETURN(auto slo, parse_goodput(o.goodput));
+  TESSERA_ASSIGN_OR_RETURN(r.slo, parse_goodput(o.goodput));
+  TESSERA_ASSIGN_OR_RETURN(const std::vector<BenchPrompt> prompts, bench_serve_prompts(o));
+  r.num_prompts = prompts.size();
   const std::string key = api_key(o);
-  TESSERA_ASSIGN_OR_RETURN(const std::string model, served_model(url, o, key));
-  TESSERA_ASSIGN_OR_RETURN(const std::vector<BenchPrompt> prompts, bench_prompts(o));
-  text.say("bench serve: %zu requests to %s%s (model %s), %s, %s\n", prompts.size(),
-           o.base_url.c_str(), o.endpoint.c_str(), model.c_str(),
+  TESSERA_ASSIGN_OR_RETURN(r.model, served_model(url, o, key));
+  r.server_version = server_version(url, key);
+  text.say("bench serve: %s to %s%s (model %s), %s, %s\n",
+           workload_line(o, r.dataset, prompts.size()).c_str(), o.base_url.c_str(),
+           o.endpoint.c_str(), r.model.c_str(),
            o.request_rate > 0 ? ("Poisson " + std::to_string(o.request_rate) + " req/s").c_str()
                               : "all at once",
            o.max_concurrency > 0 ? ("at most " + std::to_string(o.max_concurrency)).c_str()
                                  : "no concurrency limit");
   std::fflush(stdout);
 
-  double duration = 0;
-  const std::vector<RequestResult> results = send_requests(url, o, model, key, prompts, duration);
-  const Tally t = tally(results, slo);
-  const json out = results_json(o, model, prompts.size(), t, duration, slo);
-  print_results(text, out, t, prompts.size(), duration, !slo.empty());
+  const Expected<ServerCounters> before = scrape_metrics(url, key);
+  const std::vector<RequestResult> results =
+      send_requests(url, o, r.model, key, prompts, r.duration);
+  const Expected<ServerCounters> after =
+      before ? scrape_metrics(url, key) : Expected<ServerCounters>(before.status());
+  r.server = run_figures(before, after);
+  r.tessera = after && after->tessera;
+  r.tally = tally(results, r.slo);
+  const json out = results_json(o, r);
+  print_results(text, out, r);
   TESSERA_RETURN_IF_ERROR(text.finish(o.output_json, out));
-  if (t.completed == 0) {
-    return unavailable("no request succeeded; the first error: " +
-                       (t.errors.empty() ? std::string("none") : t.errors.begin()->first));
+  if (r.tally.completed == 0) {
+    return unavailable(
+        "no request succeeded; the first error: " +
+        (r.tally.errors.empty() ? std::string("none") : r.tally.errors.begin()->first));
   }
   return Status::ok();
 }
 
 }  // namespace
+
+const char* bench_serve_dataset_name(BenchServeDataset d) {
+  switch (d) {
+    case BenchServeDataset::kRandom:
+      return "random";
+    case BenchServeDataset::kPrefixRepetition:
+      return "prefix_repetition";
+    case BenchServeDataset::kCustom:
+      return "custom";
+  }
+  return "?";
+}
+
+Expected<BenchServeDataset> bench_serve_dataset(const BenchServeOptions& o) {
+  const BenchServeDataset d = o.dataset.value_or(
+      o.dataset_path.empty() ? BenchServeDataset::kRandom : BenchServeDataset::kCustom);
+  if (o.num_prompts == 0) return invalid_argument("--num-prompts must be at least 1");
+  if (d != BenchServeDataset::kCustom && !o.dataset_path.empty()) {
+    return invalid_argument("--dataset-path " + o.dataset_path +
+                            " is for --dataset-name custom, not " + bench_serve_dataset_name(d));
+  }
+  switch (d) {
+    case BenchServeDataset::kRandom:
+      if (o.input_len == 0) return invalid_argument("--input-len must be at least 1");
+      if (o.output_len == 0) return invalid_argument("--output-len must be at least 1");
+      break;
+    case BenchServeDataset::kCustom:
+      if (o.dataset_path.empty()) {
+        return invalid_argument("--dataset-name custom needs --dataset-path (a JSONL of prompts)");
+      }
+      if (o.output_len == 0) return invalid_argument("--output-len must be at least 1");
+      break;
+    case BenchServeDataset::kPrefixRepetition: {
+      const PrefixRepetitionOptions& p = o.prefix_repetition;
+      if (p.num_prefixes == 0) {
+        return invalid_argument("--prefix-repetition-num-prefixes must be at least 1");
+      }
+      if (o.num_prompts < p.num_prefixes) {
+        return invalid_argument("--num-prompts " + std::to_string(o.num_prompts) +
+                                " is fewer than --prefix-repetition-num-prefixes " +
+                                std::to_string(p.num_prefixes) +
+                                ": every prefix needs at least one request");
+      }
+      if (p.prefix_len == 0 && p.suffix_len == 0) {
+        return invalid_argument(
+            "--prefix-repetition-prefix-len and --prefix-repetition-suffix-len are both 0: the "
+            "prompts would be empty");
+      }
+      if (p.output_len == 0) {
+        return invalid_argument("--prefix-repetition-output-len must be at least 1");
+      }
+      break;
+    }
+  }
+  return d;
+}
+
+Expected<std::vector<BenchPrompt>> prefix_repetition_prompts(uint32_t num_prompts,
+                                                             const PrefixRepetitionOptions& p,
+                                                             uint64_t seed) {
+  BenchServeOptions o;
+  o.dataset = BenchServeDataset::kPrefixRepetition;
+  o.num_prompts = num_prompts;
+  o.prefix_repetition = p;
+  TESSERA_RETURN_IF_ERROR(bench_serve_dataset(o).status());
+  std::mt19937_64 rng(seed);
+  const uint64_t prefix_seed = rng(), suffix_seed = rng();
+  const std::vector<BenchPrompt> prefixes =
+      random_bench_prompts(p.num_prefixes, p.prefix_len, p.output_len, prefix_seed);
+  std::vector<BenchPrompt> out =
+      random_bench_prompts(num_prompts, p.suffix_len, p.output_len, suffix_seed);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const std::vector<int32_t>& prefix = prefixes[i % p.num_prefixes].ids;
+    out[i].ids.insert(out[i].ids.begin(), prefix.begin(), prefix.end());
+  }
+  // Fisher-Yates with the generator's own numbers (std::shuffle's order differs between
+  // standard libraries): the same seed, the same order everywhere.
+  for (size_t i = out.size(); i > 1; --i) std::swap(out[i - 1], out[rng() % i]);
+  return out;
+}
+
+Expected<std::vector<BenchPrompt>> bench_serve_prompts(const BenchServeOptions& o) {
+  TESSERA_ASSIGN_OR_RETURN(const BenchServeDataset d, bench_serve_dataset(o));
+  switch (d) {
+    case BenchServeDataset::kRandom:
+      return random_bench_prompts(o.num_prompts, o.input_len, o.output_len, o.seed);
+    case BenchServeDataset::kPrefixRepetition:
+      return prefix_repetition_prompts(o.num_prompts, o.prefix_repetition, o.seed);
+    case BenchServeDataset::kCustom:
+      break;
+  }
+  return read_bench_dataset(o.dataset_path, o.num_prompts, o.output_len, INT32_MAX);
+}
+
+namespace {
+
+// One sample of a Prometheus text line: name{label="value",...} value [timestamp].
+struct Sample {
+  std::string name;
+  std::map<std::string, std::string> labels;
+  double value = 0;
+};
+
+std::optional<Sample> parse_sample(const std::string& line) {
+  if (line.empty() || line[0] == '#') return std::nullopt;
+  Sample s;
+  size_t i = line.find_first_of("{ ");
+  if (i == std::string::npos || i == 0) return std::nullopt;
+  s.name = line.substr(0, i);
+  if (line[i] == '{') {
+    ++i;
+    while (i < line.size() && line[i] != '}') {
+      const size_t eq = line.find('=', i);
+      if (eq == std::string::npos || eq + 1 >= line.size() || line[eq + 1] != '"') {
+        return std::nullopt;
+      }
+      const std::string key = line.substr(i, eq - i);
+      std::string value;
+      for (i = eq + 2; i < line.size() && line[i] != '"'; ++i) {
+        if (line[i] == '\\' && i + 1 < line.size()) ++i;  // \" \\ \n
+        value += line[i];
+      }
+      if (i >= line.size()) return std::nullopt;
+      s.labels[key] = value;
+      ++i;  // the closing quote
+      if (i < line.size() && line[i] == ',') ++i;
+    }
+    if (i >= line.size()) return std::nullopt;
+    ++i;  // '}'
+  }
+  const char* start = line.c_str() + i;
+  char* end = nullptr;
+  s.value = std::strtod(start, &end);
+  if (end == start) return std::nullopt;
+  return s;
+}
+
+}  // namespace
+
+Expected<ServerCounters> parse_server_metrics(const std::string& text) {
+  ServerCounters c;
+  bool queries = false, hits = false;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const std::optional<Sample> s = parse_sample(line);
+    if (!s) continue;
+    c.tessera |= s->name.rfind("tessera:", 0) == 0;
+    std::optional<uint32_t> replica;
+    if (auto r = s->labels.find("replica"); r != s->labels.end()) {
+      char* end = nullptr;
+      const unsigned long v = std::strtoul(r->second.c_str(), &end, 10);
+      if (!r->second.empty() && *end == '\0') replica = static_cast<uint32_t>(v);
+    }
+    if (s->name == "vllm:prefix_cache_queries_total") {
+      c.prefix_cache_queries += s->value;
+      queries = true;
+    } else if (s->name == "vllm:prefix_cache_hits_total") {
+      c.prefix_cache_hits += s->value;
+      hits = true;
+    } else if (s->name == "tessera:router_decision_seconds_count") {
+      c.router_decisions += s->value;
+    } else if (s->name == "tessera:router_decision_seconds_sum") {
+      c.router_decision_seconds += s->value;
+    } else if (replica && s->name == "tessera:replica_requests_routed") {
+      c.routed[*replica] += s->value;
+    } else if (replica && s->name == "tessera:replica_prefix_cache_queries") {
+      c.replica_queries[*replica] += s->value;
+    } else if (replica && s->name == "tessera:replica_prefix_cache_hits") {
+      c.replica_hits[*replica] += s->value;
+    }
+  }
+  if (!queries || !hits) {
+    return failed_precondition(
+        "no vllm:prefix_cache_queries_total and vllm:prefix_cache_hits_total in it: not a "
+        "tessera (or vLLM) server");
+  }
+  return c;
+}
+
+Expected<ServerCacheFigures> server_cache_figures(const ServerCounters& before,
+                                                  const ServerCounters& after) {
+  bool went_back = false;
+  auto delta = [&](double b, double a) {
+    went_back |= a < b;
+    return a - b;
+  };
+  auto at = [](const std::map<uint32_t, double>& m, uint32_t i) {
+    auto it = m.find(i);
+    return it == m.end() ? 0.0 : it->second;
+  };
+  ServerCacheFigures f;
+  f.prefix_cache_queries = delta(before.prefix_cache_queries, after.prefix_cache_queries);
+  f.prefix_cache_hits = delta(before.prefix_cache_hits, after.prefix_cache_hits);
+  if (f.prefix_cache_queries > 0) {
+    f.prefix_cache_hit_rate = f.prefix_cache_hits / f.prefix_cache_queries;
+  }
+  if (!after.routed.empty()) {
+    const uint32_t n = after.routed.rbegin()->first + 1;  // replicas keep their index
+    double total = 0, most = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      const double routed = delta(at(before.routed, i), at(after.routed, i));
+      f.replica_requests_routed.push_back(routed);
+      total += routed;
+      most = std::max(most, routed);
+      const double q = delta(at(before.replica_queries, i), at(after.replica_queries, i));
+      const double h = delta(at(before.replica_hits, i), at(after.replica_hits, i));
+      f.replica_prefix_cache_hit_rate.push_back(q > 0 ? std::optional<double>(h / q)
+                                                      : std::nullopt);
+    }
+    if (total > 0) f.replica_max_share = most / total;
+  }
+  const double decisions = delta(before.router_decisions, after.router_decisions);
+  if (decisions > 0) {
+    f.router_decision_mean_ms =
+        1000 * delta(before.router_decision_seconds, after.router_decision_seconds) / decisions;
+  }
+  if (went_back) {
+    return failed_precondition("its counters went back during the run (did it restart?)");
+  }
+  return f;
+}
 
 CLI::App* add_bench_serve_subcommand(CLI::App& bench, BenchServeOptions& o) {
   auto* cmd = bench.add_subcommand(
@@ -438,10 +858,35 @@ CLI::App* add_bench_serve_subcommand(CLI::App& bench, BenchServeOptions& o) {
   cmd->add_option("--api-key", o.api_key,
                   "Bearer key (default: $TESSERA_API_KEY, then $OPENAI_API_KEY)");
   cmd->add_option("--num-prompts", o.num_prompts, "Requests (1000)");
-  cmd->add_option("--input-len,--random-input-len", o.input_len, "Random prompt tokens (1024)");
-  cmd->add_option("--output-len,--random-output-len", o.output_len, "Tokens each asks (128)");
+  cmd->add_option_function<std::string>(
+      "--dataset-name",
+      [&o](const std::string& v) {
+        for (auto d : {BenchServeDataset::kRandom, BenchServeDataset::kPrefixRepetition,
+                       BenchServeDataset::kCustom}) {
+          if (v == bench_serve_dataset_name(d)) {
+            o.dataset = d;
+            return;
+          }
+        }
+        throw CLI::ValidationError("--dataset-name",
+                                   v + ": expected random, prefix_repetition or custom");
+      },
+      "random | prefix_repetition | custom (default: custom with --dataset-path, else random)");
+  cmd->add_option("--input-len,--random-input-len", o.input_len, "random: prompt tokens (1024)");
+  cmd->add_option("--output-len,--random-output-len", o.output_len,
+                  "random and custom: tokens each asks (128)");
   cmd->add_option("--dataset-path", o.dataset_path,
-                  "JSONL of prompts: \"prompt\" or \"prompt_token_ids\", optional \"output_len\"");
+                  "custom: JSONL of prompts, \"prompt\" or \"prompt_token_ids\", optional "
+                  "\"output_len\"");
+  PrefixRepetitionOptions& p = o.prefix_repetition;
+  cmd->add_option("--prefix-repetition-prefix-len", p.prefix_len,
+                  "prefix_repetition: tokens of each shared prefix (256)");
+  cmd->add_option("--prefix-repetition-suffix-len", p.suffix_len,
+                  "prefix_repetition: tokens after it, each request's own (256)");
+  cmd->add_option("--prefix-repetition-num-prefixes", p.num_prefixes,
+                  "prefix_repetition: prefixes, each shared by num-prompts / this (10)");
+  cmd->add_option("--prefix-repetition-output-len", p.output_len,
+                  "prefix_repetition: tokens each asks (128)");
   cmd->add_option_function<std::string>(
       "--request-rate",
       [&o](const std::string& v) {
@@ -461,7 +906,11 @@ CLI::App* add_bench_serve_subcommand(CLI::App& bench, BenchServeOptions& o) {
       ->expected(1, 3);
   add_bench_output_options(cmd, o.output_json, o.json);
   add_examples(cmd, {"tessera bench serve --base-url http://127.0.0.1:8000 "
-                     "--num-prompts 200 --max-concurrency 32"});
+                     "--num-prompts 200 --max-concurrency 32",
+                     "tessera bench serve --dataset-name prefix_repetition "
+                     "--prefix-repetition-prefix-len 1000 --prefix-repetition-suffix-len 50 "
+                     "--prefix-repetition-num-prefixes 64 --num-prompts 512 --request-rate 16 "
+                     "--goodput ttft:500 tpot:50"});
   return cmd;
 }
 

@@ -100,10 +100,18 @@ std::string prometheus(const Metrics& m, const EngineStats& s, const std::string
 
 namespace tessera::server {
 
-std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const Histogram& routing,
-                               const std::string& model) {
-  if (replicas.size() < 2) return "";
+std::string replica_prometheus(bool data_parallel, const std::vector<ReplicaView>& replicas,
+                               const Histogram& routing, const std::string& model) {
+  if (!data_parallel) return "";
   std::ostringstream o;
+  o << "# HELP tessera:replica_info The replica's state (serving, draining, removed) and the "
+       "nodes it runs on\n# TYPE tessera:replica_info gauge\n";
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    std::string nodes;
+    for (const std::string& n : replicas[i].nodes) nodes += (nodes.empty() ? "" : ",") + n;
+    o << "tessera:replica_info{model_name=\"" << model << "\",replica=\"" << i << "\",state=\""
+      << replica_state_name(replicas[i].state) << "\",nodes=\"" << nodes << "\"} 1\n";
+  }
   write_histogram(o, "tessera:router_decision_seconds", "Time the router takes to pick a replica",
                   routing, model);
   struct Series {

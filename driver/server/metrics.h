@@ -37,11 +37,12 @@ struct Metrics {
 // The Prometheus text exposition (version 0.0.4) of `m` and `s`, labelled with `model`.
 std::string prometheus(const Metrics& m, const EngineStats& s, const std::string& model);
 
-// With more than one replica (-dp): each replica's state, routed requests, load, prefix matches
-// and engine gauges, labelled replica="i" (tessera: names; vLLM has no per-replica metrics).
-// `routing`: the router's decision times, in seconds.
-std::string replica_prometheus(const std::vector<ReplicaView>& replicas, const Histogram& routing,
-                               const std::string& model);
+// With -dp (`data_parallel`): each replica's state, routed requests, load, prefix matches
+// and engine gauges, labelled replica="i" (tessera: names; vLLM has no per-replica metrics);
+// tessera:replica_info{replica,state,nodes} 1 says where it runs and whether it serves, drains
+// or was removed. `routing`: the router's decision times, in seconds. "" without -dp.
+std::string replica_prometheus(bool data_parallel, const std::vector<ReplicaView>& replicas,
+                               const Histogram& routing, const std::string& model);
 
 // One server-sent event carrying `data` ("data: ...\n\n").
 std::string sse_event(const std::string& data);

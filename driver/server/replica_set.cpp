@@ -4,64 +4,142 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <set>
 #include <utility>
+
+#include "common/session.h"
+#include "driver/plan/plan_command.h"
+#include "driver/status.h"
+#include "protocol/auth.h"
 
 namespace tessera::server {
 
-ReplicaSet::ReplicaSet(RouterPolicy policy, size_t replicas, const ModelInfo& model)
-    : router_(policy, replicas, static_cast<size_t>(model.block_size),
-              static_cast<size_t>(model.kv_blocks)),
-      load_(replicas),
-      routed_count_(replicas, 0),
-      matched_tokens_(replicas, 0) {}
+void add_replica_options(CLI::App* cmd, ReplicaOptions& options) {
+  add_data_parallel_option(cmd, options.data_parallel_size);
+  cmd->add_option_function<std::string>(
+         "--router",
+         [&options](const std::string& text) {
+           auto policy = parse_router_policy(text);
+           if (!policy) throw CLI::ValidationError(policy.status().message());
+           options.router = *policy;
+         },
+         "With -dp: round_robin | least_load | prefix (the replica holding the longest cached "
+         "prefix of the prompt unless it is much busier; the default)")
+      ->type_name("POLICY");
+}
+
+const char* replica_state_name(ReplicaState state) {
+  switch (state) {
+    case ReplicaState::kServing:
+      return "serving";
+    case ReplicaState::kDraining:
+      return "draining";
+    case ReplicaState::kRemoved:
+      return "removed";
+  }
+  return "?";
+}
+
+ReplicaSet::ReplicaSet(RouterPolicy policy, const ModelInfo& model)
+    : router_(policy, 0, static_cast<size_t>(model.block_size),
+              static_cast<size_t>(model.kv_blocks)) {}
+
+namespace {
+
+// "-dp 3: 2 replicas fit; replica 2: <why> (tessera plan -dp 3 shows the placements)".
+Status replicas_short(const ParallelSize& dp, size_t fit, const Status& why) {
+  return Status(why.code(), "-dp " + dp.to_string() + ": " + std::to_string(fit) +
+                                (fit == 1 ? " replica fits" : " replicas fit") + "; replica " +
+                                std::to_string(fit) + ": " + why.message() + " (tessera plan -dp " +
+                                dp.to_string() + " shows the placements)");
+}
+
+// The daemons report their GPUs' memory with each heartbeat (every second): a plan made this
+// long after a replica loaded sees the memory it took.
+constexpr std::chrono::milliseconds kMemorySettles{2000};
+// A replica that failed to start in the background is tried again this much later.
+constexpr std::chrono::seconds kRetryGrowth{30};
+
+// The nodes a replica's plan would use.
+std::set<std::string> plan_nodes(const ClusterPlan& plan) {
+  std::set<std::string> out;
+  for (const PlacedRank& r : plan.placement.ranks) out.insert(r.node_id);
+  return out;
+}
+
+}  // namespace
 
 Expected<std::unique_ptr<ReplicaSet>> ReplicaSet::start(const EngineArgs& given,
                                                         const ReplicaOptions& options,
                                                         const std::string& owner) {
-  if (options.data_parallel_size < 1) {
-    return invalid_argument("-dp/--data-parallel-size must be at least 1, got " +
-                            std::to_string(options.data_parallel_size));
+  const ParallelSize& dp = options.data_parallel_size;
+  if (!dp.is_auto() && (dp.ranks < 1 || dp.ranks > kMaxParallelSize)) {
+    return invalid_argument("-dp/--data-parallel-size must be auto or 1 to " +
+                            std::to_string(kMaxParallelSize) + ", got " + dp.to_string());
   }
-  const auto n = static_cast<size_t>(options.data_parallel_size);
+  const bool single = !dp.is_auto() && dp.ranks == 1;
   EngineArgs args = given;
   std::unique_ptr<LocalNode> local;
-  if (n > 1 && args.address.empty()) {
+  if (!single && args.address.empty()) {
     // One node for all the replicas: each plan then sees what the ones before it hold.
     TESSERA_ASSIGN_OR_RETURN(local, LocalNode::start(args.tessera_binary));
     args.address = local->address();
     args.cluster_token = local->token();
+  } else if (!args.address.empty() && args.cluster_token.empty()) {
+    auto root = find_cluster_root("");
+    TESSERA_ASSIGN_OR_RETURN(
+        args.cluster_token,
+        auth::resolve_cluster_token(args.cluster_token_file, root ? *root : std::string()));
   }
-  std::vector<std::unique_ptr<AsyncEngine>> engines;
-  for (size_t i = 0; i < n; ++i) {
-    if (n > 1) spdlog::info("replica {} of {}: placing and loading", i, n);
-    auto engine = AsyncEngine::start(args, n > 1 ? owner + " replica " + std::to_string(i) : owner);
-    if (!engine) {
-      if (n == 1) return engine.status();
-      // "-dp 3: 2 replicas fit; replica 2: <why>" (tessera plan -dp shows the placements).
-      return Status(engine.status().code(), "-dp " + std::to_string(n) + ": " + std::to_string(i) +
-                                                (i == 1 ? " replica fits" : " replicas fit") +
-                                                "; replica " + std::to_string(i) + ": " +
-                                                engine.status().message() + " (tessera plan -dp " +
-                                                std::to_string(n) + " shows the placements)");
-    }
-    engines.push_back(std::move(*engine));
-  }
-  auto set = over(std::move(engines), options.router);
+  auto name = [&](size_t i) { return single ? owner : owner + " replica " + std::to_string(i); };
+  if (!single) spdlog::info("replica 0: placing and loading");
+  auto first = AsyncEngine::start(args, name(0));
+  if (!first) return single ? first.status() : replicas_short(dp, 0, first.status());
+  std::unique_ptr<ReplicaSet> set(new ReplicaSet(options.router, (*first)->loaded()));
   set->local_ = std::move(local);
-  if (n > 1) {
-    spdlog::info("{} replicas behind one endpoint, router {}", n,
+  set->args_ = args;
+  set->options_ = options;
+  set->owner_ = owner;
+  set->data_parallel_ = !single;
+  set->first_ = first->get();
+  set->attach(std::move(*first));
+  // The others, one after another: each plan sees the ones before. auto: while one fits.
+  for (size_t i = 1; dp.is_auto() || i < static_cast<size_t>(dp.ranks); ++i) {
+    if (dp.is_auto()) {
+      // The GPUs' memory as the daemons next report it (a heartbeat) after the last load.
+      std::this_thread::sleep_for(kMemorySettles);
+      EventLoop loop;
+      auto status = collect_status(loop, args.address, args.cluster_token);
+      if (!status) return status.status();
+      if (Status room = set->room_for_replica(cluster_nodes(*status)); !room) {
+        spdlog::info("-dp auto: {} replica(s) fit now ({}); a node that joins gets one more", i,
+                     room.message());
+        break;
+      }
+    } else if (!set->engine(i - 1)->nodes().empty()) {
+      std::this_thread::sleep_for(kMemorySettles);
+    }
+    spdlog::info("replica {}: placing and loading", i);
+    auto engine = AsyncEngine::start(args, name(i));
+    if (!engine) return replicas_short(dp, i, engine.status());
+    set->attach(std::move(*engine));
+  }
+  if (!single) {
+    spdlog::info("{} replica(s) behind one endpoint, router {}", set->size(),
                  router_policy_name(options.router));
   }
+  // A cluster to follow: drains, joins and replacements.
+  if (!args.address.empty()) set->membership_ = std::thread([s = set.get()] { s->membership(); });
   return set;
 }
 
 std::unique_ptr<ReplicaSet> ReplicaSet::over(std::vector<std::unique_ptr<AsyncEngine>> engines,
                                              RouterPolicy policy) {
-  std::unique_ptr<ReplicaSet> set(
-      new ReplicaSet(policy, engines.size(), engines.front()->loaded()));
-  set->engines_ = std::move(engines);
-  for (const auto& e : set->engines_) set->load_seconds_ += e->load_seconds();
-  if (set->engines_.size() > 1) set->monitor_ = std::thread([s = set.get()] { s->monitor(); });
+  std::unique_ptr<ReplicaSet> set(new ReplicaSet(policy, engines.front()->loaded()));
+  set->first_ = engines.front().get();
+  set->data_parallel_ = engines.size() > 1;
+  for (auto& e : engines) set->attach(std::move(e));
   return set;
 }
 
@@ -71,10 +149,61 @@ ReplicaSet::~ReplicaSet() {
     stopping_ = true;
   }
   stop_cv_.notify_all();
+  if (membership_.joinable()) membership_.join();
+  if (loading_.joinable()) loading_.join();
   if (monitor_.joinable()) monitor_.join();
-  // Replicas next (their actors stop), then the node they ran on.
-  engines_.clear();
+  // Replicas next (their actors stop), then the node they ran on. No lock: nothing else runs.
+  for (Replica& r : replicas_) r.engine.reset();
   local_.reset();
+}
+
+size_t ReplicaSet::attach(std::unique_ptr<AsyncEngine> engine) {
+  std::unique_lock lock(mu_);
+  const size_t i = replicas_.size();
+  load_seconds_ += engine->load_seconds();
+  Replica r;
+  r.engine = std::move(engine);
+  replicas_.push_back(std::move(r));
+  load_.emplace_back();
+  router_.add_replica();
+  for (auto& [id, routed] : routed_) routed.tried.push_back(false);
+  if (i > 0) {
+    data_parallel_ = true;
+    if (!monitor_.joinable()) monitor_ = std::thread([this] { monitor(); });
+  }
+  if (i > 0 || membership_.joinable()) {
+    spdlog::info("replica {} is serving (on {}): the router sends it requests", i,
+                 fmt::join(replicas_[i].engine->nodes(), ", "));
+  }
+  return i;
+}
+
+bool ReplicaSet::drain(size_t replica, const std::string& why) {
+  std::lock_guard lock(mu_);
+  if (replica >= replicas_.size() || replicas_[replica].state != ReplicaState::kServing) {
+    return false;
+  }
+  replicas_[replica].state = ReplicaState::kDraining;
+  replicas_[replica].note = why;
+  load_[replica].routable = false;
+  spdlog::warn(
+      "replica {} is draining ({}): no new requests; it is removed once its {} "
+      "request(s) finish",
+      replica, why, load_[replica].outstanding);
+  if (!monitor_.joinable()) monitor_ = std::thread([this] { monitor(); });
+  return true;
+}
+
+size_t ReplicaSet::size() const {
+  std::lock_guard lock(mu_);
+  return replicas_.size();
+}
+
+size_t ReplicaSet::active() const {
+  std::lock_guard lock(mu_);
+  size_t n = 0;
+  for (const Replica& r : replicas_) n += r.state != ReplicaState::kRemoved;
+  return n;
 }
 
 void ReplicaSet::unbook(Routed& r) {
@@ -90,7 +219,7 @@ Expected<uint64_t> ReplicaSet::add(Request request, AsyncEngine::Sink sink) {
   r.prompt_tokens = static_cast<uint64_t>(request.prompt().size());
   r.request = std::move(request);
   r.sink = std::make_shared<const AsyncEngine::Sink>(std::move(sink));
-  r.tried.assign(engines_.size(), false);
+  r.tried.assign(replicas_.size(), false);
   if (Status st = dispatch(lock, id); !st) {
     routed_.erase(id);
     return st;
@@ -103,11 +232,13 @@ Status ReplicaSet::dispatch(std::unique_lock<std::mutex>& lock, uint64_t id) {
     auto it = routed_.find(id);
     if (it == routed_.end()) return Status::ok();  // finished meanwhile
     Routed& r = it->second;
-    for (size_t i = 0; i < engines_.size(); ++i) {
-      load_[i].routable = !r.tried[i] && engines_[i]->healthy();
+    for (size_t i = 0; i < replicas_.size(); ++i) {
+      load_[i].routable =
+          !r.tried[i] && replicas_[i].state == ReplicaState::kServing && engine(i)->healthy();
     }
     // One replica: its own add() says why it refuses (it queues while it restarts).
-    if (engines_.size() == 1) load_[0].routable = true;
+    const bool alone = replicas_.size() == 1;
+    if (alone) load_[0].routable = replicas_[0].state == ReplicaState::kServing;
     const auto t0 = std::chrono::steady_clock::now();
     auto decision = router_.route(r.request->prompt(), load_);
     routing_.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -123,13 +254,14 @@ Status ReplicaSet::dispatch(std::unique_lock<std::mutex>& lock, uint64_t id) {
     const uint32_t attempt = ++r.attempt;
     ++load_[replica].outstanding;
     load_[replica].waiting_prompt_tokens += r.prompt_tokens;
-    ++routed_count_[replica];
-    matched_tokens_[replica] += decision->matched_tokens;
+    ++replicas_[replica].routed;
+    replicas_[replica].matched_tokens += decision->matched_tokens;
     Request copy = *r.request;
+    AsyncEngine* e = engine(replica);
     lock.unlock();  // the sink may run on the engine thread before add() returns
-    auto engine_id = engines_[replica]->add(
-        std::move(copy),
-        [this, id, attempt](RequestOutput out) { on_output(id, attempt, std::move(out)); });
+    auto engine_id = e->add(std::move(copy), [this, id, attempt](RequestOutput out) {
+      on_output(id, attempt, std::move(out));
+    });
     lock.lock();
     it = routed_.find(id);
     if (it == routed_.end() || it->second.attempt != attempt) return Status::ok();
@@ -140,7 +272,7 @@ Status ReplicaSet::dispatch(std::unique_lock<std::mutex>& lock, uint64_t id) {
     // Refused there (it is stopping): another replica, if there is one.
     unbook(it->second);
     it->second.tried[replica] = true;
-    if (engines_.size() == 1) return engine_id.status();
+    if (alone) return engine_id.status();
   }
 }
 
@@ -152,7 +284,7 @@ void ReplicaSet::on_output(uint64_t id, uint32_t attempt, RequestOutput out) {
   {
     Routed& r = it->second;
     if (!r.started && out.finished && out.finish_reason == FinishReason::kError && !output &&
-        engines_.size() > 1 && !engines_[r.replica]->healthy()) {
+        replicas_.size() > 1 && !engine(r.replica)->healthy()) {
       // Failed unstarted because its replica gave up: another replica runs it.
       spdlog::warn("replica {} failed a request before it started ({}): routing it again",
                    r.replica, out.error.message());
@@ -171,6 +303,7 @@ void ReplicaSet::on_output(uint64_t id, uint32_t attempt, RequestOutput out) {
     r.request.reset();
   }
   std::shared_ptr<const AsyncEngine::Sink> sink = r.sink;
+  out.request_id = id;  // ours, as add() returned it (the replica numbers its own)
   if (out.finished) {
     ReplicaLoad& l = load_[r.replica];
     l.outstanding -= std::min<uint64_t>(l.outstanding, 1);
@@ -181,11 +314,13 @@ void ReplicaSet::on_output(uint64_t id, uint32_t attempt, RequestOutput out) {
 }
 
 void ReplicaSet::monitor() {
-  std::vector<bool> was_healthy(engines_.size(), true);
+  std::vector<bool> was_healthy;
   std::unique_lock lock(mu_);
   while (!stop_cv_.wait_for(lock, kMonitorPeriod, [this] { return stopping_; })) {
-    for (size_t i = 0; i < engines_.size(); ++i) {
-      const bool healthy = engines_[i]->healthy();
+    was_healthy.resize(replicas_.size(), true);
+    for (size_t i = 0; i < replicas_.size(); ++i) {
+      if (replicas_[i].state == ReplicaState::kRemoved) continue;
+      const bool healthy = engine(i)->healthy();
       if (!healthy) {
         lock.unlock();
         move_unstarted(i);
@@ -200,13 +335,45 @@ void ReplicaSet::monitor() {
         was_healthy[i] = healthy;
       }
     }
+    lock.unlock();
+    remove_idle_drained();
+    lock.lock();
+  }
+}
+
+void ReplicaSet::remove_idle_drained() {
+  for (;;) {
+    size_t replica = 0;
+    AsyncEngine* e = nullptr;
+    std::string why;
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) return;
+      for (size_t i = 0; i < replicas_.size() && e == nullptr; ++i) {
+        if (replicas_[i].state == ReplicaState::kDraining && load_[i].outstanding == 0) {
+          replica = i;
+          e = engine(i);
+          why = replicas_[i].note;
+        }
+      }
+    }
+    if (e == nullptr) return;
+    // Idle: nothing is routed there any more, so its actors can stop.
+    (void)e->retire(why);
+    std::lock_guard lock(mu_);
+    replicas_[replica].state = ReplicaState::kRemoved;
+    router_.forget(replica);
+    spdlog::info("replica {} removed ({}): its requests finished and its actors stopped", replica,
+                 why);
   }
 }
 
 void ReplicaSet::move_unstarted(size_t replica) {
   std::unique_lock lock(mu_);
   bool other = false;
-  for (size_t i = 0; i < engines_.size(); ++i) other |= i != replica && engines_[i]->healthy();
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    other |= i != replica && replicas_[i].state == ReplicaState::kServing && engine(i)->healthy();
+  }
   if (!other) return;  // nowhere better: they wait for it to come back
   std::vector<std::pair<uint64_t, uint64_t>> moving;  // (our id, its id on the replica)
   for (auto& [id, r] : routed_) {
@@ -216,9 +383,10 @@ void ReplicaSet::move_unstarted(size_t replica) {
     r.tried[replica] = true;
     ++r.attempt;  // what the replica still says of it is dropped
   }
+  AsyncEngine* e = engine(replica);
   for (const auto& [id, engine_id] : moving) {
     lock.unlock();
-    engines_[replica]->abort(engine_id);
+    e->abort(engine_id);
     lock.lock();
     if (Status st = dispatch(lock, id); !st) {
       auto it = routed_.find(id);
@@ -227,6 +395,7 @@ void ReplicaSet::move_unstarted(size_t replica) {
       routed_.erase(it);
       lock.unlock();
       RequestOutput failed;
+      failed.request_id = id;
       failed.finished = true;
       failed.finish_reason = FinishReason::kError;
       failed.error = st;
@@ -241,44 +410,174 @@ void ReplicaSet::move_unstarted(size_t replica) {
 }
 
 void ReplicaSet::abort(uint64_t id) {
-  size_t replica = 0;
+  AsyncEngine* e = nullptr;
   uint64_t engine_id = 0;
   {
     std::lock_guard lock(mu_);
     auto it = routed_.find(id);
     if (it == routed_.end() || it->second.engine_id == 0) return;
-    replica = it->second.replica;
+    e = engine(it->second.replica);
     engine_id = it->second.engine_id;
   }
-  engines_[replica]->abort(engine_id);
+  e->abort(engine_id);
+}
+
+Status ReplicaSet::room_for_replica(const std::vector<ClusterNode>& nodes) const {
+  const EngineSpec& spec = args_;
+  auto plan = plan_on_cluster(first_->session().config(), spec, nodes);
+  if (!plan) return plan.status();
+  if (!plan->fit) return plan->fit;
+  if (plan->placement.cpu && options_.data_parallel_size.is_auto()) {
+    // CPU ranks always place; auto gives each replica nodes of its own.
+    std::set<std::string> used;
+    {
+      std::lock_guard lock(mu_);
+      for (size_t i = 0; i < replicas_.size(); ++i) {
+        if (replicas_[i].state == ReplicaState::kRemoved) continue;
+        for (const std::string& n : engine(i)->nodes()) used.insert(n);
+      }
+    }
+    for (const std::string& n : plan_nodes(*plan)) {
+      if (used.contains(n)) return resource_exhausted("every node runs a replica already");
+    }
+  }
+  return Status::ok();
+}
+
+void ReplicaSet::membership() {
+  EventLoop loop;
+  bool reported = false;  // a failure to reach the head, logged once
+  std::string last_room;  // why no replica fits, logged when it changes
+  std::unique_lock lock(mu_);
+  while (!stop_cv_.wait_for(lock, kMembershipPeriod, [this] { return stopping_; })) {
+    lock.unlock();
+    auto status = collect_status(loop, args_.address, args_.cluster_token);
+    lock.lock();
+    if (stopping_) break;
+    if (!status) {
+      if (!reported) {
+        spdlog::warn("membership: cannot read the cluster ({}); replicas serve on, retrying",
+                     status.status().message());
+      }
+      reported = true;
+      continue;
+    }
+    reported = false;
+    std::set<std::string> draining;
+    std::map<std::string, std::string> names;
+    for (const NodeStatus& ns : status->nodes) {
+      names[ns.node.node_id] = node_label(ns.node);
+      if (ns.node.draining) draining.insert(ns.node.node_id);
+    }
+    // Replicas on a draining node drain.
+    for (size_t i = 0; i < replicas_.size(); ++i) {
+      if (replicas_[i].state != ReplicaState::kServing) continue;
+      for (const std::string& n : engine(i)->nodes()) {
+        if (!draining.contains(n)) continue;
+        lock.unlock();
+        drain(i, "node " + names[n] + " is draining");
+        lock.lock();
+        break;
+      }
+    }
+    // Growth: one replica at a time, loaded in the background.
+    if (loading_busy_ || std::chrono::steady_clock::now() < grow_after_) continue;
+    size_t serving = 0;
+    for (const Replica& r : replicas_) serving += r.state == ReplicaState::kServing;
+    const ParallelSize& dp = options_.data_parallel_size;
+    if (!dp.is_auto() && serving >= static_cast<size_t>(dp.ranks)) continue;
+    lock.unlock();
+    const Status room = room_for_replica(cluster_nodes(*status));
+    lock.lock();
+    if (stopping_) break;
+    if (!room) {
+      if (room.message() != last_room && !dp.is_auto()) {
+        spdlog::warn("membership: {} of -dp {} replicas serve; another does not fit now: {}",
+                     serving, dp.ranks, room.message());
+      }
+      last_room = room.message();
+      continue;
+    }
+    last_room.clear();
+    loading_busy_ = true;
+    if (loading_.joinable()) {
+      lock.unlock();
+      loading_.join();  // the last one, finished
+      lock.lock();
+    }
+    const size_t index = replicas_.size();
+    spdlog::info("membership: room for replica {} ({}): placing and loading it in the background",
+                 index, dp.is_auto() ? "-dp auto" : "-dp " + dp.to_string());
+    loading_ = std::thread([this, index] {
+      auto engine = AsyncEngine::start(args_, owner_ + " replica " + std::to_string(index));
+      std::unique_lock lock(mu_);
+      if (!engine) {
+        spdlog::warn("membership: replica {} did not start: {}; trying again in {} s", index,
+                     engine.status().message(), kRetryGrowth.count());
+        grow_after_ = std::chrono::steady_clock::now() + kRetryGrowth;
+      } else if (!stopping_) {
+        grow_after_ = std::chrono::steady_clock::now() + kMemorySettles;
+        lock.unlock();
+        attach(std::move(*engine));
+        lock.lock();
+      } else {
+        lock.unlock();
+        engine->reset();
+        lock.lock();
+      }
+      loading_busy_ = false;
+    });
+  }
 }
 
 bool ReplicaSet::healthy() const {
-  for (const auto& e : engines_) {
-    if (e->healthy()) return true;
+  std::lock_guard lock(mu_);
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    if (replicas_[i].state == ReplicaState::kServing && engine(i)->healthy()) return true;
   }
   return false;
 }
 
 std::string ReplicaSet::unhealthy_reason() const {
-  if (engines_.size() == 1) return engines_.front()->unhealthy_reason();
+  std::lock_guard lock(mu_);
+  if (replicas_.size() == 1) {
+    return replicas_[0].state == ReplicaState::kServing
+               ? engine(0)->unhealthy_reason()
+               : std::string(replica_state_name(replicas_[0].state)) + ": " + replicas_[0].note;
+  }
   std::string out;
-  for (size_t i = 0; i < engines_.size(); ++i) {
-    if (engines_[i]->healthy()) continue;
-    out += (out.empty() ? "" : "; ") + std::string("replica ") + std::to_string(i) + ": " +
-           engines_[i]->unhealthy_reason();
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    const Replica& r = replicas_[i];
+    std::string why;
+    if (r.state != ReplicaState::kServing) {
+      why = std::string(replica_state_name(r.state)) + " (" + r.note + ")";
+    } else if (!engine(i)->healthy()) {
+      why = engine(i)->unhealthy_reason();
+    } else {
+      continue;
+    }
+    out += (out.empty() ? "" : "; ") + std::string("replica ") + std::to_string(i) + ": " + why;
   }
   return out;
 }
 
 EngineStats ReplicaSet::stats() const {
+  std::vector<std::pair<AsyncEngine*, bool>> engines;  // and whether it is removed
+  {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < replicas_.size(); ++i) {
+      engines.emplace_back(engine(i), replicas_[i].state == ReplicaState::kRemoved);
+    }
+  }
   EngineStats sum;
-  for (const auto& e : engines_) {
+  for (const auto& [e, removed] : engines) {
     const EngineStats s = e->stats();
-    sum.running += s.running;
-    sum.waiting += s.waiting;
-    sum.kv_blocks_total += s.kv_blocks_total;
-    sum.kv_blocks_used += s.kv_blocks_used;
+    if (!removed) {  // gauges: what serves now
+      sum.running += s.running;
+      sum.waiting += s.waiting;
+      sum.kv_blocks_total += s.kv_blocks_total;
+      sum.kv_blocks_used += s.kv_blocks_used;
+    }
     sum.prefix_cache_queries += s.prefix_cache_queries;
     sum.prefix_cache_hits += s.prefix_cache_hits;
     sum.prompt_tokens += s.prompt_tokens;
@@ -300,15 +599,23 @@ Histogram ReplicaSet::routing_times() const {
 }
 
 std::vector<ReplicaView> ReplicaSet::replicas() const {
-  std::vector<ReplicaView> out(engines_.size());
   std::lock_guard lock(mu_);
-  for (size_t i = 0; i < engines_.size(); ++i) {
-    out[i].healthy = engines_[i]->healthy();
-    if (!out[i].healthy) out[i].unhealthy_reason = engines_[i]->unhealthy_reason();
-    out[i].routed = routed_count_[i];
+  std::vector<ReplicaView> out(replicas_.size());
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    const Replica& r = replicas_[i];
+    out[i].state = r.state;
+    out[i].note = r.note;
+    out[i].nodes = engine(i)->nodes();
+    out[i].healthy = r.state == ReplicaState::kServing && engine(i)->healthy();
+    if (!out[i].healthy) {
+      out[i].unhealthy_reason = r.state == ReplicaState::kServing
+                                    ? engine(i)->unhealthy_reason()
+                                    : std::string(replica_state_name(r.state)) + ": " + r.note;
+    }
+    out[i].routed = r.routed;
     out[i].outstanding = load_[i].outstanding;
-    out[i].prefix_matched_tokens = matched_tokens_[i];
-    out[i].stats = engines_[i]->stats();
+    out[i].prefix_matched_tokens = r.matched_tokens;
+    out[i].stats = engine(i)->stats();
   }
   return out;
 }

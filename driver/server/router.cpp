@@ -76,6 +76,11 @@ void Router::forget(size_t replica) {
   mirrors_[replica].index.clear();
 }
 
+size_t Router::add_replica() {
+  mirrors_.emplace_back();
+  return mirrors_.size() - 1;
+}
+
 std::optional<RouteDecision> Router::route(std::span<const int32_t> prompt,
                                            const std::vector<ReplicaLoad>& load) {
   // The chain hashes of the prompt's full blocks, as the replica's block manager computes them.

@@ -65,6 +65,8 @@ class Router {
                                      const std::vector<ReplicaLoad>& load);
   // A replica whose cache is empty again (restarted, removed).
   void forget(size_t replica);
+  // One more replica (a node joined), with an empty mirror; returns its index.
+  size_t add_replica();
 
   RouterPolicy policy() const { return policy_; }
   size_t replicas() const { return mirrors_.size(); }

@@ -84,17 +84,7 @@ CLI::App* add_serve_subcommand(CLI::App& app, ServeOptions& o) {
   cmd->add_option("--timeout-keep-alive", o.timeout_keep_alive,
                   "Seconds before an idle connection, or one still sending its request header, "
                   "is closed (5)");
-  add_data_parallel_option(cmd, o.replicas.data_parallel_size);
-  cmd->add_option_function<std::string>(
-         "--router",
-         [&o](const std::string& text) {
-           auto policy = parse_router_policy(text);
-           if (!policy) throw CLI::ValidationError(policy.status().message());
-           o.replicas.router = *policy;
-         },
-         "With -dp: round_robin | least_load | prefix (the replica holding the longest cached "
-         "prefix of the prompt unless it is much busier; the default)")
-      ->type_name("POLICY");
+  add_replica_options(cmd, o.replicas);
   cmd->footer("Example: tessera serve /models/Llama-3.1-8B-Instruct -tp 2 --port 8000");
   return cmd;
 }
@@ -556,11 +546,12 @@ class Server {
         co_return co_await send_json(c, version, keep_alive);
       }
       case Route::kMetrics:
-        co_return co_await send(c, http::status::ok,
-                                prometheus(metrics_, engine_.stats(), model_.names.front()) +
-                                    replica_prometheus(engine_.replicas(), engine_.routing_times(),
-                                                       model_.names.front()),
-                                "text/plain; version=0.0.4", keep_alive);
+        co_return co_await send(
+            c, http::status::ok,
+            prometheus(metrics_, engine_.stats(), model_.names.front()) +
+                replica_prometheus(engine_.data_parallel(), engine_.replicas(),
+                                   engine_.routing_times(), model_.names.front()),
+            "text/plain; version=0.0.4", keep_alive);
       default:
         co_return co_await send_json(c, models_response(model_), keep_alive);
     }

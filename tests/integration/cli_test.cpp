@@ -220,5 +220,29 @@ TEST(CliTest, CommandsFindTheClusterFromTheEnvironmentOrTheLastStart) {
   fs::remove_all(elsewhere);
 }
 
+// -dp takes N >= 1 or auto on `generate` and `bench throughput` (as on serve and plan): 0 is a
+// usage error naming the flag, before any model is read; `bench latency` (one batch) has no -dp.
+TEST(CliTest, DataParallelSizeIsCheckedWhereItIsTaken) {
+  for (const std::vector<std::string>& command :
+       {std::vector<std::string>{"generate", "--prompt", "hi"},
+        std::vector<std::string>{"bench", "throughput"}}) {
+    for (const std::string dp : {"-dp", "--data-parallel-size"}) {
+      std::vector<std::string> argv = {bin("tessera")};
+      argv.insert(argv.end(), command.begin(), command.end());
+      argv.insert(argv.end(), {"--model", "/nowhere", dp, "0"});
+      CommandResult r = run_command(argv);
+      EXPECT_EQ(r.exit_code, 2) << command[0] << " " << dp << ": " << r.err;
+      EXPECT_NE(r.err.find("-dp/--data-parallel-size must be a positive integer or auto, got '0'"),
+                std::string::npos)
+          << r.err;
+      EXPECT_EQ(r.err.find("/nowhere"), std::string::npos) << r.err;
+    }
+  }
+  CommandResult latency =
+      run_command({bin("tessera"), "bench", "latency", "--model", "/nowhere", "-dp", "2"});
+  EXPECT_EQ(latency.exit_code, 2) << latency.err;
+  EXPECT_NE(latency.err.find("--data-parallel-size"), std::string::npos) << latency.err;
+}
+
 }  // namespace
 }  // namespace tessera

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 
 #include "tests/integration/test_cluster.h"
@@ -650,6 +652,93 @@ TEST_F(GenerateTest, APromptThatIsNotUtf8IsRefusedNamingTheByte) {
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("not a JSON object"), std::string::npos) << r.err;
+}
+
+// "replica I ran N request(s)" lines of a -dp run's stderr: N by replica I.
+std::map<int, int> requests_by_replica(const std::string& err) {
+  std::map<int, int> ran;
+  const std::regex line("replica (\\d+) ran (\\d+) request");
+  for (std::sregex_iterator it(err.begin(), err.end(), line), end; it != end; ++it) {
+    ran[std::stoi((*it)[1])] = std::stoi((*it)[2]);
+  }
+  return ran;
+}
+
+// -dp 2 (vLLM's LLM(data_parallel_size=2)): the prompts are spread over two replicas of the model
+// on one local node. Each prompt's greedy output is the one -dp 1 gives, in the prompts' order,
+// and each replica says how many requests it ran: both ran some.
+TEST_F(GenerateTest, DataParallelGivesEveryPromptItsOwnOutputAndUsesBothReplicas) {
+  std::vector<std::string> argv = {
+      bin("tessera"), "generate",      "--model", dir_,           "--device",     "cpu",
+      "--json",       "--temperature", "0",       "--ignore-eos", "--max-tokens", "8"};
+  const std::vector<std::string> prompts = {"The capital of France is", "Once upon a time",
+                                            "1, 2, 3,", "def fibonacci(n):"};
+  for (const auto& p : prompts) argv.insert(argv.end(), {"--prompt", p});
+  auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = argv;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_command(a, std::chrono::seconds(120));
+  };
+  auto lines = [](const std::string& out) {
+    std::vector<nlohmann::json> v;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty() && line[0] == '{') v.push_back(nlohmann::json::parse(line));
+    }
+    return v;
+  };
+  CommandResult one = run({}), two = run({"-dp", "2"});
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  auto a = lines(one.out), b = lines(two.out);
+  ASSERT_EQ(a.size(), prompts.size()) << one.out;
+  ASSERT_EQ(b.size(), prompts.size()) << two.out;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(b[i]["prompt_ids"], a[i]["prompt_ids"]) << prompts[i];
+    EXPECT_EQ(b[i]["output_ids"], a[i]["output_ids"]) << prompts[i];
+    EXPECT_EQ(b[i]["text"], a[i]["text"]) << prompts[i];
+  }
+  EXPECT_NE(two.err.find("4 prompt(s)"), std::string::npos) << two.err;
+  const std::map<int, int> ran = requests_by_replica(two.err);
+  ASSERT_EQ(ran.size(), 2u) << two.err;
+  EXPECT_GE(ran.at(0), 1) << two.err;
+  EXPECT_GE(ran.at(1), 1) << two.err;
+  EXPECT_EQ(ran.at(0) + ran.at(1), 4) << two.err;
+  EXPECT_TRUE(requests_by_replica(one.err).empty()) << one.err;  // -dp 1: the one engine
+}
+
+// `bench throughput -dp 2` (vLLM's --data-parallel-size): every request added at once to two
+// replicas; the JSON has the replicas' count and what each ran, which adds up to the totals.
+TEST_F(GenerateTest, BenchThroughputOverReplicasReportsWhatEachRan) {
+  const std::string json = dir_ + "-throughput-dp.json";
+  CommandResult r = run_command({bin("tessera"), "bench", "throughput", "--model", dir_, "--device",
+                                 "cpu", "-dp", "2", "--router", "least_load", "--num-prompts", "8",
+                                 "--input-len", "20", "--output-len", "4", "--output-json", json},
+                                std::chrono::seconds(120));
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("output tokens/s"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("router least_load"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("8 of 8 requests done"), std::string::npos) << r.err;
+  std::ifstream in(json);
+  ASSERT_TRUE(in) << json;
+  auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["data_parallel_size"], 2);
+  EXPECT_EQ(j["router"], "least_load");
+  EXPECT_EQ(j["num_requests"], 8);
+  EXPECT_EQ(j["input_tokens"], 8 * 20);
+  EXPECT_EQ(j["output_tokens"], 8 * 4);
+  EXPECT_GT(j["output_tokens_per_second"].get<double>(), 0.0);
+  ASSERT_EQ(j["replicas"].size(), 2u) << j.dump();
+  int requests = 0, input_tokens = 0, output_tokens = 0;
+  for (const auto& replica : j["replicas"]) {
+    EXPECT_GE(replica["requests"].get<int>(), 1) << j.dump();
+    requests += replica["requests"].get<int>();
+    input_tokens += replica["input_tokens"].get<int>();
+    output_tokens += replica["output_tokens"].get<int>();
+  }
+  EXPECT_EQ(requests, 8);
+  EXPECT_EQ(input_tokens, 8 * 20);
+  EXPECT_EQ(output_tokens, 8 * 4);
 }
 
 }  // namespace

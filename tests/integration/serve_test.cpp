@@ -419,7 +419,7 @@ std::vector<double> replica_metric(const Server& server, const std::string& name
 TEST_F(ServeTest, TwoReplicasShareTheLoadAndKeepPrefixesTogether) {
   Server dp(model_, root_, {"-dp", "2", "--router", "prefix", "--max-model-len", "512"});
   ASSERT_GT(dp.port(), 0) << dp.process().err();
-  EXPECT_NE(dp.process().err().find("2 replicas behind one endpoint, router prefix"),
+  EXPECT_NE(dp.process().err().find("2 replica(s) behind one endpoint, router prefix"),
             std::string::npos);
   auto body = [](const std::string& prompt) {
     return json{{"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}};
@@ -1455,6 +1455,212 @@ TEST_F(ServeTest, ConnectionLimitsAndAcceptFailures) {
   }
   EXPECT_TRUE(wait_until(
       [&] { return s.process().err().find("accept works again") != std::string::npos; }, 3s));
+}
+
+// The replica_info series of /metrics (-dp): each replica's state ("serving", "draining",
+// "removed"), by replica index.
+std::map<size_t, std::string> replica_states(const Server& server) {
+  std::map<size_t, std::string> out;
+  std::istringstream lines(server.call("GET", "/metrics").body);
+  static const std::regex info(
+      "tessera:replica_info\\{model_name=\"[^\"]*\",replica=\"([0-9]+)\",state=\"([a-z]+)\","
+      "nodes=\"[^\"]*\"\\} 1");
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, info)) out[std::stoul(m[1])] = m[2];
+  }
+  return out;
+}
+
+// Scale out over three hosts (network namespaces on a bridge; loopback daemons where they
+// cannot be made): `serve -dp auto` on a head and one member runs a replica on each; an idle
+// burst is spread (neither over 60%), the repeats of a prefix go where it is cached; a third
+// host that joins while requests keep coming gets a replica that then takes traffic;
+// `tessera drain` of it stops routing there, lets its requests finish and removes it; the
+// member's daemon SIGKILLed mid-load fails only streams that had started. Every request of
+// every phase is counted.
+TEST_F(ServeTest, ScaleOutOverHostsThatJoinDrainAndDie) {
+  testing::NetnsHosts net(3);
+  if (!net.ok()) {
+    std::fprintf(stderr,
+                 "\n*** [scale-out] NETWORK NAMESPACES ARE NOT AVAILABLE HERE (ip netns needs "
+                 "root): the three hosts are daemons on loopback ***\n\n");
+  } else {
+    std::printf("[scale-out] hosts: %s (head, server), %s, %s on a bridge\n", net.addr(0).c_str(),
+                net.addr(1).c_str(), net.addr(2).c_str());
+  }
+  auto node_ip = [&](size_t host) {
+    return net.ok() ? std::vector<std::string>{"--node-ip", net.addr(host)}
+                    : std::vector<std::string>{};
+  };
+  net.enter(0);
+  testing::TestCluster cluster;
+  const std::string head = cluster.start_head(node_ip(0));
+  ASSERT_FALSE(head.empty()) << cluster.last().err;
+  const std::string token_file = cluster.root() + "/cluster_token";
+  auto join = [&](size_t host, const std::string& name) {
+    net.enter(host);
+    std::vector<std::string> extra = node_ip(host);
+    extra.insert(extra.end(), {"--cluster-token-file", token_file});
+    const std::string id = cluster.start_member(name, extra);
+    net.enter(0);
+    return id;
+  };
+  const std::string member = join(1, "host-b");
+  ASSERT_FALSE(member.empty()) << cluster.last().err;
+  Server dp(model_, root_,
+            {"-dp", "auto", "--address", head, "--cluster-token-file", token_file,
+             "--max-model-len", "512"});
+  ASSERT_GT(dp.port(), 0) << dp.process().err();
+  EXPECT_NE(dp.process().err().find("-dp auto: 2 replica(s) fit now"), std::string::npos)
+      << dp.process().err();
+  ASSERT_EQ(replica_states(dp), (std::map<size_t, std::string>{{0, "serving"}, {1, "serving"}}));
+
+  auto body = [](const std::string& prompt, int tokens) {
+    return json{
+        {"prompt", prompt}, {"max_tokens", tokens}, {"temperature", 0}, {"ignore_eos", true}};
+  };
+  // An idle-start burst of 20 distinct prompts.
+  {
+    std::vector<std::thread> burst;
+    std::vector<int> status(20, 0);
+    for (int i = 0; i < 20; ++i) {
+      burst.emplace_back([&, i] {
+        status[i] =
+            dp.post("/v1/completions",
+                    body("Burst " + std::to_string(i) + " asks about " + std::to_string(i * 13), 4),
+                    "")
+                .status;
+      });
+    }
+    for (auto& t : burst) t.join();
+    EXPECT_EQ(std::count(status.begin(), status.end(), 200), 20);
+    const std::vector<double> routed = replica_metric(dp, "tessera:replica_requests_routed", 2);
+    EXPECT_EQ(routed[0] + routed[1], 20);
+    EXPECT_LE(std::max(routed[0], routed[1]), 12) << routed[0] << " / " << routed[1];
+  }
+  // Shared prefixes: every repeat goes to the replica its first request went to.
+  for (int k = 0; k < 3; ++k) {
+    std::string prefix = "Host system prompt " + std::to_string(k) + ": ";
+    for (int i = 0; i < 8; ++i) prefix += "clause " + std::to_string(k * 10 + i) + " applies. ";
+    int home = -1;
+    for (int user = 0; user < 3; ++user) {
+      const std::vector<double> was = replica_metric(dp, "tessera:replica_requests_routed", 2);
+      Reply r = dp.post("/v1/completions", body(prefix + "User " + std::to_string(user), 2), "");
+      ASSERT_EQ(r.status, 200) << r.body;
+      const std::vector<double> now = replica_metric(dp, "tessera:replica_requests_routed", 2);
+      const int went = now[0] > was[0] ? 0 : 1;
+      if (home < 0) home = went;
+      EXPECT_EQ(went, home) << "prefix " << k << " user " << user;
+    }
+  }
+
+  // Steady load from four clients while the cluster changes; every answer counted.
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::map<int, int> statuses;
+  auto load = [&] {
+    std::vector<std::thread> clients;
+    for (int c = 0; c < 4; ++c) {
+      clients.emplace_back([&, c] {
+        for (int i = 0; !stop; ++i) {
+          Reply r =
+              dp.post("/v1/completions",
+                      body("Client " + std::to_string(c) + " request " + std::to_string(i), 6), "");
+          std::lock_guard lock(mu);
+          ++statuses[r.status];
+          if (r.status != 200) std::printf("[scale-out] %d: %s\n", r.status, r.body.c_str());
+        }
+      });
+    }
+    return clients;
+  };
+  auto settle = [&](std::vector<std::thread>& clients) {
+    stop = true;
+    for (auto& t : clients) t.join();
+    stop = false;
+    std::lock_guard lock(mu);
+    const int total = statuses[200];
+    EXPECT_EQ(statuses.size(), 1u) << "every request answered 200";
+    statuses.clear();
+    return total;
+  };
+
+  // A third host joins mid-load: -dp auto gives it a replica, which then takes requests.
+  std::vector<std::thread> clients = load();
+  const std::string third = join(2, "host-c");
+  EXPECT_FALSE(third.empty()) << cluster.last().err;
+  if (third.empty()) {
+    settle(clients);
+    return;
+  }
+  EXPECT_TRUE(wait_until([&] { return replica_states(dp)[2] == "serving"; }, 60s))
+      << dp.process().err();
+  EXPECT_TRUE(wait_until(
+      [&] { return replica_metric(dp, "tessera:replica_requests_routed", 3)[2] > 0; }, 30s));
+  const double routed_before_drain = replica_metric(dp, "tessera:replica_requests_routed", 3)[2];
+  std::printf("[scale-out] host-c joined: replica 2 serving; %d requests answered meanwhile\n",
+              settle(clients));
+
+  // `tessera drain host-c` mid-load: no new requests go there, and once its requests finish
+  // it is removed (its actors stop); nothing fails.
+  clients = load();
+  CommandResult drained = cluster.tessera(
+      {"drain", "host-c", "--address", head, "--cluster-token-file", token_file, "--wait", "60"});
+  EXPECT_EQ(drained.exit_code, 0) << drained.out << drained.err;
+  EXPECT_TRUE(wait_until([&] { return replica_states(dp)[2] == "removed"; }, 30s))
+      << dp.process().err();
+  const double routed_after_drain = replica_metric(dp, "tessera:replica_requests_routed", 3)[2];
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(replica_metric(dp, "tessera:replica_requests_routed", 3)[2], routed_after_drain);
+  EXPECT_GE(routed_after_drain, routed_before_drain);
+  std::printf(
+      "[scale-out] host-c drained and its replica removed; %d requests answered "
+      "meanwhile\n",
+      settle(clients));
+  CommandResult bad =
+      cluster.tessera({"drain", "host-z", "--address", head, "--cluster-token-file", token_file});
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("host-z"), std::string::npos) << bad.err;
+
+  // host-b's daemon SIGKILLed mid-load, streams in flight: a stream fails only if it had
+  // streamed tokens (its KV cache is gone); the others finish, moved or not.
+  const int pid = cluster.daemon_pid(member);
+  ASSERT_GT(pid, 0);
+  constexpr int kStreams = 16;
+  std::vector<Reply> streams(kStreams);
+  std::vector<std::thread> streaming;
+  for (int i = 0; i < kStreams; ++i) {
+    streaming.emplace_back([&, i] {
+      json b = body("Stream " + std::to_string(i) + " over the hosts", 48);
+      b["stream"] = true;
+      streams[i] = dp.post("/v1/completions", b, "");
+    });
+  }
+  std::this_thread::sleep_for(300ms);
+  ::kill(pid, SIGKILL);
+  for (auto& t : streaming) t.join();
+  int completed = 0, failed_after_start = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    const std::string& sse = streams[i].body;
+    const bool started = sse.find("\"text\"") != std::string::npos;
+    const bool failed = sse.find("\"error\"") != std::string::npos || streams[i].status != 200;
+    if (failed) {
+      ++failed_after_start;
+      EXPECT_TRUE(started) << "stream " << i << " failed before it streamed anything: " << sse;
+    } else {
+      ++completed;
+      EXPECT_NE(sse.find("data: [DONE]"), std::string::npos) << sse;
+    }
+  }
+  std::printf(
+      "[scale-out] host-b killed mid-load: %d of %d streams completed, %d failed after "
+      "streaming (naming the cause)\n",
+      completed, kStreams, failed_after_start);
+  EXPECT_EQ(completed + failed_after_start, kStreams);
+  EXPECT_GT(completed, 0);
+  wait_until([&] { return dp.call("GET", "/health").status == 200; }, 30s);
+  EXPECT_EQ(dp.post("/v1/completions", body("After the storm", 4), "").status, 200);
 }
 
 }  // namespace

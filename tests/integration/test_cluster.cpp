@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -295,6 +297,68 @@ int TestCluster::daemon_pid(const std::string& node_id) const {
     if (!j.is_discarded() && j.value("node_id", "") == node_id) return j.value("pid", -1);
   }
   return -1;
+}
+
+namespace {
+
+std::string ip_binary() {
+  for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"}) {
+    if (::access(p, X_OK) == 0) return p;
+  }
+  return "ip";
+}
+
+bool run_ip(std::vector<std::string> args) {
+  args.insert(args.begin(), ip_binary());
+  return run_command(args, std::chrono::seconds(20)).exit_code == 0;
+}
+
+}  // namespace
+
+NetnsHosts::NetnsHosts(size_t hosts) {
+  const std::string id = std::to_string(::getpid() % 100000);
+  const std::string net = "10.214." + std::to_string(::getpid() % 250 + 1) + ".";
+  bridge_ = "tsh-" + id + "-br";
+  home_fd_ = ::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+  ok_ = home_fd_ >= 0 && run_ip({"netns", "add", bridge_}) &&
+        run_ip({"-n", bridge_, "link", "add", "br0", "type", "bridge"}) &&
+        run_ip({"-n", bridge_, "link", "set", "br0", "up"});
+  for (size_t i = 0; i < hosts; ++i) {
+    names_.push_back("tsh-" + id + "-" + std::to_string(i));
+    addrs_.push_back(net + std::to_string(i + 1));
+    const std::string host_end = "eth0", bridge_end = "h" + std::to_string(i);
+    ok_ = ok_ && run_ip({"netns", "add", names_[i]}) &&
+          run_ip({"-n", names_[i], "link", "add", host_end, "type", "veth", "peer", "name",
+                  bridge_end, "netns", bridge_}) &&
+          run_ip({"-n", bridge_, "link", "set", bridge_end, "master", "br0"}) &&
+          run_ip({"-n", bridge_, "link", "set", bridge_end, "up"}) &&
+          run_ip({"-n", names_[i], "addr", "add", addrs_[i] + "/24", "dev", host_end}) &&
+          run_ip({"-n", names_[i], "link", "set", host_end, "up"}) &&
+          run_ip({"-n", names_[i], "link", "set", "lo", "up"});
+  }
+  if (!ok_) {
+    for (size_t i = 0; i < addrs_.size(); ++i) addrs_[i] = "127.0.0.1";
+  }
+}
+
+NetnsHosts::~NetnsHosts() {
+  leave();
+  for (const std::string& n : names_) run_ip({"netns", "del", n});
+  run_ip({"netns", "del", bridge_});
+  if (home_fd_ >= 0) ::close(home_fd_);
+}
+
+void NetnsHosts::enter(size_t host) {
+  if (!ok_) return;
+  const int fd = ::open(("/run/netns/" + names_.at(host)).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) {
+    std::fprintf(stderr, "NetnsHosts: cannot enter %s\n", names_.at(host).c_str());
+  }
+  if (fd >= 0) ::close(fd);
+}
+
+void NetnsHosts::leave() {
+  if (home_fd_ >= 0) (void)::setns(home_fd_, CLONE_NEWNET);
 }
 
 }  // namespace tessera::testing

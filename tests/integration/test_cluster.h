@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <functional>
 #include <string>
 #include <vector>
@@ -85,6 +86,30 @@ class TestCluster {
   std::string root_;
   std::string head_address_;
   CommandResult last_;
+};
+
+// Hosts for multi-host tests: network namespaces on one bridge (in a namespace of its own),
+// host i at 10.214.<n>.<i + 1>/24; nothing is added to this machine's own namespace, and the
+// namespaces go on destruction. ok() is false where namespaces cannot be made (no root): tests
+// then fall back to loopback and say so.
+class NetnsHosts {
+ public:
+  explicit NetnsHosts(size_t hosts);
+  ~NetnsHosts();
+  bool ok() const { return ok_; }
+  size_t size() const { return names_.size(); }
+  const std::string& addr(size_t host) const { return addrs_[host]; }
+  // Moves the calling thread into host's namespace: the sockets it opens, the processes and
+  // threads it starts from then on live there. A no-op when !ok().
+  void enter(size_t host);
+  // Back to the namespace the thread had at construction.
+  void leave();
+
+ private:
+  std::vector<std::string> names_, addrs_;
+  std::string bridge_;
+  int home_fd_ = -1;
+  bool ok_ = false;
 };
 
 }  // namespace tessera::testing

@@ -1139,3 +1139,136 @@ TEST(PlacementTest, ReplicasArePlacedWhereTheOnesBeforeLeftRoom) {
 
 }  // namespace
 }  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// Two replicas at --gpu-memory-utilization 0.45 share one H200 (vLLM's per-instance rule: the
+// second sees the first's budget in use and 0.55 free); at the default 0.9 the second does not
+// fit, and the message names the busy GPU. -dp auto plans as many as fit: 2 at 0.45 (3 would
+// need 1.35 of it), 1 at 0.9; CPU replicas one per node.
+TEST(PlacementTest, ReplicasShareAGpuWhenItsFreeMemoryHoldsTheirBudget) {
+  const std::vector<ClusterNode> one = {make_node("a", 1, 141 * kGiB, nv18)};
+  EngineSpec spec = model_spec();
+  spec.gpu_memory_utilization = 0.45;
+  ReplicaPlans r = plan_replicas(llama3_8b(), spec, one, 2);
+  ASSERT_EQ(r.fitting(), 2u) << r.failure.message();
+  EXPECT_EQ(r.plans[1].placement.ranks[0].gpu, 0);
+  // The second replica's budget is its 0.45, not less: the first's memory is not charged to it.
+  EXPECT_EQ(r.plans[1].memory.ranks[0].budget, r.plans[0].memory.ranks[0].budget);
+
+  r = plan_replicas(llama3_8b(), spec, one, 0);  // auto
+  EXPECT_EQ(r.fitting(), 2u);
+  EXPECT_TRUE(r.failure.is_ok());
+
+  spec.gpu_memory_utilization = 0.9;
+  r = plan_replicas(llama3_8b(), spec, one, 2);
+  EXPECT_EQ(r.fitting(), 1u);
+  EXPECT_TRUE(contains(r.failure.message(), "busy: gpu0")) << r.failure.message();
+  r = plan_replicas(llama3_8b(), spec, one, 0);
+  EXPECT_EQ(r.fitting(), 1u);
+  EXPECT_TRUE(r.failure.is_ok());
+
+  // A GPU another process fills is not shared: 100 of 141 GiB used leaves less than 0.45.
+  std::vector<ClusterNode> used = one;
+  used[0].busy_gpus = {0};
+  used[0].node.resources.gpus[0].memory_used = 100 * kGiB;
+  spec.gpu_memory_utilization = 0.45;
+  auto refused = plan_on_cluster(llama3_8b(), spec, used);
+  ASSERT_FALSE(refused);
+  EXPECT_TRUE(contains(refused.status().message(), "busy: gpu0")) << refused.status().message();
+
+  spec.device = Device::kCpu;
+  r = plan_replicas(llama3_8b(), spec, synthetic_nodes(3, 0, 0), 0);
+  EXPECT_EQ(r.fitting(), 3u);
+}
+
+}  // namespace
+}  // namespace tessera
+
+// ---- draining nodes (`tessera drain`) ------------------------------------------------------
+
+namespace tessera {
+namespace {
+
+TEST(DrainPlacementTest, ADrainingNodeTakesNoRanks) {
+  std::vector<ClusterNode> nodes = {make_node("node-a", 2, 80 * kGiB, nv18),
+                                    make_node("node-b", 4, 80 * kGiB, nv18)};
+  auto before = place_ranks(2, 2, nodes);
+  ASSERT_TRUE(before) << before.status().message();
+  EXPECT_EQ(format_stages(*before, 2, 2),
+            "stage 0: node-b gpu0 gpu1 [NV18]\nstage 1: node-b gpu2 gpu3 [NV18]\n");
+
+  nodes[1].node.draining = true;
+  EXPECT_FALSE(nodes[1].node.takes_actors());
+  auto p = place_ranks(2, 1, nodes);
+  ASSERT_TRUE(p) << p.status().message();
+  EXPECT_EQ(format_stages(*p, 2, 1), "stage 0: node-a gpu0 gpu1 [NV18]\n");
+  // Its GPUs do not count, and the error says why they are missing.
+  auto short_of_gpus = place_ranks(2, 2, nodes);
+  ASSERT_FALSE(short_of_gpus);
+  EXPECT_EQ(short_of_gpus.status().code(), Code::kResourceExhausted);
+  EXPECT_TRUE(contains(short_of_gpus.status().message(),
+                       "needs 4 GPUs but the cluster has 2 free (node-a: 2 of 2 free; draining, "
+                       "so not used: node-b)"))
+      << short_of_gpus.status().message();
+  // Every node draining: nowhere to go, and the error names them.
+  nodes[0].node.draining = true;
+  auto nowhere = place_ranks(1, 1, nodes);
+  ASSERT_FALSE(nowhere);
+  EXPECT_EQ(nowhere.status().code(), Code::kFailedPrecondition);
+  EXPECT_TRUE(contains(nowhere.status().message(), "draining: node-a, node-b"))
+      << nowhere.status().message();
+}
+
+TEST(DrainPlacementTest, PlansSkipDrainingNodesForGpusAndCpuRanks) {
+  // -tp auto counts only the free GPUs of nodes that take actors.
+  std::vector<ClusterNode> nodes = {make_node("small", 1, 141 * kGiB, nv18),
+                                    make_node("big", 8, 141 * kGiB, nv18)};
+  nodes[1].node.draining = true;
+  EngineSpec req = model_spec();
+  req.tensor_parallel_size = ParallelSize::automatic();
+  auto cp = plan_on_cluster(llama3_8b(), req, nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_EQ(cp->plan.tp, 1);
+  for (const PlacedRank& r : cp->placement.ranks) EXPECT_EQ(r.node_name, "small");
+
+  // A draining GPU node leaves a cluster of CPU nodes: --device auto plans CPU ranks.
+  std::vector<ClusterNode> mixed = {make_node("gpu-node", 2, 80 * kGiB, nv18),
+                                    make_node("cpu-node", 0, 0, nv18)};
+  mixed[0].node.draining = true;
+  cp = plan_on_cluster(llama3_8b(), model_spec(), mixed);
+  ASSERT_TRUE(cp) << cp.status().message();
+  EXPECT_TRUE(cp->placement.cpu);
+  for (const PlacedRank& r : cp->placement.ranks) EXPECT_EQ(r.node_name, "cpu-node");
+
+  // CPU ranks spread over the nodes that take actors only.
+  std::vector<ClusterNode> cpus = synthetic_nodes(3, 0, 0);
+  cpus[1].node.draining = true;
+  auto spread = place_ranks(1, 3, cpus);
+  ASSERT_TRUE(spread) << spread.status().message();
+  for (const PlacedRank& r : spread->ranks) EXPECT_NE(r.node_name, "node-1");
+}
+
+TEST(DrainPlacementTest, TheMarkTravelsThroughStatusAndTopologyJson) {
+  ClusterStatus status;
+  NodeStatus ns;
+  ns.node = make_node("node-a", 1, 80 * kGiB, nv18).node;
+  ns.node.draining = true;
+  status.nodes.push_back(ns);
+  std::vector<ClusterNode> nodes = cluster_nodes(status);
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_TRUE(nodes[0].node.draining);
+  EXPECT_TRUE(contains(render_topology("10.0.0.1:6380", nodes), "[draining: no new ranks]"));
+  auto back = parse_topology_json(topology_json("10.0.0.1:6380", nodes), "cluster.json");
+  ASSERT_TRUE(back) << back.status().message();
+  ASSERT_EQ(back->size(), 1u);
+  EXPECT_TRUE((*back)[0].node.draining);
+  // A file without the field (an older `topo --json`) means not draining.
+  auto old = parse_topology_json("{\"nodes\": [{\"name\": \"x\", \"cpus\": 4}]}", "old.json");
+  ASSERT_TRUE(old) << old.status().message();
+  EXPECT_FALSE((*old)[0].node.draining);
+}
+
+}  // namespace
+}  // namespace tessera

@@ -34,14 +34,15 @@ def test_keywords_reach_the_engine_spec(tiny_model):
         tensor_parallel_size=2, pipeline_parallel_size="auto", pipeline_layer_partition=[1, 1],
         dtype="half", quantization="fp8", device="cpu", max_model_len=256,
         gpu_memory_utilization=0.5, max_num_seqs=8, max_num_batched_tokens=128, block_size=32,
-        enforce_eager=True, kv_cache_dtype="fp8", collectives="tcp",
+        num_gpu_blocks_override=64, enforce_eager=True, kv_cache_dtype="fp8", collectives="tcp",
         disable_custom_all_reduce=True, enable_prefix_caching=False, async_scheduling=True,
         nccl_init_timeout=30))
     assert spec == dict(
         model=tiny_model, tensor_parallel_size="2", pipeline_parallel_size="auto",
         pipeline_layer_partition=[1, 1], dtype="half", quantization="fp8", device="cpu",
         max_model_len=256, gpu_memory_utilization=0.5, max_num_seqs=8,
-        max_num_batched_tokens=128, block_size=32, enforce_eager=True, kv_cache_dtype="fp8_e4m3",
+        max_num_batched_tokens=128, block_size=32, num_gpu_blocks_override=64, enforce_eager=True,
+        kv_cache_dtype="fp8_e4m3",
         collectives="tcp", disable_custom_all_reduce=True, enable_prefix_caching=False,
         async_scheduling=True, nccl_init_timeout=30)
     defaults = _tessera.engine_args(tiny_model, {})

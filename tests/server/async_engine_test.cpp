@@ -341,5 +341,73 @@ TEST(ReplicaSetTest, UnstartedRequestsOfADeadReplicaFinishOnAnother) {
   EXPECT_EQ(set->replicas()[1].outstanding, 0u);
 }
 
+// Membership over fake hosts: a drained replica takes no new requests, finishes the one it
+// holds (all its tokens, not aborted), and is then removed (retired: it refuses adds); a replica
+// attached later takes traffic at once; with every replica drained the set answers UNAVAILABLE
+// naming them.
+TEST(ReplicaSetTest, ADrainedReplicaFinishesItsRequestsAndAnAttachedOneTakesTraffic) {
+  World w0, w1, w2;
+  std::vector<std::unique_ptr<AsyncEngine>> engines;
+  engines.push_back(start(w0));
+  engines.push_back(start(w1));
+  ASSERT_TRUE(engines[0] && engines[1]);
+  const ModelInfo model = engines[0]->loaded();
+  auto set = ReplicaSet::over(std::move(engines), RouterPolicy::kRoundRobin);
+  Outputs outs;
+  auto add_one = [&](int max_tokens) -> Expected<uint64_t> {
+    TESSERA_ASSIGN_OR_RETURN(Request r, Request::make({1, 2, 3}, tokens(max_tokens), model));
+    return set->add(std::move(r), outs.sink());
+  };
+  auto held = add_one(200);  // round robin: replica 0
+  ASSERT_TRUE(held) << held.status().to_string();
+  ASSERT_TRUE(outs.started(*held));
+  ASSERT_TRUE(set->drain(0, "node a is draining"));
+  EXPECT_FALSE(set->drain(0, "again"));
+  EXPECT_EQ(set->replicas()[0].state, ReplicaState::kDraining);
+  std::vector<uint64_t> ids;
+  for (int k = 0; k < 4; ++k) {
+    auto id = add_one(3);
+    ASSERT_TRUE(id) << id.status().to_string();
+    ids.push_back(*id);
+  }
+  EXPECT_EQ(set->replicas()[0].routed, 1u);
+  EXPECT_EQ(set->replicas()[1].routed, 4u);
+  const RequestOutput last = outs.last(*held);
+  EXPECT_EQ(last.finish_reason, FinishReason::kLength) << last.error.message();
+  EXPECT_EQ(outs.tokens(*held), 200u);
+  for (uint64_t id : ids) EXPECT_EQ(outs.last(id).finish_reason, FinishReason::kLength);
+  // Idle now: the monitor removes it.
+  for (int i = 0; i < 50 && set->replicas()[0].state != ReplicaState::kRemoved; ++i) {
+    std::this_thread::sleep_for(ReplicaSet::kMonitorPeriod);
+  }
+  EXPECT_EQ(set->replicas()[0].state, ReplicaState::kRemoved);
+  EXPECT_EQ(set->active(), 1u);
+  EXPECT_TRUE(set->healthy());
+  EXPECT_EQ(set->replicas()[0].note, "node a is draining");
+
+  // A replica that joins takes requests from the next one on.
+  auto joined = start(w2);
+  ASSERT_TRUE(joined);
+  EXPECT_EQ(set->attach(std::move(joined)), 2u);
+  for (int k = 0; k < 4; ++k) {
+    auto id = add_one(2);
+    ASSERT_TRUE(id) << id.status().to_string();
+    EXPECT_EQ(outs.last(*id).finish_reason, FinishReason::kLength);
+  }
+  EXPECT_EQ(set->replicas()[2].routed, 2u);
+  EXPECT_EQ(set->replicas()[1].routed, 6u);
+  EXPECT_EQ(set->replicas()[0].routed, 1u);
+
+  // Nothing left serving: a clear refusal naming the draining replicas.
+  ASSERT_TRUE(set->drain(1, "node b is draining"));
+  ASSERT_TRUE(set->drain(2, "node c is draining"));
+  auto refused = add_one(2);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.status().code(), Code::kUnavailable);
+  EXPECT_NE(refused.status().message().find("(node b is draining)"), std::string::npos)
+      << refused.status().message();
+  EXPECT_FALSE(set->healthy());
+}
+
 }  // namespace
 }  // namespace tessera::server

@@ -126,6 +126,7 @@ class LLM:
         max_num_seqs: int = ...,
         max_num_batched_tokens: int = ...,
         block_size: int = ...,
+        num_gpu_blocks_override: int = ...,
         trust_remote_code: bool = ...,
         collectives: str = ...,
         disable_custom_all_reduce: bool = ...,
