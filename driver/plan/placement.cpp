@@ -381,18 +381,19 @@ Expected<Placement> place_ranks(int64_t tp, int64_t pp, const std::vector<Cluste
       const NodeResources& r = ns.node->node.resources;
       detail += (detail.empty() ? "" : "; ") + node_label(ns.node->node) + ": " +
                 std::to_string(ns.free.size()) + " of " + std::to_string(r.gpus.size()) + " free";
-      std::vector<uint32_t> busy;
+      std::string busy;
       for (const GpuDevice& g : r.gpus) {
-        if (std::find(ns.node->busy_gpus.begin(), ns.node->busy_gpus.end(), g.index) !=
+        if (std::find(ns.node->busy_gpus.begin(), ns.node->busy_gpus.end(), g.index) ==
             ns.node->busy_gpus.end()) {
-          busy.push_back(g.index);
+          continue;
+        }
+        busy += " " + gpu_word(g.index);
+        if (g.memory_total > 0) {
+          busy += " (" + format_gib(g.memory_total - std::min(g.memory_used, g.memory_total)) +
+                  " free)";
         }
       }
-      if (!busy.empty()) {
-        detail += " (busy:";
-        for (uint32_t b : busy) detail += " " + gpu_word(b);
-        detail += ")";
-      }
+      if (!busy.empty()) detail += " (busy:" + busy + ")";
     }
     if (!draining.empty()) detail += "; draining, so not used: " + draining;
     // NCCL refuses two ranks on one GPU; the driver's ipc collectives do not (model_session's
@@ -401,9 +402,11 @@ Expected<Placement> place_ranks(int64_t tp, int64_t pp, const std::vector<Cluste
         "-tp " + std::to_string(tp) + " -pp " + std::to_string(pp) + " needs " +
         std::to_string(world) + " GPUs but the cluster has " + std::to_string(total_free) +
         " free (" + detail +
-        "): lower -tp or -pp, stop the actors holding GPUs, add nodes, or share GPUs: serve, "
-        "generate and bench take --collectives ipc (ranks share a GPU through CUDA IPC: for "
-        "testing tensor parallelism, not for speed)");
+        "): lower -tp or -pp, stop the actors holding GPUs, add nodes, lower "
+        "--gpu-memory-utilization (a busy GPU takes another rank when its free memory holds "
+        "that share of it), or share GPUs within the plan: serve, generate and bench take "
+        "--collectives ipc (ranks share a GPU through CUDA IPC: for testing tensor parallelism, "
+        "not for speed)");
   }
   pl.ranks.resize(world);
   auto assign = [&](const ClusterNode& n, int64_t stage, const std::vector<size_t>& group) {
