@@ -232,13 +232,23 @@ Status ReplicaSet::dispatch(std::unique_lock<std::mutex>& lock, uint64_t id) {
     auto it = routed_.find(id);
     if (it == routed_.end()) return Status::ok();  // finished meanwhile
     Routed& r = it->second;
+    bool any = false;
     for (size_t i = 0; i < replicas_.size(); ++i) {
       load_[i].routable =
           !r.tried[i] && replicas_[i].state == ReplicaState::kServing && engine(i)->healthy();
+      any |= load_[i].routable;
+    }
+    if (!any) {
+      // Nothing else serves (a drained -dp 1, its replacement still loading): a draining
+      // replica keeps taking requests until one does, rather than the service refusing them.
+      for (size_t i = 0; i < replicas_.size(); ++i) {
+        load_[i].routable =
+            !r.tried[i] && replicas_[i].state == ReplicaState::kDraining && engine(i)->healthy();
+      }
     }
     // One replica: its own add() says why it refuses (it queues while it restarts).
     const bool alone = replicas_.size() == 1;
-    if (alone) load_[0].routable = replicas_[0].state == ReplicaState::kServing;
+    if (alone) load_[0].routable = replicas_[0].state != ReplicaState::kRemoved;
     const auto t0 = std::chrono::steady_clock::now();
     auto decision = router_.route(r.request->prompt(), load_);
     routing_.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

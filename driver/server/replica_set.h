@@ -97,8 +97,9 @@ class ReplicaSet {
 
   // A replica that is ready joins: the router sends it requests from now on. Its index.
   size_t attach(std::unique_ptr<AsyncEngine> engine);
-  // Stops routing to a serving replica (`why`: "node b is draining"); the monitor removes it
-  // (its actors stop) once its requests have finished. False when it is not serving.
+  // Stops routing to a serving replica (`why`: "node b is draining") while another serves (with
+  // none, it keeps taking requests); the monitor removes it (its actors stop) once its
+  // requests have finished. False when it is not serving.
   bool drain(size_t replica, const std::string& why);
 
   bool healthy() const;

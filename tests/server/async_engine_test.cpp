@@ -398,9 +398,21 @@ TEST(ReplicaSetTest, ADrainedReplicaFinishesItsRequestsAndAnAttachedOneTakesTraf
   EXPECT_EQ(set->replicas()[1].routed, 6u);
   EXPECT_EQ(set->replicas()[0].routed, 1u);
 
-  // Nothing left serving: a clear refusal naming the draining replicas.
+  // Nothing left serving: a draining replica still takes requests while it lives (a -dp 1
+  // whose replacement loads); once the drained ones are removed, a clear refusal naming them.
+  auto longer = add_one(200);  // round robin: replica 2
+  ASSERT_TRUE(longer);
+  ASSERT_TRUE(outs.started(*longer));
   ASSERT_TRUE(set->drain(1, "node b is draining"));
   ASSERT_TRUE(set->drain(2, "node c is draining"));
+  auto still = add_one(2);
+  ASSERT_TRUE(still) << still.status().to_string();
+  EXPECT_EQ(outs.last(*still).finish_reason, FinishReason::kLength);
+  EXPECT_EQ(outs.last(*longer).finish_reason, FinishReason::kLength);
+  for (int i = 0; i < 50 && set->active() > 0; ++i) {
+    std::this_thread::sleep_for(ReplicaSet::kMonitorPeriod);
+  }
+  EXPECT_EQ(set->active(), 0u);
   auto refused = add_one(2);
   ASSERT_FALSE(refused);
   EXPECT_EQ(refused.status().code(), Code::kUnavailable);
