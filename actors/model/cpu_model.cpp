@@ -42,8 +42,28 @@ Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config, 
   if (!rope) return rope.status();
   m->rope_ = std::make_unique<cpu::RopeTable>(std::move(*rope));
   TESSERA_ASSIGN_OR_RETURN(m->quant_, resolve_quantization(engine.quantization, config.quant));
+  if (config.moe.enabled() && m->quant_.method != QuantMethod::kNone) {
+    return invalid_argument("--quantization " + m->quant_.describe() +
+                            ": mixture-of-experts models run unquantized for now");
+  }
   TESSERA_RETURN_IF_ERROR(m->dequantize_linears());
+  m->bind_moe();
   return m;
+}
+
+void CpuModel::bind_moe() {
+  moe_.resize(weights_.layers.size());
+  for (size_t i = 0; i < weights_.layers.size(); ++i) {
+    const LayerWeights& l = weights_.layers[i];
+    if (!l.moe()) continue;
+    cpu::MoeLayer& m = moe_[i];
+    m.router = l.router;
+    for (const LayerWeights::Expert& e : l.experts) m.experts.push_back({e.gate, e.up, e.down});
+    m.top_k = config_.moe.top_k;
+    m.renormalize = config_.moe.norm_topk_prob;
+    m.shared = {l.shared.gate, l.shared.up, l.shared.down};
+    m.shared_gate = l.shared_expert_gate;
+  }
 }
 
 Status CpuModel::dequantize_linears() {
@@ -247,6 +267,8 @@ class CpuModel::Step {
   }
 
   Status mlp(int64_t i) {
+    const cpu::MoeLayer& moe = m_.moe_[static_cast<size_t>(i)];
+    if (moe.router.data != nullptr) return cpu::moe(m_.ctx_, moe, hidden_, proj_);
     const LayerWeights& w = layer(i);
     const float in = shared_input_scale({&w.gate_proj, &w.up_proj});
     TESSERA_RETURN_IF_ERROR(linear(hidden_, w.gate_proj, in, nullptr, gate_));

@@ -17,6 +17,7 @@
 #include "common/checkpoint/model_config.h"
 #include "common/kv_cache_dtype.h"
 #include "kernels/cpu/cpu_context.h"
+#include "kernels/cpu/moe.h"
 #include "kernels/cpu/paged_kv_cache.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/sampling.h"
@@ -61,6 +62,8 @@ class CpuModel final : public Backend {
   // Each quantized linear layer's `weight` becomes its dequantized F32 [out, in] (online FP8:
   // quantized first): the CPU backend computes what the checkpoint's format means, exactly.
   Status dequantize_linears();
+  // The MoE layers' views for cpu::moe (the experts as bound).
+  void bind_moe();
   Expected<std::vector<SampleResult>> run_step(std::span<const ForwardSeq> batch,
                                                std::span<const SampleRequest> rows,
                                                std::vector<float>* logits);
@@ -75,6 +78,7 @@ class CpuModel final : public Backend {
   int64_t fit_blocks_ = 0;
   EngineSpec engine_;                          // resolved
   QuantConfig quant_;                          // the linear layers' (resolved with engine_)
+  std::vector<cpu::MoeLayer> moe_;             // per stage layer; router.data null: dense
   std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
   std::vector<int32_t> last_tokens_;           // sampled by the last launch (async scheduling)
   std::deque<Launch> launched_;                // not collected yet, oldest first

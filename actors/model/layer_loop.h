@@ -9,6 +9,7 @@
 //                 proj = attn · o_projᵀ (+ bias)                  TP: partial sums, all-reduced
 //                 hidden = rms_norm(residual += proj) · post_norm
 //                 proj = (silu(hidden · gateᵀ) * (hidden · upᵀ)) · downᵀ   TP: all-reduced
+//                        (an MoE layer: the routed experts' weighted sum, the same all-reduce)
 //   last stage:   logits = rms_norm(residual += proj) · final_norm · lm_headᵀ   (sampled rows;
 //                 TP: vocabulary slices, all-gathered)
 //   other stages: send residual += proj to the stage after
@@ -21,7 +22,7 @@
 //   input_norm(i, add)             [residual += proj when add]; hidden = norm(residual)
 //   qkv(i), rope_cache(i), attention(i), o_proj(i)
 //   post_norm(i)                   residual += proj; hidden = norm(residual)
-//   mlp(i)                         proj = MLP(hidden)
+//   mlp(i)                         proj = MLP(hidden), or the MoE block in an MoE layer
 //   all_reduce(buffer)             sum over the tensor-parallel group (no-op at tp_size 1)
 //   add_residual()                 residual += proj
 //   logits()                       final norm, lm_head, vocabulary all-gather

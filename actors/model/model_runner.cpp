@@ -16,6 +16,15 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
   const EngineSpec& e = spec.engine;
   TESSERA_RETURN_IF_ERROR(check_resolved(e));
   const bool gpu = e.device == Device::kCuda;
+  if (gpu) {
+    // Before any GPU check, so the reason is the same on every machine.
+    Expected<ModelConfig> config = load_model_config(e.model);
+    if (config && config->moe.enabled()) {
+      return failed_precondition(std::string(architecture_name(config->arch)) + " (" + e.model +
+                                 "): mixture-of-experts layers run on the CPU backend for now "
+                                 "(--device cpu)");
+    }
+  }
 #ifdef TESSERA_WITH_CUDA
   if (gpu && !cuda_device_visible()) {
     return failed_precondition("--device cuda: this actor sees no GPU (CUDA_VISIBLE_DEVICES, "

@@ -102,6 +102,34 @@ LinearWeight* linear_of(LayerWeights& l, WeightKind kind) {
   }
 }
 
+// Where an MoE tensor binds (null for the other kinds); sizes the layer's experts on first use.
+TensorView* moe_tensor(LayerWeights& l, const WeightSpec& w, int64_t num_experts) {
+  auto expert = [&]() -> LayerWeights::Expert& {
+    if (l.experts.empty()) l.experts.resize(static_cast<size_t>(num_experts));
+    return l.experts[static_cast<size_t>(w.expert)];
+  };
+  switch (w.kind) {
+    case WeightKind::kRouter:
+      return &l.router;
+    case WeightKind::kExpertGate:
+      return &expert().gate;
+    case WeightKind::kExpertUp:
+      return &expert().up;
+    case WeightKind::kExpertDown:
+      return &expert().down;
+    case WeightKind::kSharedGate:
+      return &l.shared.gate;
+    case WeightKind::kSharedUp:
+      return &l.shared.up;
+    case WeightKind::kSharedDown:
+      return &l.shared.down;
+    case WeightKind::kSharedExpertGate:
+      return &l.shared_expert_gate;
+    default:
+      return nullptr;
+  }
+}
+
 TensorView& part_of(LinearWeight& w, WeightPart part) {
   switch (part) {
     case WeightPart::kQWeight:
@@ -158,7 +186,16 @@ Expected<ModelWeights> bind_weights(const Checkpoint& ckpt, const ModelConfig& c
       }
     }
   }
-  for (const WeightSpec& w : table) TESSERA_RETURN_IF_ERROR(check_tensor(ckpt, w));
+  for (const WeightSpec& w : table) {
+    Status st = check_tensor(ckpt, w);
+    if (!st.is_ok() && w.expert >= 0 && st.code() == Code::kNotFound) {
+      // A missing expert: the config may count more experts than the checkpoint has.
+      return not_found(st.message() + "; expert " + std::to_string(w.expert) + " of layer " +
+                       std::to_string(w.layer) + " (config.json: " +
+                       std::to_string(c.moe.num_experts) + " experts per MoE layer)");
+    }
+    TESSERA_RETURN_IF_ERROR(st);
+  }
   if (!unused.empty()) {
     const SafetensorsFile* file = ckpt.file_of(unused.front());
     std::string list;
@@ -195,6 +232,10 @@ Expected<ModelWeights> bind_weights(const Checkpoint& ckpt, const ModelConfig& c
       continue;
     }
     LayerWeights& l = w.layers[static_cast<size_t>(s.spec.layer - plan.layer_begin)];
+    if (TensorView* moe = moe_tensor(l, s.spec, c.moe.num_experts)) {
+      *moe = v;
+      continue;
+    }
     if (LinearWeight* lw =
             s.spec.role == WeightRole::kLinear ? linear_of(l, s.spec.kind) : nullptr) {
       part_of(*lw, s.spec.part) = v;

@@ -38,8 +38,21 @@ struct LayerWeights {
   LinearWeight gate_proj;  // [intermediate, hidden]          (this rank's rows)
   LinearWeight up_proj;    // [intermediate, hidden]
   LinearWeight down_proj;  // [hidden, intermediate]          (its columns)
+  // A mixture-of-experts layer instead of the dense MLP (gate/up/down_proj absent then):
+  struct Expert {
+    TensorView gate;  // [moe_intermediate, hidden]   (this rank's rows)
+    TensorView up;    // [moe_intermediate, hidden]
+    TensorView down;  // [hidden, moe_intermediate]   (its columns)
+  };
+  TensorView router;              // [experts, hidden]      (replicated)
+  std::vector<Expert> experts;    // every expert's slice; empty: a dense layer
+  Expert shared;                  // Qwen2-MoE's shared expert ([shared_intermediate, ...]);
+                                  // data == null when the model has none
+  TensorView shared_expert_gate;  // [1, hidden]            (replicated, with `shared`)
 
-  // The seven linear layers with their names ("self_attn.q_proj"), in checkpoint order.
+  bool moe() const { return !experts.empty(); }
+  // The seven linear layers with their names ("self_attn.q_proj"), in checkpoint order (an MoE
+  // layer's experts are not among them: MoE checkpoints are not quantized).
   std::vector<std::pair<const char*, LinearWeight*>> linears();
 };
 

@@ -98,6 +98,37 @@ void push_linear(std::vector<WeightSpec>& out, const QuantConfig& q, const std::
   }
 }
 
+// The tensors of MoE layer `layer` (prefix `p`, "model.layers.N."), as transformers names them.
+void push_moe(std::vector<WeightSpec>& out, const ModelConfig& c, const std::string& p,
+              int64_t layer) {
+  const int64_t h = c.hidden_size, e_inter = c.moe.expert_intermediate;
+  auto linear = [&](const std::string& name, int64_t out_f, int64_t in_f, WeightKind kind,
+                    Split split, int64_t expert) {
+    WeightSpec w{p + name + ".weight", {out_f, in_f}, WeightRole::kLinear, kind, layer, split};
+    w.dim = split == Split::kColumns ? 1 : 0;
+    w.expert = expert;
+    out.push_back(std::move(w));
+  };
+  const bool mixtral = c.arch == Architecture::kMixtral;
+  const std::string block = mixtral ? "block_sparse_moe." : "mlp.";
+  linear(block + "gate", c.moe.num_experts, h, WeightKind::kRouter, Split::kNone, -1);
+  for (int64_t e = 0; e < c.moe.num_experts; ++e) {
+    const std::string x = block + "experts." + std::to_string(e) + ".";
+    linear(x + (mixtral ? "w1" : "gate_proj"), e_inter, h, WeightKind::kExpertGate, Split::kRows,
+           e);
+    linear(x + (mixtral ? "w2" : "down_proj"), h, e_inter, WeightKind::kExpertDown, Split::kColumns,
+           e);
+    linear(x + (mixtral ? "w3" : "up_proj"), e_inter, h, WeightKind::kExpertUp, Split::kRows, e);
+  }
+  if (c.moe.shared_intermediate > 0) {
+    const int64_t s = c.moe.shared_intermediate;
+    linear("mlp.shared_expert.gate_proj", s, h, WeightKind::kSharedGate, Split::kRows, -1);
+    linear("mlp.shared_expert.up_proj", s, h, WeightKind::kSharedUp, Split::kRows, -1);
+    linear("mlp.shared_expert.down_proj", h, s, WeightKind::kSharedDown, Split::kColumns, -1);
+    linear("mlp.shared_expert_gate", 1, h, WeightKind::kSharedExpertGate, Split::kNone, -1);
+  }
+}
+
 }  // namespace
 
 std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
@@ -143,12 +174,16 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
       norm("self_attn.q_norm.weight", c.head_dim, WeightKind::kQNorm);
       norm("self_attn.k_norm.weight", c.head_dim, WeightKind::kKNorm);
     }
-    linear("mlp.gate_proj", c.intermediate_size, h, WeightKind::kGate, Split::kRows, false,
-           WeightKind::kGate);
-    linear("mlp.up_proj", c.intermediate_size, h, WeightKind::kUp, Split::kRows, false,
-           WeightKind::kUp);
-    linear("mlp.down_proj", h, c.intermediate_size, WeightKind::kDown, Split::kColumns, false,
-           WeightKind::kDown);
+    if (c.moe.sparse_layer(i)) {
+      push_moe(out, c, p, i);
+    } else {
+      linear("mlp.gate_proj", c.intermediate_size, h, WeightKind::kGate, Split::kRows, false,
+             WeightKind::kGate);
+      linear("mlp.up_proj", c.intermediate_size, h, WeightKind::kUp, Split::kRows, false,
+             WeightKind::kUp);
+      linear("mlp.down_proj", h, c.intermediate_size, WeightKind::kDown, Split::kColumns, false,
+             WeightKind::kDown);
+    }
     norm("input_layernorm.weight", h, WeightKind::kInputNorm);
     norm("post_attention_layernorm.weight", h, WeightKind::kPostNorm);
   }
@@ -290,12 +325,24 @@ std::string tp_problem(const ModelConfig& c, int64_t tp) {
            ") nor replicate evenly (" + std::to_string(tp) + " is not a multiple of " +
            std::to_string(kv) + ")";
   }
-  if (c.intermediate_size % tp != 0) {
-    return "-tp " + std::to_string(tp) + ": intermediate_size " +
-           std::to_string(c.intermediate_size) + " does not split over " + std::to_string(tp) +
-           " ranks (" + std::to_string(c.intermediate_size) + " % " + std::to_string(tp) + " = " +
-           std::to_string(c.intermediate_size % tp) + ")";
+  auto width_problem = [tp](const char* field, int64_t n) -> std::string {
+    if (n % tp == 0) return "";
+    return "-tp " + std::to_string(tp) + ": " + field + " " + std::to_string(n) +
+           " does not split over " + std::to_string(tp) + " ranks (" + std::to_string(n) + " % " +
+           std::to_string(tp) + " = " + std::to_string(n % tp) + ")";
+  };
+  bool dense = !c.moe.enabled();
+  for (int64_t i = 0; i < c.num_layers && !dense; ++i) dense = !c.moe.sparse_layer(i);
+  std::string problem = dense ? width_problem("intermediate_size", c.intermediate_size) : "";
+  if (problem.empty() && c.moe.enabled()) {
+    problem = width_problem(
+        c.arch == Architecture::kMixtral ? "intermediate_size" : "moe_intermediate_size",
+        c.moe.expert_intermediate);
+    if (problem.empty() && c.moe.shared_intermediate > 0) {
+      problem = width_problem("shared_expert_intermediate_size", c.moe.shared_intermediate);
+    }
   }
+  if (!problem.empty()) return problem;
   return quantized_tp_problem(c, tp);
 }
 
@@ -346,6 +393,10 @@ Expected<LayerPlan> LayerPlan::make(const ModelConfig& c, const ParallelConfig& 
   }
   plan.intermediate = c.intermediate_size / T;
   plan.intermediate_begin = p.tp_rank * plan.intermediate;
+  plan.moe_intermediate = c.moe.expert_intermediate / T;
+  plan.moe_intermediate_begin = p.tp_rank * plan.moe_intermediate;
+  plan.shared_intermediate = c.moe.shared_intermediate / T;
+  plan.shared_intermediate_begin = p.tp_rank * plan.shared_intermediate;
   plan.vocab_padded = (c.vocab_size + T - 1) / T * T;
   plan.vocab_shard = plan.vocab_padded / T;
   plan.vocab_begin = p.tp_rank * plan.vocab_shard;
@@ -396,6 +447,18 @@ Expected<LayerPlan> LayerPlan::make(const ModelConfig& c, const ParallelConfig& 
       case WeightKind::kDown:
         s.begin = plan.intermediate_begin;
         s.end = plan.intermediate_begin + plan.intermediate;
+        break;
+      case WeightKind::kExpertGate:
+      case WeightKind::kExpertUp:
+      case WeightKind::kExpertDown:
+        s.begin = plan.moe_intermediate_begin;
+        s.end = plan.moe_intermediate_begin + plan.moe_intermediate;
+        break;
+      case WeightKind::kSharedGate:
+      case WeightKind::kSharedUp:
+      case WeightKind::kSharedDown:
+        s.begin = plan.shared_intermediate_begin;
+        s.end = plan.shared_intermediate_begin + plan.shared_intermediate;
         break;
       case WeightKind::kEmbed:
       case WeightKind::kLmHead:

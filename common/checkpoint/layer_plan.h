@@ -10,7 +10,11 @@
 //     sum that the tensor-parallel group all-reduces; o_proj's bias is added by tp rank 0 only;
 //   - vocab-parallel: embedding and lm_head rows, the vocabulary padded to a multiple of T; the
 //     embedding is all-reduced (each rank looks up the ids in its range), the logits all-gathered;
-//   - replicated: the norms.
+//   - replicated: the norms;
+//   - mixture of experts (vLLM's TP MoE): every rank holds every expert's slice, each expert's
+//     gate/up split by rows and down by columns like the dense MLP, the shared expert likewise;
+//     the router and the shared expert's gate are replicated; an MoE layer's output is a partial
+//     sum all-reduced where the dense MLP's down projection is.
 // KV heads are split when T divides them; when T > kv heads (and kv heads divide T) each rank
 // keeps the one KV head its query heads read, and T / kv_heads ranks share it (vLLM's rule).
 // Layers go to pipeline stages evenly (the first stages take the remainder) or as
@@ -32,10 +36,16 @@ namespace tessera {
 enum class WeightRole { kEmbedding, kLinear, kBias, kNorm };
 
 // Which tensor of the architecture a checkpoint tensor is.
+// clang-format off
 enum class WeightKind : uint8_t {
   kEmbed, kQ, kK, kV, kO, kQBias, kKBias, kVBias, kOBias, kQNorm, kKNorm,
   kGate, kUp, kDown, kInputNorm, kPostNorm, kFinalNorm, kLmHead,
+  // Mixture of experts: the router ([experts, hidden]), an expert's projections (WeightSpec::
+  // expert says which), the shared expert's (Qwen2-MoE) and its sigmoid gate ([1, hidden]).
+  kRouter, kExpertGate, kExpertUp, kExpertDown, kSharedGate, kSharedUp, kSharedDown,
+  kSharedExpertGate,
 };
+// clang-format on
 
 // How a tensor is divided among the tensor-parallel ranks: which features of its layer each
 // rank holds (WeightSpec::dim and unit say where they are in a packed tensor).
@@ -67,6 +77,7 @@ struct WeightSpec {
   WeightKind kind = WeightKind::kEmbed;
   int64_t layer = -1;  // -1 for model-wide tensors
   Split split = Split::kNone;
+  int64_t expert = -1;  // kExpert*: the expert's index
   WeightPart part = WeightPart::kWeight;
   // The dtype the format fixes (I32 for packed ints and g_idx, F8_E4M3 for FP8 weights); unset:
   // any float dtype (the checkpoint's).
@@ -89,10 +100,13 @@ const char* fused_group(WeightKind kind);
 // model.embed_tokens.weight; per layer self_attn.{q,k,v,o}_proj.weight (+ .bias where the config
 // has biases), self_attn.{q,k}_norm.weight (qk_norm), mlp.{gate,up,down}_proj.weight,
 // input_layernorm.weight, post_attention_layernorm.weight; model.norm.weight; lm_head.weight
-// unless tie_word_embeddings. A quantized checkpoint (config.quant) stores each linear layer it
-// quantizes as its format's tensors instead of .weight (qweight, qzeros, scales, g_idx; or an
-// FP8 weight with weight_scale and input_scale). Precondition: `config` passed
-// parse_model_config's validation.
+// unless tie_word_embeddings. An MoE layer (config.moe.sparse_layer) has instead of the dense
+// MLP Mixtral's block_sparse_moe.gate.weight and block_sparse_moe.experts.N.{w1,w2,w3}.weight
+// (gate, down, up), or Qwen's mlp.gate.weight, mlp.experts.N.{gate,up,down}_proj.weight and
+// (Qwen2-MoE) mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight. A
+// quantized checkpoint (config.quant) stores each linear layer it quantizes as its format's tensors
+// instead of .weight (qweight, qzeros, scales, g_idx; or an FP8 weight with weight_scale and
+// input_scale). Precondition: `config` passed parse_model_config's validation.
 std::vector<WeightSpec> expected_weights(const ModelConfig& config);
 
 // Where a rank sits: rank = pp_rank * tp_size + tp_rank.
@@ -108,9 +122,10 @@ struct ParallelConfig {
 };
 
 // OK when `tp` splits the model: attention heads divisible by tp, KV heads split or replicated
-// evenly (see the file comment), intermediate_size divisible by tp; for a quantized checkpoint
-// every rank's share of a packed dimension whole int32s, and of a row-parallel layer's inputs
-// whole scale groups (vLLM's rules). INVALID_ARGUMENT otherwise, naming the numbers and the
+// evenly (see the file comment), intermediate_size divisible by tp (when a dense layer exists),
+// an MoE model's moe_intermediate_size and shared_expert_intermediate_size too; for a quantized
+// checkpoint every rank's share of a packed dimension whole int32s, and of a row-parallel layer's
+// inputs whole scale groups (vLLM's rules). INVALID_ARGUMENT otherwise, naming the numbers and the
 // valid -tp values for the model.
 Status check_tensor_parallel(const ModelConfig& config, int64_t tp);
 
@@ -140,6 +155,10 @@ struct LayerPlan {
   int64_t kv_head_begin = 0;
   int64_t intermediate = 0;  // MLP width on this rank
   int64_t intermediate_begin = 0;
+  int64_t moe_intermediate = 0;  // each expert's MLP width on this rank (MoE models)
+  int64_t moe_intermediate_begin = 0;
+  int64_t shared_intermediate = 0;  // the shared expert's width on this rank (Qwen2-MoE)
+  int64_t shared_intermediate_begin = 0;
   int64_t vocab_padded = 0;  // the vocabulary rounded up to a multiple of tp_size
   int64_t vocab_shard = 0;   // vocab_padded / tp_size: rows of embedding / lm_head per rank
   int64_t vocab_begin = 0;   // this rank's first vocabulary row

@@ -27,12 +27,16 @@ struct ArchInfo {
   int64_t default_max_positions;  // the transformers config class's default
 };
 
-// Defaults from transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config.
+// Defaults from transformers' LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+// MixtralConfig, Qwen2MoeConfig and Qwen3MoeConfig.
 constexpr ArchInfo kArchs[] = {
     {Architecture::kLlama, "LlamaForCausalLM", "llama", 2048},
     {Architecture::kMistral, "MistralForCausalLM", "mistral", 4096 * 32},
     {Architecture::kQwen2, "Qwen2ForCausalLM", "qwen2", 32768},
     {Architecture::kQwen3, "Qwen3ForCausalLM", "qwen3", 32768},
+    {Architecture::kMixtral, "MixtralForCausalLM", "mixtral", 4096 * 32},
+    {Architecture::kQwen2Moe, "Qwen2MoeForCausalLM", "qwen2_moe", 32768},
+    {Architecture::kQwen3Moe, "Qwen3MoeForCausalLM", "qwen3_moe", 32768},
 };
 
 const ArchInfo& arch_info(Architecture arch) {
@@ -163,7 +167,10 @@ int64_t saturated_product(int64_t a, int64_t b) {
 int64_t parameter_count(const ModelConfig& c) {
   auto mul = [](std::initializer_list<int64_t> factors) {
     int64_t p = 1;
-    for (int64_t f : factors) p = saturated_product(p, f);
+    for (int64_t f : factors) {
+      if (f == 0) return int64_t{0};  // a size that is absent (no shared expert)
+      p = saturated_product(p, f);
+    }
     return p;
   };
   auto sum = [](std::initializer_list<int64_t> terms) {
@@ -173,10 +180,74 @@ int64_t parameter_count(const ModelConfig& c) {
   };
   const int64_t q_out = mul({c.num_heads, c.head_dim});
   const int64_t kv_out = mul({c.num_kv_heads, c.head_dim});
+  const MoeConfig& m = c.moe;
+  // An MoE layer's experts, router and shared expert (counted on top of the dense MLP: a bound).
+  const int64_t moe = m.enabled()
+                          ? sum({mul({m.num_experts, 3, m.expert_intermediate, c.hidden_size}),
+                                 mul({m.num_experts + 1, c.hidden_size}),
+                                 mul({3, m.shared_intermediate, c.hidden_size})})
+                          : 0;
   const int64_t layer = sum({mul({2, q_out, c.hidden_size}), mul({2, kv_out, c.hidden_size}),
                              mul({3, c.intermediate_size, c.hidden_size}), q_out, mul({2, kv_out}),
-                             mul({3, c.hidden_size}), mul({2, c.head_dim})});
+                             mul({3, c.hidden_size}), mul({2, c.head_dim}), moe});
   return sum({mul({c.num_layers, layer}), mul({2, c.vocab_size, c.hidden_size}), c.hidden_size});
+}
+
+bool is_moe(Architecture a) {
+  return a == Architecture::kMixtral || a == Architecture::kQwen2Moe ||
+         a == Architecture::kQwen3Moe;
+}
+
+// The MoE fields of config.json, defaulting as MixtralConfig / Qwen2MoeConfig / Qwen3MoeConfig
+// do; router_aux_loss_coef, output_router_logits and router_jitter_noise are training-only.
+Status parse_moe(const Fields& f, const json& j, ModelConfig* cfg) {
+  MoeConfig& m = cfg->moe;
+  if (cfg->arch == Architecture::kMixtral) {
+    TESSERA_ASSIGN_OR_RETURN(m.num_experts, f.positive_or("num_local_experts", 8));
+    TESSERA_ASSIGN_OR_RETURN(m.top_k, f.positive_or("num_experts_per_tok", 2));
+    m.expert_intermediate = cfg->intermediate_size;  // MixtralBlockSparseTop2MLP's ffn_dim
+    m.norm_topk_prob = true;                         // Mixtral always renormalises
+  } else {
+    const bool q2 = cfg->arch == Architecture::kQwen2Moe;
+    m.num_experts = q2 ? 60 : 128;
+    if (f.given("num_experts")) {
+      TESSERA_ASSIGN_OR_RETURN(m.num_experts, f.integer("num_experts"));
+      if (m.num_experts < 0) {
+        return f.error("num_experts", "must be >= 0, got " + std::to_string(m.num_experts));
+      }
+    }
+    TESSERA_ASSIGN_OR_RETURN(m.top_k, f.positive_or("num_experts_per_tok", q2 ? 4 : 8));
+    TESSERA_ASSIGN_OR_RETURN(m.expert_intermediate,
+                             f.positive_or("moe_intermediate_size", q2 ? 1408 : 768));
+    if (q2) {
+      TESSERA_ASSIGN_OR_RETURN(m.shared_intermediate,
+                               f.positive_or("shared_expert_intermediate_size", 5632));
+    }
+    TESSERA_ASSIGN_OR_RETURN(m.norm_topk_prob, f.boolean_or("norm_topk_prob", false));
+    TESSERA_ASSIGN_OR_RETURN(m.decoder_sparse_step, f.positive_or("decoder_sparse_step", 1));
+    if (f.given("mlp_only_layers")) {
+      const json& l = j.at("mlp_only_layers");
+      if (!l.is_array()) {
+        return f.error("mlp_only_layers", "must be a list of layer indices, got " + type_name(l));
+      }
+      for (const json& v : l) {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= cfg->num_layers) {
+          return f.error("mlp_only_layers", "holds " + type_name(v) +
+                                                ", not a layer index in [0, num_hidden_layers " +
+                                                std::to_string(cfg->num_layers) + ")");
+        }
+        m.mlp_only_layers.push_back(v.get<int64_t>());
+      }
+    }
+    if (!m.enabled()) return Status::ok();  // num_experts 0: every layer dense
+  }
+  if (m.top_k > m.num_experts) {
+    return f.error("num_experts_per_tok",
+                   std::to_string(m.top_k) + " is more than the " + std::to_string(m.num_experts) +
+                       " experts (" +
+                       (f.has("num_local_experts") ? "num_local_experts" : "num_experts") + ")");
+  }
+  return Status::ok();
 }
 
 Status parse_generation_config(const std::string& text, const std::string& file, ModelConfig* cfg,
@@ -220,6 +291,14 @@ Status parse_generation_config(const std::string& text, const std::string& file,
 
 const char* architecture_name(Architecture arch) { return arch_info(arch).hf_name; }
 
+bool MoeConfig::sparse_layer(int64_t layer) const {
+  if (!enabled()) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) {
+    return false;
+  }
+  return (layer + 1) % decoder_sparse_step == 0;
+}
+
 std::string supported_architectures() {
   std::string out;
   for (const ArchInfo& info : kArchs) out += (out.empty() ? "" : ", ") + std::string(info.hf_name);
@@ -261,7 +340,7 @@ Expected<ModelConfig> parse_model_config(const std::string& json_text, const std
   if (f.given("head_dim")) {
     TESSERA_ASSIGN_OR_RETURN(cfg.head_dim, f.positive("head_dim"));
   } else if (cfg.arch == Architecture::kQwen3) {
-    cfg.head_dim = 128;  // Qwen3Config(head_dim=128)
+    cfg.head_dim = 128;  // Qwen3Config(head_dim=128); Qwen3MoeConfig has no such default
   } else {
     if (cfg.hidden_size % cfg.num_heads != 0) {
       return invalid_argument(file + ": hidden_size (" + std::to_string(cfg.hidden_size) +
@@ -277,7 +356,10 @@ Expected<ModelConfig> parse_model_config(const std::string& json_text, const std
   TESSERA_ASSIGN_OR_RETURN(cfg.max_position_embeddings,
                            f.positive_or("max_position_embeddings", info.default_max_positions));
   TESSERA_ASSIGN_OR_RETURN(cfg.rms_norm_eps, f.positive_number_or("rms_norm_eps", 1e-6));
-  TESSERA_ASSIGN_OR_RETURN(cfg.rope_theta, f.positive_number_or("rope_theta", 10000.0));
+  // MixtralConfig(rope_theta=1e6); the others 10000.
+  TESSERA_ASSIGN_OR_RETURN(
+      cfg.rope_theta,
+      f.positive_number_or("rope_theta", cfg.arch == Architecture::kMixtral ? 1e6 : 10000.0));
   TESSERA_RETURN_IF_ERROR(parse_rope(f, j, file, &cfg));
   TESSERA_ASSIGN_OR_RETURN(cfg.tie_word_embeddings, f.boolean_or("tie_word_embeddings", false));
   TESSERA_ASSIGN_OR_RETURN(cfg.torch_dtype, parse_dtype(f));
@@ -286,26 +368,43 @@ Expected<ModelConfig> parse_model_config(const std::string& json_text, const std
     case Architecture::kQwen2:
       cfg.attention_bias = true;  // Qwen2Attention: q/k/v bias=True, o_proj bias=False
       break;
+    case Architecture::kQwen2Moe: {
+      // Qwen2MoeAttention: q/k/v bias=config.qkv_bias (True; always, before the key existed).
+      TESSERA_ASSIGN_OR_RETURN(cfg.attention_bias, f.boolean_or("qkv_bias", true));
+      break;
+    }
     case Architecture::kLlama:
-    case Architecture::kQwen3: {
+    case Architecture::kQwen3:
+    case Architecture::kQwen3Moe: {
       TESSERA_ASSIGN_OR_RETURN(bool bias, f.boolean_or("attention_bias", false));
       cfg.attention_bias = cfg.o_proj_bias = bias;
       break;
     }
     case Architecture::kMistral:
+    case Architecture::kMixtral:
       break;
   }
-  cfg.qk_norm = cfg.arch == Architecture::kQwen3;
+  cfg.qk_norm = cfg.arch == Architecture::kQwen3 || cfg.arch == Architecture::kQwen3Moe;
 
-  // Sliding window: MistralConfig defaults it to 4096; Qwen2/Qwen3 use it only when
-  // use_sliding_window is true (their configs carry a sliding_window they do not use).
-  if (cfg.arch == Architecture::kMistral) {
+  if (is_moe(cfg.arch)) {
+    TESSERA_RETURN_IF_ERROR(parse_moe(f, j, &cfg));
+    if (cfg.quant.method != QuantMethod::kNone && cfg.moe.enabled()) {
+      return f.error("quantization_config",
+                     "on a mixture-of-experts model is not supported yet (the experts' linear "
+                     "layers run unquantized)");
+    }
+  }
+
+  // Sliding window: MistralConfig defaults it to 4096 (MixtralConfig to None); Qwen2/Qwen3 (and
+  // their MoE) use it only when use_sliding_window is true (their configs carry a sliding_window
+  // they do not use).
+  if (cfg.arch == Architecture::kMistral || cfg.arch == Architecture::kMixtral) {
     if (!f.has("sliding_window")) {
-      cfg.sliding_window = 4096;
+      if (cfg.arch == Architecture::kMistral) cfg.sliding_window = 4096;
     } else if (f.given("sliding_window")) {
       TESSERA_ASSIGN_OR_RETURN(cfg.sliding_window, f.positive("sliding_window"));
     }
-  } else if (cfg.arch == Architecture::kQwen2 || cfg.arch == Architecture::kQwen3) {
+  } else if (cfg.arch != Architecture::kLlama) {
     TESSERA_ASSIGN_OR_RETURN(bool use, f.boolean_or("use_sliding_window", false));
     if (use) {
       TESSERA_ASSIGN_OR_RETURN(cfg.sliding_window, f.positive_or("sliding_window", 4096));
@@ -325,8 +424,10 @@ Expected<ModelConfig> parse_model_config(const std::string& json_text, const std
   TESSERA_ASSIGN_OR_RETURN(cfg.eos_token_ids, f.token_ids("eos_token_id"));
   TESSERA_ASSIGN_OR_RETURN(cfg.bos_token_id, f.token_id("bos_token_id"));
   TESSERA_ASSIGN_OR_RETURN(cfg.pad_token_id, f.token_id("pad_token_id"));
-  if (cfg.arch == Architecture::kLlama || cfg.arch == Architecture::kMistral) {
-    // LlamaConfig / MistralConfig(bos_token_id=1, eos_token_id=2) when the keys are absent.
+  if (cfg.arch == Architecture::kLlama || cfg.arch == Architecture::kMistral ||
+      cfg.arch == Architecture::kMixtral) {
+    // LlamaConfig / MistralConfig / MixtralConfig(bos_token_id=1, eos_token_id=2) when the keys
+    // are absent.
     if (!f.has("bos_token_id")) cfg.bos_token_id = 1;
     if (!f.has("eos_token_id")) cfg.eos_token_ids = {2};
   }

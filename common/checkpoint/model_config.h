@@ -14,7 +14,7 @@
 
 namespace tessera {
 
-enum class Architecture { kLlama, kMistral, kQwen2, kQwen3 };
+enum class Architecture { kLlama, kMistral, kQwen2, kQwen3, kMixtral, kQwen2Moe, kQwen3Moe };
 
 // "LlamaForCausalLM", ...
 const char* architecture_name(Architecture arch);
@@ -31,12 +31,32 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
+// The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE (transformers'
+// *SparseMoeBlock): router logits = gate(x) (no bias), softmax in fp32, the top_k experts, their
+// weights renormalised to sum 1 when norm_topk_prob (Mixtral: always), each expert
+// down(silu(gate_proj(x)) * up_proj(x)), the weighted sum; Qwen2-MoE adds
+// sigmoid(shared_expert_gate(x)) * shared_expert(x). num_experts == 0: a dense model.
+struct MoeConfig {
+  int64_t num_experts = 0;          // num_local_experts (Mixtral) / num_experts (Qwen)
+  int64_t top_k = 0;                // num_experts_per_tok, 1 .. num_experts
+  int64_t expert_intermediate = 0;  // moe_intermediate_size (Qwen) / intermediate_size (Mixtral)
+  int64_t shared_intermediate = 0;  // shared_expert_intermediate_size (Qwen2-MoE); 0: none
+  bool norm_topk_prob = true;       // renormalise the top-k probabilities
+  int64_t decoder_sparse_step = 1;  // layer i is MoE when (i + 1) % step == 0 ...
+  std::vector<int64_t> mlp_only_layers;  // ... and i is not listed here (dense: intermediate_size)
+
+  bool enabled() const { return num_experts > 0; }
+  // Layer `layer` runs the MoE block (else the dense MLP of intermediate_size), as
+  // Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer decide; every layer of a Mixtral.
+  bool sparse_layer(int64_t layer) const;
+};
+
 struct ModelConfig {
   Architecture arch = Architecture::kLlama;
-  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3"
+  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", ...
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;
+  int64_t intermediate_size = 0;  // the dense MLP's (Mixtral: each expert's, no dense layers)
   int64_t num_layers = 0;    // num_hidden_layers
   int64_t num_heads = 0;     // num_attention_heads
   int64_t num_kv_heads = 0;  // num_key_value_heads (defaults to num_heads)
@@ -54,6 +74,7 @@ struct ModelConfig {
   bool qk_norm = false;         // per-head RMSNorm on q and k before RoPE (Qwen3)
   std::optional<int64_t> sliding_window;  // Mistral; Qwen2/Qwen3 only with use_sliding_window.
                                           // Recorded; the runtime refuses contexts longer than it
+  MoeConfig moe;      // mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE)
   QuantConfig quant;  // config.json's quantization_config: how the linear layers are stored
   DType torch_dtype = DType::kBF16;  // the checkpoint's declared dtype ("torch_dtype" or the newer
                                      // "dtype" key); BF16 when the config names none
@@ -81,12 +102,14 @@ Expected<ModelConfig> parse_model_config(const std::string& json_text,
                                          const std::string& file = "config.json");
 // Missing sizes (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
 // num_attention_heads) are errors; everything else defaults as the transformers config class of
-// the architecture does (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config): e.g.
+// the architecture does (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, MixtralConfig,
+// Qwen2MoeConfig, Qwen3MoeConfig): e.g.
 // num_key_value_heads = num_attention_heads, rope_theta 10000, tie_word_embeddings false,
 // max_position_embeddings 2048 / 131072 / 32768 / 32768, Llama and Mistral bos 1 / eos 2 when
 // the keys are absent (not when null). eos_token_id may be an int or a list. Refused with a clear
-// error: hidden_act other than silu, mlp_bias, a quantization_config parse_quantization_config
-// refuses, rope scaling other than
+// error: a quantization_config on a mixture-of-experts model, num_experts_per_tok above the
+// number of experts, an mlp_only_layers entry outside the layers, hidden_act other than silu,
+// mlp_bias, a quantization_config parse_quantization_config refuses, rope scaling other than
 // llama3, num_attention_heads not a multiple of num_key_value_heads, odd head_dim.
 
 // Reads <dir>/config.json and, if present, <dir>/generation_config.json (eos ids, defaults).

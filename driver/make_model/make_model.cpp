@@ -41,6 +41,12 @@ struct Shape {
   double llama3_rope_factor;  // 0: no rope_scaling; else llama3 with low 1, high 4, orig 8192
   bool tie;
   int64_t sliding_window;  // 0: none (null)
+  // Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); experts 0 for dense models.
+  int64_t experts = 0, top_k = 0;
+  int64_t moe_intermediate = 0;     // Qwen's moe_intermediate_size (Mixtral: intermediate)
+  int64_t shared_intermediate = 0;  // Qwen2-MoE's shared expert
+  bool norm_topk_prob = false;      // Qwen (Mixtral always renormalises)
+  int64_t dense_layer = -1;         // Qwen: mlp_only_layers = [dense_layer] (-1: [])
 };
 
 // Real shapes are copied from each model's published config.json on the Hugging Face Hub
@@ -56,6 +62,34 @@ constexpr Shape kShapes[] = {
     {"tiny", Architecture::kQwen2, "", 0, 64, 176, 4, 4, 2, 0, 32768, 1e-6, 1000000.0, 0, true, 0},
     // q/k norms and an explicit head_dim (32) that is not hidden / heads (16); tied.
     {"tiny", Architecture::kQwen3, "", 0, 64, 176, 4, 4, 2, 32, 40960, 1e-6, 1000000.0, 0, true, 0},
+    // Mixture of experts: 4 experts, top 2, 2 layers (Mixtral: each expert intermediate wide).
+    {"tiny", Architecture::kMixtral, "", 0, 64, 176, 2, 4, 2, 0, 32768, 1e-5, 1000000.0, 0, false,
+     0, 4, 2},
+    // q/k/v biases, a shared expert with its sigmoid gate, top-k probabilities not renormalised.
+    {"tiny",    Architecture::kQwen2Moe,
+     "",        0,
+     64,        176,
+     2,         4,
+     2,         0,
+     32768,     1e-6,
+     1000000.0, 0,
+     false,     0,
+     4,         2,
+     48,        96,
+     false},
+    // q/k norms, head_dim 32, renormalised top-k, and layer 1 dense (mlp_only_layers) between
+    // two MoE layers.
+    {"tiny",    Architecture::kQwen3Moe,
+     "",        0,
+     64,        176,
+     3,         4,
+     2,         32,
+     40960,     1e-6,
+     1000000.0, 0,
+     false,     0,
+     4,         2,
+     48,        0,
+     true,      1},
     {"llama3-8b", Architecture::kLlama, "meta-llama/Meta-Llama-3-8B", 128256, 4096, 14336, 32, 32,
      8, 0, 8192, 1e-5, 500000.0, 0, false, 0},
     {"llama3-70b", Architecture::kLlama, "meta-llama/Meta-Llama-3-70B", 128256, 8192, 28672, 80, 64,
@@ -74,6 +108,29 @@ constexpr Shape kShapes[] = {
      40960, 1e-6, 1000000.0, 0, true, 0},
     {"qwen3-8b", Architecture::kQwen3, "Qwen/Qwen3-8B", 151936, 4096, 12288, 36, 32, 8, 128, 40960,
      1e-6, 1000000.0, 0, false, 0},
+    {"mixtral-8x7b", Architecture::kMixtral, "mistralai/Mixtral-8x7B-v0.1", 32000, 4096, 14336, 32,
+     32, 8, 0, 32768, 1e-5, 1000000.0, 0, false, 0, 8, 2},
+    {"qwen3-30b-a3b",
+     Architecture::kQwen3Moe,
+     "Qwen/Qwen3-30B-A3B",
+     151936,
+     2048,
+     6144,
+     48,
+     32,
+     4,
+     128,
+     40960,
+     1e-6,
+     1000000.0,
+     0,
+     false,
+     0,
+     128,
+     8,
+     768,
+     0,
+     true},
 };
 
 const char* model_type_of(Architecture arch) {
@@ -86,13 +143,28 @@ const char* model_type_of(Architecture arch) {
       return "qwen2";
     case Architecture::kQwen3:
       return "qwen3";
+    case Architecture::kMixtral:
+      return "mixtral";
+    case Architecture::kQwen2Moe:
+      return "qwen2_moe";
+    case Architecture::kQwen3Moe:
+      return "qwen3_moe";
   }
   return "?";
 }
 
+constexpr Architecture kAllArchs[] = {
+    Architecture::kLlama,   Architecture::kMistral,  Architecture::kQwen2,   Architecture::kQwen3,
+    Architecture::kMixtral, Architecture::kQwen2Moe, Architecture::kQwen3Moe};
+
+std::string arch_names() {
+  std::string out;
+  for (Architecture a : kAllArchs) out += (out.empty() ? "" : ", ") + std::string(model_type_of(a));
+  return out;
+}
+
 std::optional<Architecture> parse_arch(const std::string& s) {
-  for (Architecture a :
-       {Architecture::kLlama, Architecture::kMistral, Architecture::kQwen2, Architecture::kQwen3}) {
+  for (Architecture a : kAllArchs) {
     if (s == model_type_of(a) || s == architecture_name(a)) return a;
   }
   return std::nullopt;
@@ -113,13 +185,12 @@ Expected<const Shape*> find_shape(const MakeModelOptions& o) {
     arch = parse_arch(o.arch);
     if (!arch) {
       return invalid_argument("make-model: unknown --arch '" + o.arch +
-                              "' (known: llama, mistral, qwen2, qwen3)");
+                              "' (known: " + arch_names() + ")");
     }
   }
   if (!arch && o.preset == "tiny") {
-    return invalid_argument(
-        "make-model: --arch is required with --preset tiny "
-        "(llama, mistral, qwen2 or qwen3)");
+    return invalid_argument("make-model: --arch is required with --preset tiny (" + arch_names() +
+                            ")");
   }
   const Shape* named = nullptr;
   for (const Shape& s : kShapes) {
@@ -289,20 +360,42 @@ json build_config(const Shape& s, const TokenizerInfo& tok, int64_t vocab, DType
       c["pretraining_tp"] = 1;
       c["rope_scaling"] = rope;
       break;
+    case Architecture::kMixtral:
+      c["num_local_experts"] = s.experts;
+      c["num_experts_per_tok"] = s.top_k;
+      c["output_router_logits"] = false;
+      c["router_aux_loss_coef"] = 0.02;
+      c["router_jitter_noise"] = 0.0;
+      [[fallthrough]];
     case Architecture::kMistral:
       c["head_dim"] = head_dim;
       c["sliding_window"] = s.sliding_window != 0 ? json(s.sliding_window) : json(nullptr);
       break;
     case Architecture::kQwen3:
+    case Architecture::kQwen3Moe:
       c["attention_bias"] = false;
       c["head_dim"] = head_dim;
       [[fallthrough]];
     case Architecture::kQwen2:
+    case Architecture::kQwen2Moe:
       c["max_window_layers"] = s.layers;
       c["rope_scaling"] = rope;
       c["sliding_window"] = nullptr;  // unused: use_sliding_window is false
       c["use_sliding_window"] = false;
       break;
+  }
+  if (s.arch == Architecture::kQwen2Moe || s.arch == Architecture::kQwen3Moe) {
+    c["decoder_sparse_step"] = 1;
+    c["mlp_only_layers"] = s.dense_layer >= 0 ? json::array({s.dense_layer}) : json::array();
+    c["moe_intermediate_size"] = s.moe_intermediate;
+    c["norm_topk_prob"] = s.norm_topk_prob;
+    c["num_experts"] = s.experts;
+    c["num_experts_per_tok"] = s.top_k;
+    c["output_router_logits"] = false;
+    c["router_aux_loss_coef"] = 0.001;
+    if (s.arch == Architecture::kQwen2Moe) {
+      c["shared_expert_intermediate_size"] = s.shared_intermediate;
+    }
   }
   return c;
 }
@@ -337,8 +430,9 @@ Init init_for(const WeightSpec& w, const ModelConfig& c, uint64_t seed, DType dt
       break;
     case WeightRole::kLinear: {
       float std = 1.f / std::sqrt(static_cast<float>(w.shape[1]));
-      const bool residual =
-          w.name.ends_with("o_proj.weight") || w.name.ends_with("down_proj.weight");
+      // The projections that write into the residual stream (an expert's down too: w2).
+      const bool residual = w.kind == WeightKind::kO || w.kind == WeightKind::kDown ||
+                            w.kind == WeightKind::kExpertDown || w.kind == WeightKind::kSharedDown;
       if (residual) std /= std::sqrt(2.f * static_cast<float>(c.num_layers));
       init.std = std;
       break;
@@ -569,8 +663,8 @@ Expected<Plan> plan(const MakeModelOptions& o) {
                             " is not a multiple of num_heads " + std::to_string(p.shape.heads) +
                             ": give --head-dim");
   }
-  if (p.shape.arch == Architecture::kQwen2 && p.shape.head_dim != 0 &&
-      p.shape.head_dim * p.shape.heads != p.shape.hidden) {
+  if ((p.shape.arch == Architecture::kQwen2 || p.shape.arch == Architecture::kQwen2Moe) &&
+      p.shape.head_dim != 0 && p.shape.head_dim * p.shape.heads != p.shape.hidden) {
     return invalid_argument(
         "make-model: Qwen2 has no head_dim setting (it is hidden_size / "
         "num_heads): change --hidden-size or --num-heads instead");
@@ -730,7 +824,8 @@ CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& o) {
   CLI::App* sub = app.add_subcommand(
       "make-model", "Write a Hugging Face model directory with seeded random weights");
   sub->add_option("--arch", o.arch,
-                  "llama | mistral | qwen2 | qwen3 (required for tiny; implied by real presets)");
+                  "llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe (required for "
+                  "tiny; implied by real presets)");
   sub->add_option("--preset", o.preset, "Model shape: " + preset_names())->required();
   sub->add_option("--tokenizer", o.tokenizer_dir,
                   "Directory with tokenizer.json (+ tokenizer_config.json) to copy and size the "

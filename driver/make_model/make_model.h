@@ -35,7 +35,8 @@ class App;
 namespace tessera {
 
 struct MakeModelOptions {
-  // "llama", "mistral", "qwen2", "qwen3" (or the HF class name). Required for "tiny"; optional
+  // "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe" (or the HF class
+  // name). Required for "tiny"; optional
   // for a real-shape preset, which implies it (given, it must match).
   std::string arch;
   std::string preset;         // "tiny" or a real shape; see make_model_presets()

@@ -3,7 +3,9 @@
 seeded checkpoints `tessera make-model` writes (run on the GPU machine, which has torch and
 transformers; the CPU suffices for tiny models and keeps the math in plain fp32).
 
-    model_goldens.py TESSERA_BIN TOKENIZERS_DIR OUT_DIR
+    model_goldens.py TESSERA_BIN TOKENIZERS_DIR OUT_DIR [ARCH ...]
+
+With ARCH names (e.g. mixtral qwen2_moe qwen3_moe) only those goldens are made.
 
 For each architecture it makes the model with the given seed, loads it in float32 (the bf16
 weights upcast exactly), and records for several prompts: the prompt ids, the logits at every
@@ -25,6 +27,9 @@ ARCHS = {  # arch -> tokenizer folder
     "mistral": "llama2",
     "qwen2": "qwen3",
     "qwen3": "qwen3",
+    "mixtral": "llama2",
+    "qwen2_moe": "qwen3",
+    "qwen3_moe": "qwen3",
 }
 SEED = 1234
 PROMPTS = [
@@ -38,9 +43,15 @@ PROBE_IDS = 48  # vocabulary ids sampled per model for the logits comparison
 
 def main():
     tessera, tokenizers_dir, out_dir = sys.argv[1:4]
+    only = sys.argv[4:]
+    unknown = [a for a in only if a not in ARCHS]
+    if unknown:
+        sys.exit(f"unknown arch(s) {unknown}; known: {list(ARCHS)}")
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
     for arch, tok in ARCHS.items():
+        if only and arch not in only:
+            continue
         model_dir = f"/tmp/goldens-{arch}"
         subprocess.run(["rm", "-rf", model_dir], check=True)
         subprocess.run([tessera, "make-model", "--arch", arch, "--preset", "tiny", "--tokenizer",

@@ -470,5 +470,98 @@ TEST(LayerPlanTest, ATensorParallelSizeThatSplitsAGroupIsRefusedWithTheValidOnes
   EXPECT_EQ(valid_tensor_parallel_sizes(quantized(QuantMethod::kFp8), 8),
             valid_tensor_parallel_sizes(plain, 8));
 }
+// ---- mixture of experts -----------------------------------------------------------------------
+
+// small() as a Qwen2-MoE: 4 experts of width 40, a shared expert of 24, layer 2 dense (96).
+ModelConfig small_moe() {
+  ModelConfig c = small();
+  c.arch = Architecture::kQwen2Moe;
+  c.model_type = "qwen2_moe";
+  c.moe.num_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_intermediate = 40;
+  c.moe.shared_intermediate = 24;
+  c.moe.mlp_only_layers = {2};
+  return c;
+}
+
+// vLLM's TP MoE: every rank holds every expert's slice (gate/up rows, down columns), the router
+// and the shared expert's gate whole; a dense layer among them splits as before.
+TEST(LayerPlanTest, EveryRankHoldsEveryExpertsSlice) {
+  const ModelConfig c = small_moe();
+  LayerPlan p = must_make(c, rank(2, 1));
+  EXPECT_EQ(p.moe_intermediate, 20);
+  EXPECT_EQ(p.moe_intermediate_begin, 20);
+  EXPECT_EQ(p.shared_intermediate, 12);
+  EXPECT_EQ(p.shared_intermediate_begin, 12);
+  for (int e = 0; e < 4; ++e) {
+    const std::string x = kL1 + "mlp.experts." + std::to_string(e) + ".";
+    EXPECT_EQ(range(p, x + "gate_proj.weight"), (Range{20, 40}));
+    EXPECT_EQ(shape(p, x + "gate_proj.weight"), (Shape{20, 64}));
+    EXPECT_EQ(shape(p, x + "up_proj.weight"), (Shape{20, 64}));
+    EXPECT_EQ(range(p, x + "down_proj.weight"), (Range{20, 40}));
+    EXPECT_EQ(shape(p, x + "down_proj.weight"), (Shape{64, 20}));
+  }
+  EXPECT_EQ(shape(p, kL1 + "mlp.gate.weight"), (Shape{4, 64}));
+  EXPECT_EQ(find(p, kL1 + "mlp.gate.weight")->spec.split, Split::kNone);
+  EXPECT_EQ(shape(p, kL1 + "mlp.shared_expert.gate_proj.weight"), (Shape{12, 64}));
+  EXPECT_EQ(shape(p, kL1 + "mlp.shared_expert.down_proj.weight"), (Shape{64, 12}));
+  EXPECT_EQ(shape(p, kL1 + "mlp.shared_expert_gate.weight"), (Shape{1, 64}));
+  EXPECT_EQ(find(p, kL1 + "mlp.gate_proj.weight"), nullptr) << "an MoE layer has no dense MLP";
+  const std::string l2 = "model.layers.2.";
+  EXPECT_EQ(shape(p, l2 + "mlp.gate_proj.weight"), (Shape{48, 64}));
+  EXPECT_EQ(shape(p, l2 + "mlp.down_proj.weight"), (Shape{64, 48}));
+  EXPECT_EQ(find(p, l2 + "mlp.gate.weight"), nullptr);
+  EXPECT_EQ(find(p, l2 + "mlp.experts.0.up_proj.weight"), nullptr);
+  // The shards' bytes: each rank holds half of every expert, all of the router.
+  const uint64_t whole = must_make(c, rank(1, 0)).weight_bytes(DType::kBF16);
+  const uint64_t half =
+      p.weight_bytes(DType::kBF16) + must_make(c, rank(2, 0)).weight_bytes(DType::kBF16);
+  uint64_t replicated = 0;  // norms and routers, held twice
+  for (const WeightShard& w : p.weights) {
+    if (w.spec.split != Split::kNone) continue;
+    int64_t n = 1;
+    for (int64_t d : w.shape()) n *= d;
+    replicated += static_cast<uint64_t>(n) * 2;
+  }
+  EXPECT_EQ(half, whole + replicated);
+  // Every expert's bytes are in the whole model's: 4 experts x 3 x 40 x 64 per MoE layer.
+  ModelConfig dense = c;
+  dense.moe = MoeConfig{};
+  const uint64_t dense_bytes = must_make(dense, rank(1, 0)).weight_bytes(DType::kBF16);
+  const uint64_t moe_layer = (4 * 3 * 40 * 64 + 4 * 64 + 3 * 24 * 64 + 64) * 2;
+  const uint64_t mlp_layer = 3 * 96 * 64 * 2;
+  EXPECT_EQ(whole, dense_bytes + 4 * (moe_layer - mlp_layer));
+}
+
+TEST(LayerPlanTest, ATpThatDoesNotSplitTheExpertsIsRefusedNamingTheField) {
+  ModelConfig c = small_moe();
+  c.moe.expert_intermediate = 42;
+  EXPECT_NE(refusal(c, rank(4, 0)).find("moe_intermediate_size 42 does not split over 4 ranks"),
+            std::string::npos)
+      << refusal(c, rank(4, 0));
+  EXPECT_EQ(refusal(c, rank(2, 0)), "");
+  c.moe.expert_intermediate = 40;
+  c.moe.shared_intermediate = 26;
+  EXPECT_NE(refusal(c, rank(4, 0)).find("shared_expert_intermediate_size 26"), std::string::npos)
+      << refusal(c, rank(4, 0));
+  // Mixtral's experts are intermediate_size wide; with no dense layer only they count.
+  c = small_moe();
+  c.arch = Architecture::kMixtral;
+  c.moe.shared_intermediate = 0;
+  c.moe.mlp_only_layers.clear();
+  c.intermediate_size = c.moe.expert_intermediate = 36;
+  EXPECT_NE(refusal(c, rank(8, 0)).find("intermediate_size 36 does not split over 8 ranks"),
+            std::string::npos)
+      << refusal(c, rank(8, 0));
+  // A Qwen MoE model's dense intermediate_size matters only when a layer is dense.
+  c = small_moe();
+  c.moe.mlp_only_layers.clear();
+  c.intermediate_size = 98;
+  EXPECT_EQ(refusal(c, rank(4, 0)), "");
+  c.moe.mlp_only_layers = {0};
+  EXPECT_NE(refusal(c, rank(4, 0)).find("intermediate_size 98"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace tessera

@@ -463,5 +463,112 @@ TEST(MakeModelTest, CommandLine) {
   }
 }
 
+// The tiny MoE models: config.json with the keys MixtralConfig / Qwen2MoeConfig / Qwen3MoeConfig
+// read, and the experts' tensors under the names transformers' checkpoints use.
+TEST(MakeModelTest, TinyMixtureOfExperts) {
+  REQUIRE_TOKENIZERS();
+  struct Case {
+    const char* arch;
+    const char* tokenizer;
+    Architecture expect;
+    int64_t layers;
+    std::vector<std::string> layer0;  // MoE tensors of layer 0 (names after "model.layers.0.")
+  };
+  const Case cases[] = {
+      {"mixtral",
+       "llama2",
+       Architecture::kMixtral,
+       2,
+       {"block_sparse_moe.gate.weight", "block_sparse_moe.experts.0.w1.weight",
+        "block_sparse_moe.experts.3.w2.weight", "block_sparse_moe.experts.2.w3.weight"}},
+      {"qwen2_moe",
+       "qwen3",
+       Architecture::kQwen2Moe,
+       2,
+       {"mlp.gate.weight", "mlp.experts.0.gate_proj.weight", "mlp.experts.3.down_proj.weight",
+        "mlp.experts.1.up_proj.weight", "mlp.shared_expert.gate_proj.weight",
+        "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight",
+        "mlp.shared_expert_gate.weight", "self_attn.q_proj.bias"}},
+      {"qwen3_moe",
+       "qwen3",
+       Architecture::kQwen3Moe,
+       3,
+       {"mlp.gate.weight", "mlp.experts.3.gate_proj.weight", "self_attn.q_norm.weight"}},
+  };
+  for (const Case& c : cases) {
+    TempDir dir;
+    MakeModelOptions o;
+    o.arch = c.arch;
+    o.preset = "tiny";
+    o.tokenizer_dir = ckpt_test::tokenizer_dir(c.tokenizer);
+    o.seed = 3;
+    o.out = dir / "model";
+    Status st = make_model(o);
+    ASSERT_TRUE(st.is_ok()) << c.arch << ": " << st.to_string();
+    Expected<ModelConfig> cfg = load_model_config(o.out);
+    ASSERT_TRUE(cfg.has_value()) << cfg.status().to_string();
+    EXPECT_EQ(cfg->arch, c.expect);
+    EXPECT_EQ(cfg->num_layers, c.layers);
+    EXPECT_EQ(cfg->moe.num_experts, 4) << c.arch;
+    EXPECT_EQ(cfg->moe.top_k, 2) << c.arch;
+    json j = json::parse(ckpt_test::read_file(o.out + "/config.json"));
+    EXPECT_EQ(j["model_type"], c.arch);
+    EXPECT_EQ(j.contains("num_local_experts"), c.expect == Architecture::kMixtral);
+    EXPECT_EQ(j.contains("num_experts"), c.expect != Architecture::kMixtral);
+    auto ckpt = open_checkpoint(o.out);
+    ASSERT_NE(ckpt, nullptr);
+    for (const std::string& name : c.layer0) {
+      EXPECT_TRUE((*ckpt).tensor("model.layers.0." + name).has_value()) << c.arch << " " << name;
+    }
+    EXPECT_EQ(ckpt->size(), expected_weights(*cfg).size()) << c.arch;
+    if (c.expect == Architecture::kQwen3Moe) {
+      // mlp_only_layers [1]: layer 1 is a dense MLP of intermediate_size between MoE layers.
+      EXPECT_EQ(j["mlp_only_layers"], json::array({1}));
+      EXPECT_TRUE(ckpt->require("model.layers.1.mlp.gate_proj.weight", {176, 64}).has_value());
+      EXPECT_FALSE(ckpt->tensor("model.layers.1.mlp.gate.weight").has_value());
+      EXPECT_TRUE(
+          ckpt->require("model.layers.2.mlp.experts.0.up_proj.weight", {48, 64}).has_value());
+      EXPECT_TRUE(cfg->moe.norm_topk_prob);
+    }
+    if (c.expect == Architecture::kQwen2Moe) {
+      EXPECT_EQ(j["shared_expert_intermediate_size"], 96);
+      EXPECT_FALSE(cfg->moe.norm_topk_prob);
+    }
+  }
+}
+
+TEST(MakeModelTest, RealShapeMoePresets) {
+  REQUIRE_TOKENIZERS();
+  MakeModelOptions o;
+  o.preset = "mixtral-8x7b";
+  o.tokenizer_dir = ckpt_test::tokenizer_dir("llama2");
+  Expected<std::string> text = make_model_config_json(o);
+  ASSERT_TRUE(text.has_value()) << text.status().to_string();
+  json j = json::parse(*text);
+  EXPECT_EQ(j["architectures"], json::array({"MixtralForCausalLM"}));
+  EXPECT_EQ(j["num_local_experts"], 8);
+  EXPECT_EQ(j["num_experts_per_tok"], 2);
+  EXPECT_EQ(j["intermediate_size"], 14336);
+  EXPECT_EQ(j["rope_theta"], 1e6);
+  EXPECT_TRUE(j["sliding_window"].is_null());
+  o.preset = "qwen3-30b-a3b";
+  o.tokenizer_dir = ckpt_test::tokenizer_dir("qwen3");
+  text = make_model_config_json(o);
+  ASSERT_TRUE(text.has_value()) << text.status().to_string();
+  j = json::parse(*text);
+  EXPECT_EQ(j["architectures"], json::array({"Qwen3MoeForCausalLM"}));
+  EXPECT_EQ(j["num_experts"], 128);
+  EXPECT_EQ(j["num_experts_per_tok"], 8);
+  EXPECT_EQ(j["moe_intermediate_size"], 768);
+  EXPECT_EQ(j["norm_topk_prob"], true);
+  EXPECT_EQ(j["decoder_sparse_step"], 1);
+  EXPECT_EQ(j["mlp_only_layers"], json::array());
+  EXPECT_EQ(j["num_hidden_layers"], 48);
+  EXPECT_EQ(j["head_dim"], 128);
+  Expected<ModelConfig> cfg = parse_model_config(*text);
+  ASSERT_TRUE(cfg.has_value()) << cfg.status().to_string();
+  EXPECT_EQ(cfg->moe.expert_intermediate, 768);
+}
+
 }  // namespace
 }  // namespace tessera

@@ -13,6 +13,7 @@ namespace tessera {
 namespace {
 
 using nlohmann::json;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // Published configs (https://huggingface.co/<repo>/blob/main/config.json), trimmed of keys we
@@ -259,7 +260,8 @@ TEST(ModelConfigTest, RefusesTrustRemoteCodeQwenWithSupportedList) {
     EXPECT_THAT(st.message(), HasSubstr(name));
   }
   EXPECT_EQ(supported_architectures(),
-            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM");
+            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+            "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM");
 }
 
 TEST(ModelConfigTest, BadValuesNameFileAndField) {
@@ -380,6 +382,205 @@ TEST(ModelConfigTest, LoadWithGenerationConfig) {
   st = load_model_config(dir / "nowhere").status();
   EXPECT_EQ(st.code(), Code::kNotFound);
   EXPECT_THAT(st.message(), HasSubstr("config.json"));
+}
+
+// ---- mixture of experts ----------------------------------------------------------------------
+
+const char* kMixtral8x7B = R"({
+  "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+  "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+  "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+  "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+  "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+  "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+  "use_cache": true, "vocab_size": 32000})";
+
+const char* kQwen15MoeA27B = R"({
+  "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+  "decoder_sparse_step": 1, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+  "initializer_range": 0.02, "intermediate_size": 5632, "max_position_embeddings": 8192,
+  "max_window_layers": 21, "model_type": "qwen2_moe", "moe_intermediate_size": 1408,
+  "norm_topk_prob": false, "num_attention_heads": 16, "num_experts": 60,
+  "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16,
+  "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 5632,
+  "sliding_window": 32768, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.0.dev0", "use_cache": true, "use_sliding_window": false,
+  "vocab_size": 151936})";
+
+const char* kQwen3_30B_A3B = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+  "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+  "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+  "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+  "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+  "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+  "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_scaling": null,
+  "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})";
+
+const WeightSpec* spec_named(const std::vector<WeightSpec>& table, const std::string& name) {
+  for (const WeightSpec& w : table) {
+    if (w.name == name) return &w;
+  }
+  return nullptr;
+}
+
+TEST(MoeConfigTest, Mixtral8x7B) {
+  Expected<ModelConfig> c = parse_model_config(kMixtral8x7B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kMixtral);
+  EXPECT_EQ(c->moe.num_experts, 8);
+  EXPECT_EQ(c->moe.top_k, 2);
+  EXPECT_EQ(c->moe.expert_intermediate, 14336);
+  EXPECT_EQ(c->moe.shared_intermediate, 0);
+  EXPECT_TRUE(c->moe.norm_topk_prob) << "Mixtral always renormalises";
+  EXPECT_FALSE(c->sliding_window.has_value()) << "null, and MixtralConfig's default is None";
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_FALSE(c->attention_bias || c->qk_norm);
+  EXPECT_EQ(c->bos_token_id, 1);
+  for (int64_t i = 0; i < 32; ++i) EXPECT_TRUE(c->moe.sparse_layer(i));
+  const std::vector<WeightSpec> t = expected_weights(*c);
+  const WeightSpec* router = spec_named(t, "model.layers.0.block_sparse_moe.gate.weight");
+  ASSERT_NE(router, nullptr);
+  EXPECT_EQ(router->shape, (std::vector<int64_t>{8, 4096}));
+  EXPECT_EQ(router->split, Split::kNone);
+  const WeightSpec* w1 = spec_named(t, "model.layers.31.block_sparse_moe.experts.7.w1.weight");
+  const WeightSpec* w2 = spec_named(t, "model.layers.31.block_sparse_moe.experts.7.w2.weight");
+  const WeightSpec* w3 = spec_named(t, "model.layers.31.block_sparse_moe.experts.7.w3.weight");
+  ASSERT_TRUE(w1 && w2 && w3);
+  EXPECT_EQ(w1->kind, WeightKind::kExpertGate);
+  EXPECT_EQ(w3->kind, WeightKind::kExpertUp);
+  EXPECT_EQ(w2->kind, WeightKind::kExpertDown);
+  EXPECT_EQ(w2->shape, (std::vector<int64_t>{4096, 14336}));
+  EXPECT_EQ(w2->split, Split::kColumns);
+  EXPECT_EQ(w1->expert, 7);
+  EXPECT_EQ(spec_named(t, "model.layers.0.mlp.gate_proj.weight"), nullptr);
+  // Published as 46.7B parameters.
+  int64_t params = 0;
+  for (const WeightSpec& w : t) {
+    int64_t n = 1;
+    for (int64_t d : w.shape) n *= d;
+    params += n;
+  }
+  EXPECT_NEAR(static_cast<double>(params), 46.7e9, 0.05e9);
+  // MixtralConfig's defaults when absent: rope_theta 1e6, 8 experts, top 2.
+  c = parse_model_config(patched(
+      kMixtral8x7B,
+      {{"rope_theta", nullptr}, {"num_local_experts", nullptr}, {"num_experts_per_tok", nullptr}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_DOUBLE_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->moe.num_experts, 8);
+  EXPECT_EQ(c->moe.top_k, 2);
+  // A window shorter than the context is kept (and refused at run time, as Mistral's).
+  c = parse_model_config(patched(kMixtral8x7B, {{"sliding_window", 4096}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->sliding_window, 4096);
+}
+
+TEST(MoeConfigTest, Qwen2MoeHasASharedExpertAndQkvBiases) {
+  Expected<ModelConfig> c = parse_model_config(kQwen15MoeA27B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kQwen2Moe);
+  EXPECT_EQ(c->model_type, "qwen2_moe");
+  EXPECT_EQ(c->moe.num_experts, 60);
+  EXPECT_EQ(c->moe.top_k, 4);
+  EXPECT_EQ(c->moe.expert_intermediate, 1408);
+  EXPECT_EQ(c->moe.shared_intermediate, 5632);
+  EXPECT_FALSE(c->moe.norm_topk_prob);
+  EXPECT_TRUE(c->attention_bias);
+  EXPECT_FALSE(c->o_proj_bias);
+  EXPECT_FALSE(c->qk_norm);
+  EXPECT_FALSE(c->sliding_window.has_value());
+  const std::vector<WeightSpec> t = expected_weights(*c);
+  const WeightSpec* gate = spec_named(t, "model.layers.3.mlp.shared_expert_gate.weight");
+  ASSERT_NE(gate, nullptr);
+  EXPECT_EQ(gate->shape, (std::vector<int64_t>{1, 2048}));
+  EXPECT_EQ(gate->split, Split::kNone);
+  ASSERT_NE(spec_named(t, "model.layers.3.mlp.shared_expert.down_proj.weight"), nullptr);
+  ASSERT_NE(spec_named(t, "model.layers.3.mlp.experts.59.up_proj.weight"), nullptr);
+  ASSERT_NE(spec_named(t, "model.layers.3.mlp.gate.weight"), nullptr);
+  ASSERT_NE(spec_named(t, "model.layers.3.self_attn.q_proj.bias"), nullptr);
+  // Newer configs spell the biases out.
+  c = parse_model_config(patched(kQwen15MoeA27B, {{"qkv_bias", false}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_FALSE(c->attention_bias);
+  // Defaults as Qwen2MoeConfig's when absent.
+  c = parse_model_config(patched(kQwen15MoeA27B, {{"num_experts", nullptr},
+                                                  {"shared_expert_intermediate_size", nullptr},
+                                                  {"moe_intermediate_size", nullptr}}));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->moe.num_experts, 60);
+  EXPECT_EQ(c->moe.shared_intermediate, 5632);
+  EXPECT_EQ(c->moe.expert_intermediate, 1408);
+}
+
+TEST(MoeConfigTest, Qwen3MoeWithDenseLayersAmongTheSparse) {
+  Expected<ModelConfig> c = parse_model_config(kQwen3_30B_A3B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kQwen3Moe);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->moe.num_experts, 128);
+  EXPECT_EQ(c->moe.top_k, 8);
+  EXPECT_EQ(c->moe.expert_intermediate, 768);
+  EXPECT_TRUE(c->moe.norm_topk_prob);
+  EXPECT_EQ(c->moe.shared_intermediate, 0);
+  const std::vector<WeightSpec> t = expected_weights(*c);
+  EXPECT_EQ(spec_named(t, "model.layers.0.mlp.shared_expert_gate.weight"), nullptr);
+  int64_t params = 0;
+  for (const WeightSpec& w : t) {
+    int64_t n = 1;
+    for (int64_t d : w.shape) n *= d;
+    params += n;
+  }
+  EXPECT_NEAR(static_cast<double>(params), 30.5e9, 0.1e9) << "Qwen3-30B-A3B: 30.5B in all";
+  // decoder_sparse_step 2: layers 1, 3, 5, ... are MoE; mlp_only_layers makes 3 dense too.
+  c = parse_model_config(
+      patched(kQwen3_30B_A3B, {{"decoder_sparse_step", 2}, {"mlp_only_layers", {3}}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_FALSE(c->moe.sparse_layer(0));
+  EXPECT_TRUE(c->moe.sparse_layer(1));
+  EXPECT_FALSE(c->moe.sparse_layer(2));
+  EXPECT_FALSE(c->moe.sparse_layer(3));
+  EXPECT_TRUE(c->moe.sparse_layer(5));
+  const std::vector<WeightSpec> d = expected_weights(*c);
+  const WeightSpec* dense = spec_named(d, "model.layers.3.mlp.gate_proj.weight");
+  ASSERT_NE(dense, nullptr);
+  EXPECT_EQ(dense->shape, (std::vector<int64_t>{6144, 2048})) << "intermediate_size";
+  EXPECT_EQ(spec_named(d, "model.layers.3.mlp.gate.weight"), nullptr);
+  EXPECT_NE(spec_named(d, "model.layers.5.mlp.experts.0.gate_proj.weight"), nullptr);
+  // num_experts 0: every layer dense.
+  c = parse_model_config(patched(kQwen3_30B_A3B, {{"num_experts", 0}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_FALSE(c->moe.enabled());
+  EXPECT_FALSE(c->moe.sparse_layer(0));
+}
+
+TEST(MoeConfigTest, BadMoeFieldsAreNamed) {
+  EXPECT_THAT(parse_error(patched(kMixtral8x7B, {{"num_experts_per_tok", 9}})).message(),
+              AllOf(HasSubstr("num_experts_per_tok 9 is more than the 8 experts"),
+                    HasSubstr("num_local_experts")));
+  EXPECT_THAT(parse_error(patched(kQwen3_30B_A3B, {{"num_experts_per_tok", 129}})).message(),
+              AllOf(HasSubstr("num_experts_per_tok"), HasSubstr("128")));
+  EXPECT_THAT(parse_error(patched(kQwen3_30B_A3B, {{"mlp_only_layers", {48}}})).message(),
+              HasSubstr("mlp_only_layers"));
+  EXPECT_THAT(parse_error(patched(kQwen3_30B_A3B, {{"mlp_only_layers", 3}})).message(),
+              HasSubstr("mlp_only_layers must be a list"));
+  EXPECT_THAT(parse_error(patched(kQwen3_30B_A3B, {{"decoder_sparse_step", 0}})).message(),
+              HasSubstr("decoder_sparse_step"));
+  EXPECT_THAT(parse_error(patched(kQwen3_30B_A3B, {{"moe_intermediate_size", -1}})).message(),
+              HasSubstr("moe_intermediate_size"));
+  EXPECT_THAT(parse_error(patched(kMixtral8x7B, {{"num_local_experts", 0}})).message(),
+              HasSubstr("num_local_experts"));
+  EXPECT_THAT(parse_error(patched(kQwen3_30B_A3B,
+                                  {{"quantization_config",
+                                    {{"quant_method", "fp8"}, {"activation_scheme", "dynamic"}}}}))
+                  .message(),
+              AllOf(HasSubstr("quantization_config"), HasSubstr("mixture-of-experts")));
 }
 
 }  // namespace

@@ -107,6 +107,53 @@ TEST_F(DistributedTest, EverySplitGivesTransformersTokens) {
   }
 }
 
+// The mixture-of-experts models over processes: every split of each tiny MoE model gives
+// transformers' greedy tokens (tests/assets/goldens/model_<arch>.json, made on the GPU machine by
+// scripts/goldens/model_goldens.py). A missing golden fails the test, naming the file.
+TEST(MoeDistributedTest, EverySplitOfEachMoeModelGivesTransformersTokens) {
+  for (const char* arch : {"mixtral", "qwen2_moe", "qwen3_moe"}) {
+    const std::string path = source("tests/assets/goldens/model_" + std::string(arch) + ".json");
+    std::ifstream in(path);
+    if (!in) {
+      ADD_FAILURE() << "missing golden " << path
+                    << ": make it on the GPU machine with scripts/goldens/model_goldens.py";
+      continue;
+    }
+    const nlohmann::json golden = nlohmann::json::parse(in);
+    const std::string dir = fs::temp_directory_path() / ("tessera-dist-" + std::string(arch) + "-" +
+                                                         std::to_string(::getpid()));
+    fs::remove_all(dir);
+    auto made = run_command(
+        {bin("tessera"), "make-model", "--arch", arch, "--preset", "tiny", "--tokenizer",
+         source("tests/assets/tokenizers/" + golden["tokenizer"].get<std::string>()), "--seed",
+         std::to_string(golden["seed"].get<int>()), "--dtype", "bf16", "--out", dir});
+    ASSERT_EQ(made.exit_code, 0) << made.err;
+    const nlohmann::json& c = golden["cases"][1];
+    for (std::vector<std::string> split : {std::vector<std::string>{"-tp", "2"},
+                                           {"-tp", "4"},
+                                           {"-pp", "2"},
+                                           {"-tp", "2", "-pp", "2"}}) {
+      std::vector<std::string> argv = {
+          bin("tessera"),  "generate", "--model",      dir,
+          "--device",      "cpu",      "--prompt",     c["prompt"].get<std::string>(),
+          "--temperature", "0",        "--max-tokens", "32",
+          "--ignore-eos",  "--json"};
+      argv.insert(argv.end(), split.begin(), split.end());
+      auto r = run_command(argv, 120s);
+      std::string name = std::string(arch) + " ";
+      for (const auto& s : split) name += s + " ";
+      ASSERT_EQ(r.exit_code, 0) << name << r.err;
+      std::string out = r.out;
+      while (!out.empty() && out.back() == '\n') out.pop_back();
+      auto j = nlohmann::json::parse(out.substr(out.rfind('\n') + 1));
+      EXPECT_EQ(j["output_ids"].get<std::vector<int32_t>>(),
+                c["greedy"].get<std::vector<int32_t>>())
+          << name;
+    }
+    fs::remove_all(dir);
+  }
+}
+
 std::string ip_path() {
   for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"}) {
     if (::access(p, X_OK) == 0) return p;

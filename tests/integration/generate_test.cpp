@@ -741,5 +741,50 @@ TEST_F(GenerateTest, BenchThroughputOverReplicasReportsWhatEachRan) {
   EXPECT_EQ(output_tokens, 8 * 4);
 }
 
+// The tiny mixture-of-experts models (make-model --preset tiny) generate on the CPU backend, and
+// the same greedy tokens when their experts are split over two tensor-parallel ranks.
+TEST(GenerateMoeTest, TinyMoeModelsGenerateAndTensorParallelAgrees) {
+  for (auto [arch, tokenizer] :
+       {std::pair{"mixtral", "llama2"}, {"qwen2_moe", "qwen3"}, {"qwen3_moe", "qwen3"}}) {
+    const std::string dir = std::filesystem::temp_directory_path() /
+                            ("tessera-gen-" + std::string(arch) + "-" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    auto made =
+        run_command({bin("tessera"), "make-model", "--arch", arch, "--preset", "tiny",
+                     "--tokenizer", source("tests/assets/tokenizers/" + std::string(tokenizer)),
+                     "--seed", "1234", "--dtype", "bf16", "--out", dir});
+    ASSERT_EQ(made.exit_code, 0) << arch << ": " << made.err;
+    std::vector<std::vector<int>> outputs;
+    for (std::vector<std::string> split : {std::vector<std::string>{}, {"-tp", "2"}}) {
+      std::vector<std::string> argv = {bin("tessera"),
+                                       "generate",
+                                       "--model",
+                                       dir,
+                                       "--device",
+                                       "cpu",
+                                       "--json",
+                                       "--prompt",
+                                       "The capital of France is",
+                                       "--temperature",
+                                       "0",
+                                       "--ignore-eos",
+                                       "--max-tokens",
+                                       "8"};
+      argv.insert(argv.end(), split.begin(), split.end());
+      CommandResult r = run_command(argv);
+      ASSERT_EQ(r.exit_code, 0) << arch << " " << (split.empty() ? "tp 1" : "tp 2") << ": "
+                                << r.err;
+      std::string out = r.out;
+      while (!out.empty() && out.back() == '\n') out.pop_back();
+      auto j = nlohmann::json::parse(out.substr(out.rfind('\n') + 1));
+      outputs.push_back(j["output_ids"].get<std::vector<int>>());
+      EXPECT_EQ(outputs.back().size(), 8u) << arch;
+      EXPECT_EQ(j["finish_reason"], "length") << arch;
+    }
+    EXPECT_EQ(outputs[0], outputs[1]) << arch << ": -tp 2 gives other greedy tokens";
+    std::filesystem::remove_all(dir);
+  }
+}
+
 }  // namespace
 }  // namespace tessera

@@ -254,6 +254,38 @@ uint64_t params(const ModelConfig& c) {
          c.num_layers * layer + h;
 }
 
+// Qwen3-30B-A3B: 128 experts of width 768 in each of 48 layers, top 8.
+ModelConfig qwen3_30b_a3b() {
+  ModelConfig c = qwen3_8b();
+  c.arch = Architecture::kQwen3Moe;
+  c.model_type = "qwen3_moe";
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;
+  c.num_layers = 48;
+  c.num_kv_heads = 4;
+  c.moe.num_experts = 128;
+  c.moe.top_k = 8;
+  c.moe.expert_intermediate = 768;
+  c.moe.norm_topk_prob = true;
+  return c;
+}
+
+// The planner counts every expert's bytes (all are held, whichever tokens choose): the whole
+// model is 30.5B parameters, and each of -tp 4's ranks a quarter of the experts' widths.
+TEST(ParallelPlanTest, MixtureOfExpertsWeightsCountEveryExpert) {
+  const ModelConfig c = qwen3_30b_a3b();
+  const uint64_t expert = 3ull * 768 * 2048 * 2;  // one expert's bf16 bytes
+  const uint64_t all = model_weight_bytes(c, DType::kBF16);
+  EXPECT_GT(all, 48 * 128 * expert);
+  EXPECT_NEAR(static_cast<double>(all) / 2, 30.53e9, 0.02e9);
+  ParallelPlan p = must_plan(c, 4, 1);
+  for (const RankPlan& r : p.ranks) {
+    EXPECT_EQ(r.shard.moe_intermediate, 192);
+    EXPECT_GT(r.weight_bytes, 48 * 128 * expert / 4);
+    EXPECT_LT(r.weight_bytes, all / 4 + all / 40);
+  }
+}
+
 TEST(ParallelPlanTest, WholeModelBytesMatchThePublishedParameterCounts) {
   EXPECT_EQ(params(llama3_8b()), 8030261248u);
   EXPECT_EQ(params(qwen3_8b()), 8190735360u);
@@ -1127,7 +1159,8 @@ TEST(PlacementTest, ReplicasArePlacedWhereTheOnesBeforeLeftRoom) {
   r = plan_replicas(llama3_8b(), spec, two, 3);
   EXPECT_EQ(r.fitting(), 2u);
   ASSERT_FALSE(r.failure.is_ok());
-  EXPECT_TRUE(contains(r.failure.message(), "0 of 1 free (busy: gpu0 (14.10 GiB free))")) << r.failure.message();
+  EXPECT_TRUE(contains(r.failure.message(), "0 of 1 free (busy: gpu0 (14.10 GiB free))"))
+      << r.failure.message();
 
   spec.device = Device::kCpu;
   r = plan_replicas(llama3_8b(), spec, synthetic_nodes(3, 0, 0), 3);
