@@ -63,6 +63,7 @@ def test_init_nodes_resources_shutdown(local_cluster, tiny_model):
     assert len(nodes) == 1
     head = nodes[0]
     assert head["Alive"] and head["IsHead"] and head["NodeID"]
+    assert head["Draining"] is False
     assert head["Resources"]["CPU"] >= 1 and head["Resources"]["memory"] > 0
     res = tessera.cluster_resources()
     assert res["CPU"] == head["Resources"]["CPU"]

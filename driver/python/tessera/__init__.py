@@ -128,7 +128,8 @@ def _status() -> Dict[str, Any]:
 
 def nodes() -> List[Dict[str, Any]]:
     """The cluster's nodes as ray.nodes() lists them (NodeID, Alive, NodeManagerAddress,
-    NodeManagerHostname, Resources), plus Tessera's GPUs and actors."""
+    NodeManagerHostname, Resources), plus Tessera's GPUs and actors and whether the node is
+    Draining (`tessera drain`: no new actors go there)."""
     out = []
     for n in _status()["nodes"]:
         host = n["address"].rsplit(":", 1)[0]
@@ -145,6 +146,7 @@ def nodes() -> List[Dict[str, Any]]:
                 "GPUs": n["gpus"],
                 "Actors": n["actors"],
                 "DeathReason": n["death_reason"],
+                "Draining": bool(n.get("draining", False)),
             }
         )
     return out
