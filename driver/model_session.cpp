@@ -216,9 +216,8 @@ Status ModelSession::connect() {
     if (!a.cluster_token.empty()) {
       token = a.cluster_token;
     } else {
-      auto root = find_cluster_root("");
-      TESSERA_ASSIGN_OR_RETURN(
-          token, auth::resolve_cluster_token(a.cluster_token_file, root ? *root : std::string()));
+      TESSERA_ASSIGN_OR_RETURN(HeadTarget head, find_head(a.address, "", a.cluster_token_file));
+      token = head.token;
     }
   }
   token_ = token;

@@ -592,19 +592,11 @@ struct LiveCluster {
 
 Expected<LiveCluster> connect_cluster(const std::string& address_flag, const std::string& temp_dir,
                                       const std::string& token_file) {
-  auto root = find_cluster_root(temp_dir);
-  std::string address = address_flag;
-  if (address.empty()) {
-    auto found = root ? read_head_address(*root) : Expected<std::string>(root.status());
-    if (!found) return found.status();
-    address = *found;
-  }
-  auto token = auth::resolve_cluster_token(token_file, root ? *root : std::string());
-  if (!token) return token.status();
+  TESSERA_ASSIGN_OR_RETURN(HeadTarget head, find_head(address_flag, temp_dir, token_file));
   EventLoop loop;
-  auto status = collect_status(loop, address, *token);
+  auto status = collect_status(loop, head.address, head.token);
   if (!status) return status.status();
-  return LiveCluster{address, cluster_nodes(*status)};
+  return LiveCluster{head.address, cluster_nodes(*status)};
 }
 
 Expected<std::string> read_file(const std::string& path) {

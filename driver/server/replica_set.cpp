@@ -8,10 +8,8 @@
 #include <set>
 #include <utility>
 
-#include "common/session.h"
 #include "driver/plan/plan_command.h"
 #include "driver/status.h"
-#include "protocol/auth.h"
 
 namespace tessera::server {
 
@@ -87,10 +85,8 @@ Expected<std::unique_ptr<ReplicaSet>> ReplicaSet::start(const EngineArgs& given,
     args.address = local->address();
     args.cluster_token = local->token();
   } else if (!args.address.empty() && args.cluster_token.empty()) {
-    auto root = find_cluster_root("");
-    TESSERA_ASSIGN_OR_RETURN(
-        args.cluster_token,
-        auth::resolve_cluster_token(args.cluster_token_file, root ? *root : std::string()));
+    TESSERA_ASSIGN_OR_RETURN(HeadTarget head, find_head(args.address, "", args.cluster_token_file));
+    args.cluster_token = head.token;
   }
   auto name = [&](size_t i) { return single ? owner : owner + " replica " + std::to_string(i); };
   if (!single) spdlog::info("replica 0: placing and loading");

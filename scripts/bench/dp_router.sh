@@ -19,11 +19,6 @@ port=${DP_PORT:-8131}
 mkdir -p "$out"
 url=http://127.0.0.1:$port
 
-metric() {  # metric NAME: its value in /metrics (0 when absent)
-  curl -sf "$url/metrics" |
-    awk -v n="$1" '(index($1, n "{") == 1 || $1 == n) && !f {print $2; f=1} END {if (!f) print 0}'
-}
-
 serve() {  # serve NAME FLAGS...: a server in the background, ready; its log OUT/serve_NAME.log
   local name=$1; shift
   "$bin/tessera" serve "$model" --port "$port" --max-model-len 4096 "$@" \
@@ -39,25 +34,13 @@ serve() {  # serve NAME FLAGS...: a server in the background, ready; its log OUT
 
 stop() { kill -INT $server; wait $server; }
 
-drive() {  # drive NAME RATE: one bench serve run, hit rate from /metrics around it
+drive() {  # drive NAME RATE: one bench serve run (its JSON has the server's cache hit rate)
   local name=$1 rate=$2
-  local q0 h0 q1 h1
-  q0=$(metric vllm:prefix_cache_queries_total); h0=$(metric vllm:prefix_cache_hits_total)
   "$bin/tessera" bench serve --base-url "$url" --dataset-name prefix_repetition \
     --prefix-repetition-prefix-len 1000 --prefix-repetition-suffix-len 50 \
     --prefix-repetition-num-prefixes "$prefixes" --prefix-repetition-output-len 128 \
     --num-prompts "$prompts" --request-rate "$rate" --ignore-eos --seed 1 \
-    --goodput ttft:500 tpot:50 --output-json "$out/dp_${name}_r${rate}.json" || return 1
-  q1=$(metric vllm:prefix_cache_queries_total); h1=$(metric vllm:prefix_cache_hits_total)
-  python3 - "$out/dp_${name}_r${rate}.json" "$q0" "$h0" "$q1" "$h1" <<'PY'
-import json, sys
-p = sys.argv[1]
-q0, h0, q1, h1 = map(float, sys.argv[2:6])
-j = json.load(open(p))
-j["server_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else None
-json.dump(j, open(p, "w"), indent=1)
-print(f"hit rate {j['server_hit_rate']}")
-PY
+    --goodput ttft:500 tpot:50 --output-json "$out/dp_${name}_r${rate}.json"
 }
 
 IFS=, read -ra rate_list <<< "$rates"
@@ -85,7 +68,8 @@ for r in rates:
         "request_rate": float(r),
         "goodput_prefix": p["goodput"], "goodput_round_robin": rr["goodput"],
         "goodput_ratio": p["goodput"] / rr["goodput"] if rr["goodput"] > 0 else None,
-        "hit_rate_prefix": p["server_hit_rate"], "hit_rate_round_robin": rr["server_hit_rate"],
+        "hit_rate_prefix": p["prefix_cache_hit_rate"],
+        "hit_rate_round_robin": rr["prefix_cache_hit_rate"],
         "ttft_p99_ms": {"prefix": p["ttft_ms"]["p99"], "round_robin": rr["ttft_ms"]["p99"]},
         "tpot_p99_ms": {"prefix": p["tpot_ms"]["p99"], "round_robin": rr["tpot_ms"]["p99"]},
         "commands": [p["command"], rr["command"]],
@@ -106,10 +90,10 @@ summary = {
     "rates": rows,
     "best_goodput_ratio": max((x["goodput_ratio"] or 0) for x in rows),
     "single_replica_whole_cache": {"request_rate": float(rates[0]),
-                                   "hit_rate": single["server_hit_rate"],
+                                   "hit_rate": single["prefix_cache_hit_rate"],
                                    "goodput": single["goodput"], "command": single["command"]},
-    "hit_rate_ratio_prefix_vs_single": (first["hit_rate_prefix"] / single["server_hit_rate"]
-                                        if single["server_hit_rate"] else None),
+    "hit_rate_ratio_prefix_vs_single": (first["hit_rate_prefix"] / single["prefix_cache_hit_rate"]
+                                        if single["prefix_cache_hit_rate"] else None),
 }
 json.dump(summary, open(os.path.join(out, "dp_router.json"), "w"), indent=1)
 print(json.dumps(summary, indent=1))
