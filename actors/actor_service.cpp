@@ -64,6 +64,11 @@ class ActorImpl final : public proto::Actor::Server {
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> expertLoad(ExpertLoadContext context) override {
+    to_proto(service_.expert_load(), context.getResults().initLoad());
+    return kj::READY_NOW;
+  }
+
   kj::Promise<void> initCache(InitCacheContext context) override {
     auto info = service_.init_cache(context.getParams().getKvBlocks());
     if (!info) rpc::throw_status(info.status());
@@ -333,6 +338,11 @@ std::chrono::milliseconds ActorService::busy_for() const {
   auto now = std::chrono::steady_clock::now().time_since_epoch();
   return std::chrono::duration_cast<std::chrono::milliseconds>(now -
                                                                std::chrono::nanoseconds(started));
+}
+
+ExpertLoad ActorService::expert_load() const {
+  const ModelRunner* runner = loaded_.load(std::memory_order_acquire);
+  return runner != nullptr ? runner->expert_load() : ExpertLoad{};
 }
 
 uint64_t ActorService::step_progress() const {

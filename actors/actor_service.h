@@ -64,6 +64,9 @@ class ActorService {
   // moves while a step's forward pass makes progress. Thread-safe (the heartbeat thread's
   // StepWatchdog samples it).
   uint64_t step_progress() const;
+  // The loaded model's expert routings (ModelRunner::expert_load; empty before a model loads
+  // and for a dense one). Thread-safe.
+  ExpertLoad expert_load() const;
   // Steps finished (handed back, or failed) since the start. Thread-safe.
   uint64_t steps_done() const { return steps_done_.load(std::memory_order_relaxed); }
 

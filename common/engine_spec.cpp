@@ -51,6 +51,16 @@ const char* collectives_name(Collectives collectives) {
   return "auto";
 }
 
+Expected<LoadFormat> parse_load_format(std::string_view text) {
+  if (text == "auto") return LoadFormat::kAuto;
+  if (text == "dummy") return LoadFormat::kDummy;
+  return invalid_argument("--load-format '" + std::string(text) + "' is not one of auto, dummy");
+}
+
+const char* load_format_name(LoadFormat format) {
+  return format == LoadFormat::kDummy ? "dummy" : "auto";
+}
+
 namespace {
 
 // A positive decimal of at most 9 digits, or nullopt.
@@ -110,6 +120,15 @@ Expected<std::vector<int64_t>> parse_layer_partition(std::string_view text) {
   return out;
 }
 
+ParallelConfig EngineSpec::shape() const {
+  ParallelConfig p;
+  p.tp_size = static_cast<int>(tp());
+  p.pp_size = static_cast<int>(pp());
+  p.layer_partition = pipeline_layer_partition;
+  p.expert_parallel = enable_expert_parallel;
+  return p;
+}
+
 int64_t EngineSpec::pp() const {
   if (pipeline_parallel_size) return pipeline_parallel_size->ranks;
   return pipeline_layer_partition.empty() ? 1
@@ -167,13 +186,6 @@ Status validate(const EngineSpec& s) {
         "got " +
         std::to_string(s.num_gpu_blocks_override));
   }
-  if (s.num_gpu_blocks_override > 0 && s.max_model_len > 0 &&
-      s.num_gpu_blocks_override * s.block_size < s.max_model_len) {
-    return invalid_argument(
-        "--num-gpu-blocks-override " + std::to_string(s.num_gpu_blocks_override) + " holds " +
-        std::to_string(s.num_gpu_blocks_override * s.block_size) +
-        " tokens, less than one sequence of --max-model-len " + std::to_string(s.max_model_len));
-  }
   return Status::ok();
 }
 
@@ -183,14 +195,7 @@ Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& co
                             " exceeds the model's max_position_embeddings (" +
                             std::to_string(config.max_position_embeddings) + ")");
   }
-  const int64_t len = requested > 0 ? requested : config.max_position_embeddings;
-  if (config.sliding_window && *config.sliding_window < len) {
-    return invalid_argument("this model uses sliding-window attention (window " +
-                            std::to_string(*config.sliding_window) +
-                            "), which is not implemented yet: use --max-model-len " +
-                            std::to_string(*config.sliding_window) + " or less");
-  }
-  return len;
+  return requested > 0 ? requested : config.max_position_embeddings;
 }
 
 int64_t resolve_max_num_batched_tokens(int64_t requested, int64_t tokens) {
@@ -202,6 +207,15 @@ Expected<EngineSpec> resolve_lengths(EngineSpec spec, const ModelConfig& config)
   TESSERA_ASSIGN_OR_RETURN(spec.max_model_len, resolve_max_model_len(spec.max_model_len, config));
   spec.max_num_batched_tokens =
       resolve_max_num_batched_tokens(spec.max_num_batched_tokens, spec.max_model_len);
+  // A capped cache must hold one whole sequence, unless every layer slides: then a sequence
+  // holds only its window's blocks (the engine's block manager frees the rest).
+  const int64_t cap = spec.num_gpu_blocks_override;
+  if (cap > 0 && config.kv_cache_window() == 0 && cap * spec.block_size < spec.max_model_len) {
+    return invalid_argument("--num-gpu-blocks-override " + std::to_string(cap) + " holds " +
+                            std::to_string(cap * spec.block_size) +
+                            " tokens, less than one sequence of --max-model-len " +
+                            std::to_string(spec.max_model_len));
+  }
   return spec;
 }
 
@@ -252,6 +266,7 @@ Expected<LoadSpec> load_spec_for_rank(EngineSpec engine, const ParallelConfig& p
                                                parallel.pp_size, layers, device));
   spec.parallel = parallel;
   spec.parallel.layer_partition = layers;
+  spec.parallel.expert_parallel = spec.engine.enable_expert_parallel;
   return spec;
 }
 

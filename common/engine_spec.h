@@ -27,6 +27,7 @@
 namespace tessera {
 
 struct ModelConfig;
+struct ParallelConfig;
 
 // --device: where the ranks run. A resolved spec holds kCuda or kCpu.
 enum class Device : uint8_t { kAuto, kCuda, kCpu };
@@ -39,6 +40,13 @@ const char* device_name(Device device);
 enum class Collectives : uint8_t { kAuto, kTcp, kNccl, kIpc };
 Expected<Collectives> parse_collectives(std::string_view text);
 const char* collectives_name(Collectives collectives);
+
+// --load-format (vLLM's): kAuto reads the checkpoint's safetensors; kDummy initialises every
+// weight randomly on the GPU from config.json alone (no tensor read from disk), to measure a
+// real shape that no disk here holds. Dummy runs unquantized on the CUDA backend.
+enum class LoadFormat : uint8_t { kAuto, kDummy };
+Expected<LoadFormat> parse_load_format(std::string_view text);  // "auto" | "dummy"
+const char* load_format_name(LoadFormat format);
 
 // -tp / -pp as given: a number of ranks, or auto (the planner picks the fewest that fit).
 struct ParallelSize {
@@ -72,12 +80,16 @@ struct EngineSpec {
   // --quantization; kAuto: the checkpoint's quantization_config. Resolved: kNone, kAwq, kGptq
   // or kFp8 (resolve_quantization with the checkpoint's gives the whole QuantConfig).
   QuantMethod quantization = QuantMethod::kAuto;
+  LoadFormat load_format = LoadFormat::kAuto;  // --load-format
 
   // ---- parallelism
   ParallelSize tensor_parallel_size;  // -tp, --tensor-parallel-size
   // -pp, --pipeline-parallel-size; unset: the partition's number of stages, or 1.
   std::optional<ParallelSize> pipeline_parallel_size;
   std::vector<int64_t> pipeline_layer_partition;  // layers per stage; empty = even
+  // --enable-expert-parallel: whole experts per tensor-parallel rank, tokens sent to them by
+  // all-to-all (ParallelConfig::expert_parallel); off: every expert split over the ranks.
+  bool enable_expert_parallel = false;
 
   // ---- memory and batching
   int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
@@ -109,6 +121,9 @@ struct EngineSpec {
   // The parallel sizes (resolved; as given otherwise, 0 for auto).
   int64_t tp() const { return tensor_parallel_size.ranks; }
   int64_t pp() const;
+  // The rank layout the spec asks for: tp() x pp(), the partition and expert parallelism, for
+  // rank (0, 0) (the sizes 0 where still auto). The one place a ParallelConfig is made from it.
+  ParallelConfig shape() const;
 
   friend bool operator==(const EngineSpec&, const EngineSpec&) = default;
 };
@@ -138,7 +153,7 @@ Status check_resolved(const EngineSpec& spec);
 DType run_dtype(const EngineSpec& spec);
 
 // The spec's --max-model-len for `config` (0 = max_position_embeddings), INVALID_ARGUMENT past
-// it or past a sliding window (not implemented: the window must hold the whole context); and its
+// it (a sliding window shorter than the context is fine: ModelConfig::attention_window); and its
 // step budget: `requested`, or when it is 0 the `tokens` a step should hold (the context
 // length), raised to kDefaultBatchedTokensFloor and capped at kDefaultBatchedTokensCeiling.
 Expected<int64_t> resolve_max_model_len(int64_t requested, const ModelConfig& config);

@@ -45,6 +45,47 @@ nlohmann::json run_json(const std::string& command, const std::string& model, co
           {"hostname", host}};
 }
 
+// The routings of a run (`after` less `before`, the counts at its start) as the bench JSON's
+// "expert_load": per MoE layer the tokens each expert took and the busiest expert's share
+// against the mean (1.0: perfectly even), and the same over the run per step. Null for a
+// dense model.
+nlohmann::json expert_load_json(const ExpertLoad& before, const ExpertLoad& after) {
+  if (after.empty() || after.num_experts <= 0) return nullptr;
+  const size_t E = static_cast<size_t>(after.num_experts);
+  const bool same = before.layers == after.layers && before.num_experts == after.num_experts;
+  const uint64_t steps = after.steps - (same ? before.steps : 0);
+  nlohmann::json layers = nlohmann::json::array();
+  double worst = 0, sum_ratio = 0, total = 0;
+  for (size_t l = 0; l < after.layers.size(); ++l) {
+    std::vector<uint64_t> tokens(E);
+    uint64_t all = 0, most = 0, least = UINT64_MAX;
+    for (size_t e = 0; e < E; ++e) {
+      tokens[e] = after.tokens[l * E + e] - (same ? before.tokens[l * E + e] : 0);
+      all += tokens[e];
+      most = std::max(most, tokens[e]);
+      least = std::min(least, tokens[e]);
+    }
+    const double mean = static_cast<double>(all) / static_cast<double>(E);
+    const double ratio = mean > 0 ? static_cast<double>(most) / mean : 0;
+    worst = std::max(worst, ratio);
+    sum_ratio += ratio;
+    total += static_cast<double>(all);
+    layers.push_back({{"layer", after.layers[l]},
+                      {"tokens_per_expert", tokens},
+                      {"max_over_mean", ratio},
+                      {"min_over_mean", mean > 0 ? static_cast<double>(least) / mean : 0}});
+  }
+  const double n_layers = static_cast<double>(after.layers.size());
+  return {
+      {"num_experts", after.num_experts},
+      {"steps", steps},
+      {"tokens_per_expert_per_step",
+       steps > 0 ? total / n_layers / static_cast<double>(E) / static_cast<double>(steps) : 0.0},
+      {"max_over_mean", worst},
+      {"mean_max_over_mean", sum_ratio / n_layers},
+      {"layers", layers}};
+}
+
 // `bench throughput`'s workload and rates, with one replica or many.
 nlohmann::json throughput_figures(const BenchThroughputOptions& o, size_t requests,
                                   size_t input_tokens, size_t output_tokens, double wall) {
@@ -655,6 +696,11 @@ Status run_throughput(const BenchThroughputOptions& o) {
   LlmEngine& engine = session->engine();
   size_t input_tokens = 0, output_tokens = 0, finished = 0, steps = 0;
   double gpu_s = 0, actor_s = 0, call_s = 0;
+  const bool moe = session->config().moe.enabled();
+  ExpertLoad load_before;
+  if (moe) {
+    TESSERA_ASSIGN_OR_RETURN(load_before, session->group().expert_load());
+  }
   const auto t0 = Clock::now();
   for (size_t i = 0; i < w.size(); ++i) {
     input_tokens += w[i].ids.size();
@@ -734,8 +780,23 @@ Status run_throughput(const BenchThroughputOptions& o) {
                                             : "driver's RPC/ring round trips",
                fixed(call_s, 2), "s", share(call_s)}},
              "lrlr");
+  nlohmann::json expert_load = nullptr;
+  if (moe) {
+    TESSERA_ASSIGN_OR_RETURN(ExpertLoad load_after, session->group().expert_load());
+    expert_load = expert_load_json(load_before, load_after);
+    if (!expert_load.is_null()) {
+      text.say(
+          "Expert balance: %.1f routings per expert per step; the busiest expert of a layer "
+          "took %.2fx the mean (%.2fx on average over the %zu MoE layers)\n",
+          expert_load["tokens_per_expert_per_step"].get<double>(),
+          expert_load["max_over_mean"].get<double>(),
+          expert_load["mean_max_over_mean"].get<double>(), expert_load["layers"].size());
+    }
+  }
   nlohmann::json j = run_json(o.command_line, o.engine.model, m);
   j.update(throughput_figures(o, w.size(), input_tokens, output_tokens, wall));
+  j["expert_load"] = expert_load;
+  j["enable_expert_parallel"] = o.engine.enable_expert_parallel;
   j.update({{"tensor_parallel_size", session->plan().plan.tp},
             {"pipeline_parallel_size", session->plan().plan.pp},
             {"kv_blocks", m.kv_blocks},
@@ -812,11 +873,20 @@ Expected<std::vector<BenchPrompt>> read_bench_dataset(const std::string& path, u
 int64_t matmul_parameters(const ModelConfig& c) {
   const int64_t H = c.hidden_size, I = c.intermediate_size;
   const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  int64_t layer = H * (q + 2 * kv) + q * H + 3 * H * I + 2 * H;
-  if (c.attention_bias) layer += q + 2 * kv;
-  if (c.o_proj_bias) layer += H;
-  if (c.qk_norm) layer += 2 * c.head_dim;
-  return c.num_layers * layer + H + c.vocab_size * H;
+  int64_t attention = H * (q + 2 * kv) + q * H + 2 * H;
+  if (c.attention_bias) attention += q + 2 * kv;
+  if (c.o_proj_bias) attention += H;
+  if (c.qk_norm) attention += 2 * c.head_dim;
+  // An MoE layer's token reads the router, its top_k experts and the shared expert with its
+  // gate: the active parameters, not all the experts the GPU holds.
+  const MoeConfig& m = c.moe;
+  const int64_t sparse = m.num_experts * H + m.top_k * 3 * H * m.expert_intermediate +
+                         (m.shared_intermediate > 0 ? 3 * H * m.shared_intermediate + H : 0);
+  int64_t total = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    total += attention + (m.enabled() && m.sparse_layer(l) ? sparse : 3 * H * I);
+  }
+  return total + H + c.vocab_size * H;
 }
 
 CLI::App* add_bench_subcommand(CLI::App& app) {

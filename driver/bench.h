@@ -149,8 +149,9 @@ class BenchOutput {
   FILE* text_;
 };
 
-// Parameters a forward pass multiplies by (all weights but the input embedding; a tied
-// lm_head counted once), from the config.
+// Parameters a forward pass multiplies one token by (all weights but the input embedding; a
+// tied lm_head counted once; an MoE layer's router, top_k experts and shared expert: the active
+// parameters), from the config.
 int64_t matmul_parameters(const ModelConfig& config);
 
 }  // namespace tessera

@@ -109,10 +109,7 @@ Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineSpec& 
       a.collectives == Collectives::kIpc && !a.tensor_parallel_size.is_auto() && a.pp() != 0) {
     // Too few free GPUs: with ipc collectives the ranks may share them.
     ClusterPlan shared;
-    ParallelConfig pc;
-    pc.tp_size = static_cast<int>(a.tp());
-    pc.pp_size = static_cast<int>(a.pp());
-    pc.layer_partition = a.pipeline_layer_partition;
+    ParallelConfig pc = a.shape();
     TESSERA_ASSIGN_OR_RETURN(DType dtype, resolve_dtype(a.dtype, config.torch_dtype, true));
     TESSERA_ASSIGN_OR_RETURN(QuantConfig quant, resolve_quantization(a.quantization, config.quant));
     TESSERA_ASSIGN_OR_RETURN(shared.plan, make_parallel_plan(config, pc, dtype, quant));
@@ -188,11 +185,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::open(const EngineArgs& arg
   TESSERA_RETURN_IF_ERROR(resolve_lengths(engine, s->config_).status());
   // A -tp / -pp that cannot split the model is refused before anything starts.
   if (!engine.tensor_parallel_size.is_auto() && engine.pp() != 0) {
-    ParallelConfig p;
-    p.tp_size = static_cast<int>(engine.tp());
-    p.pp_size = static_cast<int>(engine.pp());
-    p.layer_partition = engine.pipeline_layer_partition;
-    TESSERA_RETURN_IF_ERROR(LayerPlan::make(s->config_, p).status());
+    TESSERA_RETURN_IF_ERROR(LayerPlan::make(s->config_, engine.shape()).status());
   }
   s->loop_ = std::make_unique<EventLoop>();
   TESSERA_RETURN_IF_ERROR(s->connect());
@@ -240,10 +233,8 @@ Status ModelSession::place() {
         "stage is not at the first stage when the next step starts there; the plan has " +
         std::to_string(plan_.plan.pp) + " stages");
   }
-  ParallelConfig parallel;
-  parallel.tp_size = static_cast<int>(plan_.plan.tp);
-  parallel.pp_size = static_cast<int>(plan_.plan.pp);
-  parallel.layer_partition = plan_.plan.stage_layers;
+  // The resolved spec's sizes and partition are the plan's.
+  ParallelConfig parallel = plan_.engine.shape();
 
   WorkerGroupSpec spec;
   spec.owner = owner_;
@@ -307,6 +298,7 @@ void ModelSession::start_engine(bool detokenize) {
   ec.model = group_->model();
   ec.enable_prefix_caching = plan_.engine.enable_prefix_caching;
   ec.async_scheduling = plan_.engine.async_scheduling;
+  ec.kv_window = static_cast<uint32_t>(config_.kv_cache_window());
   for (int64_t id : config_.eos_token_ids) ec.eos_token_ids.push_back(static_cast<int32_t>(id));
   if (!detokenizer_) {
     if (detokenize) {

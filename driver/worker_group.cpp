@@ -537,6 +537,21 @@ Expected<WorkerGroup::Loaded> WorkerGroup::load_weights() {
   return out;
 }
 
+Expected<ExpertLoad> WorkerGroup::expert_load() {
+  std::vector<kj::Promise<ExpertLoad>> calls;
+  for (auto& rank : ranks_) {
+    calls.push_back(rank->handle->capability().expertLoadRequest().send().then(
+        [](auto&& r) { return from_proto(r.getLoad()); }));
+  }
+  auto loads = wait_all(loop_, std::move(calls), 60 * kj::SECONDS, "read the expert counts");
+  ExpertLoad all;
+  for (size_t r = 0; r < loads.size(); ++r) {
+    if (!loads[r]) return explain(loads[r].status().with_context(ranks_[r]->describe()));
+    TESSERA_RETURN_IF_ERROR(all.merge(*loads[r]));
+  }
+  return all;
+}
+
 // Caches: every rank allocates the same KV blocks, the fewest any rank fits. Leaves the group
 // ready: model_ (rank 0's view, with those blocks and every rank's weight bytes summed), the
 // loading bar finished, sampler_rank_ (the last stage's TP rank 0) and, for several ranks, the

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/expert_load.h"
 #include "common/load_spec.h"
 #include "common/status.h"
 #include "common/step.h"
@@ -83,6 +84,9 @@ class WorkerGroup final : public StepExecutor {
     uint32_t call_us = 0, actor_us = 0, gpu_us = 0;
   };
   const StepTimes& last_times() const { return last_times_; }
+  // The routings every rank counted in its MoE layers since it loaded, added up (empty for a
+  // dense model). Errors name the rank that did not answer.
+  Expected<ExpertLoad> expert_load();
   // Logits of the sampled rows of the last step, when loaded with return_logits.
   const std::vector<float>& last_logits() const { return last_logits_; }
 

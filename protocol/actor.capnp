@@ -44,6 +44,11 @@ interface Actor {
   execute @5 (step :S.StepInput) -> (output :S.StepOutput);
   # Runs one step (actors without a step ring).
 
+  expertLoad @7 () -> (load :S.ExpertLoad);
+  # The routings this rank counted in its mixture-of-experts layers since it loaded (empty for a
+  # dense model, and for the ranks that leave the counting to another): the driver adds the
+  # ranks' up for the bench's expert balance.
+
   loadProgress @6 () -> (bytesDone :UInt64, bytesTotal :UInt64);
   # While loadModel runs (on a thread of its own: this answers meanwhile) and after: the weight
   # bytes in place on the device and this rank's total (0 until known, and on the CPU backend,

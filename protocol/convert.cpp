@@ -215,6 +215,8 @@ void to_proto(const EngineSpec& in, proto::EngineSpec::Builder out) {
   out.setNumGpuBlocksOverride(in.num_gpu_blocks_override);
   out.setKvCacheDtype(static_cast<proto::EngineSpec::KvCacheDtype>(in.kv_cache_dtype));
   out.setEnforceEager(in.enforce_eager);
+  out.setLoadFormat(static_cast<proto::EngineSpec::LoadFormat>(in.load_format));
+  out.setEnableExpertParallel(in.enable_expert_parallel);
   out.setEnablePrefixCaching(in.enable_prefix_caching);
   out.setAsyncScheduling(in.async_scheduling);
   out.setCollectives(static_cast<proto::EngineSpec::Collectives>(in.collectives));
@@ -243,6 +245,8 @@ EngineSpec from_proto(proto::EngineSpec::Reader in) {
   s.num_gpu_blocks_override = in.getNumGpuBlocksOverride();
   s.kv_cache_dtype = static_cast<KvCacheDtype>(in.getKvCacheDtype());
   s.enforce_eager = in.getEnforceEager();
+  s.load_format = static_cast<LoadFormat>(in.getLoadFormat());
+  s.enable_expert_parallel = in.getEnableExpertParallel();
   s.enable_prefix_caching = in.getEnablePrefixCaching();
   s.async_scheduling = in.getAsyncScheduling();
   s.collectives = static_cast<Collectives>(in.getCollectives());
@@ -263,6 +267,7 @@ void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out) {
   p.setPpSize(in.parallel.pp_size);
   p.setTpRank(in.parallel.tp_rank);
   p.setPpRank(in.parallel.pp_rank);
+  p.setExpertParallel(in.parallel.expert_parallel);
   fill_list(in.parallel.layer_partition,
             p.initLayerPartition(static_cast<unsigned>(in.parallel.layer_partition.size())));
   auto c = out.initComm();
@@ -293,6 +298,7 @@ LoadSpec from_proto(proto::LoadSpec::Reader in) {
   s.parallel.pp_size = p.getPpSize();
   s.parallel.tp_rank = p.getTpRank();
   s.parallel.pp_rank = p.getPpRank();
+  s.parallel.expert_parallel = p.getExpertParallel();
   s.parallel.layer_partition = read_list<int64_t>(p.getLayerPartition());
   auto c = in.getComm();
   s.comm.backend = static_cast<CommBackend>(c.getBackend());
@@ -304,6 +310,22 @@ LoadSpec from_proto(proto::LoadSpec::Reader in) {
   s.step_ring = in.getStepRing().cStr();
   s.step_ring_reader = in.getStepRingReader();
   s.output_ring = in.getOutputRing().cStr();
+  return s;
+}
+
+void to_proto(const ExpertLoad& in, proto::ExpertLoad::Builder out) {
+  out.setNumExperts(in.num_experts);
+  fill_list(in.layers, out.initLayers(static_cast<unsigned>(in.layers.size())));
+  fill_list(in.tokens, out.initTokens(static_cast<unsigned>(in.tokens.size())));
+  out.setSteps(in.steps);
+}
+
+ExpertLoad from_proto(proto::ExpertLoad::Reader in) {
+  ExpertLoad s;
+  s.num_experts = in.getNumExperts();
+  s.layers = read_list<int64_t>(in.getLayers());
+  s.tokens = read_list<uint64_t>(in.getTokens());
+  s.steps = in.getSteps();
   return s;
 }
 

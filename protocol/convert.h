@@ -6,9 +6,10 @@
 #include <span>
 #include <vector>
 
+#include "common/expert_load.h"
 #include "common/load_spec.h"
-#include "common/status.h"
 #include "common/sampling_params.h"
+#include "common/status.h"
 #include "common/step.h"
 #include "protocol/step.capnp.h"
 
@@ -31,6 +32,8 @@ EngineSpec from_proto(proto::EngineSpec::Reader in);
 void to_proto(const LoadSpec& in, proto::LoadSpec::Builder out);
 LoadSpec from_proto(proto::LoadSpec::Reader in);
 
+void to_proto(const ExpertLoad& in, proto::ExpertLoad::Builder out);
+ExpertLoad from_proto(proto::ExpertLoad::Reader in);
 void to_proto(const ModelInfo& in, proto::ModelInfo::Builder out);
 ModelInfo from_proto(proto::ModelInfo::Reader in);
 

@@ -78,6 +78,7 @@ struct ParallelConfig {
   tpRank @2 :Int32;
   ppRank @3 :Int32;
   layerPartition @4 :List(Int64);
+  expertParallel @5 :Bool;
 }
 
 # common/load_spec.h's CommSpec. The ranks join within the EngineSpec's ncclInitTimeoutS.
@@ -97,6 +98,7 @@ struct EngineSpec {
   enum Collectives { auto @0; tcp @1; nccl @2; ipc @3; }
   enum KvCacheDtype { auto @0; fp8E4m3 @1; }
   enum Quantization { auto @0; none @1; awq @2; gptq @3; fp8 @4; }  # QuantMethod
+  enum LoadFormat { auto @0; dummy @1; }
   model @0 :Text;
   dtype @1 :Text;
   device @2 :Device;
@@ -119,6 +121,8 @@ struct EngineSpec {
   resolved @19 :Bool;
   quantization @20 :Quantization;
   numGpuBlocksOverride @21 :Int64;          # 0 = what the memory holds
+  enableExpertParallel @22 :Bool;
+  loadFormat @23 :LoadFormat;
 }
 
 struct LoadSpec {
@@ -130,6 +134,14 @@ struct LoadSpec {
   stepRing @5 :Text;
   stepRingReader @6 :UInt32;
   outputRing @7 :Text;
+}
+
+# common/expert_load.h's ExpertLoad.
+struct ExpertLoad {
+  numExperts @0 :Int64;
+  layers @1 :List(Int64);
+  tokens @2 :List(UInt64);   # [layers x numExperts]
+  steps @3 :UInt64;
 }
 
 struct ModelInfo {

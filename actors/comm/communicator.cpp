@@ -1,5 +1,7 @@
 #include "actors/comm/communicator.h"
 
+#include <string>
+
 namespace tessera::comm {
 
 std::string describe_peer(const RankInfo& peer) {
@@ -11,6 +13,27 @@ std::string describe_peer(const RankInfo& peer) {
   std::string out = "rank " + std::to_string(peer.rank);
   if (!details.empty()) out += " (" + details + ")";
   return out;
+}
+
+Status check_all_to_all(int size, const void* in, std::span<const int64_t> send_bytes,
+                        const void* out, std::span<const int64_t> recv_bytes) {
+  if (static_cast<int>(send_bytes.size()) != size || static_cast<int>(recv_bytes.size()) != size) {
+    return invalid_argument("all_to_all: " + std::to_string(send_bytes.size()) + " send and " +
+                            std::to_string(recv_bytes.size()) + " receive sizes for a group of " +
+                            std::to_string(size));
+  }
+  int64_t sent = 0, received = 0;
+  for (int r = 0; r < size; ++r) {
+    if (send_bytes[r] < 0 || recv_bytes[r] < 0) {
+      return invalid_argument("all_to_all: a negative size for rank " + std::to_string(r));
+    }
+    sent += send_bytes[r];
+    received += recv_bytes[r];
+  }
+  if ((sent > 0 && in == nullptr) || (received > 0 && out == nullptr)) {
+    return invalid_argument("all_to_all: a null buffer");
+  }
+  return Status::ok();
 }
 
 namespace {
@@ -35,6 +58,10 @@ class BySize final : public Communicator {
     const uint64_t bytes =
         static_cast<uint64_t>(count) * dtype_size(dtype) * static_cast<uint64_t>(size());
     return (bytes <= small_max_ ? small_ : large_)->all_gather(in, count, dtype, out, stream);
+  }
+  Status all_to_all(const void* in, std::span<const int64_t> send_bytes, void* out,
+                    std::span<const int64_t> recv_bytes, void* stream) override {
+    return large_->all_to_all(in, send_bytes, out, recv_bytes, stream);
   }
   Status send(const void* data, int64_t bytes, int peer, void* stream) override {
     return large_->send(data, bytes, peer, stream);

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,16 @@ class Communicator {
   virtual Status all_gather(const void* in, int64_t count, DType dtype, void* out,
                             void* stream) = 0;
 
+  // Personalized exchange (expert parallelism's token dispatch and combine): `in` holds one
+  // segment per rank in rank order, send_bytes[r] bytes for rank r; `out` receives one segment
+  // from every rank in rank order, recv_bytes[r] bytes from rank r (this rank's own segment is
+  // copied). Every rank must pass recv_bytes[r] == rank r's send_bytes[this rank] (exchange the
+  // counts first with a fixed-size all_to_all when they vary); a mismatch is an error naming
+  // the peer where the implementation can see it (tcp), not silent corruption. Both spans have
+  // size() entries; `in` and `out` must not overlap.
+  virtual Status all_to_all(const void* in, std::span<const int64_t> send_bytes, void* out,
+                            std::span<const int64_t> recv_bytes, void* stream) = 0;
+
   // Point to point, matched in order per (sender, receiver) pair: a send of `bytes` bytes to
   // `peer` pairs with that peer's recv of `bytes` bytes from this rank.
   virtual Status send(const void* data, int64_t bytes, int peer, void* stream) = 0;
@@ -56,6 +67,11 @@ class Communicator {
   // "rank 1 (a-3f2e on node n-77ab, 10.0.0.2:41022)": what errors say about a peer.
   virtual std::string describe(int peer) const = 0;
 };
+
+// The checks every all_to_all makes of its arguments: `size` entries in each span, none
+// negative, buffers present where bytes move. INVALID_ARGUMENT naming the bad entry.
+Status check_all_to_all(int size, const void* in, std::span<const int64_t> send_bytes,
+                        const void* out, std::span<const int64_t> recv_bytes);
 
 // "rank 1 (a-3f2e, GPU 0 on node n-77ab, 10.0.0.2:41022)": a peer (its rank in the group) for
 // error messages.

@@ -71,6 +71,13 @@ Status IpcCommunicator::send(const void*, int64_t, int, void*) {
       "nccl");
 }
 
+Status IpcCommunicator::all_to_all(const void*, std::span<const int64_t>, void*,
+                                   std::span<const int64_t>, void*) {
+  return failed_precondition(
+      "the ipc collectives carry no all-to-all: expert parallelism needs --collectives nccl "
+      "(ranks on separate GPUs)");
+}
+
 Status IpcCommunicator::recv(void* data, int64_t bytes, int peer, void* stream) {
   return send(data, bytes, peer, stream);
 }

@@ -80,6 +80,41 @@ class NcclCommunicator final : public Communicator {
                                static_cast<cudaStream_t>(stream)),
                  "all-gather");
   }
+  // Grouped sends and receives (NCCL's all-to-all recipe); this rank's segment by a copy.
+  Status all_to_all(const void* in, std::span<const int64_t> send_bytes, void* out,
+                    std::span<const int64_t> recv_bytes, void* stream) override {
+    TESSERA_RETURN_IF_ERROR(check_all_to_all(size(), in, send_bytes, out, recv_bytes));
+    auto st = static_cast<cudaStream_t>(stream);
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    ncclResult_t r = ncclGroupStart();
+    for (int p = 0; p < size() && r == ncclSuccess; ++p) {
+      if (p == rank_) {
+        if (send_bytes[p] != recv_bytes[p]) {
+          ncclGroupEnd();
+          return invalid_argument("all_to_all: this rank sends itself " +
+                                  std::to_string(send_bytes[p]) + " bytes but expects " +
+                                  std::to_string(recv_bytes[p]));
+        }
+        if (send_bytes[p] > 0 && cudaMemcpyAsync(dst, src, static_cast<size_t>(send_bytes[p]),
+                                                 cudaMemcpyDeviceToDevice, st) != cudaSuccess) {
+          ncclGroupEnd();
+          return internal_error("all_to_all: copying this rank's own segment failed");
+        }
+      } else {
+        if (send_bytes[p] > 0) {
+          r = ncclSend(src, static_cast<size_t>(send_bytes[p]), ncclUint8, p, comm_, st);
+        }
+        if (r == ncclSuccess && recv_bytes[p] > 0) {
+          r = ncclRecv(dst, static_cast<size_t>(recv_bytes[p]), ncclUint8, p, comm_, st);
+        }
+      }
+      src += send_bytes[p];
+      dst += recv_bytes[p];
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    return check(r != ncclSuccess ? r : end, "all-to-all");
+  }
   Status send(const void* data, int64_t bytes, int peer, void* stream) override {
     return check(ncclSend(data, static_cast<size_t>(bytes), ncclUint8, peer, comm_,
                           static_cast<cudaStream_t>(stream)),

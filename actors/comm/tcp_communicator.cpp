@@ -28,6 +28,7 @@ enum class FrameKind : uint8_t {
   kGatherSums = 4,     // two-phase, second: the sender's summed slice
   kAllGather = 5,
   kBarrier = 6,
+  kAllToAll = 7,
 };
 
 const char* kind_name(uint8_t kind) {
@@ -44,6 +45,8 @@ const char* kind_name(uint8_t kind) {
       return "all_gather";
     case FrameKind::kBarrier:
       return "barrier";
+    case FrameKind::kAllToAll:
+      return "all_to_all";
   }
   return "unknown frame";
 }
@@ -462,6 +465,41 @@ Status TcpCommunicator::all_gather(const void* in, int64_t count, DType dtype, v
   char* own = dst + bytes * static_cast<uint64_t>(rank_);
   if (own != in) std::memmove(own, in, bytes);
   return Status::ok();
+}
+
+Status TcpCommunicator::all_to_all(const void* in, std::span<const int64_t> send_bytes, void* out,
+                                   std::span<const int64_t> recv_bytes, void*) {
+  TESSERA_RETURN_IF_ERROR(check_usable());
+  TESSERA_RETURN_IF_ERROR(check_all_to_all(size(), in, send_bytes, out, recv_bytes));
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  std::vector<Transfer> transfers;
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_) {
+      if (send_bytes[p] != recv_bytes[p]) {
+        return invalid_argument("all_to_all: this rank sends itself " +
+                                std::to_string(send_bytes[p]) + " bytes but expects " +
+                                std::to_string(recv_bytes[p]));
+      }
+      if (send_bytes[p] > 0) std::memcpy(dst, src, static_cast<size_t>(send_bytes[p]));
+    } else {
+      transfers.push_back({.peer = p,
+                           .is_send = true,
+                           .kind = FrameKind::kAllToAll,
+                           .dtype = 0,
+                           .data = const_cast<char*>(src),
+                           .bytes = static_cast<uint64_t>(send_bytes[p])});
+      transfers.push_back({.peer = p,
+                           .is_send = false,
+                           .kind = FrameKind::kAllToAll,
+                           .dtype = 0,
+                           .data = dst,
+                           .bytes = static_cast<uint64_t>(recv_bytes[p])});
+    }
+    src += send_bytes[p];
+    dst += recv_bytes[p];
+  }
+  return exchange(transfers, "all_to_all");
 }
 
 Status TcpCommunicator::send(const void* data, int64_t bytes, int peer, void*) {

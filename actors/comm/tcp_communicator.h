@@ -103,6 +103,9 @@ class TcpCommunicator final : public Communicator {
   Status all_reduce_sum(void* data, int64_t count, DType dtype, void* stream) override;
   // `in` may alias its own slot of `out`.
   Status all_gather(const void* in, int64_t count, DType dtype, void* out, void* stream) override;
+  // Every segment is a frame (an empty one too), so sizes that do not pair up are reported.
+  Status all_to_all(const void* in, std::span<const int64_t> send_bytes, void* out,
+                    std::span<const int64_t> recv_bytes, void* stream) override;
   Status send(const void* data, int64_t bytes, int peer, void* stream) override;
   Status recv(void* data, int64_t bytes, int peer, void* stream) override;
   Status barrier() override;

@@ -10,6 +10,7 @@
 
 #include "actors/comm/communicator.h"
 #include "actors/model/requests.h"
+#include "common/expert_load.h"
 #include "common/load_spec.h"
 #include "common/sampling_params.h"
 #include "common/status.h"
@@ -59,6 +60,9 @@ class Backend {
   // under a second apart. Any thread. A backend that does not count (0 always, as the cuda
   // backend, whose steps are short) has its steps judged by their length alone.
   virtual uint64_t progress() const { return 0; }
+  // The routings this rank counted in its MoE layers since it loaded (empty for a dense model,
+  // or a rank that leaves the counting to another). Any thread.
+  virtual ExpertLoad expert_load() const { return {}; }
 };
 
 }  // namespace tessera

@@ -2,11 +2,13 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "actors/model/layer_loop.h"
+#include "actors/model/moe_dispatch.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/linear.h"
@@ -14,6 +16,31 @@
 #include "kernels/cpu/rms_norm.h"
 
 namespace tessera {
+
+namespace {
+
+// The RoPE of `config`'s global layers, or (local) of Gemma 3's sliding layers: rope_local_theta,
+// no scaling.
+cpu::RopeSpec rope_spec(const ModelConfig& config, bool local) {
+  cpu::RopeSpec spec;
+  spec.head_dim = config.head_dim;
+  spec.rotary_dim = config.rotary_dim;
+  spec.theta = local ? config.rope_local_theta : config.rope_theta;
+  if (local) return spec;
+  const RopeScaling& r = config.rope_scaling;
+  if (r.type == "llama3") {
+    spec.llama3 = cpu::Llama3RopeScaling{r.factor, r.low_freq_factor, r.high_freq_factor,
+                                         r.original_max_position_embeddings};
+  } else if (r.type == "linear") {
+    spec.linear_factor = r.factor;
+  } else if (r.type == "longrope") {
+    spec.longrope = cpu::LongRopeScaling{r.short_factor, r.long_factor,
+                                         r.original_max_position_embeddings, r.attention_factor};
+  }
+  return spec;
+}
+
+}  // namespace
 
 CpuModel::CpuModel(const ModelConfig& config, LayerPlan plan, ModelWeights weights,
                    StageComms comms, const EngineSpec& engine, int threads)
@@ -31,16 +58,15 @@ Expected<std::unique_ptr<CpuModel>> CpuModel::create(const ModelConfig& config, 
   std::unique_ptr<CpuModel> m(
       new CpuModel(config, std::move(plan), std::move(weights), comms, engine, threads));
   m->fit_blocks_ = kv_blocks;
-  std::optional<cpu::Llama3RopeScaling> scaling;
-  if (config.rope_scaling.type == "llama3") {
-    scaling = cpu::Llama3RopeScaling{
-        config.rope_scaling.factor, config.rope_scaling.low_freq_factor,
-        config.rope_scaling.high_freq_factor, config.rope_scaling.original_max_position_embeddings};
+  TESSERA_ASSIGN_OR_RETURN(auto rope,
+                           cpu::RopeTable::create(rope_spec(config, false), engine.max_model_len));
+  m->rope_ = std::make_unique<cpu::RopeTable>(std::move(rope));
+  if (config.rope_local_theta > 0) {
+    TESSERA_ASSIGN_OR_RETURN(auto local,
+                             cpu::RopeTable::create(rope_spec(config, true), engine.max_model_len));
+    m->rope_local_ = std::make_unique<cpu::RopeTable>(std::move(local));
   }
-  auto rope =
-      cpu::RopeTable::create(config.head_dim, config.rope_theta, engine.max_model_len, scaling);
-  if (!rope) return rope.status();
-  m->rope_ = std::make_unique<cpu::RopeTable>(std::move(*rope));
+  fold_norm_unit_offset(config, &m->weights_);
   TESSERA_ASSIGN_OR_RETURN(m->quant_, resolve_quantization(engine.quantization, config.quant));
   if (config.moe.enabled() && m->quant_.method != QuantMethod::kNone) {
     return invalid_argument("--quantization " + m->quant_.describe() +
@@ -59,10 +85,39 @@ void CpuModel::bind_moe() {
     cpu::MoeLayer& m = moe_[i];
     m.router = l.router;
     for (const LayerWeights::Expert& e : l.experts) m.experts.push_back({e.gate, e.up, e.down});
+    m.expert_begin = plan_.expert_begin;
     m.top_k = config_.moe.top_k;
     m.renormalize = config_.moe.norm_topk_prob;
     m.shared = {l.shared.gate, l.shared.up, l.shared.down};
     m.shared_gate = l.shared_expert_gate;
+  }
+  // The routings are counted once: by every rank under expert parallelism (each routes its share
+  // of the tokens), by tp rank 0 otherwise (every rank routes every token alike).
+  if (plan_.parallel.expert_parallel || plan_.parallel.tp_rank == 0) {
+    for (size_t i = 0; i < moe_.size(); ++i) {
+      if (moe_[i].router.data == nullptr) continue;
+      load_.num_experts = config_.moe.num_experts;
+      load_.layers.push_back(plan_.layer_begin + static_cast<int64_t>(i));
+    }
+    load_.tokens.assign(load_.layers.size() * static_cast<size_t>(load_.num_experts), 0);
+  }
+}
+
+ExpertLoad CpuModel::expert_load() const {
+  std::lock_guard<std::mutex> lock(load_mu_);
+  return load_;
+}
+
+void CpuModel::count_routings(int64_t layer, const std::vector<int64_t>& routed) {
+  if (load_.empty() || routed.empty()) return;
+  std::lock_guard<std::mutex> lock(load_mu_);
+  const auto at =
+      std::lower_bound(load_.layers.begin(), load_.layers.end(), plan_.layer_begin + layer);
+  if (at == load_.layers.end()) return;
+  const size_t row = static_cast<size_t>(at - load_.layers.begin());
+  const size_t E = static_cast<size_t>(load_.num_experts);
+  for (size_t e = 0; e < E && e < routed.size(); ++e) {
+    load_.tokens[row * E + e] += static_cast<uint64_t>(routed[e]);
   }
 }
 
@@ -183,6 +238,17 @@ class CpuModel::Step {
   // ---- the operations of layer_loop.h ----
 
   Status embed() {
+    TESSERA_RETURN_IF_ERROR(lookup());
+    // Gemma: times sqrt(hidden_size) in the model's dtype (fp32 here), as its normalizer.
+    const float scale = static_cast<float>(m_.config_.embed_scale);
+    if (scale != 1.0f) {
+      for (float& x : residual_) x *= scale;
+    }
+    return Status::ok();
+  }
+
+  // embed()'s lookup: residual = this rank's embedding rows of the step's ids.
+  Status lookup() {
     const LayerPlan& p = m_.plan_;
     if (p.parallel.tp_size == 1) return cpu::embedding(m_.ctx_, m_.weights_.embed, ids_, residual_);
     // Vocabulary-parallel: this rank looks up the ids in its rows; the others stay zero and the
@@ -221,6 +287,7 @@ class CpuModel::Step {
   }
 
   Status add_residual() {
+    TESSERA_RETURN_IF_ERROR(post_ff_norm(m_.plan_.num_layers() - 1));
     for (size_t i = 0; i < residual_.size(); ++i) residual_[i] += proj_[i];
     return Status::ok();
   }
@@ -229,6 +296,7 @@ class CpuModel::Step {
     const LayerWeights& w = layer(i);
     const double eps = m_.config_.rms_norm_eps;
     if (!add) return cpu::rms_norm(m_.ctx_, residual_, w.input_norm, eps, hidden_);
+    TESSERA_RETURN_IF_ERROR(post_ff_norm(i - 1));
     return cpu::add_rms_norm(m_.ctx_, proj_, residual_, w.input_norm, eps, hidden_);
   }
 
@@ -247,13 +315,15 @@ class CpuModel::Step {
       TESSERA_RETURN_IF_ERROR(cpu::rms_norm_per_head(m_.ctx_, q_, w.q_norm, eps));
       TESSERA_RETURN_IF_ERROR(cpu::rms_norm_per_head(m_.ctx_, k_, w.k_norm, eps));
     }
-    TESSERA_RETURN_IF_ERROR(cpu::apply_rope(m_.ctx_, *m_.rope_, positions_, q_, k_));
+    const bool local = m_.rope_local_ && m_.config_.local_rope(m_.plan_.layer_begin + i);
+    TESSERA_RETURN_IF_ERROR(
+        cpu::apply_rope(m_.ctx_, local ? *m_.rope_local_ : *m_.rope_, positions_, q_, k_));
     return m_.cache_->write(i, k_, v_, slots_);
   }
 
   Status attention(int64_t i) {
-    const float scale = 1.0f / std::sqrt(static_cast<float>(m_.config_.head_dim));
-    return cpu::paged_attention(m_.ctx_, *m_.cache_, i, q_, attn_, scale, attn_out_);
+    const AttentionScoring scoring = m_.config_.attention_scoring(m_.plan_.layer_begin + i);
+    return cpu::paged_attention(m_.ctx_, *m_.cache_, i, q_, attn_, scoring, attn_out_);
   }
 
   Status o_proj(int64_t i) {
@@ -262,24 +332,53 @@ class CpuModel::Step {
   }
 
   Status post_norm(int64_t i) {
-    return cpu::add_rms_norm(m_.ctx_, proj_, residual_, layer(i).post_norm, m_.config_.rms_norm_eps,
-                             hidden_);
+    const double eps = m_.config_.rms_norm_eps;
+    if (!m_.config_.sandwich_norms) {
+      return cpu::add_rms_norm(m_.ctx_, proj_, residual_, layer(i).post_norm, eps, hidden_);
+    }
+    // Gemma: the attention output is normalised before the residual add; the MLP reads
+    // pre_feedforward_layernorm.
+    TESSERA_RETURN_IF_ERROR(cpu::rms_norm(m_.ctx_, proj_, layer(i).post_norm, eps, proj_));
+    return cpu::add_rms_norm(m_.ctx_, proj_, residual_, layer(i).pre_ff_norm, eps, hidden_);
+  }
+
+  // Gemma: layer i's MLP output (proj, all-reduced) through post_feedforward_layernorm before
+  // it joins the residual stream; nothing for other models.
+  Status post_ff_norm(int64_t i) {
+    if (!m_.config_.sandwich_norms) return Status::ok();
+    return cpu::rms_norm(m_.ctx_, proj_, layer(i).post_ff_norm, m_.config_.rms_norm_eps, proj_);
   }
 
   Status mlp(int64_t i) {
     const cpu::MoeLayer& moe = m_.moe_[static_cast<size_t>(i)];
-    if (moe.router.data != nullptr) return cpu::moe(m_.ctx_, moe, hidden_, proj_);
+    if (moe.router.data != nullptr) {
+      std::vector<int64_t> routed;
+      std::vector<int64_t>* count = m_.load_.empty() ? nullptr : &routed;
+      if (m_.plan_.parallel.expert_parallel && m_.comms_.tp != nullptr) {
+        TESSERA_RETURN_IF_ERROR(moe_expert_parallel(m_.ctx_, moe, m_.config_.moe.num_experts,
+                                                    *m_.comms_.tp, hidden_, proj_, count));
+      } else {
+        TESSERA_RETURN_IF_ERROR(cpu::moe(m_.ctx_, moe, hidden_, proj_, count));
+      }
+      m_.count_routings(i, routed);
+      return Status::ok();
+    }
     const LayerWeights& w = layer(i);
     const float in = shared_input_scale({&w.gate_proj, &w.up_proj});
     TESSERA_RETURN_IF_ERROR(linear(hidden_, w.gate_proj, in, nullptr, gate_));
     TESSERA_RETURN_IF_ERROR(linear(hidden_, w.up_proj, in, nullptr, up_));
-    TESSERA_RETURN_IF_ERROR(cpu::silu_mul(m_.ctx_, gate_, up_, act_));
+    if (m_.config_.activation == MlpActivation::kGeluTanh) {
+      TESSERA_RETURN_IF_ERROR(cpu::gelu_tanh_mul(m_.ctx_, gate_, up_, act_));
+    } else {
+      TESSERA_RETURN_IF_ERROR(cpu::silu_mul(m_.ctx_, gate_, up_, act_));
+    }
     return linear(act_, w.down_proj, shared_input_scale({&w.down_proj}), nullptr, proj_);
   }
 
   Status logits() {
     const ModelConfig& c = m_.config_;
     const LayerPlan& p = m_.plan_;
+    TESSERA_RETURN_IF_ERROR(post_ff_norm(p.num_layers() - 1));
     TESSERA_RETURN_IF_ERROR(cpu::add_rms_norm(m_.ctx_, proj_, residual_, m_.weights_.final_norm,
                                               c.rms_norm_eps, hidden_));
     // Only the rows whose next token is sampled go through lm_head.
@@ -294,6 +393,11 @@ class CpuModel::Step {
     if (p.vocab_rows > 0) {
       std::vector<float> mine(R * p.vocab_rows);
       TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, rows, m_.weights_.lm_head, nullptr, mine));
+      if (c.final_logit_softcapping > 0) {
+        // Gemma's final soft-cap, as transformers: logits / cap, tanh, * cap (fp32).
+        const float cap = static_cast<float>(c.final_logit_softcapping);
+        for (float& x : mine) x = std::tanh(x / cap) * cap;
+      }
       for (int64_t r = 0; r < R; ++r) {
         std::copy_n(mine.begin() + r * p.vocab_rows, p.vocab_rows, shard.begin() + r * Vs);
       }
@@ -356,6 +460,10 @@ Expected<std::vector<float>> CpuModel::forward(std::span<const ForwardSeq> batch
   Step step(*this, batch);
   TESSERA_RETURN_IF_ERROR(step.prepare());
   TESSERA_RETURN_IF_ERROR(run_stage(step, plan_));
+  if (!load_.empty()) {
+    std::lock_guard<std::mutex> lock(load_mu_);
+    ++load_.steps;
+  }
   return step.take_logits();
 }
 

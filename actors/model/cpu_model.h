@@ -8,6 +8,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -46,6 +47,9 @@ class CpuModel final : public Backend {
   void forget(uint64_t request_id) override { samplers_.erase(request_id); }
   ModelInfo info() const override;
   uint64_t progress() const override { return ctx_.ticks(); }
+  // Tensor-parallel MoE: tp rank 0 counts (every rank routes every token alike); expert
+  // parallel: each rank its share of the tokens.
+  ExpertLoad expert_load() const override;
 
   const ModelConfig& config() const { return config_; }
   const LayerPlan& plan() const { return plan_; }
@@ -75,10 +79,15 @@ class CpuModel final : public Backend {
   cpu::CpuContext ctx_;
   std::unique_ptr<cpu::PagedKvCache> cache_;
   std::unique_ptr<cpu::RopeTable> rope_;
+  std::unique_ptr<cpu::RopeTable> rope_local_;  // Gemma 3's local layers' (null: rope_ for all)
   int64_t fit_blocks_ = 0;
   EngineSpec engine_;                          // resolved
   QuantConfig quant_;                          // the linear layers' (resolved with engine_)
   std::vector<cpu::MoeLayer> moe_;             // per stage layer; router.data null: dense
+  // Adds one MoE layer's routings (stage layer `layer`) to load_.
+  void count_routings(int64_t layer, const std::vector<int64_t>& routed);
+  mutable std::mutex load_mu_;                 // expert_load() reads while steps count
+  ExpertLoad load_;                            // this rank's MoE layers' routings
   std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
   std::vector<int32_t> last_tokens_;           // sampled by the last launch (async scheduling)
   std::deque<Launch> launched_;                // not collected yet, oldest first

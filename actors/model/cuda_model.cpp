@@ -11,6 +11,7 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/moe.h"
 
 namespace tessera {
 
@@ -114,6 +115,14 @@ int64_t qkv_rows(const ModelConfig& c, const LayerPlan& p) {
   return (p.heads + 2 * p.kv_heads) * c.head_dim;
 }
 
+// The MoE layers' scratch for steps of `tokens` (kernels/cuda/moe.h), 0 for a dense model.
+uint64_t moe_workspace_bytes(const ModelConfig& c, const LayerPlan& p, DType dtype,
+                             int64_t tokens) {
+  if (!c.moe.enabled()) return 0;
+  return cuda::moe_workspace_bytes(dtype, tokens, c.moe.num_experts, c.moe.top_k, p.experts,
+                                   c.hidden_size, p.moe_intermediate, p.shared_intermediate);
+}
+
 }  // namespace
 
 Status CudaModel::allocate_buffers() {
@@ -170,6 +179,9 @@ Status CudaModel::allocate_buffers() {
     const int64_t widest = std::max({c.hidden_size, q_dim, p.intermediate});
     TESSERA_RETURN_IF_ERROR(alloc(fp8_act_, T * widest, "FP8 layer inputs"));
     TESSERA_RETURN_IF_ERROR(alloc(fp8_scales_, T * sizeof(float), "FP8 row scales"));
+  }
+  if (const uint64_t moe = moe_workspace_bytes(c, p, dtype_, T); moe > 0) {
+    TESSERA_RETURN_IF_ERROR(alloc(moe_workspace_, moe, "mixture-of-experts workspace"));
   }
   MetaLayout m = MetaLayout::make(T, S, max_blocks_per_seq_);
   TESSERA_RETURN_IF_ERROR(alloc(meta_, m.bytes, "step metadata"));
@@ -412,7 +424,6 @@ class CudaModel::Ops {
     a_.num_heads = static_cast<int>(p.heads);
     a_.num_kv_heads = static_cast<int>(p.kv_heads);
     a_.head_dim = static_cast<int>(c.head_dim);
-    a_.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
     a_.num_splits = plan.num_splits;
     a_.split_size = plan.split_size;
     a_.workspace = plan.num_splits > 1 ? m.attn_workspace_.get() : nullptr;
@@ -495,6 +506,7 @@ class CudaModel::Ops {
   }
 
   Status attention(int64_t i) {
+    a_.scoring = m_.config_.attention_scoring(m_.plan_.layer_begin + i);  // global layer index
     a_.k_cache = m_.k_cache_[i];
     a_.v_cache = m_.v_cache_[i];
     return cuda::paged_attention(a_, st_);
@@ -523,6 +535,7 @@ class CudaModel::Ops {
 
   Status mlp(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
+    if (w.moe()) return moe(w);
     const int64_t I = m_.plan_.intermediate;
     TESSERA_RETURN_IF_ERROR(
         linear(w.gate_up, T_, 2 * I, H_, m_.hidden_.get(), nullptr, m_.gate_up_.get()));
@@ -533,6 +546,35 @@ class CudaModel::Ops {
       TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
     }
     return linear(w.down, T_, H_, I, m_.act_.get(), nullptr, m_.proj_.get());
+  }
+
+  // proj = the MoE block of hidden (kernels/cuda/moe.h): this rank's partial sum, all-reduced
+  // by the layer loop as the dense MLP's is.
+  Status moe(const CudaLayer& w) {
+    const LayerPlan& p = m_.plan_;
+    const MoeConfig& moe = m_.config_.moe;
+    cuda::MoeArgs a;
+    a.dtype = dt_;
+    a.tokens = T_;
+    a.num_experts = moe.num_experts;
+    a.top_k = moe.top_k;
+    a.renormalize = moe.norm_topk_prob;
+    a.x = m_.hidden_.get();
+    a.router = w.router;
+    a.experts.gate_up = w.experts_gate_up;
+    a.experts.down = w.experts_down;
+    a.experts.expert_begin = p.expert_begin;
+    a.experts.local_experts = p.experts;
+    a.experts.hidden = H_;
+    a.experts.inter = p.moe_intermediate;
+    a.shared_gate_up = w.shared_gate_up;
+    a.shared_down = w.shared_down;
+    a.shared_expert_gate = w.shared_expert_gate;
+    a.shared_inter = p.shared_intermediate;
+    a.workspace = m_.moe_workspace_.get();
+    a.workspace_bytes = m_.moe_workspace_.bytes();
+    a.out = m_.proj_.get();
+    return cuda::moe_forward(a, *m_.gemm_, st_);
   }
 
   Status logits() {
@@ -805,6 +847,22 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
     return invalid_argument("hidden_size " + std::to_string(config.hidden_size) +
                             " is above the CUDA backend's FP8 norm's 32768: use --device cpu");
   }
+  if (config.moe.enabled() && quant.method != QuantMethod::kNone) {
+    return failed_precondition(std::string(architecture_name(config.arch)) +
+                               ": the CUDA backend runs mixture-of-experts models unquantized "
+                               "for now (" +
+                               quant.describe() + " asked): use a bf16/fp16 checkpoint");
+  }
+  if (config.moe.enabled() &&
+      (config.hidden_size % 8 != 0 || plan.moe_intermediate % 8 != 0 || plan.experts > 4096 ||
+       config.moe.num_experts > 4096 || config.moe.top_k > 32)) {
+    // kernels/cuda/moe.h's bounds: 16-byte rows, the router's and the combine's shared memory.
+    return invalid_argument(
+        "the CUDA backend's MoE kernels need hidden_size (" + std::to_string(config.hidden_size) +
+        ") and each expert's width on a rank (moe_intermediate_size / -tp = " +
+        std::to_string(plan.moe_intermediate) + ") multiples of 8, at most 4096 experts and " +
+        "num_experts_per_tok <= 32: use --device cpu or another -tp");
+  }
   const DType dtype = run_dtype(engine);
   if (!cuda::is_half_type(dtype)) {
     return invalid_argument("the CUDA backend runs in bfloat16 or float16, not " +
@@ -856,7 +914,9 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
                                 4) +
                   cuda::Fp8Gemm::kMaxDeviceBytes
             : 0;
-    const uint64_t activations = m->max_tokens_ * per_token + logits + w4 + fp8_ws + 64 * kMiB;
+    const uint64_t activations = m->max_tokens_ * per_token + logits + w4 + fp8_ws +
+                                 moe_workspace_bytes(config, plan, dtype, m->max_tokens_) +
+                                 64 * kMiB;
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *
                             m->kv_block_bytes_per_layer();
     // While the weights load, a checkpoint in another dtype crosses through device staging,

@@ -139,6 +139,7 @@ class CudaModel {
   // [max_tokens] fp32 row scales. Null / empty without FP8 layers.
   std::unique_ptr<cuda::Fp8Gemm> fp8_gemm_;
   cuda::DeviceBuffer fp8_act_, fp8_scales_;
+  cuda::DeviceBuffer moe_workspace_;   // MoE models: cuda::moe_forward's, for max_tokens_ rows
   cuda::DeviceBuffer sampled_tokens_;  // tensor parallelism: [max_num_seqs] packed, [tp][...]
   // Step metadata: one device block and two pinned host images used in turn (a step is staged
   // while the one before runs, whose copies read their image when they run).

@@ -174,6 +174,8 @@ struct Layout {
   struct LayerOffsets {
     size_t input_norm, post_norm, qkv_bias, o_bias, q_norm, k_norm;
     LinearOffsets qkv, o, gate_up, down;
+    // An MoE layer's tensors (router == SIZE_MAX: a dense layer).
+    size_t router, experts_gate_up, experts_down, shared_gate_up, shared_down, shared_gate;
   };
   size_t embed = SIZE_MAX, final_norm = SIZE_MAX, lm_head = SIZE_MAX;
   std::vector<LayerOffsets> layers;
@@ -248,8 +250,24 @@ struct Layout {
       o.o_bias = p.o_bias ? take(H) : SIZE_MAX;
       o.q_norm = c.qk_norm ? take(hd) : SIZE_MAX;
       o.k_norm = c.qk_norm ? take(hd) : SIZE_MAX;
-      TESSERA_ASSIGN_OR_RETURN(o.gate_up, linear(layer, groups[2]));
-      TESSERA_ASSIGN_OR_RETURN(o.down, linear(layer, groups[3]));
+      o.router = o.experts_gate_up = o.experts_down = SIZE_MAX;
+      o.shared_gate_up = o.shared_down = o.shared_gate = SIZE_MAX;
+      if (c.moe.enabled() && c.moe.sparse_layer(layer)) {
+        // Every local expert's gate | up, then every expert's down: one stacked array each,
+        // the grouped GEMM's layout (kernels/cuda/moe.h).
+        const int64_t E = p.experts, I = p.moe_intermediate, Is = p.shared_intermediate;
+        o.router = take(c.moe.num_experts * H);
+        o.experts_gate_up = take(E * 2 * I * H);
+        o.experts_down = take(E * H * I);
+        if (Is > 0) {
+          o.shared_gate_up = take(2 * Is * H);
+          o.shared_down = take(H * Is);
+          o.shared_gate = take(H);
+        }
+      } else {
+        TESSERA_ASSIGN_OR_RETURN(o.gate_up, linear(layer, groups[2]));
+        TESSERA_ASSIGN_OR_RETURN(o.down, linear(layer, groups[3]));
+      }
       l.layers.push_back(o);
     }
     return l;
@@ -510,7 +528,16 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
   Int4Scratch scratch;
   Fp8Scratch fp8_scratch;
   load_progress().start(lo.bytes);
+  if (w.dummy) {
+    // --load-format dummy: every weight uniform in +-1e-3 (vLLM's dummy init), made in place;
+    // the puts below only set the pointers.
+    const int64_t n = static_cast<int64_t>(lo.bytes / es);
+    TESSERA_RETURN_IF_ERROR(cuda::fill_uniform(dt, base, n, 0x7e55e4a, 1e-3f, stream)
+                                .with_context("initialising the dummy weights"));
+    load_progress().bytes_done += lo.bytes;
+  }
   auto put = [&](const TensorView& t, size_t offset, const std::string& name) -> Status {
+    if (w.dummy) return Status::ok();
     if (t.data == nullptr) return internal_error("no host tensor bound for " + name);
     return up->upload(t, dt, base + offset, name);
   };
@@ -520,6 +547,11 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
                     const std::vector<std::pair<std::string, const LinearWeight*>>& parts)
       -> Expected<CudaLinear> {
     CudaLinear lin;
+    if (w.dummy && (o.int4 || o.fp8)) {
+      return invalid_argument(prefix +
+                              ": --load-format dummy initialises plain weights only, "
+                              "not quantized layers (drop --quantization, or load the checkpoint)");
+    }
     NamedLinears named;
     for (const auto& [suffix, lw] : parts) named.emplace_back(prefix + suffix, lw);
     if (o.int4) {
@@ -551,6 +583,42 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
     d->final_norm_ = base + lo.final_norm;
     d->lm_head_ = base + lo.lm_head;
   }
+  // An MoE layer: the router, each local expert's gate | up and down into the stacked arrays,
+  // the shared expert's gate | up, down and gate.
+  auto upload_moe = [&](const LayerWeights& l, const Layout::LayerOffsets& o, const LayerPlan& plan,
+                        const std::string& n, CudaLayer& x) -> Status {
+    const std::string mlp = c.arch == Architecture::kMixtral ? "block_sparse_moe." : "mlp.";
+    TESSERA_RETURN_IF_ERROR(put(l.router, o.router, n + mlp + "gate.weight"));
+    if (static_cast<int64_t>(l.experts.size()) != plan.experts) {
+      return internal_error(n + mlp + "experts: " + std::to_string(l.experts.size()) +
+                            " bound, the plan holds " + std::to_string(plan.experts));
+    }
+    const size_t part = static_cast<size_t>(plan.moe_intermediate * c.hidden_size) * es;
+    for (size_t e = 0; e < l.experts.size(); ++e) {
+      const LayerWeights::Expert& ex = l.experts[e];
+      const std::string name =
+          n + mlp + "experts." + std::to_string(plan.expert_begin + static_cast<int64_t>(e));
+      TESSERA_RETURN_IF_ERROR(put(ex.gate, o.experts_gate_up + 2 * e * part, name + ".gate"));
+      TESSERA_RETURN_IF_ERROR(put(ex.up, o.experts_gate_up + (2 * e + 1) * part, name + ".up"));
+      TESSERA_RETURN_IF_ERROR(put(ex.down, o.experts_down + e * part, name + ".down"));
+    }
+    x.router = base + o.router;
+    x.experts_gate_up = base + o.experts_gate_up;
+    x.experts_down = base + o.experts_down;
+    if (o.shared_gate_up != SIZE_MAX) {
+      const std::string s = n + "mlp.shared_expert.";
+      const size_t half = static_cast<size_t>(plan.shared_intermediate * c.hidden_size) * es;
+      TESSERA_RETURN_IF_ERROR(put(l.shared.gate, o.shared_gate_up, s + "gate_proj.weight"));
+      TESSERA_RETURN_IF_ERROR(put(l.shared.up, o.shared_gate_up + half, s + "up_proj.weight"));
+      TESSERA_RETURN_IF_ERROR(put(l.shared.down, o.shared_down, s + "down_proj.weight"));
+      TESSERA_RETURN_IF_ERROR(
+          put(l.shared_expert_gate, o.shared_gate, n + "mlp.shared_expert_gate.weight"));
+      x.shared_gate_up = base + o.shared_gate_up;
+      x.shared_down = base + o.shared_down;
+      x.shared_expert_gate = base + o.shared_gate;
+    }
+    return Status::ok();
+  };
   d->layers_.resize(lo.layers.size());
   for (size_t i = 0; i < lo.layers.size(); ++i) {
     const LayerWeights& l = w.layers[i];
@@ -582,13 +650,17 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
       x.q_norm = base + o.q_norm;
       x.k_norm = base + o.k_norm;
     }
+    x.input_norm = base + o.input_norm;
+    x.post_norm = base + o.post_norm;
+    if (o.router != SIZE_MAX) {
+      TESSERA_RETURN_IF_ERROR(upload_moe(l, o, p, n, x));
+      continue;
+    }
     // gate | up stacked: one GEMM, silu_mul reads both halves of each row.
     TESSERA_ASSIGN_OR_RETURN(
         x.gate_up,
         linear(o.gate_up, n, {{"mlp.gate_proj", &l.gate_proj}, {"mlp.up_proj", &l.up_proj}}));
     TESSERA_ASSIGN_OR_RETURN(x.down, linear(o.down, n, {{"mlp.down_proj", &l.down_proj}}));
-    x.input_norm = base + o.input_norm;
-    x.post_norm = base + o.post_norm;
   }
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "uploading the weights");
   return d;

@@ -51,6 +51,15 @@ struct CudaLayer {
   const void* k_norm = nullptr;      // [head_dim] or null
   CudaLinear gate_up;                // [2 intermediate, hidden]
   CudaLinear down;                   // [hidden, intermediate]
+  // A mixture-of-experts layer (router non-null) has these instead of gate_up / down (plain
+  // weights: MoE checkpoints run unquantized); the experts are LayerPlan::expert_begin onwards.
+  const void* router = nullptr;              // [num_experts, hidden]
+  const void* experts_gate_up = nullptr;     // [experts][2 moe_intermediate][hidden]: gate | up
+  const void* experts_down = nullptr;        // [experts][hidden][moe_intermediate]
+  const void* shared_gate_up = nullptr;      // [2 shared_intermediate, hidden] or null (Qwen2-MoE)
+  const void* shared_down = nullptr;         // [hidden, shared_intermediate]
+  const void* shared_expert_gate = nullptr;  // [hidden] (with the shared expert)
+  bool moe() const { return router != nullptr; }
 };
 
 class CudaWeights {

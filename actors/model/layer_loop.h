@@ -13,6 +13,9 @@
 //   last stage:   logits = rms_norm(residual += proj) · final_norm · lm_headᵀ   (sampled rows;
 //                 TP: vocabulary slices, all-gathered)
 //   other stages: send residual += proj to the stage after
+// Gemma (ModelConfig::sandwich_norms): the embedding is scaled by sqrt(hidden), proj passes its
+// post-attention / post-feed-forward norm before each `residual += proj` (after the all-reduce),
+// and the MLP reads pre_feedforward_layernorm: the backend's ops do it, the loop is the same.
 //
 // `Ops` is a backend's operations over its own activation buffers for the current step (the cpu
 // backend: host fp32; the cuda backend: device bf16/fp16 on its stream, so the whole call can be

@@ -16,13 +16,23 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
   const EngineSpec& e = spec.engine;
   TESSERA_RETURN_IF_ERROR(check_resolved(e));
   const bool gpu = e.device == Device::kCuda;
-  if (gpu) {
+  if (!gpu && e.load_format == LoadFormat::kDummy) {
+    return failed_precondition(
+        "--load-format dummy runs on the CUDA backend (--device cuda); the CPU backend reads "
+        "the checkpoint");
+  }
+  if (gpu && spec.parallel.expert_parallel) {
     // Before any GPU check, so the reason is the same on every machine.
+    return failed_precondition(
+        "--enable-expert-parallel runs on the CPU backend for now (--device cpu); on GPUs the "
+        "experts are split over the tensor-parallel ranks (leave the flag off)");
+  }
+  if (gpu) {
     Expected<ModelConfig> config = load_model_config(e.model);
-    if (config && config->moe.enabled()) {
+    if (config && (config->arch == Architecture::kGemma2 || config->arch == Architecture::kGemma3 ||
+                   config->arch == Architecture::kPhi3)) {
       return failed_precondition(std::string(architecture_name(config->arch)) + " (" + e.model +
-                                 "): mixture-of-experts layers run on the CPU backend for now "
-                                 "(--device cpu)");
+                                 ") runs on the CPU backend for now (--device cpu)");
     }
   }
 #ifdef TESSERA_WITH_CUDA
@@ -40,8 +50,13 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
   const auto t0 = std::chrono::steady_clock::now();
   TESSERA_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(e.model));
   TESSERA_ASSIGN_OR_RETURN(LayerPlan plan, LayerPlan::make(config, spec.parallel));
-  TESSERA_ASSIGN_OR_RETURN(auto checkpoint, Checkpoint::open(e.model));
-  TESSERA_ASSIGN_OR_RETURN(ModelWeights weights, bind_weights(*checkpoint, config, plan));
+  // --load-format dummy: nothing is read beyond config.json (the GPU fills the weights).
+  std::unique_ptr<Checkpoint> checkpoint;
+  ModelWeights weights = dummy_weights(config, plan);
+  if (e.load_format != LoadFormat::kDummy) {
+    TESSERA_ASSIGN_OR_RETURN(checkpoint, Checkpoint::open(e.model));
+    TESSERA_ASSIGN_OR_RETURN(weights, bind_weights(*checkpoint, config, plan));
+  }
 
   // The bounds every step is checked against: what this rank will report of itself.
   ModelInfo limits;

@@ -71,6 +71,8 @@ class ModelRunner {
   uint32_t last_gpu_micros() const { return backend_->last_gpu_micros(); }
   // The backend's progress count (Backend::progress): any thread, while this runner lives.
   uint64_t progress() const { return backend_->progress(); }
+  // The routings this rank counted in its MoE layers (Backend::expert_load). Any thread.
+  ExpertLoad expert_load() const { return backend_->expert_load(); }
 
  private:
   ModelRunner(ModelConfig config, LayerPlan plan, ModelInfo limits);

@@ -102,11 +102,12 @@ LinearWeight* linear_of(LayerWeights& l, WeightKind kind) {
   }
 }
 
-// Where an MoE tensor binds (null for the other kinds); sizes the layer's experts on first use.
-TensorView* moe_tensor(LayerWeights& l, const WeightSpec& w, int64_t num_experts) {
+// Where an MoE tensor binds (null for the other kinds); sizes the layer's experts (the plan's:
+// expert_begin onwards, `experts` of them) on first use.
+TensorView* moe_tensor(LayerWeights& l, const WeightSpec& w, const LayerPlan& plan) {
   auto expert = [&]() -> LayerWeights::Expert& {
-    if (l.experts.empty()) l.experts.resize(static_cast<size_t>(num_experts));
-    return l.experts[static_cast<size_t>(w.expert)];
+    if (l.experts.empty()) l.experts.resize(static_cast<size_t>(plan.experts));
+    return l.experts[static_cast<size_t>(w.expert - plan.expert_begin)];
   };
   switch (w.kind) {
     case WeightKind::kRouter:
@@ -157,6 +158,36 @@ std::vector<std::pair<const char*, LinearWeight*>> LayerWeights::linears() {
           {"self_attn.v_proj", &v_proj}, {"self_attn.o_proj", &o_proj},
           {"mlp.gate_proj", &gate_proj}, {"mlp.up_proj", &up_proj},
           {"mlp.down_proj", &down_proj}};
+}
+
+void fold_norm_unit_offset(const ModelConfig& config, ModelWeights* w) {
+  if (!config.norm_unit_offset) return;
+  auto fold = [w](TensorView& norm) {
+    if (norm.data == nullptr) return;
+    std::vector<uint8_t>& buf = w->owned.emplace_back(static_cast<size_t>(norm.numel()) * 4);
+    auto* out = reinterpret_cast<float*>(buf.data());
+    for (int64_t i = 0; i < norm.numel(); ++i) out[i] = 1.0f + norm.at(i);
+    norm = TensorView{buf.data(), DType::kF32, norm.shape};
+  };
+  for (LayerWeights& l : w->layers) {
+    for (TensorView* n :
+         {&l.input_norm, &l.post_norm, &l.pre_ff_norm, &l.post_ff_norm, &l.q_norm, &l.k_norm}) {
+      fold(*n);
+    }
+  }
+  fold(w->final_norm);
+}
+
+ModelWeights dummy_weights(const ModelConfig& config, const LayerPlan& plan) {
+  ModelWeights w;
+  w.dummy = true;
+  w.layers.resize(static_cast<size_t>(plan.num_layers()));
+  for (int64_t i = 0; i < plan.num_layers(); ++i) {
+    if (config.moe.enabled() && config.moe.sparse_layer(plan.layer_begin + i)) {
+      w.layers[static_cast<size_t>(i)].experts.resize(static_cast<size_t>(plan.experts));
+    }
+  }
+  return w;
 }
 
 Expected<ModelWeights> bind_weights(const Checkpoint& ckpt, const ModelConfig& c,
@@ -232,7 +263,7 @@ Expected<ModelWeights> bind_weights(const Checkpoint& ckpt, const ModelConfig& c
       continue;
     }
     LayerWeights& l = w.layers[static_cast<size_t>(s.spec.layer - plan.layer_begin)];
-    if (TensorView* moe = moe_tensor(l, s.spec, c.moe.num_experts)) {
+    if (TensorView* moe = moe_tensor(l, s.spec, plan)) {
       *moe = v;
       continue;
     }
@@ -256,6 +287,12 @@ Expected<ModelWeights> bind_weights(const Checkpoint& ckpt, const ModelConfig& c
         break;
       case WeightKind::kInputNorm: l.input_norm = v; break;
       case WeightKind::kPostNorm: l.post_norm = v; break;
+      case WeightKind::kPreFfNorm:
+        l.pre_ff_norm = v;
+        break;
+      case WeightKind::kPostFfNorm:
+        l.post_ff_norm = v;
+        break;
       default: break;
     }
   }

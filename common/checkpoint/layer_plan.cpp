@@ -1,6 +1,7 @@
 #include "common/checkpoint/layer_plan.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "common/load_spec.h"
 
@@ -14,9 +15,11 @@ const char* fused_group(WeightKind kind) {
     case WeightKind::kQBias:
     case WeightKind::kKBias:
     case WeightKind::kVBias:
+    case WeightKind::kQKV:
       return "qkv";
     case WeightKind::kGate:
     case WeightKind::kUp:
+    case WeightKind::kGateUp:
       return "gate_up";
     default:
       return "";
@@ -162,12 +165,17 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
     auto norm = [&](const std::string& name, int64_t n, WeightKind kind) {
       out.push_back({p + name, {n}, WeightRole::kNorm, kind, i, Split::kNone});
     };
-    linear("self_attn.q_proj", q_out, h, WeightKind::kQ, Split::kRows, c.attention_bias,
-           WeightKind::kQBias);
-    linear("self_attn.k_proj", kv_out, h, WeightKind::kK, Split::kRows, c.attention_bias,
-           WeightKind::kKBias);
-    linear("self_attn.v_proj", kv_out, h, WeightKind::kV, Split::kRows, c.attention_bias,
-           WeightKind::kVBias);
+    if (c.fused_projections) {
+      linear("self_attn.qkv_proj", q_out + 2 * kv_out, h, WeightKind::kQKV, Split::kRows, false,
+             WeightKind::kQKV);
+    } else {
+      linear("self_attn.q_proj", q_out, h, WeightKind::kQ, Split::kRows, c.attention_bias,
+             WeightKind::kQBias);
+      linear("self_attn.k_proj", kv_out, h, WeightKind::kK, Split::kRows, c.attention_bias,
+             WeightKind::kKBias);
+      linear("self_attn.v_proj", kv_out, h, WeightKind::kV, Split::kRows, c.attention_bias,
+             WeightKind::kVBias);
+    }
     linear("self_attn.o_proj", h, q_out, WeightKind::kO, Split::kColumns, c.o_proj_bias,
            WeightKind::kOBias);
     if (c.qk_norm) {
@@ -176,6 +184,11 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
     }
     if (c.moe.sparse_layer(i)) {
       push_moe(out, c, p, i);
+    } else if (c.fused_projections) {
+      linear("mlp.gate_up_proj", 2 * c.intermediate_size, h, WeightKind::kGateUp, Split::kRows,
+             false, WeightKind::kGateUp);
+      linear("mlp.down_proj", h, c.intermediate_size, WeightKind::kDown, Split::kColumns, false,
+             WeightKind::kDown);
     } else {
       linear("mlp.gate_proj", c.intermediate_size, h, WeightKind::kGate, Split::kRows, false,
              WeightKind::kGate);
@@ -186,6 +199,10 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
     }
     norm("input_layernorm.weight", h, WeightKind::kInputNorm);
     norm("post_attention_layernorm.weight", h, WeightKind::kPostNorm);
+    if (c.sandwich_norms) {
+      norm("pre_feedforward_layernorm.weight", h, WeightKind::kPreFfNorm);
+      norm("post_feedforward_layernorm.weight", h, WeightKind::kPostFfNorm);
+    }
   }
   out.push_back(
       {"model.norm.weight", {h}, WeightRole::kNorm, WeightKind::kFinalNorm, -1, Split::kNone});
@@ -309,7 +326,7 @@ std::string quantized_tp_problem(const ModelConfig& c, int64_t tp) {
   return "";
 }
 
-std::string tp_problem(const ModelConfig& c, int64_t tp) {
+std::string tp_problem(const ModelConfig& c, int64_t tp, bool expert_parallel) {
   if (tp < 1) return "-tp must be at least 1, got " + std::to_string(tp);
   if (c.num_heads % tp != 0) {
     return "-tp " + std::to_string(tp) + ": the model's " + std::to_string(c.num_heads) +
@@ -334,13 +351,25 @@ std::string tp_problem(const ModelConfig& c, int64_t tp) {
   bool dense = !c.moe.enabled();
   for (int64_t i = 0; i < c.num_layers && !dense; ++i) dense = !c.moe.sparse_layer(i);
   std::string problem = dense ? width_problem("intermediate_size", c.intermediate_size) : "";
-  if (problem.empty() && c.moe.enabled()) {
+  if (problem.empty() && expert_parallel) {
+    if (!c.moe.enabled()) {
+      return std::string("--enable-expert-parallel: ") + architecture_name(c.arch) +
+             " has no experts (it is not a mixture-of-experts model)";
+    }
+    if (c.moe.num_experts < tp) {
+      return "--enable-expert-parallel with -tp " + std::to_string(tp) + ": the model's " +
+             std::to_string(c.moe.num_experts) + " experts leave a rank without one (use -tp " +
+             std::to_string(c.moe.num_experts) + " or less, or split each expert without it)";
+    }
+  } else if (problem.empty() && c.moe.enabled()) {
+    // Whole experts under expert parallelism; each expert's slice otherwise.
     problem = width_problem(
         c.arch == Architecture::kMixtral ? "intermediate_size" : "moe_intermediate_size",
         c.moe.expert_intermediate);
-    if (problem.empty() && c.moe.shared_intermediate > 0) {
-      problem = width_problem("shared_expert_intermediate_size", c.moe.shared_intermediate);
-    }
+  }
+  // The shared expert is split over the ranks either way.
+  if (problem.empty() && c.moe.shared_intermediate > 0) {
+    problem = width_problem("shared_expert_intermediate_size", c.moe.shared_intermediate);
   }
   if (!problem.empty()) return problem;
   return quantized_tp_problem(c, tp);
@@ -348,27 +377,60 @@ std::string tp_problem(const ModelConfig& c, int64_t tp) {
 
 }  // namespace
 
-std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max) {
+std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max,
+                                                 bool expert_parallel) {
   std::vector<int64_t> out;
   for (int64_t t = 1; t <= max; ++t) {
-    if (tp_problem(config, t).empty()) out.push_back(t);
+    if (tp_problem(config, t, expert_parallel).empty()) out.push_back(t);
   }
   return out;
 }
 
-Status check_tensor_parallel(const ModelConfig& config, int64_t tp) {
-  std::string problem = tp_problem(config, tp);
+Status check_tensor_parallel(const ModelConfig& config, int64_t tp, bool expert_parallel) {
+  std::string problem = tp_problem(config, tp, expert_parallel);
   if (problem.empty()) return Status::ok();
+  if (expert_parallel && !config.moe.enabled()) return invalid_argument(problem);
   std::string valid;
-  for (int64_t t : valid_tensor_parallel_sizes(config, config.num_heads)) {
+  for (int64_t t : valid_tensor_parallel_sizes(config, config.num_heads, expert_parallel)) {
     valid += (valid.empty() ? "" : ", ") + std::to_string(t);
   }
   return invalid_argument(problem + "; valid -tp values for this model: " + valid);
 }
 
+namespace {
+
+// A fused tensor's parts on this rank (Phi-3): each part (q, k, v; gate, up) sliced as its own
+// column-parallel layer would be, at the part's offset in the fused rows.
+void push_fused_parts(LayerPlan& plan, const ModelConfig& c, const WeightSpec& w) {
+  auto part = [&](WeightKind kind, int64_t offset, int64_t begin, int64_t end) {
+    WeightShard s{w, offset + begin, offset + end};
+    s.spec.kind = kind;
+    plan.weights.push_back(std::move(s));
+  };
+  const int64_t hd = c.head_dim;
+  if (w.kind == WeightKind::kQKV) {
+    const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
+    const int64_t kv_begin = plan.kv_head_begin * hd, kv_end = kv_begin + plan.kv_heads * hd;
+    part(WeightKind::kQ, 0, plan.head_begin * hd, (plan.head_begin + plan.heads) * hd);
+    part(WeightKind::kK, q_out, kv_begin, kv_end);
+    part(WeightKind::kV, q_out + kv_out, kv_begin, kv_end);
+    return;
+  }
+  const int64_t begin = plan.intermediate_begin, end = begin + plan.intermediate;
+  part(WeightKind::kGate, 0, begin, end);
+  part(WeightKind::kUp, c.intermediate_size, begin, end);
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> expert_range(int64_t num_experts, int64_t tp, int64_t tp_rank) {
+  const int64_t base = num_experts / tp, extra = num_experts % tp;
+  return {tp_rank * base + std::min(tp_rank, extra), base + (tp_rank < extra ? 1 : 0)};
+}
+
 Expected<LayerPlan> LayerPlan::make(const ModelConfig& c, const ParallelConfig& p) {
   const int64_t T = p.tp_size;
-  TESSERA_RETURN_IF_ERROR(check_tensor_parallel(c, T));
+  TESSERA_RETURN_IF_ERROR(check_tensor_parallel(c, T, p.expert_parallel));
   if (p.tp_rank < 0 || p.tp_rank >= T || p.pp_rank < 0 || p.pp_rank >= p.pp_size) {
     return invalid_argument("rank (tp " + std::to_string(p.tp_rank) + ", pp " +
                             std::to_string(p.pp_rank) + ") is outside " + std::to_string(T) +
@@ -393,8 +455,14 @@ Expected<LayerPlan> LayerPlan::make(const ModelConfig& c, const ParallelConfig& 
   }
   plan.intermediate = c.intermediate_size / T;
   plan.intermediate_begin = p.tp_rank * plan.intermediate;
-  plan.moe_intermediate = c.moe.expert_intermediate / T;
-  plan.moe_intermediate_begin = p.tp_rank * plan.moe_intermediate;
+  if (p.expert_parallel) {
+    plan.moe_intermediate = c.moe.expert_intermediate;
+    std::tie(plan.expert_begin, plan.experts) = expert_range(c.moe.num_experts, T, p.tp_rank);
+  } else {
+    plan.moe_intermediate = c.moe.expert_intermediate / T;
+    plan.moe_intermediate_begin = p.tp_rank * plan.moe_intermediate;
+    plan.experts = c.moe.num_experts;
+  }
   plan.shared_intermediate = c.moe.shared_intermediate / T;
   plan.shared_intermediate_begin = p.tp_rank * plan.shared_intermediate;
   plan.vocab_padded = (c.vocab_size + T - 1) / T * T;
@@ -419,11 +487,21 @@ Expected<LayerPlan> LayerPlan::make(const ModelConfig& c, const ParallelConfig& 
       case WeightKind::kOBias:
         here = layer_here && plan.o_bias;
         break;
+      case WeightKind::kExpertGate:
+      case WeightKind::kExpertUp:
+      case WeightKind::kExpertDown:
+        here = layer_here && w.expert >= plan.expert_begin &&
+               w.expert < plan.expert_begin + plan.experts;
+        break;
       default:
         here = layer_here;
         break;
     }
     if (!here) continue;
+    if (w.kind == WeightKind::kQKV || w.kind == WeightKind::kGateUp) {
+      push_fused_parts(plan, c, w);
+      continue;
+    }
     WeightShard s{w, 0, 0};
     switch (w.kind) {
       case WeightKind::kQ:

@@ -5,7 +5,8 @@
 // row here.
 //
 // Sharding follows Megatron / vLLM:
-//   - column-parallel (split the output rows): q, k, v (and their biases), gate, up;
+//   - column-parallel (split the output rows): q, k, v (and their biases), gate, up; a fused
+//     qkv_proj / gate_up_proj (Phi-3) part by part, each rank holding its rows of every part;
 //   - row-parallel (split the input columns): o_proj, down_proj — each rank's output is a partial
 //     sum that the tensor-parallel group all-reduces; o_proj's bias is added by tp rank 0 only;
 //   - vocab-parallel: embedding and lm_head rows, the vocabulary padded to a multiple of T; the
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/checkpoint/model_config.h"
@@ -44,6 +46,13 @@ enum class WeightKind : uint8_t {
   // expert says which), the shared expert's (Qwen2-MoE) and its sigmoid gate ([1, hidden]).
   kRouter, kExpertGate, kExpertUp, kExpertDown, kSharedGate, kSharedUp, kSharedDown,
   kSharedExpertGate,
+  // Gemma's norms around the MLP (pre_feedforward_layernorm, post_feedforward_layernorm).
+  kPreFfNorm, kPostFfNorm,
+  // Phi-3's fused checkpoint tensors: self_attn.qkv_proj ([q | k | v] rows) and mlp.gate_up_proj
+  // ([gate | up] rows). A rank's LayerPlan holds them as shards of kinds kQ, kK, kV and kGate,
+  // kUp, each [begin, end) rows of the fused tensor (vLLM's QKVParallelLinear /
+  // MergedColumnParallelLinear: every part column-split on its own).
+  kQKV, kGateUp,
 };
 // clang-format on
 
@@ -116,6 +125,11 @@ struct ParallelConfig {
   int tp_rank = 0;
   int pp_rank = 0;
   std::vector<int64_t> layer_partition;  // layers per stage; empty = even
+  // --enable-expert-parallel: each tensor-parallel rank holds whole experts of every MoE layer
+  // (the expert-parallel group is the tensor-parallel group, vLLM's EP without data
+  // parallelism) instead of every expert's slice; tokens reach their experts by all-to-all.
+  // Always the EngineSpec's enable_expert_parallel (EngineSpec::shape()).
+  bool expert_parallel = false;
 
   int rank() const { return pp_rank * tp_size + tp_rank; }
   int world_size() const { return tp_size * pp_size; }
@@ -127,14 +141,22 @@ struct ParallelConfig {
 // checkpoint every rank's share of a packed dimension whole int32s, and of a row-parallel layer's
 // inputs whole scale groups (vLLM's rules). INVALID_ARGUMENT otherwise, naming the numbers and the
 // valid -tp values for the model.
-Status check_tensor_parallel(const ModelConfig& config, int64_t tp);
+// With `expert_parallel` the experts are not split, so their widths need not divide; the model
+// must have experts, at least `tp` of them.
+Status check_tensor_parallel(const ModelConfig& config, int64_t tp, bool expert_parallel = false);
 
 // The -tp values check_tensor_parallel accepts, ascending, up to `max`.
-std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max);
+std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& config, int64_t max,
+                                                 bool expert_parallel = false);
+
+// The experts rank `tp_rank` of `tp` holds whole under expert parallelism: [first, first + n).
+std::pair<int64_t, int64_t> expert_range(int64_t num_experts, int64_t tp, int64_t tp_rank);
 
 // One rank's slice of one tensor: [begin, end) along the tensor's split dimension (the whole
-// tensor for Split::kNone). For Split::kVocab, rows past the real vocabulary (padding) are not
-// in the checkpoint: `end` stops at the vocabulary and the rank pads.
+// tensor for Split::kNone). A part of a fused tensor (kQKV, kGateUp) is a shard of the part's
+// kind (spec.kind kQ, kK, kV, kGate, kUp; spec.name and shape the fused tensor's) whose [begin,
+// end) are rows of the fused tensor. For Split::kVocab, rows past the real vocabulary (padding)
+// are not in the checkpoint: `end` stops at the vocabulary and the rank pads.
 struct WeightShard {
   WeightSpec spec;
   int64_t begin = 0;
@@ -157,6 +179,11 @@ struct LayerPlan {
   int64_t intermediate_begin = 0;
   int64_t moe_intermediate = 0;  // each expert's MLP width on this rank (MoE models)
   int64_t moe_intermediate_begin = 0;
+  // The experts of each MoE layer on this rank: [expert_begin, expert_begin + experts). All of
+  // them (sliced) without expert parallelism; with it, whole experts, num_experts / tp_size per
+  // rank and the first num_experts % tp_size ranks one more (vLLM's linear placement).
+  int64_t expert_begin = 0;
+  int64_t experts = 0;
   int64_t shared_intermediate = 0;  // the shared expert's width on this rank (Qwen2-MoE)
   int64_t shared_intermediate_begin = 0;
   int64_t vocab_padded = 0;  // the vocabulary rounded up to a multiple of tp_size

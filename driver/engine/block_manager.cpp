@@ -29,11 +29,12 @@ uint64_t BlockManager::hash_block(uint64_t parent, std::span<const int32_t> toke
 }
 
 BlockManager::BlockManager(uint32_t num_blocks, uint32_t block_size, bool prefix_caching,
-                           Hasher hasher)
+                           Hasher hasher, uint32_t window)
     : num_blocks_(num_blocks),
       block_size_(block_size),
       prefix_caching_(prefix_caching),
       hasher_(hasher),
+      window_(window),
       blocks_(num_blocks) {
   TESSERA_CHECK(block_size > 0);
   TESSERA_CHECK(hasher != nullptr);
@@ -43,6 +44,17 @@ BlockManager::BlockManager(uint32_t num_blocks, uint32_t block_size, bool prefix
 
 uint32_t BlockManager::blocks_for(size_t tokens) const {
   return static_cast<uint32_t>((tokens + block_size_ - 1) / block_size_);
+}
+
+size_t BlockManager::max_step_tokens() const {
+  if (window_ == 0) return SIZE_MAX;
+  const int64_t n = (static_cast<int64_t>(num_blocks_) - 2) * block_size_ - window_ + 2;
+  return n > 0 ? static_cast<size_t>(n) : 0;
+}
+
+bool BlockManager::fits_alone(size_t tokens) const {
+  if (window_ == 0) return blocks_for(tokens) <= num_blocks_;
+  return blocks_for(tokens) <= num_blocks_ || max_step_tokens() > 0;
 }
 
 std::vector<int32_t> BlockManager::block_tokens(const Sequence& seq, size_t index) const {
@@ -144,6 +156,9 @@ void BlockManager::commit(Sequence& seq) {
     std::vector<int32_t> tokens = block_tokens(seq, i);
     uint64_t key = hasher_(i == 0 ? kRootHash : seq.block_hashes[i - 1], tokens);
     seq.block_hashes.push_back(key);
+    // Its predecessor already freed (a window shorter than a block): the parent link cannot be
+    // verified, so the block stays uncached.
+    if (i > 0 && seq.block_table[i - 1] == kFreedBlock) continue;
     Block& block = blocks_[seq.block_table[i]];
     // A key already cached (another sequence computed the same prefix meanwhile, or a
     // collision) keeps its block; this one stays uncached and is freed plainly.
@@ -157,19 +172,35 @@ void BlockManager::commit(Sequence& seq) {
   }
 }
 
+void BlockManager::unref(uint32_t b) {
+  Block& block = blocks_[b];
+  TESSERA_CHECK(block.refs > 0, "release of a free block");
+  if (--block.refs > 0) return;
+  if (block.cached) {
+    block.lru = evictable_.insert(evictable_.end(), b);
+  } else {
+    free_.push_back(b);
+  }
+}
+
+void BlockManager::release_out_of_window(Sequence& seq) {
+  if (window_ == 0 || seq.computed < window_) return;
+  // Positions before computed - window + 1 are outside every later query's window.
+  const size_t dead = std::min((seq.computed - window_ + 1) / block_size_, seq.block_table.size());
+  // Oldest first: the head of a sequence is evicted before blocks freed later.
+  for (; seq.freed_blocks < dead; ++seq.freed_blocks) {
+    unref(seq.block_table[seq.freed_blocks]);
+    seq.block_table[seq.freed_blocks] = kFreedBlock;
+  }
+}
+
 void BlockManager::release(Sequence& seq) {
   for (auto it = seq.block_table.rbegin(); it != seq.block_table.rend(); ++it) {
-    Block& block = blocks_[*it];
-    TESSERA_CHECK(block.refs > 0, "release of a free block");
-    if (--block.refs > 0) continue;
-    if (block.cached) {
-      block.lru = evictable_.insert(evictable_.end(), *it);
-    } else {
-      free_.push_back(*it);
-    }
+    if (*it != kFreedBlock) unref(*it);
   }
   seq.block_table.clear();
   seq.block_hashes.clear();
+  seq.freed_blocks = 0;
 }
 
 }  // namespace tessera

@@ -16,6 +16,19 @@
 //
 // Shared blocks are never written: a sequence computes only positions past its cached prefix,
 // and the prefix never covers its last token (that one is recomputed for its logits).
+//
+// Sliding window (window > 0: every layer of the model attends to the last `window` positions
+// only, ModelConfig::kv_cache_window): once a step has computed a sequence up to position c, no
+// later query reads the K/V of positions before c - window + 1, so release_out_of_window() hands
+// the blocks wholly before that back (a long sequence holds about (window + chunk) / block_size
+// + 1 blocks). Their table entries become kFreedBlock: the table stays indexed by position (the
+// actors keep the ids they were sent; the attention kernels never read blocks before a query's
+// window). A freed block that was cached stays in the prefix cache like any released one, so a
+// new sequence with the same prefix can still hit it: its content depends only on the tokens up
+// to its end. A block whose predecessor the sequence no longer held when it filled is not cached
+// (its parent link could not be verified). When only some layers slide (Gemma's local layers)
+// the window is 0 and every block is kept; vLLM's hybrid allocator (a block pool per window) is
+// the step beyond.
 #pragma once
 
 #include <cstdint>
@@ -37,10 +50,16 @@ class BlockManager {
   // The default hasher: a 64-bit mix of every token and the parent key.
   static uint64_t hash_block(uint64_t parent, std::span<const int32_t> tokens);
 
+  // A block_table entry whose block release_out_of_window() gave back.
+  static constexpr uint32_t kFreedBlock = UINT32_MAX;
+
+  // window: 0 = keep every block of a sequence; > 0 = the sliding window, in tokens, of every
+  // layer (blocks before it are freed as sequences advance).
   BlockManager(uint32_t num_blocks, uint32_t block_size, bool prefix_caching = true,
-               Hasher hasher = &hash_block);
+               Hasher hasher = &hash_block, uint32_t window = 0);
 
   uint32_t block_size() const { return block_size_; }
+  uint32_t window() const { return window_; }
   uint32_t total_blocks() const { return num_blocks_; }
   // Blocks no sequence holds: never-cached ones and cached ones with no reference.
   uint32_t free_blocks() const { return static_cast<uint32_t>(free_.size() + evictable_.size()); }
@@ -51,6 +70,13 @@ class BlockManager {
 
   // Blocks needed to hold `tokens` tokens.
   uint32_t blocks_for(size_t tokens) const;
+  // The most tokens one step may compute for one sequence so that the blocks it holds then fit
+  // the whole cache: unbounded (SIZE_MAX) without a window; with one, a step computing n tokens
+  // holds at most (window + n - 2) / block_size + 2 blocks (its window's and its own), so
+  // (total_blocks - 2) * block_size - window + 2; 0 when not even one token fits.
+  size_t max_step_tokens() const;
+  // Whether one sequence of `tokens` tokens can ever run alone in this cache.
+  bool fits_alone(size_t tokens) const;
 
   // The cached blocks of seq's longest verified prefix of full blocks, first block first: at
   // most (seq.total() - 1) / block_size blocks, so the last token is always computed. Empty
@@ -71,8 +97,13 @@ class BlockManager {
   // Caches seq's blocks that seq.computed has filled since the last call (no-op when prefix
   // caching is off). Call once the step that computed them has succeeded.
   void commit(Sequence& seq);
+  // With a window: frees seq's blocks that lie wholly before the window of position
+  // seq.computed (the next query's), which no later step reads; their entries become
+  // kFreedBlock. Call after commit(), once the step that computed up to seq.computed has
+  // succeeded (every block it frees has been sent to the actors then). No-op without a window.
+  void release_out_of_window(Sequence& seq);
   // Drops seq's references to its blocks (last block first, so a sequence's tail is evicted
-  // before its head); seq.block_table and seq.block_hashes are cleared.
+  // before its head); seq.block_table and seq.block_hashes are cleared, seq.freed_blocks is 0.
   void release(Sequence& seq);
 
   // Prefix-cache statistics since construction, in tokens: looked up at admissions, and found.
@@ -94,6 +125,8 @@ class BlockManager {
 
   // A fresh block: a never-cached free one, else the least recently freed cached one.
   uint32_t allocate();
+  // Drops one reference to block b (to the free pool or the evictable list at zero).
+  void unref(uint32_t b);
   // Whether `candidate` holds block `index` of `seq` after `previous` (kNoBlock for index 0).
   bool verified(uint32_t candidate, const Sequence& seq, size_t index, uint32_t previous) const;
   // The token ids of block `index` of seq.
@@ -103,6 +136,7 @@ class BlockManager {
   uint32_t block_size_;
   bool prefix_caching_;
   Hasher hasher_;
+  uint32_t window_;
   std::vector<Block> blocks_;
   std::vector<uint32_t> free_;     // never-cached free blocks, a stack
   std::list<uint32_t> evictable_;  // cached, unreferenced blocks, least recently freed first

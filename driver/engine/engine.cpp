@@ -52,17 +52,27 @@ LlmEngine::LlmEngine(EngineConfig config, StepExecutor& executor, const Detokeni
       executor_(executor),
       detokenizer_(detokenizer),
       blocks_(static_cast<uint32_t>(config_.model.kv_blocks),
-              static_cast<uint32_t>(config_.model.block_size), config_.enable_prefix_caching),
+              static_cast<uint32_t>(config_.model.block_size), config_.enable_prefix_caching,
+              &BlockManager::hash_block, config_.kv_window),
       scheduler_(scheduler_config(config_, executor.pipeline_depth()), blocks_),
-      max_len_(static_cast<size_t>(std::min(config_.model.max_model_len,
-                                            config_.model.kv_blocks * config_.model.block_size))) {}
+      // With a sliding-window cache a sequence holds only its window's blocks: any length fits.
+      max_len_(
+          static_cast<size_t>(config_.kv_window > 0 && blocks_.max_step_tokens() > 0
+                                  ? config_.model.max_model_len
+                                  : std::min(config_.model.max_model_len,
+                                             config_.model.kv_blocks * config_.model.block_size))) {
+}
 
 Expected<uint64_t> LlmEngine::add_request(Request request) {
   const size_t prompt_len = request.prompt().size();
-  if (blocks_.blocks_for(prompt_len + 1) > blocks_.total_blocks()) {
+  if (!blocks_.fits_alone(prompt_len + 1)) {
     return invalid_argument(
         "the prompt has " + std::to_string(prompt_len) + " tokens, more than the KV cache holds (" +
-        std::to_string(blocks_.total_blocks() * blocks_.block_size()) + " tokens)");
+        std::to_string(blocks_.total_blocks() * blocks_.block_size()) + " tokens" +
+        (blocks_.window() > 0 ? ", too few for the model's sliding window of " +
+                                    std::to_string(blocks_.window()) + " tokens"
+                              : std::string()) +
+        ")");
   }
   auto seq = std::make_unique<Sequence>();
   seq->id = next_id_++;
@@ -209,6 +219,7 @@ Expected<std::vector<RequestOutput>> LlmEngine::step() {
     if (c.seq->aborted) continue;  // its result is dropped
     c.seq->computed = c.start + c.count;
     blocks_.commit(*c.seq);  // its newly full blocks hold K/V now: cache them
+    blocks_.release_out_of_window(*c.seq);  // sliding window: blocks no later step reads
     if (!c.sample) continue;
     const SampleResult& sampled = result->outputs[next - 1].sample;
     TokenLogprobs token{sampled.token, sampled.logprob, sampled.top_logprobs};

@@ -55,6 +55,11 @@ struct EngineConfig {
   bool enable_prefix_caching = true;  // share cached KV blocks of common prompt prefixes
   bool async_scheduling = false;      // scheduler.h
   std::vector<int32_t> eos_token_ids;
+  // ModelConfig::kv_cache_window(): > 0 when every layer slides by at most it, and the block
+  // manager frees a sequence's blocks as they fall out of the window (block_manager.h); then a
+  // sequence may be longer than the whole KV cache. 0 (full attention, or only some layers
+  // slide): every block is kept.
+  uint32_t kv_window = 0;
 };
 
 struct RequestOutput {

@@ -67,7 +67,7 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
       ++i;
       continue;
     }
-    size_t count = std::min(seq.total() - seq.computed, budget);
+    size_t count = std::min({seq.total() - seq.computed, budget, blocks_.max_step_tokens()});
     if (count == 0) {
       ++i;
       continue;
@@ -92,7 +92,19 @@ std::vector<ScheduledChunk> Scheduler::schedule() {
     Sequence& seq = *waiting_.front();
     std::vector<uint32_t> hits = blocks_.match_prefix(seq);
     size_t start = hits.size() * blocks_.block_size();
-    size_t count = std::min(seq.total() - start, budget);
+    size_t count = std::min({seq.total() - start, budget, blocks_.max_step_tokens()});
+    if (blocks_.window() > 0) {
+      // The first step holds every block from position 0 (its blocks before the window are
+      // freed only after it), so with a sliding window a cached prefix that leaves no room for
+      // the chunk in the whole cache is used in part: fewer hits, more recomputed.
+      const size_t room = blocks_.total_blocks() -
+                          std::min<size_t>(blocks_.total_blocks(), blocks_.blocks_for(count));
+      if (hits.size() > room) {
+        hits.resize(room);
+        start = hits.size() * blocks_.block_size();
+        count = std::min({seq.total() - start, budget, blocks_.max_step_tokens()});
+      }
+    }
     if (!blocks_.can_admit(hits, start + count)) break;
     blocks_.admit(seq, hits, start + count);
     if (seq.preemptions == 0) seq.cached_tokens = start;

@@ -3,7 +3,9 @@
 // Each step first gives every running sequence its next tokens (the rest of a chunked prompt,
 // or one decode token), then admits waiting sequences' prompts in chunks while the token budget,
 // the seats and the free KV blocks allow (chunked prefill). An admitted sequence starts after
-// its longest cached prefix (block_manager.h).
+// its longest cached prefix (block_manager.h). With a sliding-window KV cache a step computes at
+// most BlockManager::max_step_tokens() tokens of a sequence, so that one sequence's blocks (its
+// window's and its chunk's) always fit the cache, however long the sequence.
 //
 // Preemption by recompute (vLLM V1): when a running sequence's next block cannot be had, the
 // most recently admitted running sequence gives up its blocks and goes back to the front of the

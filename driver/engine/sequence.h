@@ -60,6 +60,8 @@ struct Sequence {
   size_t cached_tokens = 0;  // of the prompt, found in the prefix cache when first admitted
   bool started = false;      // its first step was sent to the actors (since its last preemption)
   size_t sent_blocks = 0;    // block_table entries the actors have been sent
+  size_t freed_blocks = 0;   // leading block_table entries given back (sliding window:
+                             // BlockManager::release_out_of_window), now kFreedBlock
   int in_flight = 0;         // steps submitted and not collected yet that hold it (2 at most,
                              // with async scheduling)
   // The last step scheduled for it samples its next token (async scheduling may then schedule

@@ -19,6 +19,7 @@
 #include "common/checkpoint/safetensors.h"
 #include "common/progress.h"
 #include "driver/cli/cli_help.h"
+#include "driver/make_model/presets.h"
 
 namespace tessera {
 namespace {
@@ -29,109 +30,8 @@ using nlohmann::json;
 // The transformers release whose config classes' to_dict() the written config.json mirrors.
 constexpr const char* kTransformersVersion = "4.51.0";
 
-struct Shape {
-  const char* name;
-  Architecture arch;
-  const char* source;  // the published config.json this copies ("" for tiny)
-  int64_t vocab;       // 0: the tokenizer's size
-  int64_t hidden, intermediate, layers, heads, kv_heads;
-  int64_t head_dim;  // 0: hidden / heads
-  int64_t max_positions;
-  double rms_norm_eps, rope_theta;
-  double llama3_rope_factor;  // 0: no rope_scaling; else llama3 with low 1, high 4, orig 8192
-  bool tie;
-  int64_t sliding_window;  // 0: none (null)
-  // Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); experts 0 for dense models.
-  int64_t experts = 0, top_k = 0;
-  int64_t moe_intermediate = 0;     // Qwen's moe_intermediate_size (Mixtral: intermediate)
-  int64_t shared_intermediate = 0;  // Qwen2-MoE's shared expert
-  bool norm_topk_prob = false;      // Qwen (Mixtral always renormalises)
-  int64_t dense_layer = -1;         // Qwen: mlp_only_layers = [dense_layer] (-1: [])
-};
-
-// Real shapes are copied from each model's published config.json on the Hugging Face Hub
-// (https://huggingface.co/<source>/blob/main/config.json), checked against verbatim copies of
-// those files. Tiny shapes are ours: hidden 64, 4 heads over 2 KV heads (GQA), 4 layers, the
-// tokenizer's full vocabulary; each exercises its architecture's peculiarity.
-constexpr Shape kShapes[] = {
-    // Llama 3.1-style llama3 rope scaling (all three frequency bands occur at head_dim 16).
-    {"tiny", Architecture::kLlama, "", 0, 64, 176, 4, 4, 2, 0, 131072, 1e-5, 500000.0, 8.0, false,
-     0},
-    {"tiny", Architecture::kMistral, "", 0, 64, 176, 4, 4, 2, 0, 32768, 1e-5, 10000.0, 0, false, 0},
-    // q/k/v biases; tied embeddings as the small Qwen2.5 models have.
-    {"tiny", Architecture::kQwen2, "", 0, 64, 176, 4, 4, 2, 0, 32768, 1e-6, 1000000.0, 0, true, 0},
-    // q/k norms and an explicit head_dim (32) that is not hidden / heads (16); tied.
-    {"tiny", Architecture::kQwen3, "", 0, 64, 176, 4, 4, 2, 32, 40960, 1e-6, 1000000.0, 0, true, 0},
-    // Mixture of experts: 4 experts, top 2, 2 layers (Mixtral: each expert intermediate wide).
-    {"tiny", Architecture::kMixtral, "", 0, 64, 176, 2, 4, 2, 0, 32768, 1e-5, 1000000.0, 0, false,
-     0, 4, 2},
-    // q/k/v biases, a shared expert with its sigmoid gate, top-k probabilities not renormalised.
-    {"tiny",    Architecture::kQwen2Moe,
-     "",        0,
-     64,        176,
-     2,         4,
-     2,         0,
-     32768,     1e-6,
-     1000000.0, 0,
-     false,     0,
-     4,         2,
-     48,        96,
-     false},
-    // q/k norms, head_dim 32, renormalised top-k, and layer 1 dense (mlp_only_layers) between
-    // two MoE layers.
-    {"tiny",    Architecture::kQwen3Moe,
-     "",        0,
-     64,        176,
-     3,         4,
-     2,         32,
-     40960,     1e-6,
-     1000000.0, 0,
-     false,     0,
-     4,         2,
-     48,        0,
-     true,      1},
-    {"llama3-8b", Architecture::kLlama, "meta-llama/Meta-Llama-3-8B", 128256, 4096, 14336, 32, 32,
-     8, 0, 8192, 1e-5, 500000.0, 0, false, 0},
-    {"llama3-70b", Architecture::kLlama, "meta-llama/Meta-Llama-3-70B", 128256, 8192, 28672, 80, 64,
-     8, 0, 8192, 1e-5, 500000.0, 0, false, 0},
-    {"llama3.1-8b", Architecture::kLlama, "meta-llama/Llama-3.1-8B", 128256, 4096, 14336, 32, 32, 8,
-     0, 131072, 1e-5, 500000.0, 8.0, false, 0},
-    {"llama3.1-70b", Architecture::kLlama, "meta-llama/Llama-3.1-70B", 128256, 8192, 28672, 80, 64,
-     8, 0, 131072, 1e-5, 500000.0, 8.0, false, 0},
-    {"llama3.2-1b", Architecture::kLlama, "meta-llama/Llama-3.2-1B", 128256, 2048, 8192, 16, 32, 8,
-     64, 131072, 1e-5, 500000.0, 32.0, true, 0},
-    {"mistral-7b", Architecture::kMistral, "mistralai/Mistral-7B-v0.1", 32000, 4096, 14336, 32, 32,
-     8, 0, 32768, 1e-5, 10000.0, 0, false, 4096},
-    {"qwen2.5-7b", Architecture::kQwen2, "Qwen/Qwen2.5-7B", 152064, 3584, 18944, 28, 28, 4, 0,
-     131072, 1e-6, 1000000.0, 0, false, 0},
-    {"qwen3-0.6b", Architecture::kQwen3, "Qwen/Qwen3-0.6B", 151936, 1024, 3072, 28, 16, 8, 128,
-     40960, 1e-6, 1000000.0, 0, true, 0},
-    {"qwen3-8b", Architecture::kQwen3, "Qwen/Qwen3-8B", 151936, 4096, 12288, 36, 32, 8, 128, 40960,
-     1e-6, 1000000.0, 0, false, 0},
-    {"mixtral-8x7b", Architecture::kMixtral, "mistralai/Mixtral-8x7B-v0.1", 32000, 4096, 14336, 32,
-     32, 8, 0, 32768, 1e-5, 1000000.0, 0, false, 0, 8, 2},
-    {"qwen3-30b-a3b",
-     Architecture::kQwen3Moe,
-     "Qwen/Qwen3-30B-A3B",
-     151936,
-     2048,
-     6144,
-     48,
-     32,
-     4,
-     128,
-     40960,
-     1e-6,
-     1000000.0,
-     0,
-     false,
-     0,
-     128,
-     8,
-     768,
-     0,
-     true},
-};
+using model_shapes::Shape;
+using model_shapes::shapes;
 
 const char* model_type_of(Architecture arch) {
   switch (arch) {
@@ -149,13 +49,20 @@ const char* model_type_of(Architecture arch) {
       return "qwen2_moe";
     case Architecture::kQwen3Moe:
       return "qwen3_moe";
+    case Architecture::kGemma2:
+      return "gemma2";
+    case Architecture::kGemma3:
+      return "gemma3";  // make-model's name; config.json says gemma3_text
+    case Architecture::kPhi3:
+      return "phi3";
   }
   return "?";
 }
 
 constexpr Architecture kAllArchs[] = {
-    Architecture::kLlama,   Architecture::kMistral,  Architecture::kQwen2,   Architecture::kQwen3,
-    Architecture::kMixtral, Architecture::kQwen2Moe, Architecture::kQwen3Moe};
+    Architecture::kLlama,   Architecture::kMistral,  Architecture::kQwen2,    Architecture::kQwen3,
+    Architecture::kMixtral, Architecture::kQwen2Moe, Architecture::kQwen3Moe, Architecture::kGemma2,
+    Architecture::kGemma3,  Architecture::kPhi3};
 
 std::string arch_names() {
   std::string out;
@@ -172,7 +79,7 @@ std::optional<Architecture> parse_arch(const std::string& s) {
 
 std::string preset_names() {
   std::string out;
-  for (const Shape& s : kShapes) {
+  for (const Shape& s : shapes()) {
     if (out.find(s.name) == std::string::npos)
       out += (out.empty() ? "" : ", ") + std::string(s.name);
   }
@@ -193,7 +100,7 @@ Expected<const Shape*> find_shape(const MakeModelOptions& o) {
                             ")");
   }
   const Shape* named = nullptr;
-  for (const Shape& s : kShapes) {
+  for (const Shape& s : shapes()) {
     if (o.preset != s.name) continue;
     if (!arch || *arch == s.arch) return &s;
     named = &s;
@@ -319,6 +226,55 @@ Expected<TokenizerInfo> read_tokenizer(const std::string& dir) {
 
 json id_or_null(const std::optional<int64_t>& id) { return id ? json(*id) : json(nullptr); }
 
+// Gemma2Config's / Gemma3TextConfig's keys (as the published configs have them).
+void add_gemma(json& c, const Shape& s, int64_t head_dim) {
+  const bool g3 = s.arch == Architecture::kGemma3;
+  c["attention_bias"] = false;
+  c["attn_logit_softcapping"] = s.attn_softcap > 0 ? json(s.attn_softcap) : json(nullptr);
+  c["cache_implementation"] = "hybrid";
+  c["final_logit_softcapping"] = s.final_softcap > 0 ? json(s.final_softcap) : json(nullptr);
+  c["head_dim"] = head_dim;
+  c["hidden_act"] = "gelu_pytorch_tanh";
+  c["hidden_activation"] = "gelu_pytorch_tanh";
+  c["query_pre_attn_scalar"] = s.query_pre_attn_scalar;
+  c["sliding_window"] = s.sliding_window;
+  const int64_t pattern = g3 ? s.window_pattern : 2;
+  if (g3) {
+    c["rope_local_base_freq"] = s.rope_local_theta;
+    c["rope_scaling"] = s.linear_rope_factor > 0
+                            ? json{{"factor", s.linear_rope_factor}, {"rope_type", "linear"}}
+                            : json(nullptr);
+    c["sliding_window_pattern"] = pattern;
+  }
+  if (s.layer_types) {
+    json types = json::array();
+    for (int64_t i = 0; i < s.layers; ++i) {
+      types.push_back((i + 1) % pattern != 0 ? "sliding_attention" : "full_attention");
+    }
+    c["layer_types"] = types;
+  }
+}
+
+// Phi3Config's keys. Tiny LongRoPE factors: short 1 + i / 4, long 2 + 3i / 2 for frequency i.
+void add_phi3(json& c, const Shape& s, int64_t head_dim) {
+  c["embd_pdrop"] = 0.0;
+  c["resid_pdrop"] = 0.0;
+  c["original_max_position_embeddings"] = s.original_max_positions;
+  c["sliding_window"] = s.sliding_window != 0 ? json(s.sliding_window) : json(nullptr);
+  const double partial = s.partial_rotary > 0 ? s.partial_rotary : 1.0;
+  if (s.partial_rotary > 0) c["partial_rotary_factor"] = s.partial_rotary;
+  c["rope_scaling"] = nullptr;
+  if (s.longrope) {
+    const int64_t n = static_cast<int64_t>(static_cast<double>(head_dim) * partial) / 2;
+    json short_f = json::array(), long_f = json::array();
+    for (int64_t i = 0; i < n; ++i) {
+      short_f.push_back(1.0 + 0.25 * static_cast<double>(i));
+      long_f.push_back(2.0 + 1.5 * static_cast<double>(i));
+    }
+    c["rope_scaling"] = {{"long_factor", long_f}, {"short_factor", short_f}, {"type", "longrope"}};
+  }
+}
+
 // config.json with the keys transformers' config class for the architecture writes.
 json build_config(const Shape& s, const TokenizerInfo& tok, int64_t vocab, DType dtype) {
   const int64_t head_dim = s.head_dim != 0 ? s.head_dim : s.hidden / s.heads;
@@ -332,7 +288,7 @@ json build_config(const Shape& s, const TokenizerInfo& tok, int64_t vocab, DType
       {"initializer_range", 0.02},
       {"intermediate_size", s.intermediate},
       {"max_position_embeddings", s.max_positions},
-      {"model_type", model_type_of(s.arch)},
+      {"model_type", s.arch == Architecture::kGemma3 ? "gemma3_text" : model_type_of(s.arch)},
       {"num_attention_heads", s.heads},
       {"num_hidden_layers", s.layers},
       {"num_key_value_heads", s.kv_heads},
@@ -382,6 +338,16 @@ json build_config(const Shape& s, const TokenizerInfo& tok, int64_t vocab, DType
       c["rope_scaling"] = rope;
       c["sliding_window"] = nullptr;  // unused: use_sliding_window is false
       c["use_sliding_window"] = false;
+      break;
+    case Architecture::kGemma2:
+    case Architecture::kGemma3:
+      add_gemma(c, s, head_dim);
+      break;
+    case Architecture::kPhi3:
+      add_phi3(c, s, head_dim);
+      // Phi3Config's default pad_token_id (32000) lies outside a smaller vocabulary, where
+      // transformers refuses it as the embedding's padding_idx: the tokenizer's, or none.
+      c["pad_token_id"] = id_or_null(tok.pad);
       break;
   }
   if (s.arch == Architecture::kQwen2Moe || s.arch == Architecture::kQwen3Moe) {
@@ -438,7 +404,7 @@ Init init_for(const WeightSpec& w, const ModelConfig& c, uint64_t seed, DType dt
       break;
     }
     case WeightRole::kNorm:
-      init.mean = 1.f;
+      init.mean = c.norm_unit_offset ? 0.f : 1.f;  // Gemma scales by 1 + w
       init.std = 0.1f;
       break;
     case WeightRole::kBias:
@@ -663,11 +629,13 @@ Expected<Plan> plan(const MakeModelOptions& o) {
                             " is not a multiple of num_heads " + std::to_string(p.shape.heads) +
                             ": give --head-dim");
   }
-  if ((p.shape.arch == Architecture::kQwen2 || p.shape.arch == Architecture::kQwen2Moe) &&
+  if ((p.shape.arch == Architecture::kQwen2 || p.shape.arch == Architecture::kQwen2Moe ||
+       p.shape.arch == Architecture::kPhi3) &&
       p.shape.head_dim != 0 && p.shape.head_dim * p.shape.heads != p.shape.hidden) {
-    return invalid_argument(
-        "make-model: Qwen2 has no head_dim setting (it is hidden_size / "
-        "num_heads): change --hidden-size or --num-heads instead");
+    return invalid_argument(std::string("make-model: ") +
+                            (p.shape.arch == Architecture::kPhi3 ? "Phi-3" : "Qwen2") +
+                            " has no head_dim setting (it is hidden_size / num_heads): change "
+                            "--hidden-size or --num-heads instead");
   }
   TESSERA_ASSIGN_OR_RETURN(p.dtype, parse_dtype(o.dtype));
   if (o.tokenizer_dir.empty()) return invalid_argument("make-model: --tokenizer is required");
@@ -705,7 +673,7 @@ Expected<Plan> plan(const MakeModelOptions& o) {
 
 std::vector<MakeModelPreset> make_model_presets() {
   std::vector<MakeModelPreset> out;
-  for (const Shape& s : kShapes) out.push_back({s.name, s.arch, s.source});
+  for (const Shape& s : shapes()) out.push_back({s.name, s.arch, s.source});
   return out;
 }
 
@@ -807,9 +775,13 @@ Status make_model(const MakeModelOptions& o) {
                             ec.message() + ")");
     }
   }
-  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> files,
-                           writer.write_sharded(o.out, o.max_shard_bytes));
-  progress->finish(total, "in " + std::to_string(files.size()) + " file(s)");
+  if (!o.config_only) {
+    TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> files,
+                             writer.write_sharded(o.out, o.max_shard_bytes));
+    progress->finish(total, "in " + std::to_string(files.size()) + " file(s)");
+  } else {
+    spdlog::info("make-model: --config-only: no weights written (run with --load-format dummy)");
+  }
 
   json gen = {{"_from_model_config", true},
               {"bos_token_id", p.config["bos_token_id"]},
@@ -824,8 +796,8 @@ CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& o) {
   CLI::App* sub = app.add_subcommand(
       "make-model", "Write a Hugging Face model directory with seeded random weights");
   sub->add_option("--arch", o.arch,
-                  "llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe (required for "
-                  "tiny; implied by real presets)");
+                  "llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe | gemma2 | "
+                  "gemma3 | phi3 (required for tiny; implied by real presets)");
   sub->add_option("--preset", o.preset, "Model shape: " + preset_names())->required();
   sub->add_option("--tokenizer", o.tokenizer_dir,
                   "Directory with tokenizer.json (+ tokenizer_config.json) to copy and size the "
@@ -835,6 +807,9 @@ CLI::App* add_make_model_subcommand(CLI::App& app, MakeModelOptions& o) {
   sub->add_option("--dtype", o.dtype, "bf16 | fp16 | fp32")->capture_default_str();
   sub->add_option("--out", o.out, "Output directory (created; must be empty if it exists)")
       ->required();
+  sub->add_flag("--config-only", o.config_only,
+                "Write config.json and the tokenizer files but no weights (for --load-format "
+                "dummy: a real shape without its disk space)");
   sub->add_option("--max-shard-size", o.max_shard_bytes,
                   "Largest shard before splitting, e.g. 5GB (10^9) or 4GiB (2^30); default 5GiB")
       ->transform(CLI::AsSizeValue(true));

@@ -17,6 +17,7 @@
 //   o_proj, down_proj       N(0, 1/sqrt(in_features · 2 · layers)) — the residual stream stays
 //                                                          O(1) through any depth
 //   norm weights            1 + N(0, 0.1)               — a missing or misplaced norm shows
+//                           (Gemma: N(0, 0.1), its norms scale by 1 + w)
 //   biases                  N(0, 0.1)
 // Writing streams tensor by tensor through a bounded buffer: memory stays small for any size.
 #pragma once
@@ -35,8 +36,8 @@ class App;
 namespace tessera {
 
 struct MakeModelOptions {
-  // "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe" (or the HF class
-  // name). Required for "tiny"; optional
+  // "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+  // "gemma3" (the text model), "phi3" (or the HF class name). Required for "tiny"; optional
   // for a real-shape preset, which implies it (given, it must match).
   std::string arch;
   std::string preset;         // "tiny" or a real shape; see make_model_presets()
@@ -45,6 +46,9 @@ struct MakeModelOptions {
   std::string dtype = "bf16";  // "bf16" | "fp16" | "fp32" (also bfloat16 / float16 / float32)
   std::string out;             // created if absent; refused if it exists and is not empty
   uint64_t max_shard_bytes = 5ull << 30;
+  // --config-only: config.json, generation_config.json and the tokenizer files, no weights: a
+  // shape to run with --load-format dummy (weights made on the GPU) when no disk holds it.
+  bool config_only = false;
   // Replace the preset's figures where non-zero (tiny models of unusual shapes for tests:
   // head sizes, GQA ratios, vocabulary sizes). head_dim 0 keeps the preset's rule (its explicit
   // head_dim, else hidden_size / num_heads); vocab_size may not be below the tokenizer's.

@@ -62,7 +62,7 @@ Expected<ParallelPlan> make_parallel_plan(const ModelConfig& c, const ParallelCo
                                           DType dtype, const QuantConfig& run) {
   const int64_t tp = parallel.tp_size;
   const int64_t pp = parallel.pp_size;
-  TESSERA_RETURN_IF_ERROR(check_tensor_parallel(c, tp));
+  TESSERA_RETURN_IF_ERROR(check_tensor_parallel(c, tp, parallel.expert_parallel));
   if (pp < 1) return invalid_argument("-pp must be at least 1, got " + std::to_string(pp));
   ParallelPlan plan;
   plan.tp = tp;

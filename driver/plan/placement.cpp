@@ -530,6 +530,7 @@ struct Context {
   const ModelConfig& config;
   const std::vector<ClusterNode>& nodes;
   std::vector<int64_t> partition;
+  bool expert_parallel;
   DType dtype;
   QuantConfig quant;  // the run's: what the weights take on each rank
   bool cpu;
@@ -542,6 +543,7 @@ Expected<ClusterPlan> evaluate(const Context& cx, int64_t tp, int64_t pp) {
   shape.tp_size = static_cast<int>(tp);
   shape.pp_size = static_cast<int>(pp);
   shape.layer_partition = cx.partition;
+  shape.expert_parallel = cx.expert_parallel;
   ClusterPlan out;
   TESSERA_ASSIGN_OR_RETURN(out.plan, make_parallel_plan(cx.config, shape, cx.dtype, cx.quant));
   TESSERA_ASSIGN_OR_RETURN(out.placement, place_ranks(tp, pp, cx.nodes, cx.cpu));
@@ -577,7 +579,8 @@ std::string why_not(const Expected<ClusterPlan>& e) {
 std::vector<Candidate> candidates(const Context& cx, std::optional<int64_t> tp,
                                   std::optional<int64_t> pp, int64_t max_world) {
   std::vector<int64_t> tps =
-      tp ? std::vector<int64_t>{*tp} : valid_tensor_parallel_sizes(cx.config, max_world);
+      tp ? std::vector<int64_t>{*tp}
+         : valid_tensor_parallel_sizes(cx.config, max_world, cx.expert_parallel);
   std::vector<Candidate> out;
   for (int64_t t : tps) {
     if (pp) {
@@ -647,7 +650,7 @@ Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpe
   if (!spec.tensor_parallel_size.is_auto()) tp = spec.tp();
   if (spec.pp() != 0) pp = spec.pp();  // unset: the partition's stages, or 1
   const std::vector<int64_t>& partition = spec.pipeline_layer_partition;
-  Context cx{config, nodes, partition, dtype, quant, cpu, memory};
+  Context cx{config, nodes, partition, spec.enable_expert_parallel, dtype, quant, cpu, memory};
   // CPU actors are not counted: auto keeps them to one rank per fixed size.
   const int64_t max_world = cpu ? tp.value_or(1) * pp.value_or(1) : free_gpus(nodes);
 
@@ -655,7 +658,9 @@ Expected<ClusterPlan> plan_on_cluster(const ModelConfig& config, const EngineSpe
   if (tp && pp) {
     TESSERA_ASSIGN_OR_RETURN(chosen, evaluate(cx, *tp, *pp));
   } else {
-    if (tp) TESSERA_RETURN_IF_ERROR(check_tensor_parallel(config, *tp));
+    if (tp) {
+      TESSERA_RETURN_IF_ERROR(check_tensor_parallel(config, *tp, spec.enable_expert_parallel));
+    }
     // Every candidate, in preference order: fewest stages, then the smallest TP group.
     std::vector<Candidate> order = candidates(cx, tp, pp, std::max<int64_t>(max_world, 1));
     std::stable_sort(order.begin(), order.end(), [](const Candidate& a, const Candidate& b) {

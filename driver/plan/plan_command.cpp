@@ -59,6 +59,9 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
          },
          "Layers per stage, e.g. 10,12,10 (default: even)")
       ->type_name("LIST");
+  cmd->add_flag("--enable-expert-parallel", e.enable_expert_parallel,
+                "Mixture-of-experts models: whole experts on each tensor-parallel rank, tokens "
+                "sent to them by all-to-all (default: every expert split over the ranks)");
   cmd->add_option("--dtype", e.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
   cmd->add_option_function<std::string>(
          "--quantization,-q",
@@ -86,6 +89,12 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
                       std::to_string(kDefaultBatchedTokensFloor) + " and at most " +
                       std::to_string(kDefaultBatchedTokensCeiling) + ")");
   cmd->add_option("--block-size", e.block_size, "Tokens per KV cache block")->capture_default_str();
+  cmd->add_option_function<std::string>(
+         "--load-format",
+         [&e](const std::string& t) { set_parsed(e.load_format, t, parse_load_format); },
+         "auto (the safetensors) | dummy: random weights made on the GPU from config.json "
+         "alone, to benchmark a shape no disk holds (CUDA, unquantized)")
+      ->type_name("FORMAT");
   cmd->add_flag("--enforce-eager", e.enforce_eager,
                 "Do not capture CUDA graphs (no memory kept for them)");
   cmd->add_option_function<std::string>(
@@ -486,6 +495,22 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
   o += "  attention heads: " + std::to_string(c.num_heads / p.tp) + " per rank; " +
        describe_kv_heads(c, p) + "\n";
   o += "  MLP: intermediate " + std::to_string(c.intermediate_size / p.tp) + " per rank\n";
+  const bool moe = c.moe.enabled();
+  const bool ep = moe && p.ranks.front().shard.parallel.expert_parallel;
+  if (moe) {
+    int64_t sparse = 0;
+    for (int64_t l = 0; l < c.num_layers; ++l) sparse += c.moe.sparse_layer(l) ? 1 : 0;
+    o += "  experts: " + std::to_string(c.moe.num_experts) + " per MoE layer (" +
+         std::to_string(sparse) + " of " + std::to_string(c.num_layers) + " layers), top " +
+         std::to_string(c.moe.top_k) + " per token; " +
+         (ep ? "expert parallel: whole experts per rank (the Ranks table), tokens sent to them "
+               "by all-to-all"
+             : "each expert split over the " + std::to_string(p.tp) +
+                   " tensor-parallel ranks (moe intermediate " +
+                   std::to_string(c.moe.expert_intermediate / p.tp) +
+                   " per rank; --enable-expert-parallel places whole experts instead)") +
+         "\n";
+  }
   o += "  vocab: " + std::to_string(c.vocab_size) +
        (p.padded_vocab == c.vocab_size ? std::string(" (no padding)")
                                        : " padded to " + std::to_string(p.padded_vocab) +
@@ -499,6 +524,7 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
   }
   std::vector<std::vector<std::string>> rows = {{"rank", "tp", "pp", "where", "layers", "heads",
                                                  "kv heads", "mlp cols", "vocab rows", "weights"}};
+  if (moe) rows[0].insert(rows[0].end(), {"experts", "expert weights"});
   const bool gpu = !cp.placement.cpu;
   if (gpu) {
     rows[0].insert(rows[0].end(), {"activations", "in use", "KV cache", "KV tokens"});
@@ -518,6 +544,17 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
         range(s.intermediate_begin, s.intermediate_begin + s.intermediate),
         range(s.vocab_begin, s.vocab_begin + s.vocab_shard),
         format_gib(r.weight_bytes)};
+    if (moe) {
+      // The bytes of the experts this rank holds, in every MoE layer of its stage.
+      LayerPlan experts_only = s;
+      std::erase_if(experts_only.weights, [](const WeightShard& w) {
+        return w.spec.kind != WeightKind::kExpertGate && w.spec.kind != WeightKind::kExpertUp &&
+               w.spec.kind != WeightKind::kExpertDown;
+      });
+      row.insert(row.end(), {range(s.expert_begin, s.expert_begin + s.experts) +
+                                 (ep ? "" : " (1/" + std::to_string(p.tp) + " each)"),
+                             format_gib(experts_only.weight_bytes(p.dtype, quant))});
+    }
     if (gpu) {
       row.insert(row.end(), {format_gib(rm.activations), format_gib(rm.in_use),
                              format_gib(rm.kv_bytes), format_count(rm.kv_tokens)});

@@ -146,6 +146,8 @@ py::dict spec_dict(const EngineSpec& e) {
   d["pipeline_parallel_size"] =
       e.pipeline_parallel_size ? py::cast(e.pipeline_parallel_size->to_string()) : py::none();
   d["pipeline_layer_partition"] = e.pipeline_layer_partition;
+  d["enable_expert_parallel"] = e.enable_expert_parallel;
+  d["load_format"] = load_format_name(e.load_format);
   d["max_model_len"] = e.max_model_len;
   d["gpu_memory_utilization"] = e.gpu_memory_utilization;
   d["max_num_seqs"] = e.max_num_seqs;

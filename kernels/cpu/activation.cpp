@@ -12,6 +12,14 @@ namespace {
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// torch's GeluTanh kernel: kBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kKappa = 0.044715, in fp32.
+inline float gelu_tanh(float x) {
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
+  const float kappa = 0.044715f;
+  const float inner = beta * (x + kappa * (x * x * x));
+  return 0.5f * x * (1.0f + std::tanh(inner));
+}
+
 }  // namespace
 
 Status silu_mul(CpuContext& ctx, std::span<const float> gate, std::span<const float> up,
@@ -25,6 +33,20 @@ Status silu_mul(CpuContext& ctx, std::span<const float> gate, std::span<const fl
   // exp costs about ten multiply-adds.
   ctx.parallel_for(n, detail::kParallelWork / 10, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) out[i] = silu(gate[i]) * up[i];
+  });
+  return Status::ok();
+}
+
+Status gelu_tanh_mul(CpuContext& ctx, std::span<const float> gate, std::span<const float> up,
+                     std::span<float> out) {
+  if (gate.size() != up.size() || out.size() != gate.size()) {
+    return invalid_argument("gelu_tanh_mul: gate, up and out must have the same size (got " +
+                            std::to_string(gate.size()) + ", " + std::to_string(up.size()) + ", " +
+                            std::to_string(out.size()) + ")");
+  }
+  const int64_t n = static_cast<int64_t>(gate.size());
+  ctx.parallel_for(n, detail::kParallelWork / 10, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = gelu_tanh(gate[i]) * up[i];
   });
   return Status::ok();
 }

@@ -29,10 +29,13 @@ Status expert_mlp(CpuContext& ctx, const MoeExpert& e, std::span<const float> x,
 Status check_layer(const MoeLayer& l, int64_t hidden) {
   TESSERA_RETURN_IF_ERROR(detail::check_matrix(l.router, "moe: router"));
   const int64_t experts = l.router.shape[0];
-  if (l.router.shape[1] != hidden || static_cast<int64_t>(l.experts.size()) != experts) {
+  const int64_t held = static_cast<int64_t>(l.experts.size());
+  if (l.router.shape[1] != hidden || l.expert_begin < 0 || held < 1 ||
+      l.expert_begin + held > experts) {
     return invalid_argument("moe: router " + l.router.describe() + " needs hidden " +
-                            std::to_string(hidden) + " and " + std::to_string(l.experts.size()) +
-                            " experts");
+                            std::to_string(hidden) + " and experts " +
+                            std::to_string(l.expert_begin) + ".." +
+                            std::to_string(l.expert_begin + held - 1) + " among its rows");
   }
   if (l.top_k < 1 || l.top_k > experts) {
     return invalid_argument("moe: top_k " + std::to_string(l.top_k) + " is not in [1, " +
@@ -95,20 +98,32 @@ Expected<MoeRoute> moe_route(CpuContext& ctx, const MoeLayer& layer, std::span<c
   return r;
 }
 
-Status moe(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x, std::span<float> y) {
+Status moe_experts(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x,
+                   const MoeRoute& route, std::span<float> y) {
   TESSERA_RETURN_IF_ERROR(detail::check_matrix(layer.router, "moe: router"));
-  const int64_t H = layer.router.shape[1];
+  const int64_t H = layer.router.shape[1], K = layer.top_k;
   TESSERA_RETURN_IF_ERROR(check_layer(layer, H));
-  TESSERA_RETURN_IF_ERROR(detail::check_size(y.size(), static_cast<int64_t>(x.size()), "moe: y",
-                                             "[tokens, " + std::to_string(H) + "]"));
-  TESSERA_ASSIGN_OR_RETURN(MoeRoute route, moe_route(ctx, layer, x));
-  const int64_t T = static_cast<int64_t>(x.size()) / H, K = layer.top_k;
-  const int64_t E = static_cast<int64_t>(layer.experts.size());
-  // The (token, slot) pairs of each expert, in token order.
+  if (x.size() % static_cast<size_t>(H) != 0) {
+    return invalid_argument("moe: x has " + std::to_string(x.size()) +
+                            " elements, not a multiple of hidden " + std::to_string(H));
+  }
+  const int64_t T = static_cast<int64_t>(x.size()) / H;
+  TESSERA_RETURN_IF_ERROR(
+      detail::check_size(y.size(), T * H, "moe: y", "[tokens, " + std::to_string(H) + "]"));
+  if (static_cast<int64_t>(route.expert.size()) != T * K ||
+      static_cast<int64_t>(route.weight.size()) != T * K) {
+    return invalid_argument("moe: a route of " + std::to_string(route.expert.size()) +
+                            " slots for " + std::to_string(T) + " tokens of top_k " +
+                            std::to_string(K));
+  }
+  const int64_t E = static_cast<int64_t>(layer.experts.size()), first = layer.expert_begin;
+  // The (token, weight) pairs of each expert held here, in token order.
   std::vector<std::vector<std::pair<int64_t, float>>> chosen(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {
-    for (int64_t k = 0; k < K; ++k)
-      chosen[route.expert[t * K + k]].push_back({t, route.weight[t * K + k]});
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = route.expert[t * K + k] - first;
+      if (e >= 0 && e < E) chosen[static_cast<size_t>(e)].push_back({t, route.weight[t * K + k]});
+    }
   }
   std::fill(y.begin(), y.end(), 0.0f);
   std::vector<float> rows, out;
@@ -127,7 +142,17 @@ Status moe(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x, std
       for (int64_t h = 0; h < H; ++h) dst[h] += src[h] * w;
     }
   }
+  return Status::ok();
+}
+
+Status moe_shared(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x,
+                  std::span<float> y) {
   if (layer.shared.gate.data == nullptr) return Status::ok();
+  const int64_t H = layer.router.shape.at(1);
+  const int64_t T = static_cast<int64_t>(x.size()) / H;
+  TESSERA_RETURN_IF_ERROR(detail::check_size(y.size(), static_cast<int64_t>(x.size()), "moe: y",
+                                             "[tokens, " + std::to_string(H) + "]"));
+  std::vector<float> out;
   TESSERA_RETURN_IF_ERROR(expert_mlp(ctx, layer.shared, x, out));
   std::vector<float> gate(static_cast<size_t>(T));
   TESSERA_RETURN_IF_ERROR(linear(ctx, x, layer.shared_gate, nullptr, gate));
@@ -136,6 +161,22 @@ Status moe(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x, std
     for (int64_t h = 0; h < H; ++h) y[t * H + h] += g * out[t * H + h];
   }
   return Status::ok();
+}
+
+Status moe(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x, std::span<float> y,
+           std::vector<int64_t>* routed) {
+  TESSERA_RETURN_IF_ERROR(detail::check_matrix(layer.router, "moe: router"));
+  const int64_t H = layer.router.shape[1];
+  TESSERA_RETURN_IF_ERROR(check_layer(layer, H));
+  TESSERA_RETURN_IF_ERROR(detail::check_size(y.size(), static_cast<int64_t>(x.size()), "moe: y",
+                                             "[tokens, " + std::to_string(H) + "]"));
+  TESSERA_ASSIGN_OR_RETURN(MoeRoute route, moe_route(ctx, layer, x));
+  if (routed != nullptr) {
+    routed->resize(static_cast<size_t>(layer.router.shape[0]), 0);
+    for (int32_t e : route.expert) ++(*routed)[static_cast<size_t>(e)];
+  }
+  TESSERA_RETURN_IF_ERROR(moe_experts(ctx, layer, x, route, y));
+  return moe_shared(ctx, layer, x, y);
 }
 
 }  // namespace tessera::cpu

@@ -30,8 +30,10 @@ struct MoeExpert {
 };
 
 struct MoeLayer {
-  TensorView router;               // [experts, hidden]
-  std::vector<MoeExpert> experts;  // `experts` of them, the same inter each
+  TensorView router;               // [experts, hidden]: every expert of the model
+  std::vector<MoeExpert> experts;  // the ones held here, the same inter each: all of them, or
+                                   // (expert parallel) experts[i] is expert expert_begin + i
+  int64_t expert_begin = 0;
   int64_t top_k = 0;               // 1 .. experts
   bool renormalize = true;
   MoeExpert shared;        // data == null: no shared expert
@@ -47,6 +49,19 @@ struct MoeRoute {
 Expected<MoeRoute> moe_route(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x);
 
 //   x: [tokens, hidden] fp32;  y: [tokens, hidden] fp32 (overwritten), must not overlap x
-Status moe(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x, std::span<float> y);
+// `routed`, when given, gains each expert's routings (router rows entries).
+Status moe(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x, std::span<float> y,
+           std::vector<int64_t>* routed = nullptr);
+
+// moe()'s parts, for expert parallelism, where the routed rows travel to the rank holding their
+// experts and back:
+//   moe_experts: y[t] = Σ weight · expert(x[t]) over the slots of row t (route: [tokens, top_k],
+//     expert ids of the model) whose expert this layer holds (others are skipped; an id < 0 is an
+//     empty slot), in expert order as moe() sums; y overwritten.
+//   moe_shared: y += Qwen2-MoE's gated shared expert of x (nothing when the layer has none).
+Status moe_experts(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x,
+                   const MoeRoute& route, std::span<float> y);
+Status moe_shared(CpuContext& ctx, const MoeLayer& layer, std::span<const float> x,
+                  std::span<float> y);
 
 }  // namespace tessera::cpu

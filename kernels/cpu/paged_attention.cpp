@@ -11,7 +11,8 @@ namespace tessera::cpu {
 
 namespace {
 
-Status check_seqs(const KvCacheShape& shape, std::span<const AttentionSeq> seqs, int64_t* total_q) {
+Status check_seqs(const KvCacheShape& shape, std::span<const AttentionSeq> seqs, int64_t window,
+                  int64_t* total_q) {
   *total_q = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const AttentionSeq& seq = seqs[s];
@@ -27,7 +28,10 @@ Status check_seqs(const KvCacheShape& shape, std::span<const AttentionSeq> seqs,
                               " blocks, context_len " + std::to_string(seq.context_len) +
                               " needs " + std::to_string(blocks));
     }
-    for (int64_t b = 0; b < blocks; ++b) {
+    // Blocks wholly before the first query's window are not read: their entries are not checked.
+    const int64_t first_read =
+        attention_window_start(seq.context_len - seq.query_len, window) / shape.block_size;
+    for (int64_t b = seq.query_len > 0 ? first_read : blocks; b < blocks; ++b) {
       const int32_t id = seq.block_table[b];
       if (id < 0 || id >= shape.num_blocks) {
         return invalid_argument(where + "block id " + std::to_string(id) + " at index " +
@@ -44,21 +48,23 @@ Status check_seqs(const KvCacheShape& shape, std::span<const AttentionSeq> seqs,
 struct QueryRow {
   const AttentionSeq* seq;
   int64_t row;       // row in q / out
-  int64_t position;  // its position in the sequence; attends to 0 ..= position
+  int64_t position;  // its position in the sequence; attends to start ..= position
+  int64_t start;     // attention_window_start(position, window)
 };
 
 }  // namespace
 
 Status paged_attention(CpuContext& ctx, const PagedKvCache& cache, int64_t layer,
-                       std::span<const float> q, std::span<const AttentionSeq> seqs, float scale,
-                       std::span<float> out) {
+                       std::span<const float> q, std::span<const AttentionSeq> seqs,
+                       const AttentionScoring& scoring, std::span<float> out) {
   const KvCacheShape& shape = cache.shape();
   if (layer < 0 || layer >= shape.num_layers) {
     return invalid_argument("paged_attention: layer " + std::to_string(layer) + " is outside [0, " +
                             std::to_string(shape.num_layers) + ")");
   }
+  TESSERA_RETURN_IF_ERROR(check_attention_scoring(scoring, "paged_attention: "));
   int64_t total_q = 0;
-  TESSERA_RETURN_IF_ERROR(check_seqs(shape, seqs, &total_q));
+  TESSERA_RETURN_IF_ERROR(check_seqs(shape, seqs, scoring.window, &total_q));
   const int64_t hd = shape.head_dim;
   const int64_t kv_heads = shape.num_kv_heads;
   if (total_q == 0) {
@@ -81,22 +87,26 @@ Status paged_attention(CpuContext& ctx, const PagedKvCache& cache, int64_t layer
 
   std::vector<QueryRow> rows;
   rows.reserve(static_cast<size_t>(total_q));
-  int64_t max_context = 0;
+  int64_t max_keys = 0;  // keys the widest row reads
   for (const AttentionSeq& seq : seqs) {
     const int64_t first = seq.context_len - seq.query_len;
     for (int64_t j = 0; j < seq.query_len; ++j) {
-      rows.push_back({&seq, static_cast<int64_t>(rows.size()), first + j});
+      const int64_t pos = first + j;
+      const int64_t start = attention_window_start(pos, scoring.window);
+      rows.push_back({&seq, static_cast<int64_t>(rows.size()), pos, start});
+      max_keys = std::max(max_keys, pos + 1 - start);
     }
-    max_context = std::max(max_context, seq.context_len);
   }
+  const float scale = scoring.scale;
+  const float cap = scoring.softcap;
 
   // Work items: (query token, kv head); the `group` query heads that share a kv head are done
   // together so each K/V row is loaded once for all of them.
   const int64_t items = total_q * kv_heads;
-  const int64_t item_work = std::max<int64_t>(1, group * max_context * hd * 2);
+  const int64_t item_work = std::max<int64_t>(1, group * max_keys * hd * 2);
   const int64_t grain = std::max<int64_t>(1, detail::kParallelWork / item_work);
   ctx.parallel_for(items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(group * max_context));
+    std::vector<float> scores(static_cast<size_t>(group * max_keys));
     // The softmax denominators and the weighted sums of V are accumulated in double: over long
     // contexts a sequential fp32 sum would drift more than the kernels tested against this.
     std::vector<double> acc(static_cast<size_t>(group * hd));
@@ -107,14 +117,18 @@ Status paged_attention(CpuContext& ctx, const PagedKvCache& cache, int64_t layer
     for (int64_t item = begin; item < end; ++item) {
       const QueryRow& r = rows[item / kv_heads];
       const int64_t kvh = item % kv_heads;
-      const int64_t len = r.position + 1;
+      const int64_t start = r.start;  // scores[i] is position start + i
+      const int64_t len = r.position + 1 - start;
       const std::span<const int32_t> table = r.seq->block_table;
       const float* qh = q.data() + (r.row * heads + kvh * group) * hd;  // `group` heads
-      for (int64_t p = 0; p < len; ++p) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t p = start + i;
         const float* k =
             cache.key(layer, table[p / shape.block_size], p % shape.block_size) + kvh * hd;
         for (int64_t g = 0; g < group; ++g) {
-          scores[g * len + p] = detail::dot(qh + g * hd, k, hd) * scale;
+          float x = detail::dot(qh + g * hd, k, hd) * scale;
+          if (cap > 0.0f) x = std::tanh(x / cap) * cap;
+          scores[g * len + i] = x;
         }
       }
       for (int64_t g = 0; g < group; ++g) {  // exp(s - max): every weight is in (0, 1]
@@ -128,11 +142,12 @@ Status paged_attention(CpuContext& ctx, const PagedKvCache& cache, int64_t layer
         sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t p = 0; p < len; ++p) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t p = start + i;
         const float* v =
             cache.value(layer, table[p / shape.block_size], p % shape.block_size) + kvh * hd;
         for (int64_t g = 0; g < group; ++g) {
-          const double w = scores[g * len + p];
+          const double w = scores[g * len + i];
           double* a = acc.data() + g * hd;
           for (int64_t d = 0; d < hd; ++d) a[d] += w * v[d];
         }

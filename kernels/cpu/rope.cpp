@@ -35,9 +35,42 @@ float llama3_inv_freq(float inv_freq, const Llama3RopeScaling& s) {
 
 Expected<RopeTable> RopeTable::create(int64_t head_dim, double theta, int64_t max_position,
                                       std::optional<Llama3RopeScaling> scaling) {
+  RopeSpec spec;
+  spec.head_dim = head_dim;
+  spec.theta = theta;
+  spec.llama3 = scaling;
+  return create(spec, max_position);
+}
+
+Expected<RopeTable> RopeTable::create(const RopeSpec& spec, int64_t max_position) {
+  const int64_t head_dim = spec.head_dim;
+  const double theta = spec.theta;
+  const std::optional<Llama3RopeScaling>& scaling = spec.llama3;
+  const int64_t rotary_dim = spec.rotary_dim == 0 ? head_dim : spec.rotary_dim;
   if (head_dim <= 0 || head_dim % 2 != 0) {
     return invalid_argument("rope: head_dim must be even and positive, got " +
                             std::to_string(head_dim));
+  }
+  if (rotary_dim <= 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim) {
+    return invalid_argument("rope: rotary_dim must be even, in (0, head_dim " +
+                            std::to_string(head_dim) + "], got " + std::to_string(rotary_dim));
+  }
+  if (!(spec.linear_factor > 0.0) || !std::isfinite(spec.linear_factor)) {
+    return invalid_argument("rope: the linear factor must be positive, got " +
+                            std::to_string(spec.linear_factor));
+  }
+  if (spec.longrope) {
+    const LongRopeScaling& l = *spec.longrope;
+    const size_t n = static_cast<size_t>(rotary_dim / 2);
+    bool ok = l.short_factor.size() == n && l.long_factor.size() == n &&
+              l.original_max_position_embeddings > 0 && l.attention_factor > 0.0;
+    for (double f : l.short_factor) ok = ok && f > 0.0;
+    for (double f : l.long_factor) ok = ok && f > 0.0;
+    if (!ok) {
+      return invalid_argument("rope: longrope needs short_factor and long_factor of " +
+                              std::to_string(n) + " (rotary_dim / 2) positive entries, " +
+                              "original_max_position_embeddings > 0 and attention_factor > 0");
+    }
   }
   if (!(theta > 0.0) || !std::isfinite(theta)) {
     return invalid_argument("rope: theta must be positive, got " + std::to_string(theta));
@@ -57,26 +90,45 @@ Expected<RopeTable> RopeTable::create(int64_t head_dim, double theta, int64_t ma
   }
   RopeTable t;
   t.head_dim_ = head_dim;
+  t.rotary_dim_ = rotary_dim;
   t.max_position_ = max_position;
-  const int64_t half = head_dim / 2;
-  t.inv_freq_.resize(static_cast<size_t>(half));
+  const int64_t half = rotary_dim / 2;
   const float base = static_cast<float>(theta);
-  for (int64_t i = 0; i < half; ++i) {
-    // arange(0, dim, 2).float() / dim, then base ** that (fp32 result), then 1.0 / that.
-    const float exponent = static_cast<float>(2 * i) / static_cast<float>(head_dim);
-    const float p = static_cast<float>(std::pow(static_cast<double>(base), exponent));
-    float inv = 1.0f / p;
-    if (scaling) inv = llama3_inv_freq(inv, *scaling);
-    t.inv_freq_[i] = inv;
-  }
+  // arange(0, dim, 2).float() / dim, then base ** that (fp32 result); longrope multiplies it by
+  // its factor (fp32) before the reciprocal.
+  auto inv_freqs = [&](const std::vector<double>* factors) {
+    std::vector<float> inv(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; ++i) {
+      const float exponent = static_cast<float>(2 * i) / static_cast<float>(rotary_dim);
+      float p = static_cast<float>(std::pow(static_cast<double>(base), exponent));
+      if (factors != nullptr) p = static_cast<float>((*factors)[static_cast<size_t>(i)]) * p;
+      float f = 1.0f / p;
+      if (scaling) f = llama3_inv_freq(f, *scaling);
+      if (spec.linear_factor != 1.0) f = f / static_cast<float>(spec.linear_factor);
+      inv[static_cast<size_t>(i)] = f;
+    }
+    return inv;
+  };
+  const LongRopeScaling* lr = spec.longrope ? &*spec.longrope : nullptr;
+  t.inv_freq_ = inv_freqs(lr ? &lr->short_factor : nullptr);
+  const std::vector<float> long_inv = lr ? inv_freqs(&lr->long_factor) : std::vector<float>();
+  const float attention = lr ? static_cast<float>(lr->attention_factor) : 1.0f;
   t.cos_.resize(static_cast<size_t>(max_position * half));
   t.sin_.resize(static_cast<size_t>(max_position * half));
   for (int64_t pos = 0; pos < max_position; ++pos) {
     const float fpos = static_cast<float>(pos);
+    const bool long_pos = lr != nullptr && pos >= lr->original_max_position_embeddings;
+    const std::vector<float>& inv = long_pos ? long_inv : t.inv_freq_;
     for (int64_t i = 0; i < half; ++i) {
-      const double freq = static_cast<double>(t.inv_freq_[i] * fpos);  // fp32 product
-      t.cos_[pos * half + i] = static_cast<float>(std::cos(freq));
-      t.sin_[pos * half + i] = static_cast<float>(std::sin(freq));
+      const double freq = static_cast<double>(inv[i] * fpos);  // fp32 product
+      float c = static_cast<float>(std::cos(freq));
+      float s = static_cast<float>(std::sin(freq));
+      if (lr != nullptr) {  // emb.cos() * attention_scaling, in fp32
+        c *= attention;
+        s *= attention;
+      }
+      t.cos_[pos * half + i] = c;
+      t.sin_[pos * half + i] = s;
     }
   }
   return t;
@@ -86,7 +138,7 @@ Status apply_rope(CpuContext& ctx, const RopeTable& table, std::span<const int64
                   std::span<float> q, std::span<float> k) {
   const int64_t n = static_cast<int64_t>(positions.size());
   const int64_t hd = table.head_dim();
-  const int64_t half = hd / 2;
+  const int64_t half = table.rotary_dim() / 2;  // the rotated part's halves; the rest passes
   if (n == 0) {
     if (!q.empty() || !k.empty())
       return invalid_argument("apply_rope: q/k given without positions");

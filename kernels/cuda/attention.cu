@@ -30,8 +30,9 @@
 //                                                       its own softmax denominator
 //   lse:    [num_splits][total_q][num_heads]            natural-log sum-exp of the split's
 //                                                       scaled scores; -inf when it saw no key
-// A sequence spreads its context over the num_splits CTAs in whole 64-key tiles (seq_split_size)
-// and uses n_used = ceil(context_len / that) of them, computed on the device from context_lens
+// A sequence spreads the keys its rows read (its context; with a sliding window, from its first
+// query's window start on) over the num_splits CTAs in whole 64-key tiles (seq_split_size) and
+// uses n_used = ceil(keys / that) of them, computed on the device from context_lens
 // (graphs replay one num_splits with varying lengths); splits past n_used do nothing and the
 // combine reads only the first n_used. When n_used == 1 the single split writes `out` directly and
 // the combine skips the sequence.
@@ -220,20 +221,21 @@ __device__ __forceinline__ void lds(uint32_t addr, uint32_t* out) {
   }
 }
 
-// Keys per split for a sequence of `ctx` keys: its context spread over all num_splits CTAs,
-// rounded up to whole 64-key tiles (never more than split_size, since num_splits * split_size
-// covers every context). Decided on the device from the actual context, so a CUDA graph captured
-// with a fixed num_splits still spreads a short context over several CTAs.
-__device__ __forceinline__ int seq_split_size(const Params& p, int ctx) {
-  const int per = (ctx + p.num_splits - 1) / p.num_splits;
+// Keys per split for a sequence that reads `keys` keys (its context, or with a window the keys
+// from its first query's window start on): spread over all num_splits CTAs, rounded up to whole
+// 64-key tiles (never more than split_size, since num_splits * split_size covers every context).
+// Decided on the device from the actual lengths, so a CUDA graph captured with a fixed
+// num_splits still spreads a short context over several CTAs.
+__device__ __forceinline__ int seq_split_size(const Params& p, int keys) {
+  const int per = (keys + p.num_splits - 1) / p.num_splits;
   return max(kSplitAlign, (per + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
 }
 
-// Splits sequence `ctx` uses: ceil(ctx / seq_split_size) (1 without split-K).
-__device__ __forceinline__ int splits_used(const Params& p, int ctx) {
+// Splits a sequence reading `keys` keys uses: ceil(keys / seq_split_size) (1 without split-K).
+__device__ __forceinline__ int splits_used(const Params& p, int keys) {
   if (p.num_splits <= 1) return 1;
-  const int per = seq_split_size(p, ctx);
-  return min(p.num_splits, (ctx + per - 1) / per);
+  const int per = seq_split_size(p, keys);
+  return min(p.num_splits, (keys + per - 1) / per);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -275,16 +277,21 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
   if (tile_row0 >= rows_valid) return;
   const int kv_head = static_cast<int>(blockIdx.z) / p.num_splits;
   const int split = static_cast<int>(blockIdx.z) % p.num_splits;
-  const int n_used = splits_used(p, ctx);
+  const int first_pos = ctx - qlen;  // position of the sequence's first query token
+  // The sequence's rows read keys [seq_begin, ctx): with a window, the keys before its first
+  // query's window are never loaded, and the splits share only the keys that are read.
+  const int seq_begin = window_start(p, first_pos);
+  const int n_used = splits_used(p, ctx - seq_begin);
   if (split >= n_used) return;
   const bool direct = n_used == 1;  // write `out`, no workspace
 
-  const int per_split = p.num_splits > 1 ? seq_split_size(p, ctx) : ctx;
-  const int kv_begin = p.num_splits > 1 ? split * per_split : 0;
-  const int split_end = p.num_splits > 1 ? min(ctx, kv_begin + per_split) : ctx;
-  const int first_pos = ctx - qlen;  // position of the sequence's first query token
+  const int per_split = p.num_splits > 1 ? seq_split_size(p, ctx - seq_begin) : ctx;
+  const int split_begin = p.num_splits > 1 ? seq_begin + split * per_split : 0;
+  const int split_end = p.num_splits > 1 ? min(ctx, split_begin + per_split) : ctx;
   const int last_row = min(tile_row0 + kRowsPerCta - 1, rows_valid - 1);
-  // Keys [kv_begin, kv_end) are visible to at least one row of this CTA.
+  // Keys [kv_begin, kv_end) are visible to at least one row of this CTA: from its first row's
+  // window start to its last row's position.
+  const int kv_begin = max(split_begin, window_start(p, first_pos + tile_row0 / group));
   const int kv_end = min(split_end, first_pos + last_row / group + 1);
   const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0;
 
@@ -302,10 +309,15 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
   // Largest key any row of the warp may see, and the smallest key limit (below it no masking).
   const int warp_max_lim = min(first_pos + warp_last / group, kv_end - 1);
   const int warp_min_lim = min(first_pos + warp_row0 / group, kv_end - 1);
+  // The window's starts of the warp's first and last rows: no row sees a key below the first,
+  // every row sees the keys from the last on (up to its limit), so no masking there.
+  const int warp_min_lo = window_start(p, first_pos + warp_row0 / group);
+  const int warp_max_lo = window_start(p, first_pos + warp_last / group);
 
   // This thread's two rows (gid and gid + 8 of the warp's 16).
   int64_t row_index[2];  // (q row) * num_heads + head, or -1 past the sequence's rows
   int row_lim[2];        // last key the row may see (-1: none)
+  int row_lo[2];         // first key the row may see (its window's start)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp_row0 + gid + 8 * r;
@@ -314,9 +326,11 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       const int head = kv_head * group + row % group;
       row_index[r] = static_cast<int64_t>(q_start + token) * p.num_heads + head;
       row_lim[r] = min(first_pos + token, kv_end - 1);
+      row_lo[r] = window_start(p, first_pos + token);
     } else {
       row_index[r] = -1;
       row_lim[r] = -1;
+      row_lo[r] = 0;
     }
   }
 
@@ -411,21 +425,21 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
   }
 
   // Online softmax over one tile's scores s (NT n-tiles, this warp's rows) whose first key is
-  // `key0`: scales into the log2 domain, masks, updates m, l and O, and returns P rounded to
-  // the MMA input type (Ops) as the A fragments of P V.
+  // `key0`: scales into the log2 domain, soft-caps, masks (causal and window), updates m, l and
+  // O, and returns P rounded to the MMA input type (Ops) as the A fragments of P V.
   auto softmax = [&](auto ops, auto nt, float(&s)[decltype(nt)::value][4], int key0,
                      uint32_t(&pa)[decltype(nt)::value / 2][4]) {
     using POps = decltype(ops);
     constexpr int NT = decltype(nt)::value;
-    const bool need_mask = key0 + NT * 8 - 1 > warp_min_lim;
+    const bool need_mask = key0 + NT * 8 - 1 > warp_min_lim || key0 < warp_max_lo;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * p.scale_log2;
+        float x = soft_cap_log2(p, s[j][e] * p.scale_log2);
         if (need_mask) {
           const int key = key0 + j * 8 + 2 * tig + (e & 1);
-          if (key > row_lim[e >> 1]) x = neg_inf();
+          if (key > row_lim[e >> 1] || key < row_lo[e >> 1]) x = neg_inf();
         }
         s[j][e] = x;
       }
@@ -713,8 +727,12 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       const int stage = t % kStages;
       const uint32_t k_stage = smem_base + stage * kStageBytes;
       const uint32_t v_stage = smem_base + (kStages + stage) * kStageBytes;
+      // Whether this warp's keys of the tile (its 16, or all) reach its rows' windows.
+      const bool keys_seen =
+          kSplit ? n0 + warp * 16 <= warp_max_lim && n0 + warp * 16 + 15 >= warp_min_lo
+                 : n0 <= warp_max_lim && n0 + kBlockN - 1 >= warp_min_lo;
       if constexpr (kSplit && kRegs) {
-        if (n0 + warp * 16 <= warp_max_lim) compute_tile_regs(n0, warp * 16, k_stage, v_stage);
+        if (keys_seen) compute_tile_regs(n0, warp * 16, k_stage, v_stage);
       } else {
         // FP8: K is widened now, V after S and the softmax, both into sk_wide, which the MMAs
         // read.
@@ -732,11 +750,10 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
         const uint32_t sk = FP8 ? sk_wide : k_stage;
         const uint32_t sv = FP8 ? sk_wide : v_stage;
         if constexpr (kSplit) {
-          compute_tile(std::integral_constant<int, 2>{}, n0, warp * 16, sk, sv,
-                       n0 + warp * 16 <= warp_max_lim, between);
+          compute_tile(std::integral_constant<int, 2>{}, n0, warp * 16, sk, sv, keys_seen, between);
         } else {
           compute_tile(std::integral_constant<int, kSTiles>{}, n0, 0, sk, sv,
-                       warp_active && n0 <= warp_max_lim, between);
+                       warp_active && keys_seen, between);
         }
       }
       sync_tile();  // the next iteration's prefetch overwrites this stage
@@ -872,10 +889,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int seq = blockIdx.y;
   const int ctx = p.context_lens[seq];
   if (ctx <= 0) return;
-  const int n_used = splits_used(p, ctx);
-  if (n_used <= 1) return;  // the attention kernel wrote `out` itself
   const int q_start = p.cu_query_lens[seq];
   const int qlen = p.cu_query_lens[seq + 1] - q_start;
+  const int n_used = splits_used(p, ctx - window_start(p, ctx - qlen));
+  if (n_used <= 1) return;  // the attention kernel wrote `out` itself
   const int row = static_cast<int>(blockIdx.x) * kRowsPerCtaCombine +
                   static_cast<int>(threadIdx.x) / kThreadsPerRow;
   const int token = row / p.num_heads;
@@ -914,7 +931,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 // The general kernel: any even head size up to kMaxHeadDim that the tensor-core kernel has no
 // instance for (e.g. 80, 96, 192, or sizes not a multiple of 8). One warp per (query token,
 // head) row, lane l holding elements l + 32 e (e < EPL) of q and of the output; keys one at a
-// time (a warp-sum dot product, an online softmax in the log2 domain, fp32 throughout). Slower
+// time from the row's window start (a warp-sum dot product, the soft-cap, an online softmax in
+// the log2 domain, fp32 throughout). Slower
 // than the tile kernel but exact to the same tolerance; no split-K (it ignores num_splits).
 // Grid (ceil(max_query_len * num_heads / kGenericWarps), num_seqs), kGenericWarps warps.
 constexpr int kMaxHeadDim = 1024;
@@ -939,6 +957,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
   const int head = static_cast<int>(row % p.num_heads);
   const int kv_head = head / p.group;
   const int last_key = min(ctx - 1, ctx - qlen + token);  // causal: the row's own position
+  const int first_key = window_start(p, last_key);
   const int64_t index = static_cast<int64_t>(q_start + token) * p.num_heads + head;
   const T* q = static_cast<const T*>(p.q) + index * head_dim;
   const KV* k_cache = static_cast<const KV*>(p.k_cache);
@@ -953,7 +972,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
     o[e] = 0.0f;
   }
   float m = neg_inf(), l = 0.0f;
-  for (int key = 0; key <= last_key; ++key) {
+  for (int key = first_key; key <= last_key; ++key) {
     const int64_t slot = paged_slot(p, table, key);
     const int64_t base = (slot * p.num_kv_heads + kv_head) * head_dim;
     float dot = 0.0f;
@@ -962,7 +981,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
       const int d = lane + 32 * e;
       if (d < head_dim) dot += qv[e] * dev::to_float(k_cache[base + d]);
     }
-    const float s = dev::warp_sum(dot);
+    const float s = soft_cap_log2(p, dev::warp_sum(dot));
     const float m_new = fmaxf(m, s);
     const float alpha = fast_exp2(m - m_new);  // 0 while m is -inf
     const float pe = fast_exp2(s - m_new);
@@ -1126,6 +1145,8 @@ Status check_args(const AttentionArgs& a) {
     return bad("q, out, k_cache and v_cache must be 16-byte aligned");
   }
   if (a.q == a.out) return bad("out must not overlap q");
+  TESSERA_RETURN_IF_ERROR(check_attention_scoring(a.scoring, "paged_attention: "));
+  if (!(a.scoring.scale > 0.0f)) return bad("scale must be positive");
   if (a.head_dim < 2 || a.head_dim % 2 != 0 || a.head_dim > kMaxHeadDim) {
     return bad("head_dim " + std::to_string(a.head_dim) + " is not an even number from 2 to " +
                std::to_string(kMaxHeadDim));
@@ -1232,7 +1253,14 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   params.num_heads = args.num_heads;
   params.num_kv_heads = args.num_kv_heads;
   params.group = args.num_heads / args.num_kv_heads;
-  params.scale_log2 = args.scale * kLog2e;
+  params.scale_log2 = args.scoring.scale * kLog2e;
+  if (args.scoring.softcap > 0.0f) {
+    params.softcap_log2 = args.scoring.softcap * kLog2e;
+    params.inv_softcap_log2 = 1.0f / params.softcap_log2;
+  }
+  // A window of 2^30 keys or more covers every context the kernels take: full attention.
+  params.window =
+      args.scoring.window < (int64_t{1} << 30) ? static_cast<int>(args.scoring.window) : 0;
   params.num_splits = args.num_splits;
   params.split_size = args.num_splits > 1 ? args.split_size : 0;
   params.total_q = args.total_q;

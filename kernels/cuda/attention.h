@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "common/attention_scoring.h"
 #include "common/kv_cache_dtype.h"
 #include "common/status.h"
 #include "common/tensor.h"
@@ -72,8 +73,10 @@ struct AttentionArgs {
   //   context_lens:  [num_seqs] int32, tokens in the cache including the new ones; a sequence
   //                  with context_len 0 is padding: skipped, its output rows left unwritten
   //   block_tables:  [num_seqs, block_table_stride] int32 block ids
-  // Query token j of sequence s sits at position context_len - query_len + j and attends to
-  // positions 0 ..= that position.
+  // Query token j of sequence s sits at position p = context_len - query_len + j and attends to
+  // positions attention_window_start(p, scoring.window) ..= p. With a window, the block-table
+  // entries of blocks wholly before the window of the sequence's first query are never read
+  // (the engine may have freed those blocks): decode reads only the window's blocks.
   const int32_t* cu_query_lens = nullptr;
   const int32_t* context_lens = nullptr;
   const int32_t* block_tables = nullptr;
@@ -83,14 +86,17 @@ struct AttentionArgs {
   int num_heads = 0;
   int num_kv_heads = 0;  // divides num_heads
   int head_dim = 0;      // even, 2 .. 1024; 16, 32, 64, 128 and 256 take the tile kernel
-  float scale = 0.0f;    // usually 1 / sqrt(head_dim)
+  // scale (usually 1 / sqrt(head_dim); > 0), the logit soft-cap (0 = off: c tanh(s / c) on the
+  // scaled score before the mask) and the sliding window (0 = full), as cpu::paged_attention.
+  AttentionScoring scoring;
   // Split-K: num_splits CTAs per sequence and KV head share its keys. split_size (a multiple of
   // 64) is the capacity: num_splits * split_size >= every context_len. On the device each
-  // sequence spreads its own context over the splits in whole 64-key tiles
-  // (ceil(context_len / num_splits) rounded up to 64), so a CUDA graph captured with one
-  // num_splits still cuts a 256-token context 4 ways and an 8k one 32 ways; a sequence that
-  // needs a single split writes `out` directly. With num_splits == 1 there is no workspace and
-  // no combine, and split_size is ignored.
+  // sequence spreads the keys its queries read (its whole context, or from its first query's
+  // window start on with a window) over the splits in whole 64-key tiles (ceil(keys /
+  // num_splits) rounded up to 64), so a CUDA graph captured with one num_splits still cuts a
+  // 256-token context 4 ways and an 8k one 32 ways; a sequence that needs a single split writes
+  // `out` directly. With num_splits == 1 there is no workspace and no combine, and split_size is
+  // ignored.
   int num_splits = 1;
   int split_size = 0;
   // attention_workspace_bytes(total_q, num_heads, head_dim, num_splits), fp32:
@@ -123,11 +129,13 @@ struct SplitPlan {
 };
 SplitPlan plan_attention_splits(int num_seqs, int num_kv_heads, int64_t max_context, int num_sms);
 
-// out = softmax(q . K^T * scale + causal mask) . V per sequence and head (see
-// cpu::paged_attention). Launches on `stream` (one kernel, two with split-K), graph-capturable: no
-// allocation, no synchronization. INVALID_ARGUMENT for unsupported shapes, null or misaligned
-// pointers, or a split-K launch without workspace / with a split_size that is not a positive
-// multiple of 64.
+// out = softmax(mask(cap(q . K^T * scale))) . V per sequence and head, the mask causal and
+// narrowed to the window (see cpu::paged_attention). Every kernel (tiles, decode, split-K, the
+// general head sizes, Hopper prefill) skips the key tiles wholly outside a CTA's rows' windows.
+// Launches on `stream` (one kernel, two with split-K), graph-capturable: no allocation, no
+// synchronization. INVALID_ARGUMENT for unsupported shapes, null or misaligned pointers, a bad
+// scoring (check_attention_scoring, or a scale <= 0), or a split-K launch without workspace /
+// with a split_size that is not a positive multiple of 64.
 Status paged_attention(const AttentionArgs& args, cudaStream_t stream);
 
 }  // namespace tessera::cuda

@@ -47,6 +47,12 @@ struct Params {
   int num_kv_heads;
   int group;
   float scale_log2;  // scale * log2(e)
+  // The logit soft-cap in the log2 domain: c * log2(e) and its inverse (both 0: off). A score
+  // x = s * scale_log2 becomes softcap_log2 * tanh(x * inv_softcap_log2) = log2(e) * c tanh(s
+  // scale / c).
+  float softcap_log2;
+  float inv_softcap_log2;
+  int window;  // 0 = full causal; w > 0: the query at position p reads keys p - w + 1 ..= p
   // Split-K (the tile kernel; the Hopper kernel has none): see attention.cu.
   int num_splits;
   int split_size;
@@ -54,6 +60,16 @@ struct Params {
   float* ws_lse;
   int64_t total_q;
 };
+
+// The first key a query at `pos` reads (its window's start; 0 without a window).
+__device__ __forceinline__ int window_start(const Params& p, int pos) {
+  return p.window > 0 && pos >= p.window ? pos - p.window + 1 : 0;
+}
+
+// A scaled score in the log2 domain (x = q . k * scale * log2(e)) after the soft-cap, if any.
+__device__ __forceinline__ float soft_cap_log2(const Params& p, float x) {
+  return p.softcap_log2 > 0.0f ? p.softcap_log2 * tanhf(x * p.inv_softcap_log2) : x;
+}
 
 // The cache slot of `key` of a sequence whose block table is `table`.
 __device__ __forceinline__ int64_t paged_slot(const Params& p, const int32_t* table, int key) {

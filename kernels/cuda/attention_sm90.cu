@@ -3,15 +3,17 @@
 // paged K/V tiles while two consumer warpgroups compute, and mbarriers between them.
 //
 // A CTA owns 128 packed rows of one KV head of one sequence (row R = token R / G, query head
-// kv_head * G + R % G, as in attention.cu) and walks the keys its last row can see in tiles of
-// 128, K and V each kStages deep:
+// kv_head * G + R % G, as in attention.cu) and walks the keys its rows can see (from the tile
+// holding its first row's sliding-window start, 0 without a window, to its last row's position)
+// in tiles of 128, K and V each kStages deep:
 //   warpgroup 0 (producer): cp.async gathers of each tile's 128 keys through the block table
 //     (16-byte chunks, zero-filled past the context) into the 128-byte-swizzled layout wgmma
 //     reads, then cp.async.mbarrier.arrive on the tile's "full" barrier; it reuses a stage once
 //     the consumers' 8 warps have arrived on its "empty" barrier. TMA would need 16-token boxes
 //     per cache block and a tensor map per layer; cp.async takes any block size and zero-fills.
 //   warpgroups 1, 2 (consumers, 64 rows each): S = Q K^T with wgmma.m64n128k16 (Q and K from
-//     shared memory, fp32 accumulators), the causal mask on the diagonal tiles, an online
+//     shared memory, fp32 accumulators), the soft-cap if any, the causal mask on the diagonal
+//     tiles (and the window's on its first ones), an online
 //     softmax in the log2 domain, P rounded to the input dtype and kept in registers as the A
 //     operand of O += P V (wgmma with V "MN-major" from the same swizzled tile layout). S of
 //     tile j runs on the tensor cores while P V of tile j - 1 is queued behind it and the
@@ -231,8 +233,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (ctx <= 0 || row0 >= rows) return;  // padding, or past this sequence's rows: whole CTA
   const int q_pos0 = ctx - q_len;        // position of the sequence's first query token
   const int last_token = min(q_len - 1, (row0 + kTileRows - 1) / p.group);
-  const int n_tiles = (q_pos0 + last_token + 1 + kTileKeys - 1) / kTileKeys;
   const int first_pos = q_pos0 + row0 / p.group;  // the CTA's earliest row position
+  // Key tiles tile0 .. tile0 + n_tiles - 1 (keys tile * 128 ..): from the one holding the first
+  // row's window start (0 without a window; earlier tiles are not loaded) to the last row's.
+  const int kv_lo = window_start(p, first_pos);  // keys below it are neither read nor looked up
+  const int tile0 = kv_lo / kTileKeys;
+  const int n_tiles = (q_pos0 + last_token + 1 + kTileKeys - 1) / kTileKeys - tile0;
+  // The last row's window start: from it on no key is below any row's window.
+  const int last_lo = window_start(p, q_pos0 + last_token);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -260,24 +268,27 @@ __global__ void __launch_bounds__(kThreads, 1)
     const T* v_chunk = static_cast<const T*>(p.v_cache) + chunk * 8;
     const int64_t slot_elems = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
     const int64_t head_elems = static_cast<int64_t>(kv_head) * kHeadDim;
-    // Thread t looks up key j * 128 + t of each tile j: its block-table entry is read two tiles
-    // ahead and turned into the element offset of the key's head one tile ahead, in a per-tile
-    // table the threads share. (Used as soon as read, the entry's L2 latency delayed each tile's
-    // copies: the consumers then waited for K a third of the time.)
+    // Thread t looks up key (tile0 + j) * 128 + t of each tile j: its block-table entry is read
+    // two tiles ahead and turned into the element offset of the key's head one tile ahead, in a
+    // per-tile table the threads share. (Used as soon as read, the entry's L2 latency delayed
+    // each tile's copies: the consumers then waited for K a third of the time.)
+    // Keys before kv_lo (the first tile's, with a window) are skipped like those past the
+    // context: their blocks may have been freed, their table entries hold anything.
     auto block_of = [&](int j) -> int32_t {
-      const int key = j * kTileKeys + t;
-      return j < n_tiles && key < ctx ? table[p.block_div.divide(key)] : 0;
+      const int key = (tile0 + j) * kTileKeys + t;
+      return j < n_tiles && key >= kv_lo && key < ctx ? table[p.block_div.divide(key)] : 0;
     };
     auto offset_of = [&](int j, int32_t block) -> int64_t {
-      const int key = j * kTileKeys + t;
-      if (key >= ctx) return 0;
+      const int key = (tile0 + j) * kTileKeys + t;
+      if (key < kv_lo || key >= ctx) return 0;
       const int in_block = key - p.block_div.divide(key) * p.block_size;
       return (static_cast<int64_t>(block) * p.block_size + in_block) * slot_elems + head_elems;
     };
     // The table holds key r's offset at (r % 8) * 16 + r / 8, so that a thread's 16 keys
     // (row_first + 8 i) are 128 contiguous bytes, read in 8 loads. Keys past the context (rows >=
-    // valid) are zero-filled, reading nothing.
-    auto load = [&](const T* cache_chunk, uint32_t dst, const int64_t* tile_offsets, int valid) {
+    // valid) or before kv_lo (rows < skip) are zero-filled, reading nothing.
+    auto load = [&](const T* cache_chunk, uint32_t dst, const int64_t* tile_offsets, int skip,
+                    int valid) {
       const int4* mine = reinterpret_cast<const int4*>(tile_offsets + row_first * 16);
 #pragma unroll
       for (int i2 = 0; i2 < kTileKeys / 16; ++i2) {
@@ -290,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int h = 0; h < 2; ++h) {
           const int row = row_first + 8 * (2 * i2 + h);
           cp_async_16(dst + swizzled(row, chunk, kKvColumnBytes), cache_chunk + off[h],
-                      row < valid);
+                      row >= skip && row < valid);
         }
       }
     };
@@ -304,12 +315,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       block_next = block_after;
       block_after = block_of(j + 2);       // awaited only in the next iteration
       named_barrier(3, kProducerThreads);  // the table of tile j is complete (and j - 2's read)
-      const int valid = ctx - j * kTileKeys;
+      const int valid = ctx - (tile0 + j) * kTileKeys;
+      const int skip = kv_lo - (tile0 + j) * kTileKeys;  // > 0 in the first tile only
       if (use > 0) mbar_wait(k_empty(s), (use - 1) & 1);
-      load(k_chunk, base + kKOffset + s * kKvTileBytes, tile_offsets, valid);
+      load(k_chunk, base + kKOffset + s * kKvTileBytes, tile_offsets, skip, valid);
       cp_async_arrive(k_full(s));
       if (use > 0) mbar_wait(v_empty(s), (use - 1) & 1);
-      load(v_chunk, base + kVOffset + s * kKvTileBytes, tile_offsets, valid);
+      load(v_chunk, base + kVOffset + s * kKvTileBytes, tile_offsets, skip, valid);
       cp_async_arrive(v_full(s));
     }
     cp_async_wait<0>();  // nothing in flight when the thread exits
@@ -351,8 +363,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // sequence's take its last position (computed, never stored).
   const int row_lo = row0 + 64 * cw + 16 * warp + gid;
   int pos[2];
+  int lo[2];  // the rows' window starts
 #pragma unroll
-  for (int h = 0; h < 2; ++h) pos[h] = q_pos0 + min((row_lo + 8 * h) / p.group, q_len - 1);
+  for (int h = 0; h < 2; ++h) {
+    pos[h] = q_pos0 + min((row_lo + 8 * h) / p.group, q_len - 1);
+    lo[h] = window_start(p, pos[h]);
+  }
+  // The soft-cap on raw scores: s -> cap_out * tanh(s * cap_in) is c tanh(s scale / c) / scale,
+  // so that the softmax below still scales by scale_log2.
+  const bool capped = p.softcap_log2 > 0.0f;
+  const float cap_in = p.scale_log2 * p.inv_softcap_log2;
+  const float cap_out = capped ? p.softcap_log2 / p.scale_log2 : 0.0f;
 
   float o[64];
 #pragma unroll
@@ -394,22 +415,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
-  // Masks tile j's scores, turns them into P (exp2 against the new row maxima) and returns the
-  // factors by which O and l must shrink.
+  // Soft-caps and masks tile j's scores, turns them into P (exp2 against the new row maxima) and
+  // returns the factors by which O and l must shrink.
   auto softmax = [&](int j, float(&alpha)[2], float(&sum)[2]) {
-    const int key0 = j * kTileKeys;
-    if (key0 + kTileKeys - 1 > first_pos) {  // some key past some row's position
+    const int key0 = (tile0 + j) * kTileKeys;
+    if (capped) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) sc[i] = cap_out * tanhf(sc[i] * cap_in);
+    }
+    // Some key past some row's position, or before some row's window start.
+    if (key0 + kTileKeys - 1 > first_pos || key0 < last_lo) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = key0 + 8 * i + 2 * tig + e;
-          if (key > pos[0]) sc[4 * i + e] = neg_inf();
-          if (key > pos[1]) sc[4 * i + 2 + e] = neg_inf();
+          if (key > pos[0] || key < lo[0]) sc[4 * i + e] = neg_inf();
+          if (key > pos[1] || key < lo[1]) sc[4 * i + 2 + e] = neg_inf();
         }
       }
     }
-    // Every row sees key 0 in tile 0, so its max is finite from then on.
+    // Without a window every row sees key 0 in tile 0, so its max is finite from then on; with
+    // one a row may see no key of its first tiles: its max stays -inf (m_use 0 below) until its
+    // window starts.
     float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -421,8 +449,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int h = 0; h < 2; ++h) {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      alpha[h] = fast_exp2((m[h] - mx[h]) * p.scale_log2);  // 0 while m is -inf
-      shift[h] = mx[h] * p.scale_log2;
+      const float m_use = mx[h] == neg_inf() ? 0.0f : mx[h];
+      alpha[h] = fast_exp2((m[h] - m_use) * p.scale_log2);  // 0 while m is -inf
+      shift[h] = m_use * p.scale_log2;
       m[h] = mx[h];
       sum[h] = 0.0f;
     }

@@ -893,6 +893,50 @@ Status add_bias(DType dtype, void* out, const void* bias, int64_t rows, int64_t 
   });
 }
 
+namespace {
+
+// ---- fill_uniform ----
+
+template <typename T>
+__global__ void fill_uniform_kernel(T* __restrict__ dst, int64_t n, uint64_t seed, float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    uint64_t z = seed + static_cast<uint64_t>(i) + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    dst[i] = dev::from_float<T>(scale * u);
+  }
+}
+
+}  // namespace
+
+Status fill_uniform(DType dtype, void* dst, int64_t n, uint64_t seed, float scale,
+                    cudaStream_t stream) {
+  constexpr const char* kOp = "fill_uniform";
+  TESSERA_RETURN_IF_ERROR(check_copy_dtype(dtype, kOp));
+  TESSERA_RETURN_IF_ERROR(check_non_negative(n, kOp, "n"));
+  if (n == 0) return Status::ok();
+  TESSERA_RETURN_IF_ERROR(check_not_null(dst, kOp, "dst"));
+  constexpr int kThreads = 256;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 8192));
+  switch (dtype) {
+    case DType::kF32:
+      fill_uniform_kernel<<<grid, kThreads, 0, stream>>>(static_cast<float*>(dst), n, seed, scale);
+      break;
+    case DType::kF16:
+      fill_uniform_kernel<<<grid, kThreads, 0, stream>>>(static_cast<__half*>(dst), n, seed, scale);
+      break;
+    default:
+      fill_uniform_kernel<<<grid, kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(dst), n, seed,
+                                                         scale);
+      break;
+  }
+  return launch_status("fill_uniform_kernel");
+}
+
 Status convert(DType from, const void* src, DType to, void* dst, int64_t n, cudaStream_t stream) {
   constexpr const char* kOp = "convert";
   if (from != DType::kF8E4M3) TESSERA_RETURN_IF_ERROR(check_copy_dtype(from, kOp));

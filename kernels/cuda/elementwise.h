@@ -124,4 +124,11 @@ Status add_bias(DType dtype, void* out, const void* bias, int64_t rows, int64_t 
 // Any alignment of the element type. The weight upload's converter (actors/model/cuda_weights.cpp).
 Status convert(DType from, const void* src, DType to, void* dst, int64_t n, cudaStream_t stream);
 
+// dst[i] = round(scale * u(seed + i)), u(c) = the top 24 bits of splitmix64(c) as a value in
+// [-1, 1) (c = seed + i, wrapping): seeded random weights without a host tensor, as vLLM's
+// --load-format dummy initialises every parameter (uniform in +-1e-3).
+//   dst: [n] of dtype kF32, kF16 or kBF16
+Status fill_uniform(DType dtype, void* dst, int64_t n, uint64_t seed, float scale,
+                    cudaStream_t stream);
+
 }  // namespace tessera::cuda

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -534,6 +535,58 @@ TEST(LayerPlanTest, EveryRankHoldsEveryExpertsSlice) {
   EXPECT_EQ(whole, dense_bytes + 4 * (moe_layer - mlp_layer));
 }
 
+// --enable-expert-parallel: whole experts per rank (vLLM's linear placement, the first ranks one
+// more when they do not divide), each expert uncut, the router whole everywhere, the shared
+// expert still split; the bytes of the ranks add up to the model's (plus what is replicated).
+TEST(LayerPlanTest, ExpertParallelRanksHoldWholeExperts) {
+  ModelConfig c = small_moe();
+  c.moe.num_experts = 5;
+  c.moe.expert_intermediate = 42;  // splits over no -tp but 1 and 2: whole experts need not
+  auto ep = [](int tp, int r) {
+    ParallelConfig p = rank(tp, r);
+    p.expert_parallel = true;
+    return p;
+  };
+  EXPECT_EQ(expert_range(5, 2, 0), (std::pair<int64_t, int64_t>{0, 3}));
+  EXPECT_EQ(expert_range(5, 2, 1), (std::pair<int64_t, int64_t>{3, 2}));
+  EXPECT_EQ(expert_range(5, 4, 3), (std::pair<int64_t, int64_t>{4, 1}));
+  uint64_t sum = 0;
+  for (int r = 0; r < 4; ++r) {
+    LayerPlan p = must_make(c, ep(4, r));
+    EXPECT_EQ(p.moe_intermediate, 42);
+    EXPECT_EQ(p.shared_intermediate, 6);
+    auto [first, n] = expert_range(5, 4, r);
+    EXPECT_EQ(p.expert_begin, first);
+    EXPECT_EQ(p.experts, n);
+    for (int e = 0; e < 5; ++e) {
+      const std::string x = kL1 + "mlp.experts." + std::to_string(e) + ".";
+      if (e >= first && e < first + n) {
+        EXPECT_EQ(shape(p, x + "gate_proj.weight"), (Shape{42, 64})) << "rank " << r;
+        EXPECT_EQ(shape(p, x + "down_proj.weight"), (Shape{64, 42})) << "rank " << r;
+      } else {
+        EXPECT_EQ(find(p, x + "up_proj.weight"), nullptr) << "rank " << r << " expert " << e;
+      }
+    }
+    EXPECT_EQ(shape(p, kL1 + "mlp.gate.weight"), (Shape{5, 64}));
+    EXPECT_EQ(shape(p, kL1 + "mlp.shared_expert.gate_proj.weight"), (Shape{6, 64}));
+    sum += p.weight_bytes(DType::kBF16);
+  }
+  LayerPlan one = must_make(c, ep(1, 0));
+  EXPECT_EQ(one.experts, 5);
+  EXPECT_GT(sum, one.weight_bytes(DType::kBF16)) << "the router and norms are replicated";
+  // Without expert parallelism the same widths are refused at -tp 4.
+  EXPECT_NE(refusal(c, rank(4, 0)).find("moe_intermediate_size 42"), std::string::npos);
+  // More ranks than experts, and a dense model, are refused naming why.
+  EXPECT_NE(refusal(c, ep(8, 0)).find("the model's 5 experts leave a rank without one"),
+            std::string::npos)
+      << refusal(c, ep(8, 0));
+  EXPECT_NE(refusal(small(), ep(2, 0))
+                .find("--enable-expert-parallel: LlamaForCausalLM has no "
+                      "experts"),
+            std::string::npos)
+      << refusal(small(), ep(2, 0));
+}
+
 TEST(LayerPlanTest, ATpThatDoesNotSplitTheExpertsIsRefusedNamingTheField) {
   ModelConfig c = small_moe();
   c.moe.expert_intermediate = 42;
@@ -561,6 +614,67 @@ TEST(LayerPlanTest, ATpThatDoesNotSplitTheExpertsIsRefusedNamingTheField) {
   EXPECT_EQ(refusal(c, rank(4, 0)), "");
   c.moe.mlp_only_layers = {0};
   EXPECT_NE(refusal(c, rank(4, 0)).find("intermediate_size 98"), std::string::npos);
+}
+
+// Phi-3's fused qkv_proj / gate_up_proj: each rank holds its rows of every part, as vLLM's
+// QKVParallelLinear / MergedColumnParallelLinear (q, k, v and gate, up each column-split).
+TEST(LayerPlanTest, FusedProjectionsSplitPartByPart) {
+  ModelConfig c = small();  // 8 heads, 2 KV heads of 8 dims, MLP 96
+  c.arch = Architecture::kPhi3;
+  c.fused_projections = true;
+  const std::vector<WeightSpec> all = expected_weights(c);
+  auto spec = [&](const std::string& name) -> const WeightSpec* {
+    for (const WeightSpec& w : all) {
+      if (w.name == name) return &w;
+    }
+    return nullptr;
+  };
+  ASSERT_NE(spec("model.layers.0.self_attn.qkv_proj.weight"), nullptr);
+  EXPECT_EQ(spec("model.layers.0.self_attn.qkv_proj.weight")->shape,
+            (std::vector<int64_t>{64 + 2 * 16, 64}));
+  EXPECT_EQ(spec("model.layers.0.mlp.gate_up_proj.weight")->shape,
+            (std::vector<int64_t>{2 * 96, 64}));
+  EXPECT_EQ(spec("model.layers.0.self_attn.q_proj.weight"), nullptr);
+  EXPECT_STREQ(fused_group(WeightKind::kQKV), "qkv");
+  EXPECT_STREQ(fused_group(WeightKind::kGateUp), "gate_up");
+  // The parts of layer 0 on a rank: kind -> [begin, end) rows of the fused tensor.
+  auto parts = [](const LayerPlan& plan, const std::string& name) {
+    std::vector<std::tuple<WeightKind, int64_t, int64_t>> out;
+    for (const WeightShard& w : plan.weights) {
+      if (w.spec.name == name) out.emplace_back(w.spec.kind, w.begin, w.end);
+    }
+    return out;
+  };
+  using P = std::tuple<WeightKind, int64_t, int64_t>;
+  const std::string qkv = "model.layers.0.self_attn.qkv_proj.weight";
+  const std::string gu = "model.layers.0.mlp.gate_up_proj.weight";
+  LayerPlan one = must_make(c, rank(1, 0));
+  EXPECT_EQ(parts(one, qkv),
+            (std::vector<P>{
+                {WeightKind::kQ, 0, 64}, {WeightKind::kK, 64, 80}, {WeightKind::kV, 80, 96}}));
+  // tp 2, rank 1: query heads 4..7, KV head 1, MLP rows 48..95 of each part.
+  LayerPlan r1 = must_make(c, rank(2, 1));
+  EXPECT_EQ(parts(r1, qkv),
+            (std::vector<P>{
+                {WeightKind::kQ, 32, 64}, {WeightKind::kK, 72, 80}, {WeightKind::kV, 88, 96}}));
+  EXPECT_EQ(parts(r1, gu),
+            (std::vector<P>{{WeightKind::kGate, 48, 96}, {WeightKind::kUp, 144, 192}}));
+  for (const WeightShard& w : r1.weights) {
+    if (w.spec.name == qkv && w.spec.kind == WeightKind::kQ) {
+      EXPECT_EQ(w.shape(), (std::vector<int64_t>{32, 64}));
+    }
+  }
+  // tp 4 > 2 KV heads: ranks 0, 1 share KV head 0; ranks 2, 3 KV head 1.
+  LayerPlan r3 = must_make(c, rank(4, 3));
+  EXPECT_EQ(parts(r3, qkv),
+            (std::vector<P>{
+                {WeightKind::kQ, 48, 64}, {WeightKind::kK, 72, 80}, {WeightKind::kV, 88, 96}}));
+  // The shards add up to the fused tensor's bytes at every tp.
+  for (int tp : {1, 2, 4}) {
+    uint64_t bytes = 0;
+    for (int r = 0; r < tp; ++r) bytes += must_make(c, rank(tp, r)).weight_bytes(DType::kF32);
+    EXPECT_GE(bytes, one.weight_bytes(DType::kF32)) << tp;
+  }
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 #include "common/checkpoint/layer_plan.h"
 
 #include "common/checkpoint/safetensors.h"
@@ -189,6 +190,24 @@ TEST(MakeModelTest, SameSeedSameBytesOtherSeedOtherBytes) {
   TensorView q = *a->tensor("model.layers.0.mlp.up_proj.weight");
   TensorView g = *a->tensor("model.layers.0.mlp.gate_proj.weight");
   EXPECT_NE(std::memcmp(q.data, g.data, q.bytes()), 0);
+}
+
+// --config-only: the same config.json and tokenizer, no weights (--load-format dummy runs it).
+TEST(MakeModelTest, ConfigOnlyWritesNoWeights) {
+  REQUIRE_TOKENIZERS();
+  TempDir dir;
+  const TinyCase& c = kTiny[3];  // qwen3
+  MakeModelOptions only = tiny_options(c, dir / "only");
+  only.config_only = true;
+  ASSERT_TRUE(make_model(tiny_options(c, dir / "full")).is_ok());
+  ASSERT_TRUE(make_model(only).is_ok());
+  for (const char* f : {"config.json", "generation_config.json", "tokenizer.json"}) {
+    EXPECT_EQ(ckpt_test::read_file(dir / ("full/" + std::string(f))),
+              ckpt_test::read_file(dir / ("only/" + std::string(f))))
+        << f;
+  }
+  EXPECT_FALSE(fs::exists(dir / "only/model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "only/model.safetensors.index.json"));
 }
 
 TEST(MakeModelTest, ShardsAboveMaxShardSize) {
@@ -568,6 +587,84 @@ TEST(MakeModelTest, RealShapeMoePresets) {
   Expected<ModelConfig> cfg = parse_model_config(*text);
   ASSERT_TRUE(cfg.has_value()) << cfg.status().to_string();
   EXPECT_EQ(cfg->moe.expert_intermediate, 768);
+}
+
+// The tiny Gemma 2, Gemma 3 (text) and Phi-3 models exercise each feature: windows shorter than
+// the test prompts, soft-caps, layer_types, local/global RoPE, LongRoPE over a partial rotary
+// dimension, fused projections; and the real-shape presets copy the published configs.
+TEST(MakeModelTest, GemmaAndPhi3) {
+  REQUIRE_TOKENIZERS();
+  for (const char* arch : {"gemma2", "gemma3", "phi3"}) {
+    TempDir dir;
+    MakeModelOptions o;
+    o.arch = arch;
+    o.preset = "tiny";
+    o.tokenizer_dir = ckpt_test::tokenizer_dir("llama2");
+    o.seed = 3;
+    o.out = dir / "model";
+    Status st = make_model(o);
+    ASSERT_TRUE(st.is_ok()) << arch << ": " << st.to_string();
+    Expected<ModelConfig> cfg = load_model_config(o.out);
+    ASSERT_TRUE(cfg.has_value()) << cfg.status().to_string();
+    auto ckpt = open_checkpoint(o.out);
+    ASSERT_NE(ckpt, nullptr);
+    EXPECT_EQ(ckpt->size(), expected_weights(*cfg).size()) << arch;
+    const std::string a = arch;
+    if (a == "phi3") {
+      EXPECT_EQ(cfg->arch, Architecture::kPhi3);
+      EXPECT_EQ(cfg->attention_window(0), 16);
+      EXPECT_EQ(cfg->rotary_dim, 12);
+      EXPECT_EQ(cfg->rope_scaling.type, "longrope");
+      EXPECT_NEAR(cfg->rope_scaling.attention_factor,
+                  std::sqrt(1 + std::log(4.0) / std::log(128.0)), 1e-12);
+      EXPECT_TRUE(
+          ckpt->require("model.layers.0.self_attn.qkv_proj.weight", {64 + 2 * 32, 64}).has_value());
+      EXPECT_TRUE(ckpt->require("model.layers.3.mlp.gate_up_proj.weight", {352, 64}).has_value());
+      continue;
+    }
+    EXPECT_EQ(cfg->arch, a == "gemma2" ? Architecture::kGemma2 : Architecture::kGemma3);
+    EXPECT_EQ(cfg->head_dim, 32);
+    EXPECT_EQ(cfg->attention_window(0), 8);
+    EXPECT_EQ(cfg->attention_window(a == "gemma2" ? 1 : 2), 0);
+    EXPECT_EQ(*cfg->query_pre_attn_scalar, 24.0);
+    EXPECT_EQ(cfg->attn_logit_softcapping, a == "gemma2" ? 5.0 : 0.0);
+    EXPECT_TRUE(ckpt->require("model.layers.0.pre_feedforward_layernorm.weight", {64}).has_value());
+    // Gemma's norm weights are w of (1 + w): drawn around 0.
+    Expected<TensorView> norm = ckpt->tensor("model.norm.weight");
+    ASSERT_TRUE(norm.has_value());
+    double mean = 0;
+    for (int64_t i = 0; i < 64; ++i) mean += norm->at(i) / 64;
+    EXPECT_LT(std::abs(mean), 0.1) << arch;
+    json j = json::parse(ckpt_test::read_file(o.out + "/config.json"));
+    EXPECT_EQ(j["model_type"], a == "gemma2" ? "gemma2" : "gemma3_text");
+    EXPECT_EQ(j["layer_types"].size(), static_cast<size_t>(cfg->num_layers));
+  }
+  for (auto [preset, tok, cls] : {std::tuple{"gemma2-9b", "llama2", "Gemma2ForCausalLM"},
+                                  {"gemma3-12b", "llama2", "Gemma3ForCausalLM"},
+                                  {"phi3-mini", "llama2", "Phi3ForCausalLM"}}) {
+    MakeModelOptions o;
+    o.preset = preset;
+    o.tokenizer_dir = ckpt_test::tokenizer_dir(tok);
+    Expected<std::string> text = make_model_config_json(o);
+    ASSERT_TRUE(text.has_value()) << preset << ": " << text.status().to_string();
+    json j = json::parse(*text);
+    EXPECT_EQ(j["architectures"], json::array({cls}));
+    Expected<ModelConfig> c = parse_model_config(*text);
+    ASSERT_TRUE(c.has_value()) << c.status().to_string();
+    const std::string p = preset;
+    if (p == "phi3-mini") {
+      EXPECT_EQ(c->head_dim, 96);
+      EXPECT_EQ(c->attention_window(0), 2047);
+    } else if (p == "gemma2-9b") {
+      EXPECT_EQ(c->num_layers, 42);
+      EXPECT_EQ(c->final_logit_softcapping, 30.0);
+    } else {
+      EXPECT_EQ(c->num_layers, 48);
+      EXPECT_EQ(c->attention_window(5), 0);
+      EXPECT_EQ(c->attention_window(4), 1024);
+      EXPECT_EQ(c->rope_scaling.factor, 8.0);
+    }
+  }
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -186,6 +188,19 @@ TEST(ModelConfigTest, MistralSlidingWindow) {
   c = parse_model_config(j.dump());
   ASSERT_TRUE(c.has_value());
   EXPECT_FALSE(c->sliding_window.has_value());
+  EXPECT_EQ(c->kv_cache_window(), 0);
+  // Every layer slides: the KV cache keeps only the window's blocks.
+  c = parse_model_config(kMistral7B);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->attention_window(0), 4096);
+  EXPECT_EQ(c->attention_window(31), 4096);
+  EXPECT_EQ(c->kv_cache_window(), 4096);
+  // A window larger than the context is refused, naming the field.
+  c = parse_model_config(patched(kMistral7B, {{"sliding_window", 40000}}));
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.status().message().find("sliding_window"), std::string::npos)
+      << c.status().to_string();
+  EXPECT_NE(c.status().message().find("max_position_embeddings"), std::string::npos);
 }
 
 TEST(ModelConfigTest, Qwen2HasQkvBiasesAndIgnoresUnusedWindow) {
@@ -200,9 +215,50 @@ TEST(ModelConfigTest, Qwen2HasQkvBiasesAndIgnoresUnusedWindow) {
   EXPECT_FALSE(c->sliding_window.has_value());  // use_sliding_window is false
   EXPECT_DOUBLE_EQ(c->rope_theta, 1e6);
   EXPECT_FALSE(c->bos_token_id.has_value() && *c->bos_token_id != 151643);
+  // use_sliding_window, as transformers' Qwen2Config decides: the layers from max_window_layers
+  // on slide (here 28 of 28: none does, and the window is dropped).
   c = parse_model_config(patched(kQwen25_7B, {{"use_sliding_window", true}}));
   ASSERT_TRUE(c.has_value());
-  EXPECT_EQ(c->sliding_window, 131072);
+  EXPECT_FALSE(c->sliding_window.has_value());
+  EXPECT_EQ(c->attention_window(27), 0);
+  EXPECT_EQ(c->kv_cache_window(), 0);
+}
+
+TEST(ModelConfigTest, Qwen2SlidingLayersFromMaxWindowLayersOrLayerTypes) {
+  Expected<ModelConfig> c = parse_model_config(
+      patched(kQwen25_7B,
+              {{"use_sliding_window", true}, {"sliding_window", 4096}, {"max_window_layers", 20}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->attention_window(0), 0);
+  EXPECT_EQ(c->attention_window(19), 0);
+  EXPECT_EQ(c->attention_window(20), 4096);
+  EXPECT_EQ(c->attention_window(27), 4096);
+  EXPECT_EQ(c->kv_cache_window(), 0);  // some layers attend fully: every block is kept
+  c = parse_model_config(
+      patched(kQwen25_7B,
+              {{"use_sliding_window", true}, {"sliding_window", 4096}, {"max_window_layers", 0}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->attention_window(0), 4096);
+  EXPECT_EQ(c->kv_cache_window(), 4096);
+  json types = json::array();
+  for (int i = 0; i < 28; ++i) types.push_back(i % 2 ? "full_attention" : "sliding_attention");
+  c = parse_model_config(patched(
+      kQwen25_7B, {{"use_sliding_window", true}, {"sliding_window", 512}, {"layer_types", types}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->attention_window(0), 512);
+  EXPECT_EQ(c->attention_window(1), 0);
+  types[3] = "chunked_attention";
+  c = parse_model_config(patched(
+      kQwen25_7B, {{"use_sliding_window", true}, {"sliding_window", 512}, {"layer_types", types}}));
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.status().message().find("layer_types"), std::string::npos);
+  // A window past the context: an error naming the field.
+  c = parse_model_config(patched(
+      kQwen25_7B,
+      {{"use_sliding_window", true}, {"sliding_window", 200000}, {"max_window_layers", 0}}));
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.status().message().find("sliding_window"), std::string::npos)
+      << c.status().to_string();
 }
 
 TEST(ModelConfigTest, Qwen3QkNormAndExplicitHeadDim) {
@@ -261,7 +317,8 @@ TEST(ModelConfigTest, RefusesTrustRemoteCodeQwenWithSupportedList) {
   }
   EXPECT_EQ(supported_architectures(),
             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-            "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM");
+            "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, "
+            "Gemma3ForCausalLM, Phi3ForCausalLM");
 }
 
 TEST(ModelConfigTest, BadValuesNameFileAndField) {
@@ -581,6 +638,296 @@ TEST(MoeConfigTest, BadMoeFieldsAreNamed) {
                                     {{"quant_method", "fp8"}, {"activation_scheme", "dynamic"}}}}))
                   .message(),
               AllOf(HasSubstr("quantization_config"), HasSubstr("mixture-of-experts")));
+}
+
+// ---- Gemma 2, Gemma 3 (text), Phi-3 ------------------------------------------------------------
+
+// google/gemma-2-9b's config.json.
+const char* kGemma2_9B = R"({
+  "architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+  "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256,
+  "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 14336,
+  "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 16,
+  "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
+  "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+  "sliding_window": 4096, "sliding_window_size": 4096, "torch_dtype": "float32",
+  "transformers_version": "4.42.0.dev0", "use_cache": true, "vocab_size": 256000})";
+
+// google/gemma-3-12b-pt's text_config (config.json holds it inside a
+// Gemma3ForConditionalGeneration), as the text model's own config.json.
+const char* kGemma3_12B_Text = R"({
+  "architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid",
+  "eos_token_id": 1, "final_logit_softcapping": null, "head_dim": 256,
+  "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3840, "initializer_range": 0.02,
+  "intermediate_size": 15360, "max_position_embeddings": 131072, "model_type": "gemma3_text",
+  "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+  "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+  "rope_local_base_freq": 10000, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+  "rope_theta": 1000000, "sliding_window": 1024, "sliding_window_pattern": 6,
+  "torch_dtype": "bfloat16", "use_cache": true, "vocab_size": 262208})";
+
+// microsoft/Phi-3-mini-4k-instruct's config.json.
+const char* kPhi3Mini4k = R"({
+  "architectures": ["Phi3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+               "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+  "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+  "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+  "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
+  "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+  "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": null,
+  "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "transformers_version": "4.40.2", "use_cache": true,
+  "vocab_size": 32064})";
+
+// microsoft/Phi-3.5-mini-instruct's config.json: Phi-3-mini-128k-instruct's shape and keys
+// (LongRoPE over 131072 positions from 4096, a window past the context), its own factor lists.
+const char* kPhi35Mini = R"({
+  "architectures": ["Phi3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+  "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+  "max_position_embeddings": 131072, "model_type": "phi3", "num_attention_heads": 32,
+  "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+  "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "long_factor": [1.0800000429153442, 1.1100000143051147, 1.1399999856948853,
+      1.340000033378601, 1.5899999141693115, 1.600000023841858, 1.6200000047683716,
+      2.620000123977661, 3.2300000190734863, 3.2300000190734863, 4.789999961853027,
+      7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+      17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578,
+      30.840002059936523, 32.590003967285156, 32.93000411987305, 42.320003509521484,
+      44.96000289916992, 50.340003967285156, 50.45000457763672, 57.55000305175781,
+      57.93000411987305, 58.21000289916992, 60.1400032043457, 62.61000442504883,
+      62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
+      63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125,
+      64.02999877929688, 64.06999969482422, 64.08000183105469, 64.12000274658203,
+      64.41000366210938, 64.4800033569336, 64.51000213623047, 64.52999877929688,
+      64.83999633789062],
+    "short_factor": [1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705,
+      1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842,
+      1.0499999523162842, 1.0699999332427979, 1.0999999046325684, 1.1099998950958252,
+      1.1599998474121094, 1.1599998474121094, 1.1699998378753662, 1.2899998426437378,
+      1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083,
+      1.8499997854232788, 1.8799997568130493, 1.9099997282028198, 1.9399996995925903,
+      1.9899996519088745, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
+      2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0299997329711914,
+      2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+      2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+      2.0799996852874756, 2.0899996757507324, 2.189999580383301, 2.2199995517730713,
+      2.5899994373321533, 2.729999542236328, 2.749999523162842, 2.8399994373321533],
+    "type": "longrope"},
+  "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "transformers_version": "4.46.3", "use_cache": true,
+  "vocab_size": 32064})";
+
+TEST(GemmaConfigTest, Gemma2_9B) {
+  Expected<ModelConfig> c = parse_model_config(kGemma2_9B);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kGemma2);
+  EXPECT_EQ(c->head_dim, 256);  // not hidden / heads (224)
+  EXPECT_EQ(c->activation, MlpActivation::kGeluTanh);
+  EXPECT_TRUE(c->norm_unit_offset);
+  EXPECT_TRUE(c->sandwich_norms);
+  EXPECT_FALSE(c->qk_norm);
+  EXPECT_TRUE(c->tie_word_embeddings);  // Gemma2Config's default
+  EXPECT_DOUBLE_EQ(c->embed_scale, std::sqrt(3584.0));
+  EXPECT_DOUBLE_EQ(c->attn_logit_softcapping, 50.0);
+  EXPECT_DOUBLE_EQ(c->final_logit_softcapping, 30.0);
+  // Even layers local (window 4096), odd ones global.
+  EXPECT_EQ(c->attention_window(0), 4096);
+  EXPECT_EQ(c->attention_window(1), 0);
+  EXPECT_EQ(c->attention_window(40), 4096);
+  EXPECT_EQ(c->attention_window(41), 0);
+  EXPECT_FALSE(c->local_rope(0));  // Gemma 2: one RoPE
+  const AttentionScoring s = c->attention_scoring(0);
+  EXPECT_EQ(s.scale, 1.0f / 16.0f);  // query_pre_attn_scalar 256
+  EXPECT_EQ(s.softcap, 50.0f);
+  EXPECT_EQ(s.window, 4096);
+  EXPECT_EQ(c->attention_scoring(1).window, 0);
+  EXPECT_EQ(c->eos_token_ids, std::vector<int64_t>{1});
+  EXPECT_EQ(c->bos_token_id, 2);
+  EXPECT_EQ(c->pad_token_id, 0);
+  // The four norms of every layer, a tied lm_head.
+  std::set<std::string> names;
+  for (const WeightSpec& w : expected_weights(*c)) names.insert(w.name);
+  for (const char* n : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                        "post_feedforward_layernorm"}) {
+    EXPECT_TRUE(names.count(std::string("model.layers.41.") + n + ".weight")) << n;
+  }
+  EXPECT_FALSE(names.count("lm_head.weight"));
+  // Defaults as Gemma2Config: soft-caps 50 / 30, scalar 256, window 4096, tied; null turns a
+  // soft-cap off.
+  json off = json::parse(kGemma2_9B);  // (patched() deletes keys patched to null)
+  off["attn_logit_softcapping"] = nullptr;
+  off["final_logit_softcapping"] = nullptr;
+  off["query_pre_attn_scalar"] = 144;
+  c = parse_model_config(off.dump());
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->attn_logit_softcapping, 0.0);
+  EXPECT_EQ(c->final_logit_softcapping, 0.0);
+  EXPECT_EQ(c->attention_scoring(0).scale, static_cast<float>(std::pow(144.0, -0.5)));
+  json j = json::parse(kGemma2_9B);
+  for (const char* k : {"attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
+                        "query_pre_attn_scalar", "head_dim", "bos_token_id", "eos_token_id"}) {
+    j.erase(k);
+  }
+  c = parse_model_config(j.dump());
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->attn_logit_softcapping, 50.0);
+  EXPECT_EQ(c->final_logit_softcapping, 30.0);
+  EXPECT_EQ(c->head_dim, 256);
+  EXPECT_EQ(c->attention_window(0), 4096);
+  EXPECT_EQ(c->eos_token_ids, std::vector<int64_t>{1});
+  // transformers 5's layer_types wins over the rule.
+  json types = json::array();
+  for (int i = 0; i < 42; ++i) types.push_back(i < 40 ? "full_attention" : "sliding_attention");
+  c = parse_model_config(patched(kGemma2_9B, {{"layer_types", types}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->attention_window(0), 0);
+  EXPECT_EQ(c->attention_window(41), 4096);
+}
+
+TEST(GemmaConfigTest, Gemma3_12BText) {
+  Expected<ModelConfig> c = parse_model_config(kGemma3_12B_Text);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kGemma3);
+  EXPECT_EQ(c->model_type, "gemma3_text");
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_TRUE(c->norm_unit_offset);
+  EXPECT_EQ(c->attn_logit_softcapping, 0.0);
+  EXPECT_EQ(c->final_logit_softcapping, 0.0);
+  EXPECT_EQ(c->rope_scaling.type, "linear");
+  EXPECT_EQ(c->rope_scaling.factor, 8.0);
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->rope_local_theta, 10000.0);
+  // 5 local : 1 global: layers 5, 11, ... 47 global.
+  for (int64_t i = 0; i < 48; ++i) {
+    const bool global = (i + 1) % 6 == 0;
+    EXPECT_EQ(c->attention_window(i), global ? 0 : 1024) << i;
+    EXPECT_EQ(c->local_rope(i), !global) << i;
+  }
+  EXPECT_EQ(c->attention_scoring(0).softcap, 0.0f);
+  EXPECT_EQ(c->attention_scoring(0).scale, 1.0f / 16.0f);
+  std::set<std::string> names;
+  for (const WeightSpec& w : expected_weights(*c)) names.insert(w.name);
+  EXPECT_TRUE(names.count("model.layers.0.self_attn.q_norm.weight"));
+  EXPECT_TRUE(names.count("model.layers.0.post_feedforward_layernorm.weight"));
+
+  // transformers 5 writes one RoPE per layer type (rope_parameters): the same model.
+  json j = json::parse(kGemma3_12B_Text);
+  j.erase("rope_scaling");
+  j.erase("rope_theta");
+  j.erase("rope_local_base_freq");
+  j["rope_parameters"] = {
+      {"full_attention", {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 1000000.0}}},
+      {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}}};
+  Expected<ModelConfig> v5 = parse_model_config(j.dump());
+  ASSERT_TRUE(v5.has_value()) << v5.status().to_string();
+  EXPECT_EQ(v5->rope_scaling.type, "linear");
+  EXPECT_EQ(v5->rope_scaling.factor, 8.0);
+  EXPECT_EQ(v5->rope_theta, 1e6);
+  EXPECT_EQ(v5->rope_local_theta, 10000.0);
+
+  // The multimodal model (the published config.json as it is) is refused, saying what runs.
+  json mm = {{"architectures", {"Gemma3ForConditionalGeneration"}},
+             {"model_type", "gemma3"},
+             {"text_config", json::parse(kGemma3_12B_Text)},
+             {"vision_config", {{"model_type", "siglip_vision_model"}}}};
+  EXPECT_THAT(parse_error(mm.dump()).message(),
+              AllOf(HasSubstr("Gemma3ForConditionalGeneration"), HasSubstr("gemma3_text"),
+                    HasSubstr("Gemma3ForCausalLM")));
+}
+
+TEST(Phi3ConfigTest, Phi3Mini4kFusedProjectionsAndWindow) {
+  Expected<ModelConfig> c = parse_model_config(kPhi3Mini4k);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->arch, Architecture::kPhi3);
+  EXPECT_EQ(c->head_dim, 96);
+  EXPECT_EQ(c->rotary_dim, 96);
+  EXPECT_TRUE(c->fused_projections);
+  EXPECT_EQ(c->activation, MlpActivation::kSilu);
+  EXPECT_FALSE(c->norm_unit_offset);
+  EXPECT_EQ(c->rope_scaling.type, "");
+  EXPECT_EQ(c->attention_window(0), 2047);  // every layer
+  EXPECT_EQ(c->attention_window(31), 2047);
+  EXPECT_EQ(c->attention_scoring(0).scale, static_cast<float>(std::pow(96.0, -0.5)));
+  EXPECT_EQ(c->eos_token_ids, std::vector<int64_t>{32000});
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const WeightSpec& w : expected_weights(*c)) shapes[w.name] = w.shape;
+  EXPECT_EQ(shapes["model.layers.0.self_attn.qkv_proj.weight"],
+            (std::vector<int64_t>{3 * 3072, 3072}));
+  EXPECT_EQ(shapes["model.layers.0.mlp.gate_up_proj.weight"],
+            (std::vector<int64_t>{2 * 8192, 3072}));
+  EXPECT_EQ(shapes["model.layers.0.mlp.down_proj.weight"], (std::vector<int64_t>{3072, 8192}));
+  EXPECT_FALSE(shapes.count("model.layers.0.self_attn.q_proj.weight"));
+  EXPECT_TRUE(shapes.count("lm_head.weight"));
+  // partial_rotary_factor (Phi-4-mini's 0.75) rotates part of each head.
+  c = parse_model_config(patched(kPhi3Mini4k, {{"partial_rotary_factor", 0.75}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->rotary_dim, 72);
+}
+
+TEST(Phi3ConfigTest, LongRopeOfPhi35MiniAnd128k) {
+  Expected<ModelConfig> c = parse_model_config(kPhi35Mini);
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  const RopeScaling& r = c->rope_scaling;
+  EXPECT_EQ(r.type, "longrope");
+  ASSERT_EQ(r.short_factor.size(), 48u);
+  ASSERT_EQ(r.long_factor.size(), 48u);
+  EXPECT_DOUBLE_EQ(r.long_factor[47], 64.83999633789062);
+  EXPECT_EQ(r.original_max_position_embeddings, 4096);
+  // transformers: sqrt(1 + ln(131072 / 4096) / ln(4096)).
+  EXPECT_NEAR(r.attention_factor, std::sqrt(1 + std::log(32.0) / std::log(4096.0)), 1e-12);
+  EXPECT_NEAR(r.attention_factor, 1.1902380714238083, 1e-12);
+  // sliding_window 262144 reaches past the 131072 positions: full attention.
+  EXPECT_EQ(c->attention_window(0), 0);
+  // The original Phi-3-mini-128k spelling, "su".
+  c = parse_model_config(patched(kPhi35Mini, {{"rope_scaling", {{"type", "su"}}}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->rope_scaling.type, "longrope");
+  // An explicit attention_factor wins.
+  c = parse_model_config(patched(kPhi35Mini, {{"rope_scaling", {{"attention_factor", 1.5}}}}));
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->rope_scaling.attention_factor, 1.5);
+}
+
+TEST(GemmaPhi3ConfigTest, BadFieldsAreNamed) {
+  EXPECT_THAT(parse_error(patched(kGemma2_9B, {{"hidden_activation", "gelu"}})).message(),
+              AllOf(HasSubstr("hidden_activation"), HasSubstr("gelu_pytorch_tanh")));
+  EXPECT_THAT(parse_error(patched(kGemma2_9B, {{"sliding_window", 10000}})).message(),
+              AllOf(HasSubstr("sliding_window 10000 is larger than the context"),
+                    HasSubstr("max_position_embeddings 8192")));
+  EXPECT_THAT(
+      parse_error(patched(kGemma3_12B_Text, {{"layer_types", {"full_attention"}}})).message(),
+      HasSubstr("layer_types must be a list of num_hidden_layers (48)"));
+  EXPECT_THAT(parse_error(patched(kGemma3_12B_Text,
+                                  {{"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}}}))
+                  .message(),
+              AllOf(HasSubstr("rope_scaling type 'yarn' is not supported")));
+  EXPECT_THAT(
+      parse_error(patched(kGemma3_12B_Text, {{"use_bidirectional_attention", true}})).message(),
+      HasSubstr("use_bidirectional_attention"));
+  EXPECT_THAT(parse_error(patched(kGemma2_9B, {{"attn_logit_softcapping", -1.0}})).message(),
+              HasSubstr("attn_logit_softcapping"));
+  EXPECT_THAT(parse_error(patched(kPhi35Mini, {{"rope_scaling", {{"short_factor", {1.0, 2.0}}}}}))
+                  .message(),
+              AllOf(HasSubstr("rope_scaling.short_factor has 2 entries"), HasSubstr("48")));
+  EXPECT_THAT(parse_error(patched(kPhi35Mini, {{"rope_scaling", {{"type", "dynamic"}}}})).message(),
+              HasSubstr("rope_scaling type 'dynamic' is not supported"));
+  EXPECT_THAT(parse_error(patched(kPhi3Mini4k, {{"partial_rotary_factor", 1.5}})).message(),
+              HasSubstr("partial_rotary_factor"));
+  EXPECT_THAT(parse_error(patched(kPhi3Mini4k, {{"hidden_act", "gelu"}})).message(),
+              HasSubstr("hidden_act"));
+  EXPECT_THAT(parse_error(patched(kPhi3Mini4k, {{"sliding_window", 0}})).message(),
+              HasSubstr("sliding_window"));
+  EXPECT_THAT(parse_error(patched(kPhi3Mini4k,
+                                  {{"quantization_config",
+                                    {{"quant_method", "fp8"}, {"activation_scheme", "dynamic"}}}}))
+                  .message(),
+              AllOf(HasSubstr("quantization_config"), HasSubstr("Phi-3")));
 }
 
 }  // namespace

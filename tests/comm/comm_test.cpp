@@ -310,6 +310,79 @@ TEST(CommThreads, AllGatherSendRecvAndBarrier) {
   for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
+// The bytes rank `from` sends rank `to` in round `round` of AllToAllMovesUnevenSegments: some
+// pairs send nothing, some several MiB (more than a socket buffer, both ways at once).
+int64_t a2a_bytes(int from, int to, int round) {
+  const int64_t pick = (from * 7 + to * 3 + round) % 5;
+  return pick == 0 ? 0 : pick == 4 ? (int64_t{3} << 20) + from : pick * 1000 + to;
+}
+uint8_t a2a_byte(int from, int to, int64_t i) {
+  return static_cast<uint8_t>(from * 31 + to * 17 + i * 13);
+}
+
+// Expert parallelism's dispatch: every rank sends each rank its own segment (this rank's too),
+// uneven, empty ones included; what arrives is exactly what was addressed to the receiver, from
+// each sender in rank order. Sizes that do not pair up are an error naming the peer.
+TEST(CommThreads, AllToAllMovesUnevenSegments) {
+  const int n = 4;
+  Endpoints e(n);
+  Joined j = join_group(e, "world");
+  ASSERT_TRUE(j.ok()) << j.status[0].to_string();
+  std::vector<std::string> errors(n);
+  run_threads(n, [&](int r) {
+    auto fail = [&](const std::string& what) { errors[r] += what + "; "; };
+    Communicator& c = *j.comms[r];
+    for (int round = 0; round < 3; ++round) {
+      std::vector<int64_t> send(n), recv(n);
+      std::vector<uint8_t> in;
+      for (int p = 0; p < n; ++p) {
+        send[p] = a2a_bytes(r, p, round);
+        recv[p] = a2a_bytes(p, r, round);
+        for (int64_t i = 0; i < send[p]; ++i) in.push_back(a2a_byte(r, p, i));
+      }
+      int64_t total = 0;
+      for (int64_t b : recv) total += b;
+      std::vector<uint8_t> out(static_cast<size_t>(total), 0xee);
+      if (Status st = c.all_to_all(in.data(), send, out.data(), recv, nullptr); !st) {
+        fail("all_to_all: " + st.to_string());
+        return;
+      }
+      int64_t at = 0;
+      for (int p = 0; p < n; ++p) {
+        for (int64_t i = 0; i < recv[p]; ++i) {
+          if (out[at + i] != a2a_byte(p, r, i)) {
+            fail("byte " + std::to_string(i) + " from rank " + std::to_string(p));
+            break;
+          }
+        }
+        at += recv[p];
+      }
+    }
+    // Misuse is refused, not fatal.
+    std::vector<int64_t> short_sizes(n - 1, 0), zeros(n, 0);
+    if (c.all_to_all(nullptr, short_sizes, nullptr, zeros, nullptr).code() !=
+        Code::kInvalidArgument) {
+      fail("wrong number of sizes accepted");
+    }
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+
+  // Rank 1 expects 8 bytes from rank 0, which sends it 4: an error naming rank 0, no overrun.
+  Endpoints e2(2);
+  Joined j2 = join_group(e2, "pair");
+  ASSERT_TRUE(j2.ok()) << j2.status[0].to_string();
+  std::vector<Status> got(2);
+  run_threads(2, [&](int r) {
+    std::vector<int64_t> send = {0, 0}, recv = {0, 0};
+    send[1 - r] = 4;
+    recv[1 - r] = r == 1 ? 8 : 4;
+    std::vector<uint8_t> in(4, 1), out(8, 0);
+    got[r] = j2.comms[r]->all_to_all(in.data(), send, out.data(), recv, nullptr);
+  });
+  EXPECT_EQ(got[1].code(), Code::kFailedPrecondition) << got[1].to_string();
+  EXPECT_NE(got[1].message().find("rank 0"), std::string::npos) << got[1].to_string();
+}
+
 // Counts what passes through a communicator (to see which path by_size took).
 class Counting final : public Communicator {
  public:
@@ -323,6 +396,11 @@ class Counting final : public Communicator {
   Status all_gather(const void* in, int64_t n, DType t, void* out, void* s) override {
     ++calls;
     return c_->all_gather(in, n, t, out, s);
+  }
+  Status all_to_all(const void* in, std::span<const int64_t> sb, void* out,
+                    std::span<const int64_t> rb, void* s) override {
+    ++calls;
+    return c_->all_to_all(in, sb, out, rb, s);
   }
   Status send(const void* d, int64_t b, int p, void* s) override {
     ++calls;

@@ -44,5 +44,32 @@ TEST(BenchTest, BiasesAndQkNormsAreCounted) {
   EXPECT_EQ(matmul_parameters(c), base + 32 * 2 * 128);
 }
 
+// An MoE model counts what a token reads: Qwen3-30B-A3B's router, 8 of 128 experts and its
+// attention per layer ("A3B": 3.3B activated parameters with the embedding, 3.04B without).
+TEST(BenchTest, MoeModelsCountTheActiveParameters) {
+  ModelConfig c;
+  c.vocab_size = 151936;
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;
+  c.num_layers = 48;
+  c.num_heads = 32;
+  c.num_kv_heads = 4;
+  c.head_dim = 128;
+  c.qk_norm = true;
+  c.moe.num_experts = 128;
+  c.moe.top_k = 8;
+  c.moe.expert_intermediate = 768;
+  const int64_t attention = 2048 * (4096 + 1024) + 4096 * 2048 + 2 * 2048 + 2 * 128;
+  const int64_t experts = 128 * 2048 + 8 * 3 * 2048 * 768;
+  EXPECT_EQ(matmul_parameters(c), 48 * (attention + experts) + 2048 + 151936 * 2048);
+  // A shared expert and its gate (Qwen2-MoE), and a dense layer (mlp_only_layers).
+  const int64_t base = matmul_parameters(c);
+  c.moe.shared_intermediate = 512;
+  EXPECT_EQ(matmul_parameters(c), base + 48 * (3 * 2048 * 512 + 2048));
+  c.moe.shared_intermediate = 0;
+  c.moe.mlp_only_layers = {0};
+  EXPECT_EQ(matmul_parameters(c), base - experts + 3 * 2048 * 6144);
+}
+
 }  // namespace
 }  // namespace tessera

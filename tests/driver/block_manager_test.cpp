@@ -138,5 +138,121 @@ TEST(BlockManagerTest, OffCachesNothing) {
   EXPECT_EQ(m.prefix_queries(), 0u);
 }
 
+// ---- sliding window -----------------------------------------------------------------------
+
+// Computes `n` more tokens of s (growing its table), as a step that succeeded: commit, then the
+// blocks that fell out of the window go back.
+void compute_more(BlockManager& m, Sequence& s, size_t n) {
+  ASSERT_TRUE(m.can_grow(s, s.computed + n));
+  m.grow(s, s.computed + n);
+  s.computed += n;
+  m.commit(s);
+  m.release_out_of_window(s);
+}
+
+TEST(BlockManagerTest, SlidingWindowFreesTheBlocksBeforeTheWindow) {
+  constexpr uint32_t kFreed = BlockManager::kFreedBlock;
+  BlockManager m(16, 4, true, &BlockManager::hash_block, /*window=*/6);
+  std::vector<int32_t> prompt(40);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(100 + i);
+  Sequence a = seq_of(prompt);
+  m.admit(a, m.match_prefix(a), 8);
+  a.computed = 8;
+  m.commit(a);
+  m.release_out_of_window(a);
+  // The next query (position 8) reads 3..8: block 0 (0..3) is still read.
+  EXPECT_EQ(a.block_table.size(), 2u);
+  EXPECT_EQ(a.freed_blocks, 0u);
+  EXPECT_EQ(m.used_blocks(), 2u);
+  compute_more(m, a, 1);  // position 9 reads 4..9: block 0 is out
+  EXPECT_EQ(a.block_table[0], kFreed);
+  EXPECT_EQ(a.freed_blocks, 1u);
+  EXPECT_EQ(m.used_blocks(), 2u);
+  // Decoding on: the sequence never holds more than the window's blocks and the next one.
+  for (int i = 0; i < 30; ++i) {
+    compute_more(m, a, 1);
+    EXPECT_LE(m.used_blocks(), 3u) << a.computed;
+  }
+  EXPECT_EQ(a.computed, 39u);
+  EXPECT_EQ(a.block_table.size(), 10u);
+  EXPECT_EQ(a.freed_blocks, (39u - 6u + 1u) / 4u);
+  for (size_t i = 0; i < a.freed_blocks; ++i) EXPECT_EQ(a.block_table[i], kFreed);
+  // The freed blocks were cached when they filled: they stay cached (free, evictable).
+  EXPECT_EQ(m.cached_free_blocks(), a.freed_blocks);
+  m.release(a);
+  EXPECT_EQ(m.used_blocks(), 0u);
+  EXPECT_EQ(a.freed_blocks, 0u);
+  EXPECT_TRUE(a.block_table.empty());
+}
+
+// A block freed out of one sequence's window still serves a new sequence with the same prefix
+// (its content depends only on the tokens up to its end), while it is not evicted.
+TEST(BlockManagerTest, FreedBlocksStayVerifiedPrefixHits) {
+  BlockManager m(32, 4, true, &BlockManager::hash_block, /*window=*/5);
+  std::vector<int32_t> prompt(24);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(7 * i + 1);
+  Sequence a = seq_of(prompt);
+  m.admit(a, m.match_prefix(a), 24);
+  a.computed = 24;
+  m.commit(a);
+  m.release_out_of_window(a);
+  EXPECT_EQ(a.freed_blocks, 5u);  // positions 20.. are read next: blocks 0..4 are out
+  const std::vector<uint32_t> kept(a.block_table.begin() + 5, a.block_table.end());
+  Sequence b = seq_of(prompt);
+  const std::vector<uint32_t> hits = m.match_prefix(b);
+  ASSERT_EQ(hits.size(), 5u);  // the last token is recomputed: 5 of the 6 full blocks
+  EXPECT_TRUE(m.can_admit(hits, 24));
+  m.admit(b, hits, 24);
+  EXPECT_EQ(b.computed, 20u);
+  EXPECT_EQ(std::vector<uint32_t>(b.block_table.begin(), b.block_table.begin() + 5), hits);
+  EXPECT_NE(b.block_table[5], kept[0]);  // the last block is b's own (a still holds its own)
+  m.release(a);
+  m.release(b);
+  EXPECT_EQ(m.used_blocks(), 0u);
+}
+
+// With a window shorter than a block, a block can fill after its predecessor was freed: it is
+// not cached (its parent link can no longer be verified), so a later sequence stops there.
+TEST(BlockManagerTest, ABlockWhosePredecessorWasFreedIsNotCached) {
+  BlockManager m(16, 4, true, &BlockManager::hash_block, /*window=*/2);
+  std::vector<int32_t> prompt(12);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i + 50);
+  Sequence a = seq_of(prompt);
+  m.admit(a, m.match_prefix(a), 1);
+  a.computed = 1;
+  m.commit(a);
+  m.release_out_of_window(a);
+  while (a.computed < 12) compute_more(m, a, 1);
+  EXPECT_EQ(a.freed_blocks, 2u);  // position 12 reads 11..12
+  EXPECT_EQ(m.used_blocks(), 1u);
+  m.release(a);
+  Sequence b = seq_of(prompt);
+  // Block 0 was cached when it filled (at 4, before it was freed at 5); block 1 filled at 8,
+  // after block 0 had gone: uncached.
+  EXPECT_EQ(m.match_prefix(b).size(), 1u);
+}
+
+TEST(BlockManagerTest, StepTokensThatFitTheCacheWithAWindow) {
+  EXPECT_EQ(BlockManager(8, 4).max_step_tokens(), SIZE_MAX);
+  // A step of n tokens holds (window + n - 2) / 4 + 2 blocks at most: n <= 6 * 4 - 10 + 2.
+  BlockManager m(8, 4, true, &BlockManager::hash_block, /*window=*/10);
+  EXPECT_EQ(m.max_step_tokens(), 16u);
+  EXPECT_TRUE(m.fits_alone(100000));
+  EXPECT_FALSE(BlockManager(8, 4).fits_alone(33));
+  EXPECT_TRUE(BlockManager(8, 4).fits_alone(32));
+  BlockManager tiny(4, 4, true, &BlockManager::hash_block, /*window=*/10);
+  EXPECT_EQ(tiny.max_step_tokens(), 0u);  // the window alone needs more than the cache
+  EXPECT_FALSE(tiny.fits_alone(17));
+  EXPECT_TRUE(tiny.fits_alone(16));
+  // Every alignment of a worst-case step fits: held blocks from the first query's window start
+  // to the last query.
+  for (size_t c = 0; c < 40; ++c) {
+    const size_t n = m.max_step_tokens();
+    const size_t first = c + 1 > 10 ? c + 1 - 10 : 0;
+    const size_t held = (c + n - 1) / 4 - first / 4 + 1;
+    EXPECT_LE(held, 8u) << c;
+  }
+}
+
 }  // namespace
 }  // namespace tessera

@@ -102,6 +102,9 @@ class FakeExecutor final : public StepExecutor {
   int fail_next = 0;    // collects that fail
   int fail_submit = 0;  // submits that fail
   int depth = 1;
+  // The model's sliding window (EngineConfig::kv_window): the entries of a table before its
+  // request's window are stale (the engine freed those blocks and may have handed them on).
+  uint32_t window = 0;
   size_t max_in_flight = 0;
   std::deque<StepInput> in_flight;
 
@@ -157,7 +160,18 @@ class FakeExecutor final : public StepExecutor {
   }
   bool held_by_other(uint64_t id, uint32_t block) const {
     for (const auto& [other, table] : tables) {
-      if (other != id && std::find(table.begin(), table.end(), block) != table.end()) return true;
+      if (other == id) continue;
+      size_t live = 0;  // the first entry a later step of `other` reads
+      if (window > 0) {
+        const auto it = seen_.find(other);
+        const int64_t seen = it == seen_.end() ? 0 : it->second;
+        live = static_cast<size_t>(std::max<int64_t>(0, seen - window + 1)) / block_size_;
+      }
+      live = std::min(live, table.size());
+      if (std::find(table.begin() + static_cast<std::ptrdiff_t>(live), table.end(), block) !=
+          table.end()) {
+        return true;
+      }
     }
     return false;
   }

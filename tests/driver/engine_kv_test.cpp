@@ -36,6 +36,7 @@ Workload run_workload(const EngineConfig& c, int depth, const std::vector<Arriva
   FakeExecutor ex(static_cast<uint32_t>(c.model.block_size),
                   static_cast<uint32_t>(c.model.kv_blocks));
   ex.depth = depth;
+  ex.window = c.kv_window;
   FakeDetokenizer dt;
   LlmEngine engine(c, ex, dt);
   Workload w;
@@ -328,6 +329,56 @@ TEST(EnginePreemptionTest, ARequestLongerThanTheCacheEndsWithLength) {
   Workload w = run_workload(caching(false, 2), 1, {{0, {30, 31, 32}, 20}});
   EXPECT_EQ(w.runs[0].finish, "length");
   EXPECT_EQ(w.runs[0].tokens.size(), 5u);  // 3 + 5 = 8 tokens: the whole cache
+}
+
+// A sliding-window model (every layer attends to the last 6 positions): requests several times
+// longer than the whole cache (6 blocks of 4) run to their max_tokens, the blocks that fall out
+// of their windows freed and handed to the others, and give what an ample cache without freeing
+// gives (the fake reads position p - 1, inside every window). With and without prefix caching,
+// one step or two in flight (async scheduling).
+TEST(EngineSlidingWindowTest, RequestsLongerThanTheCacheRunToTheirLength) {
+  std::vector<Arrival> arrivals;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<int32_t> prompt;
+    for (int k = 0; k < 12 + i; ++k) prompt.push_back(20 + (i * 13 + k * 7) % 60);
+    arrivals.push_back({static_cast<size_t>(i), prompt, 40});
+  }
+  Workload ample = run_workload(caching(true, 256), 1, arrivals);
+  for (bool prefix : {false, true}) {
+    for (bool async : {false, true}) {
+      SCOPED_TRACE(std::string("prefix caching ") + (prefix ? "on" : "off") +
+                   (async ? ", async scheduling" : ""));
+      EngineConfig c = caching(prefix, 6, 8);
+      c.kv_window = 6;
+      c.async_scheduling = async;
+      Workload tight = run_workload(c, 1, arrivals);
+      EXPECT_TRUE(tight.violations.empty()) << tight.violations.front();
+      ASSERT_EQ(tight.runs.size(), ample.runs.size());
+      for (size_t i = 0; i < tight.runs.size(); ++i) {
+        EXPECT_EQ(tight.runs[i], ample.runs[i]) << "request " << i;
+        EXPECT_EQ(tight.runs[i].tokens.size(), 40u) << "request " << i;
+        EXPECT_EQ(tight.runs[i].finish, "length");
+      }
+      EXPECT_EQ(tight.stats.kv_blocks_used, 0u);
+    }
+  }
+  // Without the window the same cache holds 24 tokens: a request alone stops there.
+  Workload capped = run_workload(caching(false, 6, 8), 1, {arrivals[0]});
+  EXPECT_EQ(capped.runs[0].tokens.size(), 24u - 12u);
+}
+
+// A cache too small for the window itself refuses the request, saying so.
+TEST(EngineSlidingWindowTest, ACacheSmallerThanTheWindowRefusesNamingIt) {
+  EngineConfig c = config(4, 8);
+  c.kv_window = 16;  // a step needs (16 + n - 2) / 4 + 2 > 4 blocks for any n
+  FakeExecutor ex(4, 4);
+  FakeDetokenizer dt;
+  LlmEngine engine(c, ex, dt);
+  auto id = add(engine, {20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37},
+                opts(4));
+  ASSERT_FALSE(id);
+  EXPECT_NE(id.status().message().find("sliding window of 16"), std::string::npos)
+      << id.status().to_string();
 }
 
 struct AbortFixture {

@@ -34,8 +34,9 @@ SchedulerConfig config(uint32_t max_num_seqs, uint32_t budget) {
 class Harness {
  public:
   Harness(SchedulerConfig config, uint32_t num_blocks, uint32_t block_size,
-          bool prefix_caching = true)
-      : blocks(num_blocks, block_size, prefix_caching), scheduler(config, blocks) {}
+          bool prefix_caching = true, uint32_t window = 0)
+      : blocks(num_blocks, block_size, prefix_caching, &BlockManager::hash_block, window),
+        scheduler(config, blocks) {}
 
   // Adds a sequence with this prompt; it stays owned by the scheduler.
   Sequence* add(uint64_t id, std::vector<int32_t> prompt, int max_tokens = 100) {
@@ -78,6 +79,7 @@ class Harness {
       --c.seq->in_flight;
       c.seq->computed = c.start + c.count;
       blocks.commit(*c.seq);
+      blocks.release_out_of_window(*c.seq);  // sliding window only
       if (c.sample) c.seq->output.push_back(kSampled);
     }
   }
@@ -424,6 +426,100 @@ TEST(SchedulerTest, AsyncSchedulingWaitsRatherThanPreemptForTheDecodeAhead) {
   // Position 4 needs a new block and none is free: no step ahead, no preemption.
   EXPECT_EQ(h.submit(), Chunks{});
   EXPECT_EQ(h.scheduler.preemptions(), 0u);
+}
+
+// ---- sliding window ---------------------------------------------------------------------------
+
+// Every layer slides by 8 tokens: a sequence far longer than the whole cache (6 blocks of 4 =
+// 24 tokens) runs alone to 300 tokens, holding only its window's blocks, never preempted.
+TEST(SchedulerTest, SlidingWindowRunsASequenceLongerThanTheCache) {
+  SchedulerConfig cfg = config(8, 4);
+  cfg.limits.max_model_len = 4096;
+  Harness h(cfg, 6, 4, /*prefix_caching=*/true, /*window=*/8);
+  Sequence* a = h.add(1, 30, /*max_tokens=*/270);
+  size_t steps = 0;
+  while (a->output.size() < 270 && steps < 1000) {
+    const Chunks chunks = h.step();
+    ASSERT_EQ(chunks.size(), 1u) << "step " << steps;
+    // A prompt chunk of 4 holds the window before it (8 - 1 tokens) and itself: <= 4 blocks.
+    EXPECT_LE(h.blocks.used_blocks(), 4u) << "step " << steps;
+    ++steps;
+  }
+  EXPECT_EQ(a->total(), 300u);
+  EXPECT_EQ(h.scheduler.preemptions(), 0u);
+  EXPECT_EQ(a->block_table.size(), 75u);  // still indexed by position
+  EXPECT_EQ(a->freed_blocks, (a->computed - 8 + 1) / 4);
+  EXPECT_EQ(h.blocks.used_blocks(), a->block_table.size() - a->freed_blocks);
+  ASSERT_NE(h.scheduler.finish(1), nullptr);
+  EXPECT_EQ(h.blocks.used_blocks(), 0u);
+}
+
+// Chunked prefill over a window: a step computes at most max_step_tokens() tokens (here
+// (5 - 2) * 4 - 8 + 2 = 6, under a budget of 100) so that its blocks (the window before the
+// chunk, which starts in earlier chunks' blocks, and the chunk's) fit the 5-block cache.
+TEST(SchedulerTest, SlidingWindowChunksAPromptSoThatItsBlocksFit) {
+  Harness h(config(8, 100), 5, 4, /*prefix_caching=*/false, /*window=*/8);
+  Sequence* a = h.add(1, 20);
+  EXPECT_EQ(h.step(), (Chunks{{1, 0, 6, false}}));
+  EXPECT_EQ(h.step(), (Chunks{{1, 6, 6, false}}));
+  EXPECT_EQ(a->freed_blocks, 1u);  // position 12 reads 5..12: block 0 is out
+  EXPECT_EQ(h.step(), (Chunks{{1, 12, 6, false}}));
+  EXPECT_EQ(h.step(), (Chunks{{1, 18, 2, true}}));
+  EXPECT_EQ(a->freed_blocks, 3u);  // position 20 reads 13..20
+  EXPECT_EQ(h.blocks.used_blocks(), 2u);
+  EXPECT_EQ(h.step(), (Chunks{{1, 20, 1, true}}));
+}
+
+// Preemption with a sliding window: the preempted sequence gives back only the blocks it still
+// holds, and comes back from the start (its head's cached blocks long evicted) in chunks.
+TEST(SchedulerTest, SlidingWindowPreemptionReleasesWhatIsHeldAndRecomputes) {
+  // Decoding, each holds up to 3 blocks (a window of 6 spans two, plus the next): 6 > 5.
+  Harness h(config(8, 4), 5, 4, /*prefix_caching=*/true, /*window=*/6);
+  Sequence* a = h.add(1, 12);
+  Sequence* b = h.add(2, 12);
+  for (int i = 0; i < 200 && h.scheduler.preemptions() == 0; ++i) {
+    const Chunks chunks = h.step();
+    ASSERT_FALSE(chunks.empty());
+    ASSERT_LE(h.blocks.used_blocks(), 5u);
+  }
+  ASSERT_EQ(h.scheduler.preemptions(), 1u);
+  EXPECT_EQ(h.scheduler.take_preempted(), std::vector<uint64_t>{2});
+  EXPECT_TRUE(b->block_table.empty());
+  EXPECT_EQ(b->freed_blocks, 0u);
+  EXPECT_EQ(b->computed, 0u);
+  EXPECT_EQ(h.blocks.used_blocks(), a->block_table.size() - a->freed_blocks);
+  // Both finish: 2 is readmitted once 1 is done and recomputes prompt + output.
+  ASSERT_NE(h.scheduler.finish(1), nullptr);
+  const size_t total = b->total();
+  size_t recomputed = 0;
+  while (b->computed < total) {
+    const Chunks chunks = h.step();
+    ASSERT_EQ(chunks.size(), 1u);
+    EXPECT_EQ(std::get<1>(chunks[0]), recomputed);
+    recomputed += std::get<2>(chunks[0]);
+    ASSERT_LE(h.blocks.used_blocks(), 5u);
+  }
+  EXPECT_EQ(recomputed, total);
+}
+
+// With a sliding window a sequence's first step still holds its blocks from position 0: a cached
+// prefix that leaves no room for the chunk in the whole cache is used in part, rather than
+// waiting forever for blocks that cannot exist.
+TEST(SchedulerTest, SlidingWindowUsesOnlyTheCachedPrefixThatFitsWithTheChunk) {
+  Harness h(config(8, 8), 8, 4, /*prefix_caching=*/true, /*window=*/8);
+  std::vector<int32_t> prompt = Harness::unique_prompt(1, 30);
+  Sequence* a = h.add(1, prompt, /*max_tokens=*/1);
+  while (a->output.empty()) ASSERT_FALSE(h.step().empty());
+  ASSERT_NE(h.scheduler.finish(1), nullptr);
+  EXPECT_EQ(h.blocks.cached_free_blocks(), 7u);  // positions 0..27, a chain from block 0
+  // 20 more tokens: 7 hits (28 tokens) and a chunk of 8 would need 9 blocks of the 8.
+  std::vector<int32_t> longer = prompt;
+  for (int32_t t = 0; t < 20; ++t) longer.push_back(5000 + t);
+  Sequence* b = h.add(2, longer);
+  EXPECT_EQ(h.step(), (Chunks{{2, 24, 8, false}}));  // 6 hits: room for the chunk's 2 blocks
+  EXPECT_EQ(b->cached_tokens, 24u);
+  while (b->output.empty()) ASSERT_FALSE(h.step().empty());
+  EXPECT_EQ(b->total(), 51u);
 }
 
 // ---- finishing --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
 
@@ -389,6 +390,117 @@ TEST(CudaModelTest, GraphsGiveTheSameBitsAsEagerMode) {
   EXPECT_EQ(differing, 0u) << "logits differ between CUDA graphs and eager mode";
 }
 
+// Mixture of experts (kernels/cuda/moe.h): the tiny Mixtral (4 experts, top 2), Qwen2-MoE
+// (shared expert and its gate, top-k not renormalised) and Qwen3-MoE (a dense layer between MoE
+// layers) against the fp32 CPU backend, eager and with CUDA graphs. The bound is looser than the
+// dense models': where the GPU's bf16 router logits and the CPU's fp32 ones put two experts'
+// probabilities within rounding of each other, the two backends can pick different experts for
+// that token (a near-tie, as bf16 transformers would pick differently from fp32 transformers),
+// which moves the logits by more than rounding; the measured figures are printed.
+class CudaMoeParityTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaMoeParityTest, LogitsTrackTheFp32CpuBackend) {
+  require_gpu();
+  const std::string dir = tiny_model(GetParam());
+  auto cpu = load(spec_for(dir, "cpu"));
+  for (bool eager : {true, false}) {
+    LoadSpec s = spec_for(dir, "cuda");
+    s.engine.enforce_eager = eager;
+    auto gpu = load(s);
+    ASSERT_TRUE(cpu && gpu);
+    EXPECT_EQ(gpu->info().backend, "cuda");
+    EXPECT_GT(gpu->info().kv_blocks, 2048 / 16);
+    for (int64_t len : {37, 300}) {
+      // The prefills (74 and 600 pairs) take the grouped GEMM path, the decode steps GEMV.
+      Compare c = teacher_forced(*cpu, *gpu, prompt_ids(len, 1), 16);
+      std::printf(
+          "[parity] %s (%s), %lld-token prompt: max |logit diff| GPU bf16 vs CPU fp32 = %.3e "
+          "(max |logit| %.3f, relative %.2e), greedy agreement %d/%d\n",
+          GetParam().c_str(), eager ? "eager" : "CUDA graphs", static_cast<long long>(len),
+          c.max_diff, c.max_ref, c.max_diff / c.max_ref, c.agree, c.steps);
+      EXPECT_LE(c.max_diff, 0.1 * c.max_ref + 2e-3);
+      EXPECT_GE(c.agree, c.steps - 2);
+    }
+  }
+}
+
+// Batched decode through the CUDA graphs gives the eager bits, at a batch of 3 (the GEMV path)
+// and of 40 sequences (80 pairs: the grouped GEMM path inside the graph).
+TEST_P(CudaMoeParityTest, GraphsGiveTheSameBitsAsEagerMode) {
+  require_gpu();
+  const std::string dir = tiny_model(GetParam());
+  for (int batch : {3, 40}) {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < batch; ++i) prompts.push_back(prompt_ids(5 + (i * 13) % 40, 3 + i));
+    std::vector<float> eager_logits, graph_logits;
+    std::vector<std::vector<int32_t>> eager_tokens, graph_tokens;
+    for (bool eager : {true, false}) {
+      LoadSpec s = spec_for(dir, "cuda");
+      s.engine.enforce_eager = eager;
+      s.engine.max_num_seqs = 48;
+      auto r = load(s);
+      ASSERT_TRUE(r);
+      (eager ? eager_tokens : graph_tokens) =
+          generate(*r, prompts, 12, eager ? &eager_logits : &graph_logits);
+    }
+    EXPECT_EQ(eager_tokens, graph_tokens) << "batch " << batch;
+    ASSERT_EQ(eager_logits.size(), graph_logits.size());
+    size_t differing = 0;
+    for (size_t i = 0; i < eager_logits.size(); ++i) {
+      differing += eager_logits[i] != graph_logits[i];
+    }
+    EXPECT_EQ(differing, 0u) << "batch " << batch << ": logits differ between graphs and eager";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(MoeArchitectures, CudaMoeParityTest,
+                         ::testing::Values("mixtral", "qwen2_moe", "qwen3_moe"));
+
+// An MoE model's weights count every expert: the report's weight bytes are what LayerPlan says
+// this rank holds (the planner's figure), so the KV cache is sized after them.
+TEST(CudaModelTest, MoeWeightBytesCountEveryExpert) {
+  require_gpu();
+  const std::string dir = tiny_model("qwen2_moe");
+  auto r = load(spec_for(dir, "cuda"));
+  ASSERT_TRUE(r);
+  auto config = load_model_config(dir);
+  ASSERT_TRUE(config);
+  auto plan = LayerPlan::make(*config, ParallelConfig{});
+  ASSERT_TRUE(plan);
+  const uint64_t planned = plan->weight_bytes(DType::kBF16);
+  // The upload aligns each tensor to 256 bytes and stacks gate|up: within a few KiB per tensor.
+  EXPECT_GE(r->info().weight_bytes, planned);
+  EXPECT_LE(r->info().weight_bytes, planned + plan->weights.size() * 256);
+}
+
+// --load-format dummy from a --config-only directory: the same weight bytes as the real
+// checkpoint's load, made on the GPU (uniform in +-1e-3), and steps run (finite logits).
+TEST(CudaModelTest, DummyWeightsLoadFromConfigAlone) {
+  require_gpu();
+  const std::string real = tiny_model("qwen2_moe");
+  const std::string dir =
+      std::filesystem::temp_directory_path() / ("tessera-gpu-dummy-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  MakeModelOptions o;
+  o.arch = "qwen2_moe";
+  o.preset = "tiny";
+  o.tokenizer_dir = source_dir() + "/tests/assets/tokenizers/" + tokenizer_for("qwen2_moe");
+  o.out = dir;
+  o.config_only = true;
+  ASSERT_TRUE(make_model(o).is_ok());
+  LoadSpec s = spec_for(dir, "cuda");
+  s.engine.load_format = LoadFormat::kDummy;
+  auto dummy = load(s);
+  auto full = load(spec_for(real, "cuda"));
+  ASSERT_TRUE(dummy && full);
+  EXPECT_EQ(dummy->info().weight_bytes, full->info().weight_bytes);
+  std::vector<float> logits;
+  generate(*dummy, {prompt_ids(40, 1), prompt_ids(3, 2)}, 4, &logits);
+  ASSERT_FALSE(logits.empty());
+  for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CudaModelTest, ChunkedPrefillMatchesOneChunk) {
   require_gpu();
   auto r = load(spec_for(tiny_model("qwen3"), "cuda"));
@@ -412,6 +524,46 @@ TEST(CudaModelTest, ChunkedPrefillMatchesOneChunk) {
   }
   std::printf("[chunked] max |logit diff| one chunk vs three = %.3e\n", max_diff);
   EXPECT_LE(max_diff, 0.02 * max_ref + 1e-3);
+}
+
+// Sliding-window attention: the tiny Mistral with config.json's sliding_window set to 40 keys
+// (fewer than a 64-key tile, so windows start mid-tile) against the CPU backend, over a
+// 300-token prompt (prefill crossing the window many times, then decode) and a 1500-token one
+// (split-K decode: the splits share only the window's keys). The logits' distance from the same
+// model without the window is printed (the window must change them).
+TEST(CudaModelTest, SlidingWindowTracksTheCpuBackend) {
+  require_gpu();
+  const std::string full = tiny_model("mistral");
+  const std::string dir = full + "-window40";
+  std::filesystem::remove_all(dir);
+  std::filesystem::copy(full, dir, std::filesystem::copy_options::recursive);
+  {
+    std::ifstream in(dir + "/config.json");
+    nlohmann::json config = nlohmann::json::parse(in);
+    in.close();
+    config["sliding_window"] = 40;
+    std::ofstream(dir + "/config.json") << config.dump(2);
+  }
+  auto cpu = load(spec_for(dir, "cpu"));
+  auto gpu = load(spec_for(dir, "cuda"));
+  ASSERT_TRUE(cpu && gpu);
+  ASSERT_EQ(gpu->config().kv_cache_window(), 40);
+  for (auto [len, steps] : {std::pair<int64_t, int>{300, 24}, {1500, 6}}) {
+    Compare c = teacher_forced(*cpu, *gpu, prompt_ids(len, 3), steps);
+    std::printf(
+        "[window] %ld-token prompt, window 40: max |logit diff| = %.3e (max |logit| %.3f)"
+        ", greedy agreement %d/%d\n",
+        static_cast<long>(len), c.max_diff, c.max_ref, c.agree, c.steps);
+    EXPECT_LE(c.max_diff, 0.05 * c.max_ref + 2e-3) << len;
+    EXPECT_GE(c.agree, c.steps - 2) << len;
+  }
+  auto gpu_full = load(spec_for(full, "cuda"));
+  ASSERT_TRUE(gpu_full);
+  Compare apart = teacher_forced(*gpu_full, *gpu, prompt_ids(300, 3), 2);
+  std::printf("[window] the same model without the window: max |logit diff| = %.3e\n",
+              apart.max_diff);
+  EXPECT_GT(apart.max_diff, 0.0) << "the window changes the logits";
+  std::filesystem::remove_all(dir);
 }
 
 TEST(CudaModelTest, SeededSamplingDoesNotDependOnTheBatch) {

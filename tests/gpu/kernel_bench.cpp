@@ -2,7 +2,9 @@
 // isolation: every op is captured 50 times back to back into a CUDA graph and the replay is
 // timed, so the figure includes the per-node cost a decode graph pays. Prints one line per op
 // and the per-step sum (x 32 layers). A benchmark, not a test: run by hand or from gpu-check.
-//   kernel_bench [--batch 1] [--context 256] [--max-model-len 8192] [--zeros]
+//   kernel_bench [--batch 1] [--context 256] [--max-model-len 8192] [--zeros] [--window W]
+// --window W also times the decode attention with a sliding window of W keys (Gemma's local
+// layers, Mistral): the K/V bytes it reads against the full context's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -104,6 +106,7 @@ constexpr int64_t bs = 16;
 
 struct Args {
   int64_t B = 1, ctx = 256, max_len = 8192;
+  int64_t window = 0;  // --window: also time a sliding-window decode
 };
 
 // The flags into `args` (--zeros into g_zeros); false after naming an unknown one.
@@ -118,6 +121,8 @@ bool parse_args(int argc, char** argv, Args& args) {
       args.ctx = std::atoll(argv[++i]);
     } else if (has_value && !std::strcmp(argv[i], "--max-model-len")) {
       args.max_len = std::atoll(argv[++i]);
+    } else if (has_value && !std::strcmp(argv[i], "--window")) {
+      args.window = std::atoll(argv[++i]);
     } else {
       std::fprintf(stderr, "kernel_bench: unknown argument %s\n", argv[i]);
       return false;
@@ -269,7 +274,7 @@ AttentionArgs time_decode_ops(cudaStream_t st, const Args& args, const Buffers& 
   a.num_heads = heads;
   a.num_kv_heads = kvh;
   a.head_dim = hd;
-  a.scale = 1.0f / std::sqrt(128.0f);
+  a.scoring.scale = 1.0f / std::sqrt(128.0f);
   a.num_splits = b.sp.num_splits;
   a.split_size = b.sp.split_size;
   a.workspace = b.sp.num_splits > 1 ? b.ws : nullptr;
@@ -339,6 +344,19 @@ void report_bandwidth(cudaStream_t st, const Args& args, const AttentionArgs& a,
       "attention decode, fp8 KV cache: %.1f us (%.2fx the bf16 cache) = %.0f GB/s = %.2f of the "
       "copy bandwidth\n",
       fp8_us, attn_us / fp8_us, kv_bytes / 2 / fp8_us / 1e3, kv_bytes / 2 / fp8_us / 1e3 / copy_bw);
+  if (args.window > 0) {
+    // A sliding window: the kernel reads only the window's keys (whole blocks before it are
+    // skipped), so its bytes are min(window, context) keys' per sequence.
+    AttentionArgs aw = a;
+    aw.scoring.window = args.window;
+    const double w_us = time_op(st, [&] { return paged_attention(aw, st); });
+    const double w_bytes = static_cast<double>(B) * std::min(args.window, ctx) * kvh * hd * 2 * 2;
+    std::printf(
+        "attention decode, window %ld of context %ld: reads %.1f MB of K/V (full context %.1f MB) "
+        "in %.1f us (full %.1f us) = %.0f GB/s = %.2f of the copy bandwidth\n",
+        static_cast<long>(args.window), static_cast<long>(ctx), w_bytes / 1e6, kv_bytes / 1e6, w_us,
+        attn_us, w_bytes / w_us / 1e3, w_bytes / w_us / 1e3 / copy_bw);
+  }
 }
 
 // The decode ops' table: a line per row and the per-step sum.

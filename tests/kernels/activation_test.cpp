@@ -78,5 +78,27 @@ TEST(ActivationTest, SizeErrors) {
   EXPECT_TRUE(silu_mul_fused(ctx, gu, 4, o8).is_ok());
 }
 
+// Gemma's gelu_pytorch_tanh(g) * u against the formula in double. 1 + tanh(..) cancels for
+// negative g (to ~2.5e-3 at g = -3): an fp32 rounding of tanh there is ~1e-7 absolute, so the
+// bound is 1e-5 relative plus 1e-6 absolute (|u| <= 3).
+TEST(ActivationTest, GeluTanhMulMatchesFloat64Reference) {
+  CpuContext ctx(3);
+  for (int64_t n : {1, 7, 100000}) {
+    const std::vector<float> gate = random_floats(n, 900 + n, -6.0f, 6.0f);
+    const std::vector<float> up = random_floats(n, 901 + n, -3.0f, 3.0f);
+    std::vector<float> out(n);
+    ASSERT_TRUE(gelu_tanh_mul(ctx, gate, up, out).is_ok());
+    std::vector<double> ref(gate.size());
+    for (size_t i = 0; i < gate.size(); ++i) {
+      const double g = gate[i];
+      const double inner = std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g);
+      ref[i] = 0.5 * g * (1.0 + std::tanh(inner)) * up[i];
+    }
+    expect_close_all(out, ref, 1e-5, 1e-6, "gelu_tanh_mul n=" + std::to_string(n));
+  }
+  std::vector<float> a(3), b(4), o(3);
+  EXPECT_EQ(gelu_tanh_mul(ctx, a, b, o).code(), Code::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace tessera::cpu

@@ -248,11 +248,41 @@ TEST(MoeTest, BadLayersAreRefused) {
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("top_k 5"), std::string::npos) << st.message();
   m.top_k = 2;
+  // A layer may hold some of the router's experts (expert parallelism), not more than it has
+  // rows for.
   MoeLayer l = m.layer();
-  l.experts.pop_back();
+  l.expert_begin = 1;
   st = moe(ctx, l, x, y);
   EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find("experts"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("experts 1..4 among its rows"), std::string::npos) << st.message();
+  l.expert_begin = 0;
+  l.experts.clear();
+  EXPECT_FALSE(moe(ctx, l, x, y).is_ok());
+}
+
+// Expert parallelism's pieces: the experts split over two "ranks" (each holding half, the slots
+// of the other's experts skipped) add up to the whole layer, and so does a route computed once
+// and passed to moe_experts, plus the shared expert.
+TEST(MoeTest, ExpertsSplitIntoRangesAddUpToTheLayer) {
+  CpuContext ctx(1);
+  const int64_t H = 16, T = 5;
+  Model m = make_model(H, 4, 8, 2, true, 12, 3);
+  const std::vector<float> x = random_floats(static_cast<size_t>(T * H), 4);
+  std::vector<float> whole(x.size());
+  ASSERT_TRUE(moe(ctx, m.layer(), x, whole));
+  MoeLayer all = m.layer();
+  auto route = moe_route(ctx, all, x);
+  ASSERT_TRUE(route) << route.status().message();
+  std::vector<float> sum(x.size(), 0.0f), part(x.size());
+  for (int64_t first : {0, 2}) {
+    MoeLayer half = all;
+    half.expert_begin = first;
+    half.experts.assign(all.experts.begin() + first, all.experts.begin() + first + 2);
+    ASSERT_TRUE(moe_experts(ctx, half, x, *route, part));
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+  }
+  ASSERT_TRUE(moe_shared(ctx, all, x, sum));
+  for (size_t i = 0; i < sum.size(); ++i) EXPECT_NEAR(sum[i], whole[i], 1e-5f) << i;
 }
 
 }  // namespace

@@ -203,5 +203,73 @@ TEST(RopeTest, Errors) {
   EXPECT_EQ(apply_rope(ctx, *t, pos, q_bad, {}).code(), Code::kInvalidArgument);
 }
 
+// Phi-3's LongRoPE over a partial rotary dimension: short factors below the boundary, long
+// from it, cos/sin times attention_factor; the dimensions past rotary_dim pass through.
+TEST(RopeTest, LongRopePartialRotary) {
+  RopeSpec spec;
+  spec.head_dim = 16;
+  spec.rotary_dim = 12;
+  spec.theta = 10000.0;
+  LongRopeScaling l;
+  for (int i = 0; i < 6; ++i) {
+    l.short_factor.push_back(1.0 + 0.25 * i);
+    l.long_factor.push_back(2.0 + 1.5 * i);
+  }
+  l.original_max_position_embeddings = 128;
+  l.attention_factor = std::sqrt(1 + std::log(4.0) / std::log(128.0));
+  spec.longrope = l;
+  auto t = RopeTable::create(spec, 512);
+  ASSERT_TRUE(t.has_value()) << t.status().to_string();
+  EXPECT_EQ(t->rotary_dim(), 12);
+  ASSERT_EQ(t->inv_freq().size(), 6u);
+  const float att = static_cast<float>(l.attention_factor);
+  for (int64_t pos : {0, 1, 127, 128, 511}) {
+    const std::vector<double>& f = pos < 128 ? l.short_factor : l.long_factor;
+    for (int64_t i = 0; i < 6; ++i) {
+      const double inv = 1.0 / (f[i] * std::pow(10000.0, 2.0 * i / 12));
+      const double angle = inv * pos;
+      const double tol = (std::log(10000.0) + 10) * kU * inv * pos * 1.2 + 4e-7;
+      EXPECT_NEAR(t->cos(pos)[i], std::cos(angle) * att, tol) << pos << " " << i;
+      EXPECT_NEAR(t->sin(pos)[i], std::sin(angle) * att, tol) << pos << " " << i;
+    }
+  }
+  // Rotation touches only the first 12 dimensions of each 16.
+  CpuContext ctx(1);
+  std::vector<float> q = random_floats(2 * 16, 77, -1.0f, 1.0f);
+  const std::vector<float> before = q;
+  const std::vector<int64_t> positions = {3, 200};
+  ASSERT_TRUE(apply_rope(ctx, *t, positions, q, {}).is_ok());
+  for (int64_t tk = 0; tk < 2; ++tk) {
+    const float* c = t->cos(positions[tk]);
+    const float* sn = t->sin(positions[tk]);
+    for (int64_t i = 0; i < 6; ++i) {
+      const float a = before[tk * 16 + i], b = before[tk * 16 + i + 6];
+      EXPECT_FLOAT_EQ(q[tk * 16 + i], a * c[i] - b * sn[i]);
+      EXPECT_FLOAT_EQ(q[tk * 16 + i + 6], b * c[i] + a * sn[i]);
+    }
+    for (int64_t i = 12; i < 16; ++i) EXPECT_EQ(q[tk * 16 + i], before[tk * 16 + i]);
+  }
+  spec.rotary_dim = 10;  // factor lists of 6 do not fit 10 / 2
+  EXPECT_FALSE(RopeTable::create(spec, 512).has_value());
+  spec.rotary_dim = 18;
+  EXPECT_FALSE(RopeTable::create(spec, 512).has_value());
+}
+
+// Gemma 3's global layers: rope_type linear divides inv_freq by the factor.
+TEST(RopeTest, LinearScaling) {
+  RopeSpec spec;
+  spec.head_dim = 32;
+  spec.theta = 1e6;
+  auto plain = RopeTable::create(spec, 8);
+  spec.linear_factor = 8.0;
+  auto scaled = RopeTable::create(spec, 8);
+  ASSERT_TRUE(plain.has_value() && scaled.has_value());
+  for (size_t i = 0; i < 16; ++i) {
+    EXPECT_EQ(scaled->inv_freq()[i], plain->inv_freq()[i] / 8.0f) << i;
+  }
+  spec.linear_factor = 0;
+  EXPECT_FALSE(RopeTable::create(spec, 8).has_value());
+}
+
 }  // namespace
 }  // namespace tessera::cpu

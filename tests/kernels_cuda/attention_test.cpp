@@ -4,7 +4,9 @@
 // neither flat nor one-hot), K, V ~ U(-1, 1), all rounded to the dtype first; the reference sees
 // exactly the rounded values. Cache slots that hold no token of any sequence, and a block that
 // pads every block table, are NaN: a kernel reading past a sequence's tokens turns its output
-// NaN and fails.
+// NaN and fails. With a sliding window, the table entries of the blocks wholly before a
+// sequence's first query's window name that NaN block too: a kernel must skip them (decode reads
+// only the window), not mask them (a masked NaN V still makes NaN).
 //
 // Tolerance per output element: |gpu - ref| <= rtol * |ref| + atol, with
 //   bf16: rtol 2^-7, atol 4e-3; fp16: rtol 2^-9, atol 1e-3.
@@ -64,6 +66,8 @@ struct Shape {
   int head_dim = 64;
   int block_size = 16;
   bool fp8 = false;  // an E4M3 cache (the reference reads the same values widened)
+  int window = 0;    // AttentionScoring::window (0 = full)
+  float softcap = 0.0f;  // AttentionScoring::softcap (0 = off)
 };
 
 // A batch on the host: the cache (NaN where no sequence's token lives), block tables and q.
@@ -84,6 +88,9 @@ struct Problem {
   int64_t token_elems() const { return int64_t{shape.num_kv_heads} * shape.head_dim; }
   int64_t row_elems() const { return int64_t{shape.num_heads} * shape.head_dim; }
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(shape.head_dim)); }
+  AttentionScoring scoring() const {
+    return {.scale = scale(), .softcap = shape.softcap, .window = shape.window};
+  }
 };
 
 Problem make_problem(const Shape& shape, std::vector<int> query_lens, std::vector<int> capacity,
@@ -126,6 +133,12 @@ Problem make_problem(const Shape& shape, std::vector<int> query_lens, std::vecto
         p.v[slot * te + e] = to_half_bits(unit(rng), shape.dtype);
       }
     }
+  }
+  // Blocks wholly before the window of a sequence's first query (capacity - query_len): freed by
+  // the engine; their entries name the NaN block.
+  for (int s = 0; s < n && shape.window > 0; ++s) {
+    const int first = std::max(0, p.capacity[s] - p.query_lens[s] - shape.window + 1);
+    for (int b = 0; b < first / bs; ++b) p.block_tables[s * p.table_stride + b] = poison_block;
   }
   if (shape.fp8) {
     // Values in (-1, 1) span E4M3's normals and subnormals; every E4M3 value is exact in bf16
@@ -192,7 +205,7 @@ std::vector<float> reference(const Problem& p, const std::vector<int>& context_l
   }
   std::vector<float> out_ref(q_ref.size());
   cpu::CpuContext ctx(0);
-  const Status st = cpu::paged_attention(ctx, *cache, 0, q_ref, seqs, p.scale(), out_ref);
+  const Status st = cpu::paged_attention(ctx, *cache, 0, q_ref, seqs, p.scoring(), out_ref);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   std::vector<float> out(static_cast<size_t>(p.total_q * p.row_elems()), 0.0f);
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -251,7 +264,7 @@ AttentionArgs make_args(const Problem& p, const DeviceProblem& d, int num_splits
   a.num_heads = p.shape.num_heads;
   a.num_kv_heads = p.shape.num_kv_heads;
   a.head_dim = p.shape.head_dim;
-  a.scale = p.scale();
+  a.scoring = p.scoring();
   a.num_splits = num_splits;
   a.split_size = split_size;
   a.workspace = d.workspace.get();
@@ -373,7 +386,9 @@ void check_problem(const Problem& p, const std::vector<int>& context_lens,
 std::string describe(const Shape& s) {
   return std::string(dtype_name(s.dtype)) + (s.fp8 ? " fp8 cache" : "") + " heads " +
          std::to_string(s.num_heads) + "/" + std::to_string(s.num_kv_heads) + " head_dim " +
-         std::to_string(s.head_dim) + " block " + std::to_string(s.block_size);
+         std::to_string(s.head_dim) + " block " + std::to_string(s.block_size) +
+         (s.window > 0 ? " window " + std::to_string(s.window) : "") +
+         (s.softcap > 0 ? " softcap " + std::to_string(s.softcap) : "");
 }
 
 TEST(CudaPagedAttention, DecodeBatchMatchesCpu) {
@@ -691,6 +706,188 @@ TEST(CudaPagedAttention, GraphReplayWithChangingContextLengths) {
   cudaStreamDestroy(stream);
 }
 
+// Sliding-window decode: windows of 1 key, ending inside a block, on a block edge, spanning
+// tiles and wider than every context, against contexts around the 64-key tile edges, unsplit and
+// split (the splits share only the window's keys). The blocks before each window are NaN.
+TEST(CudaPagedAttention, SlidingWindowDecodeMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> ctx = {1, 15, 16, 17, 63, 64, 65, 300, 2049};
+  const std::vector<int> ones(ctx.size(), 1);
+  int i = 0;
+  for (int window : {1, 16, 17, 100, 4096}) {
+    for (int head_dim : {128, 64, 80}) {
+      Shape sh;
+      sh.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+      sh.num_heads = 8;
+      sh.num_kv_heads = 2;
+      sh.head_dim = head_dim;
+      sh.block_size = i % 3 == 1 ? 7 : 16;
+      sh.window = window;
+      const Problem p = make_problem(sh, ones, ctx, 1100 + i);
+      check_problem(p, ctx, {{9, 256}, {12, 256}, {2, 1088}}, "decode " + describe(sh));
+      ++i;
+    }
+  }
+}
+
+// Sliding-window prefill and chunked prefill (chunks whose queries' windows start in earlier
+// chunks' blocks): every tile head size, a general one, GQA 1 to 8, the Hopper kernel at head_dim
+// 128 (check_problem runs it where it applies), windows smaller than, equal to and larger than
+// its 128-key tiles.
+TEST(CudaPagedAttention, SlidingWindowPrefillMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> qlen = {37, 64, 1, 200, 5, 300, 129};
+  const std::vector<int> ctx = {100, 300, 70, 513, 5, 300, 1153};
+  int i = 0;
+  for (int window : {1, 5, 64, 100, 128, 129, 700}) {
+    for (int head_dim : {128, 64, 16, 256, 96}) {
+      if ((window + head_dim + i) % 2 == 1 && head_dim != 128) continue;  // a spread of pairs
+      Shape sh;
+      sh.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+      const int group = std::vector<int>{1, 4, 8, 3}[i % 4];
+      sh.num_kv_heads = 2;
+      sh.num_heads = 2 * group;
+      sh.head_dim = head_dim;
+      sh.block_size = std::vector<int>{16, 7, 32, 1}[i % 4];
+      sh.window = window;
+      const Problem p = make_problem(sh, qlen, ctx, 1200 + i);
+      check_problem(p, ctx, {{3, 192}, {9, 64}}, "windowed prefill " + describe(sh));
+      ++i;
+    }
+  }
+  EXPECT_GE(i, 10);
+}
+
+// The Hopper prefill kernel forced with windows that start mid-tile, with block sizes that do
+// not divide its tiles, next to the tile kernel on the same problem.
+TEST(CudaPagedAttention, SlidingWindowHopperPrefillMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> qlen = {300, 1, 129, 31, 128, 700, 9};
+  const std::vector<int> ctx = {300, 1, 400, 31, 1153, 700, 0};
+  int i = 0;
+  for (int window : {1, 77, 128, 300}) {
+    for (int block_size : {16, 7}) {
+      Shape sh;
+      sh.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+      sh.num_kv_heads = 2;
+      sh.num_heads = 8;
+      sh.head_dim = 128;
+      sh.block_size = block_size;
+      sh.window = window;
+      sh.softcap = i % 3 == 2 ? 4.0f : 0.0f;
+      const Problem p = make_problem(sh, qlen, ctx, 1300 + i);
+      ASSERT_TRUE(hopper_applies(p));
+      const std::vector<float> ref = reference(p, ctx);
+      ASSERT_FALSE(ref.empty());
+      std::vector<uint16_t> out;
+      ASSERT_NO_FATAL_FAILURE(run_gpu(p, ctx, 1, 0, &out, AttentionKernel::kHopper));
+      expect_matches(p, ctx, out, ref, "Hopper prefill " + describe(sh));
+      ++i;
+    }
+  }
+}
+
+// The attention logit soft-cap (Gemma 2: c tanh(s / c) before the mask), with and without a
+// window, on every kernel: tiles (prefill, decode, split), the general head sizes, an FP8 cache
+// (decode from registers and widened prefill), Hopper prefill (head_dim 128). q ~ U(-3, 3)
+// gives scores of std ~1: c = 1 squashes most of them, c = 30 few.
+TEST(CudaPagedAttention, SoftcapMatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  const std::vector<int> qlen = {1, 1, 37, 200, 1, 5};
+  const std::vector<int> ctx = {1, 300, 100, 200, 2049, 5};
+  int i = 0;
+  for (float cap : {1.0f, 30.0f}) {
+    for (int window : {0, 50}) {
+      for (int head_dim : {128, 64, 256, 80}) {
+        Shape sh;
+        sh.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+        sh.num_kv_heads = 2;
+        sh.num_heads = 2 * std::vector<int>{4, 1, 8}[i % 3];
+        sh.head_dim = head_dim;
+        sh.block_size = 16;
+        sh.fp8 = i % 4 == 3;
+        sh.window = window;
+        sh.softcap = cap;
+        const Problem p = make_problem(sh, qlen, ctx, 1400 + i);
+        check_problem(p, ctx, {{4, 576}, {9, 256}}, "softcap " + describe(sh));
+        ++i;
+      }
+    }
+  }
+}
+
+// A window on an FP8 cache: decode at both kernel instances' batch sizes and prefill.
+TEST(CudaPagedAttention, SlidingWindowFp8MatchesCpu) {
+  REQUIRE_CUDA_DEVICE();
+  int i = 0;
+  for (int head_dim : {128, 64, 256}) {
+    Shape sh;
+    sh.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+    sh.num_heads = 32;
+    sh.num_kv_heads = 8;
+    sh.head_dim = head_dim;
+    sh.fp8 = true;
+    sh.window = 70;
+    std::vector<int> ctx, qlen;
+    for (int s = 0; s < 200; ++s) {
+      ctx.push_back(1 + (s * 37) % 900);
+      qlen.push_back(s % 50 == 7 ? std::min(ctx.back(), 90) : 1);
+    }
+    const Problem p = make_problem(sh, qlen, ctx, 1500 + i);
+    check_problem(p, ctx, {{2, 512}, {5, 192}}, "windowed fp8 " + describe(sh));
+    ++i;
+  }
+}
+
+// One decode graph captured with a window and a split plan, replayed with other context
+// lengths: each sequence spreads only its window's keys over the splits.
+TEST(CudaPagedAttention, SlidingWindowGraphReplay) {
+  REQUIRE_CUDA_DEVICE();
+  Shape sh;
+  sh.num_heads = 16;
+  sh.num_kv_heads = 4;
+  sh.head_dim = 128;
+  const std::vector<int> capacity = {2048, 2048, 2048, 2048};
+  // Made without a window (no NaN blocks: the replays move the windows anywhere), run with one.
+  Problem p = make_problem(sh, {1, 1, 1, 1}, capacity, 1600);
+  p.shape.window = 300;
+  const std::vector<std::vector<int>> replays = {
+      {2048, 300, 1, 1000}, {17, 2047, 256, 301}, {0, 64, 2048, 0}};
+  DeviceProblem d;
+  ASSERT_NO_FATAL_FAILURE(upload_problem(p, &d));
+  ASSERT_NO_FATAL_FAILURE(upload(&d.ctx, replays[0], "context_lens"));
+  const int num_splits = 8;
+  const int split_size = 256;
+  const size_t ws = attention_workspace_bytes(p.total_q, sh.num_heads, sh.head_dim, num_splits);
+  ASSERT_NO_FATAL_FAILURE(upload(&d.workspace, std::vector<uint8_t>(ws, 0xff), "workspace"));
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status st = paged_attention(make_args(p, d, num_splits, split_size), stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (size_t r = 0; r < replays.size(); ++r) {
+    const std::vector<int>& ctx = replays[r];
+    ASSERT_EQ(cudaMemcpy(d.ctx.get(), ctx.data(), ctx.size() * sizeof(int), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    const std::vector<uint16_t> sentinel(p.q.size(), kSentinel);
+    ASSERT_EQ(cudaMemcpy(d.out.get(), sentinel.data(), sentinel.size() * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<uint16_t> out;
+    ASSERT_NO_FATAL_FAILURE(download(d.out, p.q.size(), &out));
+    expect_matches(p, ctx, out, reference(p, ctx), "windowed graph replay " + std::to_string(r));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 TEST(CudaPagedAttention, InvalidArguments) {
   REQUIRE_CUDA_DEVICE();
   Shape sh;
@@ -748,6 +945,12 @@ TEST(CudaPagedAttention, InvalidArguments) {
     a.workspace = ws.get();
   });
   expect_invalid("num_splits 0", [](AttentionArgs& a) { a.num_splits = 0; });
+  expect_invalid("scale 0", [](AttentionArgs& a) { a.scoring.scale = 0.0f; });
+  expect_invalid("scale -1", [](AttentionArgs& a) { a.scoring.scale = -1.0f; });
+  expect_invalid("scale NaN", [](AttentionArgs& a) { a.scoring.scale = NAN; });
+  expect_invalid("softcap -1", [](AttentionArgs& a) { a.scoring.softcap = -1.0f; });
+  expect_invalid("softcap inf", [](AttentionArgs& a) { a.scoring.softcap = INFINITY; });
+  expect_invalid("window -1", [](AttentionArgs& a) { a.scoring.window = -1; });
   // The Hopper kernel forced where it does not apply (head_dim 64 here; an FP8 cache).
   expect_invalid("Hopper kernel, head_dim 64",
                  [](AttentionArgs& a) { a.kernel = AttentionKernel::kHopper; });

@@ -1075,6 +1075,48 @@ TEST(CudaElementwise, CapturesIntoACudaGraph) {
 // wait for its writes: eight rounds of residual += d (add_residual) then out_i =
 // rms_norm(residual), back to back on a stream and in a graph, give the bits of the same ops run
 // one at a time with the device idle between them.
+// fill_uniform (--load-format dummy's weights) against its formula on the host: bit for bit
+// in fp32 and after bf16 / fp16 rounding; the values span [-scale, scale).
+TEST(CudaElementwise, FillUniformIsItsFormula) {
+  TESSERA_REQUIRE_GPU();
+  const int64_t n = 3 * 8192 * 256 + 77;  // past one grid-stride pass
+  const uint64_t seed = 0x7e55e4a;
+  const float scale = 1e-3f;
+  auto expected = [&](int64_t i) {
+    uint64_t z = seed + static_cast<uint64_t>(i) + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return scale * (static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f);
+  };
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(dtype_name(d));
+    auto buf = DeviceBuffer::allocate(n * dtype_size(d), "fill");
+    ASSERT_TRUE(buf);
+    ASSERT_TRUE(fill_uniform(d, buf->get(), n, seed, scale, nullptr).is_ok());
+    std::vector<uint8_t> host(n * dtype_size(d));
+    check_cuda(cudaMemcpy(host.data(), buf->get(), host.size(), cudaMemcpyDeviceToHost), "copy");
+    float lo = 1, hi = -1;
+    for (int64_t i = 0; i < n; ++i) {
+      float got = 0, want = expected(i);
+      if (d == DType::kF32) {
+        std::memcpy(&got, host.data() + 4 * i, 4);
+      } else {
+        uint16_t bits = 0;
+        std::memcpy(&bits, host.data() + 2 * i, 2);
+        got = d == DType::kBF16 ? bf16_to_float(bits) : f16_to_float(bits);
+        want = d == DType::kBF16 ? bf16_to_float(float_to_bf16(want))
+                                 : f16_to_float(float_to_f16(want));
+      }
+      ASSERT_EQ(got, want) << "element " << i;
+      lo = std::min(lo, got);
+      hi = std::max(hi, got);
+    }
+    EXPECT_LT(lo, -0.99f * scale);
+    EXPECT_GT(hi, 0.99f * scale);
+  }
+}
+
 TEST(CudaElementwise, ChainedKernelsSeeTheWritesOfTheOneBefore) {
   TESSERA_REQUIRE_GPU();
   const DType d = DType::kBF16;

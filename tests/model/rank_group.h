@@ -27,6 +27,7 @@ inline LoadSpec cpu_spec(const std::string& model_dir, int64_t max_model_len,
   engine.quantization = quantization;
   engine.max_model_len = max_model_len;
   engine.return_logits = true;
+  engine.enable_expert_parallel = parallel.expert_parallel;
   auto spec = load_spec_for_rank(engine, parallel, Device::kCpu);
   EXPECT_TRUE(spec) << spec.status().to_string();
   if (!spec) return LoadSpec{};
@@ -45,8 +46,10 @@ inline void on_every_rank(int world, Fn fn) {
 // The ranks of one tp x pp group of CPU runners, as an actor group would hold them.
 class RankGroup {
  public:
+  // `expert_parallel`: --enable-expert-parallel (whole experts per tensor-parallel rank).
   static Expected<std::unique_ptr<RankGroup>> load(const std::string& model_dir, int tp, int pp,
-                                                   QuantMethod quantization = QuantMethod::kAuto) {
+                                                   QuantMethod quantization = QuantMethod::kAuto,
+                                                   bool expert_parallel = false) {
     auto g = std::unique_ptr<RankGroup>(new RankGroup);
     const int world = tp * pp;
     g->comms_.resize(world);
@@ -70,6 +73,7 @@ class RankGroup {
       parallel.pp_size = pp;
       parallel.tp_rank = r % tp;
       parallel.pp_rank = r / tp;
+      parallel.expert_parallel = expert_parallel;
       LoadSpec spec = cpu_spec(model_dir, 256, parallel, quantization);
       StageComms stage;
       if (world > 1) {

@@ -562,6 +562,24 @@ TEST(MemoryPlanTest, FlagsAreChecked) {
   EXPECT_TRUE(contains(r.status().message(), "--gpu-memory-utilization must be in (0, 1]"));
 }
 
+// A sliding window no longer caps the context; a capped cache (--num-gpu-blocks-override) must
+// hold one sequence unless every layer slides (then a sequence holds only its window's blocks).
+TEST(MemoryPlanTest, SlidingWindowsAndACappedCache) {
+  ModelConfig c = llama3_8b();
+  c.sliding_window = 4096;  // every layer: Mistral v0.1's window
+  EngineSpec o = resolved(c);
+  EXPECT_EQ(o.max_model_len, 8192);
+  o = model_spec();
+  o.num_gpu_blocks_override = 64;  // 1024 tokens
+  auto r = resolve_memory(c, o);
+  ASSERT_TRUE(r) << r.status().to_string();
+  c.sliding_window.reset();
+  r = resolve_memory(c, o);
+  ASSERT_FALSE(r);
+  EXPECT_TRUE(contains(r.status().message(), "--num-gpu-blocks-override 64 holds 1024 tokens"))
+      << r.status().message();
+}
+
 TEST(MemoryPlanTest, DtypeFollowsTheActor) {
   EXPECT_EQ(*resolve_dtype("auto", DType::kF32, true), DType::kBF16);
   EXPECT_EQ(*resolve_dtype("auto", DType::kF32, false), DType::kF32);
@@ -972,6 +990,51 @@ TEST(RenderTest, Llama3_8bTp2) {
   EXPECT_FALSE(contains(text, "warning")) << text;
 }
 
+// Qwen3-30B-A3B on 4 GPUs with --enable-expert-parallel: each rank holds 32 whole experts of each
+// of the 48 layers (a quarter of the experts' bytes, as the split experts would be), the plan
+// says which; without the flag every rank holds a quarter of each expert.
+TEST(RenderTest, ExpertParallelShowsWhichExpertsLiveWhere) {
+  std::vector<ClusterNode> nodes = synthetic_nodes(1, 4, 141 * kGiB);
+  EngineSpec req = model_spec();
+  req.tensor_parallel_size = ParallelSize{4};
+  req.enable_expert_parallel = true;
+  auto cp = plan_on_cluster(qwen3_30b_a3b(), req, nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  const uint64_t expert = 3ull * 768 * 2048 * 2;  // one expert's bf16 bytes
+  for (const RankPlan& r : cp->plan.ranks) {
+    EXPECT_TRUE(r.shard.parallel.expert_parallel);
+    EXPECT_EQ(r.shard.experts, 32);
+    EXPECT_EQ(r.shard.expert_begin, 32 * r.shard.parallel.tp_rank);
+    EXPECT_EQ(r.shard.moe_intermediate, 768);
+    EXPECT_GT(r.weight_bytes, 48 * 32 * expert);
+  }
+  std::string text = render_cluster_plan(qwen3_30b_a3b(), *cp);
+  EXPECT_TRUE(contains(text,
+                       "  experts: 128 per MoE layer (48 of 48 layers), top 8 per token; "
+                       "expert parallel"))
+      << text;
+  EXPECT_TRUE(contains(text, "expert weights")) << text;
+  EXPECT_TRUE(contains(text, " 96-127 ")) << text;
+  EXPECT_TRUE(contains(text, format_gib(48 * 32 * expert))) << text;
+  req.enable_expert_parallel = false;
+  cp = plan_on_cluster(qwen3_30b_a3b(), req, nodes);
+  ASSERT_TRUE(cp) << cp.status().message();
+  text = render_cluster_plan(qwen3_30b_a3b(), *cp);
+  EXPECT_TRUE(contains(text,
+                       "each expert split over the 4 tensor-parallel ranks (moe "
+                       "intermediate 192 per rank"))
+      << text;
+  EXPECT_TRUE(contains(text, "0-127 (1/4 each)")) << text;
+  // A dense model with the flag is refused naming it.
+  req.enable_expert_parallel = true;
+  auto dense = plan_on_cluster(llama3_8b(), req, nodes);
+  ASSERT_FALSE(dense);
+  EXPECT_TRUE(contains(dense.status().message(),
+                       "--enable-expert-parallel: LlamaForCausalLM has "
+                       "no experts"))
+      << dense.status().message();
+}
+
 // ---- flags ------------------------------------------------------------------------------------
 
 TEST(FlagsTest, ShortSpellingsAreRewritten) {
@@ -1062,6 +1125,17 @@ TEST(FlagsTest, ParallelSizesAreParsedAtTheFlag) {
   EXPECT_EQ(only_partition.spec.tp(), 1);
   EXPECT_EQ(only_partition.spec.pp(), 3);
   EXPECT_EQ(parse_model_flags({}).spec.pp(), 1);
+}
+
+// --load-format (vLLM's): auto by default, dummy for weights made on the GPU; others refused.
+TEST(FlagsTest, LoadFormatParses) {
+  EXPECT_EQ(parse_model_flags({}).spec.load_format, LoadFormat::kAuto);
+  Parsed dummy = parse_model_flags({"--load-format", "dummy"});
+  ASSERT_EQ(dummy.error, "");
+  EXPECT_EQ(dummy.spec.load_format, LoadFormat::kDummy);
+  EXPECT_EQ(*parse_load_format(load_format_name(LoadFormat::kDummy)), LoadFormat::kDummy);
+  EXPECT_TRUE(contains(parse_model_flags({"--load-format", "pt"}).error,
+                       "--load-format 'pt' is not one of auto, dummy"));
 }
 
 TEST(FlagsTest, ModelFlagsParseIntoOneSpecAndAreValidatedOnce) {

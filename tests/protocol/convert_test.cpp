@@ -186,6 +186,7 @@ EngineSpec every_engine_field() {
   e.return_logits = true;
   e.resolved = true;
   e.quantization = QuantMethod::kGptq;
+  e.load_format = LoadFormat::kDummy;
   return e;
 }
 

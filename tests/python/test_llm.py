@@ -21,7 +21,8 @@ def test_every_cli_engine_flag_is_a_keyword():
                 "dtype", "quantization", "device", "max_model_len", "gpu_memory_utilization",
                 "max_num_seqs", "max_num_batched_tokens", "block_size", "enforce_eager",
                 "kv_cache_dtype", "collectives", "disable_custom_all_reduce",
-                "enable_prefix_caching", "async_scheduling", "nccl_init_timeout"}
+                "enable_prefix_caching", "async_scheduling", "nccl_init_timeout",
+                "enable_expert_parallel"}
     assert expected <= keywords
     assert not {"model", "address", "cluster_token_file", "help"} & keywords
     doc = tessera.LLM.__doc__
@@ -36,18 +37,22 @@ def test_keywords_reach_the_engine_spec(tiny_model):
         gpu_memory_utilization=0.5, max_num_seqs=8, max_num_batched_tokens=128, block_size=32,
         num_gpu_blocks_override=64, enforce_eager=True, kv_cache_dtype="fp8", collectives="tcp",
         disable_custom_all_reduce=True, enable_prefix_caching=False, async_scheduling=True,
-        nccl_init_timeout=30))
+        nccl_init_timeout=30, enable_expert_parallel=True, load_format="dummy"))
     assert spec == dict(
         model=tiny_model, tensor_parallel_size="2", pipeline_parallel_size="auto",
-        pipeline_layer_partition=[1, 1], dtype="half", quantization="fp8", device="cpu",
-        max_model_len=256, gpu_memory_utilization=0.5, max_num_seqs=8,
-        max_num_batched_tokens=128, block_size=32, num_gpu_blocks_override=64, enforce_eager=True,
+        pipeline_layer_partition=[1, 1], enable_expert_parallel=True, load_format="dummy",
+        dtype="half",
+        quantization="fp8", device="cpu", max_model_len=256, gpu_memory_utilization=0.5,
+        max_num_seqs=8, max_num_batched_tokens=128, block_size=32, num_gpu_blocks_override=64,
+        enforce_eager=True,
         kv_cache_dtype="fp8_e4m3",
         collectives="tcp", disable_custom_all_reduce=True, enable_prefix_caching=False,
         async_scheduling=True, nccl_init_timeout=30)
     defaults = _tessera.engine_args(tiny_model, {})
     assert defaults["enable_prefix_caching"] is True
     assert defaults["gpu_memory_utilization"] == 0.9
+    assert defaults["enable_expert_parallel"] is False
+    assert defaults["load_format"] == "auto"
     assert _tessera.engine_args(tiny_model, dict(enforce_eager=None))["enforce_eager"] is False
 
 

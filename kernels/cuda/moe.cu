@@ -1,0 +1,746 @@
+#include "kernels/cuda/moe.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <string>
+
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/elementwise.h"
+
+namespace tessera::cuda {
+
+namespace {
+
+constexpr int kMaxExperts = 4096;
+constexpr int kMaxTopK = 32;
+
+// ---- router ----
+
+constexpr int kRouteWarps = 4;
+
+// One warp per token; the block's warps keep their token's probabilities in shared memory. R:
+// the type the logits are rounded to first (float: none).
+template <typename R>
+__global__ void route_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
+                             bool renormalize, int32_t* __restrict__ ids,
+                             float* __restrict__ weights) {
+  extern __shared__ float probs_all[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * kRouteWarps + warp;
+  if (t >= tokens) return;
+  float* probs = probs_all + warp * experts;
+  const float* l = logits + static_cast<int64_t>(t) * experts;
+  float mx = -INFINITY;
+  for (int e = lane; e < experts; e += 32) {
+    const float v = dev::round_to<R>(l[e]);
+    probs[e] = v;
+    mx = fmaxf(mx, v);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.0f;
+  for (int e = lane; e < experts; e += 32) {
+    const float v = expf(probs[e] - mx);
+    probs[e] = v;
+    sum += v;
+  }
+  sum = dev::warp_sum(sum);
+  for (int e = lane; e < experts; e += 32) probs[e] /= sum;
+  __syncwarp();
+  float chosen_p[kMaxTopK];
+  int chosen_e[kMaxTopK];
+  for (int k = 0; k < top_k; ++k) {
+    // Highest probability, lower index on ties (probabilities are >= 0; taken ones are -1).
+    float best = -2.0f;
+    int best_e = experts;
+    for (int e = lane; e < experts; e += 32) {
+      const float v = probs[e];
+      if (v > best) {  // e ascends within a lane: a tie keeps the lower index
+        best = v;
+        best_e = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+      if (ov > best || (ov == best && oe < best_e)) {
+        best = ov;
+        best_e = oe;
+      }
+    }
+    chosen_p[k] = best;
+    chosen_e[k] = best_e;
+    __syncwarp();
+    if (lane == 0) probs[best_e] = -1.0f;
+    __syncwarp();
+  }
+  if (lane != 0) return;
+  float top = 0.0f;  // summed in rank order, as the CPU reference does
+  for (int k = 0; k < top_k; ++k) top += chosen_p[k];
+  for (int k = 0; k < top_k; ++k) {
+    ids[static_cast<int64_t>(t) * top_k + k] = chosen_e[k];
+    weights[static_cast<int64_t>(t) * top_k + k] = renormalize ? chosen_p[k] / top : chosen_p[k];
+  }
+}
+
+// ---- permutation ----
+
+constexpr int kPermuteThreads = 1024;
+
+__global__ void permute_kernel(const int32_t* __restrict__ ids, int pairs, int expert_begin,
+                               int local_experts, int32_t* __restrict__ offsets,
+                               int32_t* __restrict__ tiles, int32_t* __restrict__ rows,
+                               int32_t* __restrict__ pos, int top_k) {
+  extern __shared__ int32_t counts[];  // [local_experts] counts, then [local_experts] cursors
+  int32_t* cursor = counts + local_experts;
+  for (int e = threadIdx.x; e < local_experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const int e = ids[i] - expert_begin;
+    if (e >= 0 && e < local_experts) atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t at = 0, tile = 0;
+    for (int e = 0; e < local_experts; ++e) {
+      offsets[e] = at;
+      tiles[e] = tile;
+      cursor[e] = at;
+      at += counts[e];
+      tile += (counts[e] + static_cast<int>(kMoeTileRows) - 1) / static_cast<int>(kMoeTileRows);
+    }
+    offsets[local_experts] = at;
+    tiles[local_experts] = tile;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const int e = ids[i] - expert_begin;
+    if (e >= 0 && e < local_experts) {
+      const int p = atomicAdd(&cursor[e], 1);
+      rows[p] = i / top_k;
+      pos[i] = p;
+    } else {
+      pos[i] = -1;
+    }
+  }
+}
+
+// ---- grouped GEMM on tensor cores ----
+//
+// Block tile 64 rows x 64 weight rows x 32 k, 4 warps (2 x 2), each warp 32 x 32 = 2 m16 x 4 n8
+// mma.sync tiles. Shared tiles are padded to 40 elements a row: the 8 rows x 4 words a fragment
+// load reads fall in distinct banks. Two stages of cp.async: tile k + 1 loads while k computes.
+// For gate_up, a warp's 32 weight rows are 16 gate rows and the 16 up rows of the same outputs,
+// so each thread holds g and u of the same (row, output) and SiLU-and-mul is its epilogue.
+
+constexpr int kBM = 64, kBN = 64, kBK = 32, kPad = 40, kGemmThreads = 128;
+static_assert(kBM == kMoeTileRows, "moe_permute's tiles are the GEMM's row tiles");
+
+template <typename T>
+struct MmaOps;
+template <>
+struct MmaOps<__half> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct MmaOps<__nv_bfloat16> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* src) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// kGateUp: A = x rows gathered through rows[], B = the expert's gate | up, out = act [P, inter];
+// else A = act rows, B = the expert's down, out = y [P, hidden]. K = the A row length.
+template <typename T, bool kGateUp>
+__global__ void __launch_bounds__(kGemmThreads)
+    grouped_gemm_kernel(const T* __restrict__ a, const int32_t* __restrict__ rows,
+                        const T* __restrict__ w, const int32_t* __restrict__ offsets,
+                        const int32_t* __restrict__ tiles, int local_experts, int k_dim, int n_dim,
+                        T* __restrict__ out) {
+  __shared__ __align__(16) T as[2][kBM][kPad];
+  __shared__ __align__(16) T bs[2][kBN][kPad];
+  __shared__ int32_t a_src[kBM];  // the A row each tile row reads (-1: past the expert's rows)
+  const int tile = blockIdx.x;
+  if (tile >= tiles[local_experts]) return;
+  // The expert whose tiles hold this one: the last e with tiles[e] <= tile.
+  int lo = 0, hi = local_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tiles[mid] <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int e = lo;
+  const int m0 = offsets[e] + (tile - tiles[e]) * kBM, m_end = offsets[e + 1];
+  // gate_up: a block covers 32 outputs (n_dim = inter) as 64 weight rows; down: 64 outputs.
+  const int n0 = blockIdx.y * (kGateUp ? kBN / 2 : kBN);
+  const T* we = w + static_cast<int64_t>(e) * (kGateUp ? 2 * n_dim : n_dim) * k_dim;
+  const int tid = threadIdx.x;
+  if (tid < kBM) {
+    const int p = m0 + tid;
+    a_src[tid] = p < m_end ? (kGateUp ? rows[p] : p) : -1;
+  }
+  __syncthreads();
+  // The weight row of shared row r, or -1 past the outputs.
+  auto b_row = [&](int r) -> int {
+    if (!kGateUp) return n0 + r < n_dim ? n0 + r : -1;
+    const int j = n0 + (r >> 5) * 16 + (r & 15);
+    if (j >= n_dim) return -1;
+    return (r & 16) ? n_dim + j : j;
+  };
+  const int k_tiles = (k_dim + kBK - 1) / kBK;
+  auto load = [&](int stage, int kt) {
+    const int k0 = kt * kBK;
+    // 64 rows x 4 chunks of 8 elements, for A and for B: 2 chunks each per thread.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int c = tid + i * kGemmThreads;
+      const int r = c >> 2, kc = (c & 3) * 8;
+      const bool k_ok = k0 + kc < k_dim;  // k_dim % 8 == 0: a chunk is in or out whole
+      const int src = a_src[r];
+      if (src >= 0 && k_ok) {
+        cp_async_16(&as[stage][r][kc], a + static_cast<int64_t>(src) * k_dim + k0 + kc);
+      } else {
+        *reinterpret_cast<uint4*>(&as[stage][r][kc]) = make_uint4(0, 0, 0, 0);
+      }
+      const int br = b_row(r);
+      if (br >= 0 && k_ok) {
+        cp_async_16(&bs[stage][r][kc], we + static_cast<int64_t>(br) * k_dim + k0 + kc);
+      } else {
+        *reinterpret_cast<uint4*>(&bs[stage][r][kc]) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    cp_async_commit();
+  };
+  const int warp = tid >> 5, lane = tid & 31;
+  const int wm = warp >> 1, wn = warp & 1;
+  const int g = lane >> 2, q = lane & 3;
+  float acc[2][4][4] = {};
+  load(0, 0);
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int stage = kt & 1;
+    if (kt + 1 < k_tiles) {
+      load(stage ^ 1, kt + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      uint32_t af[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int r = wm * 32 + mi * 16 + g;
+        af[mi][0] = *reinterpret_cast<const uint32_t*>(&as[stage][r][kk + q * 2]);
+        af[mi][1] = *reinterpret_cast<const uint32_t*>(&as[stage][r + 8][kk + q * 2]);
+        af[mi][2] = *reinterpret_cast<const uint32_t*>(&as[stage][r][kk + q * 2 + 8]);
+        af[mi][3] = *reinterpret_cast<const uint32_t*>(&as[stage][r + 8][kk + q * 2 + 8]);
+      }
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int n = wn * 32 + ni * 8 + g;
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&bs[stage][n][kk + q * 2]);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&bs[stage][n][kk + q * 2 + 8]);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) MmaOps<T>::mma(acc[mi][ni], af[mi], b0, b1);
+      }
+    }
+    __syncthreads();  // the stage is refilled next iteration
+  }
+  // Epilogue. C fragment: c[0], c[1] at (row g, cols 2q, 2q + 1), c[2], c[3] at row g + 8.
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int p = m0 + wm * 32 + mi * 16 + g + half * 8;
+      if (p >= m_end) continue;
+      T* orow = out + static_cast<int64_t>(p) * n_dim;
+      if (kGateUp) {
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int j = n0 + wn * 16 + ni * 8 + q * 2 + c;
+            if (j >= n_dim) continue;
+            const float gv = dev::round_to<T>(acc[mi][ni][half * 2 + c]);
+            const float uv = dev::round_to<T>(acc[mi][ni + 2][half * 2 + c]);
+            orow[j] = dev::from_float<T>(dev::round_to<T>(silu(gv)) * uv);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = n0 + wn * 32 + ni * 8 + q * 2 + c;
+            if (n < n_dim) orow[n] = dev::from_float<T>(acc[mi][ni][half * 2 + c]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- GEMV (decode) ----
+//
+// Grid (output groups, pairs); each warp computes kGemvOuts outputs of its pair's expert, as
+// kGemvLoads weight rows streamed together (gate_up: 2 outputs = 2 gate rows and their 2 up
+// rows; down: 4 outputs), so a warp keeps 4 x 512 bytes of weights in flight: the bytes a
+// batch-1 step reads are the chosen experts' and nothing else, at the rate HBM gives them. The
+// input row comes from L1/L2 (every warp of the pair reads it).
+
+constexpr int kGemvWarps = 8, kGemvLoads = 4;
+
+template <bool kGateUp>
+constexpr int gemv_outs() {
+  return kGateUp ? kGemvLoads / 2 : kGemvLoads;
+}
+
+// s[r] = w[r] · x over k (k % 8 == 0), each lane's partial sums reduced over the warp. A row
+// past the outputs has w[r] == null and gives 0.
+template <typename T>
+__device__ __forceinline__ void dot_rows(const T* const (&w)[kGemvLoads], const T* __restrict__ x,
+                                         int k, int lane, float (&s)[kGemvLoads]) {
+#pragma unroll
+  for (int r = 0; r < kGemvLoads; ++r) s[r] = 0.0f;
+  for (int i = lane * 8; i < k; i += 32 * 8) {
+    uint4 raw[kGemvLoads];
+#pragma unroll
+    for (int r = 0; r < kGemvLoads; ++r) {
+      raw[r] = w[r] != nullptr ? dev::ldg_stream(w[r] + i) : make_uint4(0, 0, 0, 0);
+    }
+    float xv[8];
+    dev::load8_ro<T>(x + i, xv);
+#pragma unroll
+    for (int r = 0; r < kGemvLoads; ++r) {
+      float wv[8];
+      dev::unpack8<T>(raw[r], wv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[r] = fmaf(wv[j], xv[j], s[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvLoads; ++r) s[r] = dev::warp_sum(s[r]);
+}
+
+template <typename T, bool kGateUp>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_kernel(const T* __restrict__ in, const int32_t* __restrict__ ids, int top_k,
+                int expert_begin, int local_experts, const T* __restrict__ w, int k_dim, int n_dim,
+                T* __restrict__ out) {
+  constexpr int kOuts = gemv_outs<kGateUp>();
+  const int p = blockIdx.y;
+  const int e = ids[p] - expert_begin;
+  if (e < 0 || e >= local_experts) return;
+  const T* x = in + static_cast<int64_t>(kGateUp ? p / top_k : p) * k_dim;
+  const T* we = w + static_cast<int64_t>(e) * (kGateUp ? 2 * n_dim : n_dim) * k_dim;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int first = (blockIdx.x * kGemvWarps + warp) * kOuts;
+  if (first >= n_dim) return;
+  const T* rows[kGemvLoads];
+#pragma unroll
+  for (int r = 0; r < kGemvLoads; ++r) {
+    // gate_up: loads 0, 1 are the gate rows of outputs first, first + 1; 2, 3 their up rows.
+    const int n = first + (kGateUp ? r % kOuts : r);
+    const int row = kGateUp && r >= kOuts ? n_dim + n : n;
+    rows[r] = n < n_dim ? we + static_cast<int64_t>(row) * k_dim : nullptr;
+  }
+  float s[kGemvLoads];
+  dot_rows<T>(rows, x, k_dim, lane, s);
+  if (lane != 0) return;
+#pragma unroll
+  for (int o = 0; o < kOuts; ++o) {
+    const int n = first + o;
+    if (n >= n_dim) break;
+    T* dst = out + static_cast<int64_t>(p) * n_dim + n;
+    if (kGateUp) {
+      const float gv = dev::round_to<T>(s[o]), uv = dev::round_to<T>(s[kOuts + o]);
+      *dst = dev::from_float<T>(dev::round_to<T>(silu(gv)) * uv);
+    } else {
+      *dst = dev::from_float<T>(s[o]);
+    }
+  }
+}
+
+// ---- combine ----
+
+constexpr int kCombineThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(const T* __restrict__ y, const int32_t* __restrict__ pos,
+                   const int32_t* __restrict__ ids, const float* __restrict__ weights, int top_k,
+                   int hidden, int expert_begin, int local_experts, const T* __restrict__ x,
+                   const T* __restrict__ shared_gate, const T* __restrict__ shared_out,
+                   T* __restrict__ out) {
+  __shared__ int32_t row[kMaxTopK];
+  __shared__ float wt[kMaxTopK];
+  __shared__ int n_rows;
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  if (threadIdx.x == 0) {
+    // This token's local slots sorted by expert (insertion sort of <= 32): transformers adds
+    // the experts' rows in expert order.
+    int ek[kMaxTopK];
+    int n = 0;
+    for (int k = 0; k < top_k; ++k) {
+      const int i = t * top_k + k;
+      const int e = ids[i];
+      if (e - expert_begin < 0 || e - expert_begin >= local_experts) continue;
+      int j = n++;
+      while (j > 0 && ek[j - 1] > e) {
+        ek[j] = ek[j - 1];
+        row[j] = row[j - 1];
+        wt[j] = wt[j - 1];
+        --j;
+      }
+      ek[j] = e;
+      row[j] = pos != nullptr ? pos[i] : i;
+      wt[j] = dev::round_to<T>(weights[i]);  // routing_weights.to(hidden dtype)
+    }
+    n_rows = n;
+  }
+  __syncthreads();
+  float gate = 0.0f;
+  if (shared_out != nullptr) {
+    float s = 0.0f;
+    const T* xr = x + static_cast<int64_t>(t) * hidden;
+    for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
+      s = fmaf(dev::to_float(xr[h]), dev::to_float(shared_gate[h]), s);
+    }
+    const float logit = dev::round_to<T>(dev::block_sum(s, scratch));
+    gate = dev::round_to<T>(1.0f / (1.0f + expf(-logit)));
+  }
+  const int n = n_rows;
+  for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j) {
+      const float v = dev::to_float(y[static_cast<int64_t>(row[j]) * hidden + h]);
+      acc = dev::round_to<T>(acc + dev::round_to<T>(v * wt[j]));
+    }
+    if (shared_out != nullptr) {
+      const float s = dev::to_float(shared_out[static_cast<int64_t>(t) * hidden + h]);
+      acc = acc + dev::round_to<T>(gate * s);
+    }
+    out[static_cast<int64_t>(t) * hidden + h] = dev::from_float<T>(acc);
+  }
+}
+
+Status check_experts(const MoeExperts& w, const char* op) {
+  if (w.gate_up == nullptr || w.down == nullptr || w.local_experts < 1 ||
+      w.local_experts > kMaxExperts || w.hidden < 8 || w.hidden % 8 != 0 || w.inter < 8 ||
+      w.inter % 8 != 0) {
+    return invalid_argument(std::string(op) + ": experts " + std::to_string(w.local_experts) +
+                            " (1 .. " + std::to_string(kMaxExperts) + "), hidden " +
+                            std::to_string(w.hidden) + " and inter " + std::to_string(w.inter) +
+                            " (multiples of 8), weights " +
+                            (w.gate_up != nullptr && w.down != nullptr ? "set" : "missing"));
+  }
+  return Status::ok();
+}
+
+Status check_dtype(DType dtype, const char* op) {
+  if (!is_half_type(dtype)) {
+    return invalid_argument(std::string(op) + ": dtype " + dtype_name(dtype) +
+                            " is not bf16 or fp16");
+  }
+  return Status::ok();
+}
+
+template <typename Fn>
+void dispatch(DType dtype, Fn&& fn) {
+  if (dtype == DType::kBF16) {
+    fn(__nv_bfloat16{});
+  } else {
+    fn(__half{});
+  }
+}
+
+size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
+
+// The workspace's regions, in order.
+struct Carve {
+  size_t logits, ids, weights, pos, rows, offsets, tiles, act, y, sh_gate_up, sh_act, sh_out, bytes;
+  static Carve make(DType dtype, int64_t T, int64_t E, int64_t K, int64_t El, int64_t H, int64_t I,
+                    int64_t Is) {
+    const size_t es = dtype_size(dtype);
+    Carve c{};
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+      const size_t o = at;
+      at = align_up(at + bytes);
+      return o;
+    };
+    const size_t P = static_cast<size_t>(T * K);
+    c.logits = take(sizeof(float) * T * E);
+    c.ids = take(sizeof(int32_t) * P);
+    c.weights = take(sizeof(float) * P);
+    c.pos = take(sizeof(int32_t) * P);
+    c.rows = take(sizeof(int32_t) * P);
+    c.offsets = take(sizeof(int32_t) * (El + 1));
+    c.tiles = take(sizeof(int32_t) * (El + 1));
+    c.act = take(es * P * I);
+    c.y = take(es * P * H);
+    c.sh_gate_up = take(es * T * 2 * Is);
+    c.sh_act = take(es * T * Is);
+    c.sh_out = take(Is > 0 ? es * T * H : 0);
+    c.bytes = at;
+    return c;
+  }
+};
+
+}  // namespace
+
+Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_t experts,
+                 int64_t top_k, bool renormalize, int32_t* ids, float* weights,
+                 cudaStream_t stream) {
+  if (logits_dtype != DType::kF32 && !is_half_type(logits_dtype)) {
+    return invalid_argument(std::string("moe_route: logits dtype ") + dtype_name(logits_dtype) +
+                            " is not F32, BF16 or F16");
+  }
+  if (experts < 1 || experts > kMaxExperts || top_k < 1 || top_k > experts || top_k > kMaxTopK ||
+      tokens < 0) {
+    return invalid_argument("moe_route: " + std::to_string(experts) + " experts (1 .. " +
+                            std::to_string(kMaxExperts) + "), top_k " + std::to_string(top_k) +
+                            " (1 .. min(experts, " + std::to_string(kMaxTopK) + "))");
+  }
+  if (tokens == 0) return Status::ok();
+  const size_t smem = sizeof(float) * kRouteWarps * static_cast<size_t>(experts);
+  const int blocks = static_cast<int>((tokens + kRouteWarps - 1) / kRouteWarps);
+  auto launch = [&](auto kernel) -> Status {
+    if (smem > 48 * 1024) {
+      TESSERA_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem)),
+          "moe_route: shared memory");
+    }
+    kernel<<<blocks, kRouteWarps * 32, smem, stream>>>(
+        logits, static_cast<int>(tokens), static_cast<int>(experts), static_cast<int>(top_k),
+        renormalize, ids, weights);
+    return launch_status("moe_route");
+  };
+  if (logits_dtype == DType::kBF16) return launch(route_kernel<__nv_bfloat16>);
+  if (logits_dtype == DType::kF16) return launch(route_kernel<__half>);
+  return launch(route_kernel<float>);
+}
+
+Status moe_permute(const int32_t* ids, int64_t tokens, int64_t top_k, int64_t expert_begin,
+                   int64_t local_experts, const MoePermutation& perm, cudaStream_t stream) {
+  if (local_experts < 1 || local_experts > kMaxExperts || top_k < 1 || tokens < 0) {
+    return invalid_argument("moe_permute: " + std::to_string(local_experts) +
+                            " local experts (1 .. " + std::to_string(kMaxExperts) + "), top_k " +
+                            std::to_string(top_k));
+  }
+  const size_t smem = 2 * sizeof(int32_t) * static_cast<size_t>(local_experts);
+  permute_kernel<<<1, kPermuteThreads, smem, stream>>>(
+      ids, static_cast<int>(tokens * top_k), static_cast<int>(expert_begin),
+      static_cast<int>(local_experts), perm.offsets, perm.tiles, perm.rows, perm.pos,
+      static_cast<int>(top_k));
+  return launch_status("moe_permute");
+}
+
+namespace {
+
+template <bool kGateUp>
+Status launch_grouped(DType dtype, const void* a, const int32_t* rows, const MoeExperts& w,
+                      const MoePermutation& perm, int64_t max_rows, void* out, cudaStream_t stream,
+                      const char* op) {
+  TESSERA_RETURN_IF_ERROR(check_dtype(dtype, op));
+  TESSERA_RETURN_IF_ERROR(check_experts(w, op));
+  if (max_rows <= 0) return Status::ok();
+  // Each expert's rows start a tile: at most max_rows / 64 full tiles plus one partial each.
+  const int64_t m_tiles =
+      (max_rows + kMoeTileRows - 1) / kMoeTileRows + std::min<int64_t>(w.local_experts, max_rows);
+  const int64_t n = kGateUp ? w.inter : w.hidden;
+  const int64_t k = kGateUp ? w.hidden : w.inter;
+  const int64_t per_block = kGateUp ? kBN / 2 : kBN;
+  const dim3 grid(static_cast<unsigned>(m_tiles),
+                  static_cast<unsigned>((n + per_block - 1) / per_block));
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    grouped_gemm_kernel<T, kGateUp><<<grid, kGemmThreads, 0, stream>>>(
+        static_cast<const T*>(a), rows, static_cast<const T*>(kGateUp ? w.gate_up : w.down),
+        perm.offsets, perm.tiles, static_cast<int>(w.local_experts), static_cast<int>(k),
+        static_cast<int>(n), static_cast<T*>(out));
+  });
+  return launch_status(op);
+}
+
+template <bool kGateUp>
+Status launch_gemv(DType dtype, const void* in, const int32_t* ids, int64_t tokens, int64_t top_k,
+                   const MoeExperts& w, void* out, cudaStream_t stream, const char* op) {
+  TESSERA_RETURN_IF_ERROR(check_dtype(dtype, op));
+  TESSERA_RETURN_IF_ERROR(check_experts(w, op));
+  const int64_t pairs = tokens * top_k;
+  if (pairs <= 0) return Status::ok();
+  if (pairs > 65535) return invalid_argument(std::string(op) + ": more than 65535 pairs");
+  const int64_t n = kGateUp ? w.inter : w.hidden;
+  const int64_t k = kGateUp ? w.hidden : w.inter;
+  const int64_t per_block = kGemvWarps * gemv_outs<kGateUp>();
+  const dim3 grid(static_cast<unsigned>((n + per_block - 1) / per_block),
+                  static_cast<unsigned>(pairs));
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gemv_kernel<T, kGateUp><<<grid, kGemvWarps * 32, 0, stream>>>(
+        static_cast<const T*>(in), ids, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
+        static_cast<int>(w.local_experts), static_cast<const T*>(kGateUp ? w.gate_up : w.down),
+        static_cast<int>(k), static_cast<int>(n), static_cast<T*>(out));
+  });
+  return launch_status(op);
+}
+
+}  // namespace
+
+Status moe_grouped_gate_up(DType dtype, const void* x, const MoeExperts& w,
+                           const MoePermutation& perm, int64_t max_rows, void* act,
+                           cudaStream_t stream) {
+  return launch_grouped<true>(dtype, x, perm.rows, w, perm, max_rows, act, stream,
+                              "moe_grouped_gate_up");
+}
+
+Status moe_grouped_down(DType dtype, const void* act, const MoeExperts& w,
+                        const MoePermutation& perm, int64_t max_rows, void* y,
+                        cudaStream_t stream) {
+  return launch_grouped<false>(dtype, act, nullptr, w, perm, max_rows, y, stream,
+                               "moe_grouped_down");
+}
+
+Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t tokens,
+                        int64_t top_k, const MoeExperts& w, void* act, cudaStream_t stream) {
+  return launch_gemv<true>(dtype, x, ids, tokens, top_k, w, act, stream, "moe_gemv_gate_up");
+}
+
+Status moe_gemv_down(DType dtype, const void* act, const int32_t* ids, int64_t tokens,
+                     int64_t top_k, const MoeExperts& w, void* y, cudaStream_t stream) {
+  return launch_gemv<false>(dtype, act, ids, tokens, top_k, w, y, stream, "moe_gemv_down");
+}
+
+Status moe_combine(DType dtype, const void* y, const int32_t* pos, const int32_t* ids,
+                   const float* weights, int64_t tokens, int64_t top_k, int64_t hidden,
+                   int64_t expert_begin, int64_t local_experts, const void* x,
+                   const void* shared_gate, const void* shared_out, void* out,
+                   cudaStream_t stream) {
+  TESSERA_RETURN_IF_ERROR(check_dtype(dtype, "moe_combine"));
+  if (top_k < 1 || top_k > kMaxTopK || hidden < 1) {
+    return invalid_argument("moe_combine: top_k " + std::to_string(top_k) + " (1 .. " +
+                            std::to_string(kMaxTopK) + "), hidden " + std::to_string(hidden));
+  }
+  if (shared_out != nullptr && (x == nullptr || shared_gate == nullptr)) {
+    return invalid_argument("moe_combine: a shared expert's output needs x and its gate");
+  }
+  if (tokens <= 0) return Status::ok();
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    combine_kernel<T><<<static_cast<unsigned>(tokens), kCombineThreads, 0, stream>>>(
+        static_cast<const T*>(y), pos, ids, weights, static_cast<int>(top_k),
+        static_cast<int>(hidden), static_cast<int>(expert_begin), static_cast<int>(local_experts),
+        static_cast<const T*>(x), static_cast<const T*>(shared_gate),
+        static_cast<const T*>(shared_out), static_cast<T*>(out));
+  });
+  return launch_status("moe_combine");
+}
+
+uint64_t moe_workspace_bytes(DType dtype, int64_t max_tokens, int64_t num_experts, int64_t top_k,
+                             int64_t local_experts, int64_t hidden, int64_t inter,
+                             int64_t shared_inter) {
+  return Carve::make(dtype, max_tokens, num_experts, top_k, local_experts, hidden, inter,
+                     shared_inter)
+      .bytes;
+}
+
+Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
+  TESSERA_RETURN_IF_ERROR(check_dtype(a.dtype, "moe"));
+  TESSERA_RETURN_IF_ERROR(check_experts(a.experts, "moe"));
+  const MoeExperts& w = a.experts;
+  const int64_t T = a.tokens, K = a.top_k, H = w.hidden, P = T * K;
+  if (T <= 0) return Status::ok();
+  const bool shared = a.shared_gate_up != nullptr;
+  if (shared &&
+      (a.shared_down == nullptr || a.shared_expert_gate == nullptr || a.shared_inter < 1)) {
+    return invalid_argument("moe: the shared expert needs gate_up, down, its gate and a width");
+  }
+  const Carve c = Carve::make(a.dtype, T, a.num_experts, K, w.local_experts, H, w.inter,
+                              shared ? a.shared_inter : 0);
+  if (a.workspace == nullptr || c.bytes > a.workspace_bytes) {
+    return invalid_argument("moe: the workspace has " + std::to_string(a.workspace_bytes) +
+                            " bytes, " + std::to_string(T) + " tokens need " +
+                            std::to_string(c.bytes));
+  }
+  char* ws = static_cast<char*>(a.workspace);
+  auto* logits = reinterpret_cast<float*>(ws + c.logits);
+  auto* ids = reinterpret_cast<int32_t*>(ws + c.ids);
+  auto* weights = reinterpret_cast<float*>(ws + c.weights);
+  void* act = ws + c.act;
+  void* y = ws + c.y;
+  // The gate Linear's output is a bf16/fp16 tensor in transformers: moe_route rounds the fp32
+  // logits to it (what a GEMM with that output dtype gives) before its fp32 softmax.
+  const GemmShape router{T, a.num_experts, H, a.dtype, DType::kF32, false};
+  TESSERA_RETURN_IF_ERROR(gemm.linear(router, a.x, a.router, nullptr, logits, stream));
+  TESSERA_RETURN_IF_ERROR(
+      moe_route(logits, a.dtype, T, a.num_experts, K, a.renormalize, ids, weights, stream));
+  const bool gemv = a.path == MoePath::kGemv || (a.path == MoePath::kAuto && P <= kMoeGemvMaxPairs);
+  const int32_t* pos = nullptr;
+  if (gemv) {
+    TESSERA_RETURN_IF_ERROR(moe_gemv_gate_up(a.dtype, a.x, ids, T, K, w, act, stream));
+    TESSERA_RETURN_IF_ERROR(moe_gemv_down(a.dtype, act, ids, T, K, w, y, stream));
+  } else {
+    MoePermutation perm;
+    perm.offsets = reinterpret_cast<int32_t*>(ws + c.offsets);
+    perm.tiles = reinterpret_cast<int32_t*>(ws + c.tiles);
+    perm.rows = reinterpret_cast<int32_t*>(ws + c.rows);
+    perm.pos = reinterpret_cast<int32_t*>(ws + c.pos);
+    TESSERA_RETURN_IF_ERROR(moe_permute(ids, T, K, w.expert_begin, w.local_experts, perm, stream));
+    TESSERA_RETURN_IF_ERROR(moe_grouped_gate_up(a.dtype, a.x, w, perm, P, act, stream));
+    TESSERA_RETURN_IF_ERROR(moe_grouped_down(a.dtype, act, w, perm, P, y, stream));
+    pos = perm.pos;
+  }
+  void* sh_out = nullptr;
+  if (shared) {
+    const int64_t Is = a.shared_inter;
+    void* sh_gate_up = ws + c.sh_gate_up;
+    void* sh_act = ws + c.sh_act;
+    sh_out = ws + c.sh_out;
+    TESSERA_RETURN_IF_ERROR(gemm.linear(GemmShape{T, 2 * Is, H, a.dtype, a.dtype, false}, a.x,
+                                        a.shared_gate_up, nullptr, sh_gate_up, stream));
+    TESSERA_RETURN_IF_ERROR(silu_mul(a.dtype, sh_gate_up, T, Is, sh_act, stream));
+    TESSERA_RETURN_IF_ERROR(gemm.linear(GemmShape{T, H, Is, a.dtype, a.dtype, false}, sh_act,
+                                        a.shared_down, nullptr, sh_out, stream));
+  }
+  return moe_combine(a.dtype, y, pos, ids, weights, T, K, H, w.expert_begin, w.local_experts, a.x,
+                     a.shared_expert_gate, sh_out, a.out, stream);
+}
+
+}  // namespace tessera::cuda
