@@ -282,6 +282,33 @@ std::vector<float> run_prompt(RankGroup& group, const std::vector<int32_t>& ids)
   return all;
 }
 
+// Every split of the model in `dir` (tp 2, 4; pp 2; 2 x 2) gives one rank's logits of `ids`
+// (finite): fp32 sums in another order (the all-reduce of 2 or 4 partials), ~1e-6 on O(1) logits.
+void expect_splits_give_one_ranks_logits(const std::string& arch, const std::string& dir,
+                                         const std::vector<int32_t>& ids) {
+  std::vector<float> one;
+  {
+    auto group = RankGroup::load(dir, 1, 1);
+    ASSERT_TRUE(group) << arch << ": " << group.status().to_string();
+    one = run_prompt(**group, ids);
+  }
+  ASSERT_FALSE(one.empty()) << arch;
+  for (float x : one) ASSERT_TRUE(std::isfinite(x)) << arch;
+  for (auto [tp, pp] : {std::pair{2, 1}, {4, 1}, {1, 2}, {2, 2}}) {
+    auto group = RankGroup::load(dir, tp, pp);
+    ASSERT_TRUE(group) << arch << " tp " << tp << " pp " << pp << ": "
+                       << group.status().to_string();
+    const std::vector<float> split = run_prompt(**group, ids);
+    ASSERT_EQ(split.size(), one.size()) << arch << " tp " << tp << " pp " << pp;
+    double worst = 0;
+    for (size_t i = 0; i < one.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(split[i])) << arch << " tp " << tp << " pp " << pp;
+      worst = std::max(worst, static_cast<double>(std::abs(split[i] - one[i])));
+    }
+    EXPECT_LT(worst, 1e-4) << arch << " tp " << tp << " pp " << pp;
+  }
+}
+
 // Every split of each tiny MoE model (experts sliced over 2 and 4 tensor-parallel ranks, layers
 // over 2 stages) gives one rank's logits: the partial expert sums add up through the all-reduce.
 TEST(MoeModelTest, EverySplitGivesOneRanksLogits) {
@@ -290,26 +317,7 @@ TEST(MoeModelTest, EverySplitGivesOneRanksLogits) {
                            {"qwen2_moe", "qwen3"},
                            {"qwen3_moe", "qwen3"}}) {
     const std::string dir = make_tiny(arch, tok, "-splits");
-    std::vector<float> one;
-    {
-      auto group = RankGroup::load(dir, 1, 1);
-      ASSERT_TRUE(group) << arch << ": " << group.status().to_string();
-      one = run_prompt(**group, ids);
-    }
-    ASSERT_FALSE(one.empty()) << arch;
-    for (auto [tp, pp] : {std::pair{2, 1}, {4, 1}, {1, 2}, {2, 2}}) {
-      auto group = RankGroup::load(dir, tp, pp);
-      ASSERT_TRUE(group) << arch << " tp " << tp << " pp " << pp << ": "
-                         << group.status().to_string();
-      const std::vector<float> split = run_prompt(**group, ids);
-      ASSERT_EQ(split.size(), one.size()) << arch << " tp " << tp << " pp " << pp;
-      double worst = 0;
-      for (size_t i = 0; i < one.size(); ++i) {
-        worst = std::max(worst, static_cast<double>(std::abs(split[i] - one[i])));
-      }
-      // fp32 sums in another order (the all-reduce of 2 or 4 partials): ~1e-6 on O(1) logits.
-      EXPECT_LT(worst, 1e-4) << arch << " tp " << tp << " pp " << pp;
-    }
+    expect_splits_give_one_ranks_logits(arch, dir, ids);
     std::filesystem::remove_all(dir);
   }
 }
@@ -322,27 +330,7 @@ TEST(SlidingWindowModelTest, EverySplitGivesOneRanksLogits) {
   for (int32_t i = 0; i < 24; ++i) ids.push_back(100 + 37 * i);  // longer than the windows
   for (const std::string arch : {"gemma2", "gemma3", "phi3"}) {
     const std::string dir = make_tiny(arch, "llama2", "-splits");
-    std::vector<float> one;
-    {
-      auto group = RankGroup::load(dir, 1, 1);
-      ASSERT_TRUE(group) << arch << ": " << group.status().to_string();
-      one = run_prompt(**group, ids);
-    }
-    ASSERT_FALSE(one.empty()) << arch;
-    for (float x : one) ASSERT_TRUE(std::isfinite(x)) << arch;
-    for (auto [tp, pp] : {std::pair{2, 1}, {4, 1}, {1, 2}, {2, 2}}) {
-      auto group = RankGroup::load(dir, tp, pp);
-      ASSERT_TRUE(group) << arch << " tp " << tp << " pp " << pp << ": "
-                         << group.status().to_string();
-      const std::vector<float> split = run_prompt(**group, ids);
-      ASSERT_EQ(split.size(), one.size()) << arch << " tp " << tp << " pp " << pp;
-      double worst = 0;
-      for (size_t i = 0; i < one.size(); ++i) {
-        ASSERT_TRUE(std::isfinite(split[i])) << arch << " tp " << tp << " pp " << pp;
-        worst = std::max(worst, static_cast<double>(std::abs(split[i] - one[i])));
-      }
-      EXPECT_LT(worst, 1e-4) << arch << " tp " << tp << " pp " << pp;
-    }
+    expect_splits_give_one_ranks_logits(arch, dir, ids);
     std::filesystem::remove_all(dir);
   }
 }
