@@ -1,5 +1,7 @@
 #include "kernels/cuda/gemm.h"
 
+#include "kernels/cuda/gemv.h"
+
 #include <algorithm>
 #include <limits>
 #include <string>
@@ -330,6 +332,9 @@ Expected<Gemm::Plan*> Gemm::plan(const GemmShape& shape, cudaStream_t stream, co
 Status Gemm::linear(const GemmShape& shape, const void* x, const void* w, const void* bias,
                     void* out, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(validate(shape, x, w, bias, out));
+  if (gemv_takes(shape.m, shape.n, shape.k, shape.in, shape.out, x, w)) {
+    return gemv(shape.m, shape.n, shape.k, shape.in, shape.out, x, w, bias, out, stream);
+  }
   TESSERA_ASSIGN_OR_RETURN(Plan * p, plan(shape, stream, x, w, bias, out));
   return lt_status(matmul(*p, p->algo, x, w, out, stream), "cublasLtMatmul " + describe(shape));
 }

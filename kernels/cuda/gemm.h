@@ -1,5 +1,7 @@
 // GEMMs through cuBLASLt for the linear layers: out[M, N] = x[M, K] . w[N, K]^T (+ bias[N]),
-// bf16/fp16 inputs, fp32 accumulation, output in the input dtype or fp32 (the logits).
+// bf16/fp16 inputs, fp32 accumulation, output in the input dtype or fp32 (the logits). Decode
+// shapes that gemv_takes() (kernels/cuda/gemv.h: a few rows, weights up to 40 MiB) run on the
+// GEMV kernel instead, which overlaps the kernel before; they get no plan.
 // The algorithm for each (M, N, K, dtypes, bias) is chosen once — the heuristic's candidates
 // are timed on the first eager call of that shape — and cached; inside a CUDA-graph capture
 // an unseen shape takes the heuristic's first choice without timing, and is timed on its next
@@ -52,8 +54,8 @@ class Gemm {
   Status linear(const GemmShape& shape, const void* x, const void* w, const void* bias, void* out,
                 cudaStream_t stream);
 
-  // Shapes whose algorithm is cached (for logs and tests): one plan per shape and alignment
-  // class of the pointers it was called with (see PlanKey).
+  // Shapes whose algorithm is cached (for logs and tests; the GEMV's shapes have none): one plan
+  // per shape and alignment class of the pointers it was called with (see PlanKey).
   size_t cached_shapes() const;
 
  private:

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
@@ -21,46 +22,53 @@ constexpr int kMaxTopK = 32;
 
 constexpr int kRouteWarps = 4;
 
-// One warp per token; the block's warps keep their token's probabilities in shared memory. R:
-// the type the logits are rounded to first (float: none).
-template <typename R>
-__global__ void route_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
-                             bool renormalize, int32_t* __restrict__ ids,
-                             float* __restrict__ weights) {
-  extern __shared__ float probs_all[];
+// One warp per token, its probabilities in registers: lane l holds experts l, l + 32, ...
+// (kPerLane of them). R: the type the logits are rounded to first (float: none). Launched with
+// launch_pdl.
+template <typename R, int kPerLane>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    route_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
+                 bool renormalize, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + warp;
   if (t >= tokens) return;
-  float* probs = probs_all + warp * experts;
   const float* l = logits + static_cast<int64_t>(t) * experts;
+  float v[kPerLane];
   float mx = -INFINITY;
-  for (int e = lane; e < experts; e += 32) {
-    const float v = dev::round_to<R>(l[e]);
-    probs[e] = v;
-    mx = fmaxf(mx, v);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < experts ? dev::round_to<R>(__ldcg(l + e)) : -INFINITY;
+    mx = fmaxf(mx, v[j]);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float sum = 0.0f;
-  for (int e = lane; e < experts; e += 32) {
-    const float v = expf(probs[e] - mx);
-    probs[e] = v;
-    sum += v;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    v[j] = lane + 32 * j < experts ? expf(v[j] - mx) : 0.0f;
+    sum += v[j];
   }
   sum = dev::warp_sum(sum);
-  for (int e = lane; e < experts; e += 32) probs[e] /= sum;
-  __syncwarp();
-  float chosen_p[kMaxTopK];
-  int chosen_e[kMaxTopK];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    // Probabilities are >= 0; padding and taken ones are -1 (never chosen while any is left).
+    v[j] = lane + 32 * j < experts ? v[j] / sum : -1.0f;
+  }
+  float my_p = 0.0f;  // lane k < top_k: the k-th choice
+  int my_e = 0;
   for (int k = 0; k < top_k; ++k) {
-    // Highest probability, lower index on ties (probabilities are >= 0; taken ones are -1).
+    // Highest probability, lower index on ties: j ascends within a lane, so the strict > keeps
+    // a lane's lowest index, and the shuffles prefer the lower index on equal values.
     float best = -2.0f;
     int best_e = experts;
-    for (int e = lane; e < experts; e += 32) {
-      const float v = probs[e];
-      if (v > best) {  // e ascends within a lane: a tie keeps the lower index
-        best = v;
-        best_e = e;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      if (v[j] > best) {
+        best = v[j];
+        best_e = lane + 32 * j;
       }
     }
 #pragma unroll
@@ -72,18 +80,22 @@ __global__ void route_kernel(const float* __restrict__ logits, int tokens, int e
         best_e = oe;
       }
     }
-    chosen_p[k] = best;
-    chosen_e[k] = best_e;
-    __syncwarp();
-    if (lane == 0) probs[best_e] = -1.0f;
-    __syncwarp();
+    if (lane == k) {
+      my_p = best;
+      my_e = best_e;
+    }
+    if ((best_e & 31) == lane) {
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        if (lane + 32 * j == best_e) v[j] = -1.0f;
+      }
+    }
   }
-  if (lane != 0) return;
   float top = 0.0f;  // summed in rank order, as the CPU reference does
-  for (int k = 0; k < top_k; ++k) top += chosen_p[k];
-  for (int k = 0; k < top_k; ++k) {
-    ids[static_cast<int64_t>(t) * top_k + k] = chosen_e[k];
-    weights[static_cast<int64_t>(t) * top_k + k] = renormalize ? chosen_p[k] / top : chosen_p[k];
+  for (int k = 0; k < top_k; ++k) top += __shfl_sync(0xffffffffu, my_p, k);
+  if (lane < top_k) {
+    ids[static_cast<int64_t>(t) * top_k + lane] = my_e;
+    weights[static_cast<int64_t>(t) * top_k + lane] = renormalize ? my_p / top : my_p;
   }
 }
 
@@ -316,83 +328,194 @@ __global__ void __launch_bounds__(kGemmThreads)
 
 // ---- GEMV (decode) ----
 //
-// Grid (output groups, pairs); each warp computes kGemvOuts outputs of its pair's expert, as
-// kGemvLoads weight rows streamed together (gate_up: 2 outputs = 2 gate rows and their 2 up
-// rows; down: 4 outputs), so a warp keeps 4 x 512 bytes of weights in flight: the bytes a
-// batch-1 step reads are the chosen experts' and nothing else, at the rate HBM gives them. The
-// input row comes from L1/L2 (every warp of the pair reads it).
+// Both kernels are launched with launch_pdl (cuda_util.h): their launch overlaps the kernel
+// before, and everything an earlier kernel wrote is read after dev::pdl_wait().
+//
+// gate_up: grid (output groups, pairs); each warp computes kGateUpOuts outputs of its pair's
+// expert: their gate rows and up rows streamed together (4 x 512 bytes per warp in flight; two
+// chunks deep, or 1 or 4 outputs, measured slower in the whole layer), so a batch-1 step reads
+// the chosen experts' rows and nothing else. The block stages the input row in shared memory.
+//
+// down + combine: grid (hidden / kSlotRows, tokens); warp j of a block computes its token's j-th
+// local slot (by expert) on the block's kSlotRows output rows: one expert's contiguous rows (a
+// warp per output row across the slots' experts read 512-byte pieces of eight experts at once
+// and ran at 0.37 of the copy bandwidth, this at 0.56; moe_bench, Qwen3-30B-A3B at batch 1).
+// Then the block combines them (kernels/cpu/moe.h's order: slots by expert, each product
+// rounded, summed in the run dtype; + the shared expert's gated row) through shared memory: the
+// y rows the grouped path stores never exist. The activation rows are staged in shared memory
+// once (top_k x inter, up to kMaxDownSmem: wider layers take the grouped path). The blocks
+// start while gate_up still runs (gate_up calls pdl_launch_dependents after its own pdl_wait,
+// so the router's ids are final by then): they read the ids and order the slots before they
+// wait for the activations.
 
-constexpr int kGemvWarps = 8, kGemvLoads = 4;
-
-template <bool kGateUp>
-constexpr int gemv_outs() {
-  return kGateUp ? kGemvLoads / 2 : kGemvLoads;
+constexpr int kGemvWarps = 8;
+constexpr int kGateUpOuts = 2;  // outputs per warp: 2 gate + 2 up rows
+constexpr int kGateUpRows = 2 * kGateUpOuts;
+constexpr int kSlotRows = 8;  // output rows of one expert a down warp reads
+// The down kernel's shared memory: the token's activation rows (top_k x inter).
+constexpr size_t kMaxDownSmem = 200 * 1024;
+size_t moe_down_smem_bytes(DType dtype, int64_t top_k, int64_t inter) {
+  return static_cast<size_t>(top_k * inter) * dtype_size(dtype);
 }
 
-// s[r] = w[r] · x over k (k % 8 == 0), each lane's partial sums reduced over the warp. A row
-// past the outputs has w[r] == null and gives 0.
+// Activations another kernel wrote: through L2 (not the non-coherent path).
 template <typename T>
-__device__ __forceinline__ void dot_rows(const T* const (&w)[kGemvLoads], const T* __restrict__ x,
-                                         int k, int lane, float (&s)[kGemvLoads]) {
-#pragma unroll
-  for (int r = 0; r < kGemvLoads; ++r) s[r] = 0.0f;
-  for (int i = lane * 8; i < k; i += 32 * 8) {
-    uint4 raw[kGemvLoads];
-#pragma unroll
-    for (int r = 0; r < kGemvLoads; ++r) {
-      raw[r] = w[r] != nullptr ? dev::ldg_stream(w[r] + i) : make_uint4(0, 0, 0, 0);
-    }
-    float xv[8];
-    dev::load8_ro<T>(x + i, xv);
-#pragma unroll
-    for (int r = 0; r < kGemvLoads; ++r) {
-      float wv[8];
-      dev::unpack8<T>(raw[r], wv);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s[r] = fmaf(wv[j], xv[j], s[r]);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kGemvLoads; ++r) s[r] = dev::warp_sum(s[r]);
+__device__ __forceinline__ void load8_l2(const T* p, float (&out)[dev::kHalfVec]) {
+  dev::unpack8<T>(__ldcg(reinterpret_cast<const uint4*>(p)), out);
 }
 
-template <typename T, bool kGateUp>
+template <typename T>
 __global__ void __launch_bounds__(kGemvWarps * 32)
-    gemv_kernel(const T* __restrict__ in, const int32_t* __restrict__ ids, int top_k,
-                int expert_begin, int local_experts, const T* __restrict__ w, int k_dim, int n_dim,
-                T* __restrict__ out) {
-  constexpr int kOuts = gemv_outs<kGateUp>();
+    gemv_gate_up_kernel(const T* __restrict__ x, const int32_t* __restrict__ ids, int top_k,
+                        int expert_begin, int local_experts, const T* __restrict__ w, int k_dim,
+                        int n_dim, T* __restrict__ out) {
+  extern __shared__ uint4 x_smem[];  // the pair's input row
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int p = blockIdx.y;
   const int e = ids[p] - expert_begin;
   if (e < 0 || e >= local_experts) return;
-  const T* x = in + static_cast<int64_t>(kGateUp ? p / top_k : p) * k_dim;
-  const T* we = w + static_cast<int64_t>(e) * (kGateUp ? 2 * n_dim : n_dim) * k_dim;
+  // The input row once per block into shared memory (every warp of every pair of the token
+  // reads it: from L2 that was a quarter of the weights' bytes, all from the same few lines).
+  const int vecs = k_dim / dev::kHalfVec;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(p / top_k) * k_dim);
+  for (int v = static_cast<int>(threadIdx.x); v < vecs; v += blockDim.x) x_smem[v] = __ldcg(xr + v);
+  __syncthreads();
+  const T* we = w + static_cast<int64_t>(e) * 2 * n_dim * k_dim;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int first = (blockIdx.x * kGemvWarps + warp) * kOuts;
+  const int first = (blockIdx.x * kGemvWarps + warp) * kGateUpOuts;
   if (first >= n_dim) return;
-  const T* rows[kGemvLoads];
+  const T* rows[kGateUpRows];
 #pragma unroll
-  for (int r = 0; r < kGemvLoads; ++r) {
-    // gate_up: loads 0, 1 are the gate rows of outputs first, first + 1; 2, 3 their up rows.
-    const int n = first + (kGateUp ? r % kOuts : r);
-    const int row = kGateUp && r >= kOuts ? n_dim + n : n;
-    rows[r] = n < n_dim ? we + static_cast<int64_t>(row) * k_dim : nullptr;
+  for (int r = 0; r < kGateUpRows; ++r) {
+    // rows 0, 1: the gate rows of outputs first, first + 1; 2, 3: their up rows (a row past
+    // the outputs reads the last one again, and is not stored).
+    const int n = min(first + r % kGateUpOuts, n_dim - 1);
+    const int row = r >= kGateUpOuts ? n_dim + n : n;
+    rows[r] = we + static_cast<int64_t>(row) * k_dim;
   }
-  float s[kGemvLoads];
-  dot_rows<T>(rows, x, k_dim, lane, s);
-  if (lane != 0) return;
+  float s[kGateUpRows] = {};
+  for (int i = lane; i < vecs; i += 32) {
+    uint4 raw[kGateUpRows];
 #pragma unroll
-  for (int o = 0; o < kOuts; ++o) {
-    const int n = first + o;
-    if (n >= n_dim) break;
-    T* dst = out + static_cast<int64_t>(p) * n_dim + n;
-    if (kGateUp) {
-      const float gv = dev::round_to<T>(s[o]), uv = dev::round_to<T>(s[kOuts + o]);
-      *dst = dev::from_float<T>(dev::round_to<T>(silu(gv)) * uv);
-    } else {
-      *dst = dev::from_float<T>(s[o]);
+    for (int r = 0; r < kGateUpRows; ++r) raw[r] = dev::ldg_stream(rows[r] + i * dev::kHalfVec);
+    float xv[dev::kHalfVec];
+    dev::unpack8<T>(x_smem[i], xv);
+#pragma unroll
+    for (int r = 0; r < kGateUpRows; ++r) {
+      float wv[dev::kHalfVec];
+      dev::unpack8<T>(raw[r], wv);
+#pragma unroll
+      for (int j = 0; j < dev::kHalfVec; ++j) s[r] = fmaf(wv[j], xv[j], s[r]);
     }
   }
+#pragma unroll
+  for (int r = 0; r < kGateUpRows; ++r) s[r] = dev::warp_sum(s[r]);
+  if (lane != 0) return;
+#pragma unroll
+  for (int o = 0; o < kGateUpOuts; ++o) {
+    const int n = first + o;
+    if (n >= n_dim) break;
+    const float gv = dev::round_to<T>(s[o]), uv = dev::round_to<T>(s[kGateUpOuts + o]);
+    out[static_cast<int64_t>(p) * n_dim + n] = dev::from_float<T>(dev::round_to<T>(silu(gv)) * uv);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_down_combine_kernel(const T* __restrict__ act, const int32_t* __restrict__ ids,
+                             const float* __restrict__ weights, int top_k, int expert_begin,
+                             int local_experts, const T* __restrict__ w, int inter, int hidden,
+                             const T* __restrict__ x, const T* __restrict__ shared_gate,
+                             const T* __restrict__ shared_out, T* __restrict__ out) {
+  extern __shared__ uint4 act_smem[];
+  __shared__ int32_t slot_ids[kMaxTopK];
+  __shared__ int32_t order[kMaxTopK];
+  __shared__ float slot_w[kMaxTopK];
+  __shared__ float y_s[kMaxTopK][kSlotRows];
+  __shared__ int n_local;
+  __shared__ float scratch[32];
+  const int t = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < top_k) slot_ids[tid] = ids[static_cast<int64_t>(t) * top_k + tid];
+  if (tid == 0) n_local = 0;
+  __syncthreads();
+  if (tid < top_k) {
+    const int e = slot_ids[tid];
+    if (e - expert_begin >= 0 && e - expert_begin < local_experts) {
+      int rank = 0;
+      for (int j = 0; j < top_k; ++j) {
+        const int f = slot_ids[j];
+        const bool local = f - expert_begin >= 0 && f - expert_begin < local_experts;
+        rank += local && (f < e || (f == e && j < tid));
+      }
+      order[rank] = tid;
+      slot_w[rank] = dev::round_to<T>(weights[static_cast<int64_t>(t) * top_k + tid]);
+      atomicAdd(&n_local, 1);
+    }
+  }
+  __syncthreads();
+  const int nl = n_local;
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  const int vecs = inter / dev::kHalfVec;
+  for (int v = tid; v < nl * vecs; v += blockDim.x) {
+    const int j = v / vecs, c = v - j * vecs;
+    act_smem[v] = __ldcg(
+        reinterpret_cast<const uint4*>(act + (static_cast<int64_t>(t) * top_k + order[j]) * inter) +
+        c);
+  }
+  __syncthreads();
+  float gate = 0.0f;
+  if (shared_out != nullptr) {
+    float sum = 0.0f;
+    const T* xr = x + static_cast<int64_t>(t) * hidden;
+    for (int h = tid; h < hidden; h += blockDim.x) {
+      sum = fmaf(dev::to_float(__ldcg(xr + h)), dev::to_float(shared_gate[h]), sum);
+    }
+    const float logit = dev::round_to<T>(dev::block_sum(sum, scratch));
+    gate = dev::round_to<T>(1.0f / (1.0f + expf(-logit)));
+  }
+  const int n0 = blockIdx.x * kSlotRows;
+  for (int j = warp; j < nl; j += kGemvWarps) {
+    const T* base = w + (static_cast<int64_t>(slot_ids[order[j]] - expert_begin) * hidden) * inter;
+    float s[kSlotRows] = {};
+    for (int i = lane; i < vecs; i += 32) {
+      uint4 raw[kSlotRows];
+#pragma unroll
+      for (int r = 0; r < kSlotRows; ++r) {
+        const int n = min(n0 + r, hidden - 1);
+        raw[r] = dev::ldg_stream(base + static_cast<int64_t>(n) * inter + i * dev::kHalfVec);
+      }
+      float av[dev::kHalfVec];
+      dev::unpack8<T>(act_smem[j * vecs + i], av);
+#pragma unroll
+      for (int r = 0; r < kSlotRows; ++r) {
+        float wv[dev::kHalfVec];
+        dev::unpack8<T>(raw[r], wv);
+#pragma unroll
+        for (int q = 0; q < dev::kHalfVec; ++q) s[r] = fmaf(wv[q], av[q], s[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kSlotRows; ++r) {
+      s[r] = dev::warp_sum(s[r]);
+      if (lane == 0) y_s[j][r] = s[r];
+    }
+  }
+  __syncthreads();
+  if (tid >= kSlotRows || n0 + tid >= hidden) return;
+  float acc = 0.0f;
+  for (int j = 0; j < nl; ++j) {
+    acc = dev::round_to<T>(acc + dev::round_to<T>(dev::round_to<T>(y_s[j][tid]) * slot_w[j]));
+  }
+  const int n = n0 + tid;
+  if (shared_out != nullptr) {
+    const float sv = dev::to_float(__ldcg(shared_out + static_cast<int64_t>(t) * hidden + n));
+    acc = acc + dev::round_to<T>(gate * sv);
+  }
+  out[static_cast<int64_t>(t) * hidden + n] = dev::from_float<T>(acc);
 }
 
 // ---- combine ----
@@ -538,23 +661,26 @@ Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_
                             " (1 .. min(experts, " + std::to_string(kMaxTopK) + "))");
   }
   if (tokens == 0) return Status::ok();
-  const size_t smem = sizeof(float) * kRouteWarps * static_cast<size_t>(experts);
   const int blocks = static_cast<int>((tokens + kRouteWarps - 1) / kRouteWarps);
-  auto launch = [&](auto kernel) -> Status {
-    if (smem > 48 * 1024) {
-      TESSERA_CUDA_RETURN_IF_ERROR(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem)),
-          "moe_route: shared memory");
-    }
-    kernel<<<blocks, kRouteWarps * 32, smem, stream>>>(
-        logits, static_cast<int>(tokens), static_cast<int>(experts), static_cast<int>(top_k),
-        renormalize, ids, weights);
+  auto launch = [&](auto tag, auto per_lane) -> Status {
+    using R = decltype(tag);
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        launch_pdl(route_kernel<R, decltype(per_lane)::value>, dim3(blocks), dim3(kRouteWarps * 32),
+                   0, stream, logits, static_cast<int>(tokens), static_cast<int>(experts),
+                   static_cast<int>(top_k), renormalize, ids, weights),
+        "moe_route");
     return launch_status("moe_route");
   };
-  if (logits_dtype == DType::kBF16) return launch(route_kernel<__nv_bfloat16>);
-  if (logits_dtype == DType::kF16) return launch(route_kernel<__half>);
-  return launch(route_kernel<float>);
+  // Registers per lane for the experts: 4 (<= 128), 8 (<= 256), 32 (<= 1024) or 128.
+  auto by_width = [&](auto tag) -> Status {
+    if (experts <= 128) return launch(tag, std::integral_constant<int, 4>{});
+    if (experts <= 256) return launch(tag, std::integral_constant<int, 8>{});
+    if (experts <= 1024) return launch(tag, std::integral_constant<int, 32>{});
+    return launch(tag, std::integral_constant<int, 128>{});
+  };
+  if (logits_dtype == DType::kBF16) return by_width(__nv_bfloat16{});
+  if (logits_dtype == DType::kF16) return by_width(__half{});
+  return by_width(float{});
 }
 
 Status moe_permute(const int32_t* ids, int64_t tokens, int64_t top_k, int64_t expert_begin,
@@ -599,29 +725,6 @@ Status launch_grouped(DType dtype, const void* a, const int32_t* rows, const Moe
   return launch_status(op);
 }
 
-template <bool kGateUp>
-Status launch_gemv(DType dtype, const void* in, const int32_t* ids, int64_t tokens, int64_t top_k,
-                   const MoeExperts& w, void* out, cudaStream_t stream, const char* op) {
-  TESSERA_RETURN_IF_ERROR(check_dtype(dtype, op));
-  TESSERA_RETURN_IF_ERROR(check_experts(w, op));
-  const int64_t pairs = tokens * top_k;
-  if (pairs <= 0) return Status::ok();
-  if (pairs > 65535) return invalid_argument(std::string(op) + ": more than 65535 pairs");
-  const int64_t n = kGateUp ? w.inter : w.hidden;
-  const int64_t k = kGateUp ? w.hidden : w.inter;
-  const int64_t per_block = kGemvWarps * gemv_outs<kGateUp>();
-  const dim3 grid(static_cast<unsigned>((n + per_block - 1) / per_block),
-                  static_cast<unsigned>(pairs));
-  dispatch(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    gemv_kernel<T, kGateUp><<<grid, kGemvWarps * 32, 0, stream>>>(
-        static_cast<const T*>(in), ids, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
-        static_cast<int>(w.local_experts), static_cast<const T*>(kGateUp ? w.gate_up : w.down),
-        static_cast<int>(k), static_cast<int>(n), static_cast<T*>(out));
-  });
-  return launch_status(op);
-}
-
 }  // namespace
 
 Status moe_grouped_gate_up(DType dtype, const void* x, const MoeExperts& w,
@@ -640,12 +743,78 @@ Status moe_grouped_down(DType dtype, const void* act, const MoeExperts& w,
 
 Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t tokens,
                         int64_t top_k, const MoeExperts& w, void* act, cudaStream_t stream) {
-  return launch_gemv<true>(dtype, x, ids, tokens, top_k, w, act, stream, "moe_gemv_gate_up");
+  TESSERA_RETURN_IF_ERROR(check_dtype(dtype, "moe_gemv_gate_up"));
+  TESSERA_RETURN_IF_ERROR(check_experts(w, "moe_gemv_gate_up"));
+  const int64_t pairs = tokens * top_k;
+  if (pairs <= 0) return Status::ok();
+  if (pairs > 65535) return invalid_argument("moe_gemv_gate_up: more than 65535 pairs");
+  const int64_t per_block = kGemvWarps * kGateUpOuts;
+  const dim3 grid(static_cast<unsigned>((w.inter + per_block - 1) / per_block),
+                  static_cast<unsigned>(pairs));
+  cudaError_t err = cudaSuccess;
+  const size_t smem = static_cast<size_t>(w.hidden) * dtype_size(dtype);
+  if (smem > kMaxDownSmem) {
+    return invalid_argument("moe_gemv_gate_up: hidden " + std::to_string(w.hidden) +
+                            " exceeds the shared memory for the input row");
+  }
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = gemv_gate_up_kernel<T>;
+    if (smem > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(smem));
+      if (err != cudaSuccess) return;
+    }
+    err = launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(x),
+                     ids, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
+                     static_cast<int>(w.local_experts), static_cast<const T*>(w.gate_up),
+                     static_cast<int>(w.hidden), static_cast<int>(w.inter), static_cast<T*>(act));
+  });
+  TESSERA_CUDA_RETURN_IF_ERROR(err, "moe_gemv_gate_up");
+  return launch_status("moe_gemv_gate_up");
 }
 
-Status moe_gemv_down(DType dtype, const void* act, const int32_t* ids, int64_t tokens,
-                     int64_t top_k, const MoeExperts& w, void* y, cudaStream_t stream) {
-  return launch_gemv<false>(dtype, act, ids, tokens, top_k, w, y, stream, "moe_gemv_down");
+Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, const float* weights,
+                             int64_t tokens, int64_t top_k, const MoeExperts& w, const void* x,
+                             const void* shared_gate, const void* shared_out, void* out,
+                             cudaStream_t stream) {
+  TESSERA_RETURN_IF_ERROR(check_dtype(dtype, "moe_gemv_down_combine"));
+  TESSERA_RETURN_IF_ERROR(check_experts(w, "moe_gemv_down_combine"));
+  if (top_k < 1 || top_k > kMaxTopK) {
+    return invalid_argument("moe_gemv_down_combine: top_k " + std::to_string(top_k) + " (1 .. " +
+                            std::to_string(kMaxTopK) + ")");
+  }
+  if (shared_out != nullptr && (x == nullptr || shared_gate == nullptr)) {
+    return invalid_argument("moe_gemv_down_combine: a shared expert's output needs x and its gate");
+  }
+  if (tokens <= 0) return Status::ok();
+  if (tokens > 65535) return invalid_argument("moe_gemv_down_combine: more than 65535 tokens");
+  const size_t smem = moe_down_smem_bytes(dtype, top_k, w.inter);
+  if (smem > kMaxDownSmem) {
+    return invalid_argument("moe_gemv_down_combine: top_k x inter = " + std::to_string(top_k) +
+                            " x " + std::to_string(w.inter) + " activations exceed " +
+                            std::to_string(kMaxDownSmem) + " bytes of shared memory");
+  }
+  const dim3 grid(static_cast<unsigned>((w.hidden + kSlotRows - 1) / kSlotRows),
+                  static_cast<unsigned>(tokens));
+  cudaError_t err = cudaSuccess;
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = gemv_down_combine_kernel<T>;
+    if (smem > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(smem));
+      if (err != cudaSuccess) return;
+    }
+    err = launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(act),
+                     ids, weights, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
+                     static_cast<int>(w.local_experts), static_cast<const T*>(w.down),
+                     static_cast<int>(w.inter), static_cast<int>(w.hidden),
+                     static_cast<const T*>(x), static_cast<const T*>(shared_gate),
+                     static_cast<const T*>(shared_out), static_cast<T*>(out));
+  });
+  TESSERA_CUDA_RETURN_IF_ERROR(err, "moe_gemv_down_combine");
+  return launch_status("moe_gemv_down_combine");
 }
 
 Status moe_combine(DType dtype, const void* y, const int32_t* pos, const int32_t* ids,
@@ -705,30 +874,8 @@ Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
   auto* weights = reinterpret_cast<float*>(ws + c.weights);
   void* act = ws + c.act;
   void* y = ws + c.y;
-  // The gate Linear's output is a bf16/fp16 tensor in transformers: moe_route rounds the fp32
-  // logits to it (what a GEMM with that output dtype gives) before its fp32 softmax.
-  const GemmShape router{T, a.num_experts, H, a.dtype, DType::kF32, false};
-  TESSERA_RETURN_IF_ERROR(gemm.linear(router, a.x, a.router, nullptr, logits, stream));
-  TESSERA_RETURN_IF_ERROR(
-      moe_route(logits, a.dtype, T, a.num_experts, K, a.renormalize, ids, weights, stream));
-  const bool gemv = a.path == MoePath::kGemv || (a.path == MoePath::kAuto && P <= kMoeGemvMaxPairs);
-  const int32_t* pos = nullptr;
-  if (gemv) {
-    TESSERA_RETURN_IF_ERROR(moe_gemv_gate_up(a.dtype, a.x, ids, T, K, w, act, stream));
-    TESSERA_RETURN_IF_ERROR(moe_gemv_down(a.dtype, act, ids, T, K, w, y, stream));
-  } else {
-    MoePermutation perm;
-    perm.offsets = reinterpret_cast<int32_t*>(ws + c.offsets);
-    perm.tiles = reinterpret_cast<int32_t*>(ws + c.tiles);
-    perm.rows = reinterpret_cast<int32_t*>(ws + c.rows);
-    perm.pos = reinterpret_cast<int32_t*>(ws + c.pos);
-    TESSERA_RETURN_IF_ERROR(moe_permute(ids, T, K, w.expert_begin, w.local_experts, perm, stream));
-    TESSERA_RETURN_IF_ERROR(moe_grouped_gate_up(a.dtype, a.x, w, perm, P, act, stream));
-    TESSERA_RETURN_IF_ERROR(moe_grouped_down(a.dtype, act, w, perm, P, y, stream));
-    pos = perm.pos;
-  }
   void* sh_out = nullptr;
-  if (shared) {
+  if (shared) {  // before the routing: the GEMV path's last kernel reads the routing's ids early
     const int64_t Is = a.shared_inter;
     void* sh_gate_up = ws + c.sh_gate_up;
     void* sh_act = ws + c.sh_act;
@@ -739,8 +886,32 @@ Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
     TESSERA_RETURN_IF_ERROR(gemm.linear(GemmShape{T, H, Is, a.dtype, a.dtype, false}, sh_act,
                                         a.shared_down, nullptr, sh_out, stream));
   }
-  return moe_combine(a.dtype, y, pos, ids, weights, T, K, H, w.expert_begin, w.local_experts, a.x,
-                     a.shared_expert_gate, sh_out, a.out, stream);
+  // The gate Linear's output is a bf16/fp16 tensor in transformers: moe_route rounds the fp32
+  // logits to it (what a GEMM with that output dtype gives) before its fp32 softmax.
+  const GemmShape router{T, a.num_experts, H, a.dtype, DType::kF32, false};
+  TESSERA_RETURN_IF_ERROR(gemm.linear(router, a.x, a.router, nullptr, logits, stream));
+  TESSERA_RETURN_IF_ERROR(
+      moe_route(logits, a.dtype, T, a.num_experts, K, a.renormalize, ids, weights, stream));
+  const bool gemv =
+      a.path == MoePath::kGemv || (a.path == MoePath::kAuto && P <= kMoeGemvMaxPairs &&
+                                   moe_down_smem_bytes(a.dtype, K, w.inter) <= kMaxDownSmem &&
+                                   moe_down_smem_bytes(a.dtype, 1, H) <= kMaxDownSmem);
+  if (gemv) {
+    // moe_gemv_down_combine reads the ids early: moe_gemv_gate_up must be the kernel before it.
+    TESSERA_RETURN_IF_ERROR(moe_gemv_gate_up(a.dtype, a.x, ids, T, K, w, act, stream));
+    return moe_gemv_down_combine(a.dtype, act, ids, weights, T, K, w, a.x, a.shared_expert_gate,
+                                 sh_out, a.out, stream);
+  }
+  MoePermutation perm;
+  perm.offsets = reinterpret_cast<int32_t*>(ws + c.offsets);
+  perm.tiles = reinterpret_cast<int32_t*>(ws + c.tiles);
+  perm.rows = reinterpret_cast<int32_t*>(ws + c.rows);
+  perm.pos = reinterpret_cast<int32_t*>(ws + c.pos);
+  TESSERA_RETURN_IF_ERROR(moe_permute(ids, T, K, w.expert_begin, w.local_experts, perm, stream));
+  TESSERA_RETURN_IF_ERROR(moe_grouped_gate_up(a.dtype, a.x, w, perm, P, act, stream));
+  TESSERA_RETURN_IF_ERROR(moe_grouped_down(a.dtype, act, w, perm, P, y, stream));
+  return moe_combine(a.dtype, y, perm.pos, ids, weights, T, K, H, w.expert_begin, w.local_experts,
+                     a.x, a.shared_expert_gate, sh_out, a.out, stream);
 }
 
 }  // namespace tessera::cuda

@@ -15,7 +15,9 @@
 //     down    the same grouped GEMM over act                               -> y   [P, hidden]
 //     combine out[t] = Σ_k weight · y[row of (t, k)] (+ sigmoid(x·shared_gateᵀ) · shared(x))
 //   GEMV (decode-sized: tokens · top_k <= kMoeGemvMaxPairs): no permutation; each (token, slot)
-//     pair reads only its own expert's rows, so a batch-1 step reads top_k experts from HBM.
+//     pair reads only its own expert's rows, so a batch-1 step reads top_k experts from HBM;
+//     the down projection and the combine are one kernel (no y rows), and the routing's,
+//     gate_up's and down's launches overlap the kernel before (programmatic dependent launch).
 //
 // Rounding follows transformers in bf16/fp16: the gate and up outputs, silu(gate), the product,
 // the down output, each routing weight and each product weight · y are rounded to the run dtype,
@@ -95,14 +97,21 @@ Status moe_grouped_gate_up(DType dtype, const void* x, const MoeExperts& w,
 Status moe_grouped_down(DType dtype, const void* act, const MoeExperts& w,
                         const MoePermutation& perm, int64_t max_rows, void* y, cudaStream_t stream);
 
-// The decode path: pair p = t * top_k + k computes with expert ids[p] only (a pair whose expert
-// is not local is skipped).
-//   x: [tokens, hidden];  ids: [tokens, top_k];  act: [tokens * top_k, inter];
-//   y: [tokens * top_k, hidden]  (dtype)
+// The decode path. gate_up: pair p = t * top_k + k computes with expert ids[p] only (a pair
+// whose expert is not local is skipped).
+//   x: [tokens, hidden];  ids: [tokens, top_k];  act: [tokens * top_k, inter]  (dtype)
 Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t tokens,
                         int64_t top_k, const MoeExperts& w, void* act, cudaStream_t stream);
-Status moe_gemv_down(DType dtype, const void* act, const int32_t* ids, int64_t tokens,
-                     int64_t top_k, const MoeExperts& w, void* y, cudaStream_t stream);
+// down fused with the combine: out[t] = what moe_combine gives for y[t * top_k + k] =
+// round(act[t * top_k + k] · down of expert ids[t, k]ᵀ), without storing y. It reads `ids` and
+// `weights` before the kernel launched before it on the stream has finished: that kernel must
+// be moe_gemv_gate_up (which waits for every earlier kernel before it lets this one start), and
+// the ids must come from a kernel before that.
+//   act: [tokens * top_k, inter];  x, shared_gate, shared_out, out: as moe_combine's
+Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, const float* weights,
+                             int64_t tokens, int64_t top_k, const MoeExperts& w, const void* x,
+                             const void* shared_gate, const void* shared_out, void* out,
+                             cudaStream_t stream);
 
 // out[t] = Σ over t's local slots in expert order of round(round(w) · y[row]) summed in dtype,
 // then (shared_out non-null) + round(round(sigmoid(round(x[t] · shared_gate))) · shared_out[t]).

@@ -22,56 +22,18 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/sampling.h"
+#include "tests/gpu/bench_util.h"
 
 namespace tessera::cuda {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-void check(const Status& s, const char* what) {
-  if (!s.is_ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.to_string().c_str());
-    std::exit(1);
-  }
-}
+using bench::check;
 
-// Buffers hold random bf16 values in [-1, 1) (a 32 MB random pattern, repeated), or zeros under
-// --zeros. A tensor-core GEMM's power draw, and so the clock it holds under the H200's power
-// limit, depends on the bits it multiplies: on zeros the prefill GEMMs ran ~10% faster than they
-// do on a real checkpoint's weights.
+// Buffers hold random bf16 values in [-1, 1), or zeros under --zeros (bench_util.h says why that
+// matters).
 bool g_zeros = false;
 
-void* dalloc(size_t bytes) {
-  void* p = nullptr;
-  check(cudaMalloc(&p, bytes), "cudaMalloc");
-  check(cudaMemset(p, 0, bytes), "cudaMemset");
-  if (g_zeros) return p;
-  static const std::vector<uint16_t> pattern = [] {
-    std::vector<uint16_t> v(16u << 20);
-    uint32_t x = 2463534242u;  // xorshift32
-    for (uint16_t& e : v) {
-      x ^= x << 13;
-      x ^= x >> 17;
-      x ^= x << 5;
-      const float f = static_cast<float>(x >> 8) * (2.0f / 16777216.0f) - 1.0f;
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      e = static_cast<uint16_t>(bits >> 16);
-    }
-    return v;
-  }();
-  const size_t chunk = pattern.size() * sizeof(uint16_t);
-  for (size_t off = 0; off + 2 <= bytes; off += chunk) {
-    const size_t n = std::min(chunk, bytes - off) & ~size_t{1};
-    check(cudaMemcpy(static_cast<char*>(p) + off, pattern.data(), n, cudaMemcpyHostToDevice),
-          "random fill");
-  }
-  return p;
-}
+void* dalloc(size_t bytes) { return bench::dalloc(bytes, g_zeros); }
 
 // Microseconds per call of `op`, captured `reps` times into one graph.
 double time_op(cudaStream_t st, const std::function<Status()>& op, int reps = 50) {
@@ -293,35 +255,14 @@ AttentionArgs time_decode_ops(cudaStream_t st, const Args& args, const Buffers& 
 }
 
 // Decode attention is bound by its K/V reads: compares them, and the linear layers' weight
-// reads, with a device-to-device copy of 1 GiB in the same run (the copy reads and writes, so
-// its bytes count twice); then times the decode over an FP8 cache against the same bandwidth.
-// `rows` ends with time_decode_ops's two attention rows.
+// reads, with the device-to-device copy bandwidth in the same run (bench_util.h); then times the
+// decode over an FP8 cache against the same bandwidth. `rows` ends with time_decode_ops's two
+// attention rows.
 void report_bandwidth(cudaStream_t st, const Args& args, const AttentionArgs& a,
                       const std::vector<Row>& rows, const std::vector<Linear>& linears) {
   const int64_t B = args.B, ctx = args.ctx;
   const double kv_bytes = static_cast<double>(B) * ctx * kvh * hd * 2 * 2;
-  const double copy_gb = 1 << 30;
-  void* copy_src = dalloc(static_cast<size_t>(copy_gb));
-  void* copy_dst = dalloc(static_cast<size_t>(copy_gb));
-  // Plain stream copies (a copy node in a graph measured ~2.7 TB/s against ~4.3 here).
-  cudaEvent_t c0, c1;
-  cudaEventCreate(&c0);
-  cudaEventCreate(&c1);
-  check(cudaMemcpyAsync(copy_dst, copy_src, static_cast<size_t>(copy_gb), cudaMemcpyDeviceToDevice,
-                        st),
-        "copy");
-  cudaEventRecord(c0, st);
-  for (int i = 0; i < 10; ++i) {
-    check(cudaMemcpyAsync(copy_dst, copy_src, static_cast<size_t>(copy_gb),
-                          cudaMemcpyDeviceToDevice, st),
-          "copy");
-  }
-  cudaEventRecord(c1, st);
-  check(cudaEventSynchronize(c1), "copy sync");
-  float copy_ms = 0;
-  cudaEventElapsedTime(&copy_ms, c0, c1);
-  const double copy_us = copy_ms * 1000.0 / 10;
-  const double copy_bw = 2 * copy_gb / copy_us / 1e3;  // GB/s
+  const double copy_bw = bench::copy_bandwidth(st);  // GB/s
   const double attn_us = rows[rows.size() - 2].us;
   const double attn_bw = kv_bytes / attn_us / 1e3;
   std::printf(

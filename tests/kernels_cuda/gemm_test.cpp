@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "kernels/cpu/linear.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
 
 namespace tessera::cuda {
 namespace {
@@ -180,6 +182,7 @@ TEST(GemmTest, LlamaShapes) {
   ASSERT_NE(gemm, nullptr);
   const int64_t nk[][2] = {{4096, 4096}, {6144, 4096}, {28672, 4096}, {4096, 14336}};
   const int64_t ms[] = {1, 3, 8, 64};
+  size_t planned = 0;
   for (DType dt : {DType::kBF16, DType::kF16}) {
     for (const auto& [n, k] : nk) {
       Operand w, bias;
@@ -191,10 +194,13 @@ TEST(GemmTest, LlamaShapes) {
         const bool with_bias = m == 3 || m == 64;
         GemmShape s{m, n, k, dt, dt, with_bias};
         check_linear(*gemm, s, x, w, with_bias ? &bias : nullptr);
+        planned += !gemv_takes(m, n, k, dt, dt, x.dev.get(), w.dev.get());
       }
     }
   }
-  EXPECT_EQ(gemm->cached_shapes(), 2u * 4u * 4u);
+  // M = 1 of the 4096 x 4096 weight (32 MiB) took the GEMV (kernels/cuda/gemv.h): no plan.
+  EXPECT_EQ(planned, 2u * (4u * 4u - 1u));
+  EXPECT_EQ(gemm->cached_shapes(), planned);
 }
 
 // The lm_head: a 128256-word vocabulary with fp32 logits.
@@ -278,7 +284,7 @@ TEST(GemmTest, PlanCache) {
   const GemmShape a{16, n, k, DType::kBF16, DType::kBF16, false};
   for (int i = 0; i < 3; ++i) check_linear(*gemm, a, x, w, nullptr);
   EXPECT_EQ(gemm->cached_shapes(), 1u);
-  const GemmShape b{4, n, k, DType::kBF16, DType::kBF16, false};
+  const GemmShape b{5, n, k, DType::kBF16, DType::kBF16, false};
   check_linear(*gemm, b, x, w, nullptr);
   EXPECT_EQ(gemm->cached_shapes(), 2u);
   const GemmShape a_bias{16, n, k, DType::kBF16, DType::kBF16, true};
@@ -286,6 +292,11 @@ TEST(GemmTest, PlanCache) {
   check_linear(*gemm, a_bias, x, w, &bias);
   EXPECT_EQ(gemm->cached_shapes(), 3u);
   check_linear(*gemm, a, x, w, nullptr);
+  EXPECT_EQ(gemm->cached_shapes(), 3u);
+  // A decode shape the GEMV takes: computed, no plan.
+  const GemmShape c{1, n, k, DType::kBF16, DType::kBF16, false};
+  ASSERT_TRUE(gemv_takes(c.m, c.n, c.k, c.in, c.out, x.dev.get(), w.dev.get()));
+  check_linear(*gemm, c, x, w, nullptr);
   EXPECT_EQ(gemm->cached_shapes(), 3u);
 }
 
@@ -362,6 +373,103 @@ TEST(GemmTest, GraphCapture) {
   expect_close(fresh, download(fresh, out_fresh.get()), reference(fresh, x, w, nullptr),
                "replayed again " + name(fresh));
 
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// The decode shapes Gemm::linear hands to the GEMV (kernels/cuda/gemv.h): Qwen3-30B-A3B's o,
+// qkv and router, Llama's o, an odd width and depths that leave the 2-chunk loop a tail,
+// with a bias and fp32 out, both dtypes; against the CPU reference.
+TEST(GemvTest, DecodeShapesTrackTheReference) {
+  REQUIRE_CUDA_DEVICE();
+  auto gemm = make_gemm();
+  ASSERT_NE(gemm, nullptr);
+  const int64_t nk[][2] = {{2048, 4096}, {5120, 2048}, {128, 2048}, {4096, 4096},
+                           {33, 40},     {1000, 1032}, {7, 2056}};
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    for (const auto& [n, k] : nk) {
+      Operand w, bias;
+      make_operand(&w, n * k, dt, 500 + n + k, false);
+      make_operand(&bias, n, dt, 9 + n, false);
+      for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
+        Operand x;
+        make_operand(&x, m * k, dt, 77 * m + k, true);
+        ASSERT_TRUE(gemv_takes(m, n, k, dt, dt, x.dev.get(), w.dev.get()));
+        check_linear(*gemm, GemmShape{m, n, k, dt, dt, false}, x, w, nullptr);
+        check_linear(*gemm, GemmShape{m, n, k, dt, dt, true}, x, w, &bias);
+        check_linear(*gemm, GemmShape{m, n, k, dt, DType::kF32, false}, x, w, nullptr);
+      }
+    }
+  }
+  EXPECT_EQ(gemm->cached_shapes(), 0u);  // none went to cuBLASLt
+}
+
+// What it refuses goes to cuBLASLt: two rows, a depth not a multiple of 8, more than 40 MiB of
+// weights, a misaligned x.
+TEST(GemvTest, TakesOnlyItsShapes) {
+  auto* p = reinterpret_cast<const void*>(uintptr_t{256});
+  const DType bf = DType::kBF16;
+  EXPECT_TRUE(gemv_takes(1, 2048, 4096, bf, bf, p, p));
+  EXPECT_TRUE(gemv_takes(1, 128, 2048, bf, DType::kF32, p, p));
+  EXPECT_FALSE(gemv_takes(2, 2048, 4096, bf, bf, p, p));
+  EXPECT_FALSE(gemv_takes(1, 2048, 4092, bf, bf, p, p));
+  EXPECT_FALSE(gemv_takes(1, 6144, 4096, bf, bf, p, p));  // 48 MiB
+  EXPECT_FALSE(gemv_takes(1, 2048, 4096, DType::kF32, DType::kF32, p, p));
+  EXPECT_FALSE(gemv_takes(1, 2048, 4096, bf, bf, static_cast<const char*>(p) + 2, p));
+  EXPECT_FALSE(
+      gemv(1, 2048, 4096, DType::kF32, DType::kF32, p, p, nullptr, nullptr, nullptr).is_ok());
+}
+
+// A chain of GEMVs captured in a graph, each reading what the one before wrote: the early
+// start (programmatic dependent launch) must still wait for its input. y1 = x · w1ᵀ,
+// y2 = y1 · w2ᵀ, y3 = y2 · w3ᵀ, replayed twice; each against the reference of its GPU input.
+TEST(GemvTest, ChainedInAGraphEachWaitsForItsInput) {
+  REQUIRE_CUDA_DEVICE();
+  auto gemm = make_gemm();
+  ASSERT_NE(gemm, nullptr);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const int64_t m = 1, d = 4096;
+  const DType bf = DType::kBF16;
+  Operand x, w[3];
+  make_operand(&x, m * d, bf, 5, true);
+  for (int i = 0; i < 3; ++i) make_operand(&w[i], d * d, bf, 60 + i, false);
+  const GemmShape s{m, d, d, bf, bf, false};
+  DeviceBuffer y[3] = {alloc_out(s), alloc_out(s), alloc_out(s)};
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const void* in = x.dev.get();
+  Status st = Status::ok();
+  for (int i = 0; i < 3 && st.is_ok(); ++i) {
+    st = gemm->linear(s, in, w[i].dev.get(), nullptr, y[i].get(), stream);
+    in = y[i].get();
+  }
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) {
+    for (DeviceBuffer& b : y)
+      ASSERT_EQ(cudaMemsetAsync(b.get(), 0, b.bytes(), stream), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<float> input = x.values;
+    for (int i = 0; i < 3; ++i) {
+      // The values grow ~20x a link, so the bound is relative to the largest: a link that read
+      // its input before it was written (zeros here) is off by the whole output.
+      const std::vector<float> got = download(s, y[i].get());
+      const std::vector<float> ref = reference(s, input.data(), w[i], nullptr);
+      double err = 0, top = 0;
+      for (size_t j = 0; j < ref.size(); ++j) {
+        err = std::max(err, std::fabs(static_cast<double>(got[j]) - ref[j]));
+        top = std::max(top, std::fabs(static_cast<double>(ref[j])));
+      }
+      EXPECT_LE(err, std::ldexp(top, -7))
+          << "replay " << replay << " link " << i << ": max |error| " << err << " of " << top;
+      input = got;
+    }
+  }
   EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);

@@ -606,7 +606,9 @@ TEST(MoeLayerTest, RefusesShapesTheKernelsDoNotTake) {
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("hidden 60"), std::string::npos) << st.message();
   w.hidden = 64;
-  EXPECT_FALSE(moe_gemv_down(DType::kF32, nullptr, nullptr, 1, 2, w, nullptr, nullptr).is_ok());
+  EXPECT_FALSE(moe_gemv_down_combine(DType::kF32, nullptr, nullptr, nullptr, 1, 2, w, nullptr,
+                                     nullptr, nullptr, nullptr, nullptr)
+                   .is_ok());
 }
 
 }  // namespace

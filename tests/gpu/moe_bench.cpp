@@ -1,0 +1,361 @@
+// Times each CUDA op of a Qwen3-30B-A3B decode layer (hidden 2048, 128 experts of width 768,
+// top 8, 32 query / 4 KV heads of 128) in isolation, and the whole MoE block, against the copy
+// bandwidth measured in the same run. Every op is captured 48 times back to back into a CUDA
+// graph (the model's 48 layers) and the replay is timed; each capture reads the weights of the
+// next of kLayers distinct layers, so the experts come from HBM as in a real step, not from the
+// 50 MB L2. Prints a line per op with its bytes and fraction of the copy bandwidth, and the
+// per-step sum. A benchmark, not a test: gpu-check runs it.
+//   moe_bench [--batch 1] [--context 256] [--max-model-len 4096]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
+#include "tests/gpu/bench_util.h"
+
+namespace tessera::cuda {
+namespace {
+
+using bench::check;
+using bench::dalloc;
+
+constexpr int kSteps = 48;  // layers per decode step
+constexpr int kLayers = 6;  // distinct weight sets the captures cycle through (> L2)
+constexpr int64_t H = 2048, I = 768, E = 128, K = 8, heads = 32, kvh = 4, hd = 128;
+constexpr int64_t V = 151936, bs = 16;
+constexpr DType bf = DType::kBF16;
+
+// Microseconds per call of `op(layer)`, captured kSteps times (layer 0, 1, ... mod kLayers).
+double time_op(cudaStream_t st, const std::function<Status(int)>& op) {
+  check(op(0), "warm-up");
+  check(cudaStreamSynchronize(st), "warm-up sync");
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  check(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "capture");
+  for (int i = 0; i < kSteps; ++i) check(op(i % kLayers), "captured op");
+  check(cudaStreamEndCapture(st, &g), "end capture");
+  check(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  check(cudaGraphLaunch(ge, st), "launch");
+  cudaEventRecord(a, st);
+  constexpr int kReplays = 10;
+  for (int i = 0; i < kReplays; ++i) check(cudaGraphLaunch(ge, st), "launch");
+  cudaEventRecord(b, st);
+  check(cudaEventSynchronize(b), "sync");
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return ms * 1000.0 / (kReplays * kSteps);
+}
+
+struct Layer {
+  void *qkv, *o, *router, *gate_up, *down, *norm, *q_norm, *k_norm;
+};
+
+struct Row {
+  std::string name;
+  double us;
+  double bytes;  // weight (and K/V) bytes one call reads; 0: not counted
+  int per_step;
+};
+
+int run(int argc, char** argv) {
+  int64_t B = 1, ctx = 256, max_len = 4096;
+  for (int i = 1; i < argc; ++i) {
+    const bool has_value = i + 1 < argc;
+    if (has_value && !std::strcmp(argv[i], "--batch")) {
+      B = std::atoll(argv[++i]);
+    } else if (has_value && !std::strcmp(argv[i], "--context")) {
+      ctx = std::atoll(argv[++i]);
+    } else if (has_value && !std::strcmp(argv[i], "--max-model-len")) {
+      max_len = std::atoll(argv[++i]);  // the attention's split plan is made for it
+    } else {
+      std::fprintf(stderr, "moe_bench: unknown argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  if (B < 1 || B * K > 4096 || ctx < 1 || ctx > 32768 || max_len < ctx) {
+    std::fprintf(stderr,
+                 "moe_bench: --batch in [1, 512], --context in [1, 32768], --max-model-len >= "
+                 "--context\n");
+    return 2;
+  }
+  cudaStream_t st;
+  cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  auto gemm_or = Gemm::create();
+  check(gemm_or.status(), "gemm");
+  Gemm& gemm = *gemm_or.value();
+  const int64_t qkv_n = (heads + 2 * kvh) * hd;
+  std::vector<Layer> layers(kLayers);
+  for (Layer& l : layers) {
+    l.qkv = dalloc(qkv_n * H * 2);
+    l.o = dalloc(H * heads * hd * 2);
+    l.router = dalloc(E * H * 2);
+    l.gate_up = dalloc(E * 2 * I * H * 2);
+    l.down = dalloc(E * H * I * 2);
+    l.norm = dalloc(H * 2);
+    l.q_norm = dalloc(hd * 2);
+    l.k_norm = dalloc(hd * 2);
+  }
+  void* lm_head = dalloc(V * H * 2);
+  void* x = dalloc(B * H * 2);
+  void* resid = dalloc(B * H * 2);
+  void* y = dalloc(B * std::max(qkv_n, H) * 2);
+  void* q = dalloc(B * heads * hd * 2);
+  void* attn = dalloc(B * heads * hd * 2);
+  void* logits = dalloc(B * V * 4);
+  const int64_t blocks_per_seq = (ctx + bs - 1) / bs, num_blocks = B * blocks_per_seq;
+  void* kc = dalloc(num_blocks * bs * kvh * hd * 2);
+  void* vc = dalloc(num_blocks * bs * kvh * hd * 2);
+  std::vector<int32_t> tables(B * blocks_per_seq), cu(B + 1), ctxs(B, static_cast<int32_t>(ctx)),
+      pos(B, static_cast<int32_t>(ctx - 1));
+  for (int64_t i = 0; i < B * blocks_per_seq; ++i) tables[i] = static_cast<int32_t>(i);
+  for (int64_t i = 0; i <= B; ++i) cu[i] = static_cast<int32_t>(i);
+  auto up = [](const std::vector<int32_t>& v) {
+    void* p = nullptr;
+    check(cudaMalloc(&p, v.size() * 4), "cudaMalloc");
+    check(cudaMemcpy(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice), "upload");
+    return static_cast<int32_t*>(p);
+  };
+  int32_t *d_tables = up(tables), *d_cu = up(cu), *d_ctx = up(ctxs), *d_pos = up(pos);
+  std::vector<int64_t> slots(B);
+  for (int64_t b = 0; b < B; ++b) slots[b] = b * blocks_per_seq * bs + ctx - 1;
+  int64_t* d_slots = nullptr;
+  check(cudaMalloc(&d_slots, B * 8), "cudaMalloc");
+  check(cudaMemcpy(d_slots, slots.data(), B * 8, cudaMemcpyHostToDevice), "upload");
+  std::vector<float> cs(ctx * hd / 2, 1.0f);
+  float *cosb = nullptr, *sinb = nullptr;
+  check(cudaMalloc(&cosb, cs.size() * 4), "cudaMalloc");
+  check(cudaMalloc(&sinb, cs.size() * 4), "cudaMalloc");
+  check(cudaMemcpy(cosb, cs.data(), cs.size() * 4, cudaMemcpyHostToDevice), "upload");
+  check(cudaMemcpy(sinb, cs.data(), cs.size() * 4, cudaMemcpyHostToDevice), "upload");
+  const SplitPlan sp =
+      plan_attention_splits(static_cast<int>(B), kvh, max_len, prop.multiProcessorCount);
+  void* attn_ws =
+      dalloc(std::max<size_t>(256, attention_workspace_bytes(B, heads, hd, sp.num_splits)));
+  const uint64_t moe_ws_bytes = moe_workspace_bytes(bf, B, E, K, E, H, I, 0);
+  void* moe_ws = dalloc(moe_ws_bytes);
+  // The MoE workspace's first regions (moe.cu's Carve): logits, ids, weights.
+  const size_t align = 256;
+  auto al = [&](size_t n) { return (n + align - 1) / align * align; };
+  auto* r_logits = static_cast<float*>(moe_ws);
+  auto* r_ids = reinterpret_cast<int32_t*>(static_cast<char*>(moe_ws) + al(4 * B * E));
+  auto* r_weights =
+      reinterpret_cast<float*>(static_cast<char*>(moe_ws) + al(4 * B * E) + al(4 * B * K));
+  void* act = dalloc(B * K * I * 2);
+  void* out = dalloc(B * H * 2);
+
+  auto experts = [&](int l) {
+    MoeExperts w;
+    w.gate_up = layers[l].gate_up;
+    w.down = layers[l].down;
+    w.local_experts = E;
+    w.hidden = H;
+    w.inter = I;
+    return w;
+  };
+  const double wb = 2.0;  // bytes per weight
+  std::vector<Row> rows;
+  rows.push_back({"add_rms_norm",
+                  time_op(st,
+                          [&](int l) {
+                            return add_rms_norm(bf, y, resid, layers[l].norm, B, H, 1e-6f, x, st);
+                          }),
+                  0, 2});
+  rows.push_back(
+      {"gemm qkv",
+       time_op(st,
+               [&](int l) {
+                 return gemm.linear({B, qkv_n, H, bf, bf, false}, x, layers[l].qkv, nullptr, y, st);
+               }),
+       wb * qkv_n * H, 1});
+  RopeCacheArgs r;
+  r.dtype = bf;
+  r.qkv = y;
+  r.cos = cosb;
+  r.sin = sinb;
+  r.max_position = ctx;
+  r.positions = d_pos;
+  r.slots = d_slots;
+  r.num_tokens = B;
+  r.num_heads = heads;
+  r.num_kv_heads = kvh;
+  r.head_dim = hd;
+  r.q_out = q;
+  r.k_cache = kc;
+  r.v_cache = vc;
+  r.num_blocks = num_blocks;
+  r.block_size = bs;
+  rows.push_back({"rope_and_cache (q/k norms)",
+                  time_op(st,
+                          [&](int l) {
+                            RopeCacheArgs rl = r;
+                            rl.q_norm = layers[l].q_norm;
+                            rl.k_norm = layers[l].k_norm;
+                            return rope_and_cache(rl, st);
+                          }),
+                  0, 1});
+  AttentionArgs a;
+  a.dtype = bf;
+  a.q = q;
+  a.out = attn;
+  a.k_cache = kc;
+  a.v_cache = vc;
+  a.num_blocks = num_blocks;
+  a.block_size = bs;
+  a.cu_query_lens = d_cu;
+  a.context_lens = d_ctx;
+  a.block_tables = d_tables;
+  a.block_table_stride = static_cast<int>(blocks_per_seq);
+  a.num_seqs = static_cast<int>(B);
+  a.max_query_len = 1;
+  a.num_heads = heads;
+  a.num_kv_heads = kvh;
+  a.head_dim = hd;
+  a.scoring.scale = 1.0f / std::sqrt(128.0f);
+  a.num_splits = sp.num_splits;
+  a.split_size = sp.split_size;
+  a.workspace = sp.num_splits > 1 ? attn_ws : nullptr;
+  a.total_q = B;
+  rows.push_back({"attention decode ctx " + std::to_string(ctx),
+                  time_op(st, [&](int) { return paged_attention(a, st); }),
+                  2.0 * B * ctx * kvh * hd * 2, 1});
+  rows.push_back({"gemm o",
+                  time_op(st,
+                          [&](int l) {
+                            return gemm.linear({B, H, heads * hd, bf, bf, false}, attn, layers[l].o,
+                                               nullptr, y, st);
+                          }),
+                  wb * H * heads * hd, 1});
+  const size_t moe_rows_at = rows.size();
+  rows.push_back({"moe router gemm (fp32 out)",
+                  time_op(st,
+                          [&](int l) {
+                            return gemm.linear({B, E, H, bf, DType::kF32, false}, x,
+                                               layers[l].router, nullptr, r_logits, st);
+                          }),
+                  wb * E * H, 1});
+  rows.push_back(
+      {"moe route (softmax, top-k)",
+       time_op(st,
+               [&](int) { return moe_route(r_logits, bf, B, E, K, true, r_ids, r_weights, st); }),
+       0, 1});
+  // The GEMV's bytes: the distinct experts the batch picked (read once from HBM each).
+  std::vector<int32_t> ids(B * K);
+  check(cudaMemcpy(ids.data(), r_ids, ids.size() * 4, cudaMemcpyDeviceToHost), "ids");
+  std::sort(ids.begin(), ids.end());
+  const double distinct = static_cast<double>(std::unique(ids.begin(), ids.end()) - ids.begin());
+  rows.push_back(
+      {"moe gemv gate_up",
+       time_op(st,
+               [&](int l) { return moe_gemv_gate_up(bf, x, r_ids, B, K, experts(l), act, st); }),
+       wb * distinct * 2 * I * H, 1});
+  rows.push_back({"moe gemv down + combine",
+                  time_op(st,
+                          [&](int l) {
+                            return moe_gemv_down_combine(bf, act, r_ids, r_weights, B, K,
+                                                         experts(l), nullptr, nullptr, nullptr, out,
+                                                         st);
+                          }),
+                  wb * distinct * H * I, 1});
+  const size_t moe_rows_end = rows.size();
+  MoeArgs m;
+  m.dtype = bf;
+  m.tokens = B;
+  m.num_experts = E;
+  m.top_k = K;
+  m.renormalize = true;
+  m.x = x;
+  m.workspace = moe_ws;
+  m.workspace_bytes = moe_ws_bytes;
+  m.out = out;
+  const double moe_us = time_op(st, [&](int l) {
+    MoeArgs ml = m;
+    ml.router = layers[l].router;
+    ml.experts = experts(l);
+    return moe_forward(ml, gemm, st);
+  });
+  // The layer as the model runs it: every op in order, each reading what the one before wrote
+  // (so launches that overlap the kernel before show here, not in the rows above).
+  const double chain_us = time_op(st, [&](int l) {
+    const Layer& w = layers[l];
+    Status s = add_rms_norm(bf, out, resid, w.norm, B, H, 1e-6f, x, st);
+    if (s.is_ok()) s = gemm.linear({B, qkv_n, H, bf, bf, false}, x, w.qkv, nullptr, y, st);
+    RopeCacheArgs rl = r;
+    rl.q_norm = w.q_norm;
+    rl.k_norm = w.k_norm;
+    if (s.is_ok()) s = rope_and_cache(rl, st);
+    if (s.is_ok()) s = paged_attention(a, st);
+    if (s.is_ok()) {
+      s = gemm.linear({B, H, heads * hd, bf, bf, false}, attn, w.o, nullptr, y, st);
+    }
+    if (s.is_ok()) s = add_rms_norm(bf, y, resid, w.norm, B, H, 1e-6f, x, st);
+    if (!s.is_ok()) return s;
+    MoeArgs ml = m;
+    ml.router = w.router;
+    ml.experts = experts(l);
+    return moe_forward(ml, gemm, st);
+  });
+  const double lm_us = time_op(st, [&](int) {
+    return gemm.linear({B, V, H, bf, DType::kF32, false}, x, lm_head, nullptr, logits, st);
+  });
+  const double bw = bench::copy_bandwidth(st);
+  std::printf("Qwen3-30B-A3B decode ops on %s, batch %ld, context %ld; copy bandwidth %.0f GB/s\n",
+              prop.name, static_cast<long>(B), static_cast<long>(ctx), bw);
+  double total = 0, bytes = 0;
+  for (const Row& row : rows) {
+    const double gbs = row.bytes / row.us / 1e3;
+    std::printf("%-34s %8.2f us x%d", row.name.c_str(), row.us, row.per_step);
+    if (row.bytes > 0) {
+      std::printf("  %7.2f MB %6.0f GB/s = %.2f of copy", row.bytes / 1e6, gbs, gbs / bw);
+    }
+    std::printf("\n");
+    total += row.us * row.per_step;
+    bytes += row.bytes * row.per_step;
+  }
+  double moe_parts = 0, moe_bytes = 0;
+  for (size_t i = moe_rows_at; i < moe_rows_end; ++i) {
+    moe_parts += rows[i].us;
+    moe_bytes += rows[i].bytes;
+  }
+  std::printf("%-34s %8.2f us (its ops one by one: %.2f us); %.1f MB = %.2f of copy\n",
+              "moe_forward whole", moe_us, moe_parts, moe_bytes / 1e6,
+              moe_bytes / moe_us / 1e3 / bw);
+  const double layer_us = total - moe_parts + moe_us;
+  const double lm_bytes = wb * V * H;
+  const double step_us = layer_us * kSteps + lm_us;
+  const double step_bytes = bytes * kSteps + lm_bytes;
+  std::printf("%-34s %8.2f us = %.2f of copy\n", "lm_head (fp32 out)", lm_us,
+              lm_bytes / lm_us / 1e3 / bw);
+  std::printf(
+      "layer %.2f us x %d + lm_head = %.1f us per step (%.0f tok/s per sequence); %.2f GB read "
+      "= %.2f of the copy bandwidth's roofline\n",
+      layer_us, kSteps, step_us, 1e6 / step_us, step_bytes / 1e9, step_bytes / step_us / 1e3 / bw);
+  const double chain_step_us = chain_us * kSteps + lm_us;
+  std::printf(
+      "layer chained %.2f us x %d + lm_head = %.1f us per step (%.0f tok/s per sequence) = %.2f "
+      "of the copy bandwidth's roofline\n",
+      chain_us, kSteps, chain_step_us, 1e6 / chain_step_us, step_bytes / chain_step_us / 1e3 / bw);
+  return 0;
+}
+
+}  // namespace
+}  // namespace tessera::cuda
+
+int main(int argc, char** argv) { return tessera::cuda::run(argc, argv); }
