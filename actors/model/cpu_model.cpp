@@ -9,6 +9,7 @@
 
 #include "actors/model/layer_loop.h"
 #include "actors/model/moe_dispatch.h"
+#include "actors/model/rope_spec.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/linear.h"
@@ -16,31 +17,6 @@
 #include "kernels/cpu/rms_norm.h"
 
 namespace tessera {
-
-namespace {
-
-// The RoPE of `config`'s global layers, or (local) of Gemma 3's sliding layers: rope_local_theta,
-// no scaling.
-cpu::RopeSpec rope_spec(const ModelConfig& config, bool local) {
-  cpu::RopeSpec spec;
-  spec.head_dim = config.head_dim;
-  spec.rotary_dim = config.rotary_dim;
-  spec.theta = local ? config.rope_local_theta : config.rope_theta;
-  if (local) return spec;
-  const RopeScaling& r = config.rope_scaling;
-  if (r.type == "llama3") {
-    spec.llama3 = cpu::Llama3RopeScaling{r.factor, r.low_freq_factor, r.high_freq_factor,
-                                         r.original_max_position_embeddings};
-  } else if (r.type == "linear") {
-    spec.linear_factor = r.factor;
-  } else if (r.type == "longrope") {
-    spec.longrope = cpu::LongRopeScaling{r.short_factor, r.long_factor,
-                                         r.original_max_position_embeddings, r.attention_factor};
-  }
-  return spec;
-}
-
-}  // namespace
 
 CpuModel::CpuModel(const ModelConfig& config, LayerPlan plan, ModelWeights weights,
                    StageComms comms, const EngineSpec& engine, int threads)

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "actors/model/layer_loop.h"
+#include "actors/model/rope_spec.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
@@ -190,23 +191,27 @@ Status CudaModel::allocate_buffers() {
                                  "allocating pinned step metadata");
     std::memset(host, 0, m.bytes);
   }
-  // The RoPE tables, computed on the host exactly as the CPU backend does.
-  std::optional<cpu::Llama3RopeScaling> scaling;
-  if (c.rope_scaling.type == "llama3") {
-    scaling = cpu::Llama3RopeScaling{c.rope_scaling.factor, c.rope_scaling.low_freq_factor,
-                                     c.rope_scaling.high_freq_factor,
-                                     c.rope_scaling.original_max_position_embeddings};
+  // The RoPE tables, computed on the host exactly as the CPU backend does (rope_spec.h: llama3,
+  // linear or Phi-3's LongRoPE scaling, whose table holds the short factors' angles below
+  // original_max_position_embeddings and the long factors' from there, times attention_factor),
+  // and Gemma 3's sliding layers' own table.
+  const int64_t rotary = c.rotary_dim != 0 ? c.rotary_dim : c.head_dim;
+  const size_t table = static_cast<size_t>(engine_.max_model_len * rotary / 2) * 4;
+  auto upload_rope = [&](bool local, cuda::DeviceBuffer& cos, cuda::DeviceBuffer& sin) -> Status {
+    TESSERA_ASSIGN_OR_RETURN(cpu::RopeTable rope,
+                             cpu::RopeTable::create(rope_spec(c, local), engine_.max_model_len));
+    TESSERA_RETURN_IF_ERROR(alloc(cos, table, "RoPE cos table"));
+    TESSERA_RETURN_IF_ERROR(alloc(sin, table, "RoPE sin table"));
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpy(cos.get(), rope.cos(0), table, cudaMemcpyHostToDevice),
+                                 "RoPE table");
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaMemcpy(sin.get(), rope.sin(0), table, cudaMemcpyHostToDevice),
+                                 "RoPE table");
+    return Status::ok();
+  };
+  TESSERA_RETURN_IF_ERROR(upload_rope(false, rope_cos_, rope_sin_));
+  if (c.rope_local_theta > 0) {
+    TESSERA_RETURN_IF_ERROR(upload_rope(true, rope_local_cos_, rope_local_sin_));
   }
-  TESSERA_ASSIGN_OR_RETURN(
-      cpu::RopeTable rope,
-      cpu::RopeTable::create(c.head_dim, c.rope_theta, engine_.max_model_len, scaling));
-  const size_t table = static_cast<size_t>(engine_.max_model_len * c.head_dim / 2) * 4;
-  TESSERA_RETURN_IF_ERROR(alloc(rope_cos_, table, "RoPE cos table"));
-  TESSERA_RETURN_IF_ERROR(alloc(rope_sin_, table, "RoPE sin table"));
-  TESSERA_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(rope_cos_.get(), rope.cos(0), table, cudaMemcpyHostToDevice), "RoPE table");
-  TESSERA_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(rope_sin_.get(), rope.sin(0), table, cudaMemcpyHostToDevice), "RoPE table");
   memory_.activations += total;
   return Status::ok();
 }
@@ -403,6 +408,7 @@ class CudaModel::Ops {
     T_ = plan.tokens;
     H_ = c.hidden_size;
     eps_ = static_cast<float>(c.rms_norm_eps);
+    unit_ = c.norm_unit_offset;
     st_ = m.stream_;
     MetaLayout ml = MetaLayout::make(m.max_tokens_, m.engine_.max_num_seqs, m.max_blocks_per_seq_);
     char* meta = m.meta_.as<char>();
@@ -432,6 +438,7 @@ class CudaModel::Ops {
     r_.kv_cache_dtype = m.engine_.kv_cache_dtype;
     r_.qkv = m.qkv_.get();
     r_.eps = eps_;
+    r_.norm_unit_offset = c.norm_unit_offset;
     r_.cos = m.rope_cos_.as<float>();
     r_.sin = m.rope_sin_.as<float>();
     r_.max_position = m.engine_.max_model_len;
@@ -441,6 +448,7 @@ class CudaModel::Ops {
     r_.num_heads = p.heads;
     r_.num_kv_heads = p.kv_heads;
     r_.head_dim = c.head_dim;
+    r_.rotary_dim = c.rotary_dim;
     r_.q_out = m.q_.get();
     r_.num_blocks = m.kv_blocks_;
     r_.block_size = m.engine_.block_size;
@@ -449,11 +457,18 @@ class CudaModel::Ops {
   Status embed() {
     const LayerPlan& p = m_.plan_;
     if (p.parallel.tp_size == 1) {
-      return cuda::embedding(dt_, ids_, T_, m_.weights_->embed(), m_.config_.vocab_size, H_,
-                             m_.residual_.get(), st_);
+      TESSERA_RETURN_IF_ERROR(cuda::embedding(dt_, ids_, T_, m_.weights_->embed(),
+                                              m_.config_.vocab_size, H_, m_.residual_.get(), st_));
+    } else {
+      TESSERA_RETURN_IF_ERROR(cuda::embedding_shard(dt_, ids_, T_, m_.weights_->embed(),
+                                                    p.vocab_begin, p.vocab_rows, H_,
+                                                    m_.residual_.get(), st_));
     }
-    return cuda::embedding_shard(dt_, ids_, T_, m_.weights_->embed(), p.vocab_begin, p.vocab_rows,
-                                 H_, m_.residual_.get(), st_);
+    // Gemma: times sqrt(hidden_size) rounded to the dtype, as transformers' normalizer (before
+    // the tensor-parallel all-reduce, as the CPU backend: the other ranks' rows are zeros).
+    const float scale = static_cast<float>(m_.config_.embed_scale);
+    if (scale == 1.0f) return Status::ok();
+    return cuda::scale_embedding(dt_, m_.residual_.get(), T_ * H_, scale, st_);
   }
 
   Status recv_hidden() {
@@ -472,11 +487,13 @@ class CudaModel::Ops {
 
   Status add_residual() {
     // residual += proj; the normed output lands in hidden, unused: a stage boundary.
+    TESSERA_RETURN_IF_ERROR(post_ff_norm(m_.plan_.num_layers() - 1));
     return cuda::add_residual(dt_, m_.proj_.get(), m_.residual_.get(), T_ * H_, st_);
   }
 
   Status input_norm(int64_t i, bool add) {
     const CudaLayer& w = m_.weights_->layer(i);
+    if (add) TESSERA_RETURN_IF_ERROR(post_ff_norm(i - 1));
     if (w.qkv.is_fp8()) {  // the normed row goes to q|k|v as FP8
       void* x = add ? m_.proj_.get() : m_.residual_.get();
       return cuda::rms_norm_fp8(dt_, x, add ? m_.residual_.get() : nullptr, w.input_norm, T_, H_,
@@ -484,10 +501,10 @@ class CudaModel::Ops {
     }
     if (!add) {
       return cuda::rms_norm(dt_, m_.residual_.get(), w.input_norm, T_, H_, eps_, m_.hidden_.get(),
-                            st_);
+                            st_, unit_);
     }
     return cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(), w.input_norm, T_, H_, eps_,
-                              m_.hidden_.get(), st_);
+                              m_.hidden_.get(), st_, unit_);
   }
 
   Status qkv(int64_t i) {
@@ -502,6 +519,11 @@ class CudaModel::Ops {
     r_.k_norm = w.k_norm;
     r_.k_cache = m_.k_cache_[i];
     r_.v_cache = m_.v_cache_[i];
+    // Gemma 3's sliding layers rotate with their own table (rope_local_theta, no scaling).
+    const bool local =
+        m_.rope_local_cos_.get() != nullptr && m_.config_.local_rope(m_.plan_.layer_begin + i);
+    r_.cos = local ? m_.rope_local_cos_.as<float>() : m_.rope_cos_.as<float>();
+    r_.sin = local ? m_.rope_local_sin_.as<float>() : m_.rope_sin_.as<float>();
     return cuda::rope_and_cache(r_, st_);
   }
 
@@ -523,14 +545,29 @@ class CudaModel::Ops {
   }
 
   Status post_norm(int64_t i) {
-    const CudaLinear& gate_up = m_.weights_->layer(i).gate_up;
-    if (gate_up.is_fp8()) {  // the normed row goes to gate|up as FP8
-      return cuda::rms_norm_fp8(dt_, m_.proj_.get(), m_.residual_.get(),
-                                m_.weights_->layer(i).post_norm, T_, H_, eps_,
-                                gate_up.fp8.input_scale, fp8_act(), fp8_scales(), st_);
+    const CudaLayer& w = m_.weights_->layer(i);
+    const void* mlp_norm = w.post_norm;
+    if (m_.config_.sandwich_norms) {
+      // Gemma: the attention output is normalised (post_attention_layernorm) before the
+      // residual add; the MLP reads pre_feedforward_layernorm.
+      TESSERA_RETURN_IF_ERROR(cuda::rms_norm(dt_, m_.proj_.get(), w.post_norm, T_, H_, eps_,
+                                             m_.proj_.get(), st_, unit_));
+      mlp_norm = w.pre_ff_norm;
     }
-    return cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
-                              m_.weights_->layer(i).post_norm, T_, H_, eps_, m_.hidden_.get(), st_);
+    if (w.gate_up.is_fp8()) {  // the normed row goes to gate|up as FP8
+      return cuda::rms_norm_fp8(dt_, m_.proj_.get(), m_.residual_.get(), mlp_norm, T_, H_, eps_,
+                                w.gate_up.fp8.input_scale, fp8_act(), fp8_scales(), st_);
+    }
+    return cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(), mlp_norm, T_, H_, eps_,
+                              m_.hidden_.get(), st_, unit_);
+  }
+
+  // Gemma: layer i's MLP output (proj, all-reduced) through post_feedforward_layernorm before
+  // it joins the residual stream; nothing for other models.
+  Status post_ff_norm(int64_t i) {
+    if (!m_.config_.sandwich_norms) return Status::ok();
+    return cuda::rms_norm(dt_, m_.proj_.get(), m_.weights_->layer(i).post_ff_norm, T_, H_, eps_,
+                          m_.proj_.get(), st_, unit_);
   }
 
   Status mlp(int64_t i) {
@@ -542,6 +579,9 @@ class CudaModel::Ops {
     if (w.down.is_fp8()) {  // the activation goes to down as FP8
       TESSERA_RETURN_IF_ERROR(cuda::silu_mul_fp8(
           dt_, m_.gate_up_.get(), T_, I, w.down.fp8.input_scale, fp8_act(), fp8_scales(), st_));
+    } else if (m_.config_.activation == MlpActivation::kGeluTanh) {  // Gemma's GeGLU
+      TESSERA_RETURN_IF_ERROR(
+          cuda::gelu_tanh_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
     } else {
       TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
     }
@@ -579,17 +619,19 @@ class CudaModel::Ops {
 
   Status logits() {
     const LayerPlan& p = m_.plan_;
+    TESSERA_RETURN_IF_ERROR(post_ff_norm(p.num_layers() - 1));
     TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
                                                m_.weights_->final_norm(), T_, H_, eps_,
-                                               m_.hidden_.get(), st_));
+                                               m_.hidden_.get(), st_, unit_));
     const int64_t R = plan_.rows;
     if (R == 0) return Status::ok();
     TESSERA_RETURN_IF_ERROR(
         cuda::gather_rows(dt_, m_.hidden_.get(), T_, lrows_, R, H_, m_.rows_.get(), st_));
     const int64_t V = m_.config_.vocab_size;
     if (p.parallel.tp_size == 1) {
-      return gemm(R, V, H_, m_.rows_.get(), m_.weights_->lm_head(), nullptr, m_.logits_.get(),
-                  DType::kF32);
+      TESSERA_RETURN_IF_ERROR(gemm(R, V, H_, m_.rows_.get(), m_.weights_->lm_head(), nullptr,
+                                   m_.logits_.get(), DType::kF32));
+      return softcap(m_.logits_.as<float>(), R * V);
     }
     // Vocabulary-parallel: this rank's columns into its slot of [T][R][Vs], all-gathered in
     // place, then laid out whole per row.
@@ -599,6 +641,7 @@ class CudaModel::Ops {
     float* mine = all + static_cast<int64_t>(p.parallel.tp_rank) * R * Vs;
     TESSERA_RETURN_IF_ERROR(
         gemm(R, Vs, H_, m_.rows_.get(), m_.weights_->lm_head(), nullptr, mine, DType::kF32));
+    TESSERA_RETURN_IF_ERROR(softcap(mine, R * Vs));
     TESSERA_RETURN_IF_ERROR(m_.comms_.tp->all_gather(mine, R * Vs, DType::kF32, all, st_));
     for (int64_t t = 0; t < Tp; ++t) {
       const int64_t n = std::clamp<int64_t>(V - t * Vs, 0, Vs);
@@ -618,6 +661,12 @@ class CudaModel::Ops {
               void* out, DType out_dt) {
     cuda::GemmShape shape{M, N, K, dt_, out_dt, b != nullptr};
     return m_.gemm_->linear(shape, x, w, b, out, st_);
+  }
+  // Gemma 2's final soft-cap on the fp32 logits, as the CPU backend (logits / cap, tanh, * cap).
+  Status softcap(float* logits, int64_t n) {
+    const double cap = m_.config_.final_logit_softcapping;
+    if (cap <= 0) return Status::ok();
+    return cuda::softcap_logits(logits, n, static_cast<float>(cap), st_);
   }
   uint8_t* fp8_act() const { return m_.fp8_act_.as<uint8_t>(); }
   float* fp8_scales() const { return m_.fp8_scales_.as<float>(); }
@@ -652,6 +701,7 @@ class CudaModel::Ops {
   DType dt_ = DType::kBF16;
   int64_t T_ = 0, H_ = 0;
   float eps_ = 1e-6f;
+  bool unit_ = false;  // Gemma's norms scale by 1 + w (ModelConfig::norm_unit_offset)
   cudaStream_t st_ = nullptr;
   const int32_t* ids_ = nullptr;
   const int32_t* lrows_ = nullptr;
@@ -867,6 +917,20 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   if (!cuda::is_half_type(dtype)) {
     return invalid_argument("the CUDA backend runs in bfloat16 or float16, not " +
                             std::string(dtype_name(dtype)));
+  }
+  if (config.rotary_dim != 0 && config.rotary_dim != config.head_dim && config.qk_norm) {
+    // cuda::rope_and_cache's partial-rotary path has no per-head norms (no such model yet).
+    return invalid_argument("partial rotary embeddings (rotary_dim " +
+                            std::to_string(config.rotary_dim) + " of head_dim " +
+                            std::to_string(config.head_dim) +
+                            ") with q/k norms are not on the CUDA backend: use --device cpu");
+  }
+  if ((config.activation == MlpActivation::kGeluTanh || config.norm_unit_offset) && fp8) {
+    // The FP8 path fuses the activation (cuda::silu_mul_fp8: silu only) and the norms
+    // (cuda::rms_norm_fp8: Llama's weight, not Gemma's 1 + w) with the quantization.
+    return failed_precondition(std::string(architecture_name(config.arch)) +
+                               ": the CUDA backend runs Gemma's GeGLU and (1 + w) norms in "
+                               "bf16/fp16, not FP8, for now: use --device cpu for FP8");
   }
   if (config.head_dim > 1024) {  // cuda::paged_attention's and rope_and_cache's bound
     return invalid_argument("head_dim " + std::to_string(config.head_dim) +

@@ -124,7 +124,9 @@ class CudaModel {
   cuda::AttentionKernel attention_kernel_ = cuda::AttentionKernel::kAuto;
   std::unique_ptr<CudaWeights> weights_;
   std::unique_ptr<cuda::GpuSampler> sampler_;
-  cuda::DeviceBuffer rope_cos_, rope_sin_;
+  // [max_model_len, head_dim / 2] fp32 each: the global layers' RoPE and (Gemma 3, empty
+  // otherwise) the sliding layers' own (rope_local_theta).
+  cuda::DeviceBuffer rope_cos_, rope_sin_, rope_local_cos_, rope_local_sin_;
 
   // Activation buffers, sized for max_tokens_ rows.
   int64_t max_tokens_ = 0;

@@ -172,7 +172,7 @@ struct LinearOffsets {
 // Offsets of every region of one rank's weights in one allocation.
 struct Layout {
   struct LayerOffsets {
-    size_t input_norm, post_norm, qkv_bias, o_bias, q_norm, k_norm;
+    size_t input_norm, post_norm, pre_ff_norm, post_ff_norm, qkv_bias, o_bias, q_norm, k_norm;
     LinearOffsets qkv, o, gate_up, down;
     // An MoE layer's tensors (router == SIZE_MAX: a dense layer).
     size_t router, experts_gate_up, experts_down, shared_gate_up, shared_down, shared_gate;
@@ -244,6 +244,8 @@ struct Layout {
       LayerOffsets o{};
       o.input_norm = take(H);
       o.post_norm = take(H);
+      o.pre_ff_norm = c.sandwich_norms ? take(H) : SIZE_MAX;
+      o.post_ff_norm = c.sandwich_norms ? take(H) : SIZE_MAX;
       TESSERA_ASSIGN_OR_RETURN(o.qkv, linear(layer, groups[0]));
       o.qkv_bias = c.attention_bias ? take(q_dim + 2 * kv_dim) : SIZE_MAX;
       TESSERA_ASSIGN_OR_RETURN(o.o, linear(layer, groups[1]));
@@ -627,6 +629,14 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
     const std::string n = layer_tensor_name(p.layer_begin + static_cast<int64_t>(i), "");
     TESSERA_RETURN_IF_ERROR(put(l.input_norm, o.input_norm, n + "input_layernorm.weight"));
     TESSERA_RETURN_IF_ERROR(put(l.post_norm, o.post_norm, n + "post_attention_layernorm.weight"));
+    if (o.pre_ff_norm != SIZE_MAX) {
+      TESSERA_RETURN_IF_ERROR(
+          put(l.pre_ff_norm, o.pre_ff_norm, n + "pre_feedforward_layernorm.weight"));
+      TESSERA_RETURN_IF_ERROR(
+          put(l.post_ff_norm, o.post_ff_norm, n + "post_feedforward_layernorm.weight"));
+      x.pre_ff_norm = base + o.pre_ff_norm;
+      x.post_ff_norm = base + o.post_ff_norm;
+    }
     // q | k | v stacked along the output dimension: one GEMM computes all three.
     TESSERA_ASSIGN_OR_RETURN(x.qkv, linear(o.qkv, n,
                                            {{"self_attn.q_proj", &l.q_proj},

@@ -43,6 +43,12 @@ struct CudaLinear {
 struct CudaLayer {
   const void* input_norm = nullptr;  // [hidden]
   const void* post_norm = nullptr;   // [hidden]
+  // Gemma (ModelConfig::sandwich_norms): pre_feedforward_layernorm (the MLP's input norm, while
+  // post_norm is post_attention_layernorm, on the attention output) and
+  // post_feedforward_layernorm; null otherwise. Gemma's norm weights (every one, q/k norms too)
+  // are the checkpoint's w: the kernels scale by 1 + w (ModelConfig::norm_unit_offset).
+  const void* pre_ff_norm = nullptr;   // [hidden] or null
+  const void* post_ff_norm = nullptr;  // [hidden] or null
   CudaLinear qkv;                    // [(heads + 2 kv_heads) head_dim, hidden]
   const void* qkv_bias = nullptr;    // [(heads + 2 kv_heads) head_dim] or null
   CudaLinear o;                      // [hidden, heads head_dim]

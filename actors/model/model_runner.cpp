@@ -27,14 +27,6 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
         "--enable-expert-parallel runs on the CPU backend for now (--device cpu); on GPUs the "
         "experts are split over the tensor-parallel ranks (leave the flag off)");
   }
-  if (gpu) {
-    Expected<ModelConfig> config = load_model_config(e.model);
-    if (config && (config->arch == Architecture::kGemma2 || config->arch == Architecture::kGemma3 ||
-                   config->arch == Architecture::kPhi3)) {
-      return failed_precondition(std::string(architecture_name(config->arch)) + " (" + e.model +
-                                 ") runs on the CPU backend for now (--device cpu)");
-    }
-  }
 #ifdef TESSERA_WITH_CUDA
   if (gpu && !cuda_device_visible()) {
     return failed_precondition("--device cuda: this actor sees no GPU (CUDA_VISIBLE_DEVICES, "

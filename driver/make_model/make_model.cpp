@@ -264,7 +264,11 @@ void add_phi3(json& c, const Shape& s, int64_t head_dim) {
   const double partial = s.partial_rotary > 0 ? s.partial_rotary : 1.0;
   if (s.partial_rotary > 0) c["partial_rotary_factor"] = s.partial_rotary;
   c["rope_scaling"] = nullptr;
-  if (s.longrope) {
+  if (!s.long_factor.empty()) {
+    const std::vector<double> long_f(s.long_factor.begin(), s.long_factor.end());
+    const std::vector<double> short_f(s.short_factor.begin(), s.short_factor.end());
+    c["rope_scaling"] = {{"long_factor", long_f}, {"short_factor", short_f}, {"type", "longrope"}};
+  } else if (s.longrope) {
     const int64_t n = static_cast<int64_t>(static_cast<double>(head_dim) * partial) / 2;
     json short_f = json::array(), long_f = json::array();
     for (int64_t i = 0; i < n; ++i) {

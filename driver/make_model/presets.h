@@ -38,6 +38,8 @@ struct Shape {
   int64_t original_max_positions = 0;  // Phi-3's original_max_position_embeddings
   double partial_rotary = 0;           // Phi-3's partial_rotary_factor (0: 1.0)
   bool longrope = false;               // Phi-3: LongRoPE with made-up short / long factors (tiny)
+  // Phi-3: LongRoPE with these factors (head_dim / 2 each; empty: none, or the made-up ones).
+  std::span<const double> short_factor = {}, long_factor = {};
 };
 
 // Every preset, tiny ones first ("tiny" once per architecture).

@@ -131,7 +131,7 @@ using norm::rms_norm_vec_kernel;
 // Any hidden size and alignment: scalar, two passes over the row (the second re-reads x or the
 // rounded residual, which this thread itself wrote, from cache). Pass 2 reads element i and then
 // writes out[i] in the same thread, and add's pass 2 does not read x, so x and out may alias.
-template <typename T, bool kAdd>
+template <typename T, bool kAdd, bool kUnitOffset>
 __global__ void __launch_bounds__(256)
     rms_norm_any_kernel(const T* x, T* residual, const T* __restrict__ weight, int64_t rows,
                         int64_t hidden, float eps, T* out) {
@@ -153,13 +153,17 @@ __global__ void __launch_bounds__(256)
     const float inv = rsqrtf(dev::block_sum(ss, scratch) * inv_hidden + eps);
     for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
       const float h = dev::to_float(kAdd ? residual[base + i] : x[base + i]);
-      out[base + i] =
-          dev::from_float<T>(dev::to_float(__ldg(weight + i)) * dev::round_to<T>(h * inv));
+      const float w = dev::to_float(__ldg(weight + i));
+      if constexpr (kUnitOffset) {  // Gemma: (1 + w) * (h * inv) in fp32, rounded once
+        out[base + i] = dev::from_float<T>((1.0f + w) * (h * inv));
+      } else {
+        out[base + i] = dev::from_float<T>(w * dev::round_to<T>(h * inv));
+      }
     }
   }
 }
 
-template <typename T, bool kAdd>
+template <typename T, bool kAdd, bool kUnitOffset>
 Status launch_norm(const void* xv, void* residualv, const void* weightv, int64_t rows,
                    int64_t hidden, float eps, void* outv, cudaStream_t stream, const char* name) {
   const T* x = static_cast<const T*>(xv);
@@ -182,27 +186,28 @@ Status launch_norm(const void* xv, void* residualv, const void* weightv, int64_t
   }
   if (v == 0) {
     const int threads = static_cast<int>(std::min<int64_t>(256, ceil_div(hidden, 32) * 32));
-    launch_pdl(rms_norm_any_kernel<T, kAdd>, grid, threads, 0, stream, x, residual, weight, rows,
-               hidden, eps, out);
+    launch_pdl(rms_norm_any_kernel<T, kAdd, kUnitOffset>, grid, threads, 0, stream, x, residual,
+               weight, rows, hidden, eps, out);
     return launch_status(name);
   }
   const int threads = static_cast<int>(ceil_div(ceil_div(nvec, v), 32) * 32);
+  using Store = norm::StoreRow<T>;
   switch (v) {
     case 1:
-      launch_pdl(rms_norm_vec_kernel<T, 1, kAdd>, grid, threads, 0, stream, x, residual, weight,
-                 rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 1, kAdd, Store, kUnitOffset>, grid, threads, 0, stream, x,
+                 residual, weight, rows, hidden, eps, out);
       break;
     case 2:
-      launch_pdl(rms_norm_vec_kernel<T, 2, kAdd>, grid, threads, 0, stream, x, residual, weight,
-                 rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 2, kAdd, Store, kUnitOffset>, grid, threads, 0, stream, x,
+                 residual, weight, rows, hidden, eps, out);
       break;
     case 4:
-      launch_pdl(rms_norm_vec_kernel<T, 4, kAdd>, grid, threads, 0, stream, x, residual, weight,
-                 rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 4, kAdd, Store, kUnitOffset>, grid, threads, 0, stream, x,
+                 residual, weight, rows, hidden, eps, out);
       break;
     default:
-      launch_pdl(rms_norm_vec_kernel<T, 8, kAdd>, grid, threads, 0, stream, x, residual, weight,
-                 rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 8, kAdd, Store, kUnitOffset>, grid, threads, 0, stream, x,
+                 residual, weight, rows, hidden, eps, out);
       break;
   }
   return launch_status(name);
@@ -374,8 +379,13 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
         const float inv = rsqrtf(dev::warp_sum(ss) * (1.0f / static_cast<float>(hd)) + a.eps);
 #pragma unroll
         for (int p = 0; p < P; ++p) {
-          f1[p] = dev::round_to<T>(nw1[p] * dev::round_to<T>(f1[p] * inv));
-          f2[p] = dev::round_to<T>(nw2[p] * dev::round_to<T>(f2[p] * inv));
+          if (a.norm_unit_offset) {  // Gemma 3: (1 + w) * (h * inv) in fp32, rounded once
+            f1[p] = dev::round_to<T>((1.0f + nw1[p]) * (f1[p] * inv));
+            f2[p] = dev::round_to<T>((1.0f + nw2[p]) * (f2[p] * inv));
+          } else {
+            f1[p] = dev::round_to<T>(nw1[p] * dev::round_to<T>(f1[p] * inv));
+            f2[p] = dev::round_to<T>(nw2[p] * dev::round_to<T>(f2[p] * inv));
+          }
         }
       }
       if (!holds) continue;
@@ -468,8 +478,75 @@ Status launch_rope_p(const RopeCacheArgs& a, cudaStream_t stream) {
   return launch_status("rope_and_cache_kernel");
 }
 
+// Partial rotary embeddings (Phi-3's partial_rotary_factor < 1, as transformers' Phi3Attention:
+// the first rotary_dim dimensions of a head rotate with rotate_half over rotary_dim, the rest
+// pass through as projected). One block per (token group, head task), a thread per element of
+// the head: not tuned (no released Phi-3 checkpoint rotates part of its heads; Phi-4-mini does).
+// Same rounding as rope_and_cache_kernel: cos/sin rounded, each product and the sum rounded.
+template <typename T, typename KV>
+__global__ void __launch_bounds__(128) rope_partial_kernel(RopeCacheArgs a) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  const int64_t head = blockIdx.y;
+  const bool is_q = head < a.num_heads;
+  const int64_t kvh = head - a.num_heads;
+  const int64_t hd = a.head_dim, rot = a.rotary_dim, rh = a.rotary_dim / 2;
+  const int64_t row_elems = (a.num_heads + 2 * a.num_kv_heads) * hd;
+  const int64_t num_slots = a.num_blocks * a.block_size;
+  const T* qkv = static_cast<const T*>(a.qkv);
+  for (int64_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    const int64_t pos = a.positions[t];
+    if (pos < 0 || pos >= a.max_position) continue;
+    int64_t slot = -1;
+    if (!is_q) {
+      slot = a.slots[t];
+      if (slot < 0 || slot >= num_slots) continue;
+    }
+    const T* row = qkv + t * row_elems;
+    const T* src = row + (is_q ? head : a.num_heads + kvh) * hd;
+    for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+      float y;
+      if (d < rot) {
+        const int64_t i = d < rh ? d : d - rh;
+        const float c = dev::round_to<T>(a.cos[pos * rh + i]);
+        const float s = dev::round_to<T>(a.sin[pos * rh + i]);
+        const float x = dev::to_float(src[d]);
+        const float other = dev::to_float(src[d < rh ? d + rh : d - rh]);
+        y = dev::round_to<T>(x * c) + dev::round_to<T>((d < rh ? -other : other) * s);
+      } else {
+        y = dev::to_float(src[d]);  // exact: a T widened
+      }
+      if (is_q) {
+        static_cast<T*>(a.q_out)[(t * a.num_heads + head) * hd + d] = dev::from_float<T>(y);
+      } else {
+        const int64_t base = (slot * a.num_kv_heads + kvh) * hd;
+        static_cast<KV*>(a.k_cache)[base + d] = to_cache<T, KV>(y);
+        const T v = row[(a.num_heads + a.num_kv_heads + kvh) * hd + d];
+        if constexpr (std::is_same_v<KV, T>) {
+          static_cast<KV*>(a.v_cache)[base + d] = v;  // bit for bit
+        } else {
+          static_cast<KV*>(a.v_cache)[base + d] = to_cache<T, KV>(dev::to_float(v));
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+Status launch_rope_partial(const RopeCacheArgs& a, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(a.num_tokens, 65536)),
+                  static_cast<unsigned>(a.num_heads + a.num_kv_heads));
+  if (a.kv_cache_dtype == KvCacheDtype::kFp8E4M3) {
+    launch_pdl(rope_partial_kernel<T, __nv_fp8_e4m3>, grid, 128, 0, stream, a);
+  } else {
+    launch_pdl(rope_partial_kernel<T, T>, grid, 128, 0, stream, a);
+  }
+  return launch_status("rope_partial_kernel");
+}
+
 template <typename T>
 Status launch_rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
+  if (a.rotary_dim != 0 && a.rotary_dim != a.head_dim) return launch_rope_partial<T>(a, stream);
   const int64_t half = a.head_dim / 2;
   if (half <= 32) return launch_rope_p<T, 1>(a, stream);
   if (half <= 64) return launch_rope_p<T, 2>(a, stream);
@@ -480,8 +557,22 @@ Status launch_rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
 
 // ---- silu_mul ----
 
+// The gated MLP's activation of the gate: silu, or (Gemma's GeGLU, hidden_activation
+// gelu_pytorch_tanh) torch's gelu(approximate="tanh") spelled as cpu::gelu_tanh_mul's
+// 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))) in fp32.
+template <bool kGelu>
+__device__ __forceinline__ float gate_act(float x) {
+  if constexpr (kGelu) {
+    const float beta = 0.7978845608028654f;  // sqrt(2 / pi)
+    const float inner = beta * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.0f + tanhf(inner));
+  } else {
+    return x / (1.0f + expf(-x));
+  }
+}
+
 // Grid: x covers a row's columns (8-element vectors on the fast path), y strides over rows.
-template <typename T>
+template <typename T, bool kGelu>
 __global__ void silu_mul_vec_kernel(const T* __restrict__ gate_up, int64_t rows, int64_t inter,
                                     T* __restrict__ out) {
   dev::pdl_wait();
@@ -495,14 +586,14 @@ __global__ void silu_mul_vec_kernel(const T* __restrict__ gate_up, int64_t rows,
     dev::load8_ro(g_ptr + inter, u);
 #pragma unroll
     for (int e = 0; e < kHalfVec; ++e) {
-      const float sg = dev::round_to<T>(g[e] / (1.0f + expf(-g[e])));
+      const float sg = dev::round_to<T>(gate_act<kGelu>(g[e]));
       o[e] = sg * u[e];
     }
     dev::store8(out + r * inter + c * kHalfVec, o);
   }
 }
 
-template <typename T>
+template <typename T, bool kGelu>
 __global__ void silu_mul_any_kernel(const T* __restrict__ gate_up, int64_t rows, int64_t inter,
                                     T* __restrict__ out) {
   dev::pdl_wait();
@@ -512,12 +603,12 @@ __global__ void silu_mul_any_kernel(const T* __restrict__ gate_up, int64_t rows,
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float g = dev::to_float(__ldg(gate_up + r * 2 * inter + c));
     const float u = dev::to_float(__ldg(gate_up + r * 2 * inter + inter + c));
-    const float sg = dev::round_to<T>(g / (1.0f + expf(-g)));
+    const float sg = dev::round_to<T>(gate_act<kGelu>(g));
     out[r * inter + c] = dev::from_float<T>(sg * u);
   }
 }
 
-template <typename T>
+template <typename T, bool kGelu>
 Status launch_silu_mul(const void* gate_upv, int64_t rows, int64_t inter, void* outv,
                        cudaStream_t stream) {
   constexpr int kThreads = 128;
@@ -526,11 +617,11 @@ Status launch_silu_mul(const void* gate_upv, int64_t rows, int64_t inter, void* 
   const unsigned grid_y = static_cast<unsigned>(std::min(rows, kMaxGridY));
   if (inter % kHalfVec == 0 && aligned(gate_up, 16) && aligned(out, 16)) {
     const dim3 grid(static_cast<unsigned>(ceil_div(inter / kHalfVec, kThreads)), grid_y);
-    launch_pdl(silu_mul_vec_kernel<T>, grid, kThreads, 0, stream, gate_up, rows, inter, out);
+    launch_pdl(silu_mul_vec_kernel<T, kGelu>, grid, kThreads, 0, stream, gate_up, rows, inter, out);
     return launch_status("silu_mul_vec_kernel");
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(inter, kThreads)), grid_y);
-  launch_pdl(silu_mul_any_kernel<T>, grid, kThreads, 0, stream, gate_up, rows, inter, out);
+  launch_pdl(silu_mul_any_kernel<T, kGelu>, grid, kThreads, 0, stream, gate_up, rows, inter, out);
   return launch_status("silu_mul_any_kernel");
 }
 
@@ -793,18 +884,22 @@ Status gather_rows(DType dtype, const void* src, int64_t src_rows, const int32_t
 }
 
 Status rms_norm(DType dtype, const void* x, const void* weight, int64_t rows, int64_t hidden,
-                float eps, void* out, cudaStream_t stream) {
+                float eps, void* out, cudaStream_t stream, bool unit_offset) {
   TESSERA_RETURN_IF_ERROR(check_norm_args(dtype, x, weight, rows, hidden, out, "rms_norm"));
   if (rows == 0) return Status::ok();
   return with_half_type(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return launch_norm<T, false>(x, nullptr, weight, rows, hidden, eps, out, stream,
-                                 "rms_norm_kernel");
+    if (unit_offset) {
+      return launch_norm<T, false, true>(x, nullptr, weight, rows, hidden, eps, out, stream,
+                                         "rms_norm_kernel (unit offset)");
+    }
+    return launch_norm<T, false, false>(x, nullptr, weight, rows, hidden, eps, out, stream,
+                                        "rms_norm_kernel");
   });
 }
 
 Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weight, int64_t rows,
-                    int64_t hidden, float eps, void* out, cudaStream_t stream) {
+                    int64_t hidden, float eps, void* out, cudaStream_t stream, bool unit_offset) {
   constexpr const char* kOp = "add_rms_norm";
   TESSERA_RETURN_IF_ERROR(check_norm_args(dtype, x, weight, rows, hidden, out, kOp));
   if (rows == 0) return Status::ok();
@@ -814,8 +909,12 @@ Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weig
   }
   return with_half_type(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return launch_norm<T, true>(x, residual, weight, rows, hidden, eps, out, stream,
-                                "add_rms_norm_kernel");
+    if (unit_offset) {
+      return launch_norm<T, true, true>(x, residual, weight, rows, hidden, eps, out, stream,
+                                        "add_rms_norm_kernel (unit offset)");
+    }
+    return launch_norm<T, true, false>(x, residual, weight, rows, hidden, eps, out, stream,
+                                       "add_rms_norm_kernel");
   });
 }
 
@@ -840,6 +939,17 @@ Status rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
   if ((a.q_norm == nullptr) != (a.k_norm == nullptr)) {
     return invalid_argument("rope_and_cache: q_norm and k_norm must be both set or both null");
   }
+  if (a.rotary_dim != 0 && a.rotary_dim != a.head_dim) {
+    if (a.rotary_dim < 0 || a.rotary_dim % 2 != 0 || a.rotary_dim > a.head_dim) {
+      return invalid_argument("rope_and_cache: rotary_dim must be 0 or even in (0, head_dim = " +
+                              std::to_string(a.head_dim) + "], got " +
+                              std::to_string(a.rotary_dim));
+    }
+    if (a.q_norm != nullptr) {
+      return invalid_argument(
+          "rope_and_cache: q/k norms with partial rotary embeddings are not implemented");
+    }
+  }
   if (!(a.eps >= 0.0f)) {
     return invalid_argument("rope_and_cache: eps must be >= 0, got " + std::to_string(a.eps));
   }
@@ -858,19 +968,90 @@ Status rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
   });
 }
 
-Status silu_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, void* out,
-                cudaStream_t stream) {
-  constexpr const char* kOp = "silu_mul";
-  TESSERA_RETURN_IF_ERROR(check_half_dtype(dtype, kOp));
-  TESSERA_RETURN_IF_ERROR(check_non_negative(rows, kOp, "rows"));
-  TESSERA_RETURN_IF_ERROR(check_positive(inter, kOp, "inter"));
+namespace {
+
+template <bool kGelu>
+Status gated_mul(const char* op, DType dtype, const void* gate_up, int64_t rows, int64_t inter,
+                 void* out, cudaStream_t stream) {
+  TESSERA_RETURN_IF_ERROR(check_half_dtype(dtype, op));
+  TESSERA_RETURN_IF_ERROR(check_non_negative(rows, op, "rows"));
+  TESSERA_RETURN_IF_ERROR(check_positive(inter, op, "inter"));
   if (rows == 0) return Status::ok();
-  TESSERA_RETURN_IF_ERROR(check_not_null(gate_up, kOp, "gate_up"));
-  TESSERA_RETURN_IF_ERROR(check_not_null(out, kOp, "out"));
+  TESSERA_RETURN_IF_ERROR(check_not_null(gate_up, op, "gate_up"));
+  TESSERA_RETURN_IF_ERROR(check_not_null(out, op, "out"));
   return with_half_type(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return launch_silu_mul<T>(gate_up, rows, inter, out, stream);
+    return launch_silu_mul<T, kGelu>(gate_up, rows, inter, out, stream);
   });
+}
+
+}  // namespace
+
+Status silu_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, void* out,
+                cudaStream_t stream) {
+  return gated_mul<false>("silu_mul", dtype, gate_up, rows, inter, out, stream);
+}
+
+Status gelu_tanh_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, void* out,
+                     cudaStream_t stream) {
+  return gated_mul<true>("gelu_tanh_mul", dtype, gate_up, rows, inter, out, stream);
+}
+
+// ---- Gemma's embedding scale and final logit soft-cap ----
+
+namespace {
+
+template <typename T>
+__global__ void scale_kernel(T* __restrict__ x, int64_t n, float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    x[i] = dev::from_float<T>(dev::to_float(x[i]) * scale);
+  }
+}
+
+__global__ void softcap_kernel(float* __restrict__ x, int64_t n, float cap) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    x[i] = tanhf(x[i] / cap) * cap;
+  }
+}
+
+unsigned flat_grid(int64_t n, int threads) {
+  return static_cast<unsigned>(std::min<int64_t>(ceil_div(n, threads), 8192));
+}
+
+}  // namespace
+
+Status scale_embedding(DType dtype, void* x, int64_t n, float scale, cudaStream_t stream) {
+  constexpr const char* kOp = "scale_embedding";
+  TESSERA_RETURN_IF_ERROR(check_half_dtype(dtype, kOp));
+  TESSERA_RETURN_IF_ERROR(check_non_negative(n, kOp, "n"));
+  if (n == 0) return Status::ok();
+  TESSERA_RETURN_IF_ERROR(check_not_null(x, kOp, "x"));
+  constexpr int kThreads = 256;
+  return with_half_type(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    // The normalizer is a tensor of the activations' dtype in transformers: rounded first.
+    const float s = dtype == DType::kBF16 ? bf16_to_float(float_to_bf16(scale))
+                                          : f16_to_float(float_to_f16(scale));
+    scale_kernel<T><<<flat_grid(n, kThreads), kThreads, 0, stream>>>(static_cast<T*>(x), n, s);
+    return launch_status("scale_kernel");
+  });
+}
+
+Status softcap_logits(float* logits, int64_t n, float cap, cudaStream_t stream) {
+  constexpr const char* kOp = "softcap_logits";
+  TESSERA_RETURN_IF_ERROR(check_non_negative(n, kOp, "n"));
+  if (!(cap > 0.0f)) {
+    return invalid_argument(std::string(kOp) + ": cap must be > 0, got " + std::to_string(cap));
+  }
+  if (n == 0) return Status::ok();
+  TESSERA_RETURN_IF_ERROR(check_not_null(logits, kOp, "logits"));
+  constexpr int kThreads = 256;
+  softcap_kernel<<<flat_grid(n, kThreads), kThreads, 0, stream>>>(logits, n, cap);
+  return launch_status("softcap_kernel");
 }
 
 Status add_bias(DType dtype, void* out, const void* bias, int64_t rows, int64_t cols,

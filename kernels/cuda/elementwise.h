@@ -50,17 +50,21 @@ Status gather_rows(DType dtype, const void* src, int64_t src_rows, const int32_t
 
 // out = RMSNorm(x) * weight, as transformers' LlamaRMSNorm:
 //   h = float(x); h *= rsqrt(mean(h^2) + eps); out = round(weight * round(h))
+// unit_offset (Gemma's RMSNorm, ModelConfig::norm_unit_offset: the checkpoint stores w and the
+// norm scales by 1 + w), as transformers' GemmaRMSNorm: out = round(h * (1 + float(weight))),
+// all in fp32 and rounded once.
 //   x, out: [rows, hidden] dtype (may alias);  weight: [hidden] dtype
 Status rms_norm(DType dtype, const void* x, const void* weight, int64_t rows, int64_t hidden,
-                float eps, void* out, cudaStream_t stream);
+                float eps, void* out, cudaStream_t stream, bool unit_offset = false);
 
 // Fused residual add + RMSNorm (the decoder layer's "residual = residual + h; h = norm(residual)"):
 //   residual = round(residual + x)     (in place)
-//   out = rms_norm(residual) * weight  (as above)
+//   out = rms_norm(residual) * weight  (as above, unit_offset too)
 //   x: [rows, hidden];  residual: [rows, hidden] in/out;  weight: [hidden];  out: [rows, hidden]
 //   x and out may alias; residual aliases neither.
 Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weight, int64_t rows,
-                    int64_t hidden, float eps, void* out, cudaStream_t stream);
+                    int64_t hidden, float eps, void* out, cudaStream_t stream,
+                    bool unit_offset = false);
 
 // The attention block's per-token prologue, fused: split the qkv projection, optionally
 // RMSNorm each q and k head (Qwen3's q_norm / k_norm), rotate q and k (RoPE, rotate_half
@@ -68,14 +72,18 @@ Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weig
 // transformers' apply_rotary_pos_emb in bf16), write q to q_out and k, v into the paged cache.
 //   qkv:       [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] dtype: q | k | v
 //   q_norm, k_norm: [head_dim] dtype, or both null (no qk norm);  eps: their epsilon
-//   cos, sin:  [max_position, head_dim / 2] fp32 (cpu::RopeTable's tables, copied to the GPU)
+//   cos, sin:  [max_position, rotary_dim / 2] fp32 (cpu::RopeTable's tables, copied to the GPU)
+//   rotary_dim: 0 (= head_dim), or even < head_dim: only the first rotary_dim dimensions of each
+//              q and k head rotate (rotate_half over them; Phi-3's partial_rotary_factor), the
+//              rest are stored as projected; no q/k norms then
 //   positions: [num_tokens] int32 in [0, max_position) (a token whose position is outside is
 //              skipped entirely: no q_out row, no cache write; never a read past the tables)
 //   slots:     [num_tokens] int64: block_id * block_size + offset, or -1 = do not store (q_out
 //              is still written); a slot outside [0, num_blocks * block_size) stores nothing
 //   q_out:     [num_tokens, num_heads, head_dim] dtype
 //   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] dtype (one layer)
-// head_dim: even, <= 256. q_norm/k_norm use the rms_norm rounding: round(w * round(h * rsqrt)).
+// head_dim: even, <= 256. q_norm/k_norm use the rms_norm rounding: round(w * round(h * rsqrt)),
+// or with norm_unit_offset (Gemma 3's q_norm / k_norm) round((1 + w) * h * rsqrt) in fp32.
 struct RopeCacheArgs {
   DType dtype = DType::kBF16;
   // kFp8E4M3: k and v are stored as E4M3 bytes, rounded from their dtype values (nearest even,
@@ -84,6 +92,7 @@ struct RopeCacheArgs {
   const void* qkv = nullptr;
   const void* q_norm = nullptr;
   const void* k_norm = nullptr;
+  bool norm_unit_offset = false;  // q_norm / k_norm hold w of Gemma's 1 + w
   float eps = 1e-6f;
   const float* cos = nullptr;
   const float* sin = nullptr;
@@ -94,6 +103,7 @@ struct RopeCacheArgs {
   int64_t num_heads = 0;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
+  int64_t rotary_dim = 0;
   void* q_out = nullptr;
   void* k_cache = nullptr;
   void* v_cache = nullptr;
@@ -108,6 +118,25 @@ Status rope_and_cache(const RopeCacheArgs& args, cudaStream_t stream);
 //   out:     [rows, inter] dtype
 Status silu_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, void* out,
                 cudaStream_t stream);
+
+// out = round(round(gelu_tanh(gate)) * up), laid out and rounded as silu_mul: Gemma's GeGLU
+// (hidden_activation gelu_pytorch_tanh), torch's gelu(approximate="tanh") in fp32
+// (cpu::gelu_tanh_mul's formula), the result rounded to dtype as transformers' act_fn output.
+//   gate_up: [rows, 2 * inter] dtype;  out: [rows, inter] dtype
+Status gelu_tanh_mul(DType dtype, const void* gate_up, int64_t rows, int64_t inter, void* out,
+                     cudaStream_t stream);
+
+// x[i] = round(x[i] * round(scale)): Gemma's embedding normalizer. transformers multiplies the
+// embeddings by torch.tensor(hidden_size ** 0.5, dtype=hidden_states.dtype), so the scale is
+// rounded to dtype before the product (sqrt(2304) = 48 is exact; sqrt(640) is not).
+//   x: [n] dtype (kBF16 / kF16)
+Status scale_embedding(DType dtype, void* x, int64_t n, float scale, cudaStream_t stream);
+
+// logits[i] = tanh(logits[i] / cap) * cap in fp32: Gemma 2's final_logit_softcapping, on the
+// fp32 logits as the CPU backend (transformers does it on the lm_head output in the run dtype,
+// then the logits are upcast; here they are fp32 from the GEMM already).
+//   logits: [n] fp32;  cap > 0
+Status softcap_logits(float* logits, int64_t n, float cap, cudaStream_t stream);
 
 // out[r, c] = round(out[r, c] + bias[c]): the bias of a linear layer whose GEMM does not add it
 // (the int4 kernels).

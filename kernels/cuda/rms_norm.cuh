@@ -43,7 +43,10 @@ struct StoreRow {
 // must leave reusable: a barrier last).
 //   h = float(x) (kAdd: residual = round(residual + x), h = that); inv = rsqrt(mean(h^2) + eps);
 //   normed = weight * round(h * inv), rounded to T by the store
-template <typename T, int V, bool kAdd, typename Store = StoreRow<T>>
+// kUnitOffset (Gemma's RMSNorm, which stores w and scales by 1 + w): normed = (1 + weight) *
+// (h * inv) in fp32, rounded once by the store, as transformers' GemmaRMSNorm (float math, then
+// type_as(x)).
+template <typename T, int V, bool kAdd, typename Store = StoreRow<T>, bool kUnitOffset = false>
 __global__ void __launch_bounds__(512)
     rms_norm_vec_kernel(const T* x, T* residual, const T* __restrict__ weight, int64_t rows,
                         int64_t hidden, float eps, Store store) {
@@ -90,7 +93,13 @@ __global__ void __launch_bounds__(512)
       dev::unpack8<T>(hv[k], h);
       dev::unpack8<T>(w[k], wf);
 #pragma unroll
-      for (int e = 0; e < dev::kHalfVec; ++e) h[e] = wf[e] * dev::round_to<T>(h[e] * inv);
+      for (int e = 0; e < dev::kHalfVec; ++e) {
+        if constexpr (kUnitOffset) {
+          h[e] = (1.0f + wf[e]) * (h[e] * inv);
+        } else {
+          h[e] = wf[e] * dev::round_to<T>(h[e] * inv);
+        }
+      }
     };
     store.template row<V>(row, hidden, normed, scratch);
   }

@@ -641,7 +641,8 @@ TEST(MakeModelTest, GemmaAndPhi3) {
   }
   for (auto [preset, tok, cls] : {std::tuple{"gemma2-9b", "llama2", "Gemma2ForCausalLM"},
                                   {"gemma3-12b", "llama2", "Gemma3ForCausalLM"},
-                                  {"phi3-mini", "llama2", "Phi3ForCausalLM"}}) {
+                                  {"phi3-mini", "llama2", "Phi3ForCausalLM"},
+                                  {"phi3-mini-128k", "llama2", "Phi3ForCausalLM"}}) {
     MakeModelOptions o;
     o.preset = preset;
     o.tokenizer_dir = ckpt_test::tokenizer_dir(tok);
@@ -655,6 +656,21 @@ TEST(MakeModelTest, GemmaAndPhi3) {
     if (p == "phi3-mini") {
       EXPECT_EQ(c->head_dim, 96);
       EXPECT_EQ(c->attention_window(0), 2047);
+    } else if (p == "phi3-mini-128k") {
+      // LongRoPE with the published factor lists; transformers' attention_factor for 32x.
+      EXPECT_EQ(c->head_dim, 96);
+      EXPECT_EQ(c->max_position_embeddings, 131072);
+      // sliding_window 262144 reaches past max_position_embeddings: no layer slides.
+      EXPECT_EQ(j["sliding_window"], 262144);
+      EXPECT_EQ(c->attention_window(0), 0);
+      EXPECT_EQ(c->rope_scaling.type, "longrope");
+      EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 4096);
+      ASSERT_EQ(c->rope_scaling.short_factor.size(), 48u);
+      ASSERT_EQ(c->rope_scaling.long_factor.size(), 48u);
+      EXPECT_EQ(c->rope_scaling.short_factor[1], 1.0199999809265137);
+      EXPECT_EQ(c->rope_scaling.long_factor[47], 64.83999633789062);
+      EXPECT_NEAR(c->rope_scaling.attention_factor,
+                  std::sqrt(1 + std::log(32.0) / std::log(4096.0)), 1e-12);
     } else if (p == "gemma2-9b") {
       EXPECT_EQ(c->num_layers, 42);
       EXPECT_EQ(c->final_logit_softcapping, 30.0);

@@ -1057,5 +1057,124 @@ TEST(CudaFp8Test, RefusesWeightOnlyFp8WithTheWayOut) {
   EXPECT_NE(r.status().message().find("--device cpu"), std::string::npos) << r.status().to_string();
 }
 
+// ---- Gemma 2, Gemma 3 (text) and Phi-3 ----
+//
+// The tiny presets (make-model) exercise each architecture's peculiarities: Gemma 2's attention
+// and final logit soft-caps, sliding windows of 8 on alternate layers, sandwich norms
+// (post_attention / pre_feedforward / post_feedforward), (1 + w) norm weights, the sqrt(hidden)
+// embedding scale and GeGLU (gelu_pytorch_tanh); Gemma 3's q/k norms and its sliding layers'
+// own RoPE table (rope_local_base_freq) beside the global layers' linearly scaled one; Phi-3's
+// fused qkv_proj / gate_up_proj, a window of 16 and LongRoPE (short factors below position 128,
+// long ones from there) over a partial rotary dimension (12 of head_dim 16). The CUDA backend
+// (bf16) must track the fp32 CPU backend, the oracle that matches transformers.
+
+// One rank's spec at max_model_len 512 (the tiny Phi-3's max_position_embeddings).
+LoadSpec gemma_phi3_spec(const std::string& dir, const std::string& device, bool eager = false) {
+  EngineSpec e;
+  e.model = dir;
+  e.max_model_len = 512;
+  e.return_logits = true;
+  e.gpu_memory_utilization = 0.15;
+  e.max_num_seqs = 16;
+  e.enforce_eager = eager;
+  auto s = load_spec_for_rank(e, ParallelConfig{}, device == "cpu" ? Device::kCpu : Device::kCuda);
+  EXPECT_TRUE(s) << s.status().to_string();
+  return s ? *s : LoadSpec{};
+}
+
+class CudaGemmaPhi3Test : public ::testing::TestWithParam<std::string> {};
+
+// Teacher-forced logits, eager and through the decode graphs, for prompts that tell apart where
+// a failure comes from: 5 tokens (inside every window, Phi-3's short factors only: the norms,
+// the embedding scale, the activation, the soft-caps, the RoPE tables), 37 (past the windows)
+// and 300 (Phi-3's long factors from position 128; split-K decode over a longer context).
+TEST_P(CudaGemmaPhi3Test, LogitsTrackTheFp32CpuBackend) {
+  require_gpu();
+  const std::string dir = tiny_model(GetParam());
+  auto cpu = load(gemma_phi3_spec(dir, "cpu"));
+  ASSERT_TRUE(cpu) << GetParam() << ": the CPU backend did not load it";
+  for (bool eager : {true, false}) {
+    auto gpu = load(gemma_phi3_spec(dir, "cuda", eager));
+    ASSERT_TRUE(gpu) << GetParam() << ": the CUDA backend did not load it";
+    EXPECT_EQ(gpu->info().backend, "cuda");
+    EXPECT_EQ(gpu->info().dtype, "BF16");
+    for (int64_t len : {5, 37, 300}) {
+      const Compare c = teacher_forced(*cpu, *gpu, prompt_ids(len, 11), 16);
+      std::printf(
+          "[parity] %s (%s), %lld-token prompt: max |logit diff| GPU bf16 vs CPU fp32 = %.3e "
+          "(max |logit| %.3f, relative %.2e), greedy agreement %d/%d\n",
+          GetParam().c_str(), eager ? "eager" : "CUDA graphs", static_cast<long long>(len),
+          c.max_diff, c.max_ref, c.max_diff / c.max_ref, c.agree, c.steps);
+      EXPECT_EQ(c.steps, 16);
+      EXPECT_LE(c.max_diff, 0.05 * c.max_ref + 2e-3)
+          << GetParam() << (eager ? " eager" : " graphs") << ", prompt " << len
+          << (len == 5 ? ": wrong inside the windows (norms, scale, activation, soft-cap, RoPE)"
+                       : ": right on 5 tokens? then the windows or (Phi-3, 300) LongRoPE");
+      EXPECT_GE(c.agree, c.steps - 2) << GetParam() << ", prompt " << len;
+    }
+  }
+}
+
+// Batched decode through the CUDA graphs gives the eager bits (the per-layer RoPE tables, the
+// soft-cap and the sandwich norms are captured, not baked in from the capture's step).
+TEST_P(CudaGemmaPhi3Test, GraphsGiveTheSameBitsAsEagerMode) {
+  require_gpu();
+  const std::string dir = tiny_model(GetParam());
+  for (int batch : {3, 9}) {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < batch; ++i) prompts.push_back(prompt_ids(5 + (i * 29) % 200, 3 + i));
+    std::vector<float> eager_logits, graph_logits;
+    std::vector<std::vector<int32_t>> eager_tokens, graph_tokens;
+    for (bool eager : {true, false}) {
+      auto r = load(gemma_phi3_spec(dir, "cuda", eager));
+      ASSERT_TRUE(r) << GetParam();
+      (eager ? eager_tokens : graph_tokens) =
+          generate(*r, prompts, 12, eager ? &eager_logits : &graph_logits);
+    }
+    EXPECT_EQ(eager_tokens, graph_tokens) << GetParam() << ", batch " << batch;
+    ASSERT_EQ(eager_logits.size(), graph_logits.size());
+    size_t differing = 0;
+    for (size_t i = 0; i < eager_logits.size(); ++i) {
+      differing += eager_logits[i] != graph_logits[i];
+    }
+    EXPECT_EQ(differing, 0u) << GetParam() << ", batch " << batch
+                             << ": logits differ between CUDA graphs and eager mode";
+  }
+}
+
+// A batch gives each sequence the logits it gets alone (per-token RoPE rows, windows per
+// sequence): three prompts prefilled together, compared with each run by itself.
+TEST_P(CudaGemmaPhi3Test, ABatchGivesEachSequenceItsOwnLogits) {
+  require_gpu();
+  const std::string dir = tiny_model(GetParam());
+  auto gpu = load(gemma_phi3_spec(dir, "cuda"));
+  ASSERT_TRUE(gpu);
+  const std::vector<std::vector<int32_t>> prompts = {prompt_ids(7, 21), prompt_ids(150, 22),
+                                                     prompt_ids(40, 23)};
+  std::vector<float> together;
+  generate(*gpu, prompts, 1, &together);
+  const int64_t vocab = gpu->config().vocab_size;
+  ASSERT_EQ(together.size(), prompts.size() * static_cast<size_t>(vocab));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    std::vector<float> alone;
+    generate(*gpu, {prompts[i]}, 1, &alone);
+    ASSERT_EQ(alone.size(), static_cast<size_t>(vocab));
+    double diff = 0, ref = 0;
+    for (int64_t v = 0; v < vocab; ++v) {
+      diff = std::max(diff, static_cast<double>(std::fabs(alone[v] - together[i * vocab + v])));
+      ref = std::max(ref, static_cast<double>(std::fabs(alone[v])));
+    }
+    std::printf(
+        "[batch] %s: sequence %zu alone vs in a batch of 3: max |logit diff| %.3e "
+        "(max |logit| %.3f)\n",
+        GetParam().c_str(), i, diff, ref);
+    // The GEMMs may tile a batch differently from one row: rounding, not a mixed-up sequence.
+    EXPECT_LE(diff, 0.02 * ref + 1e-3) << GetParam() << ": sequence " << i << " of the batch";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(GemmaPhi3, CudaGemmaPhi3Test,
+                         ::testing::Values("gemma2", "gemma3", "phi3"));
+
 }  // namespace
 }  // namespace tessera

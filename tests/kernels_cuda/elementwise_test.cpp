@@ -381,7 +381,8 @@ struct RopeRun {
 
 RopeRun run_rope(DType d, const RopeCase& c, std::vector<int32_t> positions,
                  std::vector<int64_t> slots, int64_t num_blocks, int64_t block_size,
-                 int64_t max_position, uint32_t seed, bool fp8_cache = false) {
+                 int64_t max_position, uint32_t seed, bool fp8_cache = false,
+                 bool unit_offset = false) {
   RopeRun r;
   r.c = c;
   r.dtype = d;
@@ -416,8 +417,15 @@ RopeRun run_rope(DType d, const RopeCase& c, std::vector<int32_t> positions,
               r.pre_k.begin() + t * c.num_kv_heads * hd);
   }
   if (c.qk_norm) {
-    if (!cpu::rms_norm_per_head(ctx, r.pre_q, view_1d(r.q_norm), eps).is_ok() ||
-        !cpu::rms_norm_per_head(ctx, r.pre_k, view_1d(r.k_norm), eps).is_ok()) {
+    // unit_offset (Gemma 3): the reference's weights are 1 + w in fp32 (fold_norm_unit_offset).
+    std::vector<float> qw = r.q_norm.values, kw = r.k_norm.values;
+    if (unit_offset) {
+      for (float& w : qw) w += 1.0f;
+      for (float& w : kw) w += 1.0f;
+    }
+    const TensorView qv{qw.data(), DType::kF32, {hd}}, kv{kw.data(), DType::kF32, {hd}};
+    if (!cpu::rms_norm_per_head(ctx, r.pre_q, qv, eps).is_ok() ||
+        !cpu::rms_norm_per_head(ctx, r.pre_k, kv, eps).is_ok()) {
       throw std::runtime_error("cpu rms_norm_per_head failed");
     }
   }
@@ -453,6 +461,7 @@ RopeRun run_rope(DType d, const RopeCase& c, std::vector<int32_t> positions,
   a.qkv = d_qkv.get();
   a.q_norm = d_qn.get();
   a.k_norm = d_kn.get();
+  a.norm_unit_offset = unit_offset;
   a.eps = eps;
   a.cos = d_cos.as<float>();
   a.sin = d_sin.as<float>();
@@ -1173,6 +1182,263 @@ TEST(CudaElementwise, ChainedKernelsSeeTheWritesOfTheOneBefore) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// ---- Gemma / Phi-3: gelu_tanh_mul, scale_embedding, softcap_logits, partial rotary ----
+
+// gelu_tanh_mul against cpu::gelu_tanh_mul on the same rounded gate/up: round(round(gelu(g)) * u)
+// is <= 1.5 ulp from the fp32 reference (tanhf vs std::tanh differ by a few fp32 ulps, far below
+// a bf16/fp16 ulp), both the vector path and the misaligned scalar one.
+TEST(CudaGeluTanhMul, MatchesCpu) {
+  TESSERA_REQUIRE_GPU();
+  cpu::CpuContext ctx(1);
+  for (DType d : kHalfTypes) {
+    for (int64_t inter : {64, 100, 176, 14336}) {
+      for (int64_t rows : {1, 3, 9}) {
+        for (int64_t offset : {0, 1}) {
+          const std::string what =
+              label(d, "gelu_tanh_mul inter " + std::to_string(inter) + " rows " +
+                           std::to_string(rows) + " offset " + std::to_string(offset));
+          const HalfTensor gu = random_half(d, rows * 2 * inter, 70 + inter + rows, -6.0f, 6.0f);
+          std::vector<float> gate(rows * inter), up(rows * inter), ref(rows * inter);
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t i = 0; i < inter; ++i) {
+              gate[r * inter + i] = gu.values[r * 2 * inter + i];
+              up[r * inter + i] = gu.values[r * 2 * inter + inter + i];
+            }
+          }
+          ASSERT_TRUE(cpu::gelu_tanh_mul(ctx, gate, up, ref).is_ok());
+          DeviceBuffer d_gu = alloc((gu.bits.size() + offset) * 2);
+          upload_to(static_cast<uint16_t*>(d_gu.get()) + offset, gu.bits);
+          DeviceBuffer d_out = alloc((ref.size() + offset) * 2);
+          uint16_t* out = static_cast<uint16_t*>(d_out.get()) + offset;
+          ASSERT_TRUE(gelu_tanh_mul(d, static_cast<uint16_t*>(d_gu.get()) + offset, rows, inter,
+                                    out, nullptr)
+                          .is_ok());
+          expect_within_ulps(from_bits(d, download<uint16_t>(out, ref.size())), ref, d, kSiluUlps,
+                             kSiluAbs, what);
+        }
+      }
+    }
+  }
+  int16_t dummy = 0;
+  EXPECT_FALSE(gelu_tanh_mul(DType::kF32, &dummy, 1, 1, &dummy, nullptr).is_ok());
+  EXPECT_FALSE(gelu_tanh_mul(DType::kBF16, &dummy, 1, 0, &dummy, nullptr).is_ok());
+  EXPECT_TRUE(gelu_tanh_mul(DType::kBF16, nullptr, 0, 8, nullptr, nullptr).is_ok());
+}
+
+// Gemma's normalizer: x * round(sqrt(hidden)) rounded once, bit for bit (transformers multiplies
+// by a tensor of the activations' dtype). sqrt(640) = 25.298 and sqrt(3840) = 61.97 are not
+// representable: a kernel that kept the fp32 scale differs on many elements.
+TEST(CudaScaleEmbedding, RoundsTheScaleThenTheProduct) {
+  TESSERA_REQUIRE_GPU();
+  for (DType d : kHalfTypes) {
+    for (int64_t hidden : {64, 640, 2304, 3840}) {
+      const float scale = static_cast<float>(std::sqrt(static_cast<double>(hidden)));
+      const float s = from_bits(d, to_bits(d, scale));
+      const int64_t n = 7 * hidden + 3;
+      const HalfTensor x = random_half(d, n, 80 + hidden, -0.1f, 0.1f);
+      std::vector<uint16_t> want(n);
+      for (int64_t i = 0; i < n; ++i) want[i] = to_bits(d, x.values[i] * s);
+      DeviceBuffer d_x = upload(x.bits);
+      ASSERT_TRUE(scale_embedding(d, d_x.get(), n, scale, nullptr).is_ok());
+      expect_bits_equal(download<uint16_t>(d_x.get(), want.size()), want,
+                        label(d, "scale_embedding hidden " + std::to_string(hidden)));
+    }
+  }
+  EXPECT_FALSE(scale_embedding(DType::kF32, nullptr, 1, 2.0f, nullptr).is_ok());
+  EXPECT_FALSE(scale_embedding(DType::kBF16, nullptr, 1, 2.0f, nullptr).is_ok());
+}
+
+// Gemma 2's final soft-cap on fp32 logits: tanh(x / cap) * cap as the CPU backend computes it
+// (std::tanh there, tanhf here: within a few fp32 ulps of cap).
+TEST(CudaSoftcapLogits, MatchesTheCpuFormula) {
+  TESSERA_REQUIRE_GPU();
+  const float cap = 30.0f;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> dist(-200.0f, 200.0f);
+  std::vector<float> x(100003);
+  for (float& v : x) v = dist(rng);
+  x[0] = 0.0f;
+  x[1] = 1e6f;
+  x[2] = -1e6f;
+  DeviceBuffer d_x = upload(x);
+  const int64_t n = static_cast<int64_t>(x.size());
+  ASSERT_TRUE(softcap_logits(d_x.as<float>(), n, cap, nullptr).is_ok());
+  const std::vector<float> got = download<float>(d_x.get(), x.size());
+  size_t bad = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float want = std::tanh(x[i] / cap) * cap;
+    if (std::fabs(got[i] - want) > 4e-6f * cap && bad++ < 5) {
+      ADD_FAILURE() << "softcap_logits(" << x[i] << "): got " << got[i] << ", want " << want;
+    }
+  }
+  EXPECT_EQ(bad, 0u);
+  EXPECT_FALSE(softcap_logits(d_x.as<float>(), 4, 0.0f, nullptr).is_ok());
+}
+
+// Partial rotary embeddings (Phi-3's partial_rotary_factor; the tiny Phi-3 rotates 12 of 16):
+// the first rotary_dim dimensions of each q/k head rotate with rotate_half over rotary_dim, the
+// rest are stored as projected. The want is transformers' bf16/fp16 chain on the same table
+// (cos/sin rounded, each product and the sum rounded), bit for bit; v is the projection's bits.
+TEST(CudaRopeAndCache, PartialRotaryIsTransformersRoundingBitForBit) {
+  TESSERA_REQUIRE_GPU();
+  struct Case {
+    int64_t heads, kv_heads, head_dim, rotary_dim;
+  };
+  for (DType d : kHalfTypes) {
+    for (Case c : {Case{4, 2, 16, 12}, Case{32, 32, 96, 64}, Case{8, 2, 128, 32}}) {
+      const std::string what =
+          label(d, "partial rope heads " + std::to_string(c.heads) + "/" +
+                       std::to_string(c.kv_heads) + " head_dim " + std::to_string(c.head_dim) +
+                       " rotary_dim " + std::to_string(c.rotary_dim));
+      const int64_t hd = c.head_dim, rh = c.rotary_dim / 2, max_pos = 600, bs = 16, blocks = 8;
+      cpu::RopeSpec spec;
+      spec.head_dim = hd;
+      spec.rotary_dim = c.rotary_dim;
+      spec.theta = 10000.0;
+      Expected<cpu::RopeTable> table = cpu::RopeTable::create(spec, max_pos);
+      ASSERT_TRUE(table.has_value()) << table.status().to_string();
+      const std::vector<int32_t> positions = {0, 1, 5, 130, 599, 42, 77};
+      const std::vector<int64_t> slots = {3, -1, 17, 0, 127, 64, 65};
+      const int64_t n = static_cast<int64_t>(positions.size());
+      const int64_t row = (c.heads + 2 * c.kv_heads) * hd, kv = c.kv_heads * hd;
+      const HalfTensor qkv = random_half(d, n * row, 90 + hd, -2.0f, 2.0f);
+      auto rnd = [&](float x) { return from_bits(d, to_bits(d, x)); };
+      // want(head at `src`, position) for element e of the head.
+      auto want_elem = [&](const float* src, int64_t pos, int64_t e) -> uint16_t {
+        if (e >= c.rotary_dim) return to_bits(d, src[e]);
+        const int64_t i = e < rh ? e : e - rh;
+        const float cs = rnd(table->cos(pos)[i]), sn = rnd(table->sin(pos)[i]);
+        const float other = e < rh ? -src[e + rh] : src[e - rh];
+        return to_bits(d, rnd(src[e] * cs) + rnd(other * sn));
+      };
+      const std::vector<float> cos_t(table->cos(0), table->cos(0) + max_pos * rh);
+      const std::vector<float> sin_t(table->sin(0), table->sin(0) + max_pos * rh);
+      DeviceBuffer d_qkv = upload(qkv.bits), d_cos = upload(cos_t), d_sin = upload(sin_t);
+      DeviceBuffer d_pos = upload(positions), d_slots = upload(slots);
+      DeviceBuffer d_q = upload(std::vector<uint16_t>(n * c.heads * hd, kSentinel));
+      DeviceBuffer d_k = upload(std::vector<uint16_t>(blocks * bs * kv, kSentinel));
+      DeviceBuffer d_v = upload(std::vector<uint16_t>(blocks * bs * kv, kSentinel));
+      RopeCacheArgs a;
+      a.dtype = d;
+      a.qkv = d_qkv.get();
+      a.cos = d_cos.as<float>();
+      a.sin = d_sin.as<float>();
+      a.max_position = max_pos;
+      a.positions = d_pos.as<int32_t>();
+      a.slots = d_slots.as<int64_t>();
+      a.num_tokens = n;
+      a.num_heads = c.heads;
+      a.num_kv_heads = c.kv_heads;
+      a.head_dim = hd;
+      a.rotary_dim = c.rotary_dim;
+      a.q_out = d_q.get();
+      a.k_cache = d_k.get();
+      a.v_cache = d_v.get();
+      a.num_blocks = blocks;
+      a.block_size = bs;
+      ASSERT_TRUE(rope_and_cache(a, nullptr).is_ok()) << what;
+      const std::vector<uint16_t> q = download<uint16_t>(d_q.get(), n * c.heads * hd);
+      const std::vector<uint16_t> k = download<uint16_t>(d_k.get(), blocks * bs * kv);
+      const std::vector<uint16_t> v = download<uint16_t>(d_v.get(), blocks * bs * kv);
+      std::vector<uint16_t> want_q(q.size()), want_k(k.size(), kSentinel);
+      std::vector<uint16_t> want_v(v.size(), kSentinel);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* r = qkv.values.data() + t * row;
+        for (int64_t h = 0; h < c.heads; ++h) {
+          for (int64_t e = 0; e < hd; ++e) {
+            want_q[(t * c.heads + h) * hd + e] = want_elem(r + h * hd, positions[t], e);
+          }
+        }
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < c.kv_heads; ++h) {
+          for (int64_t e = 0; e < hd; ++e) {
+            const int64_t at = slots[t] * kv + h * hd + e;
+            want_k[at] = want_elem(r + (c.heads + h) * hd, positions[t], e);
+            want_v[at] = qkv.bits[t * row + (c.heads + c.kv_heads + h) * hd + e];
+          }
+        }
+      }
+      expect_bits_equal(q, want_q, what + " q");
+      expect_bits_equal(k, want_k, what + " k cache (rotated part, pass-through, untouched slots)");
+      expect_bits_equal(v, want_v, what + " v cache");
+      // Bad rotary_dim, and q/k norms with a partial rotation, are refused before any launch.
+      RopeCacheArgs bad = a;
+      bad.rotary_dim = c.rotary_dim + 1;
+      EXPECT_FALSE(rope_and_cache(bad, nullptr).is_ok()) << what << " odd rotary_dim";
+      bad.rotary_dim = hd + 2;
+      EXPECT_FALSE(rope_and_cache(bad, nullptr).is_ok()) << what << " rotary_dim > head_dim";
+      bad = a;
+      bad.q_norm = bad.k_norm = d_qkv.get();
+      EXPECT_FALSE(rope_and_cache(bad, nullptr).is_ok()) << what << " qk norm";
+    }
+  }
+}
+
+// Gemma's RMSNorm (unit_offset): out = round(h * rsqrt(mean(h^2) + eps) * (1 + w)) in fp32, one
+// rounding, against the CPU backend's norm with the weight folded to 1 + w in fp32 (what its
+// loader does): <= 0.5 ulp plus fp32 noise; bound 1 ulp. The Llama-rounding kernel on the same
+// inputs (w folded and rounded to the dtype) is printed beside it, not bounded.
+TEST(CudaRmsNorm, UnitOffsetIsGemmasRounding) {
+  TESSERA_REQUIRE_GPU();
+  cpu::CpuContext ctx(1);
+  const float eps = 1e-6f;
+  for (DType d : kHalfTypes) {
+    for (int64_t hidden : {64, 100, 2304, 3840, 40000}) {
+      for (bool add : {false, true}) {
+        const int64_t rows = 3;
+        const std::string what =
+            label(d, std::string(add ? "add_" : "") + "rms_norm unit offset hidden " +
+                         std::to_string(hidden));
+        const HalfTensor x = random_half(d, rows * hidden, 400 + hidden, -3.0f, 3.0f);
+        const HalfTensor res = random_half(d, rows * hidden, 500 + hidden, -4.0f, 4.0f);
+        const HalfTensor w = random_half(d, hidden, 600 + hidden, -0.5f, 0.5f);
+        std::vector<float> folded = w.values;
+        for (float& v : folded) v += 1.0f;
+        const TensorView fw{folded.data(), DType::kF32, {hidden}};
+        // The normed input: x, or round(residual + x).
+        std::vector<float> h = x.values;
+        if (add) {
+          for (size_t i = 0; i < h.size(); ++i) h[i] = round_to(d, res.values[i] + x.values[i]);
+        }
+        std::vector<float> ref(h.size());
+        ASSERT_TRUE(cpu::rms_norm(ctx, h, fw, eps, ref).is_ok());
+        DeviceBuffer d_x = upload(x.bits), d_res = upload(res.bits), d_w = upload(w.bits);
+        DeviceBuffer d_out = alloc(x.bits.size() * 2);
+        const Status st =
+            add ? add_rms_norm(d, d_x.get(), d_res.get(), d_w.get(), rows, hidden, eps, d_out.get(),
+                               nullptr, /*unit_offset=*/true)
+                : rms_norm(d, d_x.get(), d_w.get(), rows, hidden, eps, d_out.get(), nullptr,
+                           /*unit_offset=*/true);
+        ASSERT_TRUE(st.is_ok()) << what << ": " << st.to_string();
+        expect_within_ulps(from_bits(d, download<uint16_t>(d_out.get(), ref.size())), ref, d, 1.0,
+                           kNormAbs, what);
+        if (add) {
+          std::vector<uint16_t> want_res(h.size());
+          for (size_t i = 0; i < h.size(); ++i) want_res[i] = to_bits(d, h[i]);
+          expect_bits_equal(download<uint16_t>(d_res.get(), want_res.size()), want_res,
+                            what + " residual");
+        }
+      }
+    }
+  }
+}
+
+// Gemma 3's q_norm / k_norm (norm_unit_offset) inside rope_and_cache, against the CPU's per-head
+// norm with 1 + w weights, then RoPE; the bound is the qk-norm one of CudaRopeAndCache.MatchesCpu.
+TEST(CudaRopeAndCache, UnitOffsetQkNormMatchesCpu) {
+  TESSERA_REQUIRE_GPU();
+  for (DType d : kHalfTypes) {
+    for (const RopeCase& c : {RopeCase{16, 8, 256, true, false}, RopeCase{4, 2, 32, true, false},
+                              RopeCase{4, 2, 66, true, false}}) {
+      std::vector<int32_t> positions = {0, 3, 17, 250, 511};
+      std::vector<int64_t> slots = {0, 5, 9, -1, 31};
+      const RopeRun r = run_rope(d, c, positions, slots, 4, 8, 512, 1234 + c.head_dim,
+                                 /*fp8_cache=*/false, /*unit_offset=*/true);
+      check_rope(r);
+    }
+  }
 }
 
 }  // namespace

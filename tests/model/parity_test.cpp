@@ -335,21 +335,6 @@ TEST(SlidingWindowModelTest, EverySplitGivesOneRanksLogits) {
   }
 }
 
-// The cuda backend refuses Gemma 2/3 and Phi-3 at load, pointing at the cpu backend.
-TEST(SlidingWindowModelTest, TheCudaBackendRefusesThem) {
-  for (const std::string arch : {"gemma2", "gemma3", "phi3"}) {
-    const std::string dir = make_tiny(arch, "llama2", "-cuda");
-    LoadSpec spec = cpu_spec(dir, 64);
-    spec.engine.device = Device::kCuda;
-    auto r = ModelRunner::load(spec, {});
-    ASSERT_FALSE(r) << arch;
-    EXPECT_NE(r.status().message().find("runs on the CPU backend for now (--device cpu)"),
-              std::string::npos)
-        << r.status().message();
-    std::filesystem::remove_all(dir);
-  }
-}
-
 // A checkpoint that lacks an expert's tensor is refused at load, naming the tensor and where it
 // was looked for.
 TEST(MoeModelTest, AMissingExpertIsNamed) {
