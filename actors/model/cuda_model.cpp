@@ -782,8 +782,9 @@ Status CudaModel::capture_graphs() {
 Status CudaModel::size_kv_cache() {
   const ModelConfig& c = config_;
   const uint64_t block_bytes = 2ull * plan_.num_layers() * kv_block_bytes_per_layer();
-  const int64_t min_blocks =
-      (engine_.max_model_len + engine_.block_size - 1) / engine_.block_size;
+  const int64_t min_blocks = (c.kv_tokens_per_sequence(engine_.max_model_len, engine_.block_size) +
+                              engine_.block_size - 1) /
+                             engine_.block_size;
   // Profiling step: the largest step the scheduler may send, one sequence as long as fits,
   // through a temporary cache. Every rank of the group runs it at once (the same ids).
   size_t free_before = 0, free_after = 0, total = 0;

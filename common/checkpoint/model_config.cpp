@@ -765,6 +765,11 @@ int64_t ModelConfig::kv_cache_window() const {
   return widest;
 }
 
+int64_t ModelConfig::kv_tokens_per_sequence(int64_t max_model_len, int64_t block_size) const {
+  const int64_t w = kv_cache_window();
+  return w > 0 ? std::min(max_model_len, w + 2 * block_size) : max_model_len;
+}
+
 bool ModelConfig::local_rope(int64_t layer) const {
   return rope_local_theta > 0 && attention_window(layer) > 0;
 }

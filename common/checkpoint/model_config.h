@@ -138,6 +138,11 @@ struct ModelConfig {
   // attends to every position: keep them all; vLLM's hybrid allocator, one block pool per window,
   // is the step beyond for Gemma's local layers).
   int64_t kv_cache_window() const;
+  // The KV tokens one sequence of `max_model_len` must have in the cache at once: all of them,
+  // or with kv_cache_window() = w > 0 its window plus two blocks (the block manager frees the
+  // blocks behind the window and cuts each step to what the rest holds, max_step_tokens()).
+  // What the planner and the backends size "one sequence fits" by.
+  int64_t kv_tokens_per_sequence(int64_t max_model_len, int64_t block_size) const;
   // Layer `layer` uses the local RoPE (rope_local_theta): Gemma 3's sliding layers.
   bool local_rope(int64_t layer) const;
   // How layer `layer` (global index) scores q.k: scale query_pre_attn_scalar^-0.5, else

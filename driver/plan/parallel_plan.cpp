@@ -178,7 +178,8 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
   if (out.kv_tokens < 0) out.kv_tokens = 0;
   out.max_concurrency =
       static_cast<double>(out.kv_tokens) / static_cast<double>(options.max_model_len);
-  out.fits = out.kv_tokens >= options.max_model_len;
+  out.sequence_tokens = c.kv_tokens_per_sequence(options.max_model_len, options.block_size);
+  out.fits = out.kv_tokens >= out.sequence_tokens;
   return out;
 }
 
@@ -190,7 +191,7 @@ Status memory_status(const MemoryPlan& plan, const std::vector<std::string>& ran
   const std::string who =
       "rank " + std::to_string(r) + (r < rank_labels.size() ? " (" + rank_labels[r] + ")" : "");
   const uint64_t committed = m.weights + m.activations;
-  const uint64_t need_kv = m.kv_bytes_per_token * static_cast<uint64_t>(o.max_model_len);
+  const uint64_t need_kv = m.kv_bytes_per_token * static_cast<uint64_t>(plan.sequence_tokens);
   char util[32];
   std::snprintf(util, sizeof(util), "%.2f", o.gpu_memory_utilization);
   std::string msg = "the model does not fit: on " + who + ", --gpu-memory-utilization " + util +
@@ -205,8 +206,8 @@ Status memory_status(const MemoryPlan& plan, const std::vector<std::string>& ran
            " needs " + format_gib(need_kv) + " more). ";
   } else {
     msg += ", leaving " + format_gib(m.budget - committed) + " = " + std::to_string(m.kv_tokens) +
-           " KV tokens, but one sequence of --max-model-len " + len + " needs " + len +
-           " tokens (" + format_gib(need_kv) + "). ";
+           " KV tokens, but one sequence of --max-model-len " + len + " needs " +
+           std::to_string(plan.sequence_tokens) + " tokens (" + format_gib(need_kv) + "). ";
   }
   std::vector<std::string> fixes;
   if (m.kv_tokens >= o.block_size) {

@@ -124,7 +124,8 @@ struct MemoryPlan {
   int64_t kv_tokens = 0;          // the least over the ranks: every sequence lives on all of them
   int64_t limiting_rank = 0;      // the rank with that least
   double max_concurrency = 0;     // kv_tokens / max_model_len
-  bool fits = false;              // every rank holds one sequence of max_model_len
+  int64_t sequence_tokens = 0;    // what one sequence holds at once (kv_tokens_per_sequence)
+  bool fits = false;              // every rank holds one sequence: kv_tokens >= sequence_tokens
 };
 
 // Sizes every rank. `gpus[r]` is rank r's GPU; nullopt = a CPU rank. Precondition: `engine`

@@ -562,6 +562,35 @@ TEST(MemoryPlanTest, FlagsAreChecked) {
   EXPECT_TRUE(contains(r.status().message(), "--gpu-memory-utilization must be in (0, 1]"));
 }
 
+// When every layer slides, one sequence holds its window plus two blocks at once, not its whole
+// context: a long --max-model-len that would not fit with full attention fits with the window.
+TEST(MemoryPlanTest, AWindowedModelNeedsItsWindowNotItsContext) {
+  ModelConfig c = llama3_8b();
+  c.max_position_embeddings = 131072;
+  const MemoryPlan full = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 24 * kGiB), resolved(c));
+  ASSERT_GT(full.kv_tokens, 8192);
+  ASSERT_LT(full.kv_tokens, 131072);
+  EXPECT_EQ(full.sequence_tokens, 131072);
+  EXPECT_FALSE(full.fits);
+  c.sliding_window = 4096;  // every layer
+  EXPECT_EQ(c.kv_tokens_per_sequence(131072, 16), 4096 + 32);
+  EXPECT_EQ(c.kv_tokens_per_sequence(1000, 16), 1000);  // shorter than the window
+  const MemoryPlan win = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 24 * kGiB), resolved(c));
+  EXPECT_EQ(win.kv_tokens, full.kv_tokens);
+  EXPECT_EQ(win.sequence_tokens, 4096 + 32);
+  EXPECT_TRUE(win.fits);
+  EXPECT_TRUE(memory_status(win).is_ok());
+  // Too small even for the window: the message names what one sequence needs.
+  const MemoryPlan tiny =
+      estimate_memory(c, must_plan(c, 1, 1), gpus(1, 20 * kGiB + kGiB * 6 / 10), resolved(c));
+  ASSERT_GT(tiny.kv_tokens, 0);
+  ASSERT_LT(tiny.kv_tokens, 4096 + 32);
+  EXPECT_FALSE(tiny.fits);
+  EXPECT_TRUE(contains(memory_status(tiny).message(),
+                       "one sequence of --max-model-len 131072 needs 4128 tokens"))
+      << memory_status(tiny).message();
+}
+
 // A sliding window no longer caps the context; a capped cache (--num-gpu-blocks-override) must
 // hold one sequence unless every layer slides (then a sequence holds only its window's blocks).
 TEST(MemoryPlanTest, SlidingWindowsAndACappedCache) {
