@@ -27,6 +27,7 @@ class CudaBackend final : public Backend {
   }
 
   int64_t fit_kv_blocks() const override { return model_->memory().fit_blocks; }
+  ExpertLoad expert_load() const override { return model_->expert_load(); }
   Status init_cache(int64_t blocks) override { return model_->init_cache(blocks); }
 
   Status launch(const StepBatch& batch, bool want_logits) override {
@@ -106,8 +107,7 @@ class CudaBackend final : public Backend {
     i.kv_cache_bytes = m.kv_cache;
     i.backend = "cuda";
     i.dtype = dtype_name(model_->dtype());
-    i.kv_cache_dtype =
-        kv_cache_storage_name(model_->engine().kv_cache_dtype, model_->dtype());
+    i.kv_cache_dtype = kv_cache_storage_name(model_->engine().kv_cache_dtype, model_->dtype());
     i.device_name = m.device_name;
     // The spec is resolved, so this agrees with the checkpoint (CudaModel::create checked it).
     const Expected<QuantConfig> quant =

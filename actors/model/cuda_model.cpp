@@ -183,6 +183,17 @@ Status CudaModel::allocate_buffers() {
   }
   if (const uint64_t moe = moe_workspace_bytes(c, p, dtype_, T); moe > 0) {
     TESSERA_RETURN_IF_ERROR(alloc(moe_workspace_, moe, "mixture-of-experts workspace"));
+    // The expert balance is counted once: by every rank under expert parallelism (each counts
+    // its own experts), by tp rank 0 otherwise (every rank routes every token alike); the CPU
+    // backend's rule.
+    if (p.parallel.expert_parallel || p.parallel.tp_rank == 0) {
+      for (int64_t i = 0; i < p.num_layers(); ++i) {
+        if (c.moe.sparse_layer(p.layer_begin + i)) counted_layers_.push_back(p.layer_begin + i);
+      }
+      const uint64_t bytes = sizeof(unsigned long long) * counted_layers_.size() *
+                             static_cast<uint64_t>(c.moe.num_experts);
+      TESSERA_RETURN_IF_ERROR(alloc(expert_counts_, bytes, "expert counts"));
+    }
   }
   MetaLayout m = MetaLayout::make(T, S, max_blocks_per_seq_);
   TESSERA_RETURN_IF_ERROR(alloc(meta_, m.bytes, "step metadata"));
@@ -413,6 +424,7 @@ class CudaModel::Ops {
     MetaLayout ml = MetaLayout::make(m.max_tokens_, m.engine_.max_num_seqs, m.max_blocks_per_seq_);
     char* meta = m.meta_.as<char>();
     ids_ = reinterpret_cast<const int32_t*>(meta + ml.ids);
+    slots_ = reinterpret_cast<const int64_t*>(meta + ml.slots);
     lrows_ = reinterpret_cast<const int32_t*>(meta + ml.logit_rows);
     a_.kernel = m.attention_kernel_;
     a_.dtype = dt_;
@@ -572,7 +584,7 @@ class CudaModel::Ops {
 
   Status mlp(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
-    if (w.moe()) return moe(w);
+    if (w.moe()) return moe(i, w);
     const int64_t I = m_.plan_.intermediate;
     TESSERA_RETURN_IF_ERROR(
         linear(w.gate_up, T_, 2 * I, H_, m_.hidden_.get(), nullptr, m_.gate_up_.get()));
@@ -590,7 +602,7 @@ class CudaModel::Ops {
 
   // proj = the MoE block of hidden (kernels/cuda/moe.h): this rank's partial sum, all-reduced
   // by the layer loop as the dense MLP's is.
-  Status moe(const CudaLayer& w) {
+  Status moe(int64_t i, const CudaLayer& w) {
     const LayerPlan& p = m_.plan_;
     const MoeConfig& moe = m_.config_.moe;
     cuda::MoeArgs a;
@@ -614,6 +626,13 @@ class CudaModel::Ops {
     a.workspace = m_.moe_workspace_.get();
     a.workspace_bytes = m_.moe_workspace_.bytes();
     a.out = m_.proj_.get();
+    if (!m_.counted_layers_.empty()) {
+      const auto at = std::lower_bound(m_.counted_layers_.begin(), m_.counted_layers_.end(),
+                                       m_.plan_.layer_begin + i);
+      a.expert_counts = m_.expert_counts_.as<unsigned long long>() +
+                        (at - m_.counted_layers_.begin()) * moe.num_experts;
+      a.count_rows = slots_;  // padding rows (slot -1) are not counted
+    }
     return cuda::moe_forward(a, *m_.gemm_, st_);
   }
 
@@ -704,6 +723,7 @@ class CudaModel::Ops {
   bool unit_ = false;  // Gemma's norms scale by 1 + w (ModelConfig::norm_unit_offset)
   cudaStream_t st_ = nullptr;
   const int32_t* ids_ = nullptr;
+  const int64_t* slots_ = nullptr;  // the step's KV slots (-1: a padding row)
   const int32_t* lrows_ = nullptr;
   cuda::AttentionArgs a_;
   cuda::RopeCacheArgs r_;
@@ -725,6 +745,7 @@ Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* 
     pad_to = it != decode_sizes_.end() ? *it : static_cast<int64_t>(batch.size());
   }
   TESSERA_ASSIGN_OR_RETURN(StepPlan plan, stage(batch, pad_to, fills));
+  if (!counted_layers_.empty()) ++counted_steps_;
   if (decode) {
     cuda::SplitPlan sp =
         cuda::plan_attention_splits(static_cast<int>(plan.seqs), static_cast<int>(plan_.kv_heads),
@@ -845,6 +866,26 @@ Status CudaModel::size_kv_cache() {
   return Status::ok();
 }
 
+ExpertLoad CudaModel::expert_load() const {
+  ExpertLoad load;
+  if (counted_layers_.empty()) return load;
+  const size_t n = counted_layers_.size() * static_cast<size_t>(config_.moe.num_experts);
+  std::vector<unsigned long long> counts(n, 0);
+  // A snapshot while steps may run: each count only grows (atomic adds on the device).
+  if (cudaSetDevice(0) != cudaSuccess ||
+      cudaMemcpy(counts.data(), expert_counts_.get(), n * sizeof(unsigned long long),
+                 cudaMemcpyDeviceToHost) != cudaSuccess) {
+    spdlog::warn("could not read the expert counts from the GPU: {}",
+                 cudaGetErrorString(cudaGetLastError()));
+    return load;
+  }
+  load.num_experts = config_.moe.num_experts;
+  load.layers = counted_layers_;
+  load.tokens.assign(counts.begin(), counts.end());
+  load.steps = counted_steps_.load();
+  return load;
+}
+
 Status CudaModel::init_cache(int64_t blocks) {
   if (blocks < 1 || blocks > memory_.fit_blocks) {
     return invalid_argument("init_cache: " + std::to_string(blocks) + " KV blocks asked, " +
@@ -860,6 +901,13 @@ Status CudaModel::init_cache(int64_t blocks) {
   size_t free_a = 0, free_b = 0, total = 0;
   cudaMemGetInfo(&free_a, &total);
   TESSERA_RETURN_IF_ERROR(capture_graphs());
+  if (expert_counts_.bytes() > 0) {  // the profiling and warm-up steps routed dummy tokens
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(expert_counts_.get(), 0, expert_counts_.bytes(), stream_),
+        "clearing the expert counts");
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "clearing the expert counts");
+    counted_steps_ = 0;
+  }
   cudaMemGetInfo(&free_b, &total);
   memory_.graphs = free_a > free_b ? free_a - free_b : 0;
   const GpuMemoryReport& r = memory_;
@@ -881,8 +929,7 @@ Status CudaModel::init_cache(int64_t blocks) {
 Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config,
                                                        const LayerPlan& plan,
                                                        const ModelWeights& host_weights,
-                                                       StageComms comms,
-                                                       const EngineSpec& engine,
+                                                       StageComms comms, const EngineSpec& engine,
                                                        int gpu_shares) {
   TESSERA_RETURN_IF_ERROR(check_resolved(engine));
   TESSERA_ASSIGN_OR_RETURN(const QuantConfig quant,

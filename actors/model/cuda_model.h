@@ -14,6 +14,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -58,8 +59,7 @@ class CudaModel {
   static Expected<std::unique_ptr<CudaModel>> create(const ModelConfig& config,
                                                      const LayerPlan& plan,
                                                      const ModelWeights& host_weights,
-                                                     StageComms comms,
-                                                     const EngineSpec& engine,
+                                                     StageComms comms, const EngineSpec& engine,
                                                      int gpu_shares = 1);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
@@ -87,6 +87,9 @@ class CudaModel {
   cuda::GpuSampler* sampler() { return sampler_.get(); }
   // Decode batch sizes with a captured graph (empty with enforce_eager).
   std::vector<int64_t> graph_sizes() const;
+  // The routings this rank counted since init_cache (common/expert_load.h; empty when it does
+  // not count). Any thread.
+  ExpertLoad expert_load() const;
 
  private:
   struct Graph;
@@ -135,13 +138,18 @@ class CudaModel {
   cuda::DeviceBuffer shard_logits_;  // [T][max_num_seqs][vocab_shard] fp32 (T: tp ranks)
   cuda::DeviceBuffer logits_;        // [max_num_seqs][vocab] fp32
   cuda::DeviceBuffer attn_workspace_;
-  cuda::DeviceBuffer w4_workspace_;    // the int4 layers' (zeroed once; kernels/cuda/quant_gemm.h)
+  cuda::DeviceBuffer w4_workspace_;  // the int4 layers' (zeroed once; kernels/cuda/quant_gemm.h)
   // FP8 layers (kernels/cuda/fp8_linear.h): their GEMM, and the input of the one running, as the
   // norm / silu_mul / quantizer before it writes it: [max_tokens, widest FP8 input] E4M3 and
   // [max_tokens] fp32 row scales. Null / empty without FP8 layers.
   std::unique_ptr<cuda::Fp8Gemm> fp8_gemm_;
   cuda::DeviceBuffer fp8_act_, fp8_scales_;
-  cuda::DeviceBuffer moe_workspace_;   // MoE models: cuda::moe_forward's, for max_tokens_ rows
+  cuda::DeviceBuffer moe_workspace_;  // MoE models: cuda::moe_forward's, for max_tokens_ rows
+  // The routings counted per (MoE layer of counted_layers_, expert): [layers][num_experts]
+  // unsigned long long; empty on ranks that do not count (see allocate_buffers).
+  cuda::DeviceBuffer expert_counts_;
+  std::vector<int64_t> counted_layers_;  // model indices, ascending
+  std::atomic<uint64_t> counted_steps_{0};
   cuda::DeviceBuffer sampled_tokens_;  // tensor parallelism: [max_num_seqs] packed, [tp][...]
   // Step metadata: one device block and two pinned host images used in turn (a step is staged
   // while the one before runs, whose copies read their image when they run).

@@ -21,12 +21,6 @@ Expected<std::unique_ptr<ModelRunner>> ModelRunner::load(const LoadSpec& spec, S
         "--load-format dummy runs on the CUDA backend (--device cuda); the CPU backend reads "
         "the checkpoint");
   }
-  if (gpu && spec.parallel.expert_parallel) {
-    // Before any GPU check, so the reason is the same on every machine.
-    return failed_precondition(
-        "--enable-expert-parallel runs on the CPU backend for now (--device cpu); on GPUs the "
-        "experts are split over the tensor-parallel ranks (leave the flag off)");
-  }
 #ifdef TESSERA_WITH_CUDA
   if (gpu && !cuda_device_visible()) {
     return failed_precondition("--device cuda: this actor sees no GPU (CUDA_VISIBLE_DEVICES, "

@@ -60,8 +60,9 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
          "Layers per stage, e.g. 10,12,10 (default: even)")
       ->type_name("LIST");
   cmd->add_flag("--enable-expert-parallel", e.enable_expert_parallel,
-                "Mixture-of-experts models: whole experts on each tensor-parallel rank, tokens "
-                "sent to them by all-to-all (default: every expert split over the ranks)");
+                "Mixture-of-experts models: whole experts on each tensor-parallel rank (CPU: "
+                "tokens sent to them by all-to-all; CUDA: each rank runs its experts, the "
+                "all-reduce sums them) (default: every expert split over the ranks)");
   cmd->add_option("--dtype", e.dtype, "auto|bfloat16|float16|half|float32 (float32: cpu only)");
   cmd->add_option_function<std::string>(
          "--quantization,-q",

@@ -99,6 +99,24 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   }
 }
 
+// ---- expert counts ----
+
+constexpr int kCountThreads = 256;
+
+__global__ void __launch_bounds__(kCountThreads)
+    count_kernel(const int32_t* __restrict__ ids, int pairs, int top_k, int expert_begin,
+                 int local_experts, const int64_t* __restrict__ rows,
+                 unsigned long long* __restrict__ counts) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  const int p = blockIdx.x * kCountThreads + static_cast<int>(threadIdx.x);
+  if (p >= pairs) return;
+  if (rows != nullptr && rows[p / top_k] < 0) return;
+  const int e = ids[p];
+  if (e - expert_begin < 0 || e - expert_begin >= local_experts) return;
+  atomicAdd(counts + e, 1ull);
+}
+
 // ---- permutation ----
 
 constexpr int kPermuteThreads = 1024;
@@ -683,6 +701,27 @@ Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_
   return by_width(float{});
 }
 
+Status moe_count_experts(const int32_t* ids, int64_t tokens, int64_t top_k, int64_t expert_begin,
+                         int64_t local_experts, const int64_t* rows, unsigned long long* counts,
+                         cudaStream_t stream) {
+  if (tokens < 0 || top_k < 1 || top_k > kMaxTopK || expert_begin < 0 || local_experts < 1 ||
+      tokens * top_k > (int64_t{1} << 30) || counts == nullptr) {
+    return invalid_argument("moe_count_experts: tokens " + std::to_string(tokens) + ", top_k " +
+                            std::to_string(top_k) + ", experts [" + std::to_string(expert_begin) +
+                            ", +" + std::to_string(local_experts) + "), counts " +
+                            (counts != nullptr ? "set" : "missing"));
+  }
+  const int64_t pairs = tokens * top_k;
+  if (pairs == 0) return Status::ok();
+  const dim3 grid(static_cast<unsigned>((pairs + kCountThreads - 1) / kCountThreads));
+  TESSERA_CUDA_RETURN_IF_ERROR(
+      launch_pdl(count_kernel, grid, dim3(kCountThreads), 0, stream, ids, static_cast<int>(pairs),
+                 static_cast<int>(top_k), static_cast<int>(expert_begin),
+                 static_cast<int>(local_experts), rows, counts),
+      "moe_count_experts");
+  return launch_status("moe_count_experts");
+}
+
 Status moe_permute(const int32_t* ids, int64_t tokens, int64_t top_k, int64_t expert_begin,
                    int64_t local_experts, const MoePermutation& perm, cudaStream_t stream) {
   if (local_experts < 1 || local_experts > kMaxExperts || top_k < 1 || tokens < 0) {
@@ -892,6 +931,10 @@ Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(gemm.linear(router, a.x, a.router, nullptr, logits, stream));
   TESSERA_RETURN_IF_ERROR(
       moe_route(logits, a.dtype, T, a.num_experts, K, a.renormalize, ids, weights, stream));
+  if (a.expert_counts != nullptr) {
+    TESSERA_RETURN_IF_ERROR(moe_count_experts(ids, T, K, w.expert_begin, w.local_experts,
+                                              a.count_rows, a.expert_counts, stream));
+  }
   const bool gemv =
       a.path == MoePath::kGemv || (a.path == MoePath::kAuto && P <= kMoeGemvMaxPairs &&
                                    moe_down_smem_bytes(a.dtype, K, w.inter) <= kMaxDownSmem &&

@@ -60,6 +60,14 @@ Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_
                  int64_t top_k, bool renormalize, int32_t* ids, float* weights,
                  cudaStream_t stream);
 
+// counts[e] += the number of (token, slot) pairs routed to expert e, for the tokens t with
+// rows[t] >= 0 (rows null: every token) and the local experts [expert_begin, expert_begin +
+// local_experts) only. Atomic adds on the device: graph-capturable, no host synchronisation.
+//   ids: [tokens, top_k] int32 (moe_route's);  counts: [num_experts] (global expert index)
+Status moe_count_experts(const int32_t* ids, int64_t tokens, int64_t top_k, int64_t expert_begin,
+                         int64_t local_experts, const int64_t* rows, unsigned long long* counts,
+                         cudaStream_t stream);
+
 // Sorting of the (token, slot) pairs by expert, for this rank's experts [expert_begin,
 // expert_begin + local_experts). All device arrays; written by moe_permute.
 struct MoePermutation {
@@ -143,6 +151,10 @@ struct MoeArgs {
   void* workspace = nullptr;  // moe_workspace_bytes(...) of device memory
   uint64_t workspace_bytes = 0;
   void* out = nullptr;  // [tokens, hidden] dtype
+  // Expert balance (null: not counted): counts[e] += the routings of rows whose count_rows
+  // value is >= 0 to each local expert e (moe_count_experts, after the router).
+  unsigned long long* expert_counts = nullptr;  // [num_experts]
+  const int64_t* count_rows = nullptr;          // [tokens] (the step's KV slots: padding is -1)
 };
 
 // Device scratch moe_forward needs for up to `max_tokens` tokens.

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -191,6 +192,14 @@ std::vector<std::vector<int32_t>> generate(ModelRunner& r,
 struct Compare {
   double max_diff = 0, max_ref = 0;
   int agree = 0, steps = 0;
+  std::vector<double> step_diff;  // each step's max |logit diff|
+  // The median step's max |logit diff|.
+  double median_diff() const {
+    std::vector<double> d = step_diff;
+    if (d.empty()) return 0;
+    std::nth_element(d.begin(), d.begin() + d.size() / 2, d.end());
+    return d[d.size() / 2];
+  }
 };
 
 Compare teacher_forced(ModelRunner& cpu, ModelRunner& gpu, const std::vector<int32_t>& prompt,
@@ -207,10 +216,13 @@ Compare teacher_forced(ModelRunner& cpu, ModelRunner& gpu, const std::vector<int
     if (!rc || !rg) return c;
     EXPECT_EQ(lc.size(), static_cast<size_t>(vocab));
     EXPECT_EQ(lg.size(), static_cast<size_t>(vocab));
+    double step_max = 0;
     for (int64_t v = 0; v < vocab; ++v) {
-      c.max_diff = std::max(c.max_diff, static_cast<double>(std::fabs(lc[v] - lg[v])));
+      step_max = std::max(step_max, static_cast<double>(std::fabs(lc[v] - lg[v])));
       c.max_ref = std::max(c.max_ref, static_cast<double>(std::fabs(lc[v])));
     }
+    c.max_diff = std::max(c.max_diff, step_max);
+    c.step_diff.push_back(step_max);
     c.agree += rc->outputs[0].sample.token == rg->outputs[0].sample.token;
     ++c.steps;
     s.start_position += static_cast<int64_t>(s.tokens.size());
@@ -413,12 +425,26 @@ TEST_P(CudaMoeParityTest, LogitsTrackTheFp32CpuBackend) {
     for (int64_t len : {37, 300}) {
       // The prefills (74 and 600 pairs) take the grouped GEMM path, the decode steps GEMV.
       Compare c = teacher_forced(*cpu, *gpu, prompt_ids(len, 1), 16);
+      const double bound = 0.1 * c.max_ref + 2e-3;
+      const auto over = std::count_if(c.step_diff.begin(), c.step_diff.end(),
+                                      [&](double d) { return d > bound; });
       std::printf(
-          "[parity] %s (%s), %lld-token prompt: max |logit diff| GPU bf16 vs CPU fp32 = %.3e "
-          "(max |logit| %.3f, relative %.2e), greedy agreement %d/%d\n",
+          "[parity] %s (%s), %lld-token prompt: max |logit diff| GPU bf16 vs CPU fp32 = %.3e, "
+          "median step %.3e, %lld of %d steps over %.3e (max |logit| %.3f), greedy agreement "
+          "%d/%d\n",
           GetParam().c_str(), eager ? "eager" : "CUDA graphs", static_cast<long long>(len),
-          c.max_diff, c.max_ref, c.max_diff / c.max_ref, c.agree, c.steps);
-      EXPECT_LE(c.max_diff, 0.1 * c.max_ref + 2e-3);
+          c.max_diff, c.median_diff(), static_cast<long long>(over), c.steps, bound, c.max_ref,
+          c.agree, c.steps);
+      // Routing is discrete: where bf16 noise in a layer's input moves an expert across the
+      // top-k edge (a near-tie: the tiny models route 4 experts by random 64-wide routers), that
+      // token's MLP output is another expert's, and the logits of that step and of the steps
+      // that attend to it move by O(1), however right the kernels are (the kernels' own
+      // near-tie check is cuda_moe_test's route_agrees; Qwen3-30B-A3B's widths match
+      // transformers in bf16 with near-ties only: gpu-check's parity_qwen3_30b_a3b_4l). So the
+      // bound holds for the median step and for all but a quarter of the steps: a wrong layer
+      // moves every step.
+      EXPECT_LE(c.median_diff(), bound);
+      EXPECT_LE(over, c.steps / 4);
       EXPECT_GE(c.agree, c.steps - 2);
     }
   }
@@ -458,6 +484,51 @@ INSTANTIATE_TEST_SUITE_P(MoeArchitectures, CudaMoeParityTest,
 
 // An MoE model's weights count every expert: the report's weight bytes are what LayerPlan says
 // this rank holds (the planner's figure), so the KV cache is sized after them.
+// The expert balance on the GPU: the routings of every real token (prefill and decode, not the
+// rows a decode graph pads its batch with) per MoE layer, as the CPU backend counts them for the
+// same steps (equal totals; per expert up to a few near-tie flips: cuda_moe_test's route_agrees).
+TEST(CudaModelTest, ExpertCountsAreTheRoutingsOfRealTokens) {
+  require_gpu();
+  const std::string dir = tiny_model("qwen3_moe");
+  const std::vector<std::vector<int32_t>> prompts = {prompt_ids(5, 1), prompt_ids(17, 2),
+                                                     prompt_ids(30, 3)};
+  const int steps = 6;  // the decode steps run a batch of 3 through the graph for 4
+  const int64_t tokens = 5 + 17 + 30 + (steps - 1) * 3;
+  ExpertLoad loads[2];
+  int64_t top_k = 0;
+  for (int k = 0; k < 2; ++k) {
+    auto r = load(spec_for(dir, k == 0 ? "cpu" : "cuda"));
+    ASSERT_TRUE(r);
+    top_k = r->config().moe.top_k;
+    const ExpertLoad before = r->expert_load();
+    for (uint64_t n : before.tokens) EXPECT_EQ(n, 0u) << "counted before any request";
+    generate(*r, prompts, steps, nullptr);
+    loads[k] = r->expert_load();
+  }
+  const ExpertLoad &cpu = loads[0], &gpu = loads[1];
+  ASSERT_FALSE(gpu.empty());
+  EXPECT_EQ(gpu.layers, cpu.layers);
+  ASSERT_EQ(gpu.num_experts, cpu.num_experts);
+  ASSERT_EQ(gpu.tokens.size(), cpu.tokens.size());
+  EXPECT_GE(gpu.steps, static_cast<uint64_t>(steps));
+  const size_t E = static_cast<size_t>(gpu.num_experts);
+  for (size_t l = 0; l < gpu.layers.size(); ++l) {
+    uint64_t sum_gpu = 0, sum_cpu = 0, l1 = 0;
+    for (size_t e = 0; e < E; ++e) {
+      const uint64_t g = gpu.tokens[l * E + e], c = cpu.tokens[l * E + e];
+      sum_gpu += g;
+      sum_cpu += c;
+      l1 += g > c ? g - c : c - g;
+    }
+    std::printf("[experts] layer %lld: GPU %llu routings, CPU %llu, |difference| %llu\n",
+                static_cast<long long>(gpu.layers[l]), static_cast<unsigned long long>(sum_gpu),
+                static_cast<unsigned long long>(sum_cpu), static_cast<unsigned long long>(l1));
+    EXPECT_EQ(sum_gpu, static_cast<uint64_t>(tokens * top_k)) << "layer " << gpu.layers[l];
+    EXPECT_EQ(sum_cpu, static_cast<uint64_t>(tokens * top_k)) << "layer " << gpu.layers[l];
+    EXPECT_LE(l1, 8u) << "layer " << gpu.layers[l] << ": more than four routings moved";
+  }
+}
+
 TEST(CudaModelTest, MoeWeightBytesCountEveryExpert) {
   require_gpu();
   const std::string dir = tiny_model("qwen2_moe");

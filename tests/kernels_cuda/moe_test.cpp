@@ -390,6 +390,48 @@ std::vector<bool> route_agrees(const Layer& l, Gemm& gemm, const cpu::MoeRoute& 
   return agree;
 }
 
+// moe_count_experts adds each real row's routings to its local experts: a row marked -1 (a
+// decode graph's padding) and experts outside the range are not counted; counts accumulate.
+TEST(MoeCountTest, CountsTheLocalRoutingsOfRealRows) {
+  REQUIRE_CUDA_DEVICE();
+  const int64_t tokens = 300, top_k = 3, experts = 10, begin = 2, local = 5;
+  std::vector<int32_t> ids(tokens * top_k);
+  std::vector<int64_t> rows(tokens);
+  for (int64_t t = 0; t < tokens; ++t) {
+    rows[t] = t % 7 == 3 ? -1 : t * 16;
+    for (int64_t k = 0; k < top_k; ++k)
+      ids[t * top_k + k] = static_cast<int32_t>((t * 5 + k * 3) % experts);
+  }
+  std::vector<unsigned long long> want(experts, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (rows[t] < 0) continue;
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int32_t e = ids[t * top_k + k];
+      if (e >= begin && e < begin + local) want[e] += 2;  // counted twice below
+    }
+  }
+  auto d_ids = DeviceBuffer::allocate(ids.size() * 4, "ids");
+  auto d_rows = DeviceBuffer::allocate(rows.size() * 8, "rows");
+  auto d_counts = DeviceBuffer::allocate(experts * 8, "counts");
+  ASSERT_TRUE(d_ids && d_rows && d_counts);
+  ASSERT_EQ(cudaMemcpy(d_ids->get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_rows->get(), rows.data(), rows.size() * 8, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemset(d_counts->get(), 0, experts * 8), cudaSuccess);
+  auto* counts = static_cast<unsigned long long*>(d_counts->get());
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(moe_count_experts(static_cast<const int32_t*>(d_ids->get()), tokens, top_k, begin,
+                                  local, static_cast<const int64_t*>(d_rows->get()), counts,
+                                  nullptr)
+                    .is_ok());
+  }
+  std::vector<unsigned long long> got(experts);
+  ASSERT_EQ(cudaMemcpy(got.data(), counts, experts * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, want);
+  EXPECT_FALSE(moe_count_experts(nullptr, 1, 2, 0, 4, nullptr, nullptr, nullptr).is_ok());
+}
+
 class MoeLayerTest : public ::testing::TestWithParam<LayerCase> {};
 
 TEST_P(MoeLayerTest, BothPathsTrackTheCpuReference) {
@@ -413,7 +455,11 @@ TEST_P(MoeLayerTest, BothPathsTrackTheCpuReference) {
   ASSERT_TRUE(gemm);
   const std::vector<bool> agree = route_agrees(l, **gemm, *route);
   const int64_t agreeing = std::count(agree.begin(), agree.end(), true);
-  EXPECT_GE(agreeing, c.tokens - std::max<int64_t>(1, c.tokens / 5)) << "near-ties";
+  // route_agrees asserts that every token routed differently is a near-tie (the GPU's expert
+  // within bf16 rounding of the CPU's k-th logit): that is the check. With 128 experts, 7 tokens
+  // and bf16 logits, two near-ties among 7 happen (seen on the H200); a count bound would only
+  // measure luck. At least half must agree, so the output comparison below is not vacuous.
+  EXPECT_GE(agreeing, (c.tokens + 1) / 2) << "near-ties";
   float max_ref = 0.0f;
   for (float v : ref) max_ref = std::max(max_ref, std::fabs(v));
   ASSERT_GT(max_ref, 0.0f);
