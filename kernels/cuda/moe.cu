@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kGemmThreads)
 // Then the block combines them (kernels/cpu/moe.h's order: slots by expert, each product
 // rounded, summed in the run dtype; + the shared expert's gated row) through shared memory: the
 // y rows the grouped path stores never exist. The activation rows are staged in shared memory
-// once (top_k x inter, up to kMaxDownSmem: wider layers take the grouped path). The blocks
+// once (top_k x inter, up to kMaxGemvSmem: wider layers take the grouped path). The blocks
 // start while gate_up still runs (gate_up calls pdl_launch_dependents after its own pdl_wait,
 // so the router's ids are final by then): they read the ids and order the slots before they
 // wait for the activations.
@@ -370,9 +370,17 @@ constexpr int kGemvWarps = 8;
 constexpr int kGateUpOuts = 2;  // outputs per warp: 2 gate + 2 up rows
 constexpr int kGateUpRows = 2 * kGateUpOuts;
 constexpr int kSlotRows = 8;  // output rows of one expert a down warp reads
-// The down kernel's shared memory: the token's activation rows (top_k x inter).
-constexpr size_t kMaxDownSmem = 200 * 1024;
-size_t moe_down_smem_bytes(DType dtype, int64_t top_k, int64_t inter) {
+// Lets `kernel` take `smem` bytes of dynamic shared memory (past the 48 KiB default).
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem));
+}
+// The GEMV kernels' shared memory: gate_up's input row (1 x hidden), down's activation rows
+// (top_k x inter).
+constexpr size_t kMaxGemvSmem = 200 * 1024;
+size_t moe_gemv_smem_bytes(DType dtype, int64_t top_k, int64_t inter) {
   return static_cast<size_t>(top_k * inter) * dtype_size(dtype);
 }
 
@@ -792,18 +800,15 @@ Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t 
                   static_cast<unsigned>(pairs));
   cudaError_t err = cudaSuccess;
   const size_t smem = static_cast<size_t>(w.hidden) * dtype_size(dtype);
-  if (smem > kMaxDownSmem) {
+  if (smem > kMaxGemvSmem) {
     return invalid_argument("moe_gemv_gate_up: hidden " + std::to_string(w.hidden) +
                             " exceeds the shared memory for the input row");
   }
   dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto kernel = gemv_gate_up_kernel<T>;
-    if (smem > 48 * 1024) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem));
-      if (err != cudaSuccess) return;
-    }
+    err = allow_smem(kernel, smem);
+    if (err != cudaSuccess) return;
     err = launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(x),
                      ids, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
                      static_cast<int>(w.local_experts), static_cast<const T*>(w.gate_up),
@@ -828,11 +833,11 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
   }
   if (tokens <= 0) return Status::ok();
   if (tokens > 65535) return invalid_argument("moe_gemv_down_combine: more than 65535 tokens");
-  const size_t smem = moe_down_smem_bytes(dtype, top_k, w.inter);
-  if (smem > kMaxDownSmem) {
+  const size_t smem = moe_gemv_smem_bytes(dtype, top_k, w.inter);
+  if (smem > kMaxGemvSmem) {
     return invalid_argument("moe_gemv_down_combine: top_k x inter = " + std::to_string(top_k) +
                             " x " + std::to_string(w.inter) + " activations exceed " +
-                            std::to_string(kMaxDownSmem) + " bytes of shared memory");
+                            std::to_string(kMaxGemvSmem) + " bytes of shared memory");
   }
   const dim3 grid(static_cast<unsigned>((w.hidden + kSlotRows - 1) / kSlotRows),
                   static_cast<unsigned>(tokens));
@@ -840,11 +845,8 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
   dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto kernel = gemv_down_combine_kernel<T>;
-    if (smem > 48 * 1024) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem));
-      if (err != cudaSuccess) return;
-    }
+    err = allow_smem(kernel, smem);
+    if (err != cudaSuccess) return;
     err = launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(act),
                      ids, weights, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
                      static_cast<int>(w.local_experts), static_cast<const T*>(w.down),
@@ -937,8 +939,8 @@ Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
   }
   const bool gemv =
       a.path == MoePath::kGemv || (a.path == MoePath::kAuto && P <= kMoeGemvMaxPairs &&
-                                   moe_down_smem_bytes(a.dtype, K, w.inter) <= kMaxDownSmem &&
-                                   moe_down_smem_bytes(a.dtype, 1, H) <= kMaxDownSmem);
+                                   moe_gemv_smem_bytes(a.dtype, K, w.inter) <= kMaxGemvSmem &&
+                                   moe_gemv_smem_bytes(a.dtype, 1, H) <= kMaxGemvSmem);
   if (gemv) {
     // moe_gemv_down_combine reads the ids early: moe_gemv_gate_up must be the kernel before it.
     TESSERA_RETURN_IF_ERROR(moe_gemv_gate_up(a.dtype, a.x, ids, T, K, w, act, stream));
