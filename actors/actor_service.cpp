@@ -57,6 +57,47 @@ class ActorImpl final : public proto::Actor::Server {
         });
   }
 
+  kj::Promise<void> commCheck(CommCheckContext context) override {
+    auto p = context.getParams();
+    return service_
+        .comm_check(from_proto(p.getSpec()), p.getBytes(), static_cast<int>(p.getIterations()))
+        .then([context](Expected<std::vector<ActorService::GroupCheck>>&& checks) mutable {
+          if (!checks) rpc::throw_status(checks.status());
+          auto list = context.getResults().initGroups(static_cast<unsigned>(checks->size()));
+          for (size_t i = 0; i < checks->size(); ++i) {
+            const auto& c = (*checks)[i];
+            auto b = list[static_cast<unsigned>(i)];
+            b.setGroup(c.group);
+            b.setRanks(static_cast<uint32_t>(c.ranks));
+            b.setBytes(c.result.bytes);
+            b.setIterations(static_cast<uint32_t>(c.result.iterations));
+            b.setMedianUs(c.result.median_us);
+            b.setBusBandwidthGbps(c.result.busbw_gbps);
+          }
+        });
+  }
+
+  kj::Promise<void> p2pCheck(P2pCheckContext context) override {
+    uint64_t bytes = context.getParams().getBytes();
+    if (bytes == 0 || bytes > (1ull << 30)) {
+      rpc::throw_status(invalid_argument("a P2P check copies 1 B to 1 GiB"));
+    }
+    auto copies = comm::run_p2p_check(bytes);
+    if (!copies) rpc::throw_status(copies.status());
+    auto list = context.getResults().initCopies(static_cast<unsigned>(copies->size()));
+    for (size_t i = 0; i < copies->size(); ++i) {
+      const auto& c = (*copies)[i];
+      auto b = list[static_cast<unsigned>(i)];
+      b.setSrc(static_cast<uint32_t>(c.src));
+      b.setDst(static_cast<uint32_t>(c.dst));
+      b.setPeerAccess(c.peer_access);
+      b.setOk(c.ok);
+      b.setGbps(c.gbps);
+      b.setError(c.error);
+    }
+    return kj::READY_NOW;
+  }
+
   kj::Promise<void> loadProgress(LoadProgressContext context) override {
     auto [done, total] = service_.load_progress();
     context.getResults().setBytesDone(done);
@@ -133,6 +174,10 @@ Expected<ActorService::PreparedComm> ActorService::prepare_comm(const std::strin
 
 kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
   using Loaded = Expected<std::unique_ptr<ModelRunner>>;
+  if (comms_used_) {
+    return Expected<ModelInfo>(
+        failed_precondition("this actor ran a collective check: load on a fresh actor"));
+  }
   if (runner_ || load_thread_.joinable()) {
     return Expected<ModelInfo>(failed_precondition(
         runner_ ? "a model is loaded already: start a new actor" : "a model is loading already"));
@@ -176,6 +221,54 @@ kj::Promise<Expected<ModelInfo>> ActorService::load_model(LoadSpec spec) {
           .fork();
   auto branch = done.addBranch();
   load_done_ = kj::mv(done);
+  return branch;
+}
+
+kj::Promise<Expected<std::vector<ActorService::GroupCheck>>> ActorService::comm_check(
+    LoadSpec spec, uint64_t bytes, int iterations) {
+  using Checks = Expected<std::vector<GroupCheck>>;
+  if (runner_ || load_thread_.joinable() || comms_used_) {
+    return Checks(failed_precondition(
+        "this actor's collectives are in use already: a check runs on a fresh actor"));
+  }
+  if (!comms_ || spec.parallel.world_size() < 2) {
+    return Checks(failed_precondition("a collective check needs prepareComm and two ranks"));
+  }
+  if (bytes > (1ull << 30) || iterations < 1 || iterations > 1000) {
+    return Checks(invalid_argument("a check all-reduces 4 B to 1 GiB, 1 to 1000 times"));
+  }
+  comms_used_ = true;
+  auto paf = kj::newPromiseAndCrossThreadFulfiller<Checks>();
+  auto fulfiller =
+      std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<Checks>>>(kj::mv(paf.fulfiller));
+  load_thread_ = std::thread([this, spec, bytes, iterations, fulfiller]() {
+    Checks checks = [&]() -> Checks {
+      TESSERA_RETURN_IF_ERROR(comms_->join(spec));
+      const bool device = comms_->backend() != CommBackend::kTcp;
+      std::vector<GroupCheck> out;
+      const StageComms stage = comms_->stage();
+      for (auto [name, group] :
+           {std::pair<const char*, comm::Communicator*>{"tensor-parallel", stage.tp},
+            {"pipeline", stage.pp}}) {
+        if (group == nullptr) continue;
+        auto r = comm::run_comm_check(*group, bytes, iterations, device);
+        if (!r) return r.status().with_context(std::string("the ") + name + " group");
+        out.push_back({name, group->size(), *r});
+      }
+      return out;
+    }();
+    (*fulfiller)->fulfill(std::move(checks));
+  });
+  auto done = paf.promise
+                  .then([this](Checks&& checks) {
+                    load_thread_.join();
+                    if (!checks) spdlog::error("collective check: {}", checks.status().message());
+                    return kj::mv(checks);
+                  })
+                  .eagerlyEvaluate(nullptr)
+                  .fork();
+  auto branch = done.addBranch();
+  check_done_ = kj::mv(done);
   return branch;
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "actors/comm/comm_check.h"
 #include "actors/comm/rank_comms.h"
 #include "actors/cuda_probe.h"
 #include "actors/model/model_runner.h"
@@ -52,6 +53,17 @@ class ActorService {
   // Loads on a thread of its own (joining the collective groups, then the weights): this
   // actor's loop keeps answering health and loadProgress calls meanwhile. Resolves on the loop.
   kj::Promise<Expected<ModelInfo>> load_model(LoadSpec spec);
+  // `tessera doctor`: joins the groups `spec` names (as load_model would, bounded by its init
+  // timeout) and all-reduces `bytes` `iterations` times through each group of several ranks
+  // (tensor-parallel, then pipeline), checking every sum. Uses the actor's collectives up: a
+  // model cannot be loaded after it.
+  struct GroupCheck {
+    std::string group;  // "tensor-parallel" or "pipeline"
+    int ranks = 0;
+    comm::CommCheckResult result;
+  };
+  kj::Promise<Expected<std::vector<GroupCheck>>> comm_check(LoadSpec spec, uint64_t bytes,
+                                                            int iterations);
   // Weight bytes in place and in all while a load runs (and after it).
   std::pair<uint64_t, uint64_t> load_progress() const;
   Expected<ModelInfo> init_cache(int64_t blocks);
@@ -96,6 +108,9 @@ class ActorService {
   // caller that goes away mid-load (the driver died, the call was cancelled) must not leave
   // load_thread_ unjoined and the actor refusing every later load as "still loading".
   kj::Maybe<kj::ForkedPromise<Expected<ModelInfo>>> load_done_;
+  // The same for a collective check, which also runs on load_thread_.
+  kj::Maybe<kj::ForkedPromise<Expected<std::vector<GroupCheck>>>> check_done_;
+  bool comms_used_ = false;  // a collective check joined comms_: no model may load
   kj::ForkedPromise<void> shutdown_;
   kj::Own<kj::PromiseFulfiller<void>> shutdown_fulfiller_;
 };

@@ -48,6 +48,7 @@ struct NodeResources {
   // Symmetric, with kSelf on the diagonal.
   std::vector<GpuLink> links;
   std::string driver_version;  // "580.159.04"; empty without NVML
+  std::string cuda_version;    // the newest CUDA the driver supports, "13.0"; empty without NVML
   // Empty when every NVML query succeeded. Otherwise why there are no GPUs ("no NVIDIA driver:
   // libnvidia-ml.so.1 not found") or which queries failed, one per line.
   std::string gpu_note;

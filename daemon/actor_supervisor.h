@@ -97,6 +97,8 @@ class ActorSupervisor final : private kj::TaskSet::ErrorHandler {
   ActorSupervisor(const ActorSupervisor&) = delete;
   ActorSupervisor& operator=(const ActorSupervisor&) = delete;
 
+  const SupervisorConfig& config() const { return config_; }
+
   // Called once for each actor that dies (after it is marked dead), however it died.
   void set_death_handler(std::function<void(const ActorRecord&)> handler);
 

@@ -166,6 +166,26 @@ class ClusterImpl final : public proto::Cluster::Server {
     context.getResults().setNode(registry_.drain(p.getNode().cStr(), p.getUndo()));
     return kj::READY_NOW;
   }
+  kj::Promise<void> stopCluster(StopClusterContext context) override {
+    // The caller proved the cluster token before it got this capability (protocol/rpc.h).
+    std::string reason = context.getParams().getReason().cStr();
+    if (reason.size() > 200) reason.resize(200);
+    if (reason.empty()) reason = "tessera stop --all";
+    if (!registry_.stop_handler()) {
+      rpc::throw_status(failed_precondition("this head cannot be stopped remotely"));
+    }
+    spdlog::info("stopping the cluster: {}", reason);
+    std::weak_ptr<int> alive = alive_;
+    return registry_.stop_members(reason, 5 * kj::SECONDS)
+        .then([this, alive, reason, context](std::vector<std::string> ids) mutable {
+          if (alive.expired()) return;
+          auto out =
+              context.getResults().initStopped(static_cast<unsigned>(registry_.stopped_size(ids)));
+          registry_.fill_stopped(ids, out);
+          // The daemon lets this reply leave before it tears connections down.
+          registry_.stop_handler()(reason);
+        });
+  }
 
  private:
   ClusterRegistry& registry_;
@@ -373,6 +393,78 @@ Status ClusterRegistry::admits_actors(const std::string& node_id) const {
 
 proto::Node::Client ClusterRegistry::guarded(const std::string& node_id, proto::Node::Client node) {
   return capnp::membrane(kj::mv(node), kj::refcounted<DrainGuard>(*this, alive_, node_id));
+}
+
+kj::Promise<std::vector<std::string>> ClusterRegistry::stop_members(const std::string& reason,
+                                                                    kj::Duration timeout) {
+  auto& timer = io_.provider->getTimer();
+  kj::Vector<kj::Promise<std::string>> calls;
+  for (auto& [id, m] : members_) {
+    if (!m->alive || m->local) continue;
+    auto req = m->node.shutdownRequest();
+    req.setReason(reason);
+    std::string node_id = id, label = m->label();
+    calls.add(timer.timeoutAfter(timeout, req.send().ignoreResult())
+                  .then(
+                      [node_id, label]() {
+                        spdlog::info("node {} accepted the shutdown request", label);
+                        return node_id;
+                      },
+                      [label](kj::Exception&& e) {
+                        spdlog::warn("could not stop node {}: {}", label,
+                                     rpc::to_status(e).message());
+                        return std::string();
+                      }));
+  }
+  auto deadline = timer.now() + 2 * timeout;
+  std::weak_ptr<int> alive = alive_;
+  return kj::joinPromises(calls.releaseAsArray())
+      .then([this, alive, deadline](kj::Array<std::string> answered) {
+        std::vector<std::string> ids;
+        for (auto& id : answered) {
+          if (!id.empty()) ids.push_back(id);
+        }
+        if (alive.expired()) return kj::Promise<std::vector<std::string>>(ids);
+        return wait_gone(ids, deadline).then([ids]() { return ids; });
+      });
+}
+
+kj::Promise<void> ClusterRegistry::wait_gone(std::vector<std::string> ids, kj::TimePoint deadline) {
+  auto& timer = io_.provider->getTimer();
+  bool all_gone = true;
+  for (const auto& id : ids) {
+    auto it = members_.find(id);
+    if (it != members_.end() && it->second->alive && it->second->lost_since == nullptr) {
+      all_gone = false;
+    }
+  }
+  if (all_gone || timer.now() >= deadline) return kj::READY_NOW;
+  std::weak_ptr<int> alive = alive_;
+  return timer.afterDelay(20 * kj::MILLISECONDS)
+      .then([this, alive, ids = std::move(ids), deadline]() mutable -> kj::Promise<void> {
+        if (alive.expired()) return kj::READY_NOW;
+        return wait_gone(std::move(ids), deadline);
+      });
+}
+
+size_t ClusterRegistry::stopped_size(const std::vector<std::string>& ids) const {
+  size_t n = 0;
+  for (const auto& id : ids) n += members_.count(id);
+  for (const auto& [id, m] : members_) n += m->local ? 1 : 0;
+  return n;
+}
+
+void ClusterRegistry::fill_stopped(const std::vector<std::string>& ids,
+                                   capnp::List<proto::NodeInfo>::Builder out) {
+  unsigned i = 0;
+  for (const auto& id : ids) {
+    auto it = members_.find(id);
+    if (it != members_.end() && i < out.size())
+      out.setWithCaveats(i++, it->second->info.asReader());
+  }
+  for (const auto& [id, m] : members_) {
+    if (m->local && i < out.size()) out.setWithCaveats(i++, m->info.asReader());
+  }
 }
 
 uint64_t ClusterRegistry::subscribe(proto::ClusterListener::Client listener) {

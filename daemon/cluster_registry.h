@@ -22,9 +22,11 @@
 #include <kj/async-io.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "daemon/node_defaults.h"
@@ -77,12 +79,27 @@ class ClusterRegistry final : private kj::TaskSet::ErrorHandler {
   uint64_t subscribe(proto::ClusterListener::Client listener);
   void unsubscribe(uint64_t id);
 
+  // `tessera stop --all`: asks every live member to shut down (Node.shutdown, each bounded by
+  // `timeout`) and waits, up to `timeout` more, for them to leave or drop their connection.
+  // Resolves to the ids of the members that took the request; never rejects.
+  kj::Promise<std::vector<std::string>> stop_members(const std::string& reason,
+                                                     kj::Duration timeout);
+  // Fills `out` with the infos of `ids` (members still known) and then the head's own node.
+  void fill_stopped(const std::vector<std::string>& ids, capnp::List<proto::NodeInfo>::Builder out);
+  size_t stopped_size(const std::vector<std::string>& ids) const;
+  // How the head stops itself after stopCluster has replied (the daemon's graceful stop).
+  void set_stop_handler(std::function<void(const std::string& why)> handler) {
+    stop_handler_ = std::move(handler);
+  }
+  const std::function<void(const std::string&)>& stop_handler() const { return stop_handler_; }
+
   const RegistryConfig& config() const { return config_; }
   size_t alive_count() const;
 
  private:
   struct Member;
   kj::Promise<void> check_loop();
+  kj::Promise<void> wait_gone(std::vector<std::string> ids, kj::TimePoint deadline);
   void notify(bool added, const Member& member);
   void taskFailed(kj::Exception&& exception) override;
 
@@ -90,6 +107,7 @@ class ClusterRegistry final : private kj::TaskSet::ErrorHandler {
   RegistryConfig config_;
   std::map<std::string, std::unique_ptr<Member>> members_;
   std::map<uint64_t, proto::ClusterListener::Client> listeners_;
+  std::function<void(const std::string&)> stop_handler_;
   uint64_t next_id_ = 1;
   kj::TimePoint last_check_ = kj::origin<kj::TimePoint>();
   // Expires with the registry: sessions and subscriptions released later must not call back.

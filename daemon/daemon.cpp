@@ -147,10 +147,20 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
   auto paf = kj::newPromiseAndFulfiller<std::string>();
   d.shutdown_fulfiller = kj::mv(paf.fulfiller);
   d.shutdown_promise = paf.promise.fork();
+  // Node.shutdown and Cluster.stopCluster (`tessera stop --all`) stop the daemon the way
+  // SIGTERM does: run() lets the reply leave, leaves the cluster, reaps the actors.
+  auto* stopping = &d;
+  auto stop = [stopping](const std::string& why) {
+    if (stopping->shutdown_fulfiller && stopping->shutdown_fulfiller->isWaiting()) {
+      stopping->shutdown_fulfiller->fulfill(std::string(why));
+    }
+  };
+  d.node->set_shutdown_handler(stop);
 
   if (c.head) {
     d.registry =
         std::make_unique<ClusterRegistry>(io, RegistryConfig{c.heartbeat_ms, c.missed_beats});
+    d.registry->set_stop_handler(stop);
   }
   rpc::Endpoint endpoint;
   endpoint.role = c.head ? proto::Role::HEAD : proto::Role::NODE;

@@ -1,9 +1,14 @@
 #include "daemon/node_service.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 
 #include "common/shm_ring.h"
@@ -275,6 +280,49 @@ class LeaseImpl final : public proto::Lease::Server {
 
 // ---- Node ---------------------------------------------------------------------------------
 
+struct PeerResult {
+  std::string address;
+  bool reachable = false;
+  double connect_ms = 0;
+  std::string error;
+};
+
+// A TCP connect to `address` ("host:port"), bounded by `timeout_ms`; never rejects.
+kj::Promise<PeerResult> reach(kj::AsyncIoContext& io, const std::string& address,
+                              uint32_t timeout_ms) {
+  auto start = std::chrono::steady_clock::now();
+  auto elapsed_ms = [start] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+        .count();
+  };
+  auto connect = io.provider->getNetwork()
+                     .parseAddress(address)
+                     .then([](kj::Own<kj::NetworkAddress> a) {
+                       auto connecting = a->connect();
+                       return connecting.attach(kj::mv(a));
+                     })
+                     .then([](kj::Own<kj::AsyncIoStream>) {});
+  return io.provider->getTimer()
+      .timeoutAfter(timeout_ms * kj::MILLISECONDS, kj::mv(connect))
+      .then(
+          [address, elapsed_ms]() {
+            return PeerResult{address, true, elapsed_ms(), ""};
+          },
+          [address, elapsed_ms](kj::Exception&& e) {
+            return PeerResult{address, false, elapsed_ms(), rpc::to_status(e).message()};
+          });
+}
+
+// Free bytes of the file system holding `path` for an unprivileged user (statvfs f_bavail).
+Expected<std::pair<uint64_t, uint64_t>> space_of(const std::string& path) {
+  struct statvfs s {};
+  if (::statvfs(path.c_str(), &s) != 0) {
+    return not_found("cannot read the file system of " + path + ": " + std::strerror(errno));
+  }
+  return std::make_pair(static_cast<uint64_t>(s.f_blocks) * s.f_frsize,
+                        static_cast<uint64_t>(s.f_bavail) * s.f_frsize);
+}
+
 class NodeImpl final : public proto::Node::Server {
  public:
   explicit NodeImpl(NodeService& node) : node_(node) {}
@@ -302,6 +350,44 @@ class NodeImpl final : public proto::Node::Server {
     auto records = node_.actors().list();
     fill_actor_list(records, node_.identity().node_id,
                     context.getResults().initActors(static_cast<unsigned>(records.size())));
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> doctor(DoctorContext context) override {
+    auto request = context.getParams().getRequest();
+    std::vector<std::string> peers;
+    for (auto p : request.getPeers()) peers.emplace_back(p.cStr());
+    if (peers.size() > 1024) rpc::throw_status(invalid_argument("more than 1024 peers"));
+    uint32_t timeout_ms = std::clamp<uint32_t>(request.getConnectTimeoutMs(), 100, 30000);
+    std::string disk_path = request.getDiskPath().cStr();
+    kj::Vector<kj::Promise<PeerResult>> reaches;
+    for (auto& p : peers) reaches.add(reach(node_.io(), p, timeout_ms));
+    return kj::joinPromises(reaches.releaseAsArray())
+        .then([this, context, disk_path](kj::Array<PeerResult> results) mutable {
+          auto out = context.getResults().initCheck();
+          node_.fill_node_check(disk_path, out);
+          auto list = out.initPeers(static_cast<unsigned>(results.size()));
+          for (size_t i = 0; i < results.size(); ++i) {
+            auto b = list[static_cast<unsigned>(i)];
+            b.setAddress(results[i].address);
+            b.setReachable(results[i].reachable);
+            b.setConnectMs(results[i].connect_ms);
+            b.setError(results[i].error);
+          }
+        });
+  }
+
+  kj::Promise<void> shutdown(ShutdownContext context) override {
+    // The caller proved the cluster token before it got this capability (protocol/rpc.h).
+    std::string reason = context.getParams().getReason().cStr();
+    if (reason.empty()) reason = "a shutdown request";
+    if (reason.size() > 200) reason.resize(200);
+    if (!node_.shutdown_handler()) {
+      rpc::throw_status(failed_precondition("this node cannot be stopped remotely"));
+    }
+    spdlog::info("shutdown requested over RPC: {}", reason);
+    // The daemon replies first: it tears connections down only after a short delay.
+    node_.shutdown_handler()(reason);
     return kj::READY_NOW;
   }
 
@@ -359,6 +445,47 @@ void NodeService::fill_info(proto::NodeInfo::Builder out) {
   out.setLastHeartbeatMs(now_ms());
   out.setSessionDir(identity_.session_dir);
   out.setPid(::getpid());
+}
+
+void NodeService::fill_node_check(const std::string& disk_path, proto::NodeCheck::Builder out) {
+  out.setWallClockMs(now_ms());
+  const std::string shm = "/dev/shm";
+  out.setShmPath(shm);
+  if (auto space = space_of(shm)) {
+    out.setShmTotal(space->first);
+    out.setShmFree(space->second);
+  }
+  struct rlimit files {};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    out.setNofileSoft(files.rlim_cur == RLIM_INFINITY ? UINT64_MAX : files.rlim_cur);
+    out.setNofileHard(files.rlim_max == RLIM_INFINITY ? UINT64_MAX : files.rlim_max);
+  }
+  const std::string disk = disk_path.empty() ? identity_.session_dir : disk_path;
+  out.setDiskPath(disk);
+  if (auto space = space_of(disk)) {
+    out.setDiskFree(space->second);
+  } else {
+    out.setDiskError(space.status().message());
+  }
+  std::vector<std::pair<std::string, std::string>> nccl;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    std::string entry = *e;
+    if (entry.rfind("NCCL_", 0) != 0) continue;
+    auto eq = entry.find('=');
+    if (eq == std::string::npos) continue;
+    nccl.emplace_back(entry.substr(0, eq), entry.substr(eq + 1));
+  }
+  std::sort(nccl.begin(), nccl.end());
+  auto env = out.initNcclEnv(static_cast<unsigned>(nccl.size()));
+  for (size_t i = 0; i < nccl.size(); ++i) {
+    env[static_cast<unsigned>(i)].setName(nccl[i].first);
+    env[static_cast<unsigned>(i)].setValue(nccl[i].second);
+  }
+  const std::string actor = actors_.config().bin_dir + "/tessera-actor";
+  out.setActorBinary(actor);
+  if (::access(actor.c_str(), X_OK) != 0) {
+    out.setActorBinaryError(std::string("cannot execute it: ") + std::strerror(errno));
+  }
 }
 
 void NodeService::add_lease(const std::string& key, LeaseImpl* lease) { leases_[key] = lease; }

@@ -48,6 +48,10 @@ class NodeService {
 
   // Fills `out` with identity and fresh resource readings.
   void fill_info(proto::NodeInfo::Builder out);
+  // `tessera doctor`'s readings of this node, but for the peers (NodeImpl::doctor adds them):
+  // clock, /dev/shm, RLIMIT_NOFILE, free space where `disk_path` is (the session folder when
+  // empty), the NCCL_* variables, the actor binary.
+  void fill_node_check(const std::string& disk_path, proto::NodeCheck::Builder out);
 
   const NodeIdentity& identity() const { return identity_; }
   void set_address(const std::string& address) { identity_.address = address; }
@@ -56,6 +60,12 @@ class NodeService {
   ObjectStore& objects() { return objects_; }
   kj::AsyncIoContext& io() { return io_; }
   size_t lease_count() const { return leases_.size(); }
+  // What Node.shutdown runs (the daemon's graceful stop, the SIGTERM path); unset, shutdown
+  // fails with FAILED_PRECONDITION.
+  void set_shutdown_handler(std::function<void(const std::string& why)> handler) {
+    shutdown_ = std::move(handler);
+  }
+  const std::function<void(const std::string&)>& shutdown_handler() const { return shutdown_; }
 
   // Lease bookkeeping, called by LeaseImpl.
   void add_lease(const std::string& key, LeaseImpl* lease);
@@ -73,6 +83,7 @@ class NodeService {
   ObjectStore& objects_;
   std::function<NodeResources()> read_resources_;
   std::map<std::string, LeaseImpl*> leases_;
+  std::function<void(const std::string&)> shutdown_;
 };
 
 }  // namespace tessera

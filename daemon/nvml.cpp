@@ -127,7 +127,8 @@ struct Nvml::Symbols {
   nvmlReturn_t (*device_get_uuid)(nvmlDevice_t, char*, unsigned) = nullptr;
   nvmlReturn_t (*device_get_pci_info_v3)(nvmlDevice_t, nvmlPciInfo_t*) = nullptr;
   nvmlReturn_t (*device_get_memory_info)(nvmlDevice_t, nvmlMemory_t*) = nullptr;
-  // Optional: the link matrix degrades without them.
+  // Optional: the CUDA version, and the link matrix, degrade without them.
+  nvmlReturn_t (*system_get_cuda_driver_version_v2)(int*) = nullptr;
   nvmlReturn_t (*device_get_nvlink_state)(nvmlDevice_t, unsigned, nvmlEnableState_t*) = nullptr;
   nvmlReturn_t (*device_get_nvlink_remote_pci_info_v2)(nvmlDevice_t, unsigned,
                                                        nvmlPciInfo_t*) = nullptr;
@@ -149,6 +150,7 @@ struct Nvml::Symbols {
     resolve(handle, "nvmlDeviceGetUUID", device_get_uuid);
     resolve(handle, "nvmlDeviceGetPciInfo_v3", device_get_pci_info_v3);
     resolve(handle, "nvmlDeviceGetMemoryInfo", device_get_memory_info);
+    resolve(handle, "nvmlSystemGetCudaDriverVersion_v2", system_get_cuda_driver_version_v2);
     resolve(handle, "nvmlDeviceGetNvLinkState", device_get_nvlink_state);
     resolve(handle, "nvmlDeviceGetNvLinkRemotePciInfo_v2", device_get_nvlink_remote_pci_info_v2);
     resolve(handle, "nvmlDeviceGetNvLinkRemoteDeviceType", device_get_nvlink_remote_device_type);
@@ -234,6 +236,18 @@ Expected<std::string> Nvml::driver_version() const {
     return fn_->error("nvmlSystemGetDriverVersion", rc);
   }
   return from_buffer(buffer, sizeof(buffer));
+}
+
+Expected<std::string> Nvml::cuda_version() const {
+  if (fn_->system_get_cuda_driver_version_v2 == nullptr) {
+    return unavailable(library_ + " has no nvmlSystemGetCudaDriverVersion_v2");
+  }
+  int version = 0;
+  if (nvmlReturn_t rc = fn_->system_get_cuda_driver_version_v2(&version); rc != NVML_SUCCESS) {
+    return fn_->error("nvmlSystemGetCudaDriverVersion_v2", rc);
+  }
+  // 13000 -> "13.0": major * 1000 + minor * 10.
+  return std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10);
 }
 
 Expected<uint32_t> Nvml::device_count() const {

@@ -103,6 +103,8 @@ class Nvml {
 
   // The driver's version, e.g. "580.159.04" (nvmlSystemGetDriverVersion).
   Expected<std::string> driver_version() const;
+  // The newest CUDA version the driver supports, "13.0" (nvmlSystemGetCudaDriverVersion_v2).
+  Expected<std::string> cuda_version() const;
   // Number of GPUs NVML sees (nvmlDeviceGetCount_v2). NVML ignores CUDA_VISIBLE_DEVICES but
   // respects the GPUs a container was given.
   Expected<uint32_t> device_count() const;

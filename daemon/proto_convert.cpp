@@ -50,6 +50,7 @@ void to_proto(const NodeResources& in, proto::NodeResources::Builder out) {
     links[static_cast<unsigned>(i)].setNvlinks(in.links[i].nvlinks);
   }
   out.setDriverVersion(in.driver_version);
+  out.setCudaVersion(in.cuda_version);
   out.setGpuNote(in.gpu_note);
 }
 

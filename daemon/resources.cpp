@@ -227,6 +227,8 @@ void discover_gpus(const Nvml& nvml, NodeResources& r, std::vector<NvmlDevice>& 
   } else {
     add_note(r, version.status().message());
   }
+  // Older drivers lack the call: the version stays empty, which is no GPU problem.
+  if (auto cuda = nvml.cuda_version(); cuda.has_value()) r.cuda_version = *cuda;
   auto count = nvml.device_count();
   if (!count.has_value()) {
     add_note(r, "cannot count GPUs: " + count.status().message());

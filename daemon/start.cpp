@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <thread>
@@ -25,6 +26,8 @@
 #include "daemon/daemon.h"
 #include "driver/cli/cli_help.h"
 #include "protocol/auth.h"
+#include "protocol/cluster.capnp.h"
+#include "protocol/rpc.h"
 
 namespace tessera {
 
@@ -93,6 +96,13 @@ class StartLock {
  private:
   int fd_ = -1;
 };
+
+std::string read_first_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
 
 // Runs the daemon in this process until it is stopped. `report_fd` (or -1) receives
 // "OK <address> <node> <bind> <session>" once it serves, or "ERR <message>" if it cannot start.
@@ -172,6 +182,10 @@ int run_daemon(const StartOptions& o, const std::string& root, const std::string
       (*daemon)->run().wait(io.waitScope);
       daemon->reset();
       remove_daemon_record(rec);
+      // However it was stopped (SIGTERM, `tessera stop --all`), the root no longer names it.
+      if (o.head && read_first_line(root + "/head_address") == rec.address) {
+        remove_head_address(root);
+      }
       spdlog::info("stopped");
     }
   }
@@ -419,14 +433,140 @@ int start_command(const StartOptions& o) {
 }
 
 CLI::App* add_stop_subcommand(CLI::App& app, StopOptions& stop) {
-  auto* stop_cmd = app.add_subcommand("stop", "Stop the daemons started on this machine");
+  auto* stop_cmd = app.add_subcommand(
+      "stop", "Stop the daemons started on this machine (--all: every node of the cluster)");
   stop_cmd->add_option("--temp-dir", stop.temp_dir, "The root they were started with");
   stop_cmd->add_option("--timeout", stop.timeout_s, "Seconds before SIGKILL (default 10)");
-  add_examples(stop_cmd, {"tessera stop"});
+  stop_cmd->add_flag("--all", stop.all,
+                     "Stop every node of the cluster through its head (needs the cluster token)");
+  stop_cmd
+      ->add_option("--address", stop.address,
+                   "With --all: the head HOST:PORT (default: $TESSERA_ADDRESS, else this "
+                   "machine's cluster)")
+      ->envname("TESSERA_ADDRESS");
+  stop_cmd->add_option("--cluster-token-file", stop.cluster_token_file,
+                       "With --all: the cluster token (default: $TESSERA_CLUSTER_TOKEN or this "
+                       "machine's)");
+  add_examples(stop_cmd, {"tessera stop", "tessera stop --all",
+                          "tessera stop --all --address 10.0.0.1:6380 --cluster-token-file "
+                          "./cluster_token"});
   return stop_cmd;
 }
 
+namespace {
+
+std::string node_line(proto::NodeInfo::Reader n) {
+  std::string name = n.getName().cStr();
+  return std::string(n.getIsHead() ? "head " : "node ") + n.getNodeId().cStr() +
+         (name.empty() ? "" : " (" + name + ")") + " at " + n.getAddress().cStr() + " (pid " +
+         std::to_string(n.getPid()) + ")";
+}
+
+// `tessera stop --all`: Cluster.stopCluster on the head, then waits for the daemons of this
+// machine's root that were stopped to exit.
+int stop_all(const StopOptions& o) {
+  auto root = find_cluster_root(o.temp_dir);
+  std::string address = o.address;
+  if (address.empty()) {
+    auto found = root ? read_head_address(*root) : Expected<std::string>(root.status());
+    if (!found) {
+      std::cerr << "tessera stop: " << found.status().message() << "\n";
+      return 1;
+    }
+    address = *found;
+  }
+  auto token = auth::resolve_cluster_token(o.cluster_token_file, root ? *root : std::string());
+  if (!token) {
+    std::cerr << "tessera stop: " << token.status().message() << "\n";
+    return 1;
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  // This machine's daemons, read before they stop (each removes its record as it exits).
+  const std::vector<DaemonRecord> local =
+      root ? read_daemon_records(*root) : std::vector<DaemonRecord>();
+  std::vector<std::string> stopped_ids;
+  std::vector<std::string> missed;
+  bool head_stopped = false;
+  {
+    auto io = kj::setupAsyncIo();
+    auto conn = rpc::connect(io, address, "tessera stop --all", *token).wait(io.waitScope);
+    if (!conn) {
+      std::cerr << "tessera stop: " << conn.status().message() << "\n";
+      return 1;
+    }
+    if (!(*conn)->has_cluster) {
+      std::cerr << "tessera stop: " << address << " is a node daemon, not a head; pass the "
+                << "head's address (--address HEAD:PORT)\n";
+      return 1;
+    }
+    try {
+      auto list = (*conn)->cluster.listNodesRequest();
+      list.setIncludeDead(false);
+      auto before = list.send().wait(io.waitScope);
+      std::vector<std::pair<std::string, std::string>> alive;  // id, line
+      for (auto e : before.getNodes()) {
+        alive.emplace_back(e.getInfo().getNodeId().cStr(), node_line(e.getInfo()));
+      }
+      auto req = (*conn)->cluster.stopClusterRequest();
+      char host[256] = {0};
+      ::gethostname(host, sizeof(host) - 1);
+      req.setReason(std::string("tessera stop --all from ") + host);
+      auto reply = req.send().wait(io.waitScope);
+      for (auto n : reply.getStopped()) {
+        std::cout << "Stopped " << node_line(n) << ".\n";
+        stopped_ids.emplace_back(n.getNodeId().cStr());
+        head_stopped = head_stopped || n.getIsHead();
+      }
+      for (const auto& [id, line] : alive) {
+        if (std::find(stopped_ids.begin(), stopped_ids.end(), id) == stopped_ids.end()) {
+          missed.push_back(line);
+        }
+      }
+    } catch (const kj::Exception& e) {
+      std::cerr << "tessera stop: " << address << ": " << rpc::to_status(e).message() << "\n";
+      return 1;
+    }
+  }
+  for (const auto& line : missed) {
+    std::cerr << "tessera stop: could not stop " << line
+              << ": it did not answer the head; run `tessera stop` on its machine\n";
+  }
+  // The daemons of this machine stop on their own; wait for them as `tessera stop` does.
+  if (root) {
+    for (const auto& r : local) {
+      if (std::find(stopped_ids.begin(), stopped_ids.end(), r.node_id) == stopped_ids.end()) {
+        continue;
+      }
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(o.timeout_s);
+      while (same_process(r.pid, r.start_time) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (daemon_still_running(r)) {
+        ::kill(r.pid, SIGKILL);
+        std::cout << "Killed " << r.role << " " << r.node_id << " (pid " << r.pid
+                  << ") after it did not stop for " << o.timeout_s << " s.\n";
+        remove_daemon_record(r);
+        if (r.role == "head") remove_head_address(*root);
+      }
+    }
+  }
+  if (!head_stopped) {
+    std::cerr << "tessera stop: the head at " << address << " did not say it stopped\n";
+    return 1;
+  }
+  return missed.empty() ? 0 : 1;
+}
+
+}  // namespace
+
 int stop_command(const StopOptions& o) {
+  if (o.all) return stop_all(o);
+  // (--address alone may come from $TESSERA_ADDRESS: without --all it is ignored.)
+  if (!o.cluster_token_file.empty()) {
+    std::cerr << "tessera stop: --cluster-token-file is for --all (stop the whole cluster); "
+                 "without it `tessera stop` stops the daemons started on this machine\n";
+    return 2;
+  }
   auto root = find_cluster_root(o.temp_dir);
   if (!root) {
     std::cerr << "tessera stop: " << root.status().message() << "\n";

@@ -1,5 +1,6 @@
 // `tessera start` and `tessera stop`: run a node daemon on this machine, in the foreground or
-// daemonized, and stop the daemons started from a temp root.
+// daemonized, and stop the daemons started from a temp root (or, with --all, the whole cluster
+// through its head).
 #pragma once
 
 #include <cstdint>
@@ -52,6 +53,11 @@ int start_command(const StartOptions& options);
 struct StopOptions {
   std::string temp_dir;
   uint32_t timeout_s = 10;  // SIGTERM, then SIGKILL after this long
+  // --all: the whole cluster, through its head (Cluster.stopCluster), from any machine that
+  // has the token. The head and the token are found as `tessera status` finds them.
+  bool all = false;
+  std::string address;             // the head's HOST:PORT; "" = $TESSERA_ADDRESS or this root's
+  std::string cluster_token_file;  // else $TESSERA_CLUSTER_TOKEN or this root's token
 };
 // Adds `stop` to `app` with its flags bound to `options`; the caller runs stop_command.
 CLI::App* add_stop_subcommand(CLI::App& app, StopOptions& options);

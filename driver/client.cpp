@@ -112,6 +112,7 @@ NodeView node_view(proto::NodeInfo::Reader info) {
   for (auto g : r.getGpus()) v.resources.gpus.push_back(gpu_device(g));
   for (auto l : r.getLinks()) v.resources.links.push_back({link_kind(l.getKind()), l.getNvlinks()});
   v.resources.driver_version = r.getDriverVersion().cStr();
+  v.resources.cuda_version = r.getCudaVersion().cStr();
   v.resources.gpu_note = r.getGpuNote().cStr();
   return v;
 }
@@ -178,6 +179,39 @@ Expected<std::vector<ActorView>> NodeHandle::actors() {
     return out;
   }),
                "list actors");
+}
+
+Expected<NodeCheckView> NodeHandle::check(const std::vector<std::string>& peers,
+                                          const std::string& disk_path, uint32_t connect_timeout_ms,
+                                          std::chrono::milliseconds timeout) {
+  auto req = node_.doctorRequest();
+  auto r = req.initRequest();
+  auto list = r.initPeers(static_cast<unsigned>(peers.size()));
+  for (size_t i = 0; i < peers.size(); ++i) list.set(static_cast<unsigned>(i), peers[i]);
+  r.setDiskPath(disk_path);
+  r.setConnectTimeoutMs(connect_timeout_ms);
+  return await(loop_, req.send().then([](auto&& resp) {
+    auto c = resp.getCheck();
+    NodeCheckView v;
+    v.wall_clock_ms = c.getWallClockMs();
+    v.shm_path = c.getShmPath().cStr();
+    v.shm_total = c.getShmTotal();
+    v.shm_free = c.getShmFree();
+    v.nofile_soft = c.getNofileSoft();
+    v.nofile_hard = c.getNofileHard();
+    v.disk_path = c.getDiskPath().cStr();
+    v.disk_free = c.getDiskFree();
+    v.disk_error = c.getDiskError().cStr();
+    for (auto e : c.getNcclEnv()) v.nccl_env.emplace_back(e.getName().cStr(), e.getValue().cStr());
+    for (auto p : c.getPeers()) {
+      v.peers.push_back(
+          {p.getAddress().cStr(), p.getReachable(), p.getConnectMs(), p.getError().cStr()});
+    }
+    v.actor_binary = c.getActorBinary().cStr();
+    v.actor_binary_error = c.getActorBinaryError().cStr();
+    return v;
+  }),
+               "doctor check", timeout.count() * kj::MILLISECONDS);
 }
 
 Expected<ObjectStoreView> NodeHandle::object_store() {

@@ -135,6 +135,26 @@ struct SpawnOptions {
   uint32_t ready_timeout_ms = 0;
 };
 
+// A node's answers to `tessera doctor` (proto NodeCheck; driver/doctor.h judges them).
+struct NodeCheckView {
+  uint64_t wall_clock_ms = 0;
+  std::string shm_path;
+  uint64_t shm_total = 0, shm_free = 0;
+  uint64_t nofile_soft = 0, nofile_hard = 0;
+  std::string disk_path;
+  uint64_t disk_free = 0;
+  std::string disk_error;
+  std::vector<std::pair<std::string, std::string>> nccl_env;
+  struct Peer {
+    std::string address;
+    bool reachable = false;
+    double connect_ms = 0;
+    std::string error;
+  };
+  std::vector<Peer> peers;
+  std::string actor_binary, actor_binary_error;
+};
+
 class LeaseHandle;
 
 // A node daemon, reached directly or through the head.
@@ -145,6 +165,10 @@ class NodeHandle {
   Expected<NodeView> info();
   Expected<std::vector<ActorView>> actors();
   Expected<ObjectStoreView> object_store();
+  // The node's doctor readings; it tries a TCP connect to each of `peers` ("host:port") within
+  // `connect_timeout_ms`. The call itself gives up after `timeout`.
+  Expected<NodeCheckView> check(const std::vector<std::string>& peers, const std::string& disk_path,
+                                uint32_t connect_timeout_ms, std::chrono::milliseconds timeout);
   // ttl_ms = 0: the lease lives as long as this process's connection. With a TTL, the handle
   // renews it every ttl/3 while the loop runs.
   Expected<std::unique_ptr<LeaseHandle>> open_lease(const std::string& owner, uint32_t ttl_ms = 0);

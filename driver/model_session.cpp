@@ -18,6 +18,19 @@
 
 namespace tessera {
 
+void add_collectives_option(CLI::App* cmd, EngineSpec& e) {
+  cmd->add_option_function<std::string>(
+         "--collectives",
+         [&e](const std::string& text) {
+           Expected<Collectives> v = parse_collectives(text);
+           if (!v) throw CLI::ValidationError(v.status().message());
+           e.collectives = *v;
+         },
+         "auto|tcp|nccl|ipc: how the ranks talk (auto: tcp for CPU actors, nccl across GPUs, "
+         "ipc when ranks share a GPU)")
+      ->type_name("KIND");
+}
+
 void add_engine_options(CLI::App* cmd, EngineArgs& args) {
   EngineSpec& e = args;
   ClusterOptions& c = args;
@@ -29,16 +42,7 @@ void add_engine_options(CLI::App* cmd, EngineArgs& args) {
   cmd->add_option("--cluster-token-file", c.cluster_token_file,
                   "With --address: the cluster token (default: $TESSERA_CLUSTER_TOKEN or this "
                   "machine's)");
-  cmd->add_option_function<std::string>(
-         "--collectives",
-         [&e](const std::string& text) {
-           Expected<Collectives> v = parse_collectives(text);
-           if (!v) throw CLI::ValidationError(v.status().message());
-           e.collectives = *v;
-         },
-         "auto|tcp|nccl|ipc: how the ranks talk (auto: tcp for CPU actors, nccl across GPUs, "
-         "ipc when ranks share a GPU)")
-      ->type_name("KIND");
+  add_collectives_option(cmd, e);
   cmd->add_flag("--disable-custom-all-reduce", e.disable_custom_all_reduce,
                 "With nccl: NCCL for every all-reduce (default: the custom one for small "
                 "tensors when a stage's GPUs share a node)");
@@ -135,8 +139,6 @@ Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineSpec& 
   return planned;
 }
 
-namespace {
-
 // The collectives for a placement: what the user asked, else tcp for CPU actors, ipc when two
 // ranks share a GPU (NCCL refuses that), nccl otherwise.
 CommBackend pick_collectives(Collectives asked, const std::vector<RankInfo>& ranks) {
@@ -160,8 +162,6 @@ CommBackend pick_collectives(Collectives asked, const std::vector<RankInfo>& ran
   }
   return CommBackend::kNccl;
 }
-
-}  // namespace
 
 ModelSession::~ModelSession() { close(); }
 

@@ -45,6 +45,8 @@ struct EngineArgs : EngineSpec, ClusterOptions {};
 // --disable-custom-all-reduce, --[no-]enable-prefix-caching, --async-scheduling,
 // --nccl-init-timeout) and the cluster's (--address, --cluster-token-file) to a model command.
 void add_engine_options(CLI::App* cmd, EngineArgs& args);
+// Just --collectives (add_engine_options has it).
+void add_collectives_option(CLI::App* cmd, EngineSpec& spec);
 
 class ModelSession {
  public:
@@ -111,6 +113,10 @@ std::string plan_summary(const ClusterPlan& plan);
 // Keeps a dead actor's log (a file in a local node's folder, which goes when the node stops)
 // as <root>/failed-logs/<its name>, the newest 20 of them; returns the path to name (`path`
 // itself when it cannot be kept).
+// The collectives for a placement: what the user asked, else tcp for CPU actors, ipc when two
+// ranks share a GPU (NCCL refuses that), nccl otherwise.
+CommBackend pick_collectives(Collectives asked, const std::vector<RankInfo>& ranks);
+
 std::string keep_failed_log(const std::filesystem::path& root, const std::string& path);
 
 // The plan a session runs: plan_on_cluster's choice and placement on `nodes`, its engine spec

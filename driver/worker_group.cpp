@@ -338,6 +338,50 @@ Expected<std::unique_ptr<WorkerGroup>> WorkerGroup::start(EventLoop& loop, Clust
   return g;
 }
 
+Expected<std::vector<CollectiveCheck>> WorkerGroup::check_collectives(
+    EventLoop& loop, ClusterClient& cluster, WorkerGroupSpec spec, uint64_t bytes, int iterations) {
+  const int world = spec.load.parallel.world_size();
+  if (world < 2) return invalid_argument("a collective check needs at least two ranks");
+  if (static_cast<int>(spec.placement.size()) != world) {
+    return invalid_argument("the placement has " + std::to_string(spec.placement.size()) +
+                            " ranks for " + std::to_string(world));
+  }
+  std::unique_ptr<WorkerGroup> g(new WorkerGroup(loop, std::move(spec)));
+  TESSERA_RETURN_IF_ERROR(g->open_leases(cluster));
+  TESSERA_RETURN_IF_ERROR(g->spawn_ranks());
+  g->start_watching(cluster);
+  TESSERA_RETURN_IF_ERROR(g->rendezvous());
+  TESSERA_ASSIGN_OR_RETURN(std::string secret, random_bytes(32));
+  using Groups = std::vector<CollectiveCheck>;
+  std::vector<kj::Promise<Groups>> calls;
+  for (auto& rank : g->ranks_) {
+    auto req = rank->handle->capability().commCheckRequest();
+    to_proto(g->rank_load_spec(*rank, secret), req.initSpec());
+    req.setBytes(bytes);
+    req.setIterations(static_cast<uint32_t>(iterations));
+    const RankInfo info = rank->info;
+    calls.push_back(req.send().then([info](auto&& r) {
+      Groups out;
+      for (auto c : r.getGroups()) {
+        out.push_back({info.rank, info.actor_id, info.node_id, c.getGroup().cStr(),
+                       static_cast<int>(c.getRanks()), c.getBytes(),
+                       static_cast<int>(c.getIterations()), c.getMedianUs(),
+                       c.getBusBandwidthGbps()});
+      }
+      return out;
+    }));
+  }
+  // The join waits up to the init timeout; the all-reduces of a healthy group take far less.
+  const auto limit = (g->spec_.load.engine.nccl_init_timeout_s + 60) * kj::SECONDS;
+  auto answers = wait_all(loop, std::move(calls), limit, "collective check");
+  Groups out;
+  for (size_t r = 0; r < answers.size(); ++r) {
+    if (!answers[r]) return g->explain(answers[r].status().with_context(g->ranks_[r]->describe()));
+    for (auto& c : *answers[r]) out.push_back(std::move(c));
+  }
+  return out;
+}
+
 // Leases: one per node that the placement names, opened for the spec's owner. Leaves nodes_,
 // each with its lease and the world ranks placed on it, in the order the placement first names
 // them.

@@ -51,8 +51,29 @@ struct WorkerGroupSpec {
   std::function<std::string(const std::string&)> keep_log;
 };
 
+// One rank's answer to a collective check (WorkerGroup::check_collectives).
+struct CollectiveCheck {
+  int rank = 0;
+  std::string actor_id, node_id;
+  std::string group;  // "tensor-parallel" or "pipeline"
+  int ranks = 0;
+  uint64_t bytes = 0;
+  int iterations = 0;
+  double median_us = 0;
+  double busbw_gbps = 0;
+};
+
 class WorkerGroup final : public StepExecutor {
  public:
+  // `tessera doctor`: spawns the spec's ranks and runs their rendezvous as start() does, then,
+  // instead of loading a model, every rank all-reduces `bytes` `iterations` times through its
+  // groups (actor commCheck), each sum checked. One entry per rank and group; errors name the
+  // rank that failed or did not join (within the spec's init timeout). The actors end with it.
+  static Expected<std::vector<CollectiveCheck>> check_collectives(EventLoop& loop,
+                                                                  ClusterClient& cluster,
+                                                                  WorkerGroupSpec spec,
+                                                                  uint64_t bytes, int iterations);
+
   static Expected<std::unique_ptr<WorkerGroup>> start(EventLoop& loop, ClusterClient& cluster,
                                                       WorkerGroupSpec spec);
   ~WorkerGroup() override;

@@ -17,6 +17,24 @@ struct ActorHealth {
   note @7 :Text;                   # why backend is "cpu" when GPUs were asked for, else empty
 }
 
+struct CommGroupCheck {
+  group @0 :Text;               # "tensor-parallel" or "pipeline"
+  ranks @1 :UInt32;
+  bytes @2 :UInt64;             # per all-reduce
+  iterations @3 :UInt32;
+  medianUs @4 :Float64;         # one all-reduce, as this rank timed it
+  busBandwidthGbps @5 :Float64; # nccl-tests' bus bandwidth
+}
+
+struct P2pCopy {
+  src @0 :UInt32;               # CUDA ordinals in the actor
+  dst @1 :UInt32;
+  peerAccess @2 :Bool;          # cudaDeviceCanAccessPeer
+  ok @3 :Bool;                  # the bytes arrived intact
+  gbps @4 :Float64;
+  error @5 :Text;
+}
+
 interface Actor {
   health @0 () -> (health :ActorHealth);
   # Cheap liveness and identity check.
@@ -48,6 +66,18 @@ interface Actor {
   # The routings this rank counted in its mixture-of-experts layers since it loaded (empty for a
   # dense model, and for the ranks that leave the counting to another): the driver adds the
   # ranks' up for the bench's expert balance.
+
+  commCheck @8 (spec :S.LoadSpec, bytes :UInt64, iterations :UInt32)
+      -> (groups :List(CommGroupCheck));
+  # `tessera doctor`: after prepareComm, instead of loadModel. Joins the groups the spec names
+  # (bounded by its init timeout, naming the rank that did not join) and all-reduces a known
+  # pattern of `bytes` through each group of several ranks, checking every sum on every rank.
+  # The actor's collectives are used up: a model needs a fresh actor.
+
+  p2pCheck @9 (bytes :UInt64) -> (copies :List(P2pCopy));
+  # `tessera doctor`, in an actor given several GPUs: every ordered pair's advertised peer
+  # access, then `bytes` copied GPU to GPU, timed and read back. FAILED_PRECONDITION with fewer
+  # than two GPUs or without CUDA.
 
   loadProgress @6 () -> (bytesDone :UInt64, bytesTotal :UInt64);
   # While loadModel runs (on a thread of its own: this answers meanwhile) and after: the weight

@@ -47,4 +47,9 @@ interface Cluster {
   # puts no new ranks there, and the Node capabilities the head hands out (listNodes, and the
   # head's own from the handshake) refuse openLease, and spawnActor on their leases, with
   # FAILED_PRECONDITION; its running actors are left alone.
+  stopCluster @4 (reason :Text) -> (stopped :List(N.NodeInfo));
+  # `tessera stop --all`: the head calls shutdown on every live member, waits (a few seconds at
+  # most) for them to leave, replies with the nodes that took the request (itself last), then
+  # stops itself as SIGTERM would. A member that cannot be reached is left out of `stopped`.
+  # Like every call here it needs the cluster token: the handshake comes first.
 }

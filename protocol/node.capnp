@@ -50,6 +50,37 @@ struct EnvVar {
   value @1 :Text;
 }
 
+# What `tessera doctor` asks of a node (driver/doctor.h judges the answers).
+struct NodeCheckRequest {
+  peers @0 :List(Text);     # "host:port" of the other nodes: each gets a TCP connect
+  diskPath @1 :Text;        # where the model would be read from (free space); "" = session dir
+  connectTimeoutMs @2 :UInt32;
+}
+
+struct PeerReach {
+  address @0 :Text;
+  reachable @1 :Bool;
+  connectMs @2 :Float64;
+  error @3 :Text;           # why not, when not reachable
+}
+
+# Raw readings; the driver turns them into pass / warn / fail.
+struct NodeCheck {
+  wallClockMs @0 :UInt64;   # unix epoch milliseconds when the node answered
+  shmPath @1 :Text;         # "/dev/shm"
+  shmTotal @2 :UInt64;      # bytes (statvfs)
+  shmFree @3 :UInt64;
+  nofileSoft @4 :UInt64;    # RLIMIT_NOFILE of the daemon (its actors inherit it)
+  nofileHard @5 :UInt64;
+  diskPath @6 :Text;
+  diskFree @7 :UInt64;      # bytes available to an unprivileged user; 0 with diskError set
+  diskError @8 :Text;
+  ncclEnv @9 :List(EnvVar); # the daemon's NCCL_* variables (its actors inherit them)
+  peers @10 :List(PeerReach);
+  actorBinary @11 :Text;    # the tessera-actor the daemon spawns
+  actorBinaryError @12 :Text;   # why it cannot run, else empty
+}
+
 struct SpawnSpec {
   # The executable is always the daemon's own tessera-actor: nothing from the wire names a
   # program, a path or command-line arguments.
@@ -133,6 +164,14 @@ interface Node {
 
   listActors @2 () -> (actors :List(ActorInfo));
   shmSegments @3 () -> (segments :List(ShmSegmentInfo), stats :ObjectStoreStats);
-  # There is no remote shutdown: a daemon stops on a signal from its own machine
-  # (`tessera stop`), so no peer can take a node down over the wire.
+
+  shutdown @4 (reason :Text) -> ();
+  # Stops this daemon as SIGTERM does (`tessera stop --all`, through the head's stopCluster):
+  # it replies, leaves the cluster, kills its actors, unlinks its shared memory and removes its
+  # record. Only a peer that proved the cluster token holds a Node capability (protocol/rpc.h:
+  # the handshake comes before any capability), so no one without the token can call it.
+
+  doctor @5 (request :NodeCheckRequest) -> (check :NodeCheck);
+  # `tessera doctor`'s readings of this node: limits, shared memory, disk, clock, the NCCL
+  # variables, and whether the other nodes' daemons accept a TCP connection from here.
 }

@@ -37,5 +37,6 @@ struct NodeResources {
   gpus @4 :List(GpuInfo);
   links @5 :List(GpuLink);     # row-major gpus.size() x gpus.size() matrix
   driverVersion @6 :Text;      # NVIDIA driver version, empty without GPUs
-  gpuNote @7 :Text;            # why there are no GPUs ("no NVIDIA driver: ..."), else empty
+  gpuNote @7 :Text;
+  cudaVersion @8 :Text;        # the newest CUDA the driver supports ("13.0"), empty without            # why there are no GPUs ("no NVIDIA driver: ..."), else empty
 }

@@ -6,7 +6,9 @@
 //   tessera start --address HEAD:PORT [--block]      join a cluster with this machine
 //   tessera status [--address HEAD:PORT] [--json]    nodes, GPUs, links, actors
 //   tessera drain NODE [--undo] [--wait [SECONDS]]   no new actors on NODE; wait for it to empty
-//   tessera stop                                     stop the daemons started here
+//   tessera stop [--all]                             stop the daemons started here (--all:
+//                                                    every node of the cluster)
+//   tessera doctor [--model DIR -tp T -pp P] [--json]  pre-flight checks of every node, fixes
 //   tessera serve MODEL_DIR [--port 8000] [-tp T]    an OpenAI-compatible HTTP server
 //   tessera generate MODEL_DIR --prompt TEXT         one completion, end to end
 //   tessera make-model --arch A --preset P ...       a seeded random checkpoint of real shape
@@ -31,6 +33,7 @@
 #include "daemon/start.h"
 #include "driver/bench.h"
 #include "driver/cli/cli_help.h"
+#include "driver/doctor.h"
 #include "driver/drain.h"
 #include "driver/generate.h"
 #include "driver/make_model/make_model.h"
@@ -54,6 +57,7 @@ struct Commands {
   tessera::StartOptions start;
   tessera::StopOptions stop;
   tessera::StatusOptions status;
+  tessera::DoctorOptions doctor;
   tessera::DrainOptions drain;
   tessera::GenerateOptions generate;
   tessera::BenchLatencyOptions latency;
@@ -70,6 +74,7 @@ struct Commands {
   CLI::App* start_cmd = nullptr;
   CLI::App* stop_cmd = nullptr;
   CLI::App* status_cmd = nullptr;
+  CLI::App* doctor_cmd = nullptr;
   CLI::App* drain_cmd = nullptr;
   CLI::App* generate_cmd = nullptr;
   CLI::App* latency_cmd = nullptr;
@@ -91,6 +96,7 @@ void add_subcommands(CLI::App& app, Commands& c) {
   c.start_cmd = tessera::add_start_subcommand(app, c.start);
   c.stop_cmd = tessera::add_stop_subcommand(app, c.stop);
   c.status_cmd = tessera::add_status_subcommand(app, c.status);
+  c.doctor_cmd = tessera::add_doctor_subcommand(app, c.doctor);
   c.drain_cmd = tessera::add_drain_subcommand(app, c.drain);
   c.generate_cmd = tessera::add_generate_subcommand(app, c.generate);
   CLI::App* bench = tessera::add_bench_subcommand(app);
@@ -164,6 +170,7 @@ int run_command(Commands& c, const std::string& command_line) {
   }
   if (*c.make_model_cmd) return tessera::make_model_command(c.make_model);
   if (*c.status_cmd) return tessera::status_command(c.status);
+  if (*c.doctor_cmd) return tessera::doctor_command(c.doctor);
   if (*c.drain_cmd) return tessera::drain_command(c.drain);
   if (*c.topo_cmd) return tessera::topo_command(c.topo);
   if (*c.plan_cmd) return tessera::plan_command(c.plan);

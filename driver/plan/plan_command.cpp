@@ -29,8 +29,7 @@ void set_parsed(T& field, const std::string& text, Parse parse) {
 
 }  // namespace
 
-void add_model_options(CLI::App* cmd, EngineSpec& e) {
-  cmd->add_option("--model", e.model, "Hugging Face model directory")->required();
+void add_parallel_size_options(CLI::App* cmd, EngineSpec& e) {
   cmd->add_option_function<std::string>(
          "--tensor-parallel-size",
          [&e](const std::string& t) {
@@ -52,6 +51,11 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
          "-pp: pipeline stages, splitting the layers (1, or as many as "
          "--pipeline-layer-partition lists; auto)")
       ->type_name("N|auto");
+}
+
+void add_model_options(CLI::App* cmd, EngineSpec& e) {
+  cmd->add_option("--model", e.model, "Hugging Face model directory")->required();
+  add_parallel_size_options(cmd, e);
   cmd->add_option_function<std::string>(
          "--pipeline-layer-partition",
          [&e](const std::string& t) {

@@ -35,6 +35,8 @@ namespace tessera {
 // --trust-remote-code (taken, changing nothing: trust_remote_code_note). Bounds are checked by
 // validate(EngineSpec).
 void add_model_options(CLI::App* cmd, EngineSpec& spec);
+// Just -tp/--tensor-parallel-size and -pp/--pipeline-parallel-size (add_model_options has them).
+void add_parallel_size_options(CLI::App* cmd, EngineSpec& spec);
 
 // After `app` parsed a command line: the line to log when its model command was given
 // --trust-remote-code (nothing of the model's runs here: it is read, never executed), else "".

@@ -208,6 +208,14 @@ nvmlReturn_t nvmlSystemGetDriverVersion(char* version, unsigned int length) {
   return copy_string("580.159.04", version, length);
 }
 
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int* version) {
+  if (g_live_inits <= 0) return kUninitialized;
+  if (version == nullptr) return kInvalidArgument;
+  if (fails("nvmlSystemGetCudaDriverVersion_v2")) return kUnknown;
+  *version = 13000;
+  return kSuccess;
+}
+
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int* count) {
   if (g_live_inits <= 0) return kUninitialized;
   if (count == nullptr) return kInvalidArgument;

@@ -252,6 +252,7 @@ TEST(ResourcesTest, DiscoversGpusThroughTheFake) {
   NodeResources r = discover_resources(kFake);
   EXPECT_EQ(r.gpu_note, "");
   EXPECT_EQ(r.driver_version, "580.159.04");
+  EXPECT_EQ(r.cuda_version, "13.0");
   ASSERT_EQ(r.gpus.size(), 2u);
   for (uint32_t i = 0; i < 2; ++i) {
     EXPECT_EQ(r.gpus[i].index, i);

@@ -299,14 +299,14 @@ int TestCluster::daemon_pid(const std::string& node_id) const {
   return -1;
 }
 
-namespace {
-
 std::string ip_binary() {
   for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"}) {
     if (::access(p, X_OK) == 0) return p;
   }
   return "ip";
 }
+
+namespace {
 
 bool run_ip(std::vector<std::string> args) {
   args.insert(args.begin(), ip_binary());

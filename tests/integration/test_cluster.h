@@ -50,6 +50,9 @@ class BackgroundProcess {
   std::string out_path_, err_path_;
 };
 
+// iproute2's `ip`, by its usual paths (root's PATH may lack /usr/sbin), else "ip".
+std::string ip_binary();
+
 // PIDs of running processes whose command line contains `needle`.
 std::vector<int> processes_matching(const std::string& needle);
 // A process's command line, arguments joined by spaces; "" when it has exited.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -43,8 +44,15 @@ __all__ = [
 
 
 def _binary() -> str:
-    """The `tessera` executable local nodes and `python3 -m tessera` run."""
-    return os.environ.get("TESSERA_BINARY") or _tessera.default_binary
+    """The `tessera` executable local nodes and `python3 -m tessera` run: $TESSERA_BINARY, else
+    the one the module was built beside, else (an installed package, whose build tree is gone)
+    the `tessera` on PATH."""
+    explicit = os.environ.get("TESSERA_BINARY")
+    if explicit:
+        return explicit
+    if os.access(_tessera.default_binary, os.X_OK):
+        return _tessera.default_binary
+    return shutil.which("tessera") or _tessera.default_binary
 
 
 # ---- the cluster (Ray's init / nodes / cluster_resources / shutdown)
