@@ -39,9 +39,245 @@ struct QueuedMerge {
   }
 };
 
+// The SAX events of tokenizer.json: every value goes to nlohmann's document builder except
+// model.vocab and model.merges of the BPE shapes, which go to the tables. A value of the wrong
+// type inside them stops the parse with `error` naming it.
+class TokenizerSax {
+ public:
+  explicit TokenizerSax(json& doc, BpeTables& tables) : dom_(doc, true), t_(tables) {}
+
+  bool null() {
+    return value(json(nullptr), [&] { return dom_.null(); });
+  }
+  bool boolean(bool v) {
+    return value(json(v), [&] { return dom_.boolean(v); });
+  }
+  bool number_integer(json::number_integer_t v) {
+    if (mode_ == Mode::kVocab) return vocab_id(v);
+    return value(json(v), [&] { return dom_.number_integer(v); });
+  }
+  bool number_unsigned(json::number_unsigned_t v) {
+    if (mode_ == Mode::kVocab) {
+      return v <= static_cast<uint64_t>(INT64_MAX) ? vocab_id(static_cast<int64_t>(v))
+                                                   : bad_id(json(v).dump());
+    }
+    return value(json(v), [&] { return dom_.number_unsigned(v); });
+  }
+  bool number_float(json::number_float_t v, const json::string_t& s) {
+    return value(json(v), [&] { return dom_.number_float(v, s); });
+  }
+  bool string(json::string_t& v) {
+    if (mode_ == Mode::kMerges) {
+      t_.merges.push_back({t_.add(v), {}, true});
+      return true;
+    }
+    if (mode_ == Mode::kPair) {
+      if (pair_size_ == 2) return bad_merge();
+      pair_[pair_size_++] = t_.add(v);
+      return true;
+    }
+    return value(json(v), [&] { return dom_.string(v); });
+  }
+  bool binary(json::binary_t& v) { return dom_.binary(v); }
+  bool start_object(std::size_t n) {
+    if (mode_ == Mode::kVocab) return bad_id("an object");
+    if (mode_ != Mode::kDom) return bad_merge();
+    if (at_model_key("vocab")) {
+      mode_ = Mode::kVocab;
+      t_.vocab_streamed = true;
+      t_.vocab.clear();
+      return true;
+    }
+    frames_.push_back({});
+    return dom_.start_object(n);
+  }
+  bool key(json::string_t& k) {
+    if (mode_ == Mode::kVocab) {
+      key_ = std::move(k);
+      return true;
+    }
+    frames_.back().key = k;
+    return dom_.key(k);
+  }
+  bool end_object() {
+    if (mode_ == Mode::kVocab) {
+      mode_ = Mode::kDom;
+      return true;
+    }
+    frames_.pop_back();
+    return dom_.end_object();
+  }
+  bool start_array(std::size_t n) {
+    if (mode_ == Mode::kVocab) return bad_id("an array");
+    if (mode_ == Mode::kMerges) {
+      mode_ = Mode::kPair;
+      pair_size_ = 0;
+      return true;
+    }
+    if (mode_ == Mode::kPair) return bad_merge();
+    if (at_model_key("merges")) {
+      mode_ = Mode::kMerges;
+      t_.merges_streamed = true;
+      t_.merges.clear();
+      return true;
+    }
+    frames_.push_back({"", false});
+    return dom_.start_array(n);
+  }
+  bool end_array() {
+    if (mode_ == Mode::kPair) {
+      if (pair_size_ != 2) return bad_merge();
+      t_.merges.push_back({pair_[0], pair_[1], false});
+      mode_ = Mode::kMerges;
+      return true;
+    }
+    if (mode_ == Mode::kMerges) {
+      mode_ = Mode::kDom;
+      return true;
+    }
+    frames_.pop_back();
+    return dom_.end_array();
+  }
+  template <class Exception>
+  bool parse_error(std::size_t at, const std::string& token, const Exception& e) {
+    return dom_.parse_error(at, token, e);  // throws e, as json::parse does
+  }
+
+  const std::string& error() const { return error_; }
+
+ private:
+  enum class Mode : uint8_t { kDom, kVocab, kMerges, kPair };
+  struct Frame {
+    std::string key;  // the key whose value comes next (objects)
+    bool object = true;
+  };
+
+  // Whether the container starting now is the value of `key` in the root's "model" object.
+  bool at_model_key(const char* key) const {
+    return frames_.size() == 2 && frames_[0].object && frames_[0].key == "model" &&
+           frames_[1].object && frames_[1].key == key;
+  }
+  template <class Dom>
+  bool value(const json& v, Dom dom) {
+    if (mode_ == Mode::kVocab) return bad_id(v.dump());
+    if (mode_ != Mode::kDom) return bad_merge();
+    return dom();
+  }
+  bool vocab_id(int64_t id) {
+    if (id < 0 || id > INT32_MAX - 1) return bad_id(std::to_string(id));
+    t_.vocab.emplace_back(t_.add(key_), static_cast<int32_t>(id));
+    return true;
+  }
+  bool bad_id(const std::string& got) {
+    error_ = "the id of vocab token '" + key_ + "' must be an integer in [0, " +
+             std::to_string(INT32_MAX - 1) + "], got " + got;
+    return false;
+  }
+  bool bad_merge() {
+    error_ = "merge " + std::to_string(t_.merges.size() + 1) + " is not a pair";
+    return false;
+  }
+
+  nlohmann::detail::json_sax_dom_parser<json> dom_;
+  BpeTables& t_;
+  std::vector<Frame> frames_;
+  Mode mode_ = Mode::kDom;
+  std::string key_;
+  BpeTables::Slice pair_[2];
+  int pair_size_ = 0;
+  std::string error_;
+};
+
+// The document's vocab and merges (model.vocab / model.merges that were not streamed) into the
+// tables' form. Throws json::exception on a wrong structure, as the document's accessors do.
+Status tables_from_document(const json& spec, BpeTables& t) {
+  if (!t.vocab_streamed) {
+    const json& vocab = spec.at("vocab");
+    t.vocab.reserve(vocab.size());
+    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+      TESSERA_ASSIGN_OR_RETURN(
+          int64_t id,
+          json_integer(it.value(), 0, INT32_MAX - 1, "the id of vocab token '" + it.key() + "'"));
+      t.vocab.emplace_back(t.add(it.key()), static_cast<int32_t>(id));
+    }
+  }
+  if (!t.merges_streamed) {
+    for (const json& merge : spec.at("merges")) {
+      if (merge.is_string()) {
+        t.merges.push_back({t.add(merge.get_ref<const std::string&>()), {}, true});
+      } else if (merge.is_array() && merge.size() == 2) {
+        const BpeTables::Slice a = t.add(merge[0].get<std::string>());
+        t.merges.push_back({a, t.add(merge[1].get<std::string>()), false});
+      } else {
+        return invalid_argument("merge " + std::to_string(t.merges.size() + 1) + " is not a pair");
+      }
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
-Expected<std::unique_ptr<BpeModel>> BpeModel::from_json(const json& spec) {
+void BpeModel::MergeTable::reserve(size_t n) {
+  size_t slots = 16;
+  while (slots < 2 * n) slots *= 2;
+  if (slots <= slots_.size()) return;
+  std::vector<Slot> old = std::move(slots_);
+  slots_.assign(slots, Slot{});
+  used_ = 0;
+  for (const Slot& s : old) {
+    if (s.used) insert_or_assign(s.key, s.merge);
+  }
+}
+
+size_t BpeModel::MergeTable::home(uint64_t key) const {
+  key ^= key >> 33;  // a 64-bit finalizer (MurmurHash3's): pair keys differ in few bits
+  key *= 0xff51afd7ed558ccdULL;
+  key ^= key >> 33;
+  return static_cast<size_t>(key) & (slots_.size() - 1);
+}
+
+void BpeModel::MergeTable::insert_or_assign(uint64_t key, Merge m) {
+  if (2 * (used_ + 1) > slots_.size()) reserve(std::max<size_t>(2 * used_, 8));
+  for (size_t i = home(key);; i = (i + 1) & (slots_.size() - 1)) {
+    Slot& s = slots_[i];
+    if (!s.used) {
+      s = Slot{key, m, true};
+      ++used_;
+      return;
+    }
+    if (s.key == key) {
+      s.merge = m;
+      return;
+    }
+  }
+}
+
+const BpeModel::Merge* BpeModel::MergeTable::find(uint64_t key) const {
+  if (slots_.empty()) return nullptr;
+  for (size_t i = home(key);; i = (i + 1) & (slots_.size() - 1)) {
+    const Slot& s = slots_[i];
+    if (!s.used) return nullptr;  // at most half full: an empty slot ends every probe
+    if (s.key == key) return &s.merge;
+  }
+}
+
+Expected<json> parse_tokenizer_json(std::string_view text, std::string_view origin,
+                                    BpeTables& tables) {
+  json doc;
+  tables.arena.reserve(text.size());  // its tokens are unescaped pieces of the text: no regrowth
+  try {
+    TokenizerSax sax(doc, tables);
+    if (!json::sax_parse(text, &sax)) {
+      return invalid_argument(std::string(origin) + ": " + sax.error());
+    }
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
+    return invalid_argument(std::string(origin) + ": malformed JSON: " + e.what());
+  }
+  return doc;
+}
+
+Expected<std::unique_ptr<BpeModel>> BpeModel::from_json(const json& spec, BpeTables tables) {
   std::string type = spec.value("type", std::string("BPE"));
   if (type != "BPE") {
     return invalid_argument("model type '" + type + "' is not supported (supported: BPE)");
@@ -50,28 +286,25 @@ Expected<std::unique_ptr<BpeModel>> BpeModel::from_json(const json& spec) {
       spec["dropout"].get<double>() != 0.0) {
     return invalid_argument("BPE dropout is not supported");
   }
+  TESSERA_RETURN_IF_ERROR(tables_from_document(spec, tables));
   std::unique_ptr<BpeModel> model(new BpeModel());
-  const json& vocab = spec.at("vocab");
-  model->vocab_.reserve(vocab.size());
+  model->vocab_.reserve(tables.vocab.size());
   int32_t max_id = -1;
-  std::string max_token;
-  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    TESSERA_ASSIGN_OR_RETURN(
-        int64_t id64,
-        json_integer(it.value(), 0, INT32_MAX - 1, "the id of vocab token '" + it.key() + "'"));
-    const auto id = static_cast<int32_t>(id64);
-    model->vocab_[it.key()] = id;
+  const std::string* max_token = nullptr;
+  for (const auto& [token, id] : tables.vocab) {
+    auto [it, added] = model->vocab_.insert_or_assign(std::string(tables.view(token)), id);
     if (id > max_id) {
       max_id = id;
-      max_token = it.key();
+      max_token = &it->first;
     }
   }
   // Ids index tables (id -> token, id -> bytes): a vocabulary's ids are 0..n-1, give or take
   // gaps. One id far past the rest would make those tables gigabytes (found by the fuzzer).
   constexpr int64_t kMaxIdGap = 1 << 20;
-  if (max_id >= static_cast<int64_t>(vocab.size()) + kMaxIdGap) {
-    return invalid_argument("vocab token '" + max_token + "' has id " + std::to_string(max_id) +
-                            ", but the vocabulary has " + std::to_string(vocab.size()) +
+  const size_t size = model->vocab_.size();
+  if (max_id >= static_cast<int64_t>(size) + kMaxIdGap) {
+    return invalid_argument("vocab token '" + *max_token + "' has id " + std::to_string(max_id) +
+                            ", but the vocabulary has " + std::to_string(size) +
                             " tokens: ids must be below its size plus " +
                             std::to_string(kMaxIdGap) + " (a corrupt tokenizer.json?)");
   }
@@ -97,43 +330,36 @@ Expected<std::unique_ptr<BpeModel>> BpeModel::from_json(const json& spec) {
     if (auto id = model->token_to_id(name)) model->byte_ids_[b] = *id;
   }
 
-  const json& merges = spec.at("merges");
-  model->merges_.reserve(merges.size());
+  model->merges_.reserve(tables.merges.size());
   const size_t prefix_len = model->continuing_subword_prefix_.size();
   uint32_t rank = 0;
   std::string merged;
-  for (const json& merge : merges) {
-    std::string a, b;
-    if (merge.is_string()) {
-      const std::string& line = merge.get_ref<const std::string&>();
-      if (line.rfind("#version", 0) == 0) continue;
-      size_t space = line.find(' ');
-      if (space == std::string::npos || line.find(' ', space + 1) != std::string::npos) {
-        return invalid_argument("merge " + std::to_string(rank + 1) + " ('" + line +
+  for (const BpeTables::Merge& merge : tables.merges) {
+    std::string_view a = tables.view(merge.first), b = tables.view(merge.second);
+    if (merge.line) {
+      const std::string_view line = a;
+      if (line.starts_with("#version")) continue;
+      const size_t space = line.find(' ');
+      if (space == std::string_view::npos || line.find(' ', space + 1) != std::string_view::npos) {
+        return invalid_argument("merge " + std::to_string(rank + 1) + " ('" + std::string(line) +
                                 "') is not two tokens separated by one space");
       }
       a = line.substr(0, space);
       b = line.substr(space + 1);
-    } else {
-      if (!merge.is_array() || merge.size() != 2) {
-        return invalid_argument("merge " + std::to_string(rank + 1) + " is not a pair");
-      }
-      a = merge[0].get<std::string>();
-      b = merge[1].get<std::string>();
     }
     auto a_id = model->token_to_id(a);
     auto b_id = model->token_to_id(b);
     if (!a_id || !b_id) {
-      return invalid_argument("merge '" + a + " " + b + "' uses token '" + (a_id ? b : a) +
-                              "' that is not in the vocab");
+      return invalid_argument("merge '" + std::string(a) + " " + std::string(b) + "' uses token '" +
+                              std::string(a_id ? b : a) + "' that is not in the vocab");
     }
-    merged.assign(a).append(b, std::min(prefix_len, b.size()));
+    merged.assign(a).append(b.substr(std::min(prefix_len, b.size())));
     auto new_id = model->token_to_id(merged);
     if (!new_id) {
-      return invalid_argument("merge '" + a + " " + b + "' makes '" + merged +
-                              "' that is not in the vocab");
+      return invalid_argument("merge '" + std::string(a) + " " + std::string(b) + "' makes '" +
+                              merged + "' that is not in the vocab");
     }
-    model->merges_[pair_key(*a_id, *b_id)] = Merge{rank, *new_id};
+    model->merges_.insert_or_assign(pair_key(*a_id, *b_id), Merge{rank, *new_id});
     ++rank;
   }
   return model;
@@ -218,10 +444,7 @@ void BpeModel::merge_word(std::string_view word, std::vector<int32_t>& out) cons
   if (pending_unk) add(*pending_unk);
 
   std::priority_queue<QueuedMerge> queue;
-  auto find = [&](int32_t a, int32_t b) -> const Merge* {
-    auto it = merges_.find(pair_key(a, b));
-    return it == merges_.end() ? nullptr : &it->second;
-  };
+  auto find = [&](int32_t a, int32_t b) { return merges_.find(pair_key(a, b)); };
   for (size_t i = 0; i + 1 < symbols.size(); ++i) {
     if (const Merge* m = find(symbols[i].id, symbols[i + 1].id)) {
       queue.push({m->rank, static_cast<int32_t>(i), m->new_id});

@@ -106,7 +106,9 @@ Expected<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view token
                                                           std::string_view origin,
                                                           std::string_view config_origin) {
   std::string where(origin);
-  TESSERA_ASSIGN_OR_RETURN(json spec, tokenizer::parse_json(tokenizer_json, origin));
+  tokenizer::BpeTables tables;
+  TESSERA_ASSIGN_OR_RETURN(json spec,
+                           tokenizer::parse_tokenizer_json(tokenizer_json, origin, tables));
   if (!spec.is_object()) return invalid_argument(where + ": not a JSON object");
   std::unique_ptr<Tokenizer> tok(new Tokenizer());
   if (!config_json.empty()) {
@@ -119,7 +121,7 @@ Expected<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view token
       return invalid_argument(where + ": unknown tokenizer version " + spec["version"].dump());
     }
     if (!spec.contains("model")) return invalid_argument(where + ": has no \"model\"");
-    auto model = tokenizer::BpeModel::from_json(spec["model"]);
+    auto model = tokenizer::BpeModel::from_json(spec["model"], std::move(tables));
     if (!model) return located(model.status());
     tok->model_ = std::move(model).value();
 
@@ -159,6 +161,7 @@ Expected<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view token
     return invalid_argument(where + ": unexpected structure: " + e.what());
   }
   tok->derive_settings();
+  tok->derive_id_tables();
   return tok;
 }
 
@@ -182,6 +185,9 @@ void Tokenizer::derive_settings() {
   } else {
     add_bos_token_ = post_processor_ && post_processor_->leading_special().has_value();
   }
+}
+
+void Tokenizer::derive_id_tables() {
   id_bytes_.clear();
   id_special_.clear();
   if (decoder_ && decoder_->byte_level()) {

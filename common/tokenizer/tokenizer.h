@@ -100,8 +100,12 @@ class Tokenizer {
 
  private:
   Tokenizer();
-  // Finishes loading: the fields derived from the components and the config.
+  // Finishes loading: the fields derived from the components and the config (again after
+  // load() merges generation_config.json).
   void derive_settings();
+  // The per-id decode tables (byte-level bytes, special or not), derived from the components
+  // only: once per tokenizer. After derive_settings (it uses vocab_size_).
+  void derive_id_tables();
 
   std::unique_ptr<tokenizer::Normalizer> normalizer_;         // may be null
   std::unique_ptr<tokenizer::PreTokenizer> pre_tokenizer_;    // may be null

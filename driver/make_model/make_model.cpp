@@ -18,6 +18,8 @@
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/safetensors.h"
 #include "common/progress.h"
+#include "common/tokenizer/bpe_model.h"
+#include "common/tokenizer/json_file.h"
 #include "driver/cli/cli_help.h"
 #include "driver/make_model/presets.h"
 
@@ -159,7 +161,11 @@ Expected<TokenizerInfo> read_tokenizer(const std::string& dir) {
   if (!fs::is_regular_file(tj, ec)) {
     return not_found("make-model: no tokenizer.json in tokenizer directory '" + dir + "'");
   }
-  TESSERA_ASSIGN_OR_RETURN(json tok, read_json(tj));
+  // The vocab (and merges) stream past the document (tokenizer::parse_tokenizer_json): a
+  // 128k-token vocabulary as document nodes was most of make-model's time for a tiny model.
+  tokenizer::BpeTables tables;
+  TESSERA_ASSIGN_OR_RETURN(std::string text, tokenizer::read_text_file(tj.string()));
+  TESSERA_ASSIGN_OR_RETURN(json tok, tokenizer::parse_tokenizer_json(text, tj.string(), tables));
   TokenizerInfo info;
   std::map<std::string, int64_t> special;  // content → id
   if (tok.contains("added_tokens") && tok["added_tokens"].is_array()) {
@@ -170,16 +176,15 @@ Expected<TokenizerInfo> read_tokenizer(const std::string& dir) {
       if (t.contains("content") && t["content"].is_string()) special[t["content"]] = id;
     }
   }
-  const json* vocab = nullptr;
-  if (tok.contains("model") && tok["model"].is_object() && tok["model"].contains("vocab")) {
+  const json* vocab = nullptr;  // a vocab the document kept (not a BPE object: Unigram's list)
+  if (!tables.vocab_streamed && tok.contains("model") && tok["model"].is_object() &&
+      tok["model"].contains("vocab")) {
     vocab = &tok["model"]["vocab"];
   }
-  if (vocab != nullptr && vocab->is_object()) {  // BPE / WordPiece / WordLevel: token → id
-    for (auto it = vocab->begin(); it != vocab->end(); ++it) {
-      if (it->is_number_integer())
-        info.vocab_size = std::max(info.vocab_size, it->get<int64_t>() + 1);
-    }
-  } else if (vocab != nullptr && vocab->is_array()) {  // Unigram: [[piece, score], ...]
+  for (const auto& [slice, id] : tables.vocab) {  // BPE / WordPiece / WordLevel: token → id
+    info.vocab_size = std::max<int64_t>(info.vocab_size, int64_t{id} + 1);
+  }
+  if (vocab != nullptr && vocab->is_array()) {  // Unigram: [[piece, score], ...]
     info.vocab_size = std::max(info.vocab_size, static_cast<int64_t>(vocab->size()));
   }
   if (info.vocab_size <= 0) {
@@ -187,11 +192,11 @@ Expected<TokenizerInfo> read_tokenizer(const std::string& dir) {
   }
   auto id_of = [&](const std::string& content) -> std::optional<int64_t> {
     if (auto it = special.find(content); it != special.end()) return it->second;
-    if (vocab != nullptr && vocab->is_object() && vocab->contains(content) &&
-        (*vocab)[content].is_number_integer()) {
-      return (*vocab)[content].get<int64_t>();
+    std::optional<int64_t> id;  // the last listing wins, as in the tokenizer's own map
+    for (const auto& [slice, token_id] : tables.vocab) {
+      if (tables.view(slice) == content) id = token_id;
     }
-    return std::nullopt;
+    return id;
   };
 
   const fs::path tc = fs::path(dir) / "tokenizer_config.json";

@@ -90,6 +90,26 @@ TEST_F(TokenizerDir, IdsMustBeIntegersInRange) {
       {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
            "decoder": {"type": "Strip", "content": " ", "start": 1e300, "stop": 0}})",
        "Strip decoder start must be an integer"},
+      // The vocab and merges stream past the document (parse_tokenizer_json): values of the
+      // wrong type inside them are named as the document's accessors named them.
+      {R"({"model": {"type": "BPE", "vocab": {"a": "0"}, "merges": []}})",
+       R"(the id of vocab token 'a' must be an integer in [0, 2147483646], got "0")"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": {"c": 1}}, "merges": []}})",
+       "the id of vocab token 'b' must be an integer in [0, 2147483646], got an object"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": [0]}, "merges": []}})",
+       "the id of vocab token 'a' must be an integer in [0, 2147483646], got an array"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [["a", "b", "a"]]}})",
+       "merge 1 is not a pair"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a b", ["a"]]}})",
+       "merge 2 is not a pair"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [["a", 1]]}})",
+       "merge 1 is not a pair"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [7]}})",
+       "merge 1 is not a pair"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [{"a": "b"}]}})",
+       "merge 1 is not a pair"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [[["a"], "b"]]}})",
+       "merge 1 is not a pair"},
   };
   for (const auto& [text, says] : cases) {
     write("tokenizer.json", text);
@@ -231,6 +251,27 @@ TEST(TinyBpeTest, MergesAsPairs) {
   ASSERT_TRUE(tok) << tok.status().to_string();
   EXPECT_EQ((*tok)->encode("abcab", false), (std::vector<int32_t>{4, 3}));
   EXPECT_EQ((*tok)->encode("abcab", true), (std::vector<int32_t>{4, 3}));  // no post-processor
+}
+
+// The vocab and merges stream out of the document only at model.vocab / model.merges: the same
+// keys deeper elsewhere stay in the document, merges may come before the vocab, and a token
+// listed twice keeps its last id, as a JSON document keeps the last value of a key.
+TEST(TinyBpeTest, OnlyTheModelsVocabAndMergesStream) {
+  json spec = tiny_bpe();
+  json model = spec["model"];
+  spec.erase("model");
+  spec["extra"] = json::parse(R"({"model": {"vocab": {"zz": 1}, "merges": ["z z"]}})");
+  std::string text = spec.dump();
+  text.pop_back();  // the model last, its merges first, "c" listed twice (5, then its own 2)
+  text += R"(,"model": {"type": "BPE", "merges": )" + model["merges"].dump() +
+          R"(, "vocab": {"c": 5, )" + model["vocab"].dump().substr(1) + "}}";
+  auto tok = Tokenizer::from_json(text);
+  ASSERT_TRUE(tok) << tok.status().to_string();
+  auto plain = Tokenizer::from_json(tiny_bpe().dump());
+  ASSERT_TRUE(plain);
+  EXPECT_EQ((*tok)->encode("abcab", false), (*plain)->encode("abcab", false));
+  EXPECT_EQ((*tok)->vocab_size(), (*plain)->vocab_size());
+  EXPECT_EQ((*tok)->token_to_id("c"), (*plain)->token_to_id("c"));
 }
 
 // single_word looks at Unicode word characters on both sides (Rust's \w: letters, marks,
