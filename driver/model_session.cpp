@@ -122,7 +122,18 @@ Expected<ClusterPlan> plan_session(const ModelConfig& config, const EngineSpec& 
     TESSERA_ASSIGN_OR_RETURN(shared.engine,
                              resolve_engine_spec(a, config, shared.plan.tp, shared.plan.pp,
                                                  shared.plan.stage_layers, Device::kCuda));
-    shared.memory.engine = shared.engine;
+    // Each rank sizes itself to its share of its GPU (the actors' gpu_shares rule: the budget
+    // divided by the ranks on the GPU), so the plan sizes each as a GPU of that share.
+    std::vector<std::optional<GpuMemory>> shares;
+    for (const PlacedRank& r : shared.placement.ranks) {
+      uint64_t k = 0;
+      for (const PlacedRank& o : shared.placement.ranks)
+        k += o.node_id == r.node_id && o.gpu == r.gpu;
+      shares.push_back(GpuMemory{r.memory.total / k, r.memory.used / k});
+    }
+    TESSERA_ASSIGN_OR_RETURN(EngineSpec lengths, resolve_lengths(a, config));
+    shared.memory = estimate_memory(config, shared.plan, shares, lengths);
+    TESSERA_RETURN_IF_ERROR(memory_status(shared.memory));
     std::set<int64_t> gpus;
     for (const PlacedRank& r : shared.placement.ranks) gpus.insert(r.gpu);
     spdlog::warn(

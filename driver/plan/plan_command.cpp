@@ -534,6 +534,13 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
   if (gpu) {
     rows[0].insert(rows[0].end(), {"activations", "in use", "KV cache", "KV tokens"});
   }
+  // A plan always sizes every placed rank (plan_on_cluster, plan_session); a table that
+  // disagrees is a bug, refused here rather than read past its end.
+  if (cp.placement.ranks.size() != p.ranks.size() || m.ranks.size() != p.ranks.size()) {
+    return o + "(internal error: " + std::to_string(p.ranks.size()) + " ranks, " +
+           std::to_string(cp.placement.ranks.size()) + " placed, " +
+           std::to_string(m.ranks.size()) + " sized)\n";
+  }
   for (const RankPlan& r : p.ranks) {
     const LayerPlan& s = r.shard;
     const PlacedRank& pl = cp.placement.ranks[static_cast<size_t>(r.rank())];
@@ -570,11 +577,19 @@ std::string render_cluster_plan(const ModelConfig& c, const ClusterPlan& cp) {
   char line[256];
   if (gpu) {
     const RankMemory& lim = m.ranks[static_cast<size_t>(m.limiting_rank)];
+    const PlacedRank& at = cp.placement.ranks[static_cast<size_t>(m.limiting_rank)];
+    const auto sharing = std::count_if(
+        cp.placement.ranks.begin(), cp.placement.ranks.end(),
+        [&](const PlacedRank& r) { return r.node_id == at.node_id && r.gpu == at.gpu; });
     std::snprintf(line, sizeof(line),
                   "Memory per GPU: --gpu-memory-utilization %.2f x %s = %s for weights, "
-                  "activations and the KV cache\n",
+                  "activations and the KV cache%s\n",
                   m.engine.gpu_memory_utilization, format_gib(lim.total).c_str(),
-                  format_gib(lim.budget).c_str());
+                  format_gib(lim.budget).c_str(),
+                  sharing > 1 ? (" (per rank: each GPU shared by " + std::to_string(sharing) +
+                                 " ranks, each sized to its share)")
+                                    .c_str()
+                              : "");
     o += line;
     std::snprintf(line, sizeof(line),
                   "KV cache: %s tokens (the fewest of any rank: rank %lld, %s bytes/token); max "

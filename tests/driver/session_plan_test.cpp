@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "driver/model_session.h"
+#include "driver/plan/plan_command.h"
 
 namespace tessera {
 namespace {
@@ -55,6 +56,26 @@ TEST(SessionPlanTest, TwoRanksShareOneGpuOnlyWithIpcCollectives) {
   EXPECT_GT(shared->engine.max_num_batched_tokens, 0);
   EXPECT_TRUE(check_resolved(shared->engine).is_ok());
   EXPECT_EQ(shared->engine.device, Device::kCuda);
+  // Each rank is sized to its half of the GPU, as the actors divide it (gpu_shares), and the
+  // plan prints with both (`tessera doctor --model -tp 2 --collectives ipc` crashed printing a
+  // shared plan that had no sizes, on the H200).
+  ASSERT_EQ(shared->memory.ranks.size(), 2u);
+  for (const RankMemory& r : shared->memory.ranks) {
+    EXPECT_EQ(r.total, 40ull << 30);
+    EXPECT_LE(r.budget, static_cast<uint64_t>(0.9 * (40ull << 30)));
+    EXPECT_GT(r.kv_tokens, 0);
+  }
+  const std::string text = render_cluster_plan(tiny(), *shared);
+  const size_t ranks = text.find("Ranks:");
+  ASSERT_NE(ranks, std::string::npos) << text;
+  size_t rows = 0;  // a row per rank, each on gpu0 of node-0
+  for (size_t at = text.find("node-0 gpu0 ", ranks); at != std::string::npos;
+       at = text.find("node-0 gpu0 ", at + 1)) {
+    ++rows;
+  }
+  EXPECT_EQ(rows, 2u) << text;
+  EXPECT_NE(text.find("shared by 2 ranks"), std::string::npos) << text;
+  EXPECT_NE(text.find("Fits."), std::string::npos) << text;
   a.max_model_len = 512;
   auto capped = plan_session(tiny(), a, nodes);
   ASSERT_TRUE(capped) << capped.status().to_string();
