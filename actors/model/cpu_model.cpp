@@ -359,15 +359,18 @@ class CpuModel::Step {
                                               c.rms_norm_eps, hidden_));
     // Only the rows whose next token is sampled go through lm_head.
     const int64_t R = static_cast<int64_t>(logit_rows_.size());
-    std::vector<float> rows(R * H_);
+    std::vector<float>& rows = m_.lm_rows_;
+    rows.resize(R * H_);
     for (int64_t r = 0; r < R; ++r) {
       std::copy_n(hidden_.begin() + logit_rows_[r] * H_, H_, rows.begin() + r * H_);
     }
     if (R == 0) return Status::ok();
     const int64_t Vs = p.vocab_shard;
-    std::vector<float> shard(R * Vs, -std::numeric_limits<float>::infinity());
+    std::vector<float>& shard = m_.lm_shard_;
+    shard.assign(R * Vs, -std::numeric_limits<float>::infinity());
     if (p.vocab_rows > 0) {
-      std::vector<float> mine(R * p.vocab_rows);
+      std::vector<float>& mine = m_.lm_mine_;
+      mine.resize(R * p.vocab_rows);
       TESSERA_RETURN_IF_ERROR(cpu::linear(m_.ctx_, rows, m_.weights_.lm_head, nullptr, mine));
       if (c.final_logit_softcapping > 0) {
         // Gemma's final soft-cap, as transformers: logits / cap, tanh, * cap (fp32).
@@ -387,7 +390,8 @@ class CpuModel::Step {
     }
     // Vocabulary-parallel: gather every rank's slice [T][R][Vs] and lay the rows out whole.
     const int64_t T = p.parallel.tp_size;
-    std::vector<float> all(T * R * Vs);
+    std::vector<float>& all = m_.lm_gathered_;
+    all.resize(T * R * Vs);
     TESSERA_RETURN_IF_ERROR(
         m_.comms_.tp->all_gather(shard.data(), R * Vs, DType::kF32, all.data(), nullptr));
     for (int64_t t = 0; t < T; ++t) {
@@ -486,7 +490,11 @@ Expected<std::vector<SampleResult>> CpuModel::collect(std::vector<float>* logits
   if (launched_.empty()) return failed_precondition("no step is running on this rank");
   Launch l = std::move(launched_.front());
   launched_.pop_front();
-  if (logits != nullptr) logits->insert(logits->end(), l.logits.begin(), l.logits.end());
+  if (logits != nullptr && logits->empty()) {
+    *logits = std::move(l.logits);
+  } else if (logits != nullptr) {
+    logits->insert(logits->end(), l.logits.begin(), l.logits.end());
+  }
   return std::move(l.samples);
 }
 
@@ -517,7 +525,11 @@ Expected<std::vector<SampleResult>> CpuModel::run_step(std::span<const ForwardSe
                           history ? q.state->output() : std::span<const int32_t>{}));
     out.push_back(std::move(result));
   }
-  if (logits != nullptr) logits->insert(logits->end(), all.begin(), all.end());
+  if (logits != nullptr && logits->empty()) {
+    *logits = std::move(all);
+  } else if (logits != nullptr) {
+    logits->insert(logits->end(), all.begin(), all.end());
+  }
   return out;
 }
 

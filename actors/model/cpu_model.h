@@ -91,6 +91,10 @@ class CpuModel final : public Backend {
   std::map<uint64_t, cpu::Sampler> samplers_;  // the sampling rank's, per request
   std::vector<int32_t> last_tokens_;           // sampled by the last launch (async scheduling)
   std::deque<Launch> launched_;                // not collected yet, oldest first
+  // lm_head's vocabulary-sized buffers, kept from step to step (Step::logits): a fresh
+  // allocation of each per step was a step's costliest part for small models (and, at this
+  // size, fresh pages every time under ASan).
+  std::vector<float> lm_rows_, lm_shard_, lm_mine_, lm_gathered_;
 };
 
 }  // namespace tessera

@@ -35,11 +35,13 @@ inline void load8(const uint16_t* p, v4f* lo, v4f* hi) {
 inline float scalar(float v) { return v; }
 inline float scalar(uint16_t v) { return bf16_to_float(v); }
 
-// out[r] = x . w[r] for r < 4 rows of length `in`, sharing the loads of x and keeping the eight
+// x . w[r] for the 4 rows r of length `in`, sharing the loads of x and keeping the eight
 // accumulators in registers. The lane order is exactly detail::dot's and bf16 widening is
-// exact, so every path (fp32 tile, raw bf16, single row) gives the same bits.
+// exact, so every path (fp32 tile, raw bf16, single row) gives the same bits. Returned as a
+// vector, not through an array: a per-tile array in memory cost a frame allocation per call
+// under ASan's use-after-return checks (most of a small model's step in the sanitizer suites).
 template <typename W>
-inline void dot4(const float* x, const W* w, int64_t in, float* out) {
+inline v4f dot4(const float* x, const W* w, int64_t in) {
   const W* w0 = w;
   const W* w1 = w + in;
   const W* w2 = w + 2 * in;
@@ -70,10 +72,7 @@ inline void dot4(const float* x, const W* w, int64_t in, float* out) {
     s2 += x[i] * scalar(w2[i]);
     s3 += x[i] * scalar(w3[i]);
   }
-  out[0] = s0;
-  out[1] = s1;
-  out[2] = s2;
-  out[3] = s3;
+  return v4f{s0, s1, s2, s3};
 }
 
 // One row, same lane order.
@@ -96,11 +95,12 @@ inline float dot1(const float* x, const W* w, int64_t in) {
 template <typename W>
 void tile_times_tokens(const float* x, int64_t n, int64_t in, const W* w, int64_t rows,
                        const float* bias, float* y, int64_t out_f, int64_t o0) {
-  float acc[kTileRows];
+  static_assert(kTileRows == 4, "dot4 computes a tile");
   for (int64_t t = 0; t < n; ++t) {
     const float* xt = x + t * in;
+    v4f acc = {};
     if (rows == kTileRows) {
-      dot4(xt, w, in, acc);
+      acc = dot4(xt, w, in);
     } else {
       for (int64_t r = 0; r < rows; ++r) acc[r] = dot1(xt, w + r * in, in);
     }
