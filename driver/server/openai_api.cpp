@@ -581,7 +581,8 @@ json usage_json(const std::vector<ChoiceResult>& choices, int n) {
 }
 
 json completion_response(const ApiRequest& req, const std::string& id,
-                         const std::vector<ChoiceResult>& choices, const ServedModel& m) {
+                         const std::vector<ChoiceResult>& choices, int64_t created,
+                         const ServedModel& m) {
   json out_choices = json::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     const ChoiceResult& c = choices[i];
@@ -622,7 +623,7 @@ json completion_response(const ApiRequest& req, const std::string& id,
   }
   return {{"id", id},
           {"object", req.chat ? "chat.completion" : "text_completion"},
-          {"created", m.created},
+          {"created", created},
           {"model", req.model},
           {"choices", out_choices},
           {"usage", usage_json(choices, req.n)}};

@@ -89,9 +89,10 @@ struct ChoiceResult {
   size_t cached_tokens = 0;
 };
 
-// The whole (non-streaming) response; choices are by prompt then by n.
+// The whole (non-streaming) response; choices are by prompt then by n. `created`: unix seconds
+// the request arrived (as every chunk of a stream carries), not the model's `created`.
 nlohmann::json completion_response(const ApiRequest& req, const std::string& id,
-                                   const std::vector<ChoiceResult>& choices,
+                                   const std::vector<ChoiceResult>& choices, int64_t created,
                                    const ServedModel& model);
 // One stream chunk with `delta_text` / new tokens for choice `index`. `finish_reason` is the wire
 // name on its last chunk ("stop", "length", "abort", "tool_calls"), "" (null) before. `first`

@@ -32,7 +32,7 @@ class WriterBase : public ResponseWriter {
     return chunks;
   }
   json body(const std::vector<ChoiceResult>& results) const override {
-    return completion_response(req_, id_, results, model_);
+    return completion_response(req_, id_, results, created_, model_);
   }
 
  protected:

@@ -300,7 +300,7 @@ TEST_F(OpenAIApiTest, ToolsGoThroughTheTemplateAndAutoNeedsTheParser) {
   c.text =
       "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>";
   c.finish_reason = FinishReason::kStop;
-  json j = completion_response(r, "chatcmpl-1", {c}, m);
+  json j = completion_response(r, "chatcmpl-1", {c}, 1700000042, m);
   json msg = j["choices"][0]["message"];
   EXPECT_TRUE(msg["content"].is_null());
   ASSERT_EQ(msg["tool_calls"].size(), 1u);
@@ -368,9 +368,11 @@ TEST_F(OpenAIApiTest, ResponsesAndChunksHaveOpenAIsShape) {
     choices[i].prompt_tokens = 2;
     choices[i].cached_tokens = i == 2 ? 1 : 0;
   }
-  json j = completion_response(r, "cmpl-1", choices, m);
+  json j = completion_response(r, "cmpl-1", choices, 1700000042, m);
   EXPECT_EQ(j["object"], "text_completion");
-  EXPECT_EQ(j["created"], 1700000000);
+  // The request's time, not the model's (`m.created`, the server's start, is /v1/models').
+  EXPECT_EQ(j["created"], 1700000042);
+  EXPECT_NE(j["created"], m.created);
   ASSERT_EQ(j["choices"].size(), 4u);
   EXPECT_EQ(j["choices"][3]["index"], 3);
   EXPECT_EQ(j["choices"][2]["text"], "bt2");  // echo: the prompt, then the text
