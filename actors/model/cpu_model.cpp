@@ -486,15 +486,26 @@ Status CpuModel::launch(const StepBatch& batch, bool want_logits) {
   return Status::ok();
 }
 
+namespace {
+
+// Appends a step's logits to the caller's (`to` may be null: not wanted), moving them when `to`
+// is empty, as it is for every step's first: no vocabulary-sized copy.
+void append_logits(std::vector<float>* to, std::vector<float>&& from) {
+  if (to == nullptr) return;
+  if (to->empty()) {
+    *to = std::move(from);
+  } else {
+    to->insert(to->end(), from.begin(), from.end());
+  }
+}
+
+}  // namespace
+
 Expected<std::vector<SampleResult>> CpuModel::collect(std::vector<float>* logits) {
   if (launched_.empty()) return failed_precondition("no step is running on this rank");
   Launch l = std::move(launched_.front());
   launched_.pop_front();
-  if (logits != nullptr && logits->empty()) {
-    *logits = std::move(l.logits);
-  } else if (logits != nullptr) {
-    logits->insert(logits->end(), l.logits.begin(), l.logits.end());
-  }
+  append_logits(logits, std::move(l.logits));
   return std::move(l.samples);
 }
 
@@ -525,11 +536,7 @@ Expected<std::vector<SampleResult>> CpuModel::run_step(std::span<const ForwardSe
                           history ? q.state->output() : std::span<const int32_t>{}));
     out.push_back(std::move(result));
   }
-  if (logits != nullptr && logits->empty()) {
-    *logits = std::move(all);
-  } else if (logits != nullptr) {
-    logits->insert(logits->end(), all.begin(), all.end());
-  }
+  append_logits(logits, std::move(all));
   return out;
 }
 

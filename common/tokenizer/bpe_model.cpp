@@ -47,24 +47,24 @@ class TokenizerSax {
   explicit TokenizerSax(json& doc, BpeTables& tables) : dom_(doc, true), t_(tables) {}
 
   bool null() {
-    return value(json(nullptr), [&] { return dom_.null(); });
+    return value([] { return json(nullptr); }, [&] { return dom_.null(); });
   }
   bool boolean(bool v) {
-    return value(json(v), [&] { return dom_.boolean(v); });
+    return value([&] { return json(v); }, [&] { return dom_.boolean(v); });
   }
   bool number_integer(json::number_integer_t v) {
     if (mode_ == Mode::kVocab) return vocab_id(v);
-    return value(json(v), [&] { return dom_.number_integer(v); });
+    return value([&] { return json(v); }, [&] { return dom_.number_integer(v); });
   }
   bool number_unsigned(json::number_unsigned_t v) {
     if (mode_ == Mode::kVocab) {
       return v <= static_cast<uint64_t>(INT64_MAX) ? vocab_id(static_cast<int64_t>(v))
                                                    : bad_id(json(v).dump());
     }
-    return value(json(v), [&] { return dom_.number_unsigned(v); });
+    return value([&] { return json(v); }, [&] { return dom_.number_unsigned(v); });
   }
   bool number_float(json::number_float_t v, const json::string_t& s) {
-    return value(json(v), [&] { return dom_.number_float(v, s); });
+    return value([&] { return json(v); }, [&] { return dom_.number_float(v, s); });
   }
   bool string(json::string_t& v) {
     if (mode_ == Mode::kMerges) {
@@ -76,7 +76,7 @@ class TokenizerSax {
       pair_[pair_size_++] = t_.add(v);
       return true;
     }
-    return value(json(v), [&] { return dom_.string(v); });
+    return value([&] { return json(v); }, [&] { return dom_.string(v); });
   }
   bool binary(json::binary_t& v) { return dom_.binary(v); }
   bool start_object(std::size_t n) {
@@ -157,9 +157,11 @@ class TokenizerSax {
     return frames_.size() == 2 && frames_[0].object && frames_[0].key == "model" &&
            frames_[1].object && frames_[1].key == key;
   }
-  template <class Dom>
-  bool value(const json& v, Dom dom) {
-    if (mode_ == Mode::kVocab) return bad_id(v.dump());
+  // A scalar: to the document, or (inside the vocab or merges) an error; `got` makes the value
+  // only for the error's text, so the document's values are not copied on the way.
+  template <class Got, class Dom>
+  bool value(Got got, Dom dom) {
+    if (mode_ == Mode::kVocab) return bad_id(got().dump());
     if (mode_ != Mode::kDom) return bad_merge();
     return dom();
   }

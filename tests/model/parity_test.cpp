@@ -102,10 +102,11 @@ struct Made {
   std::string error;  // why making or loading failed, for every split that asks
 };
 
+std::map<std::string, Made> g_made;  // by architecture
+
 const Made& made(const std::string& arch) {
-  static std::map<std::string, Made> cache;
-  auto it = cache.find(arch);
-  if (it != cache.end()) return it->second;
+  auto it = g_made.find(arch);
+  if (it != g_made.end()) return it->second;
   Made m;
   m.g = make(arch, "-splits");
   if (m.g.j.is_null()) {
@@ -115,20 +116,16 @@ const Made& made(const std::string& arch) {
   } else {
     m.error = t.status().to_string();
   }
-  return cache.emplace(arch, std::move(m)).first->second;
+  return g_made.emplace(arch, std::move(m)).first->second;
 }
 
 // Removes the checkpoints made() wrote when the process's tests are done.
 class MadeCleanup : public ::testing::Environment {
  public:
   void TearDown() override {
-    const auto tmp = std::filesystem::temp_directory_path();
-    for (const auto& e : std::filesystem::directory_iterator(tmp)) {
-      const std::string name = e.path().filename().string();
-      if (name.starts_with("tessera-parity-") && name.ends_with("-" + std::to_string(::getpid()))) {
-        std::filesystem::remove_all(e.path());
-      }
-    }
+    std::error_code ec;  // a model that failed to be made may have no directory
+    for (const auto& [arch, m] : g_made) std::filesystem::remove_all(m.g.model_dir, ec);
+    g_made.clear();
   }
 };
 [[maybe_unused]] ::testing::Environment* const kMadeCleanup =
