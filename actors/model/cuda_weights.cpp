@@ -495,6 +495,38 @@ Expected<cuda::Fp8Layer> upload_fp8(Uploader& up, Fp8Scratch& scratch, const Qua
   return l;
 }
 
+// --load-format dummy for a quantized layer, on the region the dummy fill made (uniform bits):
+// int4 weights keep the fill's bits as their nibbles, with zero points 8 and the fill's scales
+// (+-1e-3 in the run dtype) and no act-order; FP8 weights are all 0.5 (E4M3 0x30: the fill's
+// bytes would hold NaNs) with the fill's per-output scales. The kernels run as on a checkpoint.
+Status dummy_quantized(const QuantConfig& q, const LinearOffsets& o, char* base, DType dt,
+                       CudaLinear& lin, cudaStream_t stream) {
+  if (o.int4) {
+    const int64_t groups = o.in / o.group;
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(base + o.zeros, 8, static_cast<size_t>(o.out * groups), stream),
+        "dummy int4 zero points");
+    lin.w4.out = o.out;
+    lin.w4.in = o.in;
+    lin.w4.group = o.group;
+    lin.w4.dtype = dt;
+    lin.w4.qweight = reinterpret_cast<const uint32_t*>(base + o.qweight);
+    lin.w4.scales = base + o.scales;
+    lin.w4.zeros = reinterpret_cast<const uint8_t*>(base + o.zeros);
+    lin.w4.perm = nullptr;
+    return Status::ok();
+  }
+  TESSERA_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(base + o.w, 0x30, static_cast<size_t>(o.out * o.in), stream),
+      "dummy FP8 weights");
+  lin.fp8.out = o.out;
+  lin.fp8.in = o.in;
+  lin.fp8.w = reinterpret_cast<const uint8_t*>(base + o.w);
+  lin.fp8.scales = reinterpret_cast<const float*>(base + o.fp8_scales);
+  lin.fp8.input_scale = q.activations == Fp8Activations::kStatic ? 1.0f : 0.0f;
+  return Status::ok();
+}
+
 }  // namespace
 
 Expected<uint64_t> CudaWeights::bytes_needed(const ModelConfig& config, const LayerPlan& plan,
@@ -550,9 +582,10 @@ Expected<std::unique_ptr<CudaWeights>> CudaWeights::upload(const ModelConfig& c,
       -> Expected<CudaLinear> {
     CudaLinear lin;
     if (w.dummy && (o.int4 || o.fp8)) {
-      return invalid_argument(prefix +
-                              ": --load-format dummy initialises plain weights only, "
-                              "not quantized layers (drop --quantization, or load the checkpoint)");
+      TESSERA_RETURN_IF_ERROR(
+          dummy_quantized(quant, o, base, dt, lin, stream).with_context(prefix));
+      d->any_fp8_ = d->any_fp8_ || o.fp8;
+      return lin;
     }
     NamedLinears named;
     for (const auto& [suffix, lw] : parts) named.emplace_back(prefix + suffix, lw);

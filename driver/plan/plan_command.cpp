@@ -98,7 +98,7 @@ void add_model_options(CLI::App* cmd, EngineSpec& e) {
          "--load-format",
          [&e](const std::string& t) { set_parsed(e.load_format, t, parse_load_format); },
          "auto (the safetensors) | dummy: random weights made on the GPU from config.json "
-         "alone, to benchmark a shape no disk holds (CUDA, unquantized)")
+         "alone, to benchmark a shape no disk holds (CUDA; AWQ, GPTQ and FP8 configs too)")
       ->type_name("FORMAT");
   cmd->add_flag("--enforce-eager", e.enforce_eager,
                 "Do not capture CUDA graphs (no memory kept for them)");

@@ -579,6 +579,52 @@ TEST(CudaModelTest, DummyWeightsLoadFromConfigAlone) {
   std::filesystem::remove_all(dir);
 }
 
+// --load-format dummy of a quantized config (AWQ, GPTQ, FP8 from --config-only directories):
+// the quantized layers' bytes, as the checkpoint's load takes them, made on the GPU, and steps
+// run through the int4 / FP8 kernels (finite logits).
+TEST(CudaModelTest, DummyQuantizedWeightsLoadFromConfigAlone) {
+  require_gpu();
+  for (const char* method : {"awq", "gptq", "fp8"}) {
+    SCOPED_TRACE(method);
+    const std::string base =
+        std::filesystem::temp_directory_path() /
+        (std::string("tessera-gpu-dummy-") + method + "-" + std::to_string(::getpid()));
+    MakeModelOptions o;
+    o.arch = "llama";
+    o.preset = "tiny";
+    o.tokenizer_dir = source_dir() + "/tests/assets/tokenizers/llama3";
+    o.dtype = "bf16";
+    // The int4 kernels' widths: k and v 64 outputs, every layer's inputs whole groups.
+    o.overrides.hidden_size = 128;
+    o.overrides.head_dim = 32;
+    o.overrides.intermediate_size = 256;
+    o.quantization.method = method;
+    o.quantization.group_size = 32;
+    o.out = base + "-real";
+    std::filesystem::remove_all(o.out);
+    Status made = make_model(o);
+    ASSERT_TRUE(made.is_ok()) << made.to_string();
+    o.out = base + "-config";
+    o.config_only = true;
+    std::filesystem::remove_all(o.out);
+    made = make_model(o);
+    ASSERT_TRUE(made.is_ok()) << made.to_string();
+    LoadSpec s = spec_for(base + "-config", "cuda");
+    s.engine.load_format = LoadFormat::kDummy;
+    auto dummy = load(s);
+    auto full = load(spec_for(base + "-real", "cuda"));
+    ASSERT_TRUE(dummy && full);
+    EXPECT_EQ(dummy->info().weight_bytes, full->info().weight_bytes);
+    EXPECT_EQ(dummy->info().quantization, full->info().quantization);
+    std::vector<float> logits;
+    generate(*dummy, {prompt_ids(40, 1), prompt_ids(3, 2)}, 4, &logits);
+    ASSERT_FALSE(logits.empty());
+    for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+    std::filesystem::remove_all(base + "-real");
+    std::filesystem::remove_all(base + "-config");
+  }
+}
+
 TEST(CudaModelTest, ChunkedPrefillMatchesOneChunk) {
   require_gpu();
   auto r = load(spec_for(tiny_model("qwen3"), "cuda"));

@@ -790,7 +790,7 @@ TEST(W4LinearTest, DecodeBandwidth) {
       EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
       return 1000.0 * ms / static_cast<double>(kReplays * calls);
     };
-    for (int64_t m : {int64_t{1}, int64_t{16}, kPrefillM}) {
+    for (int64_t m : {int64_t{1}, int64_t{16}, int64_t{64}, kPrefillM}) {
       const double us = time_calls([&](int64_t i) {
         return w4_linear(layers[static_cast<size_t>(i % copies)], xd.get(), m, yd.get(), ws.get(),
                          ws.bytes(), gemm.get(), stream);
@@ -815,12 +815,14 @@ TEST(W4LinearTest, DecodeBandwidth) {
     // weight, so a layer under 60 MB is read from L2 there).
     DeviceBuffer wb = device_alloc(static_cast<size_t>(out * in) * 2, "bf16 weight");
     ASSERT_EQ(cudaMemset(wb.get(), 0, wb.bytes()), cudaSuccess);
-    const GemmShape shape{kPrefillM, out, in, DType::kBF16, DType::kBF16, false};
-    const double gemm_us = time_calls([&](int64_t) {
-      return gemm->linear(shape, xd.get(), wb.get(), nullptr, yd.get(), stream);
-    });
-    std::printf("bf16 gemm m=%-3lld [%6lld x %6lld]: %8.2f us\n", static_cast<long long>(kPrefillM),
-                static_cast<long long>(out), static_cast<long long>(in), gemm_us);
+    for (int64_t m : {int64_t{64}, kPrefillM}) {  // batch-64 decode's and the prefill's m
+      const GemmShape shape{m, out, in, DType::kBF16, DType::kBF16, false};
+      const double gemm_us = time_calls([&](int64_t) {
+        return gemm->linear(shape, xd.get(), wb.get(), nullptr, yd.get(), stream);
+      });
+      std::printf("bf16 gemm m=%-3lld [%6lld x %6lld]: %8.2f us\n", static_cast<long long>(m),
+                  static_cast<long long>(out), static_cast<long long>(in), gemm_us);
+    }
     expect_counters_zero(ws, "bandwidth runs");
   }
   EXPECT_EQ(cudaEventDestroy(start), cudaSuccess);
