@@ -1011,22 +1011,9 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
     const uint64_t logits = plan.last_stage ? engine.max_num_seqs * config.vocab_size * 4 *
                                                   (plan.parallel.tp_size > 1 ? 2 : 1)
                                             : 0;
-    // int4 layers: a prefill dequantizes the largest one's weight into the workspace.
-    const uint64_t w4 = quant.method == QuantMethod::kNone || fp8
-                            ? 0
-                            : std::max({qkv_rows(config, plan) * config.hidden_size,
-                                        2 * plan.intermediate * config.hidden_size,
-                                        plan.heads * config.head_dim * config.hidden_size}) *
-                                  es;
-    // FP8 layers: their quantized inputs and row scales, the GEMM's workspace and at most its
-    // epilogue path's fp32 chunk (kernels/cuda/fp8_linear.h).
-    const uint64_t fp8_ws =
-        fp8 ? m->max_tokens_ * (std::max({config.hidden_size, plan.heads * config.head_dim,
-                                          plan.intermediate}) +
-                                4) +
-                  cuda::Fp8Gemm::kMaxDeviceBytes
-            : 0;
-    const uint64_t activations = m->max_tokens_ * per_token + logits + w4 + fp8_ws +
+    // int4 layers' dequantized prefill weight, FP8 layers' quantized inputs and GEMM memory.
+    const uint64_t quant_ws = plan.quantized_workspace_bytes(config, quant, dtype, m->max_tokens_);
+    const uint64_t activations = m->max_tokens_ * per_token + logits + quant_ws +
                                  moe_workspace_bytes(config, plan, dtype, m->max_tokens_) +
                                  64 * kMiB;
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *

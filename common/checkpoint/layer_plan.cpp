@@ -223,6 +223,19 @@ std::vector<int64_t> WeightShard::shape() const {
   return s;
 }
 
+uint64_t LayerPlan::quantized_workspace_bytes(const ModelConfig& c, const QuantConfig& quant,
+                                              DType dtype, int64_t max_tokens) const {
+  const auto H = static_cast<uint64_t>(c.hidden_size);
+  const auto qkv = static_cast<uint64_t>((heads + 2 * kv_heads) * c.head_dim);
+  const auto attn = static_cast<uint64_t>(heads * c.head_dim);
+  const auto I = static_cast<uint64_t>(intermediate);
+  if (quant.method == QuantMethod::kNone) return 0;
+  if (quant.method == QuantMethod::kFp8) {
+    return static_cast<uint64_t>(max_tokens) * (std::max({H, attn, I}) + 4) + kFp8GemmDeviceBytes;
+  }
+  return std::max({qkv * H, 2 * I * H, attn * H}) * dtype_size(dtype);
+}
+
 uint64_t LayerPlan::weight_bytes(DType dtype, const QuantConfig& run) const {
   uint64_t total = 0;
   for (const WeightShard& w : weights) {

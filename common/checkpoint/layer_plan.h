@@ -198,6 +198,14 @@ struct LayerPlan {
   // layers FP8-quantized at load when `run` is online FP8 (embedding and lm_head counted once
   // when tied).
   uint64_t weight_bytes(DType dtype, const QuantConfig& run = {}) const;
+  // The device workspace of this rank's quantized linear layers beside the step buffers, as the
+  // CUDA backend allocates it for steps of up to `max_tokens` tokens, `quant` being the run's
+  // (resolve_quantization): int4 (AWQ, GPTQ) — a prefill dequantizes the largest layer (q|k|v,
+  // gate|up or o) into it in `dtype`; FP8 — the quantized input rows and their scales, and the
+  // FP8 GEMM's own memory (kFp8GemmDeviceBytes); 0 for plain weights. The planner's estimate
+  // and the backend's fit check both count this.
+  uint64_t quantized_workspace_bytes(const ModelConfig& config, const QuantConfig& quant,
+                                     DType dtype, int64_t max_tokens) const;
 
   // The plan of one rank. INVALID_ARGUMENT, naming the numbers and what would work, when the
   // model cannot be split so (heads not divisible by tp_size, KV heads neither divisible by nor

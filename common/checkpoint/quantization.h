@@ -98,6 +98,10 @@ struct QuantConfig {
 Expected<QuantConfig> parse_quantization_config(const std::string& json_text,
                                                 const std::string& file);
 
+// The device memory of the CUDA backend's FP8 GEMM at most, whatever the shapes (its cuBLASLt
+// workspace and epilogue scratch: kernels/cuda/fp8_linear.h's Fp8Gemm::kMaxDeviceBytes).
+inline constexpr uint64_t kFp8GemmDeviceBytes = 96ull << 20;
+
 // The quantization a run uses: the checkpoint's (`checkpoint`, kNone for a plain one) as
 // --quantization `flag` asks. kAuto takes the checkpoint's; a flag naming the checkpoint's
 // method agrees; kFp8 on a plain checkpoint is online FP8; anything else (awq on a plain or a

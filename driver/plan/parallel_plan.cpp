@@ -130,6 +130,10 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
   const uint64_t es = dtype_size(plan.dtype);
   const uint64_t max_tokens =
       static_cast<uint64_t>(std::max(options.max_num_batched_tokens, options.max_num_seqs));
+  // The run's quantization, as the actors resolve it (a flag that contradicts the checkpoint is
+  // refused before any plan is sized; counted as plain here).
+  const Expected<QuantConfig> resolved = resolve_quantization(options.quantization, c.quant);
+  const QuantConfig quant = resolved ? *resolved : QuantConfig{};
   out.kv_tokens = -1;
   for (size_t i = 0; i < plan.ranks.size(); ++i) {
     const RankPlan& r = plan.ranks[i];
@@ -154,7 +158,9 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
       const uint64_t per_token = (4 * static_cast<uint64_t>(c.hidden_size) + 2 * qkv +
                                   3 * static_cast<uint64_t>(r.shard.intermediate)) *
                                  es;
-      m.activations = max_tokens * per_token + kFixedBuffers + kGemmWorkspace + kCudaContext;
+      m.activations =
+          max_tokens * per_token + kFixedBuffers + kGemmWorkspace + kCudaContext +
+          r.shard.quantized_workspace_bytes(c, quant, plan.dtype, static_cast<int64_t>(max_tokens));
       if (r.shard.last_stage) {
         m.activations += static_cast<uint64_t>(options.max_num_seqs) *
                          static_cast<uint64_t>(plan.padded_vocab) * 4;

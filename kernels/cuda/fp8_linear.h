@@ -28,6 +28,7 @@
 #include <string_view>
 #include <tuple>
 
+#include "common/checkpoint/quantization.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/cuda/cuda_util.h"
@@ -132,7 +133,7 @@ class Fp8Gemm {
   const std::string& probe_failure() const { return probe_failure_; }
   uint64_t device_bytes() const { return workspace_.bytes() + scratch_.bytes(); }
   // The most device_bytes() can be, whatever the shapes (for a memory check before create).
-  static constexpr uint64_t kMaxDeviceBytes = 96ull << 20;
+  static constexpr uint64_t kMaxDeviceBytes = kFp8GemmDeviceBytes;  // the planner counts it
 
   // out = (x * a) . (w * s)^T (+ bias), as the file comment says. Bad arguments are
   // INVALID_ARGUMENT; cuBLASLt failures name the status and the shape. A shape is planned on

@@ -486,6 +486,33 @@ TEST(MemoryPlanTest, Llama3_8bOnOneGpu) {
   EXPECT_TRUE(memory_status(m));
 }
 
+// Quantized layers take a workspace the backend allocates beside the step buffers: int4 — a
+// prefill dequantizes the largest layer (gate|up: 2 x 14336 x 4096) into it in bf16; FP8 (here
+// online, --quantization fp8 on the bf16 checkpoint) — the quantized rows of 8192 tokens with
+// their scales, and the FP8 GEMM's memory. The plan's activations count it, so its KV figure is
+// the one the rank will find.
+TEST(MemoryPlanTest, QuantizedLayersCountTheirWorkspace) {
+  const ModelConfig plain = llama3_8b();
+  const EngineSpec o = resolved(plain);
+  const MemoryPlan base = estimate_memory(plain, must_plan(plain, 1, 1), gpus(1, 80 * kGiB), o);
+  ModelConfig awq = plain;
+  awq.quant.method = QuantMethod::kAwq;
+  awq.quant.bits = 4;
+  awq.quant.group_size = 128;
+  const MemoryPlan int4 = estimate_memory(awq, must_plan(awq, 1, 1), gpus(1, 80 * kGiB), o);
+  EXPECT_EQ(int4.ranks[0].activations, base.ranks[0].activations + 2ull * 14336 * 4096 * 2);
+  EXPECT_LT(int4.ranks[0].weights, base.ranks[0].weights / 2);  // bf16 embedding and lm_head
+  EngineSpec online = o;
+  online.quantization = QuantMethod::kFp8;
+  const MemoryPlan fp8 = estimate_memory(plain, must_plan(plain, 1, 1), gpus(1, 80 * kGiB), online);
+  EXPECT_EQ(fp8.ranks[0].activations,
+            base.ranks[0].activations + 8192ull * (14336 + 4) + kFp8GemmDeviceBytes);
+  // At -tp 2 each rank dequantizes its half of gate|up.
+  const MemoryPlan tp2 = estimate_memory(awq, must_plan(awq, 2, 1), gpus(2, 80 * kGiB), o);
+  const MemoryPlan base2 = estimate_memory(plain, must_plan(plain, 2, 1), gpus(2, 80 * kGiB), o);
+  EXPECT_EQ(tp2.ranks[1].activations, base2.ranks[1].activations + 2ull * 7168 * 4096 * 2);
+}
+
 TEST(MemoryPlanTest, MoreTensorParallelRanksMeanMoreKvTokens) {
   const ModelConfig c = llama3_8b();
   EngineSpec o = resolved(c);
