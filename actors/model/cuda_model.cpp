@@ -116,14 +116,6 @@ int64_t qkv_rows(const ModelConfig& c, const LayerPlan& p) {
   return (p.heads + 2 * p.kv_heads) * c.head_dim;
 }
 
-// The MoE layers' scratch for steps of `tokens` (kernels/cuda/moe.h), 0 for a dense model.
-uint64_t moe_workspace_bytes(const ModelConfig& c, const LayerPlan& p, DType dtype,
-                             int64_t tokens) {
-  if (!c.moe.enabled()) return 0;
-  return cuda::moe_workspace_bytes(dtype, tokens, c.moe.num_experts, c.moe.top_k, p.experts,
-                                   c.hidden_size, p.moe_intermediate, p.shared_intermediate);
-}
-
 }  // namespace
 
 Status CudaModel::allocate_buffers() {
@@ -181,7 +173,7 @@ Status CudaModel::allocate_buffers() {
     TESSERA_RETURN_IF_ERROR(alloc(fp8_act_, T * widest, "FP8 layer inputs"));
     TESSERA_RETURN_IF_ERROR(alloc(fp8_scales_, T * sizeof(float), "FP8 row scales"));
   }
-  if (const uint64_t moe = moe_workspace_bytes(c, p, dtype_, T); moe > 0) {
+  if (const uint64_t moe = p.moe_workspace_bytes(c, dtype_, T); moe > 0) {
     TESSERA_RETURN_IF_ERROR(alloc(moe_workspace_, moe, "mixture-of-experts workspace"));
     // The expert balance is counted once: by every rank under expert parallelism (each counts
     // its own experts), by tp rank 0 otherwise (every rank routes every token alike); the CPU
@@ -1014,7 +1006,7 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
     // int4 layers' dequantized prefill weight, FP8 layers' quantized inputs and GEMM memory.
     const uint64_t quant_ws = plan.quantized_workspace_bytes(config, quant, dtype, m->max_tokens_);
     const uint64_t activations = m->max_tokens_ * per_token + logits + quant_ws +
-                                 moe_workspace_bytes(config, plan, dtype, m->max_tokens_) +
+                                 plan.moe_workspace_bytes(config, dtype, m->max_tokens_) +
                                  64 * kMiB;
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *
                             m->kv_block_bytes_per_layer();

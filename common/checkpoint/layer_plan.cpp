@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "common/checkpoint/moe_carve.h"
 #include "common/load_spec.h"
 
 namespace tessera {
@@ -234,6 +235,14 @@ uint64_t LayerPlan::quantized_workspace_bytes(const ModelConfig& c, const QuantC
     return static_cast<uint64_t>(max_tokens) * (std::max({H, attn, I}) + 4) + kFp8GemmDeviceBytes;
   }
   return std::max({qkv * H, 2 * I * H, attn * H}) * dtype_size(dtype);
+}
+
+uint64_t LayerPlan::moe_workspace_bytes(const ModelConfig& c, DType dtype,
+                                        int64_t max_tokens) const {
+  if (!c.moe.enabled()) return 0;
+  return MoeCarve::make(dtype, max_tokens, c.moe.num_experts, c.moe.top_k, experts, c.hidden_size,
+                        moe_intermediate, shared_intermediate)
+      .bytes;
 }
 
 uint64_t LayerPlan::weight_bytes(DType dtype, const QuantConfig& run) const {

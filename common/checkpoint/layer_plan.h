@@ -206,6 +206,10 @@ struct LayerPlan {
   // and the backend's fit check both count this.
   uint64_t quantized_workspace_bytes(const ModelConfig& config, const QuantConfig& quant,
                                      DType dtype, int64_t max_tokens) const;
+  // The MoE layers' device scratch for steps of up to `max_tokens` tokens in `dtype`
+  // (common/checkpoint/moe_carve.h), 0 for a dense model: counted by the planner's estimate and
+  // allocated by the CUDA backend.
+  uint64_t moe_workspace_bytes(const ModelConfig& config, DType dtype, int64_t max_tokens) const;
 
   // The plan of one rank. INVALID_ARGUMENT, naming the numbers and what would work, when the
   // model cannot be split so (heads not divisible by tp_size, KV heads neither divisible by nor

@@ -158,12 +158,14 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
       const uint64_t per_token = (4 * static_cast<uint64_t>(c.hidden_size) + 2 * qkv +
                                   3 * static_cast<uint64_t>(r.shard.intermediate)) *
                                  es;
-      m.activations =
-          max_tokens * per_token + kFixedBuffers + kGemmWorkspace + kCudaContext +
-          r.shard.quantized_workspace_bytes(c, quant, plan.dtype, static_cast<int64_t>(max_tokens));
+      const auto tokens = static_cast<int64_t>(max_tokens);
+      m.activations = max_tokens * per_token + kFixedBuffers + kGemmWorkspace + kCudaContext +
+                      r.shard.quantized_workspace_bytes(c, quant, plan.dtype, tokens) +
+                      r.shard.moe_workspace_bytes(c, plan.dtype, tokens);
       if (r.shard.last_stage) {
+        // fp32 logits of max_num_seqs rows, twice under TP (as the CUDA backend allocates them).
         m.activations += static_cast<uint64_t>(options.max_num_seqs) *
-                         static_cast<uint64_t>(plan.padded_vocab) * 4;
+                         static_cast<uint64_t>(plan.padded_vocab) * 4 * (plan.tp > 1 ? 2 : 1);
       }
       if (!options.enforce_eager) m.activations += kGraphReserve;
       if (plan.world > 1) m.activations += kCommReserve;

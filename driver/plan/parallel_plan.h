@@ -108,8 +108,9 @@ struct RankMemory {
   uint64_t in_use = 0;
   uint64_t weights = 0;
   // Estimate: activation buffers for max(max_num_batched_tokens, max_num_seqs) tokens of this
-  // rank's shard widths, fp32 logits for max_num_seqs rows on the last stage, the quantized
-  // layers' workspace (LayerPlan::quantized_workspace_bytes), fixed buffers
+  // rank's shard widths, fp32 logits for max_num_seqs rows on the last stage (twice under TP,
+  // as the backend allocates them), the quantized and MoE layers' workspaces
+  // (LayerPlan::quantized_workspace_bytes, moe_workspace_bytes), fixed buffers
   // (64 MiB), the GEMM workspace (32 MiB), the CUDA context (512 MiB), CUDA graphs (512 MiB
   // unless enforce_eager) and communicator buffers (256 MiB when world > 1). The actor measures
   // the real figure with a profiling step; this is what planning can know ahead.

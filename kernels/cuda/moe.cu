@@ -7,6 +7,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/checkpoint/moe_carve.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/elementwise.h"
@@ -638,38 +639,9 @@ void dispatch(DType dtype, Fn&& fn) {
   }
 }
 
-size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
-
-// The workspace's regions, in order.
-struct Carve {
-  size_t logits, ids, weights, pos, rows, offsets, tiles, act, y, sh_gate_up, sh_act, sh_out, bytes;
-  static Carve make(DType dtype, int64_t T, int64_t E, int64_t K, int64_t El, int64_t H, int64_t I,
-                    int64_t Is) {
-    const size_t es = dtype_size(dtype);
-    Carve c{};
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t o = at;
-      at = align_up(at + bytes);
-      return o;
-    };
-    const size_t P = static_cast<size_t>(T * K);
-    c.logits = take(sizeof(float) * T * E);
-    c.ids = take(sizeof(int32_t) * P);
-    c.weights = take(sizeof(float) * P);
-    c.pos = take(sizeof(int32_t) * P);
-    c.rows = take(sizeof(int32_t) * P);
-    c.offsets = take(sizeof(int32_t) * (El + 1));
-    c.tiles = take(sizeof(int32_t) * (El + 1));
-    c.act = take(es * P * I);
-    c.y = take(es * P * H);
-    c.sh_gate_up = take(es * T * 2 * Is);
-    c.sh_act = take(es * T * Is);
-    c.sh_out = take(Is > 0 ? es * T * H : 0);
-    c.bytes = at;
-    return c;
-  }
-};
+// The workspace's pieces, in order: common/checkpoint/moe_carve.h (the planner counts the same
+// bytes).
+using Carve = MoeCarve;
 
 }  // namespace
 

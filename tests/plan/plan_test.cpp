@@ -513,6 +513,36 @@ TEST(MemoryPlanTest, QuantizedLayersCountTheirWorkspace) {
   EXPECT_EQ(tp2.ranks[1].activations, base2.ranks[1].activations + 2ull * 7168 * 4096 * 2);
 }
 
+// A mixture of experts' layers carve a workspace per step (router logits, routings, the chosen
+// experts' activations and outputs: common/checkpoint/moe_carve.h); the plan counts it, and the
+// last stage's logits twice under TP, as the CUDA backend allocates them.
+TEST(MemoryPlanTest, MoeWorkspaceAndTensorParallelLogitsAreCounted) {
+  const ModelConfig moe = qwen3_30b_a3b();
+  ModelConfig dense = moe;
+  dense.moe = {};
+  const EngineSpec o = resolved(moe);
+  const auto tokens = std::max(o.max_num_batched_tokens, o.max_num_seqs);
+  const ParallelPlan p = must_plan(moe, 1, 1);
+  const MemoryPlan with = estimate_memory(moe, p, gpus(1, 80 * kGiB), o);
+  const MemoryPlan without = estimate_memory(dense, p, gpus(1, 80 * kGiB), o);
+  const uint64_t ws = p.ranks[0].shard.moe_workspace_bytes(moe, DType::kBF16, tokens);
+  // T x 8 routings of the 768-wide experts' activations and 2048-wide outputs in bf16, at least.
+  EXPECT_GE(ws, static_cast<uint64_t>(tokens) * 8 * (768 + 2048) * 2);
+  EXPECT_EQ(with.ranks[0].activations, without.ranks[0].activations + ws);
+  EXPECT_EQ(p.ranks[0].shard.moe_workspace_bytes(dense, DType::kBF16, tokens), 0u);
+
+  const ModelConfig c = llama3_8b();
+  const EngineSpec e = resolved(c);
+  const MemoryPlan one = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), e);
+  const MemoryPlan two = estimate_memory(c, must_plan(c, 2, 1), gpus(2, 80 * kGiB), e);
+  const uint64_t logits = static_cast<uint64_t>(e.max_num_seqs) * 128256 * 4;
+  EXPECT_EQ(one.ranks[0].activations, 8192ull * 143360 + logits + (608ull << 20) + (512ull << 20));
+  // -tp 2: 8192 tokens x (4 x 4096 + 2 x 24 x 128 + 3 x 7168) x 2 bytes, the logits twice, the
+  // same fixed buffers and graphs, and the communicator's 256 MiB.
+  EXPECT_EQ(two.ranks[0].activations,
+            8192ull * 88064 + 2 * logits + (608ull << 20) + (512ull << 20) + (256ull << 20));
+}
+
 TEST(MemoryPlanTest, MoreTensorParallelRanksMeanMoreKvTokens) {
   const ModelConfig c = llama3_8b();
   EngineSpec o = resolved(c);
