@@ -498,7 +498,8 @@ Expected<cuda::Fp8Layer> upload_fp8(Uploader& up, Fp8Scratch& scratch, const Qua
 // --load-format dummy for a quantized layer, on the region the dummy fill made (uniform bits):
 // int4 weights keep the fill's bits as their nibbles, with zero points 8 and the fill's scales
 // (+-1e-3 in the run dtype) and no act-order; FP8 weights are all 0.5 (E4M3 0x30: the fill's
-// bytes would hold NaNs) with the fill's per-output scales. The kernels run as on a checkpoint.
+// bytes would hold NaNs) with the fill's bytes as fp32 scales (two run-dtype values each: about
+// +-1e-3, either sign). The kernels run as on a checkpoint; the numbers mean nothing.
 Status dummy_quantized(const QuantConfig& q, const LinearOffsets& o, char* base, DType dt,
                        CudaLinear& lin, cudaStream_t stream) {
   if (o.int4) {
