@@ -524,7 +524,7 @@ __device__ __forceinline__ void compute_unit(const uint8_t* slot, int m, int war
 
 // The warp's sums for `tile` (C fragment: c0, c1 = row r, tokens 2 (lane % 4) + 0, 1; c2, c3 =
 // row r + 8) -> y, or through a partial sum when other CTAs share the tile.
-template <typename T, int NT>
+template <typename T, int NT, bool kOne>
 __device__ void flush_tile(const FusedParams& p, int tile, int warp, int lane,
                            const float (&acc)[NT][4], int* s_last) {
   const int b_lo = (tile * p.k_iters) / p.per_cta;
@@ -569,12 +569,47 @@ __device__ void flush_tile(const FusedParams& p, int tile, int warp, int lane,
   __syncthreads();
   if (*s_last == 0) return;
   const float* base = p.partials + static_cast<int64_t>(tile) * slot_floats;
-  for (int i = threadIdx.x; i < p.m * kTile; i += kThreads) {
-    float sum = 0.f;
-    // __ldcg: from L2, where the other SMs' partials are (never a stale L1 line).
-    for (int b = b_lo; b <= b_hi; ++b) sum += __ldcg(base + b * slot_floats + i);
-    y[static_cast<int64_t>(i / kTile) * p.out + static_cast<int64_t>(tile) * kTile + i % kTile] =
-        dev::from_float<T>(sum);
+  // __ldcg: from L2, where the other SMs' partials are (never a stale L1 line). The partials are
+  // added in CTA order (b_lo..b_hi), so the result does not depend on timing.
+  if constexpr (kOne) {
+    // One row: a float per thread (64 of them), one CTA's partial at a time. The batched form
+    // below measured 1.10x slower on a 4096 x 14336 layer here (H200, 16.8 against 15.3 us).
+    for (int i = threadIdx.x; i < kTile; i += kThreads) {
+      float sum = 0.f;
+      for (int b = b_lo; b <= b_hi; ++b) sum += __ldcg(base + b * slot_floats + i);
+      y[static_cast<int64_t>(tile) * kTile + i] = dev::from_float<T>(sum);
+    }
+    return;
+  }
+  // Four outputs per thread and step, the partials of kBatch CTAs loaded together before they
+  // are added. One float at a time, the last CTA waited an L2 round trip per CTA of the tile and
+  // per 128 of its m x 64 sums (H200: 4096 x 4096 at m = 16 15.8 -> 11.0 us, m = 64 31.3 ->
+  // 23.6). Slots are m x 64 floats, so every float4 is aligned.
+  constexpr int kBatch = 4;
+  const auto* base4 = reinterpret_cast<const float4*>(base);
+  const int64_t slot4 = slot_floats / 4;
+  for (int i4 = threadIdx.x; i4 < p.m * kTile / 4; i4 += kThreads) {
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int b0 = b_lo; b0 <= b_hi; b0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (b0 + k <= b_hi) v[k] = __ldcg(base4 + (b0 + k) * slot4 + i4);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (b0 + k <= b_hi) {
+          sum[0] += v[k].x;
+          sum[1] += v[k].y;
+          sum[2] += v[k].z;
+          sum[3] += v[k].w;
+        }
+      }
+    }
+    const int t = i4 * 4 / kTile, col4 = i4 * 4 % kTile;
+    T* yt = y + static_cast<int64_t>(t) * p.out + static_cast<int64_t>(tile) * kTile + col4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) yt[e] = dev::from_float<T>(sum[e]);
   }
 }
 
@@ -639,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, C::kMinBlocks)
         for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc[a][nt][e];
       }
     }
-    flush_tile<T, NT>(p, tile, warp, lane, acc[0], &s_last);
+    flush_tile<T, NT, C::kOne>(p, tile, warp, lane, acc[0], &s_last);
 #pragma unroll
     for (int a = 0; a < C::kAccSets; ++a) {
 #pragma unroll
