@@ -80,7 +80,8 @@ CudaModel::CudaModel(const ModelConfig& config, const LayerPlan& plan, StageComm
       comms_(comms),
       engine_(engine),
       dtype_(run_dtype(engine)),
-      gpu_shares_(std::max(gpu_shares, 1)) {}
+      gpu_shares_(std::max(gpu_shares, 1)),
+      step_timer_(StepTimer::from_env()) {}
 
 std::string CudaModel::utilization_text() const {
   std::string text = fmt::format("--gpu-memory-utilization {:.2f}", engine_.gpu_memory_utilization);
@@ -404,7 +405,7 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
 // layer_loop.h's operations over the model's device buffers, on its stream.
 class CudaModel::Ops {
  public:
-  Ops(CudaModel& m, const StepPlan& plan) : m_(m), plan_(plan) {
+  Ops(CudaModel& m, const StepPlan& plan, StepTimer* timer) : m_(m), plan_(plan), timer_(timer) {
     const ModelConfig& c = m.config_;
     const LayerPlan& p = m.plan_;
     dt_ = m.dtype_;
@@ -556,6 +557,7 @@ class CudaModel::Ops {
       // residual add; the MLP reads pre_feedforward_layernorm.
       TESSERA_RETURN_IF_ERROR(cuda::rms_norm(dt_, m_.proj_.get(), w.post_norm, T_, H_, eps_,
                                              m_.proj_.get(), st_, unit_));
+      TESSERA_RETURN_IF_ERROR(mark("post_attn_norm"));
       mlp_norm = w.pre_ff_norm;
     }
     if (w.gate_up.is_fp8()) {  // the normed row goes to gate|up as FP8
@@ -570,8 +572,9 @@ class CudaModel::Ops {
   // it joins the residual stream; nothing for other models.
   Status post_ff_norm(int64_t i) {
     if (!m_.config_.sandwich_norms) return Status::ok();
-    return cuda::rms_norm(dt_, m_.proj_.get(), m_.weights_->layer(i).post_ff_norm, T_, H_, eps_,
-                          m_.proj_.get(), st_, unit_);
+    TESSERA_RETURN_IF_ERROR(cuda::rms_norm(dt_, m_.proj_.get(), m_.weights_->layer(i).post_ff_norm,
+                                           T_, H_, eps_, m_.proj_.get(), st_, unit_));
+    return mark("post_ff_norm");
   }
 
   Status mlp(int64_t i) {
@@ -580,6 +583,7 @@ class CudaModel::Ops {
     const int64_t I = m_.plan_.intermediate;
     TESSERA_RETURN_IF_ERROR(
         linear(w.gate_up, T_, 2 * I, H_, m_.hidden_.get(), nullptr, m_.gate_up_.get()));
+    TESSERA_RETURN_IF_ERROR(mark("gate_up"));
     if (w.down.is_fp8()) {  // the activation goes to down as FP8
       TESSERA_RETURN_IF_ERROR(cuda::silu_mul_fp8(
           dt_, m_.gate_up_.get(), T_, I, w.down.fp8.input_scale, fp8_act(), fp8_scales(), st_));
@@ -589,6 +593,7 @@ class CudaModel::Ops {
     } else {
       TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
     }
+    TESSERA_RETURN_IF_ERROR(mark("activation"));
     return linear(w.down, T_, H_, I, m_.act_.get(), nullptr, m_.proj_.get());
   }
 
@@ -634,6 +639,7 @@ class CudaModel::Ops {
     TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
                                                m_.weights_->final_norm(), T_, H_, eps_,
                                                m_.hidden_.get(), st_, unit_));
+    TESSERA_RETURN_IF_ERROR(mark("final_norm"));
     const int64_t R = plan_.rows;
     if (R == 0) return Status::ok();
     TESSERA_RETURN_IF_ERROR(
@@ -642,6 +648,7 @@ class CudaModel::Ops {
     if (p.parallel.tp_size == 1) {
       TESSERA_RETURN_IF_ERROR(gemm(R, V, H_, m_.rows_.get(), m_.weights_->lm_head(), nullptr,
                                    m_.logits_.get(), DType::kF32));
+      TESSERA_RETURN_IF_ERROR(mark("lm_head"));
       return softcap(m_.logits_.as<float>(), R * V);
     }
     // Vocabulary-parallel: this rank's columns into its slot of [T][R][Vs], all-gathered in
@@ -667,6 +674,12 @@ class CudaModel::Ops {
   }
 
  private:
+  // TESSERA_PROFILE_STEPS: the work enqueued since the last mark was `op` (within one of the
+  // loop's ops: TimedOps marks the rest of it under the op's own name).
+  Status mark(const char* op) {
+    if (timer_ != nullptr) timer_->mark(op, st_);
+    return Status::ok();
+  }
   int64_t bytes(int64_t elems) const { return elems * static_cast<int64_t>(dtype_size(dt_)); }
   Status gemm(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* b,
               void* out, DType out_dt) {
@@ -709,6 +722,7 @@ class CudaModel::Ops {
 
   CudaModel& m_;
   const StepPlan& plan_;
+  StepTimer* timer_ = nullptr;
   DType dt_ = DType::kBF16;
   int64_t T_ = 0, H_ = 0;
   float eps_ = 1e-6f;
@@ -721,9 +735,41 @@ class CudaModel::Ops {
   cuda::RopeCacheArgs r_;
 };
 
-Status CudaModel::run(const StepPlan& plan) {
-  Ops ops(*this, plan);
-  return run_stage(ops, plan_);
+// layer_loop.h's operations with a StepTimer mark after each (TESSERA_PROFILE_STEPS).
+template <class Inner>
+class TimedOps {
+ public:
+  TimedOps(Inner& ops, StepTimer& timer, cudaStream_t stream) : o_(ops), t_(timer), st_(stream) {}
+  Status embed() { return done(o_.embed(), "embed"); }
+  Status recv_hidden() { return done(o_.recv_hidden(), "recv_hidden"); }
+  Status send_hidden() { return done(o_.send_hidden(), "send_hidden"); }
+  Status all_reduce(Activation which) { return done(o_.all_reduce(which), "all_reduce"); }
+  Status add_residual() { return done(o_.add_residual(), "add_residual"); }
+  Status input_norm(int64_t i, bool add) { return done(o_.input_norm(i, add), "input_norm"); }
+  Status qkv(int64_t i) { return done(o_.qkv(i), "qkv"); }
+  Status rope_cache(int64_t i) { return done(o_.rope_cache(i), "rope_cache"); }
+  Status attention(int64_t i) { return done(o_.attention(i), "attention"); }
+  Status o_proj(int64_t i) { return done(o_.o_proj(i), "o_proj"); }
+  Status post_norm(int64_t i) { return done(o_.post_norm(i), "post_norm"); }
+  // A dense layer marks gate_up and its activation itself: the rest is down.
+  Status mlp(int64_t i) { return done(o_.mlp(i), "mlp: down or MoE"); }
+  Status logits() { return done(o_.logits(), "logits: softcap/gather"); }
+
+ private:
+  Status done(Status s, const char* op) {
+    if (s.is_ok()) t_.mark(op, st_);
+    return s;
+  }
+  Inner& o_;
+  StepTimer& t_;
+  cudaStream_t st_;
+};
+
+Status CudaModel::run(const StepPlan& plan, StepTimer* timer) {
+  Ops ops(*this, plan, timer);
+  if (timer == nullptr) return run_stage(ops, plan_);
+  TimedOps<Ops> timed(ops, *timer, stream_);
+  return run_stage(timed, plan_);
 }
 
 Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* rows,
@@ -746,7 +792,11 @@ Expected<float*> CudaModel::forward(std::span<const ForwardSeq> batch, int64_t* 
     plan.split_size = sp.split_size;
   }
   auto g = decode ? graphs_.find(plan.seqs) : graphs_.end();
-  if (g != graphs_.end()) {
+  if (decode && step_timer_ != nullptr) {
+    TESSERA_RETURN_IF_ERROR(step_timer_->begin(stream_));
+    TESSERA_RETURN_IF_ERROR(run(plan, step_timer_.get()));
+    TESSERA_RETURN_IF_ERROR(step_timer_->end(plan.seqs));
+  } else if (g != graphs_.end()) {
     TESSERA_CUDA_RETURN_IF_ERROR(
         cudaGraphLaunch(g->second->exec, stream_),
         "launching the decode graph for batch " + std::to_string(plan.seqs));

@@ -24,6 +24,7 @@
 
 #include "actors/model/backend.h"
 #include "actors/model/cuda_weights.h"
+#include "actors/model/step_timer.h"
 #include "actors/model/weights.h"
 #include "common/checkpoint/layer_plan.h"
 #include "common/checkpoint/model_config.h"
@@ -111,7 +112,8 @@ class CudaModel {
   // Fills a host staging area for a step and copies it to the device (then the sampler fills).
   Expected<StepPlan> stage(std::span<const ForwardSeq> batch, int64_t pad_to,
                            std::span<const TokenFill> fills = {});
-  Status run(const StepPlan& plan);
+  // One forward pass on the stream; `timer` (TESSERA_PROFILE_STEPS) marks each op.
+  Status run(const StepPlan& plan, StepTimer* timer = nullptr);
 
   ModelConfig config_;
   LayerPlan plan_;
@@ -162,6 +164,7 @@ class CudaModel {
   int64_t kv_blocks_ = 0;
 
   std::map<int64_t, std::unique_ptr<Graph>> graphs_;  // by padded decode batch size
+  std::unique_ptr<StepTimer> step_timer_;  // TESSERA_PROFILE_STEPS (null: the graphs run)
   std::vector<int64_t> decode_sizes_;                 // the padding buckets
 };
 

@@ -1054,6 +1054,23 @@ Status softcap_logits(float* logits, int64_t n, float cap, cudaStream_t stream) 
   return launch_status("softcap_kernel");
 }
 
+namespace {
+__global__ void spin_kernel(int64_t ns) {
+  uint64_t t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < static_cast<uint64_t>(ns));
+}
+}  // namespace
+
+Status spin(int64_t ns, cudaStream_t stream) {
+  TESSERA_RETURN_IF_ERROR(check_non_negative(ns, "spin", "ns"));
+  spin_kernel<<<1, 1, 0, stream>>>(ns);
+  return launch_status("spin_kernel");
+}
+
 Status add_bias(DType dtype, void* out, const void* bias, int64_t rows, int64_t cols,
                 cudaStream_t stream) {
   constexpr const char* kOp = "add_bias";

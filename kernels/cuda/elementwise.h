@@ -138,6 +138,11 @@ Status scale_embedding(DType dtype, void* x, int64_t n, float scale, cudaStream_
 //   logits: [n] fp32;  cap > 0
 Status softcap_logits(float* logits, int64_t n, float cap, cudaStream_t stream);
 
+// Holds the stream for `ns` nanoseconds (one thread polling the GPU's global timer): a gate
+// behind which the host enqueues a whole step before any of it runs, so that events between
+// its kernels time the kernels and not the host's launches (actors/model/step_timer.h).
+Status spin(int64_t ns, cudaStream_t stream);
+
 // out[r, c] = round(out[r, c] + bias[c]): the bias of a linear layer whose GEMM does not add it
 // (the int4 kernels).
 //   out: [rows, cols] dtype;  bias: [cols] dtype

@@ -23,6 +23,9 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include <spdlog/sinks/ringbuffer_sink.h>
+#include <spdlog/spdlog.h>
+
 #include "actors/model/cuda_weights.h"
 #include "actors/model/model_runner.h"
 #include "actors/model/weights.h"
@@ -1294,6 +1297,48 @@ TEST_P(CudaGemmaPhi3Test, ABatchGivesEachSequenceItsOwnLogits) {
         GetParam().c_str(), i, diff, ref);
     // The GEMMs may tile a batch differently from one row: rounding, not a mixed-up sequence.
     EXPECT_LE(diff, 0.02 * ref + 1e-3) << GetParam() << ": sequence " << i << " of the batch";
+  }
+}
+
+// TESSERA_PROFILE_STEPS (actors/model/step_timer.h): decode steps run eagerly with an event
+// after each op, give the graphs' bits, and every N steps log a table naming the ops, Gemma's
+// extra norms and the MLP's parts included.
+TEST(CudaModelTest, ProfiledDecodeStepsGiveTheGraphsBitsAndLogTheirOps) {
+  require_gpu();
+  const std::string dir = tiny_model("gemma2");
+  std::vector<std::vector<int32_t>> prompts = {prompt_ids(5, 3), prompt_ids(40, 4),
+                                               prompt_ids(17, 5)};
+  std::vector<float> graph_logits, profiled_logits;
+  std::vector<std::vector<int32_t>> graph_tokens, profiled_tokens;
+  {
+    auto r = load(gemma_phi3_spec(dir, "cuda"));
+    ASSERT_TRUE(r);
+    graph_tokens = generate(*r, prompts, 12, &graph_logits);
+  }
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(512);
+  spdlog::default_logger()->sinks().push_back(sink);
+  ASSERT_EQ(setenv("TESSERA_PROFILE_STEPS", "4", 1), 0);
+  {
+    auto r = load(gemma_phi3_spec(dir, "cuda"));
+    ASSERT_TRUE(r);
+    profiled_tokens = generate(*r, prompts, 12, &profiled_logits);
+  }
+  unsetenv("TESSERA_PROFILE_STEPS");
+  spdlog::default_logger()->sinks().pop_back();
+  EXPECT_EQ(profiled_tokens, graph_tokens);
+  ASSERT_EQ(profiled_logits.size(), graph_logits.size());
+  size_t differing = 0;
+  for (size_t i = 0; i < graph_logits.size(); ++i) {
+    differing += graph_logits[i] != profiled_logits[i];
+  }
+  EXPECT_EQ(differing, 0u) << "profiled steps' logits differ from the graphs'";
+  std::string log;
+  for (const std::string& line : sink->last_formatted()) log += line;
+  EXPECT_NE(log.find(", 4 steps: the forward's ops take"), std::string::npos) << log;
+  EXPECT_NE(log.find("an empty kernel measures"), std::string::npos) << log;
+  for (const char* op : {"attention", "qkv", "gate_up", "activation", "post_attn_norm",
+                         "post_ff_norm", "lm_head", "mlp: down or MoE"}) {
+    EXPECT_NE(log.find(std::string("  ") + op + " "), std::string::npos) << op << "\n" << log;
   }
 }
 
