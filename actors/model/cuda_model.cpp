@@ -122,7 +122,6 @@ int64_t qkv_rows(const ModelConfig& c, const LayerPlan& p) {
 Status CudaModel::allocate_buffers() {
   const ModelConfig& c = config_;
   const LayerPlan& p = plan_;
-  const size_t es = dtype_size(dtype_);
   const int64_t T = max_tokens_, S = engine_.max_num_seqs;
   const int64_t q_dim = p.heads * c.head_dim;
   uint64_t total = 0;
@@ -131,26 +130,24 @@ Status CudaModel::allocate_buffers() {
     total += bytes;
     return Status::ok();
   };
-  TESSERA_RETURN_IF_ERROR(alloc(residual_, T * c.hidden_size * es, "the residual stream"));
-  TESSERA_RETURN_IF_ERROR(alloc(hidden_, T * c.hidden_size * es, "normed activations"));
-  TESSERA_RETURN_IF_ERROR(alloc(qkv_, T * qkv_rows(c, p) * es, "q/k/v activations"));
-  TESSERA_RETURN_IF_ERROR(alloc(q_, T * q_dim * es, "rotated queries"));
-  TESSERA_RETURN_IF_ERROR(alloc(attn_, T * q_dim * es, "attention output"));
-  TESSERA_RETURN_IF_ERROR(alloc(proj_, T * c.hidden_size * es, "projection output"));
-  TESSERA_RETURN_IF_ERROR(alloc(gate_up_, T * 2 * p.intermediate * es, "gate/up"));
-  TESSERA_RETURN_IF_ERROR(alloc(act_, T * p.intermediate * es, "MLP activations"));
-  if (p.last_stage) {
-    TESSERA_RETURN_IF_ERROR(alloc(rows_, S * c.hidden_size * es, "logit rows"));
-    TESSERA_RETURN_IF_ERROR(alloc(logits_, S * c.vocab_size * sizeof(float), "logits"));
-    if (p.parallel.tp_size > 1) {
-      TESSERA_RETURN_IF_ERROR(alloc(shard_logits_,
-                                    p.parallel.tp_size * S * p.vocab_shard * sizeof(float),
-                                    "vocabulary-parallel logits"));
-    }
+  const StepBuffers sb = p.step_buffers(c, dtype_, T, S);
+  TESSERA_RETURN_IF_ERROR(alloc(residual_, sb.residual, "the residual stream"));
+  TESSERA_RETURN_IF_ERROR(alloc(hidden_, sb.hidden, "normed activations"));
+  TESSERA_RETURN_IF_ERROR(alloc(qkv_, sb.qkv, "q/k/v activations"));
+  TESSERA_RETURN_IF_ERROR(alloc(q_, sb.q, "rotated queries"));
+  TESSERA_RETURN_IF_ERROR(alloc(attn_, sb.attn, "attention output"));
+  TESSERA_RETURN_IF_ERROR(alloc(proj_, sb.proj, "projection output"));
+  TESSERA_RETURN_IF_ERROR(alloc(gate_up_, sb.gate_up, "gate/up"));
+  TESSERA_RETURN_IF_ERROR(alloc(act_, sb.act, "MLP activations"));
+  if (sb.logits > 0) {
+    TESSERA_RETURN_IF_ERROR(alloc(rows_, sb.logit_rows, "logit rows"));
+    TESSERA_RETURN_IF_ERROR(alloc(logits_, sb.logits, "logits"));
   }
-  if (p.parallel.tp_size > 1) {  // async scheduling: the sampled tokens, packed and gathered
-    TESSERA_RETURN_IF_ERROR(
-        alloc(sampled_tokens_, (1 + p.parallel.tp_size) * S * sizeof(int32_t), "sampled tokens"));
+  if (sb.shard_logits > 0) {
+    TESSERA_RETURN_IF_ERROR(alloc(shard_logits_, sb.shard_logits, "vocabulary-parallel logits"));
+  }
+  if (sb.sampled_tokens > 0) {  // async scheduling: the sampled tokens, packed and gathered
+    TESSERA_RETURN_IF_ERROR(alloc(sampled_tokens_, sb.sampled_tokens, "sampled tokens"));
   }
   int max_splits = 1;
   for (int64_t b = 1; b <= S; b *= 2) {
@@ -1045,19 +1042,14 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   m->max_blocks_per_seq_ = (engine.max_model_len + engine.block_size - 1) / engine.block_size;
   // Would the weights and activations fit at all? Check before touching the GPU's memory.
   {
-    const size_t es = dtype_size(dtype);
     TESSERA_ASSIGN_OR_RETURN(const uint64_t weights,
                              CudaWeights::bytes_needed(config, plan, quant, dtype));
-    const uint64_t per_token =
-        (4 * config.hidden_size + 2 * qkv_rows(config, plan) + 3 * plan.intermediate) * es;
-    const uint64_t logits = plan.last_stage ? engine.max_num_seqs * config.vocab_size * 4 *
-                                                  (plan.parallel.tp_size > 1 ? 2 : 1)
-                                            : 0;
+    const uint64_t steps =
+        plan.step_buffers(config, dtype, m->max_tokens_, engine.max_num_seqs).total();
     // int4 layers' dequantized prefill weight, FP8 layers' quantized inputs and GEMM memory.
     const uint64_t quant_ws = plan.quantized_workspace_bytes(config, quant, dtype, m->max_tokens_);
-    const uint64_t activations = m->max_tokens_ * per_token + logits + quant_ws +
-                                 plan.moe_workspace_bytes(config, dtype, m->max_tokens_) +
-                                 64 * kMiB;
+    const uint64_t activations =
+        steps + quant_ws + plan.moe_workspace_bytes(config, dtype, m->max_tokens_) + 64 * kMiB;
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *
                             m->kv_block_bytes_per_layer();
     // While the weights load, a checkpoint in another dtype crosses through device staging,

@@ -245,6 +245,30 @@ uint64_t LayerPlan::moe_workspace_bytes(const ModelConfig& c, DType dtype,
       .bytes;
 }
 
+StepBuffers LayerPlan::step_buffers(const ModelConfig& c, DType dtype, int64_t max_tokens,
+                                    int64_t max_seqs) const {
+  const auto es = static_cast<uint64_t>(dtype_size(dtype));
+  const auto T = static_cast<uint64_t>(max_tokens), S = static_cast<uint64_t>(max_seqs);
+  const auto H = static_cast<uint64_t>(c.hidden_size);
+  const auto q_dim = static_cast<uint64_t>(heads * c.head_dim);
+  const auto qkv_dim = static_cast<uint64_t>((heads + 2 * kv_heads) * c.head_dim);
+  const auto I = static_cast<uint64_t>(intermediate);
+  const auto tp = static_cast<uint64_t>(parallel.tp_size);
+  StepBuffers b;
+  b.residual = b.hidden = b.proj = T * H * es;
+  b.qkv = T * qkv_dim * es;
+  b.q = b.attn = T * q_dim * es;
+  b.gate_up = T * 2 * I * es;
+  b.act = T * I * es;
+  if (last_stage) {
+    b.logit_rows = S * H * es;
+    b.logits = S * static_cast<uint64_t>(c.vocab_size) * sizeof(float);
+    if (tp > 1) b.shard_logits = tp * S * static_cast<uint64_t>(vocab_shard) * sizeof(float);
+  }
+  if (tp > 1) b.sampled_tokens = (1 + tp) * S * sizeof(int32_t);
+  return b;
+}
+
 uint64_t LayerPlan::weight_bytes(DType dtype, const QuantConfig& run) const {
   uint64_t total = 0;
   for (const WeightShard& w : weights) {

@@ -165,6 +165,22 @@ struct WeightShard {
   std::vector<int64_t> shape() const;
 };
 
+// The bytes of one rank's step buffers, as the CUDA backend allocates them
+// (CudaModel::allocate_buffers sizes each from here) and the planner counts them: residual,
+// hidden and proj [tokens][hidden], q|k|v [tokens][qkv], q and attention output [tokens][q],
+// gate|up [tokens][2 x intermediate] and the MLP activation [tokens][intermediate] in the run
+// dtype; on the last stage the logit rows [seqs][hidden] and fp32 logits [seqs][vocab], under TP
+// the vocabulary-parallel logits [tp][seqs][vocab_shard] fp32; under TP the sampled tokens
+// [(1 + tp) x seqs] int32.
+struct StepBuffers {
+  uint64_t residual = 0, hidden = 0, qkv = 0, q = 0, attn = 0, proj = 0, gate_up = 0, act = 0;
+  uint64_t logit_rows = 0, logits = 0, shard_logits = 0, sampled_tokens = 0;
+  uint64_t total() const {
+    return residual + hidden + qkv + q + attn + proj + gate_up + act + logit_rows + logits +
+           shard_logits + sampled_tokens;
+  }
+};
+
 struct LayerPlan {
   ParallelConfig parallel;
   int64_t layer_begin = 0;  // this stage's layers: [layer_begin, layer_end)
@@ -210,6 +226,9 @@ struct LayerPlan {
   // (common/checkpoint/moe_carve.h), 0 for a dense model: counted by the planner's estimate and
   // allocated by the CUDA backend.
   uint64_t moe_workspace_bytes(const ModelConfig& config, DType dtype, int64_t max_tokens) const;
+  // This rank's step buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences.
+  StepBuffers step_buffers(const ModelConfig& config, DType dtype, int64_t max_tokens,
+                           int64_t max_seqs) const;
 
   // The plan of one rank. INVALID_ARGUMENT, naming the numbers and what would work, when the
   // model cannot be split so (heads not divisible by tp_size, KV heads neither divisible by nor

@@ -127,7 +127,6 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
   TESSERA_CHECK(gpus.size() == plan.ranks.size(), "one GPU (or nullopt) per rank");
   MemoryPlan out;
   out.engine = options;
-  const uint64_t es = dtype_size(plan.dtype);
   const uint64_t max_tokens =
       static_cast<uint64_t>(std::max(options.max_num_batched_tokens, options.max_num_seqs));
   // The run's quantization, as the actors resolve it (a flag that contradicts the checkpoint is
@@ -153,20 +152,12 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
       m.budget = std::min<uint64_t>(
           static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(m.total)),
           m.total - std::min(m.in_use, m.total));
-      const uint64_t qkv =
-          static_cast<uint64_t>((r.shard.heads + 2 * r.shard.kv_heads) * c.head_dim);
-      const uint64_t per_token = (4 * static_cast<uint64_t>(c.hidden_size) + 2 * qkv +
-                                  3 * static_cast<uint64_t>(r.shard.intermediate)) *
-                                 es;
       const auto tokens = static_cast<int64_t>(max_tokens);
-      m.activations = max_tokens * per_token + kFixedBuffers + kGemmWorkspace + kCudaContext +
+      // The step buffers (logits included on the last stage) as the CUDA backend allocates them.
+      m.activations = r.shard.step_buffers(c, plan.dtype, tokens, options.max_num_seqs).total() +
+                      kFixedBuffers + kGemmWorkspace + kCudaContext +
                       r.shard.quantized_workspace_bytes(c, quant, plan.dtype, tokens) +
                       r.shard.moe_workspace_bytes(c, plan.dtype, tokens);
-      if (r.shard.last_stage) {
-        // fp32 logits of max_num_seqs rows, twice under TP (as the CUDA backend allocates them).
-        m.activations += static_cast<uint64_t>(options.max_num_seqs) *
-                         static_cast<uint64_t>(plan.padded_vocab) * 4 * (plan.tp > 1 ? 2 : 1);
-      }
       if (!options.enforce_eager) m.activations += kGraphReserve;
       if (plan.world > 1) m.activations += kCommReserve;
       const uint64_t committed = m.weights + m.activations;

@@ -472,10 +472,12 @@ TEST(MemoryPlanTest, Llama3_8bOnOneGpu) {
   MemoryPlan m = estimate_memory(c, p, gpus(1, 80 * kGiB), o);
   const RankMemory& r = m.ranks[0];
   EXPECT_EQ(r.weights, 2 * 8030261248u);
-  // 8192 tokens x (4 x 4096 + 2 x 48 x 128 + 3 x 14336) x 2 bytes + fp32 logits for 256 x 128256
-  // + 64 + 32 + 512 MiB fixed + 512 MiB of CUDA graphs.
-  EXPECT_EQ(r.activations,
-            8192ull * 143360 + 256ull * 128256 * 4 + (608ull << 20) + (512ull << 20));
+  // The CUDA backend's step buffers (LayerPlan::step_buffers): 8192 tokens x (3 x 4096 hidden
+  // + 48 x 128 q|k|v + 2 x 32 x 128 q and attention + 3 x 14336 gate|up and activation) x 2
+  // bytes, 256 logit rows of 4096 bf16 and fp32 logits for 256 x 128256; + 64 + 32 + 512 MiB
+  // fixed + 512 MiB of CUDA graphs.
+  EXPECT_EQ(r.activations, 8192ull * 139264 + 256ull * 4096 * 2 + 256ull * 128256 * 4 +
+                               (608ull << 20) + (512ull << 20));
   EXPECT_EQ(r.budget, static_cast<uint64_t>(0.9 * 80 * kGiB));
   EXPECT_EQ(r.kv_bytes_per_token, 131072u);
   const uint64_t blocks = (r.budget - r.weights - r.activations) / (16 * 131072);
@@ -536,11 +538,22 @@ TEST(MemoryPlanTest, MoeWorkspaceAndTensorParallelLogitsAreCounted) {
   const MemoryPlan one = estimate_memory(c, must_plan(c, 1, 1), gpus(1, 80 * kGiB), e);
   const MemoryPlan two = estimate_memory(c, must_plan(c, 2, 1), gpus(2, 80 * kGiB), e);
   const uint64_t logits = static_cast<uint64_t>(e.max_num_seqs) * 128256 * 4;
-  EXPECT_EQ(one.ranks[0].activations, 8192ull * 143360 + logits + (608ull << 20) + (512ull << 20));
-  // -tp 2: 8192 tokens x (4 x 4096 + 2 x 24 x 128 + 3 x 7168) x 2 bytes, the logits twice, the
-  // same fixed buffers and graphs, and the communicator's 256 MiB.
-  EXPECT_EQ(two.ranks[0].activations,
-            8192ull * 88064 + 2 * logits + (608ull << 20) + (512ull << 20) + (256ull << 20));
+  const uint64_t rows = static_cast<uint64_t>(e.max_num_seqs) * 4096 * 2;  // bf16 logit rows
+  EXPECT_EQ(one.ranks[0].activations,
+            8192ull * 139264 + rows + logits + (608ull << 20) + (512ull << 20));
+  // -tp 2: 8192 tokens x (3 x 4096 + 24 x 128 + 2 x 16 x 128 + 3 x 7168) x 2 bytes, the logits
+  // twice (whole, and 2 x 64128 vocabulary-parallel columns), the sampled tokens ((1 + 2) x 256
+  // int32), the same fixed buffers and graphs, and the communicator's 256 MiB.
+  EXPECT_EQ(two.ranks[0].activations, 8192ull * 81920 + rows + 2 * logits +
+                                          3ull * e.max_num_seqs * 4 + (608ull << 20) +
+                                          (512ull << 20) + (256ull << 20));
+  // The planner's step buffers are the ones the backend allocates, field by field.
+  const StepBuffers b = must_plan(c, 2, 1).ranks[0].shard.step_buffers(c, DType::kBF16, 8192, 256);
+  EXPECT_EQ(b.qkv, 8192ull * 24 * 128 * 2);
+  EXPECT_EQ(b.q, 8192ull * 16 * 128 * 2);
+  EXPECT_EQ(b.gate_up, 8192ull * 2 * 7168 * 2);
+  EXPECT_EQ(b.shard_logits, 2ull * 256 * 64128 * 4);
+  EXPECT_EQ(b.sampled_tokens, 3ull * 256 * 4);
 }
 
 TEST(MemoryPlanTest, MoreTensorParallelRanksMeanMoreKvTokens) {
