@@ -111,14 +111,6 @@ std::vector<int64_t> CudaModel::graph_sizes() const {
   return out;
 }
 
-namespace {
-
-int64_t qkv_rows(const ModelConfig& c, const LayerPlan& p) {
-  return (p.heads + 2 * p.kv_heads) * c.head_dim;
-}
-
-}  // namespace
-
 Status CudaModel::allocate_buffers() {
   const ModelConfig& c = config_;
   const LayerPlan& p = plan_;
@@ -511,7 +503,7 @@ class CudaModel::Ops {
 
   Status qkv(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
-    return linear(w.qkv, T_, qkv_rows(m_.config_, m_.plan_), H_, m_.hidden_.get(), w.qkv_bias,
+    return linear(w.qkv, T_, m_.plan_.qkv_rows(m_.config_), H_, m_.hidden_.get(), w.qkv_bias,
                   m_.qkv_.get());
   }
 
@@ -554,7 +546,7 @@ class CudaModel::Ops {
       // residual add; the MLP reads pre_feedforward_layernorm.
       TESSERA_RETURN_IF_ERROR(cuda::rms_norm(dt_, m_.proj_.get(), w.post_norm, T_, H_, eps_,
                                              m_.proj_.get(), st_, unit_));
-      TESSERA_RETURN_IF_ERROR(mark("post_attn_norm"));
+      mark("post_attn_norm");
       mlp_norm = w.pre_ff_norm;
     }
     if (w.gate_up.is_fp8()) {  // the normed row goes to gate|up as FP8
@@ -571,7 +563,8 @@ class CudaModel::Ops {
     if (!m_.config_.sandwich_norms) return Status::ok();
     TESSERA_RETURN_IF_ERROR(cuda::rms_norm(dt_, m_.proj_.get(), m_.weights_->layer(i).post_ff_norm,
                                            T_, H_, eps_, m_.proj_.get(), st_, unit_));
-    return mark("post_ff_norm");
+    mark("post_ff_norm");
+    return Status::ok();
   }
 
   Status mlp(int64_t i) {
@@ -580,7 +573,7 @@ class CudaModel::Ops {
     const int64_t I = m_.plan_.intermediate;
     TESSERA_RETURN_IF_ERROR(
         linear(w.gate_up, T_, 2 * I, H_, m_.hidden_.get(), nullptr, m_.gate_up_.get()));
-    TESSERA_RETURN_IF_ERROR(mark("gate_up"));
+    mark("gate_up");
     if (w.down.is_fp8()) {  // the activation goes to down as FP8
       TESSERA_RETURN_IF_ERROR(cuda::silu_mul_fp8(
           dt_, m_.gate_up_.get(), T_, I, w.down.fp8.input_scale, fp8_act(), fp8_scales(), st_));
@@ -590,7 +583,7 @@ class CudaModel::Ops {
     } else {
       TESSERA_RETURN_IF_ERROR(cuda::silu_mul(dt_, m_.gate_up_.get(), T_, I, m_.act_.get(), st_));
     }
-    TESSERA_RETURN_IF_ERROR(mark("activation"));
+    mark("activation");
     return linear(w.down, T_, H_, I, m_.act_.get(), nullptr, m_.proj_.get());
   }
 
@@ -636,7 +629,7 @@ class CudaModel::Ops {
     TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
                                                m_.weights_->final_norm(), T_, H_, eps_,
                                                m_.hidden_.get(), st_, unit_));
-    TESSERA_RETURN_IF_ERROR(mark("final_norm"));
+    mark("final_norm");
     const int64_t R = plan_.rows;
     if (R == 0) return Status::ok();
     TESSERA_RETURN_IF_ERROR(
@@ -645,7 +638,7 @@ class CudaModel::Ops {
     if (p.parallel.tp_size == 1) {
       TESSERA_RETURN_IF_ERROR(gemm(R, V, H_, m_.rows_.get(), m_.weights_->lm_head(), nullptr,
                                    m_.logits_.get(), DType::kF32));
-      TESSERA_RETURN_IF_ERROR(mark("lm_head"));
+      mark("lm_head");
       return softcap(m_.logits_.as<float>(), R * V);
     }
     // Vocabulary-parallel: this rank's columns into its slot of [T][R][Vs], all-gathered in
@@ -673,9 +666,8 @@ class CudaModel::Ops {
  private:
   // TESSERA_PROFILE_STEPS: the work enqueued since the last mark was `op` (within one of the
   // loop's ops: TimedOps marks the rest of it under the op's own name).
-  Status mark(const char* op) {
+  void mark(const char* op) {
     if (timer_ != nullptr) timer_->mark(op, st_);
-    return Status::ok();
   }
   int64_t bytes(int64_t elems) const { return elems * static_cast<int64_t>(dtype_size(dt_)); }
   Status gemm(int64_t M, int64_t N, int64_t K, const void* x, const void* w, const void* b,
@@ -1044,12 +1036,9 @@ Expected<std::unique_ptr<CudaModel>> CudaModel::create(const ModelConfig& config
   {
     TESSERA_ASSIGN_OR_RETURN(const uint64_t weights,
                              CudaWeights::bytes_needed(config, plan, quant, dtype));
-    const uint64_t steps =
-        plan.step_buffers(config, dtype, m->max_tokens_, engine.max_num_seqs).total();
-    // int4 layers' dequantized prefill weight, FP8 layers' quantized inputs and GEMM memory.
-    const uint64_t quant_ws = plan.quantized_workspace_bytes(config, quant, dtype, m->max_tokens_);
+    // Step buffers, quantized and MoE workspaces, as the planner counts them.
     const uint64_t activations =
-        steps + quant_ws + plan.moe_workspace_bytes(config, dtype, m->max_tokens_) + 64 * kMiB;
+        plan.activation_bytes(config, quant, dtype, m->max_tokens_, engine.max_num_seqs);
     const uint64_t min_kv = static_cast<uint64_t>(m->max_blocks_per_seq_) * 2 * plan.num_layers() *
                             m->kv_block_bytes_per_layer();
     // While the weights load, a checkpoint in another dtype crosses through device staging,

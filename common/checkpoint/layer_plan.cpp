@@ -227,7 +227,7 @@ std::vector<int64_t> WeightShard::shape() const {
 uint64_t LayerPlan::quantized_workspace_bytes(const ModelConfig& c, const QuantConfig& quant,
                                               DType dtype, int64_t max_tokens) const {
   const auto H = static_cast<uint64_t>(c.hidden_size);
-  const auto qkv = static_cast<uint64_t>((heads + 2 * kv_heads) * c.head_dim);
+  const auto qkv = static_cast<uint64_t>(qkv_rows(c));
   const auto attn = static_cast<uint64_t>(heads * c.head_dim);
   const auto I = static_cast<uint64_t>(intermediate);
   if (quant.method == QuantMethod::kNone) return 0;
@@ -251,7 +251,7 @@ StepBuffers LayerPlan::step_buffers(const ModelConfig& c, DType dtype, int64_t m
   const auto T = static_cast<uint64_t>(max_tokens), S = static_cast<uint64_t>(max_seqs);
   const auto H = static_cast<uint64_t>(c.hidden_size);
   const auto q_dim = static_cast<uint64_t>(heads * c.head_dim);
-  const auto qkv_dim = static_cast<uint64_t>((heads + 2 * kv_heads) * c.head_dim);
+  const auto qkv_dim = static_cast<uint64_t>(qkv_rows(c));
   const auto I = static_cast<uint64_t>(intermediate);
   const auto tp = static_cast<uint64_t>(parallel.tp_size);
   StepBuffers b;
@@ -267,6 +267,13 @@ StepBuffers LayerPlan::step_buffers(const ModelConfig& c, DType dtype, int64_t m
   }
   if (tp > 1) b.sampled_tokens = (1 + tp) * S * sizeof(int32_t);
   return b;
+}
+
+uint64_t LayerPlan::activation_bytes(const ModelConfig& c, const QuantConfig& quant, DType dtype,
+                                     int64_t max_tokens, int64_t max_seqs) const {
+  return step_buffers(c, dtype, max_tokens, max_seqs).total() +
+         quantized_workspace_bytes(c, quant, dtype, max_tokens) +
+         moe_workspace_bytes(c, dtype, max_tokens) + kActivationSlackBytes;
 }
 
 uint64_t LayerPlan::weight_bytes(DType dtype, const QuantConfig& run) const {

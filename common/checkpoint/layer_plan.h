@@ -229,6 +229,16 @@ struct LayerPlan {
   // This rank's step buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences.
   StepBuffers step_buffers(const ModelConfig& config, DType dtype, int64_t max_tokens,
                            int64_t max_seqs) const;
+  // What the CUDA backend allocates for steps beside the weights and the KV cache: the step
+  // buffers, the quantized and MoE workspaces and kActivationSlackBytes of small buffers (step
+  // metadata, attention splits). Counted by the planner's estimate and the backend's fit check.
+  static constexpr uint64_t kActivationSlackBytes = 64ull << 20;
+  uint64_t activation_bytes(const ModelConfig& config, const QuantConfig& quant, DType dtype,
+                            int64_t max_tokens, int64_t max_seqs) const;
+  // Rows of this rank's q|k|v projection: (heads + 2 kv_heads) x head_dim.
+  int64_t qkv_rows(const ModelConfig& config) const {
+    return (heads + 2 * kv_heads) * config.head_dim;
+  }
 
   // The plan of one rank. INVALID_ARGUMENT, naming the numbers and what would work, when the
   // model cannot be split so (heads not divisible by tp_size, KV heads neither divisible by nor

@@ -9,7 +9,6 @@ namespace tessera {
 namespace {
 
 constexpr uint64_t kMiB = 1ull << 20;
-constexpr uint64_t kFixedBuffers = 64 * kMiB;   // the actor's step buffers (cuda_model.cpp)
 constexpr uint64_t kGemmWorkspace = 32 * kMiB;  // cuBLASLt workspace
 constexpr uint64_t kCudaContext = 512 * kMiB;   // context + library handles, before loading
 constexpr uint64_t kGraphReserve = 512 * kMiB;  // CUDA graphs (cuda_model.cpp kGraphReserve)
@@ -152,12 +151,11 @@ MemoryPlan estimate_memory(const ModelConfig& c, const ParallelPlan& plan,
       m.budget = std::min<uint64_t>(
           static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(m.total)),
           m.total - std::min(m.in_use, m.total));
-      const auto tokens = static_cast<int64_t>(max_tokens);
-      // The step buffers (logits included on the last stage) as the CUDA backend allocates them.
-      m.activations = r.shard.step_buffers(c, plan.dtype, tokens, options.max_num_seqs).total() +
-                      kFixedBuffers + kGemmWorkspace + kCudaContext +
-                      r.shard.quantized_workspace_bytes(c, quant, plan.dtype, tokens) +
-                      r.shard.moe_workspace_bytes(c, plan.dtype, tokens);
+      // What the CUDA backend allocates for steps (logits on the last stage, workspaces).
+      m.activations =
+          r.shard.activation_bytes(c, quant, plan.dtype, static_cast<int64_t>(max_tokens),
+                                   options.max_num_seqs) +
+          kGemmWorkspace + kCudaContext;
       if (!options.enforce_eager) m.activations += kGraphReserve;
       if (plan.world > 1) m.activations += kCommReserve;
       const uint64_t committed = m.weights + m.activations;

@@ -1058,10 +1058,11 @@ namespace {
 __global__ void spin_kernel(int64_t ns) {
   uint64_t t0 = 0, t = 0;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  while (t - t0 < static_cast<uint64_t>(ns)) {  // spin(0) returns at once: no sleep
     __nanosleep(1000);
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < static_cast<uint64_t>(ns));
+  }
 }
 }  // namespace
 
