@@ -487,6 +487,12 @@ class CudaModel::Ops {
 
   Status input_norm(int64_t i, bool add) {
     const CudaLayer& w = m_.weights_->layer(i);
+    if (add && m_.config_.sandwich_norms && !w.qkv.is_fp8()) {
+      // Gemma: layer i - 1's post_feedforward_layernorm of proj, the add and this norm, fused.
+      return cuda::norm_add_rms_norm(dt_, m_.proj_.get(), m_.weights_->layer(i - 1).post_ff_norm,
+                                     m_.residual_.get(), w.input_norm, T_, H_, eps_,
+                                     m_.hidden_.get(), st_, unit_);
+    }
     if (add) TESSERA_RETURN_IF_ERROR(post_ff_norm(i - 1));
     if (w.qkv.is_fp8()) {  // the normed row goes to q|k|v as FP8
       void* x = add ? m_.proj_.get() : m_.residual_.get();
@@ -541,6 +547,12 @@ class CudaModel::Ops {
   Status post_norm(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
     const void* mlp_norm = w.post_norm;
+    if (m_.config_.sandwich_norms && !w.gate_up.is_fp8()) {
+      // Gemma: post_attention_layernorm of proj, the residual add and pre_feedforward_layernorm
+      // in one kernel.
+      return cuda::norm_add_rms_norm(dt_, m_.proj_.get(), w.post_norm, m_.residual_.get(),
+                                     w.pre_ff_norm, T_, H_, eps_, m_.hidden_.get(), st_, unit_);
+    }
     if (m_.config_.sandwich_norms) {
       // Gemma: the attention output is normalised (post_attention_layernorm) before the
       // residual add; the MLP reads pre_feedforward_layernorm.
@@ -625,10 +637,16 @@ class CudaModel::Ops {
 
   Status logits() {
     const LayerPlan& p = m_.plan_;
-    TESSERA_RETURN_IF_ERROR(post_ff_norm(p.num_layers() - 1));
-    TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
-                                               m_.weights_->final_norm(), T_, H_, eps_,
-                                               m_.hidden_.get(), st_, unit_));
+    if (m_.config_.sandwich_norms) {  // Gemma: the last post_feedforward_layernorm fused in
+      TESSERA_RETURN_IF_ERROR(cuda::norm_add_rms_norm(
+          dt_, m_.proj_.get(), m_.weights_->layer(p.num_layers() - 1).post_ff_norm,
+          m_.residual_.get(), m_.weights_->final_norm(), T_, H_, eps_, m_.hidden_.get(), st_,
+          unit_));
+    } else {
+      TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
+                                                 m_.weights_->final_norm(), T_, H_, eps_,
+                                                 m_.hidden_.get(), st_, unit_));
+    }
     mark("final_norm");
     const int64_t R = plan_.rows;
     if (R == 0) return Status::ok();

@@ -163,16 +163,19 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <typename T, bool kAdd, bool kUnitOffset>
+template <typename T, bool kAdd, bool kUnitOffset, bool kNormX = false>
 Status launch_norm(const void* xv, void* residualv, const void* weightv, int64_t rows,
-                   int64_t hidden, float eps, void* outv, cudaStream_t stream, const char* name) {
+                   int64_t hidden, float eps, void* outv, cudaStream_t stream, const char* name,
+                   const void* x_weightv = nullptr) {
+  const T* x_weight = static_cast<const T*>(x_weightv);
   const T* x = static_cast<const T*>(xv);
   T* residual = static_cast<T*>(residualv);
   const T* weight = static_cast<const T*>(weightv);
   T* out = static_cast<T*>(outv);
   const unsigned grid = static_cast<unsigned>(std::min(rows, kMaxGridX));
   const bool vec_ok = hidden % kHalfVec == 0 && aligned(x, 16) && aligned(weight, 16) &&
-                      aligned(out, 16) && (!kAdd || aligned(residual, 16));
+                      aligned(out, 16) && (!kAdd || aligned(residual, 16)) &&
+                      (!kNormX || aligned(x_weight, 16));
   const int64_t nvec = hidden / kHalfVec;
   // V vectors per thread, at most 512 threads: hidden up to 512 * 8 * 8 = 32768 on this path.
   int v = 0;
@@ -186,6 +189,10 @@ Status launch_norm(const void* xv, void* residualv, const void* weightv, int64_t
   }
   if (v == 0) {
     const int threads = static_cast<int>(std::min<int64_t>(256, ceil_div(hidden, 32) * 32));
+    if constexpr (kNormX) {  // x normalised in place first (norm_add_rms_norm may overwrite x)
+      launch_pdl(rms_norm_any_kernel<T, false, kUnitOffset>, grid, threads, 0, stream, x,
+                 static_cast<T*>(nullptr), x_weight, rows, hidden, eps, const_cast<T*>(x));
+    }
     launch_pdl(rms_norm_any_kernel<T, kAdd, kUnitOffset>, grid, threads, 0, stream, x, residual,
                weight, rows, hidden, eps, out);
     return launch_status(name);
@@ -194,20 +201,20 @@ Status launch_norm(const void* xv, void* residualv, const void* weightv, int64_t
   using Store = norm::StoreRow<T>;
   switch (v) {
     case 1:
-      launch_pdl(rms_norm_vec_kernel<T, 1, kAdd, Store, kUnitOffset>, grid, threads, 0, stream, x,
-                 residual, weight, rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 1, kAdd, Store, kUnitOffset, kNormX>, grid, threads, 0,
+                 stream, x, residual, weight, x_weight, rows, hidden, eps, out);
       break;
     case 2:
-      launch_pdl(rms_norm_vec_kernel<T, 2, kAdd, Store, kUnitOffset>, grid, threads, 0, stream, x,
-                 residual, weight, rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 2, kAdd, Store, kUnitOffset, kNormX>, grid, threads, 0,
+                 stream, x, residual, weight, x_weight, rows, hidden, eps, out);
       break;
     case 4:
-      launch_pdl(rms_norm_vec_kernel<T, 4, kAdd, Store, kUnitOffset>, grid, threads, 0, stream, x,
-                 residual, weight, rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 4, kAdd, Store, kUnitOffset, kNormX>, grid, threads, 0,
+                 stream, x, residual, weight, x_weight, rows, hidden, eps, out);
       break;
     default:
-      launch_pdl(rms_norm_vec_kernel<T, 8, kAdd, Store, kUnitOffset>, grid, threads, 0, stream, x,
-                 residual, weight, rows, hidden, eps, out);
+      launch_pdl(rms_norm_vec_kernel<T, 8, kAdd, Store, kUnitOffset, kNormX>, grid, threads, 0,
+                 stream, x, residual, weight, x_weight, rows, hidden, eps, out);
       break;
   }
   return launch_status(name);
@@ -915,6 +922,28 @@ Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weig
     }
     return launch_norm<T, true, false>(x, residual, weight, rows, hidden, eps, out, stream,
                                        "add_rms_norm_kernel");
+  });
+}
+
+Status norm_add_rms_norm(DType dtype, void* x, const void* x_weight, void* residual,
+                         const void* weight, int64_t rows, int64_t hidden, float eps, void* out,
+                         cudaStream_t stream, bool unit_offset) {
+  constexpr const char* kOp = "norm_add_rms_norm";
+  TESSERA_RETURN_IF_ERROR(check_norm_args(dtype, x, weight, rows, hidden, out, kOp));
+  if (rows == 0) return Status::ok();
+  TESSERA_RETURN_IF_ERROR(check_not_null(residual, kOp, "residual"));
+  TESSERA_RETURN_IF_ERROR(check_not_null(x_weight, kOp, "x_weight"));
+  if (residual == x || residual == out || x == out) {
+    return invalid_argument("norm_add_rms_norm: x, residual and out must be three buffers");
+  }
+  return with_half_type(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (unit_offset) {
+      return launch_norm<T, true, true, true>(x, residual, weight, rows, hidden, eps, out, stream,
+                                              "norm_add_rms_norm_kernel (unit offset)", x_weight);
+    }
+    return launch_norm<T, true, false, true>(x, residual, weight, rows, hidden, eps, out, stream,
+                                             "norm_add_rms_norm_kernel", x_weight);
   });
 }
 

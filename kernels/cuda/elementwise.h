@@ -66,6 +66,15 @@ Status add_rms_norm(DType dtype, const void* x, void* residual, const void* weig
                     int64_t hidden, float eps, void* out, cudaStream_t stream,
                     bool unit_offset = false);
 
+// residual += round(RMSNorm(x) * x_weight); out = RMSNorm(residual) * weight: Gemma's
+// post-attention (post-feed-forward) norm of the addend, the residual add and the next norm in
+// one kernel, with the bits of rms_norm(x, x_weight -> x) followed by add_rms_norm (unit_offset
+// for both norms). x, residual and out are three buffers; x may be overwritten (the normed addend:
+// rows whose width or alignment the one-kernel path does not take run the two kernels).
+Status norm_add_rms_norm(DType dtype, void* x, const void* x_weight, void* residual,
+                         const void* weight, int64_t rows, int64_t hidden, float eps, void* out,
+                         cudaStream_t stream, bool unit_offset = false);
+
 // The attention block's per-token prologue, fused: split the qkv projection, optionally
 // RMSNorm each q and k head (Qwen3's q_norm / k_norm), rotate q and k (RoPE, rotate_half
 // convention, cos/sin rounded to dtype and each product and sum rounded to dtype, as

@@ -46,10 +46,16 @@ struct StoreRow {
 // kUnitOffset (Gemma's RMSNorm, which stores w and scales by 1 + w): normed = (1 + weight) *
 // (h * inv) in fp32, rounded once by the store, as transformers' GemmaRMSNorm (float math, then
 // type_as(x)).
-template <typename T, int V, bool kAdd, typename Store = StoreRow<T>, bool kUnitOffset = false>
+// kNormX (with kAdd; Gemma's sandwich norms): x is first normalised with x_weight and rounded to
+// T, as a separate rms_norm of x would store it, and that is what joins the residual (x itself
+// is left as it was); x_weight is ignored otherwise (null).
+template <typename T, int V, bool kAdd, typename Store = StoreRow<T>, bool kUnitOffset = false,
+          bool kNormX = false>
 __global__ void __launch_bounds__(512)
-    rms_norm_vec_kernel(const T* x, T* residual, const T* __restrict__ weight, int64_t rows,
-                        int64_t hidden, float eps, Store store) {
+    rms_norm_vec_kernel(const T* x, T* residual, const T* __restrict__ weight,
+                        const T* __restrict__ x_weight, int64_t rows, int64_t hidden, float eps,
+                        Store store) {
+  static_assert(!kNormX || kAdd, "x is normalised only before a residual add");
   __shared__ float scratch[32];
   const int64_t nvec = hidden / dev::kHalfVec;
   const float inv_hidden = 1.0f / static_cast<float>(hidden);
@@ -59,19 +65,60 @@ __global__ void __launch_bounds__(512)
     const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
     w[k] = j < nvec ? __ldg(reinterpret_cast<const uint4*>(weight) + j) : make_uint4(0, 0, 0, 0);
   }
+  uint4 wx[kNormX ? V : 1];
+  if constexpr (kNormX) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      wx[k] =
+          j < nvec ? __ldg(reinterpret_cast<const uint4*>(x_weight) + j) : make_uint4(0, 0, 0, 0);
+    }
+  }
   // The weights are constant: loaded before the wait for the kernel that writes x.
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t base = row * hidden;
     uint4 hv[V];  // the row's values as the dtype holds them (x, or the rounded residual sum)
+    if constexpr (kNormX) {  // hv = round(RMSNorm(x) with x_weight)
+      float ssx = 0.0f;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+        hv[k] = make_uint4(0, 0, 0, 0);
+        if (j < nvec) {
+          hv[k] = *reinterpret_cast<const uint4*>(x + base + j * dev::kHalfVec);
+          float h[dev::kHalfVec];
+          dev::unpack8<T>(hv[k], h);
+#pragma unroll
+          for (int e = 0; e < dev::kHalfVec; ++e) ssx += h[e] * h[e];
+        }
+      }
+      const float invx = rsqrtf(dev::block_sum(ssx, scratch) * inv_hidden + eps);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float h[dev::kHalfVec], wf[dev::kHalfVec];
+        dev::unpack8<T>(hv[k], h);
+        dev::unpack8<T>(wx[k], wf);
+#pragma unroll
+        for (int e = 0; e < dev::kHalfVec; ++e) {
+          if constexpr (kUnitOffset) {
+            h[e] = (1.0f + wf[e]) * (h[e] * invx);
+          } else {
+            h[e] = wf[e] * dev::round_to<T>(h[e] * invx);
+          }
+        }
+        hv[k] = dev::pack8<T>(h);
+      }
+    }
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      hv[k] = make_uint4(0, 0, 0, 0);
+      if constexpr (!kNormX) hv[k] = make_uint4(0, 0, 0, 0);
       if (j < nvec) {
-        hv[k] = *reinterpret_cast<const uint4*>(x + base + j * dev::kHalfVec);
+        if constexpr (!kNormX)
+          hv[k] = *reinterpret_cast<const uint4*>(x + base + j * dev::kHalfVec);
         float h[dev::kHalfVec];
         dev::unpack8<T>(hv[k], h);
         if constexpr (kAdd) {

@@ -1336,8 +1336,8 @@ TEST(CudaModelTest, ProfiledDecodeStepsGiveTheGraphsBitsAndLogTheirOps) {
   for (const std::string& line : sink->last_formatted()) log += line;
   EXPECT_NE(log.find(", 4 steps: the forward's ops take"), std::string::npos) << log;
   EXPECT_NE(log.find("an empty kernel measures"), std::string::npos) << log;
-  for (const char* op : {"attention", "qkv", "gate_up", "activation", "post_attn_norm",
-                         "post_ff_norm", "lm_head", "mlp: down or MoE"}) {
+  for (const char* op : {"attention", "qkv", "gate_up", "activation", "post_norm", "input_norm",
+                         "lm_head", "mlp: down or MoE"}) {
     EXPECT_NE(log.find(std::string("  ") + op + " "), std::string::npos) << op << "\n" << log;
   }
 }

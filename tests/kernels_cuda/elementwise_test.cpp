@@ -344,6 +344,56 @@ TEST(CudaAddRmsNorm, MatchesCpu) {
   }
 }
 
+// Gemma's sandwich: norm_add_rms_norm gives the bits of rms_norm(x -> x) then add_rms_norm
+// (residual and out), for both norm forms, widths on the one-kernel path (V = 1..8) and one that
+// is not (hidden % 8 != 0: the two kernels).
+TEST(CudaNormAddRmsNorm, EqualsRmsNormThenAddRmsNorm) {
+  TESSERA_REQUIRE_GPU();
+  const float eps = 1e-6f;
+  for (DType d : kHalfTypes) {
+    for (bool unit : {false, true}) {
+      for (int64_t hidden : {int64_t{64}, int64_t{2304}, int64_t{3584}, int64_t{16384},
+                             int64_t{32768}, int64_t{100}}) {
+        for (int64_t rows : {1, 5}) {
+          const std::string what =
+              label(d, "norm_add_rms_norm hidden " + std::to_string(hidden) + " rows " +
+                           std::to_string(rows) + (unit ? " unit offset" : ""));
+          const HalfTensor x = random_half(d, rows * hidden, 70 + hidden + rows, -3.0f, 3.0f);
+          const HalfTensor res = random_half(d, rows * hidden, 80 + hidden, -4.0f, 4.0f);
+          const HalfTensor wx = random_half(d, hidden, 11 + hidden, -0.5f, 1.5f);
+          const HalfTensor w = random_half(d, hidden, 13 + hidden, -0.5f, 1.5f);
+          DeviceBuffer wx_d = upload(wx.bits), w_d = upload(w.bits);
+          // The two kernels.
+          DeviceBuffer x1 = upload(x.bits), res1 = upload(res.bits),
+                       out1 = alloc(x.bits.size() * 2);
+          ASSERT_TRUE(rms_norm(d, x1.get(), wx_d.get(), rows, hidden, eps, x1.get(), nullptr, unit)
+                          .is_ok());
+          ASSERT_TRUE(add_rms_norm(d, x1.get(), res1.get(), w_d.get(), rows, hidden, eps,
+                                   out1.get(), nullptr, unit)
+                          .is_ok());
+          // The fused one.
+          DeviceBuffer x2 = upload(x.bits), res2 = upload(res.bits),
+                       out2 = alloc(x.bits.size() * 2);
+          ASSERT_TRUE(norm_add_rms_norm(d, x2.get(), wx_d.get(), res2.get(), w_d.get(), rows,
+                                        hidden, eps, out2.get(), nullptr, unit)
+                          .is_ok());
+          expect_bits_equal(download<uint16_t>(res2.get(), res.bits.size()),
+                            download<uint16_t>(res1.get(), res.bits.size()), what + " residual");
+          expect_bits_equal(download<uint16_t>(out2.get(), x.bits.size()),
+                            download<uint16_t>(out1.get(), x.bits.size()), what + " out");
+        }
+      }
+    }
+  }
+  DeviceBuffer a = alloc(64), b = alloc(64), w = alloc(64);
+  EXPECT_FALSE(norm_add_rms_norm(DType::kBF16, a.get(), w.get(), a.get(), w.get(), 1, 16, eps,
+                                 b.get(), nullptr)
+                   .is_ok());  // residual aliasing x
+  EXPECT_FALSE(norm_add_rms_norm(DType::kBF16, a.get(), nullptr, b.get(), w.get(), 1, 16, eps,
+                                 b.get(), nullptr)
+                   .is_ok());  // no x_weight
+}
+
 // ---- rope_and_cache ----
 
 struct RopeCase {

@@ -284,7 +284,7 @@ TEST(Fp8Quantize, FusedRmsNormEqualsRmsNormThenQuantization) {
 TEST(Fp8Quantize, FusedSiluMulEqualsSiluMulThenQuantization) {
   REQUIRE_CUDA_DEVICE();
   for (DType d : {DType::kBF16, DType::kF16}) {
-    for (int64_t inter : {16, 176, 14336}) {
+    for (int64_t inter : {16, 176, 14336, 28672, 40000}) {
       for (int64_t rows : {1, 3, 100}) {
         for (float st : {0.0f, 0.003f}) {
           const std::string what = std::string(name(d)) + " inter " + std::to_string(inter) +
