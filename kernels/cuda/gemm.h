@@ -1,7 +1,7 @@
 // GEMMs through cuBLASLt for the linear layers: out[M, N] = x[M, K] . w[N, K]^T (+ bias[N]),
 // bf16/fp16 inputs, fp32 accumulation, output in the input dtype or fp32 (the logits). Decode
-// shapes that gemv_takes() (kernels/cuda/gemv.h: a few rows, weights up to 40 MiB) run on the
-// GEMV kernel instead, which overlaps the kernel before; they get no plan.
+// shapes that gemv_takes() (kernels/cuda/gemv.h: one row, any width) run on the GEMV kernel
+// instead, which overlaps the kernel before; they get no plan.
 // The algorithm for each (M, N, K, dtypes, bias) is chosen once — the heuristic's candidates
 // are timed on the first eager call of that shape — and cached; inside a CUDA-graph capture
 // an unseen shape takes the heuristic's first choice without timing, and is timed on its next
@@ -53,6 +53,9 @@ class Gemm {
   // ("cublasLtMatmul [m=1 n=4096 k=4096 bf16->bf16]: CUBLAS_STATUS_NOT_SUPPORTED").
   Status linear(const GemmShape& shape, const void* x, const void* w, const void* bias, void* out,
                 cudaStream_t stream);
+  // The same through cuBLASLt whatever the shape (kernel_bench times it beside the GEMV).
+  Status linear_cublaslt(const GemmShape& shape, const void* x, const void* w, const void* bias,
+                         void* out, cudaStream_t stream);
 
   // Shapes whose algorithm is cached (for logs and tests; the GEMV's shapes have none): one plan
   // per shape and alignment class of the pointers it was called with (see PlanKey).

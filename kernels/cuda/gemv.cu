@@ -12,24 +12,35 @@ namespace tessera::cuda {
 
 namespace {
 
-// A block is kWarps warps, kRows output rows each (all m rows of x against them). A lane reads
-// 16 bytes of each row per chunk, kDepth chunks in flight: 4 loads of 512 bytes per warp.
-// Measured on the H200 (moe_bench, kernel_bench) against 1 row x 4 or 8 deep, 2 x 4 and 4 x 1
-// or 2, with and without prefetching the rows into L2 before the wait (slower everywhere):
-// Llama's o_proj [1 x 4096 x 4096] 8.5 us = 0.92 of the copy bandwidth (cuBLASLt 18.2 us),
-// Qwen3-30B-A3B's qkv 7.1 us (7.7), o 7.1 us (8.7), router 2.0 us (4.6). With 2 or 4 rows of x
-// (the same loop over them) it lost to cuBLASLt (qkv 11.1 / 13.7 us, o 9.9 / 11.6 us), so it
-// takes one.
+// A block is kWarps warps, R output rows each (all m rows of x against them). A lane reads 16
+// bytes of each row per chunk, D chunks in flight: R x D loads of 512 bytes per warp.
+//
+// gemv_tile()'s choice, from kernel_bench's table (H100, every call on another copy of the
+// weights, so none comes from L2; us, the tiles beside each other and beside cuBLASLt):
+//   Qwen3-30B-A3B router [128 x 2048]: 2x2 2.48 (its __ldg loads; 3.28 with ordered loads),
+//     2x4 3.07, 4x2 5.18: few rows, so few warps: the fewest rows per warp.
+//   Qwen3-30B-A3B o [2048 x 4096] 7.91, Llama-3-8B o [4096 x 4096] 12.67, Gemma 2 9B o [3584 x
+//     4096] 11.34 with 2x2; 4x2 and 4x4 lose 13-42% there (half the warps), 1xD lose 19-65%.
+//   Wider n at k <= 4096 take 4x2: Qwen3-30B-A3B qkv [5120 x 2048] 9.01 (2x2 10.88), Llama-3-8B
+//     qkv [6144 x 4096] 18.78 (cuBLASLt 19.40), Gemma 2 9B qkv 20.66 (21.19), the lm_heads at
+//     K 2048-4096 197-577 us = 1.04-1.05 of the copy bandwidth (cuBLASLt 0.97-1.01), gate_up
+//     within 1% of cuBLASLt.
+//   k > 4096 takes 2x4: Llama-3-8B down [4096 x 14336] 39.66 (cuBLASLt 41.78, 4x2 45.18), Gemma
+//     2 9B down 35.25 (39.89), Llama-3-70B's qkv, down, gate_up and lm_head 1.00-1.05 of copy
+//     (cuBLASLt 0.91-1.01).
+// Tiles other than 2x2 load through ldg_stream (ordered asm loads: the R x D loads issue before
+// the first is used; measured equal to __ldg on the shapes above but the router).
+// With 2 or 4 rows of x (the same loop over them) it lost to cuBLASLt (qkv 11.1 / 13.7 us, o
+// 9.9 / 11.6 us), so it takes one.
 constexpr int kWarps = 8;
-constexpr int kRows = 2;
-constexpr int kDepth = 2;
 constexpr int kChunk = 32 * dev::kHalfVec;  // elements a warp reads per chunk
 
-template <typename T, typename O>
+template <typename T, typename O, int R, int D>
 __global__ void __launch_bounds__(kWarps * 32)
     gemv_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
                 O* __restrict__ out, int n, int k) {
-  constexpr int R = kRows, D = kDepth, M = 1;
+  constexpr int M = 1;
+  constexpr bool kStream = R != 2 || D != 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kWarps + warp) * R;
   const T* wr[R];
@@ -46,7 +57,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int c = 0; c < D; ++c) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        wv[c][r] = __ldg(reinterpret_cast<const uint4*>(wr[r] + i + c * kChunk));
+        wv[c][r] = kStream ? dev::ldg_stream(wr[r] + i + c * kChunk)
+                           : __ldg(reinterpret_cast<const uint4*>(wr[r] + i + c * kChunk));
       }
     }
 #pragma unroll
@@ -105,13 +117,37 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-template <typename T, typename O>
+template <typename T, typename O, int R, int D>
 cudaError_t launch(int64_t n, int64_t k, const void* x, const void* w, const void* bias, void* y,
                    cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((n + kWarps * kRows - 1) / (kWarps * kRows)));
-  return launch_pdl(gemv_kernel<T, O>, grid, dim3(kWarps * 32), 0, stream, static_cast<const T*>(x),
-                    static_cast<const T*>(w), static_cast<const T*>(bias), static_cast<O*>(y),
-                    static_cast<int>(n), static_cast<int>(k));
+  const dim3 grid(static_cast<unsigned>((n + kWarps * R - 1) / (kWarps * R)));
+  return launch_pdl(gemv_kernel<T, O, R, D>, grid, dim3(kWarps * 32), 0, stream,
+                    static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias),
+                    static_cast<O*>(y), static_cast<int>(n), static_cast<int>(k));
+}
+
+template <int R, int D>
+cudaError_t launch_tile(int64_t n, int64_t k, DType in, DType out, const void* x, const void* w,
+                        const void* bias, void* y, cudaStream_t stream) {
+  if (in == DType::kBF16) {
+    return out == DType::kF32
+               ? launch<__nv_bfloat16, float, R, D>(n, k, x, w, bias, y, stream)
+               : launch<__nv_bfloat16, __nv_bfloat16, R, D>(n, k, x, w, bias, y, stream);
+  }
+  return out == DType::kF32 ? launch<__half, float, R, D>(n, k, x, w, bias, y, stream)
+                            : launch<__half, __half, R, D>(n, k, x, w, bias, y, stream);
+}
+
+Status check_call(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x,
+                  const void* w, const void* bias, const void* y) {
+  if (!gemv_takes(m, n, k, in, out, x, w) || y == nullptr ||
+      (bias != nullptr && out == DType::kF32)) {
+    return invalid_argument("gemv: m " + std::to_string(m) + " n " + std::to_string(n) + " k " +
+                            std::to_string(k) + " " + dtype_name(in) + "->" + dtype_name(out) +
+                            " is not a shape it takes (m 1.." + std::to_string(kGemvMaxRows) +
+                            ", k a multiple of 8, 16-byte aligned x and w)");
+  }
+  return Status::ok();
 }
 
 }  // namespace
@@ -122,29 +158,52 @@ bool gemv_takes(int64_t m, int64_t n, int64_t k, DType in, DType out, const void
                 const void* w) {
   const bool half = in == DType::kBF16 || in == DType::kF16;
   return m >= 1 && m <= kGemvMaxRows && n >= 1 && k >= 8 && k % 8 == 0 && half &&
-         (out == in || out == DType::kF32) &&
-         n * k * static_cast<int64_t>(dtype_size(in)) <= kGemvMaxWeightBytes &&
-         n < (int64_t{1} << 31) / kWarps && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         (out == in || out == DType::kF32) && n < (int64_t{1} << 31) / kWarps &&
+         k < (int64_t{1} << 31) && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(w) % 16 == 0;
+}
+
+GemvTile gemv_tile(int64_t n, int64_t k) {
+  if (k > 4096) return {2, 4};
+  if (n > 4096) return {4, 2};
+  return {2, 2};
 }
 
 Status gemv(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x, const void* w,
             const void* bias, void* y, cudaStream_t stream) {
-  if (!gemv_takes(m, n, k, in, out, x, w) || y == nullptr ||
-      (bias != nullptr && out == DType::kF32)) {
-    return invalid_argument("gemv: m " + std::to_string(m) + " n " + std::to_string(n) + " k " +
-                            std::to_string(k) + " " + dtype_name(in) + "->" + dtype_name(out) +
-                            " is not a shape it takes (m 1.." + std::to_string(kGemvMaxRows) +
-                            ", k a multiple of 8, 16-byte aligned x and w, weights <= " +
-                            std::to_string(kGemvMaxWeightBytes >> 20) + " MiB)");
-  }
-  cudaError_t err;
-  if (in == DType::kBF16) {
-    err = out == DType::kF32 ? launch<__nv_bfloat16, float>(n, k, x, w, bias, y, stream)
-                             : launch<__nv_bfloat16, __nv_bfloat16>(n, k, x, w, bias, y, stream);
-  } else {
-    err = out == DType::kF32 ? launch<__half, float>(n, k, x, w, bias, y, stream)
-                             : launch<__half, __half>(n, k, x, w, bias, y, stream);
+  return gemv_with(gemv_tile(n, k), m, n, k, in, out, x, w, bias, y, stream);
+}
+
+Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in, DType out,
+                 const void* x, const void* w, const void* bias, void* y, cudaStream_t stream) {
+  TESSERA_RETURN_IF_ERROR(check_call(m, n, k, in, out, x, w, bias, y));
+  cudaError_t err = cudaSuccess;
+  const int rd = tile.rows * 100 + tile.depth;
+  switch (rd) {
+    case 202:
+      err = launch_tile<2, 2>(n, k, in, out, x, w, bias, y, stream);
+      break;
+    case 104:
+      err = launch_tile<1, 4>(n, k, in, out, x, w, bias, y, stream);
+      break;
+    case 108:
+      err = launch_tile<1, 8>(n, k, in, out, x, w, bias, y, stream);
+      break;
+    case 204:
+      err = launch_tile<2, 4>(n, k, in, out, x, w, bias, y, stream);
+      break;
+    case 208:
+      err = launch_tile<2, 8>(n, k, in, out, x, w, bias, y, stream);
+      break;
+    case 402:
+      err = launch_tile<4, 2>(n, k, in, out, x, w, bias, y, stream);
+      break;
+    case 404:
+      err = launch_tile<4, 4>(n, k, in, out, x, w, bias, y, stream);
+      break;
+    default:
+      return invalid_argument("gemv_with: no kernel for " + std::to_string(tile.rows) + " rows x " +
+                              std::to_string(tile.depth) + " chunks deep");
   }
   TESSERA_CUDA_RETURN_IF_ERROR(err, "gemv");
   return launch_status("gemv");

@@ -1,13 +1,15 @@
 // The linear layers of a batch-1 decode step as a GEMV: out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])
 // for m <= kGemvMaxRows (one), bf16/fp16 in, fp32 accumulation, out in the input dtype (rounded
 // once, after the bias, as cuBLASLt's bias epilogue does) or fp32. Gemm::linear takes this path
-// for the shapes gemv_takes() accepts, cuBLASLt for the rest.
+// for every shape gemv_takes() accepts, whatever its size, cuBLASLt for the rest.
 //
-// Why not cuBLASLt there: at batch 1 its kernels for these shapes stream at 0.43-0.64 of the copy
-// bandwidth (kernel_bench: Llama-3-8B's o_proj; moe_bench: Qwen3-30B-A3B's qkv and o_proj), and
-// its launch cannot overlap the kernel before. This one reads at up to 0.92 of it (gemv.cu's
-// measurements) and is launched with programmatic dependent launch (cuda_util.h's launch_pdl),
-// so its start overlaps the kernel before, like every other kernel of the decode step.
+// Why not cuBLASLt there: kernel_bench's tile table (every batch-1 linear of Llama-3-8B / 70B,
+// Gemma 2 9B and Qwen3-30B-A3B, weights from HBM, H100) has this kernel at least as fast on every
+// shape: 1.20x on Qwen3-30B-A3B's qkv [5120 x 2048] (9.0 vs 10.9 us before its tile was chosen),
+// 1.13x on Gemma 2 9B's down [3584 x 14336], 1.05-1.08x on the lm_heads (Llama-3-8B's 331 vs
+// 358 us), within 1% on the gate_up GEMMs. It is also launched with programmatic dependent
+// launch (cuda_util.h's launch_pdl), so its start overlaps the kernel before, like every other
+// kernel of the decode step.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,17 +22,27 @@
 namespace tessera::cuda {
 
 inline constexpr int64_t kGemvMaxRows = 1;
-// Above this many weight bytes cuBLASLt streams at 0.86-0.99 of the copy bandwidth (Llama-3-8B's
-// qkv, 48 MiB, and larger: kernel_bench).
-inline constexpr int64_t kGemvMaxWeightBytes = int64_t{40} << 20;
 
-// Whether `gemv` takes this shape: 1 <= m <= kGemvMaxRows, bf16/fp16 in, out = in or fp32, k a
-// multiple of 8, the weights at most kGemvMaxWeightBytes, x and w 16-byte aligned.
+// Whether the kernel computes this shape: 1 <= m <= kGemvMaxRows, bf16/fp16 in, out = in or
+// fp32, k a multiple of 8, x and w 16-byte aligned.
 bool gemv_takes(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x, const void* w);
 
+// The kernel's tile: output rows per warp, and 512-byte chunks of each row a warp has in flight.
+// gemv_with() runs 2x2, 1x4, 1x8, 2x4, 2x8, 4x2 and 4x4 (kernel_bench compares them).
+struct GemvTile {
+  int rows = 2;
+  int depth = 2;
+};
+// The tile `gemv` takes for [n, k] (gemv.cu says what each was measured against).
+GemvTile gemv_tile(int64_t n, int64_t k);
+
 //   x: [m, k] in;  w: [n, k] in;  bias: [n] in or null (not with out = fp32);  out: [m, n] out.
-// INVALID_ARGUMENT for a shape gemv_takes() refuses.
+// INVALID_ARGUMENT for a shape gemv_takes() refuses. Runs gemv_tile(n, k).
 Status gemv(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x, const void* w,
             const void* bias, void* y, cudaStream_t stream);
+// The same with another tile (the bits are the same: a lane sums the same elements in the same
+// order whatever the tile).
+Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in, DType out,
+                 const void* x, const void* w, const void* bias, void* y, cudaStream_t stream);
 
 }  // namespace tessera::cuda

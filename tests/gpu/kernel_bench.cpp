@@ -21,6 +21,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
 #include "kernels/cuda/sampling.h"
 #include "tests/gpu/bench_util.h"
 
@@ -300,6 +301,82 @@ void report_bandwidth(cudaStream_t st, const Args& args, const AttentionArgs& a,
   }
 }
 
+// Batch-1 linears of real models' widths: cuBLASLt and each tile of the GEMV kernel
+// (gemv.h's GemvTile) side by side, with the tile gemv_tile() takes (Gemm::linear takes the GEMV
+// for every batch-1 shape). Each call reads another copy of the weights (at least 512 MB between
+// two reads of one copy), so L2 (50 MB) holds none of them: the figures are HBM reads, as in a
+// step.
+void time_gemv_tiles(cudaStream_t st, Gemm& gemm, double copy_bw) {
+  struct Shape {
+    const char* name;
+    int64_t n, k;
+    DType out;
+  };
+  const Shape shapes[] = {{"Qwen3-30B-A3B router", 128, 2048, DType::kF32},
+                          {"Qwen3-30B-A3B o", 2048, 4096, bf},
+                          {"Qwen3-30B-A3B qkv", 5120, 2048, bf},
+                          {"Gemma 2 9B o", 3584, 4096, bf},
+                          {"Llama-3-8B o", H, H, bf},
+                          {"Llama-3-8B qkv", qkv_n, H, bf},
+                          {"Gemma 2 9B qkv", 8192, 3584, bf},
+                          {"Llama-3-8B down", H, I, bf},
+                          {"Gemma 2 9B down", 3584, 14336, bf},
+                          {"Llama-3-8B gate_up", 2 * I, H, bf},
+                          {"Gemma 2 9B gate_up", 28672, 3584, bf},
+                          {"Qwen3-30B-A3B lm_head", 151936, 2048, DType::kF32},
+                          {"Gemma 2 9B lm_head (llama3 vocab)", V, 3584, DType::kF32},
+                          {"Llama-3-8B lm_head", V, H, DType::kF32},
+                          {"Gemma 2 9B lm_head", 256000, 3584, DType::kF32},
+                          {"Llama-3-70B qkv", 10240, 8192, bf},
+                          {"Llama-3-70B down", 8192, 28672, bf},
+                          {"Llama-3-70B gate_up", 57344, 8192, bf},
+                          {"Llama-3-70B lm_head", V, 8192, DType::kF32}};
+  const GemvTile tiles[] = {{2, 2}, {1, 4}, {1, 8}, {2, 4}, {2, 8}, {4, 2}, {4, 4}};
+  int64_t most = 0;
+  for (const Shape& s : shapes) most = std::max(most, s.n * s.k * 2);
+  const int64_t pool_bytes = std::max<int64_t>(2 * most, int64_t{1} << 30);
+  char* pool = static_cast<char*>(dalloc(static_cast<size_t>(pool_bytes)));
+  void* x = dalloc(64 * 1024 * 2);
+  void* y = dalloc(256000 * 4);
+  std::printf(
+      "batch-1 linears, weights from HBM: us and fraction of the copy bandwidth; gemv RxD = %s\n",
+      "rows per warp x 512-byte chunks in flight per row");
+  for (const Shape& s : shapes) {
+    const int64_t bytes = s.n * s.k * 2, stride = (bytes + 255) / 256 * 256;
+    const int64_t copies = std::max<int64_t>(1, pool_bytes / stride);
+    int64_t call = 0;
+    auto weights = [&] { return pool + (call++ % copies) * stride; };
+    const auto frac = [&](double us) { return static_cast<double>(bytes) / us / 1e3 / copy_bw; };
+    const double lt_us = time_op(st, [&] {
+      return gemm.linear_cublaslt({1, s.n, s.k, bf, s.out, false}, x, weights(), nullptr, y, st);
+    });
+    const GemvTile chosen = gemv_tile(s.n, s.k);
+    std::printf("  %-34s [1 x %6ld x %5ld] %7.1f MB, gemv takes %dx%d: cuBLASLt %7.2f us (%.2f)",
+                s.name, static_cast<long>(s.n), static_cast<long>(s.k), bytes / 1e6, chosen.rows,
+                chosen.depth, lt_us, frac(lt_us));
+    double best = lt_us;
+    GemvTile best_tile{0, 0};
+    for (const GemvTile& t : tiles) {
+      const double us = time_op(
+          st, [&] { return gemv_with(t, 1, s.n, s.k, bf, s.out, x, weights(), nullptr, y, st); });
+      std::printf(", %dx%d %.2f (%.2f)", t.rows, t.depth, us, frac(us));
+      if (us < best) {
+        best = us;
+        best_tile = t;
+      }
+    }
+    std::printf(
+        "; best %s %.2f us\n",
+        best_tile.rows == 0
+            ? "linear"
+            : (std::to_string(best_tile.rows) + "x" + std::to_string(best_tile.depth)).c_str(),
+        best);
+  }
+  cudaFree(pool);
+  cudaFree(x);
+  cudaFree(y);
+}
+
 // The decode ops' table: a line per row and the per-step sum.
 void print_rows(const cudaDeviceProp& prop, const Args& args, const std::vector<Row>& rows) {
   double total = 0;
@@ -391,6 +468,7 @@ int run(int argc, char** argv) {
                           }),
                   1});
   print_rows(prop, args, rows);
+  if (args.B == 1) time_gemv_tiles(st, *gemm.value(), bench::copy_bandwidth(st));
   time_prefill(st, *gemm.value(), a, b);
   return 0;
 }
