@@ -350,27 +350,32 @@ __global__ void __launch_bounds__(kGemmThreads)
 // Both kernels are launched with launch_pdl (cuda_util.h): their launch overlaps the kernel
 // before, and everything an earlier kernel wrote is read after dev::pdl_wait().
 //
-// gate_up: grid (output groups, pairs); each warp computes kGateUpOuts outputs of its pair's
-// expert: their gate rows and up rows streamed together (4 x 512 bytes per warp in flight; two
-// chunks deep, or 1 or 4 outputs, measured slower in the whole layer), so a batch-1 step reads
-// the chosen experts' rows and nothing else. The block stages the input row in shared memory.
+// gate_up: grid (output groups, pairs); each warp computes O outputs of its pair's expert: their
+// gate rows and up rows streamed together, U 16-byte pieces of each row per lane in flight, so a
+// batch-1 step reads the chosen experts' rows and nothing else. The block stages the input row
+// in shared memory.
 //
-// down + combine: grid (hidden / kSlotRows, tokens); warp j of a block computes its token's j-th
-// local slot (by expert) on the block's kSlotRows output rows: one expert's contiguous rows (a
-// warp per output row across the slots' experts read 512-byte pieces of eight experts at once
-// and ran at 0.37 of the copy bandwidth, this at 0.56; moe_bench, Qwen3-30B-A3B at batch 1).
-// Then the block combines them (kernels/cpu/moe.h's order: slots by expert, each product
-// rounded, summed in the run dtype; + the shared expert's gated row) through shared memory: the
-// y rows the grouped path stores never exist. The activation rows are staged in shared memory
-// once (top_k x inter, up to kMaxGemvSmem: wider layers take the grouped path). The blocks
-// start while gate_up still runs (gate_up calls pdl_launch_dependents after its own pdl_wait,
-// so the router's ids are final by then): they read the ids and order the slots before they
-// wait for the activations.
+// down + combine: grid (hidden / SR, tokens); warp j of a block computes its token's j-th local
+// slot (by expert) on the block's SR output rows: one expert's contiguous rows (a warp per output
+// row across the slots' experts read 512-byte pieces of eight experts at once and ran at 0.37 of
+// the copy bandwidth). Then the block combines them (kernels/cpu/moe.h's order: slots by expert,
+// each product rounded, summed in the run dtype; + the shared expert's gated row) through shared
+// memory: the y rows the grouped path stores never exist. The activation rows are staged in
+// shared memory once (top_k x inter, up to kMaxGemvSmem: wider layers take the grouped path).
+// The blocks start while gate_up still runs (gate_up calls pdl_launch_dependents after its own
+// pdl_wait, so the router's ids are final by then): they read the ids and order the slots before
+// they wait for the activations.
+//
+// The tiles (moe.h's MoeGemvTiles), from moe_bench at Qwen3-30B-A3B's widths, batch 1, six
+// layers' experts in turn (so from HBM), H100. Alone, more pieces in flight are faster: gate_up
+// 2 outputs x 4 pieces 18.67 us = 0.89 of the copy bandwidth (the default 2x1: 22.20 = 0.75;
+// 2x2 19.52, 1x4 20.79, 1x8 19.90), down 8 rows x 2 pieces 11.00 us = 0.75 (the default 8x1:
+// 12.05; 8x3 10.98, 4x1 11.45, 4x3 13.40). But the whole block (router, route, gate_up, down,
+// each waiting for the one before) took 36.44 us with 2x4 / 8x2 against 36.21 with the
+// defaults: the defaults stay until the chain shows a gain (moe_bench times the whole block
+// with each set).
 
 constexpr int kGemvWarps = 8;
-constexpr int kGateUpOuts = 2;  // outputs per warp: 2 gate + 2 up rows
-constexpr int kGateUpRows = 2 * kGateUpOuts;
-constexpr int kSlotRows = 8;  // output rows of one expert a down warp reads
 // Lets `kernel` take `smem` bytes of dynamic shared memory (past the 48 KiB default).
 template <typename Kernel>
 cudaError_t allow_smem(Kernel kernel, size_t smem) {
@@ -391,11 +396,14 @@ __device__ __forceinline__ void load8_l2(const T* p, float (&out)[dev::kHalfVec]
   dev::unpack8<T>(__ldcg(reinterpret_cast<const uint4*>(p)), out);
 }
 
-template <typename T>
+// O: outputs per warp (O gate rows and their O up rows); U: the lane's 16-byte pieces of each
+// row loaded before the first is used (U x 2 O loads in flight per lane).
+template <typename T, int O, int U>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_gate_up_kernel(const T* __restrict__ x, const int32_t* __restrict__ ids, int top_k,
                         int expert_begin, int local_experts, const T* __restrict__ w, int k_dim,
                         int n_dim, T* __restrict__ out) {
+  constexpr int kRowsPerWarp = 2 * O;
   extern __shared__ uint4 x_smem[];  // the pair's input row
   dev::pdl_wait();
   dev::pdl_launch_dependents();
@@ -410,45 +418,56 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   __syncthreads();
   const T* we = w + static_cast<int64_t>(e) * 2 * n_dim * k_dim;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int first = (blockIdx.x * kGemvWarps + warp) * kGateUpOuts;
+  const int first = (blockIdx.x * kGemvWarps + warp) * O;
   if (first >= n_dim) return;
-  const T* rows[kGateUpRows];
+  const T* rows[kRowsPerWarp];
 #pragma unroll
-  for (int r = 0; r < kGateUpRows; ++r) {
-    // rows 0, 1: the gate rows of outputs first, first + 1; 2, 3: their up rows (a row past
-    // the outputs reads the last one again, and is not stored).
-    const int n = min(first + r % kGateUpOuts, n_dim - 1);
-    const int row = r >= kGateUpOuts ? n_dim + n : n;
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    // rows [0, O): the gate rows of outputs first .. first + O - 1; [O, 2 O): their up rows (a
+    // row past the outputs reads the last one again, and is not stored).
+    const int n = min(first + r % O, n_dim - 1);
+    const int row = r >= O ? n_dim + n : n;
     rows[r] = we + static_cast<int64_t>(row) * k_dim;
   }
-  float s[kGateUpRows] = {};
-  for (int i = lane; i < vecs; i += 32) {
-    uint4 raw[kGateUpRows];
+  float s[kRowsPerWarp] = {};
+  for (int i0 = lane; i0 < vecs; i0 += 32 * U) {
+    uint4 raw[U][kRowsPerWarp];
 #pragma unroll
-    for (int r = 0; r < kGateUpRows; ++r) raw[r] = dev::ldg_stream(rows[r] + i * dev::kHalfVec);
-    float xv[dev::kHalfVec];
-    dev::unpack8<T>(x_smem[i], xv);
+    for (int u = 0; u < U; ++u) {
+      const int i = min(i0 + 32 * u, vecs - 1);  // past the row: loaded, not used
 #pragma unroll
-    for (int r = 0; r < kGateUpRows; ++r) {
-      float wv[dev::kHalfVec];
-      dev::unpack8<T>(raw[r], wv);
+      for (int r = 0; r < kRowsPerWarp; ++r)
+        raw[u][r] = dev::ldg_stream(rows[r] + i * dev::kHalfVec);
+    }
 #pragma unroll
-      for (int j = 0; j < dev::kHalfVec; ++j) s[r] = fmaf(wv[j], xv[j], s[r]);
+    for (int u = 0; u < U; ++u) {
+      if (i0 + 32 * u >= vecs) break;
+      float xv[dev::kHalfVec];
+      dev::unpack8<T>(x_smem[i0 + 32 * u], xv);
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        float wv[dev::kHalfVec];
+        dev::unpack8<T>(raw[u][r], wv);
+#pragma unroll
+        for (int j = 0; j < dev::kHalfVec; ++j) s[r] = fmaf(wv[j], xv[j], s[r]);
+      }
     }
   }
 #pragma unroll
-  for (int r = 0; r < kGateUpRows; ++r) s[r] = dev::warp_sum(s[r]);
+  for (int r = 0; r < kRowsPerWarp; ++r) s[r] = dev::warp_sum(s[r]);
   if (lane != 0) return;
 #pragma unroll
-  for (int o = 0; o < kGateUpOuts; ++o) {
+  for (int o = 0; o < O; ++o) {
     const int n = first + o;
     if (n >= n_dim) break;
-    const float gv = dev::round_to<T>(s[o]), uv = dev::round_to<T>(s[kGateUpOuts + o]);
+    const float gv = dev::round_to<T>(s[o]), uv = dev::round_to<T>(s[O + o]);
     out[static_cast<int64_t>(p) * n_dim + n] = dev::from_float<T>(dev::round_to<T>(silu(gv)) * uv);
   }
 }
 
-template <typename T>
+// SR: output rows of one expert a warp reads; U: the lane's 16-byte pieces of each row loaded
+// before the first is used (U x SR loads in flight per lane).
+template <typename T, int SR, int U>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_down_combine_kernel(const T* __restrict__ act, const int32_t* __restrict__ ids,
                              const float* __restrict__ weights, int top_k, int expert_begin,
@@ -459,7 +478,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   __shared__ int32_t slot_ids[kMaxTopK];
   __shared__ int32_t order[kMaxTopK];
   __shared__ float slot_w[kMaxTopK];
-  __shared__ float y_s[kMaxTopK][kSlotRows];
+  __shared__ float y_s[kMaxTopK][SR];
   __shared__ int n_local;
   __shared__ float scratch[32];
   const int t = blockIdx.y;
@@ -504,35 +523,43 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     const float logit = dev::round_to<T>(dev::block_sum(sum, scratch));
     gate = dev::round_to<T>(1.0f / (1.0f + expf(-logit)));
   }
-  const int n0 = blockIdx.x * kSlotRows;
+  const int n0 = blockIdx.x * SR;
   for (int j = warp; j < nl; j += kGemvWarps) {
     const T* base = w + (static_cast<int64_t>(slot_ids[order[j]] - expert_begin) * hidden) * inter;
-    float s[kSlotRows] = {};
-    for (int i = lane; i < vecs; i += 32) {
-      uint4 raw[kSlotRows];
+    float s[SR] = {};
+    for (int i0 = lane; i0 < vecs; i0 += 32 * U) {
+      uint4 raw[U][SR];
 #pragma unroll
-      for (int r = 0; r < kSlotRows; ++r) {
-        const int n = min(n0 + r, hidden - 1);
-        raw[r] = dev::ldg_stream(base + static_cast<int64_t>(n) * inter + i * dev::kHalfVec);
+      for (int u = 0; u < U; ++u) {
+        const int i = min(i0 + 32 * u, vecs - 1);  // past the row: loaded, not used
+#pragma unroll
+        for (int r = 0; r < SR; ++r) {
+          const int n = min(n0 + r, hidden - 1);
+          raw[u][r] = dev::ldg_stream(base + static_cast<int64_t>(n) * inter + i * dev::kHalfVec);
+        }
       }
-      float av[dev::kHalfVec];
-      dev::unpack8<T>(act_smem[j * vecs + i], av);
 #pragma unroll
-      for (int r = 0; r < kSlotRows; ++r) {
-        float wv[dev::kHalfVec];
-        dev::unpack8<T>(raw[r], wv);
+      for (int u = 0; u < U; ++u) {
+        if (i0 + 32 * u >= vecs) break;
+        float av[dev::kHalfVec];
+        dev::unpack8<T>(act_smem[j * vecs + i0 + 32 * u], av);
 #pragma unroll
-        for (int q = 0; q < dev::kHalfVec; ++q) s[r] = fmaf(wv[q], av[q], s[r]);
+        for (int r = 0; r < SR; ++r) {
+          float wv[dev::kHalfVec];
+          dev::unpack8<T>(raw[u][r], wv);
+#pragma unroll
+          for (int q = 0; q < dev::kHalfVec; ++q) s[r] = fmaf(wv[q], av[q], s[r]);
+        }
       }
     }
 #pragma unroll
-    for (int r = 0; r < kSlotRows; ++r) {
+    for (int r = 0; r < SR; ++r) {
       s[r] = dev::warp_sum(s[r]);
       if (lane == 0) y_s[j][r] = s[r];
     }
   }
   __syncthreads();
-  if (tid >= kSlotRows || n0 + tid >= hidden) return;
+  if (tid >= SR || n0 + tid >= hidden) return;
   float acc = 0.0f;
   for (int j = 0; j < nl; ++j) {
     acc = dev::round_to<T>(acc + dev::round_to<T>(dev::round_to<T>(y_s[j][tid]) * slot_w[j]));
@@ -760,31 +787,77 @@ Status moe_grouped_down(DType dtype, const void* act, const MoeExperts& w,
                                "moe_grouped_down");
 }
 
+template <typename T, int O, int U>
+cudaError_t launch_gate_up(dim3 grid_y, size_t smem, cudaStream_t stream, const void* x,
+                           const int32_t* ids, int64_t top_k, const MoeExperts& w, void* act) {
+  auto kernel = gemv_gate_up_kernel<T, O, U>;
+  cudaError_t err = allow_smem(kernel, smem);
+  if (err != cudaSuccess) return err;
+  const int64_t per_block = kGemvWarps * O;
+  const dim3 grid(static_cast<unsigned>((w.inter + per_block - 1) / per_block), grid_y.y);
+  return launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(x),
+                    ids, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
+                    static_cast<int>(w.local_experts), static_cast<const T*>(w.gate_up),
+                    static_cast<int>(w.hidden), static_cast<int>(w.inter), static_cast<T*>(act));
+}
+
+template <typename T, int SR, int U>
+cudaError_t launch_down(dim3 grid_y, size_t smem, cudaStream_t stream, const void* act,
+                        const int32_t* ids, const float* weights, int64_t top_k,
+                        const MoeExperts& w, const void* x, const void* shared_gate,
+                        const void* shared_out, void* out) {
+  auto kernel = gemv_down_combine_kernel<T, SR, U>;
+  cudaError_t err = allow_smem(kernel, smem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>((w.hidden + SR - 1) / SR), grid_y.y);
+  return launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(act),
+                    ids, weights, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
+                    static_cast<int>(w.local_experts), static_cast<const T*>(w.down),
+                    static_cast<int>(w.inter), static_cast<int>(w.hidden), static_cast<const T*>(x),
+                    static_cast<const T*>(shared_gate), static_cast<const T*>(shared_out),
+                    static_cast<T*>(out));
+}
+
 Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t tokens,
-                        int64_t top_k, const MoeExperts& w, void* act, cudaStream_t stream) {
+                        int64_t top_k, const MoeExperts& w, void* act, cudaStream_t stream,
+                        const MoeGemvTiles& tiles) {
   TESSERA_RETURN_IF_ERROR(check_dtype(dtype, "moe_gemv_gate_up"));
   TESSERA_RETURN_IF_ERROR(check_experts(w, "moe_gemv_gate_up"));
   const int64_t pairs = tokens * top_k;
   if (pairs <= 0) return Status::ok();
   if (pairs > 65535) return invalid_argument("moe_gemv_gate_up: more than 65535 pairs");
-  const int64_t per_block = kGemvWarps * kGateUpOuts;
-  const dim3 grid(static_cast<unsigned>((w.inter + per_block - 1) / per_block),
-                  static_cast<unsigned>(pairs));
+  const dim3 grid_y(1, static_cast<unsigned>(pairs));
   cudaError_t err = cudaSuccess;
   const size_t smem = static_cast<size_t>(w.hidden) * dtype_size(dtype);
   if (smem > kMaxGemvSmem) {
     return invalid_argument("moe_gemv_gate_up: hidden " + std::to_string(w.hidden) +
                             " exceeds the shared memory for the input row");
   }
+  const int ou = tiles.gate_up_outs * 100 + tiles.gate_up_unroll;
+  if (ou != 201 && ou != 202 && ou != 204 && ou != 104 && ou != 108) {
+    return invalid_argument("moe_gemv_gate_up: no kernel for " +
+                            std::to_string(tiles.gate_up_outs) + " outputs x " +
+                            std::to_string(tiles.gate_up_unroll) + " pieces per warp");
+  }
   dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = gemv_gate_up_kernel<T>;
-    err = allow_smem(kernel, smem);
-    if (err != cudaSuccess) return;
-    err = launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(x),
-                     ids, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
-                     static_cast<int>(w.local_experts), static_cast<const T*>(w.gate_up),
-                     static_cast<int>(w.hidden), static_cast<int>(w.inter), static_cast<T*>(act));
+    switch (ou) {
+      case 201:
+        err = launch_gate_up<T, 2, 1>(grid_y, smem, stream, x, ids, top_k, w, act);
+        break;
+      case 202:
+        err = launch_gate_up<T, 2, 2>(grid_y, smem, stream, x, ids, top_k, w, act);
+        break;
+      case 204:
+        err = launch_gate_up<T, 2, 4>(grid_y, smem, stream, x, ids, top_k, w, act);
+        break;
+      case 104:
+        err = launch_gate_up<T, 1, 4>(grid_y, smem, stream, x, ids, top_k, w, act);
+        break;
+      default:
+        err = launch_gate_up<T, 1, 8>(grid_y, smem, stream, x, ids, top_k, w, act);
+        break;
+    }
   });
   TESSERA_CUDA_RETURN_IF_ERROR(err, "moe_gemv_gate_up");
   return launch_status("moe_gemv_gate_up");
@@ -793,7 +866,7 @@ Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t 
 Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, const float* weights,
                              int64_t tokens, int64_t top_k, const MoeExperts& w, const void* x,
                              const void* shared_gate, const void* shared_out, void* out,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, const MoeGemvTiles& tiles) {
   TESSERA_RETURN_IF_ERROR(check_dtype(dtype, "moe_gemv_down_combine"));
   TESSERA_RETURN_IF_ERROR(check_experts(w, "moe_gemv_down_combine"));
   if (top_k < 1 || top_k > kMaxTopK) {
@@ -811,20 +884,42 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
                             " x " + std::to_string(w.inter) + " activations exceed " +
                             std::to_string(kMaxGemvSmem) + " bytes of shared memory");
   }
-  const dim3 grid(static_cast<unsigned>((w.hidden + kSlotRows - 1) / kSlotRows),
-                  static_cast<unsigned>(tokens));
+  const dim3 grid_y(1, static_cast<unsigned>(tokens));
+  const int ru = tiles.down_rows * 100 + tiles.down_unroll;
+  if (ru != 801 && ru != 803 && ru != 403 && ru != 401 && ru != 802) {
+    return invalid_argument("moe_gemv_down_combine: no kernel for " +
+                            std::to_string(tiles.down_rows) + " rows x " +
+                            std::to_string(tiles.down_unroll) + " pieces per warp");
+  }
   cudaError_t err = cudaSuccess;
   dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = gemv_down_combine_kernel<T>;
-    err = allow_smem(kernel, smem);
-    if (err != cudaSuccess) return;
-    err = launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(act),
-                     ids, weights, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
-                     static_cast<int>(w.local_experts), static_cast<const T*>(w.down),
-                     static_cast<int>(w.inter), static_cast<int>(w.hidden),
-                     static_cast<const T*>(x), static_cast<const T*>(shared_gate),
-                     static_cast<const T*>(shared_out), static_cast<T*>(out));
+    const auto go = [&](auto sr, auto u) {
+      return launch_down<T, decltype(sr)::value, decltype(u)::value>(
+          grid_y, smem, stream, act, ids, weights, top_k, w, x, shared_gate, shared_out, out);
+    };
+    using I1 = std::integral_constant<int, 1>;
+    using I2 = std::integral_constant<int, 2>;
+    using I3 = std::integral_constant<int, 3>;
+    using I4 = std::integral_constant<int, 4>;
+    using I8 = std::integral_constant<int, 8>;
+    switch (ru) {
+      case 801:
+        err = go(I8{}, I1{});
+        break;
+      case 802:
+        err = go(I8{}, I2{});
+        break;
+      case 803:
+        err = go(I8{}, I3{});
+        break;
+      case 403:
+        err = go(I4{}, I3{});
+        break;
+      default:
+        err = go(I4{}, I1{});
+        break;
+    }
   });
   TESSERA_CUDA_RETURN_IF_ERROR(err, "moe_gemv_down_combine");
   return launch_status("moe_gemv_down_combine");
@@ -915,9 +1010,10 @@ Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
                                    moe_gemv_smem_bytes(a.dtype, 1, H) <= kMaxGemvSmem);
   if (gemv) {
     // moe_gemv_down_combine reads the ids early: moe_gemv_gate_up must be the kernel before it.
-    TESSERA_RETURN_IF_ERROR(moe_gemv_gate_up(a.dtype, a.x, ids, T, K, w, act, stream));
+    TESSERA_RETURN_IF_ERROR(
+        moe_gemv_gate_up(a.dtype, a.x, ids, T, K, w, act, stream, a.gemv_tiles));
     return moe_gemv_down_combine(a.dtype, act, ids, weights, T, K, w, a.x, a.shared_expert_gate,
-                                 sh_out, a.out, stream);
+                                 sh_out, a.out, stream, a.gemv_tiles);
   }
   MoePermutation perm;
   perm.offsets = reinterpret_cast<int32_t*>(ws + c.offsets);

@@ -105,11 +105,24 @@ Status moe_grouped_gate_up(DType dtype, const void* x, const MoeExperts& w,
 Status moe_grouped_down(DType dtype, const void* act, const MoeExperts& w,
                         const MoePermutation& perm, int64_t max_rows, void* y, cudaStream_t stream);
 
+// The GEMV path's tiles: gate_up's outputs per warp (each a gate and an up row) and the 16-byte
+// pieces of each row a lane loads before it uses the first; down's rows of one expert per warp
+// and its pieces likewise. moe_forward takes MoeArgs::gemv_tiles (the defaults: moe.cu says
+// why); moe_bench compares the others (gate_up 2x1, 2x2, 2x4, 1x4, 1x8; down 8x1, 8x2,
+// 8x3, 4x1, 4x3). Every tile gives the same bits.
+struct MoeGemvTiles {
+  int gate_up_outs = 2;
+  int gate_up_unroll = 1;
+  int down_rows = 8;
+  int down_unroll = 1;
+};
+
 // The decode path. gate_up: pair p = t * top_k + k computes with expert ids[p] only (a pair
 // whose expert is not local is skipped).
 //   x: [tokens, hidden];  ids: [tokens, top_k];  act: [tokens * top_k, inter]  (dtype)
 Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t tokens,
-                        int64_t top_k, const MoeExperts& w, void* act, cudaStream_t stream);
+                        int64_t top_k, const MoeExperts& w, void* act, cudaStream_t stream,
+                        const MoeGemvTiles& tiles = {});
 // down fused with the combine: out[t] = what moe_combine gives for y[t * top_k + k] =
 // round(act[t * top_k + k] · down of expert ids[t, k]ᵀ), without storing y. It reads `ids` and
 // `weights` before the kernel launched before it on the stream has finished: that kernel must
@@ -119,7 +132,7 @@ Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t 
 Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, const float* weights,
                              int64_t tokens, int64_t top_k, const MoeExperts& w, const void* x,
                              const void* shared_gate, const void* shared_out, void* out,
-                             cudaStream_t stream);
+                             cudaStream_t stream, const MoeGemvTiles& tiles = {});
 
 // out[t] = Σ over t's local slots in expert order of round(round(w) · y[row]) summed in dtype,
 // then (shared_out non-null) + round(round(sigmoid(round(x[t] · shared_gate))) · shared_out[t]).
@@ -140,6 +153,7 @@ struct MoeArgs {
   int64_t top_k = 0;
   bool renormalize = true;
   MoePath path = MoePath::kAuto;
+  MoeGemvTiles gemv_tiles;       // the GEMV path's tiles (moe_bench compares them; same bits)
   const void* x = nullptr;       // [tokens, hidden] dtype (the normed activations)
   const void* router = nullptr;  // [num_experts, hidden] dtype
   MoeExperts experts;

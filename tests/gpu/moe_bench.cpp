@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/attention.h"
@@ -275,6 +276,30 @@ int run(int argc, char** argv) {
                           }),
                   wb * distinct * H * I, 1});
   const size_t moe_rows_end = rows.size();
+  // The GEMV path's other tiles (moe.h's MoeGemvTiles), each on the same weights and routing.
+  std::printf("moe gemv tiles (us, fraction of the copy bandwidth measured below):\n");
+  std::vector<std::pair<std::string, double>> tile_rows;
+  for (auto [outs, unroll] : {std::pair{2, 1}, {2, 2}, {2, 4}, {1, 4}, {1, 8}}) {
+    MoeGemvTiles t;
+    t.gate_up_outs = outs;
+    t.gate_up_unroll = unroll;
+    tile_rows.emplace_back(
+        "moe gemv gate_up " + std::to_string(outs) + "x" + std::to_string(unroll),
+        time_op(st, [&](int l) {
+          return moe_gemv_gate_up(bf, x, r_ids, B, K, experts(l), act, st, t);
+        }));
+  }
+  for (auto [down_rows, unroll] : {std::pair{8, 1}, {8, 2}, {8, 3}, {4, 1}, {4, 3}}) {
+    MoeGemvTiles t;
+    t.down_rows = down_rows;
+    t.down_unroll = unroll;
+    tile_rows.emplace_back(
+        "moe gemv down " + std::to_string(down_rows) + "x" + std::to_string(unroll),
+        time_op(st, [&](int l) {
+          return moe_gemv_down_combine(bf, act, r_ids, r_weights, B, K, experts(l), nullptr,
+                                       nullptr, nullptr, out, st, t);
+        }));
+  }
   MoeArgs m;
   m.dtype = bf;
   m.tokens = B;
@@ -291,6 +316,30 @@ int run(int argc, char** argv) {
     ml.experts = experts(l);
     return moe_forward(ml, gemm, st);
   });
+  // The whole block with other tiles: in a chain each kernel waits for the one before, so a tile
+  // faster alone need not make the block faster.
+  for (auto [gu, dn] : {std::pair{std::pair{2, 4}, std::pair{8, 2}},
+                        {{2, 4}, {8, 1}},
+                        {{2, 1}, {8, 2}},
+                        {{2, 2}, {8, 3}},
+                        {{1, 8}, {8, 2}}}) {
+    MoeGemvTiles t;
+    t.gate_up_outs = gu.first;
+    t.gate_up_unroll = gu.second;
+    t.down_rows = dn.first;
+    t.down_unroll = dn.second;
+    const double us = time_op(st, [&](int l) {
+      MoeArgs ml = m;
+      ml.router = layers[l].router;
+      ml.experts = experts(l);
+      ml.gemv_tiles = t;
+      return moe_forward(ml, gemm, st);
+    });
+    tile_rows.emplace_back("moe_forward whole, gate_up " + std::to_string(gu.first) + "x" +
+                               std::to_string(gu.second) + ", down " + std::to_string(dn.first) +
+                               "x" + std::to_string(dn.second),
+                           us);
+  }
   // The layer as the model runs it: every op in order, each reading what the one before wrote
   // (so launches that overlap the kernel before show here, not in the rows above).
   const double chain_us = time_op(st, [&](int l) {
@@ -328,6 +377,15 @@ int run(int argc, char** argv) {
     std::printf("\n");
     total += row.us * row.per_step;
     bytes += row.bytes * row.per_step;
+  }
+  for (const auto& [name, us] : tile_rows) {
+    const bool whole = name.find("whole") != std::string::npos;
+    const double b = wb * distinct *
+                     (whole                                       ? 3
+                      : name.find("gate_up") != std::string::npos ? 2
+                                                                  : 1) *
+                     I * H;
+    std::printf("%-34s %8.2f us = %.2f of copy\n", name.c_str(), us, b / us / 1e3 / bw);
   }
   double moe_parts = 0, moe_bytes = 0;
   for (size_t i = moe_rows_at; i < moe_rows_end; ++i) {

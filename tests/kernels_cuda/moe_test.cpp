@@ -545,6 +545,74 @@ TEST_P(MoeLayerTest, CapturedInACudaGraphGivesTheEagerBits) {
   cudaStreamDestroy(stream);
 }
 
+// Every tile of the GEMV path's kernels (moe.h's MoeGemvTiles) gives the default tiles' bits:
+// a lane sums the same elements in the same order whatever the outputs per warp and the pieces
+// in flight. On the layer's own routing (router GEMM and moe_route), without a shared expert.
+TEST_P(MoeLayerTest, EveryGemvTileGivesTheDefaultBits) {
+  REQUIRE_CUDA_DEVICE();
+  const LayerCase& c = GetParam();
+  const Layer l = make_layer(c);
+  const int64_t T = c.tokens, E = c.experts, K = c.top_k, H = c.hidden, I = c.inter;
+  auto gemm = Gemm::create();
+  ASSERT_TRUE(gemm);
+  auto logits = DeviceBuffer::allocate(T * E * 4, "logits");
+  auto ids = DeviceBuffer::allocate(T * K * 4, "ids");
+  auto weights = DeviceBuffer::allocate(T * K * 4, "weights");
+  auto act = DeviceBuffer::allocate(T * K * I * 2, "act");
+  auto out = DeviceBuffer::allocate(T * H * 2, "out");
+  ASSERT_TRUE(logits && ids && weights && act && out);
+  ASSERT_TRUE((*gemm)
+                  ->linear(GemmShape{T, E, H, DType::kBF16, DType::kF32, false}, l.x.dev.get(),
+                           l.router.dev.get(), nullptr, logits->get(), nullptr)
+                  .is_ok());
+  ASSERT_TRUE(moe_route(logits->as<float>(), DType::kBF16, T, E, K, c.renormalize,
+                        ids->as<int32_t>(), weights->as<float>(), nullptr)
+                  .is_ok());
+  MoeExperts w;
+  w.gate_up = l.gate_up.dev.get();
+  w.down = l.down.dev.get();
+  w.local_experts = E;
+  w.hidden = H;
+  w.inter = I;
+  const auto run = [&](const MoeGemvTiles& t) {
+    EXPECT_EQ(cudaMemset(act->get(), 0xff, act->bytes()), cudaSuccess);
+    EXPECT_EQ(cudaMemset(out->get(), 0xff, out->bytes()), cudaSuccess);
+    Status st = moe_gemv_gate_up(DType::kBF16, l.x.dev.get(), ids->as<int32_t>(), T, K, w,
+                                 act->get(), nullptr, t);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    st = moe_gemv_down_combine(DType::kBF16, act->get(), ids->as<int32_t>(), weights->as<float>(),
+                               T, K, w, nullptr, nullptr, nullptr, out->get(), nullptr, t);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return std::pair{host_copy<uint16_t>(act->get(), T * K * I),
+                     host_copy<uint16_t>(out->get(), T * H)};
+  };
+  const auto [want_act, want_out] = run(MoeGemvTiles{});
+  for (const auto& [outs, unroll] : {std::pair{2, 2}, {2, 4}, {1, 4}, {1, 8}}) {
+    SCOPED_TRACE("gate_up " + std::to_string(outs) + "x" + std::to_string(unroll));
+    MoeGemvTiles t;
+    t.gate_up_outs = outs;
+    t.gate_up_unroll = unroll;
+    const auto [got_act, got_out] = run(t);
+    EXPECT_EQ(got_act, want_act);
+    EXPECT_EQ(got_out, want_out);
+  }
+  for (const auto& [rows, unroll] : {std::pair{8, 2}, {8, 3}, {4, 1}, {4, 3}}) {
+    SCOPED_TRACE("down " + std::to_string(rows) + "x" + std::to_string(unroll));
+    MoeGemvTiles t;
+    t.down_rows = rows;
+    t.down_unroll = unroll;
+    const auto [got_act, got_out] = run(t);
+    EXPECT_EQ(got_out, want_out);
+  }
+  MoeGemvTiles bad;
+  bad.down_rows = 5;
+  EXPECT_FALSE(moe_gemv_down_combine(DType::kBF16, act->get(), ids->as<int32_t>(),
+                                     weights->as<float>(), T, K, w, nullptr, nullptr, nullptr,
+                                     out->get(), nullptr, bad)
+                   .is_ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, MoeLayerTest,
     ::testing::Values(LayerCase{"t1_e8_k2", 1, 8, 2, 64, 48, 0, true, false},
