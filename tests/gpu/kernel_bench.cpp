@@ -3,6 +3,9 @@
 // timed, so the figure includes the per-node cost a decode graph pays. Prints one line per op
 // and the per-step sum (x 32 layers). A benchmark, not a test: run by hand or from gpu-check.
 //   kernel_bench [--batch 1] [--context 256] [--max-model-len 8192] [--zeros] [--window W]
+//                [--gemv-tiles]
+// --gemv-tiles (with --batch 1) also times every batch-1 linear of four models through cuBLASLt
+// and each GEMV tile, the weights from HBM (time_gemv_tiles).
 // --window W also times the decode attention with a sliding window of W keys (Gemma's local
 // layers, Mistral): the K/V bytes it reads against the full context's.
 #include <cuda_runtime.h>
@@ -70,13 +73,16 @@ constexpr int64_t bs = 16;
 struct Args {
   int64_t B = 1, ctx = 256, max_len = 8192;
   int64_t window = 0;  // --window: also time a sliding-window decode
+  bool gemv_tiles = false;  // --gemv-tiles: the GEMV tile table (batch 1)
 };
 
 // The flags into `args` (--zeros into g_zeros); false after naming an unknown one.
 bool parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; ++i) {
     const bool has_value = i + 1 < argc;
-    if (!std::strcmp(argv[i], "--zeros")) {
+    if (!std::strcmp(argv[i], "--gemv-tiles")) {
+      args.gemv_tiles = true;
+    } else if (!std::strcmp(argv[i], "--zeros")) {
       g_zeros = true;
     } else if (has_value && !std::strcmp(argv[i], "--batch")) {
       args.B = std::atoll(argv[++i]);
@@ -468,7 +474,7 @@ int run(int argc, char** argv) {
                           }),
                   1});
   print_rows(prop, args, rows);
-  if (args.B == 1) time_gemv_tiles(st, *gemm.value(), bench::copy_bandwidth(st));
+  if (args.gemv_tiles && args.B == 1) time_gemv_tiles(st, *gemm.value(), bench::copy_bandwidth(st));
   time_prefill(st, *gemm.value(), a, b);
   return 0;
 }
