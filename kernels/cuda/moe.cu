@@ -368,13 +368,12 @@ __global__ void __launch_bounds__(kGemmThreads)
 //
 // The tiles (moe.h's MoeGemvTiles), from moe_bench at Qwen3-30B-A3B's widths, batch 1, six
 // layers' experts in turn (so from HBM), H100. Alone, more pieces in flight are faster: gate_up
-// 2 outputs x 4 pieces 18.67 us = 0.89 of the copy bandwidth (the default 2x1: 22.20 = 0.75;
-// 2x2 19.52, 1x4 20.79, 1x8 19.90), down 8 rows x 2 pieces 11.00 us = 0.75 (the default 8x1:
-// 12.05; 8x3 10.98, 4x1 11.45, 4x3 13.40). But the whole block (router, route, gate_up, down,
-// each waiting for the one before) does not follow: in a later call, 36.86 us with 2x4 / 8x2,
-// 36.41 with 2x1 / 8x2, 36.96 with 2x2 / 8x3, 38.01 with 1x8 / 8x2, against 36.72 with the
-// defaults. They stay until the chain shows a gain (moe_bench times the whole block with each
-// set).
+// 2 outputs x 4 pieces 18.67 us = 0.89 of the copy bandwidth (2x1: 22.20 = 0.75; 2x2 19.52, 1x4
+// 20.79, 1x8 19.90), down 8 rows x 2 pieces 11.00 us = 0.75 (8x1: 12.05; 8x3 10.98, 4x1 11.45,
+// 4x3 13.40). The whole block (router, route, gate_up, down, each waiting for the one before)
+// follows only for down: in two calls, 36.41 / 35.98 us with gate_up 2x1 and down 8x2 against
+// 36.72 / 36.26 with 2x1 and 8x1, but 36.86 / 36.41 with gate_up 2x4 and 37.15 / 36.66 with 2x4
+// and 8x1. So gate_up takes 2x1 and down 8x2 (moe_bench times the whole block with each set).
 
 constexpr int kGemvWarps = 8;
 // Lets `kernel` take `smem` bytes of dynamic shared memory (past the 48 KiB default).

@@ -114,7 +114,7 @@ struct MoeGemvTiles {
   int gate_up_outs = 2;
   int gate_up_unroll = 1;
   int down_rows = 8;
-  int down_unroll = 1;
+  int down_unroll = 2;
 };
 
 // The decode path. gate_up: pair p = t * top_k + k computes with expert ids[p] only (a pair
