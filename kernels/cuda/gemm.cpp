@@ -335,12 +335,17 @@ Status Gemm::linear(const GemmShape& shape, const void* x, const void* w, const 
   if (gemv_takes(shape.m, shape.n, shape.k, shape.in, shape.out, x, w)) {
     return gemv(shape.m, shape.n, shape.k, shape.in, shape.out, x, w, bias, out, stream);
   }
-  return linear_cublaslt(shape, x, w, bias, out, stream);
+  return planned_matmul(shape, x, w, bias, out, stream);
 }
 
 Status Gemm::linear_cublaslt(const GemmShape& shape, const void* x, const void* w, const void* bias,
                              void* out, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(validate(shape, x, w, bias, out));
+  return planned_matmul(shape, x, w, bias, out, stream);
+}
+
+Status Gemm::planned_matmul(const GemmShape& shape, const void* x, const void* w, const void* bias,
+                            void* out, cudaStream_t stream) {
   TESSERA_ASSIGN_OR_RETURN(Plan * p, plan(shape, stream, x, w, bias, out));
   return lt_status(matmul(*p, p->algo, x, w, out, stream), "cublasLtMatmul " + describe(shape));
 }

@@ -63,6 +63,9 @@ class Gemm {
 
  private:
   struct Plan;
+  // The cuBLASLt call of linear() and linear_cublaslt(), on arguments they validated.
+  Status planned_matmul(const GemmShape& shape, const void* x, const void* w, const void* bias,
+                        void* out, cudaStream_t stream);
   // Plans are per shape and per alignment class of the call's pointers (the largest of 2, 4, 8,
   // 16 bytes that all of x, w, bias and out share): the fast kernels need 16-byte aligned
   // pointers, so a call with less aligned ones gets a plan of its own among the kernels that

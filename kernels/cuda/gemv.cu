@@ -203,7 +203,8 @@ Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in
       break;
     default:
       return invalid_argument("gemv_with: no kernel for " + std::to_string(tile.rows) + " rows x " +
-                              std::to_string(tile.depth) + " chunks deep");
+                              std::to_string(tile.depth) +
+                              " chunks deep (it has 2x2, 1x4, 1x8, 2x4, 2x8, 4x2, 4x4)");
   }
   TESSERA_CUDA_RETURN_IF_ERROR(err, "gemv");
   return launch_status("gemv");

@@ -833,15 +833,10 @@ Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t 
     return invalid_argument("moe_gemv_gate_up: hidden " + std::to_string(w.hidden) +
                             " exceeds the shared memory for the input row");
   }
-  const int ou = tiles.gate_up_outs * 100 + tiles.gate_up_unroll;
-  if (ou != 201 && ou != 202 && ou != 204 && ou != 104 && ou != 108) {
-    return invalid_argument("moe_gemv_gate_up: no kernel for " +
-                            std::to_string(tiles.gate_up_outs) + " outputs x " +
-                            std::to_string(tiles.gate_up_unroll) + " pieces per warp");
-  }
+  bool known = true;
   dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
-    switch (ou) {
+    switch (tiles.gate_up_outs * 100 + tiles.gate_up_unroll) {
       case 201:
         err = launch_gate_up<T, 2, 1>(grid_y, smem, stream, x, ids, top_k, w, act);
         break;
@@ -854,11 +849,18 @@ Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t 
       case 104:
         err = launch_gate_up<T, 1, 4>(grid_y, smem, stream, x, ids, top_k, w, act);
         break;
-      default:
+      case 108:
         err = launch_gate_up<T, 1, 8>(grid_y, smem, stream, x, ids, top_k, w, act);
         break;
+      default:
+        known = false;
     }
   });
+  if (!known) {
+    return invalid_argument(
+        "moe_gemv_gate_up: no kernel for " + std::to_string(tiles.gate_up_outs) + " outputs x " +
+        std::to_string(tiles.gate_up_unroll) + " pieces per warp (it has 2x1, 2x2, 2x4, 1x4, 1x8)");
+  }
   TESSERA_CUDA_RETURN_IF_ERROR(err, "moe_gemv_gate_up");
   return launch_status("moe_gemv_gate_up");
 }
@@ -885,13 +887,8 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
                             std::to_string(kMaxGemvSmem) + " bytes of shared memory");
   }
   const dim3 grid_y(1, static_cast<unsigned>(tokens));
-  const int ru = tiles.down_rows * 100 + tiles.down_unroll;
-  if (ru != 801 && ru != 803 && ru != 403 && ru != 401 && ru != 802) {
-    return invalid_argument("moe_gemv_down_combine: no kernel for " +
-                            std::to_string(tiles.down_rows) + " rows x " +
-                            std::to_string(tiles.down_unroll) + " pieces per warp");
-  }
   cudaError_t err = cudaSuccess;
+  bool known = true;
   dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
     const auto go = [&](auto sr, auto u) {
@@ -903,7 +900,7 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
     using I3 = std::integral_constant<int, 3>;
     using I4 = std::integral_constant<int, 4>;
     using I8 = std::integral_constant<int, 8>;
-    switch (ru) {
+    switch (tiles.down_rows * 100 + tiles.down_unroll) {
       case 801:
         err = go(I8{}, I1{});
         break;
@@ -913,14 +910,21 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
       case 803:
         err = go(I8{}, I3{});
         break;
+      case 401:
+        err = go(I4{}, I1{});
+        break;
       case 403:
         err = go(I4{}, I3{});
         break;
       default:
-        err = go(I4{}, I1{});
-        break;
+        known = false;
     }
   });
+  if (!known) {
+    return invalid_argument(
+        "moe_gemv_down_combine: no kernel for " + std::to_string(tiles.down_rows) + " rows x " +
+        std::to_string(tiles.down_unroll) + " pieces per warp (it has 8x1, 8x2, 8x3, 4x1, 4x3)");
+  }
   TESSERA_CUDA_RETURN_IF_ERROR(err, "moe_gemv_down_combine");
   return launch_status("moe_gemv_down_combine");
 }
