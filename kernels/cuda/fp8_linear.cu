@@ -197,7 +197,18 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// silu_mul_vec_kernel's arithmetic (elementwise.cu), then the row's quantization.
+// silu_mul_vec_kernel's arithmetic (elementwise.cu) on 8 elements: round(round(silu(g)) * u).
+template <typename T>
+__device__ __forceinline__ void silu_mul8(const float (&g)[kHalfVec], const float (&u)[kHalfVec],
+                                          float (&o)[kHalfVec]) {
+#pragma unroll
+  for (int e = 0; e < kHalfVec; ++e) {
+    const float sg = dev::round_to<T>(g[e] / (1.0f + expf(-g[e])));
+    o[e] = dev::round_to<T>(sg * u[e]);
+  }
+}
+
+// silu_mul8 on each piece, then the row's quantization.
 template <typename T>
 __global__ void __launch_bounds__(256)
     silu_mul_fp8_kernel(const T* gate_up, int64_t rows, int64_t inter, float static_scale,
@@ -211,11 +222,7 @@ __global__ void __launch_bounds__(256)
       float g[kHalfVec], u[kHalfVec];
       dev::load8(gr + j * kHalfVec, g);
       dev::load8(gr + inter + j * kHalfVec, u);
-#pragma unroll
-      for (int e = 0; e < kHalfVec; ++e) {
-        const float sg = dev::round_to<T>(g[e] / (1.0f + expf(-g[e])));
-        o[e] = dev::round_to<T>(sg * u[e]);
-      }
+      silu_mul8<T>(g, u, o);
     };
     quantize_row(value, row, inter, static_scale, q, scales, scratch);
   }
@@ -249,16 +256,13 @@ __global__ void __launch_bounds__(512)
     for (int k = 0; k < V; ++k) {
       const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
       if (j < nvec) {
-        float gv[kHalfVec], uv[kHalfVec];
+        float gv[kHalfVec], uv[kHalfVec], ov[kHalfVec];
         dev::unpack8<T>(g[k], gv);
         dev::unpack8<T>(u[k], uv);
+        silu_mul8<T>(gv, uv, ov);
 #pragma unroll
-        for (int e = 0; e < kHalfVec; ++e) {
-          const float sg = dev::round_to<T>(gv[e] / (1.0f + expf(-gv[e])));
-          gv[e] = dev::round_to<T>(sg * uv[e]);
-          amax = fmaxf(amax, fabsf(gv[e]));
-        }
-        g[k] = dev::pack8<T>(gv);  // exact: the values are already rounded to T
+        for (int e = 0; e < kHalfVec; ++e) amax = fmaxf(amax, fabsf(ov[e]));
+        g[k] = dev::pack8<T>(ov);  // exact: the values are already rounded to T
       }
     }
     const float a = row_scale(static_scale, amax, scratch);

@@ -49,6 +49,22 @@ struct StoreRow {
 // kNormX (with kAdd; Gemma's sandwich norms): x is first normalised with x_weight and rounded to
 // T, as a separate rms_norm of x would store it, and that is what joins the residual (x itself
 // is left as it was); x_weight is ignored otherwise (null).
+// h = RMSNorm's output for one 8-element piece, in fp32 before the store's rounding: (1 + w) *
+// (h * inv) for kUnitOffset (Gemma), else w * round(h * inv) (Llama's, as transformers rounds).
+template <typename T, bool kUnitOffset>
+__device__ __forceinline__ void weigh(float (&h)[dev::kHalfVec], const uint4& w, float inv) {
+  float wf[dev::kHalfVec];
+  dev::unpack8<T>(w, wf);
+#pragma unroll
+  for (int e = 0; e < dev::kHalfVec; ++e) {
+    if constexpr (kUnitOffset) {
+      h[e] = (1.0f + wf[e]) * (h[e] * inv);
+    } else {
+      h[e] = wf[e] * dev::round_to<T>(h[e] * inv);
+    }
+  }
+}
+
 template <typename T, int V, bool kAdd, typename Store = StoreRow<T>, bool kUnitOffset = false,
           bool kNormX = false>
 __global__ void __launch_bounds__(512)
@@ -97,17 +113,9 @@ __global__ void __launch_bounds__(512)
       const float invx = rsqrtf(dev::block_sum(ssx, scratch) * inv_hidden + eps);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        float h[dev::kHalfVec], wf[dev::kHalfVec];
+        float h[dev::kHalfVec];
         dev::unpack8<T>(hv[k], h);
-        dev::unpack8<T>(wx[k], wf);
-#pragma unroll
-        for (int e = 0; e < dev::kHalfVec; ++e) {
-          if constexpr (kUnitOffset) {
-            h[e] = (1.0f + wf[e]) * (h[e] * invx);
-          } else {
-            h[e] = wf[e] * dev::round_to<T>(h[e] * invx);
-          }
-        }
+        weigh<T, kUnitOffset>(h, wx[k], invx);
         hv[k] = dev::pack8<T>(h);
       }
     }
@@ -136,17 +144,8 @@ __global__ void __launch_bounds__(512)
     }
     const float inv = rsqrtf(dev::block_sum(ss, scratch) * inv_hidden + eps);
     auto normed = [&](int k, float(&h)[dev::kHalfVec]) {
-      float wf[dev::kHalfVec];
       dev::unpack8<T>(hv[k], h);
-      dev::unpack8<T>(w[k], wf);
-#pragma unroll
-      for (int e = 0; e < dev::kHalfVec; ++e) {
-        if constexpr (kUnitOffset) {
-          h[e] = (1.0f + wf[e]) * (h[e] * inv);
-        } else {
-          h[e] = wf[e] * dev::round_to<T>(h[e] * inv);
-        }
-      }
+      weigh<T, kUnitOffset>(h, w[k], inv);
     };
     store.template row<V>(row, hidden, normed, scratch);
   }
