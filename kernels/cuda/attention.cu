@@ -43,7 +43,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -1044,18 +1043,6 @@ Status launch_main(const Params& params, dim3 grid, cudaStream_t stream) {
   }
   launch_pdl(kernel, grid, kThreads, C::kSmemBytes, stream, params);
   return launch_status("paged_attention");
-}
-
-// The current device's SM count (cached per device; a host query that is legal during capture).
-int current_sm_count() {
-  static std::atomic<int> cached[64] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  int n = cached[device].load(std::memory_order_relaxed);
-  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
-    cached[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
 }
 
 // Whether a decode launch of `ctas` CTAs takes the DECODE instance (Config). With an FP8 cache

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -49,6 +50,16 @@ cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(std::forward<Args>(args))...);
 }
+
+// The current device's SM count and L2 size in bytes (cached per device: host queries that are
+// legal during stream capture); 0 where the query fails.
+int current_sm_count();
+int64_t current_l2_bytes();
+
+// Bytes of weights a kernel may ask L2 to fetch before its dev::pdl_wait() (dev::prefetch_l2),
+// while the kernel before it still runs: half the L2, so that what the kernels before wrote
+// stays. 0 where the L2 size is unknown.
+inline int64_t l2_prefetch_budget() { return current_l2_bytes() / 2; }
 
 // Owns `bytes` of device memory (cudaMalloc / cudaFree). Move-only.
 class DeviceBuffer {

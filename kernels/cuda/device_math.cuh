@@ -156,4 +156,17 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   return v;
 }
 
+// Asks L2 to fetch the 128-byte line holding p; the thread does not wait for it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The warp's lanes ask L2 for the lines of [p, p + bytes), every 32nd line each: a kernel
+// launched with launch_pdl calls it on weights before dev::pdl_wait(), so they stream in while the
+// kernel before still runs (l2_prefetch_budget in cuda_util.h bounds the bytes).
+__device__ __forceinline__ void warp_prefetch_l2(const void* p, int bytes, int lane) {
+  const char* c = static_cast<const char*>(p);
+  for (int off = lane * 128; off < bytes; off += 32 * 128) prefetch_l2(c + off);
+}
+
 }  // namespace tessera::cuda::dev

@@ -53,42 +53,44 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     sum += v[j];
   }
   sum = dev::warp_sum(sum);
+  // Each candidate as an unsigned key ordered as its probability: the float's bits + 1 (a
+  // probability is >= 0, so its bits order as it does), 0 for padding, taken ones and NaN (never
+  // chosen while any other is left). A round is two warp reductions (redux.sync): the highest
+  // key, then the lowest index holding it (ties go to the lower index).
+  unsigned key[kPerLane];
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
-    // Probabilities are >= 0; padding and taken ones are -1 (never chosen while any is left).
-    v[j] = lane + 32 * j < experts ? v[j] / sum : -1.0f;
+    const float pj = v[j] / sum;
+    key[j] = lane + 32 * j < experts && pj >= 0.0f ? __float_as_uint(pj) + 1u : 0u;
   }
   float my_p = 0.0f;  // lane k < top_k: the k-th choice
   int my_e = 0;
   for (int k = 0; k < top_k; ++k) {
-    // Highest probability, lower index on ties: j ascends within a lane, so the strict > keeps
-    // a lane's lowest index, and the shuffles prefer the lower index on equal values.
-    float best = -2.0f;
-    int best_e = experts;
+    // The lane's best (its lowest index on ties: j ascends and the comparison is strict).
+    unsigned lane_key = 0u;
+    int lane_e = experts;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
-      if (v[j] > best) {
-        best = v[j];
-        best_e = lane + 32 * j;
+      if (key[j] > lane_key) {
+        lane_key = key[j];
+        lane_e = lane + 32 * j;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-      if (ov > best || (ov == best && oe < best_e)) {
-        best = ov;
-        best_e = oe;
-      }
-    }
+    const unsigned best = __reduce_max_sync(0xffffffffu, lane_key);
+    // No candidate left (fewer than top_k, or NaN probabilities): index `experts`, as before.
+    const int best_e =
+        best == 0u
+            ? experts
+            : static_cast<int>(__reduce_min_sync(
+                  0xffffffffu, lane_key == best ? static_cast<unsigned>(lane_e) : 0xffffffffu));
     if (lane == k) {
-      my_p = best;
+      my_p = best == 0u ? -1.0f : __uint_as_float(best - 1u);
       my_e = best_e;
     }
-    if ((best_e & 31) == lane) {
+    if (best != 0u && (best_e & 31) == lane) {
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) {
-        if (lane + 32 * j == best_e) v[j] = -1.0f;
+        if (lane + 32 * j == best_e) key[j] = 0u;
       }
     }
   }
@@ -374,6 +376,12 @@ __global__ void __launch_bounds__(kGemmThreads)
 // follows only for down: in two calls, 36.41 / 35.98 us with gate_up 2x1 and down 8x2 against
 // 36.72 / 36.26 with 2x1 and 8x1, but 36.86 / 36.41 with gate_up 2x4 and 37.15 / 36.66 with 2x4
 // and 8x1. So gate_up takes 2x1 and down 8x2 (moe_bench times the whole block with each set).
+//
+// Down's blocks also ask L2 for their experts' rows before they wait (dev::warp_prefetch_l2, the
+// first l2_prefetch_budget() / rows bytes of each: all of them at batch 1), so the rows stream in
+// while gate_up still runs: down + combine 11.02 -> 10.12 us, the whole block 36.03 -> 34.92 us
+// (moe_bench, H100, Qwen3-30B-A3B widths, batch 1). The same prefetch in the dense GEMV
+// (gemv.cu), whose kernel before is short, made qkv and o slower (8.91 -> 11.24, 7.87 -> 10.38 us).
 
 constexpr int kGemvWarps = 8;
 // Lets `kernel` take `smem` bytes of dynamic shared memory (past the 48 KiB default).
@@ -473,7 +481,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                              const float* __restrict__ weights, int top_k, int expert_begin,
                              int local_experts, const T* __restrict__ w, int inter, int hidden,
                              const T* __restrict__ x, const T* __restrict__ shared_gate,
-                             const T* __restrict__ shared_out, T* __restrict__ out) {
+                             const T* __restrict__ shared_out, T* __restrict__ out,
+                             int prefetch_bytes) {
   extern __shared__ uint4 act_smem[];
   __shared__ int32_t slot_ids[kMaxTopK];
   __shared__ int32_t order[kMaxTopK];
@@ -503,6 +512,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
   __syncthreads();
   const int nl = n_local;
+  const int n0 = blockIdx.x * SR;
+  // The block's rows of its experts into L2 while gate_up runs (the first prefetch_bytes of each).
+  for (int j = warp; j < nl; j += kGemvWarps) {
+    const T* base = w + (static_cast<int64_t>(slot_ids[order[j]] - expert_begin) * hidden) * inter;
+    for (int r = 0; r < SR && n0 + r < hidden; ++r) {
+      dev::warp_prefetch_l2(base + static_cast<int64_t>(n0 + r) * inter, prefetch_bytes, lane);
+    }
+  }
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   const int vecs = inter / dev::kHalfVec;
@@ -523,7 +540,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     const float logit = dev::round_to<T>(dev::block_sum(sum, scratch));
     gate = dev::round_to<T>(1.0f / (1.0f + expf(-logit)));
   }
-  const int n0 = blockIdx.x * SR;
   for (int j = warp; j < nl; j += kGemvWarps) {
     const T* base = w + (static_cast<int64_t>(slot_ids[order[j]] - expert_begin) * hidden) * inter;
     float s[SR] = {};
@@ -810,12 +826,17 @@ cudaError_t launch_down(dim3 grid_y, size_t smem, cudaStream_t stream, const voi
   cudaError_t err = allow_smem(kernel, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((w.hidden + SR - 1) / SR), grid_y.y);
+  // Each expert row's first bytes, as many as fit l2_prefetch_budget() over the rows the pairs
+  // read (tokens x top_k x hidden), in whole lines.
+  const int64_t rows = static_cast<int64_t>(grid_y.y) * top_k * w.hidden;
+  const int64_t prefetch =
+      std::min(w.inter * static_cast<int64_t>(sizeof(T)), l2_prefetch_budget() / rows / 128 * 128);
   return launch_pdl(kernel, grid, dim3(kGemvWarps * 32), smem, stream, static_cast<const T*>(act),
                     ids, weights, static_cast<int>(top_k), static_cast<int>(w.expert_begin),
                     static_cast<int>(w.local_experts), static_cast<const T*>(w.down),
                     static_cast<int>(w.inter), static_cast<int>(w.hidden), static_cast<const T*>(x),
                     static_cast<const T*>(shared_gate), static_cast<const T*>(shared_out),
-                    static_cast<T*>(out));
+                    static_cast<T*>(out), static_cast<int>(prefetch));
 }
 
 Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t tokens,
