@@ -77,7 +77,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
       }
     }
     const unsigned best = __reduce_max_sync(0xffffffffu, lane_key);
-    // No candidate left (fewer than top_k, or NaN probabilities): index `experts`, as before.
+    // No candidate left (only NaN logits leave none: top_k <= experts): index `experts`, which
+    // is no expert (every path skips it; the shuffles before chose a taken one again).
     const int best_e =
         best == 0u
             ? experts

@@ -55,7 +55,8 @@ enum class MoePath { kAuto, kGrouped, kGemv };
 // dtype (transformers), kF32: as given.
 //   logits:  [tokens, experts] fp32
 //   ids:     [tokens, top_k] int32 (out);  weights: [tokens, top_k] fp32 (out)
-// experts <= 4096, top_k in [1, min(experts, 32)].
+// experts <= 4096, top_k in [1, min(experts, 32)]. A token with NaN logits gets index `experts`
+// (no expert: every path skips it) in the slots no real probability fills.
 Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_t experts,
                  int64_t top_k, bool renormalize, int32_t* ids, float* weights,
                  cudaStream_t stream);
