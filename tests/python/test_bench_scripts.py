@@ -1,0 +1,72 @@
+"""scripts/bench/roofline.py and decode_ab.py (gpu-check's models and decode-ab parts) on made-up
+`tessera bench report` JSONs: the roofline's bytes (sliding layers read at most their window),
+the fraction against the target and its exit status, and decode-ab's medians and ratios."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+
+
+def report(tok_s, weight_bytes=20_000_000_000, input_len=128, output_len=256):
+    return {"decode_bytes_per_token": weight_bytes, "device": "test", "command": "made up",
+            "scenarios": {"batch1_decode": {"decode_tok_s": tok_s, "input_len": input_len,
+                                            "output_len": output_len,
+                                            "gpu_forward_ms_median": 1.0, "step_ms_median": 1.1}}}
+
+
+GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 512, "num_attention_heads": 8,
+          "head_dim": 64, "num_key_value_heads": 2, "num_hidden_layers": 4, "sliding_window": 64}
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True)
+
+
+def test_roofline_counts_the_window_and_the_target(tmp_path):
+    rep, cfg = tmp_path / "r.json", tmp_path / "config.json"
+    rep.write_text(json.dumps(report([90.0, 100.0, 95.0])))
+    cfg.write_text(json.dumps(GEMMA2))
+    out = tmp_path / "roof.json"
+    r = run(SCRIPTS / "roofline.py", rep, cfg, 2000, out, 0.5)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(out.read_text())
+    context = 128 + 256 / 2
+    per_key = 2 * 2 * 64 * 2
+    # Gemma 2: even layers slide (window 64 < context 256), odd ones read the whole context.
+    kv = 2 * per_key * 64 + 2 * per_key * context
+    assert got["kv_bytes"] == kv
+    assert got["kv_bytes_full_context"] == 4 * per_key * context
+    assert got["sliding_layers"] == 2
+    assert got["decode_tok_s"] == 95.0  # the median
+    roof = 2000e9 / (20_000_000_000 + kv)
+    assert abs(got["fraction"] - 95.0 / roof) < 1e-12
+    # Above the fraction reached: exit 1.
+    assert run(SCRIPTS / "roofline.py", rep, cfg, 2000, out, 0.99).returncode == 1
+
+
+def test_decode_ab_gives_medians_ratios_and_fails_on_a_missing_run(tmp_path):
+    runs, work = tmp_path / "runs", tmp_path / "work"
+    runs.mkdir()
+    (work / "gemma2-9b-config").mkdir(parents=True)
+    (work / "gemma2-9b-config" / "config.json").write_text(json.dumps(GEMMA2))
+    rounds = {("old", 1): [100.0], ("old", 2): [104.0], ("new", 1): [110.0], ("new", 2): [112.0]}
+    for (side, rnd), tok_s in rounds.items():
+        (runs / f"gemma2-9b-{side}-{rnd}.json").write_text(json.dumps(report(tok_s)))
+    for side, tok_s in (("old", [101.0]), ("new", [120.0])):
+        (runs / f"gemma2-9b-{side}-1-async.json").write_text(json.dumps(report(tok_s)))
+    out = tmp_path / "ab.json"
+    r = run(SCRIPTS / "decode_ab.py", runs, work, 2000, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(out.read_text())["presets"]["gemma2-9b"]
+    assert got["sync"]["old"]["rounds_tok_s"] == [100.0, 104.0]
+    assert got["sync"]["old"]["median_tok_s"] == 102.0
+    assert got["sync"]["new"]["median_tok_s"] == 111.0
+    assert abs(got["sync"]["new_over_old"] - 111.0 / 102.0) < 1e-12
+    assert abs(got["async"]["new_over_old"] - 120.0 / 101.0) < 1e-12
+    roof = got["sync"]["new"]["roofline"]
+    assert abs(roof["fraction"] - 111.0 / roof["roofline_tok_s"]) < 1e-12
+    (runs / "gemma2-9b-old-1-async.json").unlink()
+    assert run(SCRIPTS / "decode_ab.py", runs, work, 2000, out).returncode == 1
