@@ -380,8 +380,9 @@ __global__ void __launch_bounds__(kGemmThreads)
 //
 // Down's blocks also ask L2 for their experts' rows before they wait (dev::warp_prefetch_l2, the
 // first l2_prefetch_budget() / rows bytes of each: all of them at batch 1), so the rows stream in
-// while gate_up still runs: down + combine 11.02 -> 10.12 us, the whole block 36.03 -> 34.92 us
-// (moe_bench, H100, Qwen3-30B-A3B widths, batch 1). The same prefetch in the dense GEMV
+// while gate_up still runs: down + combine 11.02 -> 10.12 us (moe_bench, H100, Qwen3-30B-A3B
+// widths, batch 1; the whole block 36.03 -> 34.92 us in the same run, 0.19 us of which was a
+// router GEMV prefetch that was not kept). The same prefetch in the dense GEMV
 // (gemv.cu), whose kernel before is short, made qkv and o slower (8.91 -> 11.24, 7.87 -> 10.38 us).
 
 constexpr int kGemvWarps = 8;
