@@ -46,21 +46,27 @@ __global__ void __launch_bounds__(kWarps * 32)
   const T* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) wr[r] = w + static_cast<int64_t>(min(row0 + r, n - 1)) * k;
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-  if (row0 >= n) return;
-  float acc[M][R] = {};
-  int i = lane * dev::kHalfVec;
-  for (; i + (D - 1) * kChunk < k; i += D * kChunk) {
-    uint4 wv[D][R];
+  uint4 wv[D][R];  // the weights of the chunks at i
+  auto load_w = [&](int at) {
 #pragma unroll
     for (int c = 0; c < D; ++c) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        wv[c][r] = kStream ? dev::ldg_stream(wr[r] + i + c * kChunk)
-                           : __ldg(reinterpret_cast<const uint4*>(wr[r] + i + c * kChunk));
+        wv[c][r] = kStream ? dev::ldg_stream(wr[r] + at + c * kChunk)
+                           : __ldg(reinterpret_cast<const uint4*>(wr[r] + at + c * kChunk));
       }
     }
+  };
+  int i = lane * dev::kHalfVec;
+  // The first chunks' weights are requested before the wait: they do not depend on the kernel
+  // before, so their latency overlaps its tail (the loop requests the later ones as before).
+  if (i + (D - 1) * kChunk < k) load_w(i);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  if (row0 >= n) return;
+  float acc[M][R] = {};
+  for (bool first = true; i + (D - 1) * kChunk < k; i += D * kChunk, first = false) {
+    if (!first) load_w(i);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       uint4 xv[D];
