@@ -23,13 +23,21 @@ constexpr int kMaxTopK = 32;
 
 constexpr int kRouteWarps = 4;
 
+// Counts expert e's routing of token t (MoeCount: a live row, a local expert).
+__device__ __forceinline__ void count_routing(const MoeCount& c, int t, int e) {
+  if (c.rows != nullptr && c.rows[t] < 0) return;
+  if (e - c.expert_begin < 0 || e - c.expert_begin >= c.local_experts) return;
+  atomicAdd(c.counts + e, 1ull);
+}
+
 // One warp per token, its probabilities in registers: lane l holds experts l, l + 32, ...
 // (kPerLane of them). R: the type the logits are rounded to first (float: none). Launched with
 // launch_pdl.
 template <typename R, int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * 32)
     route_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
-                 bool renormalize, int32_t* __restrict__ ids, float* __restrict__ weights) {
+                 bool renormalize, int32_t* __restrict__ ids, float* __restrict__ weights,
+                 MoeCount count) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -100,6 +108,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   if (lane < top_k) {
     ids[static_cast<int64_t>(t) * top_k + lane] = my_e;
     weights[static_cast<int64_t>(t) * top_k + lane] = renormalize ? my_p / top : my_p;
+    if (count.counts != nullptr) count_routing(count, t, my_e);
   }
 }
 
@@ -108,17 +117,12 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
 constexpr int kCountThreads = 256;
 
 __global__ void __launch_bounds__(kCountThreads)
-    count_kernel(const int32_t* __restrict__ ids, int pairs, int top_k, int expert_begin,
-                 int local_experts, const int64_t* __restrict__ rows,
-                 unsigned long long* __restrict__ counts) {
+    count_kernel(const int32_t* __restrict__ ids, int pairs, int top_k, MoeCount count) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   const int p = blockIdx.x * kCountThreads + static_cast<int>(threadIdx.x);
   if (p >= pairs) return;
-  if (rows != nullptr && rows[p / top_k] < 0) return;
-  const int e = ids[p];
-  if (e - expert_begin < 0 || e - expert_begin >= local_experts) return;
-  atomicAdd(counts + e, 1ull);
+  count_routing(count, p / top_k, ids[p]);
 }
 
 // ---- permutation ----
@@ -688,11 +692,23 @@ void dispatch(DType dtype, Fn&& fn) {
 // bytes).
 using Carve = MoeCarve;
 
+// A MoeCount the kernels take: counts set, a local range within kMaxExperts.
+Status check_count(const MoeCount& c, const char* op) {
+  if (c.counts == nullptr || c.expert_begin < 0 || c.local_experts < 1 ||
+      c.expert_begin + c.local_experts > kMaxExperts) {
+    return invalid_argument(std::string(op) + ": expert counts " +
+                            (c.counts != nullptr ? "set" : "missing") + ", experts [" +
+                            std::to_string(c.expert_begin) + ", +" +
+                            std::to_string(c.local_experts) + ")");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_t experts,
-                 int64_t top_k, bool renormalize, int32_t* ids, float* weights,
-                 cudaStream_t stream) {
+                 int64_t top_k, bool renormalize, int32_t* ids, float* weights, cudaStream_t stream,
+                 const MoeCount& count) {
   if (logits_dtype != DType::kF32 && !is_half_type(logits_dtype)) {
     return invalid_argument(std::string("moe_route: logits dtype ") + dtype_name(logits_dtype) +
                             " is not F32, BF16 or F16");
@@ -703,6 +719,7 @@ Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_
                             std::to_string(kMaxExperts) + "), top_k " + std::to_string(top_k) +
                             " (1 .. min(experts, " + std::to_string(kMaxTopK) + "))");
   }
+  if (count.counts != nullptr) TESSERA_RETURN_IF_ERROR(check_count(count, "moe_route"));
   if (tokens == 0) return Status::ok();
   const int blocks = static_cast<int>((tokens + kRouteWarps - 1) / kRouteWarps);
   auto launch = [&](auto tag, auto per_lane) -> Status {
@@ -710,7 +727,7 @@ Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_
     TESSERA_CUDA_RETURN_IF_ERROR(
         launch_pdl(route_kernel<R, decltype(per_lane)::value>, dim3(blocks), dim3(kRouteWarps * 32),
                    0, stream, logits, static_cast<int>(tokens), static_cast<int>(experts),
-                   static_cast<int>(top_k), renormalize, ids, weights),
+                   static_cast<int>(top_k), renormalize, ids, weights, count),
         "moe_route");
     return launch_status("moe_route");
   };
@@ -726,24 +743,19 @@ Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_
   return by_width(float{});
 }
 
-Status moe_count_experts(const int32_t* ids, int64_t tokens, int64_t top_k, int64_t expert_begin,
-                         int64_t local_experts, const int64_t* rows, unsigned long long* counts,
+Status moe_count_experts(const int32_t* ids, int64_t tokens, int64_t top_k, const MoeCount& count,
                          cudaStream_t stream) {
-  if (tokens < 0 || top_k < 1 || top_k > kMaxTopK || expert_begin < 0 || local_experts < 1 ||
-      tokens * top_k > (int64_t{1} << 30) || counts == nullptr) {
+  TESSERA_RETURN_IF_ERROR(check_count(count, "moe_count_experts"));
+  if (tokens < 0 || top_k < 1 || top_k > kMaxTopK || tokens * top_k > (int64_t{1} << 30)) {
     return invalid_argument("moe_count_experts: tokens " + std::to_string(tokens) + ", top_k " +
-                            std::to_string(top_k) + ", experts [" + std::to_string(expert_begin) +
-                            ", +" + std::to_string(local_experts) + "), counts " +
-                            (counts != nullptr ? "set" : "missing"));
+                            std::to_string(top_k));
   }
   const int64_t pairs = tokens * top_k;
   if (pairs == 0) return Status::ok();
   const dim3 grid(static_cast<unsigned>((pairs + kCountThreads - 1) / kCountThreads));
-  TESSERA_CUDA_RETURN_IF_ERROR(
-      launch_pdl(count_kernel, grid, dim3(kCountThreads), 0, stream, ids, static_cast<int>(pairs),
-                 static_cast<int>(top_k), static_cast<int>(expert_begin),
-                 static_cast<int>(local_experts), rows, counts),
-      "moe_count_experts");
+  TESSERA_CUDA_RETURN_IF_ERROR(launch_pdl(count_kernel, grid, dim3(kCountThreads), 0, stream, ids,
+                                          static_cast<int>(pairs), static_cast<int>(top_k), count),
+                               "moe_count_experts");
   return launch_status("moe_count_experts");
 }
 
@@ -1025,12 +1037,12 @@ Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
   // logits to it (what a GEMM with that output dtype gives) before its fp32 softmax.
   const GemmShape router{T, a.num_experts, H, a.dtype, DType::kF32, false};
   TESSERA_RETURN_IF_ERROR(gemm.linear(router, a.x, a.router, nullptr, logits, stream));
-  TESSERA_RETURN_IF_ERROR(
-      moe_route(logits, a.dtype, T, a.num_experts, K, a.renormalize, ids, weights, stream));
+  MoeCount count;  // the expert balance, counted by the routing kernel
   if (a.expert_counts != nullptr) {
-    TESSERA_RETURN_IF_ERROR(moe_count_experts(ids, T, K, w.expert_begin, w.local_experts,
-                                              a.count_rows, a.expert_counts, stream));
+    count = {a.expert_counts, a.count_rows, w.expert_begin, w.local_experts};
   }
+  TESSERA_RETURN_IF_ERROR(
+      moe_route(logits, a.dtype, T, a.num_experts, K, a.renormalize, ids, weights, stream, count));
   const bool gemv =
       a.path == MoePath::kGemv || (a.path == MoePath::kAuto && P <= kMoeGemvMaxPairs &&
                                    moe_gemv_smem_bytes(a.dtype, K, w.inter) <= kMaxGemvSmem &&

@@ -49,6 +49,17 @@ inline constexpr int64_t kMoeTileRows = 64;
 
 enum class MoePath { kAuto, kGrouped, kGemv };
 
+// Expert balance: counts[e] += the number of (token, slot) pairs routed to expert e, for the
+// tokens t with rows[t] >= 0 (rows null: every token) and the local experts [expert_begin,
+// expert_begin + local_experts) only. Atomic adds on the device: graph-capturable, no host
+// synchronisation.
+struct MoeCount {
+  unsigned long long* counts = nullptr;  // [num_experts] (global expert index); null: none
+  const int64_t* rows = nullptr;         // [tokens] or null
+  int64_t expert_begin = 0;
+  int64_t local_experts = 0;
+};
+
 // Router: probs = softmax(logits rounded to logits_dtype) in fp32; the top_k of each token,
 // highest first (ties: lower index); weights = their probs, divided by their sum when
 // `renormalize`. logits_dtype kBF16 / kF16: the gate Linear's output as a tensor of the run
@@ -57,16 +68,14 @@ enum class MoePath { kAuto, kGrouped, kGemv };
 //   ids:     [tokens, top_k] int32 (out);  weights: [tokens, top_k] fp32 (out)
 // experts <= 4096, top_k in [1, min(experts, 32)]. A token with NaN logits gets index `experts`
 // (no expert: every path skips it) in the slots no real probability fills.
+// With count.counts set, the routings are also counted as moe_count_experts does (in the same
+// kernel: a decode step's MoE layer has one launch less).
 Status moe_route(const float* logits, DType logits_dtype, int64_t tokens, int64_t experts,
-                 int64_t top_k, bool renormalize, int32_t* ids, float* weights,
-                 cudaStream_t stream);
+                 int64_t top_k, bool renormalize, int32_t* ids, float* weights, cudaStream_t stream,
+                 const MoeCount& count = MoeCount{});
 
-// counts[e] += the number of (token, slot) pairs routed to expert e, for the tokens t with
-// rows[t] >= 0 (rows null: every token) and the local experts [expert_begin, expert_begin +
-// local_experts) only. Atomic adds on the device: graph-capturable, no host synchronisation.
-//   ids: [tokens, top_k] int32 (moe_route's);  counts: [num_experts] (global expert index)
-Status moe_count_experts(const int32_t* ids, int64_t tokens, int64_t top_k, int64_t expert_begin,
-                         int64_t local_experts, const int64_t* rows, unsigned long long* counts,
+// counts the routings of `ids` (moe_route's: [tokens, top_k] int32) into count.counts.
+Status moe_count_experts(const int32_t* ids, int64_t tokens, int64_t top_k, const MoeCount& count,
                          cudaStream_t stream);
 
 // Sorting of the (token, slot) pairs by expert, for this rank's experts [expert_begin,

@@ -420,16 +420,67 @@ TEST(MoeCountTest, CountsTheLocalRoutingsOfRealRows) {
             cudaSuccess);
   ASSERT_EQ(cudaMemset(d_counts->get(), 0, experts * 8), cudaSuccess);
   auto* counts = static_cast<unsigned long long*>(d_counts->get());
+  const MoeCount count{counts, static_cast<const int64_t*>(d_rows->get()), begin, local};
   for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(moe_count_experts(static_cast<const int32_t*>(d_ids->get()), tokens, top_k, begin,
-                                  local, static_cast<const int64_t*>(d_rows->get()), counts,
-                                  nullptr)
-                    .is_ok());
+    ASSERT_TRUE(
+        moe_count_experts(static_cast<const int32_t*>(d_ids->get()), tokens, top_k, count, nullptr)
+            .is_ok());
   }
   std::vector<unsigned long long> got(experts);
   ASSERT_EQ(cudaMemcpy(got.data(), counts, experts * 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(got, want);
-  EXPECT_FALSE(moe_count_experts(nullptr, 1, 2, 0, 4, nullptr, nullptr, nullptr).is_ok());
+  EXPECT_FALSE(moe_count_experts(nullptr, 1, 2, MoeCount{nullptr, nullptr, 0, 4}, nullptr).is_ok());
+  EXPECT_FALSE(moe_count_experts(nullptr, 1, 2, MoeCount{counts, nullptr, -1, 4}, nullptr).is_ok());
+}
+
+// moe_route with a MoeCount counts what moe_count_experts counts on the ids it writes (the MoE
+// layer's routing kernel does both in one launch): live rows only, local experts only.
+TEST(MoeCountTest, TheRoutingKernelCountsAsCountExperts) {
+  REQUIRE_CUDA_DEVICE();
+  for (const int64_t experts : {int64_t{10}, int64_t{128}, int64_t{300}}) {
+    const int64_t tokens = 257, top_k = 4, begin = experts / 5, local = experts / 2;
+    const std::vector<float> logits = random_values(tokens * experts, 31 + experts, 3.0f);
+    std::vector<int64_t> rows(tokens);
+    for (int64_t t = 0; t < tokens; ++t) rows[t] = t % 5 == 1 ? -1 : t;
+    auto d_logits = DeviceBuffer::allocate(logits.size() * 4, "logits");
+    auto d_rows = DeviceBuffer::allocate(rows.size() * 8, "rows");
+    auto d_ids = DeviceBuffer::allocate(tokens * top_k * 4, "ids");
+    auto d_w = DeviceBuffer::allocate(tokens * top_k * 4, "weights");
+    auto d_fused = DeviceBuffer::allocate(experts * 8, "counts");
+    auto d_alone = DeviceBuffer::allocate(experts * 8, "counts");
+    ASSERT_TRUE(d_logits && d_rows && d_ids && d_w && d_fused && d_alone);
+    ASSERT_EQ(cudaMemcpy(d_logits->get(), logits.data(), logits.size() * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_rows->get(), rows.data(), rows.size() * 8, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemset(d_fused->get(), 0, experts * 8), cudaSuccess);
+    ASSERT_EQ(cudaMemset(d_alone->get(), 0, experts * 8), cudaSuccess);
+    const auto* r = static_cast<const int64_t*>(d_rows->get());
+    auto* ids = static_cast<int32_t*>(d_ids->get());
+    const MoeCount fused{static_cast<unsigned long long*>(d_fused->get()), r, begin, local};
+    const MoeCount alone{static_cast<unsigned long long*>(d_alone->get()), r, begin, local};
+    ASSERT_TRUE(moe_route(d_logits->as<float>(), DType::kBF16, tokens, experts, top_k, true, ids,
+                          d_w->as<float>(), nullptr, fused)
+                    .is_ok());
+    ASSERT_TRUE(moe_count_experts(ids, tokens, top_k, alone, nullptr).is_ok());
+    std::vector<int32_t> h_ids(tokens * top_k);
+    std::vector<unsigned long long> got(experts), want(experts, 0), by_kernel(experts);
+    ASSERT_EQ(cudaMemcpy(h_ids.data(), ids, h_ids.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got.data(), d_fused->get(), experts * 8, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(by_kernel.data(), d_alone->get(), experts * 8, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (rows[t] < 0) continue;
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int32_t e = h_ids[t * top_k + k];
+        if (e >= begin && e < begin + local) ++want[e];
+      }
+    }
+    EXPECT_EQ(got, want) << experts << " experts";
+    EXPECT_EQ(by_kernel, want) << experts << " experts";
+    EXPECT_GT(std::accumulate(want.begin(), want.end(), 0ull), 0ull);
+  }
 }
 
 class MoeLayerTest : public ::testing::TestWithParam<LayerCase> {};
