@@ -248,7 +248,9 @@ __device__ __forceinline__ int splits_used(const Params& p, int keys) {
 template <typename T, int HD, bool FP8, bool DECODE>
 __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPerSm))
     paged_attention_kernel(const __grid_constant__ Params p) {
-  dev::pdl_wait();  // q and the cache are written by the kernel before
+  // The sequences' lengths and block tables are the host's (copied before the step's kernels),
+  // so everything up to the first read of q or the cache runs before the wait, while the kernel
+  // before (RoPE, which writes them) finishes.
   dev::pdl_launch_dependents();
   using C = Config<HD, FP8, DECODE>;
   using Ops = HalfOps<T>;
@@ -377,6 +379,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
     return regs_path ? (2 * tig + e) * (HD / 8) + j : 8 * j + 2 * tig + e;
   };
 
+  dev::pdl_wait();  // q and the cache are written by the kernel before
   // Q fragments in registers (head_dim <= 128): rows past the sequence are zero.
   uint32_t q_frag[kQInSmem ? 1 : kQkSteps][4];
   if constexpr (!kQInSmem) {
@@ -881,7 +884,6 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
 template <typename T, int HD>
 __global__ void __launch_bounds__(kCombineThreads)
     attention_combine_kernel(const __grid_constant__ Params p) {
-  dev::pdl_wait();  // the partial results are the kernel before's
   dev::pdl_launch_dependents();
   constexpr int kThreadsPerRow = HD / 4;
   constexpr int kRowsPerCtaCombine = kCombineThreads / kThreadsPerRow;
@@ -898,6 +900,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (token >= qlen) return;
   const int head = row % p.num_heads;
   const int64_t index = static_cast<int64_t>(q_start + token) * p.num_heads + head;
+  dev::pdl_wait();  // the partial results are the kernel before's (the lengths the host's)
   const int64_t split_stride = p.total_q * p.num_heads;
   const int d = (static_cast<int>(threadIdx.x) % kThreadsPerRow) * 4;
 

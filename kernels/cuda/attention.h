@@ -77,6 +77,8 @@ struct AttentionArgs {
   // positions attention_window_start(p, scoring.window) ..= p. With a window, the block-table
   // entries of blocks wholly before the window of the sequence's first query are never read
   // (the engine may have freed those blocks): decode reads only the window's blocks.
+  // The three are read before the kernel waits for the one launched before it on the stream
+  // (launch_pdl): they must not be that kernel's output (the model copies them from the host).
   const int32_t* cu_query_lens = nullptr;
   const int32_t* context_lens = nullptr;
   const int32_t* block_tables = nullptr;

@@ -301,7 +301,9 @@ __device__ __forceinline__ KV to_cache(float x) {
 template <typename T, typename KV, int P, bool QK_NORM, int U>
 __global__ void __launch_bounds__(kRopeWarps * 32)
     rope_and_cache_kernel(RopeCacheArgs a, bool vec) {
-  dev::pdl_wait();
+  // The norm weights, the cos / sin tables and the tokens' positions and slots are not the
+  // kernel before's (the model's constants and the host's step metadata): they are read before
+  // the wait, qkv (the kernel before's output) after it, and everything is written after it.
   dev::pdl_launch_dependents();
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t head =
@@ -333,9 +335,11 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
     }
   }
 
+  bool waited = false;
   for (int64_t t0 = static_cast<int64_t>(blockIdx.x) * U; t0 < a.num_tokens;
        t0 += static_cast<int64_t>(gridDim.x) * U) {
-    // Load: each of the U tokens' q or k pairs, cos and sin, and (k tasks) the v run.
+    // Load: each of the U tokens' position, slot, cos and sin; then (after the wait, the first
+    // time) its q or k pairs and (k tasks) the v run.
     bool ok[U];
     int64_t slot[U];
     alignas(16) T x1[U][P], x2[U][P], v[U][2 * P];
@@ -355,12 +359,21 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
         ok[u] = ok[u] && slot[u] >= 0 && slot[u] < num_slots;
       }
       if (!ok[u] || !holds) continue;
+      copy_elems<P>(cs[u], a.cos + pos * half + i0, vec, n);
+      copy_elems<P>(sn[u], a.sin + pos * half + i0, vec, n);
+    }
+    if (!waited) {
+      dev::pdl_wait();
+      waited = true;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (!ok[u] || !holds) continue;
+      const int64_t t = t0 + u;
       const T* row = qkv + t * row_elems;
       const T* src = row + (is_q ? head : a.num_heads + kvh) * hd;
       copy_elems<P>(x1[u], src + i0, vec, n);
       copy_elems<P>(x2[u], src + i0 + half, vec, n);
-      copy_elems<P>(cs[u], a.cos + pos * half + i0, vec, n);
-      copy_elems<P>(sn[u], a.sin + pos * half + i0, vec, n);
       if (!is_q) {
         copy_elems<2 * P>(v[u], row + (a.num_heads + a.num_kv_heads + kvh) * hd + 2 * i0, vec,
                           2 * n);

@@ -93,6 +93,8 @@ Status norm_add_rms_norm(DType dtype, void* x, const void* x_weight, void* resid
 //   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] dtype (one layer)
 // head_dim: even, <= 256. q_norm/k_norm use the rms_norm rounding: round(w * round(h * rsqrt)),
 // or with norm_unit_offset (Gemma 3's q_norm / k_norm) round((1 + w) * h * rsqrt) in fp32.
+// Only qkv may be the output of the kernel launched just before on the stream: the norms, the
+// tables, positions and slots are read before the kernel waits for it (launch_pdl).
 struct RopeCacheArgs {
   DType dtype = DType::kBF16;
   // kFp8E4M3: k and v are stored as E4M3 bytes, rounded from their dtype values (nearest even,

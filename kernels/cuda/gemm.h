@@ -1,7 +1,9 @@
 // GEMMs through cuBLASLt for the linear layers: out[M, N] = x[M, K] . w[N, K]^T (+ bias[N]),
 // bf16/fp16 inputs, fp32 accumulation, output in the input dtype or fp32 (the logits). Decode
 // shapes that gemv_takes() (kernels/cuda/gemv.h: one row, any width) run on the GEMV kernel
-// instead, which overlaps the kernel before; they get no plan.
+// instead, which overlaps the kernel before; they get no plan. Their w is read before the GEMV
+// waits for that kernel: w must not be the output of the kernel launched just before on the
+// stream (weights never are; w4_linear's dequantized weight is multiplied only at m > 1).
 // The algorithm for each (M, N, K, dtypes, bias) is chosen once — the heuristic's candidates
 // are timed on the first eager call of that shape — and cached; inside a CUDA-graph capture
 // an unseen shape takes the heuristic's first choice without timing, and is timed on its next

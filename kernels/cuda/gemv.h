@@ -37,6 +37,8 @@ struct GemvTile {
 GemvTile gemv_tile(int64_t n, int64_t k);
 
 //   x: [m, k] in;  w: [n, k] in;  bias: [n] in or null (not with out = fp32);  out: [m, n] out.
+// The first chunks of w are read before the kernel waits for the one launched before it
+// (launch_pdl): w must not be that kernel's output.
 // INVALID_ARGUMENT for a shape gemv_takes() refuses. Runs gemv_tile(n, k).
 Status gemv(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x, const void* w,
             const void* bias, void* y, cudaStream_t stream);
