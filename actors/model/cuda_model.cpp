@@ -12,6 +12,7 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemv.h"
 #include "kernels/cuda/moe.h"
 
 namespace tessera {
@@ -151,6 +152,9 @@ Status CudaModel::allocate_buffers() {
   const size_t ws = cuda::attention_workspace_bytes(S, static_cast<int>(p.heads),
                                                     static_cast<int>(c.head_dim), max_splits);
   TESSERA_RETURN_IF_ERROR(alloc(attn_workspace_, ws, "split-K attention"));
+  TESSERA_RETURN_IF_ERROR(alloc(norm_arrivals_, sizeof(int32_t), "the fused norm's counter"));
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(norm_arrivals_.get(), 0, sizeof(int32_t), stream_),
+                               "clearing the fused norm's counter");
   if (const uint64_t w4 = weights_->w4_workspace_bytes(T); w4 > 0) {
     // The int4 layers' split-K counters start zero and every call leaves them so; the prefill
     // path dequantizes a layer's weight here.
@@ -487,6 +491,9 @@ class CudaModel::Ops {
 
   Status input_norm(int64_t i, bool add) {
     const CudaLayer& w = m_.weights_->layer(i);
+    // Batch-1 decode of a 16-bit q|k|v: the add and the norm run in qkv's GEMV (below).
+    norm_in_qkv_ = add && fused_norm_qkv(i);
+    if (norm_in_qkv_) return Status::ok();
     if (add && m_.config_.sandwich_norms && !w.qkv.is_fp8()) {
       // Gemma: layer i - 1's post_feedforward_layernorm of proj, the add and this norm, fused.
       return cuda::norm_add_rms_norm(dt_, m_.proj_.get(), m_.weights_->layer(i - 1).post_ff_norm,
@@ -509,8 +516,32 @@ class CudaModel::Ops {
 
   Status qkv(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
-    return linear(w.qkv, T_, m_.plan_.qkv_rows(m_.config_), H_, m_.hidden_.get(), w.qkv_bias,
-                  m_.qkv_.get());
+    const int64_t n = m_.plan_.qkv_rows(m_.config_);
+    if (norm_in_qkv_) {
+      norm_in_qkv_ = false;
+      return cuda::gemv_add_rms_norm(n, H_, dt_, norm_args(w), w.qkv.w, w.qkv_bias, m_.qkv_.get(),
+                                     st_);
+    }
+    return linear(w.qkv, T_, n, H_, m_.hidden_.get(), w.qkv_bias, m_.qkv_.get());
+  }
+
+  // input_norm(i, add = true) then qkv(i) as one kernel: what add_rms_norm and the GEMV compute,
+  // the same bits (gemv.h), for one row, plain RMSNorm (not Gemma's) and a 16-bit q|k|v.
+  cuda::GemvAddRmsNorm norm_args(const CudaLayer& w) const {
+    cuda::GemvAddRmsNorm a;
+    a.proj = m_.proj_.get();
+    a.residual = m_.residual_.get();
+    a.weight = w.input_norm;
+    a.eps = eps_;
+    a.normed = m_.hidden_.get();
+    a.arrivals = m_.norm_arrivals_.as<int32_t>();
+    return a;
+  }
+  bool fused_norm_qkv(int64_t i) const {
+    const CudaLayer& w = m_.weights_->layer(i);
+    return T_ == 1 && !unit_ && !m_.config_.sandwich_norms && !w.qkv.is_fp8() && !w.qkv.int4() &&
+           cuda::gemv_add_rms_norm_takes(m_.plan_.qkv_rows(m_.config_), H_, dt_, norm_args(w),
+                                         w.qkv.w);
   }
 
   Status rope_cache(int64_t i) {
@@ -731,6 +762,7 @@ class CudaModel::Ops {
   const StepPlan& plan_;
   StepTimer* timer_ = nullptr;
   DType dt_ = DType::kBF16;
+  bool norm_in_qkv_ = false;  // input_norm left its add and norm to qkv's kernel
   int64_t T_ = 0, H_ = 0;
   float eps_ = 1e-6f;
   bool unit_ = false;  // Gemma's norms scale by 1 + w (ModelConfig::norm_unit_offset)

@@ -140,6 +140,8 @@ class CudaModel {
   cuda::DeviceBuffer shard_logits_;  // [T][max_num_seqs][vocab_shard] fp32 (T: tp ranks)
   cuda::DeviceBuffer logits_;        // [max_num_seqs][vocab] fp32
   cuda::DeviceBuffer attn_workspace_;
+  // gemv_add_rms_norm's arrivals counter (kernels/cuda/gemv.h): one int32, zeroed once.
+  cuda::DeviceBuffer norm_arrivals_;
   cuda::DeviceBuffer w4_workspace_;  // the int4 layers' (zeroed once; kernels/cuda/quant_gemm.h)
   // FP8 layers (kernels/cuda/fp8_linear.h): their GEMM, and the input of the one running, as the
   // norm / silu_mul / quantizer before it writes it: [max_tokens, widest FP8 input] E4M3 and

@@ -176,17 +176,9 @@ Status launch_norm(const void* xv, void* residualv, const void* weightv, int64_t
   const bool vec_ok = hidden % kHalfVec == 0 && aligned(x, 16) && aligned(weight, 16) &&
                       aligned(out, 16) && (!kAdd || aligned(residual, 16)) &&
                       (!kNormX || aligned(x_weight, 16));
-  const int64_t nvec = hidden / kHalfVec;
   // V vectors per thread, at most 512 threads: hidden up to 512 * 8 * 8 = 32768 on this path.
-  int v = 0;
-  if (vec_ok) {
-    for (int cand : {1, 2, 4, 8}) {
-      if (nvec <= static_cast<int64_t>(cand) * 512) {
-        v = cand;
-        break;
-      }
-    }
-  }
+  const norm::VecShape shape = vec_ok ? norm::vec_shape(hidden) : norm::VecShape{};
+  const int v = shape.v;
   if (v == 0) {
     const int threads = static_cast<int>(std::min<int64_t>(256, ceil_div(hidden, 32) * 32));
     if constexpr (kNormX) {  // x normalised in place first (norm_add_rms_norm may overwrite x)
@@ -197,7 +189,7 @@ Status launch_norm(const void* xv, void* residualv, const void* weightv, int64_t
                weight, rows, hidden, eps, out);
     return launch_status(name);
   }
-  const int threads = static_cast<int>(ceil_div(ceil_div(nvec, v), 32) * 32);
+  const int threads = shape.threads;
   using Store = norm::StoreRow<T>;
   switch (v) {
     case 1:

@@ -643,15 +643,8 @@ Status rms_norm_fp8(DType dtype, const void* x, void* residual, const void* weig
   if (residual != nullptr && (!aligned(residual, 16) || residual == x)) {
     return invalid_argument("rms_norm_fp8: residual must be 16-byte aligned and not alias x");
   }
-  const int64_t nvec = hidden / kHalfVec;
-  int v = 8;
-  for (int cand : {1, 2, 4, 8}) {
-    if (nvec <= static_cast<int64_t>(cand) * 512) {
-      v = cand;
-      break;
-    }
-  }
-  const int threads = static_cast<int>(ceil_div(ceil_div(nvec, v), 32) * 32);
+  const norm::VecShape shape = norm::vec_shape(hidden);  // hidden <= kMaxNormHidden: v > 0
+  const int v = shape.v, threads = shape.threads;
   const unsigned grid = static_cast<unsigned>(std::min(rows, kMaxGridX));
   return with_half_type(dtype, kOp, [&](auto tag) -> Status {
     using T = typename decltype(tag)::type;

@@ -7,6 +7,7 @@
 
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/rms_norm.cuh"
 
 namespace tessera::cuda {
 
@@ -35,10 +36,68 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kChunk = 32 * dev::kHalfVec;  // elements a warp reads per chunk
 
-template <typename T, typename O, int R, int D>
+// gemv_add_rms_norm's norm (NORM): x is proj, and the block computes the row it multiplies,
+// rms_norm(residual + proj) * weight, into shared memory first.
+template <typename T>
+struct NormArgs {
+  T* residual = nullptr;
+  const T* weight = nullptr;
+  float eps = 0.0f;
+  T* normed = nullptr;
+  int32_t* arrivals = nullptr;
+  norm::VecShape shape;  // rms_norm's kernel at this width, whose reduction order is copied
+};
+
+// The block's copy of add_rms_norm on one row of k elements (x = proj): sum[j] = round(residual +
+// x) and normed[j] = the normed row, 16-byte vectors in shared memory. The sum of squares is
+// reduced as rms_norm_vec_kernel reduces it with a.shape's threads and vectors per thread (each
+// of this block's threads plays those threads t, t + blockDim.x, ...; a warp of them sums as a
+// warp of that kernel does), so the row has add_rms_norm's bits. Every thread calls it; it ends
+// with a barrier.
+template <typename T>
+__device__ void add_rms_norm_row(const T* __restrict__ x, const NormArgs<T>& a, int k,
+                                 uint4* normed, uint4* sum, float* scratch) {
+  const int nvec = k / dev::kHalfVec;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* rv = reinterpret_cast<const uint4*>(a.residual);
+  for (int t = tid; t < a.shape.threads; t += static_cast<int>(blockDim.x)) {
+    float ss = 0.0f;
+    for (int q = 0; q < a.shape.v; ++q) {
+      const int j = t + q * a.shape.threads;
+      if (j >= nvec) continue;
+      float h[dev::kHalfVec], r[dev::kHalfVec];
+      dev::unpack8<T>(__ldcg(xv + j), h);
+      dev::unpack8<T>(__ldcg(rv + j), r);
+#pragma unroll
+      for (int e = 0; e < dev::kHalfVec; ++e) h[e] = r[e] + h[e];
+      sum[j] = dev::pack8<T>(h);
+      dev::unpack8<T>(sum[j], h);
+#pragma unroll
+      for (int e = 0; e < dev::kHalfVec; ++e) ss += h[e] * h[e];
+    }
+    ss = dev::warp_sum(ss);  // a whole warp takes part: threads is a multiple of 32
+    if (lane == 0) scratch[t >> 5] = ss;
+  }
+  __syncthreads();
+  const float inv_hidden = 1.0f / static_cast<float>(k);
+  float total = lane < (a.shape.threads >> 5) ? scratch[lane] : 0.0f;
+  total = dev::warp_sum(total);
+  const float inv = rsqrtf(total * inv_hidden + a.eps);
+  const uint4* wv = reinterpret_cast<const uint4*>(a.weight);
+  for (int j = tid; j < nvec; j += static_cast<int>(blockDim.x)) {
+    float h[dev::kHalfVec];
+    dev::unpack8<T>(sum[j], h);
+    norm::weigh<T, false>(h, __ldg(wv + j), inv);
+    normed[j] = dev::pack8<T>(h);
+  }
+  __syncthreads();
+}
+
+template <typename T, typename O, int R, int D, bool NORM = false>
 __global__ void __launch_bounds__(kWarps * 32)
     gemv_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
-                O* __restrict__ out, int n, int k) {
+                O* __restrict__ out, int n, int k, NormArgs<T> nrm) {
   constexpr int M = 1;
   constexpr bool kStream = R != 2 || D != 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -63,6 +122,38 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (i + (D - 1) * kChunk < k) load_w(i);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
+  // NORM: the normed row (the x every warp multiplies), then the residual sum (k / 8 each).
+  extern __shared__ uint4 row_smem[];
+  if constexpr (NORM) {
+    __shared__ float scratch[32];
+    __shared__ int last;
+    add_rms_norm_row<T>(x, nrm, k, row_smem, row_smem + k / dev::kHalfVec, scratch);
+    // The block that finishes the norm last writes the residual and the normed row (every other
+    // one has read the residual by then), and sets the arrivals back to 0.
+    if (threadIdx.x == 0) {
+      __threadfence();
+      last = atomicAdd(nrm.arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+      if (last) atomicExch(nrm.arrivals, 0);
+    }
+    __syncthreads();
+    if (last) {
+      uint4* res = reinterpret_cast<uint4*>(nrm.residual);
+      uint4* nor = reinterpret_cast<uint4*>(nrm.normed);
+      for (int j = static_cast<int>(threadIdx.x); j < k / dev::kHalfVec; j += blockDim.x) {
+        res[j] = row_smem[k / dev::kHalfVec + j];
+        nor[j] = row_smem[j];
+      }
+    }
+  }
+  // The row of x: 16-byte vector v of it (through L2: the kernel before wrote it; or the block's
+  // normed row).
+  auto x_vec = [&](int64_t v) {
+    if constexpr (NORM) {
+      return row_smem[v];
+    } else {
+      return __ldcg(reinterpret_cast<const uint4*>(x) + v);
+    }
+  };
   if (row0 >= n) return;
   float acc[M][R] = {};
   for (bool first = true; i + (D - 1) * kChunk < k; i += D * kChunk, first = false) {
@@ -71,11 +162,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int m = 0; m < M; ++m) {
       uint4 xv[D];
 #pragma unroll
-      for (int c = 0; c < D; ++c) {
-        // x was written by the kernel before: through L2, not the non-coherent path.
-        xv[c] = __ldcg(
-            reinterpret_cast<const uint4*>(x + static_cast<int64_t>(m) * k + i + c * kChunk));
-      }
+      for (int c = 0; c < D; ++c) xv[c] = x_vec((static_cast<int64_t>(m) * k + i + c * kChunk) / 8);
 #pragma unroll
       for (int c = 0; c < D; ++c) {
         float b[dev::kHalfVec];
@@ -98,8 +185,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float b[dev::kHalfVec];
-        dev::unpack8<T>(__ldcg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(m) * k + i)),
-                        b);
+        dev::unpack8<T>(x_vec((static_cast<int64_t>(m) * k + i) / 8), b);
 #pragma unroll
         for (int j = 0; j < dev::kHalfVec; ++j) acc[m][r] = fmaf(a[j], b[j], acc[m][r]);
       }
@@ -129,7 +215,7 @@ cudaError_t launch(int64_t n, int64_t k, const void* x, const void* w, const voi
   const dim3 grid(static_cast<unsigned>((n + kWarps * R - 1) / (kWarps * R)));
   return launch_pdl(gemv_kernel<T, O, R, D>, grid, dim3(kWarps * 32), 0, stream,
                     static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias),
-                    static_cast<O*>(y), static_cast<int>(n), static_cast<int>(k));
+                    static_cast<O*>(y), static_cast<int>(n), static_cast<int>(k), NormArgs<T>{});
 }
 
 template <int R, int D>
@@ -156,7 +242,69 @@ Status check_call(int64_t m, int64_t n, int64_t k, DType in, DType out, const vo
   return Status::ok();
 }
 
+template <typename T, int R, int D>
+cudaError_t launch_norm(int64_t n, int64_t k, const GemvAddRmsNorm& a, const void* w,
+                        const void* bias, void* y, cudaStream_t stream) {
+  auto kernel = gemv_kernel<T, T, R, D, true>;
+  const dim3 grid(static_cast<unsigned>((n + kWarps * R - 1) / (kWarps * R)));
+  NormArgs<T> nrm;
+  nrm.residual = static_cast<T*>(a.residual);
+  nrm.weight = static_cast<const T*>(a.weight);
+  nrm.eps = a.eps;
+  nrm.normed = static_cast<T*>(a.normed);
+  nrm.arrivals = a.arrivals;
+  nrm.shape = norm::vec_shape(k);
+  return launch_pdl(kernel, grid, dim3(kWarps * 32), gemv_add_rms_norm_smem(k), stream,
+                    static_cast<const T*>(a.proj), static_cast<const T*>(w),
+                    static_cast<const T*>(bias), static_cast<T*>(y), static_cast<int>(n),
+                    static_cast<int>(k), nrm);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 }  // namespace
+
+size_t gemv_add_rms_norm_smem(int64_t k) { return static_cast<size_t>(k) * 4; }
+
+bool gemv_add_rms_norm_takes(int64_t n, int64_t k, DType dtype, const GemvAddRmsNorm& a,
+                             const void* w) {
+  return gemv_takes(1, n, k, dtype, dtype, a.proj, w) && norm::vec_shape(k).v > 0 &&
+         gemv_add_rms_norm_smem(k) <= 48 * 1024 && aligned16(a.residual) && aligned16(a.weight) &&
+         aligned16(a.normed) && a.arrivals != nullptr && a.residual != a.proj &&
+         a.normed != a.proj && a.normed != a.residual;
+}
+
+Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, const GemvAddRmsNorm& a, const void* w,
+                         const void* bias, void* y, cudaStream_t stream) {
+  if (!gemv_add_rms_norm_takes(n, k, dtype, a, w) || y == nullptr) {
+    return invalid_argument("gemv_add_rms_norm: n " + std::to_string(n) + " k " +
+                            std::to_string(k) + " " + dtype_name(dtype) +
+                            " is not a call it takes (gemv's shapes, k * 4 bytes of shared "
+                            "memory <= 48 KiB, 16-byte aligned buffers, an arrivals counter, "
+                            "proj, residual and normed apart)");
+  }
+  const GemvTile tile = gemv_tile(n, k);
+  cudaError_t err = cudaSuccess;
+  const bool bf16 = dtype == DType::kBF16;
+  switch (tile.rows * 100 + tile.depth) {
+    case 202:
+      err = bf16 ? launch_norm<__nv_bfloat16, 2, 2>(n, k, a, w, bias, y, stream)
+                 : launch_norm<__half, 2, 2>(n, k, a, w, bias, y, stream);
+      break;
+    case 402:
+      err = bf16 ? launch_norm<__nv_bfloat16, 4, 2>(n, k, a, w, bias, y, stream)
+                 : launch_norm<__half, 4, 2>(n, k, a, w, bias, y, stream);
+      break;
+    case 204:
+      err = bf16 ? launch_norm<__nv_bfloat16, 2, 4>(n, k, a, w, bias, y, stream)
+                 : launch_norm<__half, 2, 4>(n, k, a, w, bias, y, stream);
+      break;
+    default:
+      return internal_error("gemv_add_rms_norm: gemv_tile chose a tile it has no kernel for");
+  }
+  TESSERA_CUDA_RETURN_IF_ERROR(err, "gemv_add_rms_norm");
+  return launch_status("gemv_add_rms_norm");
+}
 
 static_assert(kGemvMaxRows == 1, "gemv_kernel computes one row of x");
 

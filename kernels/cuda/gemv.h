@@ -14,6 +14,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/status.h"
@@ -46,5 +47,27 @@ Status gemv(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x,
 // order whatever the tile).
 Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in, DType out,
                  const void* x, const void* w, const void* bias, void* y, cudaStream_t stream);
+
+// gemv with the decoder layer's "residual += proj; x = rms_norm(residual) * weight" (cuda::
+// add_rms_norm) in its prologue, for one row: every block normalises the row itself into shared
+// memory, reducing as add_rms_norm's kernel does at width k (the same bits), and the block that
+// gets there last writes residual and normed (what add_rms_norm writes): one launch instead of
+// two. The out dtype is the input's; bias as gemv's.
+//   proj, residual (in/out), weight, normed: [k] dtype, 16-byte aligned, apart
+//   arrivals: one int32, 0 before the first call; every call leaves it 0
+struct GemvAddRmsNorm {
+  const void* proj = nullptr;
+  void* residual = nullptr;
+  const void* weight = nullptr;
+  float eps = 1e-6f;
+  void* normed = nullptr;
+  int32_t* arrivals = nullptr;
+};
+// Dynamic shared memory a call takes (the normed row and the residual sum): k * 4 bytes.
+size_t gemv_add_rms_norm_smem(int64_t k);
+bool gemv_add_rms_norm_takes(int64_t n, int64_t k, DType dtype, const GemvAddRmsNorm& a,
+                             const void* w);
+Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, const GemvAddRmsNorm& a, const void* w,
+                         const void* bias, void* y, cudaStream_t stream);
 
 }  // namespace tessera::cuda

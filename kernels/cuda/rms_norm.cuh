@@ -11,6 +11,24 @@
 
 namespace tessera::cuda::norm {
 
+// The vector kernel's shape for a row of `hidden` elements (hidden % 8 == 0): V 16-byte vectors
+// per thread, the fewest of 1, 2, 4, 8 that 512 threads cover, and the threads (a multiple of
+// 32). Its reduction order follows from it: anything that must give rms_norm's bits (the GEMV
+// with the norm in its prologue, gemv.cu) reduces as this shape does. V 0: wider than 32768.
+struct VecShape {
+  int v = 0;
+  int threads = 0;
+};
+inline VecShape vec_shape(int64_t hidden) {
+  const int64_t nvec = hidden / dev::kHalfVec;
+  for (int v : {1, 2, 4, 8}) {
+    if (nvec <= static_cast<int64_t>(v) * 512) {
+      return {v, static_cast<int>(((nvec + v - 1) / v + 31) / 32 * 32)};
+    }
+  }
+  return {};
+}
+
 // The store policy of rms_norm: the normed row in the dtype, out [rows, hidden]. Made from the
 // output pointer (implicitly: launch_pdl converts the T* argument to the kernel's parameter).
 template <typename T>

@@ -19,6 +19,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/status.h"
@@ -26,6 +27,7 @@
 #include "kernels/cpu/cpu_context.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemv.h"
 
@@ -465,6 +467,110 @@ TEST(GemvTest, TakesOnlyItsShapes) {
 // A chain of GEMVs captured in a graph, each reading what the one before wrote: the early
 // start (programmatic dependent launch) must still wait for its input. y1 = x · w1ᵀ,
 // y2 = y1 · w2ᵀ, y3 = y2 · w3ᵀ, replayed twice; each against the reference of its GPU input.
+// gemv_add_rms_norm gives add_rms_norm + gemv's bits: the residual sum, the normed row and the
+// output, at widths whose norm kernel runs 32 .. 512 threads with 1 or 2 vectors each (k 64 ..
+// 8192), on the three tiles gemv_tile picks, bf16 and fp16, with and without a bias; captured in
+// a graph and replayed twice (the arrivals counter goes back to 0 each time).
+TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
+  REQUIRE_CUDA_DEVICE();
+  const int64_t nk[][2] = {{40, 64},   {5120, 2048}, {2048, 4096}, {1000, 3584},
+                           {96, 5120}, {8192, 1024}, {300, 8192}};
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto arrivals = DeviceBuffer::allocate(4, "arrivals");
+  ASSERT_TRUE(arrivals);
+  ASSERT_EQ(cudaMemset(arrivals->get(), 0, 4), cudaSuccess);
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    for (const auto& [n, k] : nk) {
+      for (const bool with_bias : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " n " + std::to_string(n) + " k " +
+                     std::to_string(k) + (with_bias ? " bias" : ""));
+        Operand w, proj, residual, weight, bias;
+        make_operand(&w, n * k, dt, 900 + n + k, false);
+        make_operand(&proj, k, dt, 41 + k, false);
+        make_operand(&residual, k, dt, 77 + k, false);
+        make_operand(&weight, k, dt, 13 + k, false);
+        make_operand(&bias, n, dt, 5 + n, false);
+        const void* b = with_bias ? bias.dev.get() : nullptr;
+        const size_t row = static_cast<size_t>(k) * 2, outb = static_cast<size_t>(n) * 2;
+        // The two kernels.
+        auto res1 = DeviceBuffer::allocate(row, "residual");
+        auto normed1 = DeviceBuffer::allocate(row, "normed");
+        auto out1 = DeviceBuffer::allocate(outb, "out");
+        ASSERT_TRUE(res1 && normed1 && out1);
+        ASSERT_EQ(cudaMemcpy(res1->get(), residual.dev.get(), row, cudaMemcpyDeviceToDevice),
+                  cudaSuccess);
+        ASSERT_TRUE(add_rms_norm(dt, proj.dev.get(), res1->get(), weight.dev.get(), 1, k, 1e-5f,
+                                 normed1->get(), stream)
+                        .is_ok());
+        ASSERT_TRUE(
+            gemv(1, n, k, dt, dt, normed1->get(), w.dev.get(), b, out1->get(), stream).is_ok());
+        // The one kernel, twice through a graph from the same inputs.
+        auto res2 = DeviceBuffer::allocate(row, "residual");
+        auto normed2 = DeviceBuffer::allocate(row, "normed");
+        auto out2 = DeviceBuffer::allocate(outb, "out");
+        ASSERT_TRUE(res2 && normed2 && out2);
+        GemvAddRmsNorm a;
+        a.proj = proj.dev.get();
+        a.residual = res2->get();
+        a.weight = weight.dev.get();
+        a.eps = 1e-5f;
+        a.normed = normed2->get();
+        a.arrivals = arrivals->as<int32_t>();
+        ASSERT_TRUE(gemv_add_rms_norm_takes(n, k, dt, a, w.dev.get()));
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        const Status st = gemv_add_rms_norm(n, k, dt, a, w.dev.get(), b, out2->get(), stream);
+        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        for (int replay = 0; replay < 2; ++replay) {
+          ASSERT_EQ(cudaMemcpy(res2->get(), residual.dev.get(), row, cudaMemcpyDeviceToDevice),
+                    cudaSuccess);
+          for (DeviceBuffer* d : {&*normed2, &*out2}) {
+            ASSERT_EQ(cudaMemset(d->get(), 0xff, d->bytes()), cudaSuccess);
+          }
+          ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          for (const auto& [want, got, bytes] : {std::tuple{&*res1, &*res2, row},
+                                                 {&*normed1, &*normed2, row},
+                                                 {&*out1, &*out2, outb}}) {
+            std::vector<char> h1(bytes), h2(bytes);
+            ASSERT_EQ(cudaMemcpy(h1.data(), want->get(), bytes, cudaMemcpyDeviceToHost),
+                      cudaSuccess);
+            ASSERT_EQ(cudaMemcpy(h2.data(), got->get(), bytes, cudaMemcpyDeviceToHost),
+                      cudaSuccess);
+            EXPECT_EQ(h1, h2) << "replay " << replay;
+          }
+          int32_t left = -1;
+          ASSERT_EQ(cudaMemcpy(&left, arrivals->get(), 4, cudaMemcpyDeviceToHost), cudaSuccess);
+          EXPECT_EQ(left, 0) << "the arrivals counter was left set";
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+    }
+  }
+  // Refused: no counter, normed over proj.
+  Operand w, x;
+  make_operand(&w, 64 * 64, DType::kBF16, 1, false);
+  make_operand(&x, 4 * 64, DType::kBF16, 2, false);
+  GemvAddRmsNorm a;
+  a.proj = x.dev.get();
+  a.residual = static_cast<char*>(x.dev.get()) + 128;
+  a.weight = static_cast<char*>(x.dev.get()) + 256;
+  a.normed = static_cast<char*>(x.dev.get()) + 384;
+  EXPECT_FALSE(gemv_add_rms_norm_takes(64, 64, DType::kBF16, a, w.dev.get()));  // no arrivals
+  a.arrivals = arrivals->as<int32_t>();
+  EXPECT_TRUE(gemv_add_rms_norm_takes(64, 64, DType::kBF16, a, w.dev.get()));
+  a.normed = x.dev.get();
+  EXPECT_FALSE(gemv_add_rms_norm(64, 64, DType::kBF16, a, w.dev.get(), nullptr,
+                                 static_cast<char*>(x.dev.get()) + 256, nullptr)
+                   .is_ok());
+  cudaStreamDestroy(stream);
+}
+
 TEST(GemvTest, ChainedInAGraphEachWaitsForItsInput) {
   REQUIRE_CUDA_DEVICE();
   auto gemm = make_gemm();
