@@ -519,19 +519,20 @@ class CudaModel::Ops {
     const int64_t n = m_.plan_.qkv_rows(m_.config_);
     if (norm_in_qkv_) {
       norm_in_qkv_ = false;
-      return cuda::gemv_add_rms_norm(n, H_, dt_, norm_args(w), w.qkv.w, w.qkv_bias, m_.qkv_.get(),
-                                     st_);
+      return cuda::gemv_add_rms_norm(n, H_, dt_, dt_, norm_args(w.input_norm), w.qkv.w, w.qkv_bias,
+                                     m_.qkv_.get(), st_);
     }
     return linear(w.qkv, T_, n, H_, m_.hidden_.get(), w.qkv_bias, m_.qkv_.get());
   }
 
-  // input_norm(i, add = true) then qkv(i) as one kernel: what add_rms_norm and the GEMV compute,
-  // the same bits (gemv.h), for one row, plain RMSNorm (not Gemma's) and a 16-bit q|k|v.
-  cuda::GemvAddRmsNorm norm_args(const CudaLayer& w) const {
+  // input_norm(i, add = true) then qkv(i), and post_norm(i) then the MLP's first GEMV (gate_up, or
+  // an MoE layer's router), as one kernel each: what add_rms_norm and the GEMV compute, the same
+  // bits (gemv.h), for one row, plain RMSNorm (not Gemma's) and 16-bit weights.
+  cuda::GemvAddRmsNorm norm_args(const void* norm_weight) const {
     cuda::GemvAddRmsNorm a;
     a.proj = m_.proj_.get();
     a.residual = m_.residual_.get();
-    a.weight = w.input_norm;
+    a.weight = norm_weight;
     a.eps = eps_;
     a.normed = m_.hidden_.get();
     a.arrivals = m_.norm_arrivals_.as<int32_t>();
@@ -540,8 +541,20 @@ class CudaModel::Ops {
   bool fused_norm_qkv(int64_t i) const {
     const CudaLayer& w = m_.weights_->layer(i);
     return T_ == 1 && !unit_ && !m_.config_.sandwich_norms && !w.qkv.is_fp8() && !w.qkv.int4() &&
-           cuda::gemv_add_rms_norm_takes(m_.plan_.qkv_rows(m_.config_), H_, dt_, norm_args(w),
-                                         w.qkv.w);
+           cuda::gemv_add_rms_norm_takes(m_.plan_.qkv_rows(m_.config_), H_, dt_, dt_,
+                                         norm_args(w.input_norm), w.qkv.w);
+  }
+  bool fused_norm_mlp(int64_t i) const {
+    const CudaLayer& w = m_.weights_->layer(i);
+    if (T_ != 1 || unit_ || m_.config_.sandwich_norms) return false;
+    if (w.moe()) {  // the router's GEMV (fp32 logits); a shared expert reads hidden before it
+      return w.shared_gate_up == nullptr &&
+             cuda::gemv_add_rms_norm_takes(m_.config_.moe.num_experts, H_, dt_, DType::kF32,
+                                           norm_args(w.post_norm), w.router);
+    }
+    return !w.gate_up.is_fp8() && !w.gate_up.int4() &&
+           cuda::gemv_add_rms_norm_takes(2 * m_.plan_.intermediate, H_, dt_, dt_,
+                                         norm_args(w.post_norm), w.gate_up.w);
   }
 
   Status rope_cache(int64_t i) {
@@ -577,6 +590,9 @@ class CudaModel::Ops {
 
   Status post_norm(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
+    // Batch-1 decode: the add and the norm run in the MLP's first GEMV (fused_norm_mlp).
+    norm_in_mlp_ = fused_norm_mlp(i);
+    if (norm_in_mlp_) return Status::ok();
     const void* mlp_norm = w.post_norm;
     if (m_.config_.sandwich_norms && !w.gate_up.is_fp8()) {
       // Gemma: post_attention_layernorm of proj, the residual add and pre_feedforward_layernorm
@@ -614,8 +630,15 @@ class CudaModel::Ops {
     const CudaLayer& w = m_.weights_->layer(i);
     if (w.moe()) return moe(i, w);
     const int64_t I = m_.plan_.intermediate;
-    TESSERA_RETURN_IF_ERROR(
-        linear(w.gate_up, T_, 2 * I, H_, m_.hidden_.get(), nullptr, m_.gate_up_.get()));
+    if (norm_in_mlp_) {
+      norm_in_mlp_ = false;
+      TESSERA_RETURN_IF_ERROR(cuda::gemv_add_rms_norm(2 * I, H_, dt_, dt_, norm_args(w.post_norm),
+                                                      w.gate_up.w, nullptr, m_.gate_up_.get(),
+                                                      st_));
+    } else {
+      TESSERA_RETURN_IF_ERROR(
+          linear(w.gate_up, T_, 2 * I, H_, m_.hidden_.get(), nullptr, m_.gate_up_.get()));
+    }
     mark("gate_up");
     if (w.down.is_fp8()) {  // the activation goes to down as FP8
       TESSERA_RETURN_IF_ERROR(cuda::silu_mul_fp8(
@@ -643,6 +666,12 @@ class CudaModel::Ops {
     a.renormalize = moe.norm_topk_prob;
     a.x = m_.hidden_.get();
     a.router = w.router;
+    cuda::GemvAddRmsNorm norm;
+    if (norm_in_mlp_) {  // the router's GEMV computes hidden (moe.h: MoeArgs::norm)
+      norm_in_mlp_ = false;
+      norm = norm_args(w.post_norm);
+      a.norm = &norm;
+    }
     a.experts.gate_up = w.experts_gate_up;
     a.experts.down = w.experts_down;
     a.experts.expert_begin = p.expert_begin;
@@ -763,6 +792,7 @@ class CudaModel::Ops {
   StepTimer* timer_ = nullptr;
   DType dt_ = DType::kBF16;
   bool norm_in_qkv_ = false;  // input_norm left its add and norm to qkv's kernel
+  bool norm_in_mlp_ = false;  // post_norm left its add and norm to the MLP's first kernel
   int64_t T_ = 0, H_ = 0;
   float eps_ = 1e-6f;
   bool unit_ = false;  // Gemma's norms scale by 1 + w (ModelConfig::norm_unit_offset)

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
@@ -242,10 +243,10 @@ Status check_call(int64_t m, int64_t n, int64_t k, DType in, DType out, const vo
   return Status::ok();
 }
 
-template <typename T, int R, int D>
+template <typename T, typename O, int R, int D>
 cudaError_t launch_norm(int64_t n, int64_t k, const GemvAddRmsNorm& a, const void* w,
                         const void* bias, void* y, cudaStream_t stream) {
-  auto kernel = gemv_kernel<T, T, R, D, true>;
+  auto kernel = gemv_kernel<T, O, R, D, true>;
   const dim3 grid(static_cast<unsigned>((n + kWarps * R - 1) / (kWarps * R)));
   NormArgs<T> nrm;
   nrm.residual = static_cast<T*>(a.residual);
@@ -256,7 +257,7 @@ cudaError_t launch_norm(int64_t n, int64_t k, const GemvAddRmsNorm& a, const voi
   nrm.shape = norm::vec_shape(k);
   return launch_pdl(kernel, grid, dim3(kWarps * 32), gemv_add_rms_norm_smem(k), stream,
                     static_cast<const T*>(a.proj), static_cast<const T*>(w),
-                    static_cast<const T*>(bias), static_cast<T*>(y), static_cast<int>(n),
+                    static_cast<const T*>(bias), static_cast<O*>(y), static_cast<int>(n),
                     static_cast<int>(k), nrm);
 }
 
@@ -266,38 +267,48 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 size_t gemv_add_rms_norm_smem(int64_t k) { return static_cast<size_t>(k) * 4; }
 
-bool gemv_add_rms_norm_takes(int64_t n, int64_t k, DType dtype, const GemvAddRmsNorm& a,
+bool gemv_add_rms_norm_takes(int64_t n, int64_t k, DType dtype, DType out, const GemvAddRmsNorm& a,
                              const void* w) {
-  return gemv_takes(1, n, k, dtype, dtype, a.proj, w) && norm::vec_shape(k).v > 0 &&
+  return gemv_takes(1, n, k, dtype, out, a.proj, w) && norm::vec_shape(k).v > 0 &&
          gemv_add_rms_norm_smem(k) <= 48 * 1024 && aligned16(a.residual) && aligned16(a.weight) &&
          aligned16(a.normed) && a.arrivals != nullptr && a.residual != a.proj &&
          a.normed != a.proj && a.normed != a.residual;
 }
 
-Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, const GemvAddRmsNorm& a, const void* w,
-                         const void* bias, void* y, cudaStream_t stream) {
-  if (!gemv_add_rms_norm_takes(n, k, dtype, a, w) || y == nullptr) {
+Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const GemvAddRmsNorm& a,
+                         const void* w, const void* bias, void* y, cudaStream_t stream) {
+  if (!gemv_add_rms_norm_takes(n, k, dtype, out, a, w) || y == nullptr ||
+      (bias != nullptr && out == DType::kF32)) {
     return invalid_argument("gemv_add_rms_norm: n " + std::to_string(n) + " k " +
-                            std::to_string(k) + " " + dtype_name(dtype) +
+                            std::to_string(k) + " " + dtype_name(dtype) + "->" + dtype_name(out) +
                             " is not a call it takes (gemv's shapes, k * 4 bytes of shared "
                             "memory <= 48 KiB, 16-byte aligned buffers, an arrivals counter, "
-                            "proj, residual and normed apart)");
+                            "proj, residual and normed apart, no bias with fp32 out)");
   }
+  // The tiles gemv_tile picks; out in the input's dtype or fp32 (a router's logits).
+  auto by_types = [&](auto r, auto d) {
+    constexpr int R = decltype(r)::value, D = decltype(d)::value;
+    if (dtype == DType::kBF16) {
+      return out == DType::kF32
+                 ? launch_norm<__nv_bfloat16, float, R, D>(n, k, a, w, bias, y, stream)
+                 : launch_norm<__nv_bfloat16, __nv_bfloat16, R, D>(n, k, a, w, bias, y, stream);
+    }
+    return out == DType::kF32 ? launch_norm<__half, float, R, D>(n, k, a, w, bias, y, stream)
+                              : launch_norm<__half, __half, R, D>(n, k, a, w, bias, y, stream);
+  };
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
   const GemvTile tile = gemv_tile(n, k);
   cudaError_t err = cudaSuccess;
-  const bool bf16 = dtype == DType::kBF16;
   switch (tile.rows * 100 + tile.depth) {
     case 202:
-      err = bf16 ? launch_norm<__nv_bfloat16, 2, 2>(n, k, a, w, bias, y, stream)
-                 : launch_norm<__half, 2, 2>(n, k, a, w, bias, y, stream);
+      err = by_types(I2{}, I2{});
       break;
     case 402:
-      err = bf16 ? launch_norm<__nv_bfloat16, 4, 2>(n, k, a, w, bias, y, stream)
-                 : launch_norm<__half, 4, 2>(n, k, a, w, bias, y, stream);
+      err = by_types(I4{}, I2{});
       break;
     case 204:
-      err = bf16 ? launch_norm<__nv_bfloat16, 2, 4>(n, k, a, w, bias, y, stream)
-                 : launch_norm<__half, 2, 4>(n, k, a, w, bias, y, stream);
+      err = by_types(I2{}, I4{});
       break;
     default:
       return internal_error("gemv_add_rms_norm: gemv_tile chose a tile it has no kernel for");

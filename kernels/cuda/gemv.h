@@ -52,7 +52,7 @@ Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in
 // add_rms_norm) in its prologue, for one row: every block normalises the row itself into shared
 // memory, reducing as add_rms_norm's kernel does at width k (the same bits), and the block that
 // gets there last writes residual and normed (what add_rms_norm writes): one launch instead of
-// two. The out dtype is the input's; bias as gemv's.
+// two. out: the input's dtype or fp32 (a router's logits); bias as gemv's.
 //   proj, residual (in/out), weight, normed: [k] dtype, 16-byte aligned, apart
 //   arrivals: one int32, 0 before the first call; every call leaves it 0
 struct GemvAddRmsNorm {
@@ -65,9 +65,9 @@ struct GemvAddRmsNorm {
 };
 // Dynamic shared memory a call takes (the normed row and the residual sum): k * 4 bytes.
 size_t gemv_add_rms_norm_smem(int64_t k);
-bool gemv_add_rms_norm_takes(int64_t n, int64_t k, DType dtype, const GemvAddRmsNorm& a,
+bool gemv_add_rms_norm_takes(int64_t n, int64_t k, DType dtype, DType out, const GemvAddRmsNorm& a,
                              const void* w);
-Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, const GemvAddRmsNorm& a, const void* w,
-                         const void* bias, void* y, cudaStream_t stream);
+Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const GemvAddRmsNorm& a,
+                         const void* w, const void* bias, void* y, cudaStream_t stream);
 
 }  // namespace tessera::cuda

@@ -1036,8 +1036,18 @@ Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
   // The gate Linear's output is a bf16/fp16 tensor in transformers: moe_route rounds the fp32
   // logits to it (what a GEMM with that output dtype gives) before its fp32 softmax.
   const GemmShape router{T, a.num_experts, H, a.dtype, DType::kF32, false};
-  TESSERA_RETURN_IF_ERROR(gemm.linear(router, a.x, a.router, nullptr, logits, stream));
-  MoeCount count;  // the expert balance, counted by the routing kernel
+  if (a.norm != nullptr) {
+    if (T != 1 || shared || a.norm->normed != a.x) {
+      return invalid_argument(
+          "moe: the norm in the router's GEMV takes one token, no shared "
+          "expert, and x as the normed row");
+    }
+    TESSERA_RETURN_IF_ERROR(gemv_add_rms_norm(a.num_experts, H, a.dtype, DType::kF32, *a.norm,
+                                              a.router, nullptr, logits, stream));
+  } else {
+    TESSERA_RETURN_IF_ERROR(gemm.linear(router, a.x, a.router, nullptr, logits, stream));
+  }
+  MoeCount count;  // the expert balance, counted where the routing is computed
   if (a.expert_counts != nullptr) {
     count = {a.expert_counts, a.count_rows, w.expert_begin, w.local_experts};
   }

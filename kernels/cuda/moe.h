@@ -39,6 +39,7 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
 
 namespace tessera::cuda {
 
@@ -166,6 +167,9 @@ struct MoeArgs {
   MoeGemvTiles gemv_tiles;       // the GEMV path's tiles (moe_bench compares them; same bits)
   const void* x = nullptr;       // [tokens, hidden] dtype (the normed activations)
   const void* router = nullptr;  // [num_experts, hidden] dtype
+  // Batch-1 decode without a shared expert: the layer's "residual += proj; x = rms_norm" runs in
+  // the router's GEMV (gemv_add_rms_norm, whose normed row is x); null: x is given.
+  const GemvAddRmsNorm* norm = nullptr;
   MoeExperts experts;
   // Qwen2-MoE's shared expert (null: none): a dense MLP run through `gemm`.
   const void* shared_gate_up = nullptr;      // [2 * shared_inter, hidden] dtype

@@ -469,7 +469,8 @@ TEST(GemvTest, TakesOnlyItsShapes) {
 // y2 = y1 · w2ᵀ, y3 = y2 · w3ᵀ, replayed twice; each against the reference of its GPU input.
 // gemv_add_rms_norm gives add_rms_norm + gemv's bits: the residual sum, the normed row and the
 // output, at widths whose norm kernel runs 32 .. 512 threads with 1 or 2 vectors each (k 64 ..
-// 8192), on the three tiles gemv_tile picks, bf16 and fp16, with and without a bias; captured in
+// 8192), on the three tiles gemv_tile picks, bf16 and fp16, out in the dtype (with and without a
+// bias) and fp32 (a router's logits); captured in
 // a graph and replayed twice (the arrivals counter goes back to 0 each time).
 TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
   REQUIRE_CUDA_DEVICE();
@@ -482,9 +483,10 @@ TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
   ASSERT_EQ(cudaMemset(arrivals->get(), 0, 4), cudaSuccess);
   for (DType dt : {DType::kBF16, DType::kF16}) {
     for (const auto& [n, k] : nk) {
-      for (const bool with_bias : {false, true}) {
-        SCOPED_TRACE(std::string(dtype_name(dt)) + " n " + std::to_string(n) + " k " +
-                     std::to_string(k) + (with_bias ? " bias" : ""));
+      for (const auto& [out, with_bias] :
+           {std::pair{dt, false}, {dt, true}, {DType::kF32, false}}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + "->" + dtype_name(out) + " n " +
+                     std::to_string(n) + " k " + std::to_string(k) + (with_bias ? " bias" : ""));
         Operand w, proj, residual, weight, bias;
         make_operand(&w, n * k, dt, 900 + n + k, false);
         make_operand(&proj, k, dt, 41 + k, false);
@@ -492,7 +494,8 @@ TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
         make_operand(&weight, k, dt, 13 + k, false);
         make_operand(&bias, n, dt, 5 + n, false);
         const void* b = with_bias ? bias.dev.get() : nullptr;
-        const size_t row = static_cast<size_t>(k) * 2, outb = static_cast<size_t>(n) * 2;
+        const size_t row = static_cast<size_t>(k) * 2;
+        const size_t outb = static_cast<size_t>(n) * dtype_size(out);
         // The two kernels.
         auto res1 = DeviceBuffer::allocate(row, "residual");
         auto normed1 = DeviceBuffer::allocate(row, "normed");
@@ -504,24 +507,19 @@ TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
                                  normed1->get(), stream)
                         .is_ok());
         ASSERT_TRUE(
-            gemv(1, n, k, dt, dt, normed1->get(), w.dev.get(), b, out1->get(), stream).is_ok());
+            gemv(1, n, k, dt, out, normed1->get(), w.dev.get(), b, out1->get(), stream).is_ok());
         // The one kernel, twice through a graph from the same inputs.
         auto res2 = DeviceBuffer::allocate(row, "residual");
         auto normed2 = DeviceBuffer::allocate(row, "normed");
         auto out2 = DeviceBuffer::allocate(outb, "out");
         ASSERT_TRUE(res2 && normed2 && out2);
-        GemvAddRmsNorm a;
-        a.proj = proj.dev.get();
-        a.residual = res2->get();
-        a.weight = weight.dev.get();
-        a.eps = 1e-5f;
-        a.normed = normed2->get();
-        a.arrivals = arrivals->as<int32_t>();
-        ASSERT_TRUE(gemv_add_rms_norm_takes(n, k, dt, a, w.dev.get()));
+        const GemvAddRmsNorm a{proj.dev.get(), res2->get(),    weight.dev.get(),
+                               1e-5f,          normed2->get(), arrivals->as<int32_t>()};
+        ASSERT_TRUE(gemv_add_rms_norm_takes(n, k, dt, out, a, w.dev.get()));
         cudaGraph_t graph = nullptr;
         cudaGraphExec_t exec = nullptr;
         ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-        const Status st = gemv_add_rms_norm(n, k, dt, a, w.dev.get(), b, out2->get(), stream);
+        const Status st = gemv_add_rms_norm(n, k, dt, out, a, w.dev.get(), b, out2->get(), stream);
         ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
         ASSERT_TRUE(st.is_ok()) << st.to_string();
         ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
@@ -561,11 +559,11 @@ TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
   a.residual = static_cast<char*>(x.dev.get()) + 128;
   a.weight = static_cast<char*>(x.dev.get()) + 256;
   a.normed = static_cast<char*>(x.dev.get()) + 384;
-  EXPECT_FALSE(gemv_add_rms_norm_takes(64, 64, DType::kBF16, a, w.dev.get()));  // no arrivals
+  EXPECT_FALSE(gemv_add_rms_norm_takes(64, 64, DType::kBF16, DType::kBF16, a, w.dev.get()));
   a.arrivals = arrivals->as<int32_t>();
-  EXPECT_TRUE(gemv_add_rms_norm_takes(64, 64, DType::kBF16, a, w.dev.get()));
+  EXPECT_TRUE(gemv_add_rms_norm_takes(64, 64, DType::kBF16, DType::kBF16, a, w.dev.get()));
   a.normed = x.dev.get();
-  EXPECT_FALSE(gemv_add_rms_norm(64, 64, DType::kBF16, a, w.dev.get(), nullptr,
+  EXPECT_FALSE(gemv_add_rms_norm(64, 64, DType::kBF16, DType::kBF16, a, w.dev.get(), nullptr,
                                  static_cast<char*>(x.dev.get()) + 256, nullptr)
                    .is_ok());
   cudaStreamDestroy(stream);

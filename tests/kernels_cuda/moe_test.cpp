@@ -31,6 +31,7 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
 
 namespace tessera::cuda {
 namespace {
@@ -594,6 +595,68 @@ TEST_P(MoeLayerTest, CapturedInACudaGraphGivesTheEagerBits) {
     l = make_layer(c);  // the original inputs for the next path
   }
   cudaStreamDestroy(stream);
+}
+
+// MoeArgs::norm (batch-1 decode): the layer's residual add and RMSNorm run in the router's GEMV.
+// out, the residual and x (the normed row) have the bits of add_rms_norm then moe_forward.
+TEST(MoeNormTest, TheNormInTheRouterGivesAddRmsNormsBits) {
+  REQUIRE_CUDA_DEVICE();
+  auto gemm = Gemm::create();
+  ASSERT_TRUE(gemm);
+  auto arrivals = DeviceBuffer::allocate(4, "arrivals");
+  ASSERT_TRUE(arrivals);
+  ASSERT_EQ(cudaMemset(arrivals->get(), 0, 4), cudaSuccess);
+  for (const LayerCase& c :
+       {LayerCase{"t1_e8_k2", 1, 8, 2, 64, 48, 0, true, false},
+        LayerCase{"t1_e8_k4_qwen3_widths", 1, 8, 4, 2048, 768, 0, true, false}}) {
+    SCOPED_TRACE(c.name);
+    const Layer l = make_layer(c);
+    const int64_t H = c.hidden;
+    const Tensor proj = upload_bf16(random_values(H, 71, 1.0f));
+    const Tensor residual = upload_bf16(random_values(H, 72, 1.0f));
+    const Tensor norm_w = upload_bf16(random_values(H, 73, 0.5f, 1.0f));
+    auto ws = DeviceBuffer::allocate(
+        moe_workspace_bytes(DType::kBF16, 1, c.experts, c.top_k, c.experts, H, c.inter, 0), "ws");
+    ASSERT_TRUE(ws);
+    struct Run {
+      std::vector<uint16_t> out, residual, x;
+    };
+    const auto run = [&](bool fused) {
+      Run r;
+      auto res = DeviceBuffer::allocate(H * 2, "residual");
+      auto x = DeviceBuffer::allocate(H * 2, "x");
+      auto out = DeviceBuffer::allocate(H * 2, "out");
+      EXPECT_TRUE(res && x && out);
+      if (!(res && x && out)) return r;
+      EXPECT_EQ(cudaMemcpy(res->get(), residual.dev.get(), H * 2, cudaMemcpyDeviceToDevice),
+                cudaSuccess);
+      EXPECT_EQ(cudaMemset(x->get(), 0xff, H * 2), cudaSuccess);
+      EXPECT_EQ(cudaMemset(out->get(), 0xff, H * 2), cudaSuccess);
+      MoeArgs a = gpu_args(l, MoePath::kAuto, *ws, *out);
+      a.x = x->get();
+      const GemvAddRmsNorm norm{proj.dev.get(), res->get(), norm_w.dev.get(),
+                                1e-6f,          x->get(),   arrivals->as<int32_t>()};
+      if (fused) {
+        a.norm = &norm;
+      } else {
+        EXPECT_TRUE(add_rms_norm(DType::kBF16, proj.dev.get(), res->get(), norm_w.dev.get(), 1, H,
+                                 1e-6f, x->get(), nullptr)
+                        .is_ok());
+      }
+      const Status st = moe_forward(a, **gemm, nullptr);
+      EXPECT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      r.out = host_copy<uint16_t>(out->get(), H);
+      r.residual = host_copy<uint16_t>(res->get(), H);
+      r.x = host_copy<uint16_t>(x->get(), H);
+      return r;
+    };
+    const Run want = run(false), got = run(true);
+    EXPECT_EQ(got.residual, want.residual);
+    EXPECT_EQ(got.x, want.x);
+    EXPECT_EQ(got.out, want.out);
+    EXPECT_EQ(host_copy<int32_t>(arrivals->get(), 1), std::vector<int32_t>{0});
+  }
 }
 
 // Every tile of the GEMV path's kernels (moe.h's MoeGemvTiles) gives the default tiles' bits:
