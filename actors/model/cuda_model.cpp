@@ -527,7 +527,8 @@ class CudaModel::Ops {
 
   // input_norm(i, add = true) then qkv(i), and post_norm(i) then the MLP's first GEMV (gate_up, or
   // an MoE layer's router), as one kernel each: what add_rms_norm and the GEMV compute, the same
-  // bits (gemv.h), for one row, plain RMSNorm (not Gemma's) and 16-bit weights.
+  // bits (gemv.h), for one row, plain RMSNorm (not Gemma's), 16-bit weights and a GEMV of one
+  // wave of blocks (gemv_add_rms_norm_one_wave).
   cuda::GemvAddRmsNorm norm_args(const void* norm_weight) const {
     cuda::GemvAddRmsNorm a;
     a.proj = m_.proj_.get();
@@ -540,21 +541,25 @@ class CudaModel::Ops {
   }
   bool fused_norm_qkv(int64_t i) const {
     const CudaLayer& w = m_.weights_->layer(i);
+    const int64_t n = m_.plan_.qkv_rows(m_.config_);
     return T_ == 1 && !unit_ && !m_.config_.sandwich_norms && !w.qkv.is_fp8() && !w.qkv.int4() &&
-           cuda::gemv_add_rms_norm_takes(m_.plan_.qkv_rows(m_.config_), H_, dt_, dt_,
-                                         norm_args(w.input_norm), w.qkv.w);
+           cuda::gemv_add_rms_norm_takes(n, H_, dt_, dt_, norm_args(w.input_norm), w.qkv.w) &&
+           cuda::gemv_add_rms_norm_one_wave(n, H_, dt_, dt_);
   }
   bool fused_norm_mlp(int64_t i) const {
     const CudaLayer& w = m_.weights_->layer(i);
     if (T_ != 1 || unit_ || m_.config_.sandwich_norms) return false;
     if (w.moe()) {  // the router's GEMV (fp32 logits); a shared expert reads hidden before it
+      const int64_t e = m_.config_.moe.num_experts;
       return w.shared_gate_up == nullptr &&
-             cuda::gemv_add_rms_norm_takes(m_.config_.moe.num_experts, H_, dt_, DType::kF32,
-                                           norm_args(w.post_norm), w.router);
+             cuda::gemv_add_rms_norm_takes(e, H_, dt_, DType::kF32, norm_args(w.post_norm),
+                                           w.router) &&
+             cuda::gemv_add_rms_norm_one_wave(e, H_, dt_, DType::kF32);
     }
+    const int64_t n = 2 * m_.plan_.intermediate;
     return !w.gate_up.is_fp8() && !w.gate_up.int4() &&
-           cuda::gemv_add_rms_norm_takes(2 * m_.plan_.intermediate, H_, dt_, dt_,
-                                         norm_args(w.post_norm), w.gate_up.w);
+           cuda::gemv_add_rms_norm_takes(n, H_, dt_, dt_, norm_args(w.post_norm), w.gate_up.w) &&
+           cuda::gemv_add_rms_norm_one_wave(n, H_, dt_, dt_);
   }
 
   Status rope_cache(int64_t i) {

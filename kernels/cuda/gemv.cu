@@ -3,8 +3,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
@@ -243,22 +246,34 @@ Status check_call(int64_t m, int64_t n, int64_t k, DType in, DType out, const vo
   return Status::ok();
 }
 
-template <typename T, typename O, int R, int D>
-cudaError_t launch_norm(int64_t n, int64_t k, const GemvAddRmsNorm& a, const void* w,
-                        const void* bias, void* y, cudaStream_t stream) {
-  auto kernel = gemv_kernel<T, O, R, D, true>;
-  const dim3 grid(static_cast<unsigned>((n + kWarps * R - 1) / (kWarps * R)));
-  NormArgs<T> nrm;
-  nrm.residual = static_cast<T*>(a.residual);
-  nrm.weight = static_cast<const T*>(a.weight);
-  nrm.eps = a.eps;
-  nrm.normed = static_cast<T*>(a.normed);
-  nrm.arrivals = a.arrivals;
-  nrm.shape = norm::vec_shape(k);
-  return launch_pdl(kernel, grid, dim3(kWarps * 32), gemv_add_rms_norm_smem(k), stream,
-                    static_cast<const T*>(a.proj), static_cast<const T*>(w),
-                    static_cast<const T*>(bias), static_cast<O*>(y), static_cast<int>(n),
-                    static_cast<int>(k), nrm);
+// Calls f(kernel, std::pair<T, O>{}) with the NORM kernel of gemv_tile(n, k)'s tile for these
+// types; cudaErrorNotSupported for a tile it has no kernel for.
+template <typename F>
+cudaError_t with_norm_kernel(int64_t n, int64_t k, DType dtype, DType out, F&& f) {
+  auto by_types = [&](auto r, auto d) {
+    constexpr int R = decltype(r)::value, D = decltype(d)::value;
+    if (dtype == DType::kBF16) {
+      using T = __nv_bfloat16;
+      return out == DType::kF32 ? f(gemv_kernel<T, float, R, D, true>, std::pair<T, float>{})
+                                : f(gemv_kernel<T, T, R, D, true>, std::pair<T, T>{});
+    }
+    using T = __half;
+    return out == DType::kF32 ? f(gemv_kernel<T, float, R, D, true>, std::pair<T, float>{})
+                              : f(gemv_kernel<T, T, R, D, true>, std::pair<T, T>{});
+  };
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
+  const GemvTile tile = gemv_tile(n, k);
+  switch (tile.rows * 100 + tile.depth) {
+    case 202:
+      return by_types(I2{}, I2{});
+    case 402:
+      return by_types(I4{}, I2{});
+    case 204:
+      return by_types(I2{}, I4{});
+    default:
+      return cudaErrorNotSupported;
+  }
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -275,6 +290,44 @@ bool gemv_add_rms_norm_takes(int64_t n, int64_t k, DType dtype, DType out, const
          a.normed != a.proj && a.normed != a.residual;
 }
 
+bool gemv_add_rms_norm_one_wave(int64_t n, int64_t k, DType dtype, DType out) {
+  if (!gemv_takes(1, n, k, dtype, out, nullptr, nullptr) || norm::vec_shape(k).v <= 0) {
+    return false;
+  }
+  // Blocks a multiprocessor holds at once, per (device, shape, types): the query is a host call,
+  // and the model asks twice a layer every decode step.
+  struct Known {
+    int device;
+    int64_t n, k;
+    DType dtype, out;
+    int64_t blocks;
+  };
+  static std::mutex mu;
+  static std::vector<Known> known;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  const int64_t rows = int64_t{kWarps} * gemv_tile(n, k).rows;
+  const int64_t grid = (n + rows - 1) / rows;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Known& e : known) {
+    if (e.device == device && e.n == n && e.k == k && e.dtype == dtype && e.out == out) {
+      return grid <= e.blocks;
+    }
+  }
+  int per_sm = 0;
+  const cudaError_t err = with_norm_kernel(n, k, dtype, out, [&](auto kernel, auto) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32,
+                                                         gemv_add_rms_norm_smem(k));
+  });
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const int64_t blocks = int64_t{per_sm} * current_sm_count();
+  known.push_back({device, n, k, dtype, out, blocks});
+  return grid <= blocks;
+}
+
 Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const GemvAddRmsNorm& a,
                          const void* w, const void* bias, void* y, cudaStream_t stream) {
   if (!gemv_add_rms_norm_takes(n, k, dtype, out, a, w) || y == nullptr ||
@@ -285,33 +338,25 @@ Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const Gem
                             "memory <= 48 KiB, 16-byte aligned buffers, an arrivals counter, "
                             "proj, residual and normed apart, no bias with fp32 out)");
   }
-  // The tiles gemv_tile picks; out in the input's dtype or fp32 (a router's logits).
-  auto by_types = [&](auto r, auto d) {
-    constexpr int R = decltype(r)::value, D = decltype(d)::value;
-    if (dtype == DType::kBF16) {
-      return out == DType::kF32
-                 ? launch_norm<__nv_bfloat16, float, R, D>(n, k, a, w, bias, y, stream)
-                 : launch_norm<__nv_bfloat16, __nv_bfloat16, R, D>(n, k, a, w, bias, y, stream);
-    }
-    return out == DType::kF32 ? launch_norm<__half, float, R, D>(n, k, a, w, bias, y, stream)
-                              : launch_norm<__half, __half, R, D>(n, k, a, w, bias, y, stream);
-  };
-  using I2 = std::integral_constant<int, 2>;
-  using I4 = std::integral_constant<int, 4>;
-  const GemvTile tile = gemv_tile(n, k);
-  cudaError_t err = cudaSuccess;
-  switch (tile.rows * 100 + tile.depth) {
-    case 202:
-      err = by_types(I2{}, I2{});
-      break;
-    case 402:
-      err = by_types(I4{}, I2{});
-      break;
-    case 204:
-      err = by_types(I2{}, I4{});
-      break;
-    default:
-      return internal_error("gemv_add_rms_norm: gemv_tile chose a tile it has no kernel for");
+  const cudaError_t err = with_norm_kernel(n, k, dtype, out, [&](auto kernel, auto t) {
+    using T = typename decltype(t)::first_type;
+    using O = typename decltype(t)::second_type;
+    const int rows = kWarps * gemv_tile(n, k).rows;
+    const dim3 grid(static_cast<unsigned>((n + rows - 1) / rows));
+    NormArgs<T> nrm;
+    nrm.residual = static_cast<T*>(a.residual);
+    nrm.weight = static_cast<const T*>(a.weight);
+    nrm.eps = a.eps;
+    nrm.normed = static_cast<T*>(a.normed);
+    nrm.arrivals = a.arrivals;
+    nrm.shape = norm::vec_shape(k);
+    return launch_pdl(kernel, grid, dim3(kWarps * 32), gemv_add_rms_norm_smem(k), stream,
+                      static_cast<const T*>(a.proj), static_cast<const T*>(w),
+                      static_cast<const T*>(bias), static_cast<O*>(y), static_cast<int>(n),
+                      static_cast<int>(k), nrm);
+  });
+  if (err == cudaErrorNotSupported) {
+    return internal_error("gemv_add_rms_norm: gemv_tile chose a tile it has no kernel for");
   }
   TESSERA_CUDA_RETURN_IF_ERROR(err, "gemv_add_rms_norm");
   return launch_status("gemv_add_rms_norm");

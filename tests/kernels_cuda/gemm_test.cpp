@@ -569,6 +569,28 @@ TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
   cudaStreamDestroy(stream);
 }
 
+// The model fuses the norm into a GEMV only when its grid is one wave: a router's 128 rows are,
+// a grid of a million rows is not, the answer falls from yes to no once as n grows (the grid
+// only grows with n), and a shape gemv does not take is never one.
+TEST(GemvTest, OneWaveOfTheNormsGemvGrowsWithTheGrid) {
+  REQUIRE_CUDA_DEVICE();
+  EXPECT_TRUE(gemv_add_rms_norm_one_wave(128, 2048, DType::kBF16, DType::kF32));
+  EXPECT_FALSE(gemv_add_rms_norm_one_wave(int64_t{1} << 20, 4096, DType::kBF16, DType::kBF16));
+  EXPECT_FALSE(gemv_add_rms_norm_one_wave(128, 2047, DType::kBF16, DType::kBF16));
+  EXPECT_FALSE(gemv_add_rms_norm_one_wave(128, 2048, DType::kF32, DType::kF32));
+  for (const int64_t k : {2048, 4096}) {
+    int changes = 0;
+    bool before = true;
+    for (int64_t n = 256; n <= 65536; n += 256) {
+      const bool now = gemv_add_rms_norm_one_wave(n, k, DType::kBF16, DType::kBF16);
+      EXPECT_EQ(now, gemv_add_rms_norm_one_wave(n, k, DType::kBF16, DType::kBF16));  // cached
+      changes += now != before;
+      before = now;
+    }
+    EXPECT_EQ(changes, 1) << "k " << k;
+  }
+}
+
 TEST(GemvTest, ChainedInAGraphEachWaitsForItsInput) {
   REQUIRE_CUDA_DEVICE();
   auto gemm = make_gemm();
