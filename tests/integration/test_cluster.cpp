@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 namespace tessera::testing {
 
@@ -254,16 +255,14 @@ std::string TestCluster::token() const {
 }
 
 std::string TestCluster::start_head(const std::vector<std::string>& extra) {
-  std::vector<std::string> args = {"start",
-                                   "--head",
-                                   "--port",
-                                   "0",
-                                   "--temp-dir",
-                                   root_,
-                                   "--heartbeat-ms",
-                                   "100",
-                                   "--missed-heartbeats",
-                                   "5"};
+  std::vector<std::string> args = {"start", "--head", "--port", "0", "--temp-dir", root_};
+  // Fast heartbeats (a member is dead after 500 ms of silence), unless the test sets its own.
+  for (const auto& [flag, value] : {std::pair<const char*, const char*>{"--heartbeat-ms", "100"},
+                                    {"--missed-heartbeats", "5"}}) {
+    if (std::find(extra.begin(), extra.end(), flag) == extra.end()) {
+      args.insert(args.end(), {flag, value});
+    }
+  }
   args.insert(args.end(), extra.begin(), extra.end());
   // This root is also the daemons' default root, so `start` records nothing in the real one
   // (the current_root pointer `tessera status` follows).

@@ -68,7 +68,8 @@ class TestCluster {
   TestCluster();
   ~TestCluster();
 
-  // `tessera start --head` with fast heartbeats; returns the head's address ("" on failure,
+  // `tessera start --head` with fast heartbeats (100 ms, dead after 5 missed; `extra` may set
+  // --heartbeat-ms / --missed-heartbeats itself); returns the head's address ("" on failure,
   // with the command's output in last()).
   std::string start_head(const std::vector<std::string>& extra = {});
   // `tessera start --address <head>`; returns the member's node id ("" on failure).
