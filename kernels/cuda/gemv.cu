@@ -213,10 +213,16 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// Blocks of a call with R rows per warp (the launch and gemv_add_rms_norm_one_wave agree on it).
+int64_t grid_blocks(int64_t n, int rows_per_warp) {
+  const int64_t rows = int64_t{kWarps} * rows_per_warp;
+  return (n + rows - 1) / rows;
+}
+
 template <typename T, typename O, int R, int D>
 cudaError_t launch(int64_t n, int64_t k, const void* x, const void* w, const void* bias, void* y,
                    cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((n + kWarps * R - 1) / (kWarps * R)));
+  const dim3 grid(static_cast<unsigned>(grid_blocks(n, R)));
   return launch_pdl(gemv_kernel<T, O, R, D>, grid, dim3(kWarps * 32), 0, stream,
                     static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias),
                     static_cast<O*>(y), static_cast<int>(n), static_cast<int>(k), NormArgs<T>{});
@@ -306,8 +312,7 @@ bool gemv_add_rms_norm_one_wave(int64_t n, int64_t k, DType dtype, DType out) {
   static std::vector<Known> known;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const int64_t rows = int64_t{kWarps} * gemv_tile(n, k).rows;
-  const int64_t grid = (n + rows - 1) / rows;
+  const int64_t grid = grid_blocks(n, gemv_tile(n, k).rows);
   std::lock_guard<std::mutex> lock(mu);
   for (const Known& e : known) {
     if (e.device == device && e.n == n && e.k == k && e.dtype == dtype && e.out == out) {
@@ -341,8 +346,7 @@ Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const Gem
   const cudaError_t err = with_norm_kernel(n, k, dtype, out, [&](auto kernel, auto t) {
     using T = typename decltype(t)::first_type;
     using O = typename decltype(t)::second_type;
-    const int rows = kWarps * gemv_tile(n, k).rows;
-    const dim3 grid(static_cast<unsigned>((n + rows - 1) / rows));
+    const dim3 grid(static_cast<unsigned>(grid_blocks(n, gemv_tile(n, k).rows)));
     NormArgs<T> nrm;
     nrm.residual = static_cast<T*>(a.residual);
     nrm.weight = static_cast<const T*>(a.weight);
