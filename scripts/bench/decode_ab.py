@@ -46,7 +46,8 @@ def main():
                 mine = sorted((r for r in rs if r[0] == side and r[2] == (mode == "async")),
                               key=lambda r: r[1])
                 if not mine:
-                    missing += 1
+                    # No async runs at all: gpu-check's DECODE_AB_ASYNC=0 left them out.
+                    missing += mode == "sync" or any(r[2] for r in rs)
                     continue
                 b1 = [r[3]["scenarios"]["batch1_decode"] for r in mine]
                 rounds = [statistics.median(b["decode_tok_s"]) for b in b1]

@@ -70,3 +70,23 @@ def test_decode_ab_gives_medians_ratios_and_fails_on_a_missing_run(tmp_path):
     assert abs(roof["fraction"] - 111.0 / roof["roofline_tok_s"]) < 1e-12
     (runs / "gemma2-9b-old-1-async.json").unlink()
     assert run(SCRIPTS / "decode_ab.py", runs, work, 2000, out).returncode == 1
+
+
+def test_decode_ab_without_async_runs_is_complete(tmp_path):
+    # gpu-check's DECODE_AB_ASYNC=0 runs no --async-scheduling round: not a missing run, while a
+    # missing sync run (or one async side of two) still is.
+    runs, work = tmp_path / "runs", tmp_path / "work"
+    runs.mkdir()
+    for side, tok_s in (("old", [100.0]), ("new", [110.0])):
+        (runs / f"llama3-8b-{side}-1.json").write_text(json.dumps(report(tok_s)))
+    out = tmp_path / "ab.json"
+    r = run(SCRIPTS / "decode_ab.py", runs, work, 0, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(out.read_text())["presets"]["llama3-8b"]
+    assert abs(got["sync"]["new_over_old"] - 1.1) < 1e-12
+    assert "new_over_old" not in got["async"]
+    (runs / "llama3-8b-new-1-async.json").write_text(json.dumps(report([1.0])))
+    assert run(SCRIPTS / "decode_ab.py", runs, work, 0, out).returncode == 1
+    (runs / "llama3-8b-new-1-async.json").unlink()
+    (runs / "llama3-8b-new-1.json").unlink()
+    assert run(SCRIPTS / "decode_ab.py", runs, work, 0, out).returncode == 1
