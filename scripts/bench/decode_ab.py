@@ -47,7 +47,8 @@ def main():
                               key=lambda r: r[1])
                 if not mine:
                     # No async runs at all: gpu-check's DECODE_AB_ASYNC=0 left them out.
-                    missing += mode == "sync" or any(r[2] for r in rs)
+                    if mode == "sync" or any(r[2] for r in rs):
+                        missing += 1
                     continue
                 b1 = [r[3]["scenarios"]["batch1_decode"] for r in mine]
                 rounds = [statistics.median(b["decode_tok_s"]) for b in b1]
