@@ -54,6 +54,18 @@ class BySize final : public Communicator {
     const uint64_t bytes = static_cast<uint64_t>(count) * dtype_size(dtype);
     return (bytes <= small_max_ ? small_ : large_)->all_reduce_sum(data, count, dtype, stream);
   }
+  // Fused where the size goes through `small`, so the path per size stays the one above.
+  bool fuses_add_rms_norm(int64_t rows, int64_t hidden, DType dtype) const override {
+    const uint64_t bytes = static_cast<uint64_t>(rows * hidden) * dtype_size(dtype);
+    return bytes <= small_max_ && small_->fuses_add_rms_norm(rows, hidden, dtype);
+  }
+  Status all_reduce_add_rms_norm(const void* x, const AddRmsNorm& norm, DType dtype,
+                                 void* stream) override {
+    if (!fuses_add_rms_norm(norm.rows, norm.hidden, dtype)) {
+      return Communicator::all_reduce_add_rms_norm(x, norm, dtype, stream);
+    }
+    return small_->all_reduce_add_rms_norm(x, norm, dtype, stream);
+  }
   Status all_gather(const void* in, int64_t count, DType dtype, void* out, void* stream) override {
     const uint64_t bytes =
         static_cast<uint64_t>(count) * dtype_size(dtype) * static_cast<uint64_t>(size());

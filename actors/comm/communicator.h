@@ -42,6 +42,32 @@ class Communicator {
   // cpu backend).
   virtual Status all_reduce_sum(void* data, int64_t count, DType dtype, void* stream) = 0;
 
+  // The tensor-parallel layer's all-reduce and the residual add and RMSNorm after it, in one
+  // kernel where the group's path for this size has one (the custom all-reduce:
+  // custom_all_reduce.h's all_reduce_add_rms_norm): residual = round(residual + the sum of x);
+  // out = RMSNorm(residual) * weight, with the bits of all_reduce_sum and then the cuda
+  // backend's add_rms_norm; x is left as it was. Callers ask fuses_add_rms_norm first (the same
+  // answer on every rank) and otherwise all_reduce_sum and norm; the others refuse it
+  // (FAILED_PRECONDITION).
+  struct AddRmsNorm {
+    void* residual = nullptr;      // [rows, hidden] dtype
+    const void* weight = nullptr;  // [hidden] dtype
+    void* out = nullptr;           // [rows, hidden] dtype
+    int64_t rows = 0;
+    int64_t hidden = 0;
+    float eps = 0.0f;
+  };
+  virtual bool fuses_add_rms_norm(int64_t /*rows*/, int64_t /*hidden*/, DType /*dtype*/) const {
+    return false;
+  }
+  virtual Status all_reduce_add_rms_norm(const void* /*x*/, const AddRmsNorm& norm, DType dtype,
+                                         void* /*stream*/) {
+    return failed_precondition("this group fuses no all-reduce with add + RMSNorm for " +
+                               std::to_string(norm.rows) + " x " + std::to_string(norm.hidden) +
+                               " " + dtype_name(dtype) +
+                               " (ask fuses_add_rms_norm; else all_reduce_sum, then the norm)");
+  }
+
   // out[r * count .. (r + 1) * count) = rank r's `in`, for every rank r (rank order).
   virtual Status all_gather(const void* in, int64_t count, DType dtype, void* out,
                             void* stream) = 0;

@@ -46,6 +46,27 @@ Status IpcCommunicator::all_reduce_sum(void* data, int64_t count, DType dtype, v
   return Status::ok();
 }
 
+bool IpcCommunicator::fuses_add_rms_norm(int64_t rows, int64_t hidden, DType dtype) const {
+  // Where the all-reduce alone takes the one-shot: the fused kernel is one (past that size every
+  // rank reads every peer's whole input, and the two-shot reads less at 4 and 8 ranks).
+  const int64_t bytes = rows * hidden * static_cast<int64_t>(dtype_size(dtype));
+  return rows >= 0 && bytes <= impl_->max_bytes() &&
+         impl_->choose(bytes) == cuda::AllReduceAlgo::kOneShot &&
+         impl_->fuses_add_rms_norm(hidden, dtype);
+}
+
+Status IpcCommunicator::all_reduce_add_rms_norm(const void* x, const AddRmsNorm& norm, DType dtype,
+                                                void* stream) {
+  if (!fuses_add_rms_norm(norm.rows, norm.hidden, dtype)) {
+    return Communicator::all_reduce_add_rms_norm(x, norm, dtype, stream);
+  }
+  Status st =
+      impl_->all_reduce_add_rms_norm(x, norm.residual, norm.weight, norm.rows, norm.hidden,
+                                     norm.eps, norm.out, dtype, static_cast<cudaStream_t>(stream));
+  if (!st) return st.with_context("all-reduce + add + RMSNorm over the ipc buffers");
+  return Status::ok();
+}
+
 Status IpcCommunicator::all_gather(const void* in, int64_t count, DType dtype, void* out,
                                    void* stream) {
   const size_t es = dtype_size(dtype);

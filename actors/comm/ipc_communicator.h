@@ -34,6 +34,10 @@ class IpcCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return world_; }
   Status all_reduce_sum(void* data, int64_t count, DType dtype, void* stream) override;
+  // One call of the custom all-reduce's fused kernel: sizes it all-reduces in one one-shot call.
+  bool fuses_add_rms_norm(int64_t rows, int64_t hidden, DType dtype) const override;
+  Status all_reduce_add_rms_norm(const void* x, const AddRmsNorm& norm, DType dtype,
+                                 void* stream) override;
   Status all_gather(const void* in, int64_t count, DType dtype, void* out, void* stream) override;
   // Not offered yet (like send / recv): FAILED_PRECONDITION saying what to use instead.
   Status all_to_all(const void* in, std::span<const int64_t> send_bytes, void* out,

@@ -478,19 +478,52 @@ class CudaModel::Ops {
                               st_);
   }
 
+  // The tensor-parallel all-reduce of proj waits for the op after it where the group fuses it
+  // with that op's "residual += proj; hidden = RMSNorm(residual)" (Communicator::
+  // fuses_add_rms_norm: the custom all-reduce, one kernel, the same bits): post_norm, the next
+  // layer's input_norm or the final norm take it (reduce_add_rms_norm); an op that cannot
+  // (an FP8 norm, a stage boundary) all-reduces first (reduce_proj). Gemma's sandwich norms
+  // normalise proj before the add: never deferred.
   Status all_reduce(Activation which) {
+    if (which == Activation::kProj && !unit_ && !m_.config_.sandwich_norms &&
+        m_.comms_.tp->fuses_add_rms_norm(T_, H_, dt_)) {
+      proj_unreduced_ = true;
+      return Status::ok();
+    }
     void* buf = which == Activation::kResidual ? m_.residual_.get() : m_.proj_.get();
     return m_.comms_.tp->all_reduce_sum(buf, T_ * H_, dt_, st_);
+  }
+  Status reduce_proj() {
+    if (!proj_unreduced_) return Status::ok();
+    proj_unreduced_ = false;
+    return m_.comms_.tp->all_reduce_sum(m_.proj_.get(), T_ * H_, dt_, st_);
+  }
+  // residual += the all-reduce of proj; hidden = RMSNorm(residual) * weight, in one kernel.
+  Status reduce_add_rms_norm(const void* weight) {
+    proj_unreduced_ = false;
+    comm::Communicator::AddRmsNorm n;
+    n.residual = m_.residual_.get();
+    n.weight = weight;
+    n.out = m_.hidden_.get();
+    n.rows = T_;
+    n.hidden = H_;
+    n.eps = eps_;
+    return m_.comms_.tp->all_reduce_add_rms_norm(m_.proj_.get(), n, dt_, st_);
   }
 
   Status add_residual() {
     // residual += proj; the normed output lands in hidden, unused: a stage boundary.
+    TESSERA_RETURN_IF_ERROR(reduce_proj());
     TESSERA_RETURN_IF_ERROR(post_ff_norm(m_.plan_.num_layers() - 1));
     return cuda::add_residual(dt_, m_.proj_.get(), m_.residual_.get(), T_ * H_, st_);
   }
 
   Status input_norm(int64_t i, bool add) {
     const CudaLayer& w = m_.weights_->layer(i);
+    if (proj_unreduced_) {  // all_reduce left proj to this norm
+      if (!w.qkv.is_fp8()) return reduce_add_rms_norm(w.input_norm);
+      TESSERA_RETURN_IF_ERROR(reduce_proj());
+    }
     // Batch-1 decode of a 16-bit q|k|v: the add and the norm run in qkv's GEMV (below).
     norm_in_qkv_ = add && fused_norm_qkv(i);
     if (norm_in_qkv_) return Status::ok();
@@ -595,6 +628,10 @@ class CudaModel::Ops {
 
   Status post_norm(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
+    if (proj_unreduced_) {  // all_reduce left proj to this norm
+      if (!w.gate_up.is_fp8()) return reduce_add_rms_norm(w.post_norm);
+      TESSERA_RETURN_IF_ERROR(reduce_proj());
+    }
     // Batch-1 decode: the add and the norm run in the MLP's first GEMV (fused_norm_mlp).
     norm_in_mlp_ = fused_norm_mlp(i);
     if (norm_in_mlp_) return Status::ok();
@@ -707,6 +744,8 @@ class CudaModel::Ops {
           dt_, m_.proj_.get(), m_.weights_->layer(p.num_layers() - 1).post_ff_norm,
           m_.residual_.get(), m_.weights_->final_norm(), T_, H_, eps_, m_.hidden_.get(), st_,
           unit_));
+    } else if (proj_unreduced_) {  // all_reduce left proj to the final norm
+      TESSERA_RETURN_IF_ERROR(reduce_add_rms_norm(m_.weights_->final_norm()));
     } else {
       TESSERA_RETURN_IF_ERROR(cuda::add_rms_norm(dt_, m_.proj_.get(), m_.residual_.get(),
                                                  m_.weights_->final_norm(), T_, H_, eps_,
@@ -798,6 +837,7 @@ class CudaModel::Ops {
   DType dt_ = DType::kBF16;
   bool norm_in_qkv_ = false;  // input_norm left its add and norm to qkv's kernel
   bool norm_in_mlp_ = false;  // post_norm left its add and norm to the MLP's first kernel
+  bool proj_unreduced_ = false;  // all_reduce left proj's all-reduce to the norm after it
   int64_t T_ = 0, H_ = 0;
   float eps_ = 1e-6f;
   bool unit_ = false;  // Gemma's norms scale by 1 + w (ModelConfig::norm_unit_offset)

@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/rms_norm.cuh"
 
 namespace tessera::cuda {
 
@@ -208,6 +209,37 @@ __device__ __forceinline__ uint4 reduce_pack(const Args& a, int64_t half, int64_
   return r;
 }
 
+// The start of a call: thread 0 reads the control word for the block (the read is complete, its
+// value in shared memory, before the block can count itself done in finish_call, so the last
+// block's epoch update is never seen by a block of the same call). False when a previous call
+// timed out (the sticky error); else e = this call's epoch (calls completed + 1).
+__device__ __forceinline__ bool begin_call(const Args& a, uint32_t& e) {
+  __shared__ uint32_t s_control[2];
+  if (threadIdx.x == 0) {
+    s_control[0] = ld_volatile(&a.ctl->error);
+    s_control[1] = ld_volatile(&a.ctl->epoch);
+  }
+  __syncthreads();
+  e = s_control[1] + 1u;
+  return s_control[0] == 0u;
+}
+
+// The end of a call: the last block of it advances the epoch (every block has read it by then).
+// A grid of one block (the small sizes, where latency counts) needs no counter.
+__device__ __forceinline__ void finish_call(const Args& a, uint32_t e) {
+  __syncthreads();
+  if (threadIdx.x == 0 && gridDim.x == 1) {
+    *reinterpret_cast<volatile uint32_t*>(&a.ctl->epoch) = e;
+  } else if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(&a.ctl->blocks_done, 1u);
+    if (done == gridDim.x - 1) {
+      a.ctl->blocks_done = 0u;
+      *reinterpret_cast<volatile uint32_t*>(&a.ctl->epoch) = e;
+    }
+  }
+}
+
 // One all-reduce call; see custom_all_reduce.h for the protocol. T: float, __half or
 // __nv_bfloat16; N: world size; grid: one-shot ceil(packs / kThreads) or two-shot
 // ceil(chunk_packs / kThreads) blocks, capped at kMaxGrid, of kThreads threads. Thread
@@ -216,23 +248,14 @@ __device__ __forceinline__ uint4 reduce_pack(const Args& a, int64_t half, int64_
 // so every pack a block reads from a peer was written by the same block index of that peer.
 template <typename T, int N, bool kTwoShot>
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const Args a) {
-  // Thread 0 reads the control word for the block: the read is complete (its value is in shared
-  // memory) before this block can count itself done below, so the last block's epoch update can
-  // never be seen by a block of the same call.
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   // One-shot: the first input pack is loaded before the control word arrives (its latency
   // overlaps; the data half it goes to depends on the epoch).
   uint4 first = make_uint4(0u, 0u, 0u, 0u);
   if (!kTwoShot && tid < a.packs) first = load_in<T>(a, tid);
-  __shared__ uint32_t s_control[2];
-  if (threadIdx.x == 0) {
-    s_control[0] = ld_volatile(&a.ctl->error);
-    s_control[1] = ld_volatile(&a.ctl->epoch);
-  }
-  __syncthreads();
-  if (s_control[0] != 0u) return;  // sticky: a previous call timed out
-  const uint32_t e = s_control[1] + 1u;
+  uint32_t e = 0;
+  if (!begin_call(a, e)) return;  // sticky: a previous call timed out
   const int64_t half = (e & 1u) ? a.half_bytes : 0;
   uint4* own = reinterpret_cast<uint4*>(a.data[a.rank] + half);
 
@@ -268,19 +291,59 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const Args a) {
     }
   }
 
-  // The last block of this call advances the epoch: every block has read it by then. A grid of
-  // one block (the small sizes, where latency counts) needs no counter.
-  __syncthreads();
-  if (threadIdx.x == 0 && gridDim.x == 1) {
-    *reinterpret_cast<volatile uint32_t*>(&a.ctl->epoch) = e;
-  } else if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t done = atomicAdd(&a.ctl->blocks_done, 1u);
-    if (done == gridDim.x - 1) {
-      a.ctl->blocks_done = 0u;
-      *reinterpret_cast<volatile uint32_t*>(&a.ctl->epoch) = e;
+  finish_call(a, e);
+}
+
+// ---- the all-reduce fused with the residual add and RMSNorm (all_reduce_add_rms_norm) ----
+//
+// One-shot with rows over blocks: block b copies rows b, b + G, ... of `in` into this rank's data
+// half, each thread its 16-byte vectors of the row where rms_norm_vec_kernel's shape puts them
+// (norm::vec_shape: V vectors of a thread, j = threadIdx.x + k * blockDim.x), meets block b of
+// every rank at the start barrier (the grid, G = min(rows, kMaxGrid), is the same on every rank),
+// then per row sums the ranks' vectors as reduce_pack does (the all-reduce's bits) and hands them
+// to norm::add_norm_row (add_rms_norm's bits). So the result is all_reduce followed by
+// add_rms_norm, bit for bit, in one kernel: the sum never goes to memory.
+struct NormArgs {
+  void* residual;      // [rows, hidden] T, += the sum
+  const void* weight;  // [hidden] T
+  void* out;           // [rows, hidden] T
+  int64_t rows;
+  int64_t hidden;
+  float eps;
+};
+
+template <typename T, int N, int V>
+__global__ void __launch_bounds__(kThreads)
+    all_reduce_add_rms_norm_kernel(const Args a, const NormArgs n) {
+  __shared__ float scratch[32];
+  const int64_t nvec = n.hidden / dev::kHalfVec;
+  uint4 w[V];
+  norm::load_weight_vecs<V>(static_cast<const T*>(n.weight), n.hidden, w);
+  uint32_t e = 0;
+  if (!begin_call(a, e)) return;  // sticky: a previous call timed out
+  const int64_t half = (e & 1u) ? a.half_bytes : 0;
+  uint4* own = reinterpret_cast<uint4*>(a.data[a.rank] + half);
+  const uint4* in = static_cast<const uint4*>(a.in);
+  for (int64_t row = blockIdx.x; row < n.rows; row += gridDim.x) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (j < nvec) own[row * nvec + j] = in[row * nvec + j];
     }
   }
+  if (!block_barrier<N>(a, 0, e)) return;
+  const norm::StoreRow<T> store(static_cast<T*>(n.out));
+  for (int64_t row = blockIdx.x; row < n.rows; row += gridDim.x) {
+    uint4 hv[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      hv[k] = j < nvec ? reduce_pack<T, N>(a, half, row * nvec + j) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    norm::add_norm_row<T, V, true, false>(hv, static_cast<T*>(n.residual), w, row, n.hidden, n.eps,
+                                          store, scratch);
+  }
+  finish_call(a, e);
 }
 
 // ---- host side ----
@@ -582,23 +645,7 @@ Status CustomAllReduce::all_reduce(const void* in, void* out, int64_t count, DTy
   const bool two_shot =
       (algo == AllReduceAlgo::kAuto ? choose(bytes) : algo) == AllReduceAlgo::kTwoShot;
   Args a;
-  std::memset(&a, 0, sizeof(a));
-  for (int r = 0; r < world_; ++r) {
-    char* base = static_cast<char*>(peer_base_[static_cast<size_t>(r)]);
-    a.sig[r] = reinterpret_cast<Signal*>(base);
-    a.data[r] = base + kSignalBytes;
-  }
-  a.ctl = reinterpret_cast<Control*>(static_cast<char*>(base_) + kControlOffset);
-  a.herr = static_cast<HostError*>(host_error_device_);
-  a.in = in;
-  a.out = out;
-  a.count = count;
-  a.packs = ceil_div(bytes, kPackBytes);
-  a.chunk_packs = ceil_div(a.packs, world_);
-  a.half_bytes = half_bytes_;
-  a.timeout_ns = static_cast<uint64_t>(options_.timeout_ms) * 1000000ull;
-  a.rank = rank_;
-  a.vec_io = (in_addr % kPackBytes == 0 && out_addr % kPackBytes == 0) ? 1 : 0;
+  fill_args(&a, in, out, count, bytes);
   const int64_t work = two_shot ? a.chunk_packs : a.packs;
   const int blocks = static_cast<int>(std::clamp<int64_t>(ceil_div(work, kThreads), 1, kMaxGrid));
 
@@ -617,6 +664,104 @@ Status CustomAllReduce::all_reduce(const void* in, void* out, int64_t count, DTy
       break;  // refused above
   }
   return launch_status(two_shot ? "custom all-reduce (two-shot)" : "custom all-reduce (one-shot)");
+}
+
+void CustomAllReduce::fill_args(void* args, const void* in, void* out, int64_t count,
+                                int64_t bytes) const {
+  Args& a = *static_cast<Args*>(args);
+  std::memset(&a, 0, sizeof(a));
+  for (int r = 0; r < world_; ++r) {
+    char* base = static_cast<char*>(peer_base_[static_cast<size_t>(r)]);
+    a.sig[r] = reinterpret_cast<Signal*>(base);
+    a.data[r] = base + kSignalBytes;
+  }
+  a.ctl = reinterpret_cast<Control*>(static_cast<char*>(base_) + kControlOffset);
+  a.herr = static_cast<HostError*>(host_error_device_);
+  a.in = in;
+  a.out = out;
+  a.count = count;
+  a.packs = ceil_div(bytes, kPackBytes);
+  a.chunk_packs = ceil_div(a.packs, world_);
+  a.half_bytes = half_bytes_;
+  a.timeout_ns = static_cast<uint64_t>(options_.timeout_ms) * 1000000ull;
+  a.rank = rank_;
+  a.vec_io = (reinterpret_cast<uintptr_t>(in) % kPackBytes == 0 &&
+              reinterpret_cast<uintptr_t>(out) % kPackBytes == 0)
+                 ? 1
+                 : 0;
+}
+
+bool CustomAllReduce::fuses_add_rms_norm(int64_t hidden, DType dtype) const {
+  return (world_ == 2 || world_ == 4 || world_ == 8) &&
+         (dtype == DType::kBF16 || dtype == DType::kF16) && hidden > 0 &&
+         hidden % dev::kHalfVec == 0 && norm::vec_shape(hidden).v > 0;
+}
+
+Status CustomAllReduce::all_reduce_add_rms_norm(const void* in, void* residual, const void* weight,
+                                                int64_t rows, int64_t hidden, float eps, void* out,
+                                                DType dtype, cudaStream_t stream) {
+  auto who = [this] {
+    return "custom all-reduce + add + RMSNorm, rank " + std::to_string(rank_) + " of " +
+           std::to_string(world_);
+  };
+  if (!fuses_add_rms_norm(hidden, dtype) || rows < 0) {
+    return invalid_argument(who() + ": rows " + std::to_string(rows) + " x hidden " +
+                            std::to_string(hidden) + " of " + dtype_name(dtype) +
+                            " (fused for 2, 4 or 8 ranks, bf16 or f16, rows >= 0 and hidden a "
+                            "positive multiple of 8 up to 32768: else all_reduce, then "
+                            "add_rms_norm)");
+  }
+  const norm::VecShape shape = norm::vec_shape(hidden);
+  const int64_t bytes = rows * hidden * static_cast<int64_t>(dtype_size(dtype));
+  if (rows > 0 && bytes > options_.max_bytes) {
+    return invalid_argument(who() + ": " + std::to_string(bytes) + " bytes exceed max_bytes " +
+                            std::to_string(options_.max_bytes) + " (all-reduce through NCCL)");
+  }
+  if (!peers_open_) return failed_precondition(who() + ": called before open_peers");
+  TESSERA_RETURN_IF_ERROR(health());
+  if (rows == 0) return Status::ok();
+  for (const void* p :
+       {in, static_cast<const void*>(residual), weight, static_cast<const void*>(out)}) {
+    if (p == nullptr || reinterpret_cast<uintptr_t>(p) % kPackBytes != 0) {
+      return invalid_argument(who() +
+                              ": in, residual, weight and out must be 16-byte aligned "
+                              "device pointers");
+    }
+  }
+  if (residual == in || residual == out) {
+    return invalid_argument(who() + ": residual must not alias in or out");
+  }
+  Args a;
+  fill_args(&a, in, out, rows * hidden, bytes);
+  const NormArgs n{residual, weight, out, rows, hidden, eps};
+  const int blocks = static_cast<int>(std::min<int64_t>(rows, kMaxGrid));
+  const auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    switch (world_ * 10 + shape.v) {  // fuses_add_rms_norm admits no other case
+#define TESSERA_CAR_NORM_CASE(n_, v_)                                                      \
+  case n_ * 10 + v_:                                                                       \
+    all_reduce_add_rms_norm_kernel<T, n_, v_><<<blocks, shape.threads, 0, stream>>>(a, n); \
+    break;
+#define TESSERA_CAR_NORM_WORLD(n_) \
+  TESSERA_CAR_NORM_CASE(n_, 1)     \
+  TESSERA_CAR_NORM_CASE(n_, 2)     \
+  TESSERA_CAR_NORM_CASE(n_, 4)     \
+  TESSERA_CAR_NORM_CASE(n_, 8)
+      TESSERA_CAR_NORM_WORLD(2)
+      TESSERA_CAR_NORM_WORLD(4)
+      TESSERA_CAR_NORM_WORLD(8)
+#undef TESSERA_CAR_NORM_WORLD
+#undef TESSERA_CAR_NORM_CASE
+      default:
+        break;
+    }
+  };
+  if (dtype == DType::kBF16) {
+    launch(__nv_bfloat16{});
+  } else {
+    launch(__half{});
+  }
+  return launch_status("custom all-reduce + add + RMSNorm");
 }
 
 }  // namespace tessera::cuda

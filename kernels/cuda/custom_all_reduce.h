@@ -55,6 +55,10 @@
 // other half. A flag may already hold a later epoch than the one awaited (a fast peer moved on):
 // ">= e" accepts it, and that peer's data for epoch e is still in place by the same argument.
 //
+// all_reduce_add_rms_norm is the one-shot with rows over blocks (block b of every rank copies and
+// reduces rows b, b + G, ...) and, after the reduction, the residual add and RMSNorm of each row
+// (rms_norm.cuh's add_norm_row); it counts as one call of this protocol.
+//
 // Results: sum in fp32 in rank order 0..world-1 (acc = x0; acc += x1; ...), rounded once to
 // dtype, so every rank gets identical bits, equal to that fp32 sum on the CPU rounded to
 // nearest even. Both algorithms give the same bits.
@@ -164,6 +168,23 @@ class CustomAllReduce {
   Status all_reduce(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream,
                     AllReduceAlgo algo = AllReduceAlgo::kAuto);
 
+  // all_reduce(in) and then add_rms_norm (kernels/cuda/elementwise.h) in one kernel, bit for bit:
+  // sum = the all-reduce of in (left as it was); residual = round(residual + sum);
+  // out = RMSNorm(residual) * weight. The one-shot protocol with a row per block (whatever the
+  // size), so peers must make the same call (same rows, hidden, dtype) at this point of their
+  // sequence; each call counts as one all-reduce call (the epoch).
+  //   in, out: [rows, hidden] dtype (out may alias in); residual: [rows, hidden] dtype (apart
+  //   from both); weight: [hidden] dtype; all 16-byte aligned, on this rank's GPU
+  //   dtype kBF16 or kF16; hidden a multiple of 8, at most 32768; 2, 4 or 8 ranks
+  //   (fuses_add_rms_norm)
+  // INVALID_ARGUMENT for those, or rows x hidden past max_bytes; otherwise as all_reduce.
+  Status all_reduce_add_rms_norm(const void* in, void* residual, const void* weight, int64_t rows,
+                                 int64_t hidden, float eps, void* out, DType dtype,
+                                 cudaStream_t stream);
+
+  // Whether all_reduce_add_rms_norm takes rows of `hidden` in `dtype` in this group.
+  bool fuses_add_rms_norm(int64_t hidden, DType dtype) const;
+
   // OK, or DEADLINE_EXCEEDED once a kernel of this object timed out: "custom all-reduce rank 1 of
   // 3: rank 2 (GPU 0000:19:00.0, pid 4242) did not arrive at barrier 'start' of call 7 (block 0)
   // within 1000 ms; ...". Reads host memory the kernel writes: cheap, never blocks, safe at any
@@ -182,6 +203,9 @@ class CustomAllReduce {
 
  private:
   CustomAllReduce() = default;
+  // The kernels' arguments (custom_all_reduce.cu's Args, at `args`) for a call of `count`
+  // elements, `bytes` bytes.
+  void fill_args(void* args, const void* in, void* out, int64_t count, int64_t bytes) const;
 
   int rank_ = 0;
   int world_ = 0;

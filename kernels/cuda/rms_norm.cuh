@@ -34,7 +34,7 @@ inline VecShape vec_shape(int64_t hidden) {
 template <typename T>
 struct StoreRow {
   T* out;
-  StoreRow(T* o) : out(o) {}  // NOLINT(google-explicit-constructor)
+  __host__ __device__ StoreRow(T* o) : out(o) {}  // NOLINT(google-explicit-constructor)
   // `normed(k, h)` writes the 8 normed values (fp32, before their rounding to T) of this
   // thread's vector k (elements 8 j .. 8 j + 7 of the row, j = threadIdx.x + k blockDim.x).
   template <int V, typename Normed>
@@ -83,6 +83,56 @@ __device__ __forceinline__ void weigh(float (&h)[dev::kHalfVec], const uint4& w,
   }
 }
 
+// One row once its x vectors are in hv (hv[k]: this thread's vector j = threadIdx.x + k
+// blockDim.x of the row, zeros where j >= hidden / 8), as rms_norm_vec_kernel computes it: kAdd:
+// residual = round(residual + x) (stored; hv becomes it); inv = rsqrt(mean(hv^2) + eps); the
+// store gets weigh()'s normed values. Called by every thread of the block (block_sum).
+template <typename T, int V, bool kAdd, bool kUnitOffset, typename Store>
+__device__ __forceinline__ void add_norm_row(uint4 (&hv)[V], T* residual, const uint4 (&w)[V],
+                                             int64_t row, int64_t hidden, float eps,
+                                             const Store& store, float* scratch) {
+  const int64_t nvec = hidden / dev::kHalfVec;
+  const int64_t base = row * hidden;
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (j < nvec) {
+      float h[dev::kHalfVec];
+      dev::unpack8<T>(hv[k], h);
+      if constexpr (kAdd) {
+        float r[dev::kHalfVec];
+        dev::load8(residual + base + j * dev::kHalfVec, r);
+#pragma unroll
+        for (int e = 0; e < dev::kHalfVec; ++e) h[e] = r[e] + h[e];
+        hv[k] = dev::pack8<T>(h);
+        *reinterpret_cast<uint4*>(residual + base + j * dev::kHalfVec) = hv[k];
+        dev::unpack8<T>(hv[k], h);
+      }
+#pragma unroll
+      for (int e = 0; e < dev::kHalfVec; ++e) ss += h[e] * h[e];
+    }
+  }
+  const float inv = rsqrtf(dev::block_sum(ss, scratch) * (1.0f / static_cast<float>(hidden)) + eps);
+  auto normed = [&](int k, float(&h)[dev::kHalfVec]) {
+    dev::unpack8<T>(hv[k], h);
+    weigh<T, kUnitOffset>(h, w[k], inv);
+  };
+  store.template row<V>(row, hidden, normed, scratch);
+}
+
+// This thread's weight vectors of a row of `hidden` (zeros past it), for add_norm_row.
+template <int V, typename T>
+__device__ __forceinline__ void load_weight_vecs(const T* __restrict__ weight, int64_t hidden,
+                                                 uint4 (&w)[V]) {
+  const int64_t nvec = hidden / dev::kHalfVec;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    w[k] = j < nvec ? __ldg(reinterpret_cast<const uint4*>(weight) + j) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 template <typename T, int V, bool kAdd, typename Store = StoreRow<T>, bool kUnitOffset = false,
           bool kNormX = false>
 __global__ void __launch_bounds__(512)
@@ -94,34 +144,27 @@ __global__ void __launch_bounds__(512)
   const int64_t nvec = hidden / dev::kHalfVec;
   const float inv_hidden = 1.0f / static_cast<float>(hidden);
   uint4 w[V];
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    w[k] = j < nvec ? __ldg(reinterpret_cast<const uint4*>(weight) + j) : make_uint4(0, 0, 0, 0);
-  }
+  load_weight_vecs<V>(weight, hidden, w);
   uint4 wx[kNormX ? V : 1];
-  if constexpr (kNormX) {
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      wx[k] =
-          j < nvec ? __ldg(reinterpret_cast<const uint4*>(x_weight) + j) : make_uint4(0, 0, 0, 0);
-    }
-  }
+  if constexpr (kNormX) load_weight_vecs<V>(x_weight, hidden, wx);
   // The weights are constant: loaded before the wait for the kernel that writes x.
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t base = row * hidden;
-    uint4 hv[V];  // the row's values as the dtype holds them (x, or the rounded residual sum)
+    uint4 hv[V];  // the row's x as the dtype holds it (kNormX: x normalised with x_weight)
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      hv[k] = j < nvec ? *reinterpret_cast<const uint4*>(x + base + j * dev::kHalfVec)
+                       : make_uint4(0, 0, 0, 0);
+    }
     if constexpr (kNormX) {  // hv = round(RMSNorm(x) with x_weight)
       float ssx = 0.0f;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-        hv[k] = make_uint4(0, 0, 0, 0);
         if (j < nvec) {
-          hv[k] = *reinterpret_cast<const uint4*>(x + base + j * dev::kHalfVec);
           float h[dev::kHalfVec];
           dev::unpack8<T>(hv[k], h);
 #pragma unroll
@@ -137,35 +180,7 @@ __global__ void __launch_bounds__(512)
         hv[k] = dev::pack8<T>(h);
       }
     }
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if constexpr (!kNormX) hv[k] = make_uint4(0, 0, 0, 0);
-      if (j < nvec) {
-        if constexpr (!kNormX)
-          hv[k] = *reinterpret_cast<const uint4*>(x + base + j * dev::kHalfVec);
-        float h[dev::kHalfVec];
-        dev::unpack8<T>(hv[k], h);
-        if constexpr (kAdd) {
-          float r[dev::kHalfVec];
-          dev::load8(residual + base + j * dev::kHalfVec, r);
-#pragma unroll
-          for (int e = 0; e < dev::kHalfVec; ++e) h[e] = r[e] + h[e];
-          hv[k] = dev::pack8<T>(h);
-          *reinterpret_cast<uint4*>(residual + base + j * dev::kHalfVec) = hv[k];
-          dev::unpack8<T>(hv[k], h);
-        }
-#pragma unroll
-        for (int e = 0; e < dev::kHalfVec; ++e) ss += h[e] * h[e];
-      }
-    }
-    const float inv = rsqrtf(dev::block_sum(ss, scratch) * inv_hidden + eps);
-    auto normed = [&](int k, float(&h)[dev::kHalfVec]) {
-      dev::unpack8<T>(hv[k], h);
-      weigh<T, kUnitOffset>(h, w[k], inv);
-    };
-    store.template row<V>(row, hidden, normed, scratch);
+    add_norm_row<T, V, kAdd, kUnitOffset>(hv, residual, w, row, hidden, eps, store, scratch);
   }
 }
 
