@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <random>
 
@@ -89,8 +90,8 @@ std::string join_gpus(const std::vector<uint32_t>& gpus) {
 
 // Variables the daemon sets or keeps to itself: no request may set them.
 bool reserved_name(const std::string& name) {
-  for (const char* r : {"CUDA_VISIBLE_DEVICES", "TESSERA_ACTOR_ID", "TESSERA_NODE_ID",
-                        "TESSERA_CLUSTER_TOKEN", "TESSERA_ACTOR_KEY"}) {
+  for (const char* r : {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "TESSERA_ACTOR_ID",
+                        "TESSERA_NODE_ID", "TESSERA_CLUSTER_TOKEN", "TESSERA_ACTOR_KEY"}) {
     if (name == r) return true;
   }
   return false;
@@ -172,6 +173,7 @@ std::vector<std::pair<std::string, std::string>> ActorSupervisor::actor_environm
   for (auto& [name, value] : request.env) env[name] = value;
   // The daemon decides which GPUs an actor sees; no job variable overrides that.
   env["CUDA_VISIBLE_DEVICES"] = join_gpus(request.gpus);
+  env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID";  // CUDA numbers the GPUs as NVML does
   env["TESSERA_ACTOR_ID"] = id;
   env["TESSERA_NODE_ID"] = config_.node_id;
   return {env.begin(), env.end()};
@@ -182,10 +184,12 @@ kj::Promise<Expected<SpawnedActor>> ActorSupervisor::spawn(const std::string& ow
                                                            const ActorSpawnRequest& request) {
   using Result = Expected<SpawnedActor>;
   for (uint32_t gpu : request.gpus) {
-    if (gpu >= config_.gpu_count) {
+    if (std::find(config_.gpus.begin(), config_.gpus.end(), gpu) == config_.gpus.end()) {
+      std::string offered;
+      for (uint32_t g : config_.gpus) offered += (offered.empty() ? "" : ", ") + std::to_string(g);
       return Result(invalid_argument("GPU " + std::to_string(gpu) + " requested but node " +
-                                     config_.node_id + " has " + std::to_string(config_.gpu_count) +
-                                     " GPU(s)"));
+                                     config_.node_id + " offers " +
+                                     (offered.empty() ? "no GPU" : "GPU(s) " + offered)));
     }
   }
   if (live_.size() >= config_.max_actors) {

@@ -67,7 +67,9 @@ struct SupervisorConfig {
   std::string bin_dir;            // where tessera-actor lives
   std::string log_dir;            // actor-<id>.log files go here
   std::string listen_host;        // the host actors bind and advertise
-  uint32_t gpu_count = 0;         // GPUs on this node: requests for others are refused
+  // The GPUs this node offers, by NVML index (what spawn requests name): requests for others
+  // are refused.
+  std::vector<uint32_t> gpus;
   uint32_t kill_grace_ms = node_defaults::kKillGraceMs;  // SIGTERM → SIGKILL delay
   uint32_t max_actors = node_defaults::kMaxActors;       // live actors at once
   // An actor whose heartbeat stops this long is killed and reported hung; 0 = no watchdog.

@@ -93,6 +93,12 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
   TESSERA_ASSIGN_OR_RETURN(std::string node_secret, random_bytes(32));
 
   d.monitor = std::make_unique<ResourceMonitor>(c.nvml_library);
+  if (c.gpus.has_value()) {
+    const size_t found = d.monitor->resources().gpus.size();
+    TESSERA_RETURN_IF_ERROR(d.monitor->keep_gpus(*c.gpus));
+    spdlog::info("offering {} of this machine's {} GPU(s): '{}' ({})",
+                 d.monitor->resources().gpus.size(), found, *c.gpus, c.gpus_from);
+  }
   NodeResources res = d.monitor->snapshot();
   if (res.gpus.empty()) {
     spdlog::info("resources: {} CPUs, {} MiB memory, no GPUs ({})", res.cpus,
@@ -132,7 +138,7 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
   sup.bin_dir = c.bin_dir.empty() ? self_exe_dir() : c.bin_dir;
   sup.log_dir = c.session_dir + "/logs";
   sup.listen_host = node_ip;
-  sup.gpu_count = static_cast<uint32_t>(res.gpus.size());
+  for (const GpuDevice& g : res.gpus) sup.gpus.push_back(g.index);
   sup.kill_grace_ms = c.kill_grace_ms;
   sup.max_actors = c.max_actors;
   sup.health_timeout_ms = c.actor_health_timeout_ms;

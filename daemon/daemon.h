@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,9 @@ struct DaemonConfig {
   std::vector<std::string> actor_env_allow;  // patterns added to NCCL_* CUDA_* TESSERA_* ...
   rpc::ServerLimits limits;
   std::string nvml_library;  // "" = libnvidia-ml.so.1 (or $TESSERA_NVML_LIBRARY)
+  // The GPUs this node offers (ResourceMonitor::keep_gpus's list); none: every GPU found.
+  std::optional<std::string> gpus;
+  std::string gpus_from;  // where the list came from, for the log ("--gpus", ...)
   uint32_t join_timeout_ms = 10000;
 };
 

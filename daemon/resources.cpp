@@ -372,6 +372,67 @@ Status ResourceMonitor::refresh() {
   return refresh_locked();
 }
 
+Status ResourceMonitor::keep_gpus(const std::string& list) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const NodeResources& r = resources_;
+  auto known = [&r] {
+    std::string out;
+    for (const GpuDevice& g : r.gpus) {
+      out += (out.empty() ? "" : ", ") + std::to_string(g.index) + " " + g.uuid;
+    }
+    return out.empty() ? std::string("none") : out;
+  };
+  std::vector<size_t> keep;  // positions in r.gpus
+  size_t at = 0;
+  while (!list.empty() && at <= list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    std::string entry = list.substr(at, comma - at);
+    at = comma + 1;
+    entry.erase(0, entry.find_first_not_of(' '));
+    entry.erase(entry.find_last_not_of(' ') + 1);
+    std::vector<size_t> match;
+    const bool number =
+        !entry.empty() && entry.size() <= 9 && entry.find_first_not_of("0123456789") == entry.npos;
+    for (size_t i = 0; i < r.gpus.size(); ++i) {
+      if (number ? r.gpus[i].index == std::stoul(entry)
+                 : entry.rfind("GPU-", 0) == 0 && r.gpus[i].uuid.rfind(entry, 0) == 0) {
+        match.push_back(i);
+      }
+    }
+    const std::string what = "GPU list '" + list + "': entry '" + entry + "' ";
+    if (!number && entry.rfind("GPU-", 0) != 0) {
+      return invalid_argument(what +
+                              "is neither an NVML index nor a GPU UUID (MIG devices are not "
+                              "offered); this machine's GPUs: " +
+                              known());
+    }
+    if (match.size() != 1) {
+      return invalid_argument(what + (match.empty() ? "names no GPU" : "names several GPUs") +
+                              " of this machine (its GPUs: " + known() + ")");
+    }
+    if (std::find(keep.begin(), keep.end(), match[0]) != keep.end()) {
+      return invalid_argument(what + "names a GPU the list already has");
+    }
+    keep.push_back(match[0]);
+  }
+  std::sort(keep.begin(), keep.end());
+  const size_t n = resources_.gpus.size();
+  std::vector<GpuDevice> gpus;
+  std::vector<NvmlDevice> handles;
+  std::vector<GpuLink> links;
+  for (size_t a : keep) {
+    gpus.push_back(resources_.gpus[a]);
+    if (a < handles_.size()) handles.push_back(handles_[a]);
+    for (size_t b : keep) {
+      if (a * n + b < resources_.links.size()) links.push_back(resources_.links[a * n + b]);
+    }
+  }
+  resources_.gpus = std::move(gpus);
+  resources_.links = std::move(links);
+  handles_ = std::move(handles);
+  return Status::ok();
+}
+
 Status ResourceMonitor::refresh_locked() {
   Status first;
   if (auto memory = read_host_memory(); memory.has_value()) {

@@ -54,6 +54,13 @@ class ResourceMonitor {
   // A copy of the latest report, without refreshing.
   NodeResources resources() const;
 
+  // Keeps only the GPUs `list` names (what `tessera start --gpus` or CUDA_VISIBLE_DEVICES gave
+  // the daemon), in the order discovered, with their links: comma-separated NVML indices
+  // (nvidia-smi's numbers, PCI bus order) or UUIDs ("GPU-..."; a unique prefix will do). ""
+  // keeps none. INVALID_ARGUMENT (and nothing changed) for an entry that names no GPU of this
+  // machine, names one twice, or is not of that form (MIG devices are not offered).
+  Status keep_gpus(const std::string& list);
+
   // Re-reads the host's available memory and each GPU's used memory. Every figure that can be
   // read is updated; the first failure is returned (with the GPU as context, "GPU1: ...") and
   // the figures it concerns keep their previous values. OK with zero GPUs.

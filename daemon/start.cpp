@@ -139,6 +139,13 @@ int run_daemon(const StartOptions& o, const std::string& root, const std::string
   c.limits.max_message_bytes = uint64_t{o.max_message_mib} << 20;
   c.limits.max_inflight_bytes = 4 * c.limits.max_message_bytes;
   c.nvml_library = o.nvml_library;
+  if (o.gpus.has_value()) {
+    c.gpus = o.gpus;
+    c.gpus_from = "--gpus";
+  } else if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
+    c.gpus = std::string(visible);
+    c.gpus_from = "CUDA_VISIBLE_DEVICES";
+  }
 
   std::string log_file = *session_dir + "/logs/daemon-" + c.node_id + ".log";
   Status st = init_logging({"daemon", o.block ? "" : log_file, o.log_level});
@@ -275,6 +282,9 @@ CLI::App* add_start_subcommand(CLI::App& app, StartOptions& start) {
       ->check(CLI::Range(1u, 1000u));
   start_cmd->add_option("--nvml-library", start.nvml_library,
                         "Path of libnvidia-ml.so.1 (default: the system's)");
+  start_cmd->add_option("--gpus", start.gpus,
+                        "GPUs this node offers: NVML indices (nvidia-smi's numbers) or UUIDs, "
+                        "comma-separated (default: $CUDA_VISIBLE_DEVICES when set, else all)");
   start_cmd->add_option("--actor-bin-dir", start.bin_dir,
                         "Where tessera-actor lives (default: next to tessera)");
   add_examples(start_cmd, {"tessera start --head",

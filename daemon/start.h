@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,9 @@ struct StartOptions {
   double actor_step_timeout_s = node_defaults::kActorStepTimeoutMs / 1000.0;      // 0 = no limit
   std::vector<std::string> actor_env_allow;
   std::string nvml_library;
+  // --gpus: the GPUs this node offers (NVML indices or UUIDs, comma-separated); unset: the
+  // daemon's CUDA_VISIBLE_DEVICES when set (as Ray does), else every GPU.
+  std::optional<std::string> gpus;
   std::string log_level;
   std::string bin_dir;
   bool ephemeral = false;  // remove the whole temp root on exit (embedded local nodes)

@@ -533,6 +533,49 @@ TEST(ResourcesTest, SnapshotRefreshesAndReportsRefreshFailures) {
   EXPECT_EQ(monitor.snapshot().gpu_note, "");
 }
 
+// `tessera start --gpus` / CUDA_VISIBLE_DEVICES: the monitor keeps the GPUs named, by NVML
+// index or UUID prefix, in the order found, with their links out of the full matrix, and keeps
+// refreshing them; a bad list is refused naming the entry and changes nothing.
+TEST(ResourcesTest, KeepsOnlyTheGpusItWasGiven) {
+  ScopedEnv env;
+  env.set("TESSERA_FAKE_NVML_GPUS", "4");
+  const NodeResources full = discover_resources(kFake);
+  ASSERT_EQ(full.gpus.size(), 4u);
+  ResourceMonitor monitor(kFake);
+  const auto refused = [&](const std::string& list, const std::string& says) {
+    const Status st = monitor.keep_gpus(list);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << list;
+    EXPECT_NE(st.message().find(says), std::string::npos) << st.message();
+    EXPECT_EQ(monitor.resources().gpus.size(), 4u) << list << ": changed on a refusal";
+  };
+  refused("7", "entry '7' names no GPU");
+  refused("1,1", "names a GPU the list already has");
+  refused("MIG-5e1f0c2a", "neither an NVML index nor a GPU UUID");
+  refused("GPU-5e1f", "names several GPUs");
+  refused("0,,1", "entry ''");
+
+  ASSERT_TRUE(monitor.keep_gpus(" 3, " + full.gpus[1].uuid).is_ok());
+  NodeResources r = monitor.resources();
+  ASSERT_EQ(r.gpus.size(), 2u);
+  EXPECT_EQ(r.gpus[0].index, 1u);  // the order found, not the list's
+  EXPECT_EQ(r.gpus[1].index, 3u);
+  EXPECT_EQ(r.gpus[1].uuid, full.gpus[3].uuid);
+  ASSERT_EQ(r.links.size(), 4u);
+  EXPECT_EQ(gpu_link(r, 0, 0).kind, LinkKind::kSelf);
+  EXPECT_EQ(gpu_link(r, 0, 1).kind, gpu_link(full, 1, 3).kind);
+  EXPECT_EQ(gpu_link(r, 1, 0).kind, gpu_link(full, 3, 1).kind);
+  EXPECT_NE(gpu_link(r, 0, 1).kind, LinkKind::kNvlink);  // 1's NVLink partner is 0, not 3
+  env.set("TESSERA_FAKE_NVML_USED_MIB", "3000");
+  r = monitor.snapshot();
+  EXPECT_EQ(r.gpus[1].memory_used, 3000 * kMiB);
+  EXPECT_EQ(r.gpu_note, "");
+
+  ASSERT_TRUE(monitor.keep_gpus("").is_ok());  // CUDA_VISIBLE_DEVICES="": none
+  EXPECT_TRUE(monitor.resources().gpus.empty());
+  EXPECT_TRUE(monitor.resources().links.empty());
+  EXPECT_TRUE(monitor.refresh().is_ok());
+}
+
 TEST(ResourcesTest, MonitorWithoutDriverRefreshesHostOnly) {
   ScopedEnv env;
   ResourceMonitor monitor("/nonexistent/libnvidia-ml.so.1");

@@ -47,7 +47,7 @@ struct Daemon {
     c.bin_dir = "/nonexistent-fuzz-bin";
     c.log_dir = "/tmp";
     c.listen_host = "127.0.0.1";
-    c.gpu_count = 2;
+    c.gpus = {0, 1};
     c.health_timeout_ms = 0;
     return c;
   }

@@ -471,5 +471,67 @@ TEST(ClusterCliTest, UsageErrorsExitWithTwo) {
   EXPECT_NE(stop.out.find("No Tessera daemons"), std::string::npos);
 }
 
+// The fake NVML library (tests/daemon): the build's path, unless $TESSERA_TEST_DIR says where
+// the test binaries were copied.
+std::string fake_nvml() {
+  const char* dir = std::getenv("TESSERA_TEST_DIR");
+  return dir != nullptr ? std::string(dir) + "/libtessera_fake_nvml.so"
+                        : std::string(TESSERA_FAKE_NVML_PATH);
+}
+
+// Two daemons on one host as two nodes of one GPU each, on the fake NVML's two GPUs: the head
+// is given GPU 0 with --gpus, the member GPU 1 through CUDA_VISIBLE_DEVICES (as Ray reads it).
+// Each node offers only its own GPU, spawns an actor on it (CUDA_VISIBLE_DEVICES = its NVML
+// index) and refuses the other's; a list naming no GPU of the machine fails the start, naming
+// the entry.
+TEST(GpuSubsetTest, TwoDaemonsOnOneHostOfferOneGpuEach) {
+  TestCluster cluster;
+  const std::string nvml = fake_nvml();
+  ASSERT_FALSE(cluster.start_head({"--nvml-library", nvml, "--gpus", "0"}).empty())
+      << cluster.last().out << cluster.last().err;
+  auto member =
+      cluster.tessera({"start", "--address", cluster.head_address(), "--temp-dir", cluster.root(),
+                       "--node-name", "second", "--nvml-library", nvml},
+                      60s, {"TESSERA_TMPDIR=" + cluster.root(), "CUDA_VISIBLE_DEVICES=1"});
+  ASSERT_EQ(member.exit_code, 0) << member.out << member.err;
+  EventLoop loop;
+  auto client = ClusterClient::connect(loop, cluster.head_address(), cluster.token());
+  ASSERT_TRUE(client) << client.status().to_string();
+  auto nodes = (*client)->nodes();
+  ASSERT_TRUE(nodes) << nodes.status().to_string();
+  ASSERT_EQ(nodes->size(), 2u);
+  std::vector<std::unique_ptr<LeaseHandle>> leases;
+  for (uint32_t i = 0; i < 2; ++i) {
+    const NodeResources& res = (*nodes)[i].resources;
+    ASSERT_EQ(res.gpus.size(), 1u) << (*nodes)[i].name;
+    EXPECT_EQ(res.gpus[0].index, i);
+    ASSERT_EQ(res.links.size(), 1u);
+    auto node = (*client)->node((*nodes)[i].node_id);
+    ASSERT_TRUE(node) << node.status().to_string();
+    auto lease = node->open_lease("gpu-subset");
+    ASSERT_TRUE(lease) << lease.status().to_string();
+    auto refused = (*lease)->spawn({.gpus = {1 - i}, .name = "the-other-gpu"});
+    ASSERT_FALSE(refused);
+    EXPECT_NE(refused.status().message().find("offers GPU(s) " + std::to_string(i)),
+              std::string::npos)
+        << refused.status().to_string();
+    auto actor = (*lease)->spawn({.gpus = {i}, .name = "gpu" + std::to_string(i)});
+    ASSERT_TRUE(actor) << actor.status().to_string();
+    auto handle = ActorHandle::connect(loop, actor->address, actor->key);
+    ASSERT_TRUE(handle) << handle.status().to_string();
+    auto health = (*handle)->health();
+    ASSERT_TRUE(health) << health.status().to_string();
+    EXPECT_EQ(health->visible_devices, std::to_string(i));
+    leases.push_back(std::move(*lease));
+  }
+  TestCluster other;
+  auto bad = other.tessera({"start", "--head", "--port", "0", "--temp-dir", other.root(),
+                            "--nvml-library", nvml, "--gpus", "0,5"},
+                           60s, {"TESSERA_TMPDIR=" + other.root()});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE((bad.out + bad.err).find("entry '5' names no GPU"), std::string::npos)
+      << bad.out << bad.err;
+}
+
 }  // namespace
 }  // namespace tessera
