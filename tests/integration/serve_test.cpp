@@ -1099,6 +1099,63 @@ TEST_F(ServeTest, NoPrefixCachingSameAnswersAndADeadActorIsReplaced) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << plain.process().err();
 }
 
+// One rank of a TP=2 group (two CPU actors over the TCP collectives) SIGKILLed mid-step: the
+// stream it was serving fails naming the dead actor and its signal, the group restarts, and the
+// requests queued behind it, which had streamed nothing, are run again and answered as a fresh
+// server answers them (issue 31 asks the same of NCCL ranks: named within 2 s; the bound here
+// allows sanitizers on two cores, the figure is printed).
+TEST_F(ServeTest, ARankOfATensorParallelGroupKilledMidStepRestartsTheGroupAndLosesNoQueuedRequest) {
+  Server tp(model_, root_, {"-tp", "2", "--max-num-seqs", "1", "--max-model-len", "4096"});
+  ASSERT_GT(tp.port(), 0) << tp.process().err();
+  const json body = {{"prompt", "The capital of France is"},
+                     {"max_tokens", 8},
+                     {"temperature", 0},
+                     {"ignore_eos", true}};
+  const Reply want = tp.post("/v1/completions", body, "");
+  ASSERT_EQ(want.status, 200) << want.body;
+  std::vector<int> actors;
+  for (int daemon : children_of(tp.process().pid())) {
+    for (int actor : children_of(daemon)) actors.push_back(actor);
+  }
+  ASSERT_EQ(actors.size(), 2u);
+  std::string streamed;
+  std::chrono::steady_clock::time_point stream_ended;
+  Reply queued[2];
+  Clients clients(tp);
+  clients.spawn([&] {
+    streamed = raw_request(
+        tp.port(), "POST", "/v1/completions",
+        json{{"prompt", "Go on"}, {"max_tokens", 3000}, {"ignore_eos", true}, {"stream", true}}
+            .dump(),
+        0, "");
+    stream_ended = std::chrono::steady_clock::now();
+  });
+  ASSERT_TRUE(wait_until([&] { return tp.metric("vllm:num_requests_running") == 1; }, 20s));
+  for (Reply& r : queued) {
+    Reply* out = &r;
+    clients.spawn([&tp, &body, out] { *out = tp.post("/v1/completions", body, ""); });
+  }
+  ASSERT_TRUE(wait_until([&] { return tp.metric("vllm:num_requests_waiting") == 2; }, 20s));
+  const auto killed = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(actors[1], SIGKILL), 0);
+  clients.join();
+  const double named_s = std::chrono::duration<double>(stream_ended - killed).count();
+  std::printf("[serve] TP=2 rank killed: its stream failed %.2f s later\n", named_s);
+  EXPECT_LT(named_s, 15.0);
+  EXPECT_NE(streamed.find("\"error\""), std::string::npos) << streamed.substr(0, 2000);
+  EXPECT_NE(streamed.find("SIGKILL"), std::string::npos) << streamed.substr(0, 2000);
+  EXPECT_NE(streamed.find("actor a-"), std::string::npos) << streamed.substr(0, 2000);
+  for (const Reply& r : queued) {
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(r.j()["choices"][0]["text"], want.j()["choices"][0]["text"]);
+  }
+  EXPECT_GE(tp.metric("tessera:engine_restarts_total"), 1);
+  EXPECT_TRUE(wait_until([&] { return tp.call("GET", "/health", "", "").status == 200; }, 60s));
+  const Reply again = tp.post("/v1/completions", body, "");
+  ASSERT_EQ(again.status, 200) << again.body;
+  EXPECT_EQ(again.j()["choices"][0]["text"], want.j()["choices"][0]["text"]);
+}
+
 // SIGTERM while clients stream: the streams end, the server exits 0 and stops its actors.
 TEST_F(ServeTest, SigtermWhileStreamingExitsCleanly) {
   Server s(model_, root_);
