@@ -94,10 +94,18 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
 
   d.monitor = std::make_unique<ResourceMonitor>(c.nvml_library);
   if (c.gpus.has_value()) {
+    // --gpus is checked strictly; CUDA_VISIBLE_DEVICES is read as CUDA reads it (it ends at
+    // an entry that names no GPU: "-1", or a GPU of another machine's numbering).
     const size_t found = d.monitor->resources().gpus.size();
-    TESSERA_RETURN_IF_ERROR(d.monitor->keep_gpus(*c.gpus));
+    std::string stopped;
+    TESSERA_RETURN_IF_ERROR(
+        d.monitor->keep_gpus(*c.gpus, c.gpus_from == "--gpus" ? nullptr : &stopped));
     spdlog::info("offering {} of this machine's {} GPU(s): '{}' ({})",
                  d.monitor->resources().gpus.size(), found, *c.gpus, c.gpus_from);
+    if (!stopped.empty()) {
+      spdlog::warn("{} ends there, as CUDA reads it: {}; pass --gpus to name GPUs exactly",
+                   c.gpus_from, stopped);
+    }
   }
   NodeResources res = d.monitor->snapshot();
   if (res.gpus.empty()) {

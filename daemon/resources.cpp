@@ -372,7 +372,7 @@ Status ResourceMonitor::refresh() {
   return refresh_locked();
 }
 
-Status ResourceMonitor::keep_gpus(const std::string& list) {
+Status ResourceMonitor::keep_gpus(const std::string& list, std::string* stopped_at) {
   std::lock_guard<std::mutex> lock(mu_);
   const NodeResources& r = resources_;
   auto known = [&r] {
@@ -400,19 +400,23 @@ Status ResourceMonitor::keep_gpus(const std::string& list) {
       }
     }
     const std::string what = "GPU list '" + list + "': entry '" + entry + "' ";
+    std::string wrong;
     if (!number && entry.rfind("GPU-", 0) != 0) {
-      return invalid_argument(what +
-                              "is neither an NVML index nor a GPU UUID (MIG devices are not "
-                              "offered); this machine's GPUs: " +
-                              known());
+      wrong = what +
+              "is neither an NVML index nor a GPU UUID (MIG devices are not offered); this "
+              "machine's GPUs: " +
+              known();
+    } else if (match.size() != 1) {
+      wrong = what + (match.empty() ? "names no GPU" : "names several GPUs") +
+              " of this machine (its GPUs: " + known() + ")";
+    } else if (std::find(keep.begin(), keep.end(), match[0]) != keep.end()) {
+      wrong = what + "names a GPU the list already has";
     }
-    if (match.size() != 1) {
-      return invalid_argument(what + (match.empty() ? "names no GPU" : "names several GPUs") +
-                              " of this machine (its GPUs: " + known() + ")");
+    if (!wrong.empty() && stopped_at != nullptr) {  // CUDA's rule: the list ends there
+      *stopped_at = wrong;
+      break;
     }
-    if (std::find(keep.begin(), keep.end(), match[0]) != keep.end()) {
-      return invalid_argument(what + "names a GPU the list already has");
-    }
+    if (!wrong.empty()) return invalid_argument(wrong);
     keep.push_back(match[0]);
   }
   std::sort(keep.begin(), keep.end());

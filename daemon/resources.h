@@ -58,8 +58,10 @@ class ResourceMonitor {
   // the daemon), in the order discovered, with their links: comma-separated NVML indices
   // (nvidia-smi's numbers, PCI bus order) or UUIDs ("GPU-..."; a unique prefix will do). ""
   // keeps none. INVALID_ARGUMENT (and nothing changed) for an entry that names no GPU of this
-  // machine, names one twice, or is not of that form (MIG devices are not offered).
-  Status keep_gpus(const std::string& list);
+  // machine, names one twice, or is not of that form (MIG devices are not offered); with
+  // `stopped_at`, CUDA's own reading of CUDA_VISIBLE_DEVICES instead: the list ends before such
+  // an entry ("-1" hides every GPU), and *stopped_at says which and why ("" when none did).
+  Status keep_gpus(const std::string& list, std::string* stopped_at = nullptr);
 
   // Re-reads the host's available memory and each GPU's used memory. Every figure that can be
   // read is updated; the first failure is returned (with the GPU as context, "GPU1: ...") and

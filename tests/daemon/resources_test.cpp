@@ -570,6 +570,16 @@ TEST(ResourcesTest, KeepsOnlyTheGpusItWasGiven) {
   EXPECT_EQ(r.gpus[1].memory_used, 3000 * kMiB);
   EXPECT_EQ(r.gpu_note, "");
 
+  // CUDA_VISIBLE_DEVICES as CUDA reads it: the list ends before an entry that names no GPU.
+  std::string stopped;
+  ASSERT_TRUE(monitor.keep_gpus("3,7,1", &stopped).is_ok());
+  ASSERT_EQ(monitor.resources().gpus.size(), 1u);
+  EXPECT_EQ(monitor.resources().gpus[0].index, 3u);
+  EXPECT_NE(stopped.find("entry '7' names no GPU"), std::string::npos) << stopped;
+  ASSERT_TRUE(monitor.keep_gpus("-1", &stopped).is_ok());  // the TensorFlow idiom: no GPU
+  EXPECT_TRUE(monitor.resources().gpus.empty());
+  EXPECT_NE(stopped.find("entry '-1'"), std::string::npos) << stopped;
+
   ASSERT_TRUE(monitor.keep_gpus("").is_ok());  // CUDA_VISIBLE_DEVICES="": none
   EXPECT_TRUE(monitor.resources().gpus.empty());
   EXPECT_TRUE(monitor.resources().links.empty());
