@@ -98,13 +98,13 @@ Expected<std::unique_ptr<Daemon>> Daemon::start(kj::AsyncIoContext& io, DaemonCo
     // an entry that names no GPU: "-1", or a GPU of another machine's numbering).
     const size_t found = d.monitor->resources().gpus.size();
     std::string stopped;
-    TESSERA_RETURN_IF_ERROR(
-        d.monitor->keep_gpus(*c.gpus, c.gpus_from == "--gpus" ? nullptr : &stopped));
+    TESSERA_RETURN_IF_ERROR(d.monitor->keep_gpus(*c.gpus, c.gpus_exact ? nullptr : &stopped));
+    const char* from = c.gpus_exact ? "--gpus" : "CUDA_VISIBLE_DEVICES";
     spdlog::info("offering {} of this machine's {} GPU(s): '{}' ({})",
-                 d.monitor->resources().gpus.size(), found, *c.gpus, c.gpus_from);
+                 d.monitor->resources().gpus.size(), found, *c.gpus, from);
     if (!stopped.empty()) {
-      spdlog::warn("{} ends there, as CUDA reads it: {}; pass --gpus to name GPUs exactly",
-                   c.gpus_from, stopped);
+      spdlog::warn("{} ends there, as CUDA reads it: {}; pass --gpus to name GPUs exactly", from,
+                   stopped);
     }
   }
   NodeResources res = d.monitor->snapshot();

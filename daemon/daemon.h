@@ -42,7 +42,9 @@ struct DaemonConfig {
   std::string nvml_library;  // "" = libnvidia-ml.so.1 (or $TESSERA_NVML_LIBRARY)
   // The GPUs this node offers (ResourceMonitor::keep_gpus's list); none: every GPU found.
   std::optional<std::string> gpus;
-  std::string gpus_from;  // where the list came from, for the log ("--gpus", ...)
+  // true: the list is --gpus, every entry must name a GPU; false: CUDA_VISIBLE_DEVICES, read as
+  // CUDA reads it (ResourceMonitor::keep_gpus's stopped_at).
+  bool gpus_exact = true;
   uint32_t join_timeout_ms = 10000;
 };
 

@@ -393,8 +393,9 @@ Status ResourceMonitor::keep_gpus(const std::string& list, std::string* stopped_
     std::vector<size_t> match;
     const bool number =
         !entry.empty() && entry.size() <= 9 && entry.find_first_not_of("0123456789") == entry.npos;
+    const unsigned long index = number ? std::stoul(entry) : 0;
     for (size_t i = 0; i < r.gpus.size(); ++i) {
-      if (number ? r.gpus[i].index == std::stoul(entry)
+      if (number ? r.gpus[i].index == index
                  : entry.rfind("GPU-", 0) == 0 && r.gpus[i].uuid.rfind(entry, 0) == 0) {
         match.push_back(i);
       }

@@ -141,10 +141,9 @@ int run_daemon(const StartOptions& o, const std::string& root, const std::string
   c.nvml_library = o.nvml_library;
   if (o.gpus.has_value()) {
     c.gpus = o.gpus;
-    c.gpus_from = "--gpus";
   } else if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
     c.gpus = std::string(visible);
-    c.gpus_from = "CUDA_VISIBLE_DEVICES";
+    c.gpus_exact = false;
   }
 
   std::string log_file = *session_dir + "/logs/daemon-" + c.node_id + ".log";

@@ -1042,7 +1042,7 @@ TEST(CustomAllReduce, RejectsBadArguments) {
 // NCCL's communicator over the ranks (one GPU each): rank 0's unique id through the parent.
 struct NcclComm {
   ncclComm_t comm = nullptr;
-  NcclComm(Rank& ctx) {
+  explicit NcclComm(Rank& ctx) {
     ncclUniqueId id;
     std::string mine;
     if (ctx.rank() == 0) {
