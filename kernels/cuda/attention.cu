@@ -889,9 +889,13 @@ __global__ void __launch_bounds__(kCombineThreads)
   constexpr int kRowsPerCtaCombine = kCombineThreads / kThreadsPerRow;
   const int seq = blockIdx.y;
   const int ctx = p.context_lens[seq];
-  if (ctx <= 0) return;
   const int q_start = p.cu_query_lens[seq];
   const int qlen = p.cu_query_lens[seq + 1] - q_start;
+  // The partial results are the kernel before's (the lengths the host's). Every block waits, also
+  // one with nothing to merge: this grid must not complete before the attention kernel, whose
+  // `out` the kernel after it reads once this one is complete.
+  dev::pdl_wait();
+  if (ctx <= 0) return;
   const int n_used = splits_used(p, ctx - window_start(p, ctx - qlen));
   if (n_used <= 1) return;  // the attention kernel wrote `out` itself
   const int row = static_cast<int>(blockIdx.x) * kRowsPerCtaCombine +
@@ -900,7 +904,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (token >= qlen) return;
   const int head = row % p.num_heads;
   const int64_t index = static_cast<int64_t>(q_start + token) * p.num_heads + head;
-  dev::pdl_wait();  // the partial results are the kernel before's (the lengths the host's)
   const int64_t split_stride = p.total_q * p.num_heads;
   const int d = (static_cast<int>(threadIdx.x) % kThreadsPerRow) * 4;
 

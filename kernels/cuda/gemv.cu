@@ -5,6 +5,7 @@
 
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -17,22 +18,27 @@ namespace tessera::cuda {
 
 namespace {
 
-// A block is kWarps warps, R output rows each (all m rows of x against them). A lane reads 16
-// bytes of each row per chunk, D chunks in flight: R x D loads of 512 bytes per warp.
+// A block is kWarps warps in kWarps / S groups of S; a group computes R output rows (all m rows
+// of x against them), its S warps splitting k (split-K inside the block, the partial sums added
+// in shared memory in slice order). A lane reads 16 bytes of each row per chunk, D chunks in
+// flight: R x D loads of 512 bytes per warp.
 //
-// gemv_tile()'s choice, from kernel_bench's table (H100, every call on another copy of the
-// weights, so none comes from L2; us, the tiles beside each other and beside cuBLASLt):
-//   Qwen3-30B-A3B router [128 x 2048]: 2x2 2.48 (its __ldg loads; 3.28 with ordered loads),
-//     2x4 3.07, 4x2 5.18: few rows, so few warps: the fewest rows per warp.
-//   Qwen3-30B-A3B o [2048 x 4096] 7.91, Llama-3-8B o [4096 x 4096] 12.67, Gemma 2 9B o [3584 x
-//     4096] 11.34 with 2x2; 4x2 and 4x4 lose 13-42% there (half the warps), 1xD lose 19-65%.
-//   Wider n at k <= 4096 take 4x2: Qwen3-30B-A3B qkv [5120 x 2048] 9.01 (2x2 10.88), Llama-3-8B
-//     qkv [6144 x 4096] 18.78 (cuBLASLt 19.40), Gemma 2 9B qkv 20.66 (21.19), the lm_heads at
-//     K 2048-4096 197-577 us = 1.04-1.05 of the copy bandwidth (cuBLASLt 0.97-1.01), gate_up
-//     within 1% of cuBLASLt.
-//   k > 4096 takes 2x4: Llama-3-8B down [4096 x 14336] 39.66 (cuBLASLt 41.78, 4x2 45.18), Gemma
-//     2 9B down 35.25 (39.89), Llama-3-70B's qkv, down, gate_up and lm_head 1.00-1.05 of copy
-//     (cuBLASLt 0.91-1.01).
+// The tiles, from kernel_bench's table (H100, every call on another copy of the weights, so none
+// comes from L2; us, fraction of the copy bandwidth, the tiles beside each other and cuBLASLt):
+//   Whole rows per warp (S = 1) leave a small grid short of loads in flight: Qwen3-30B-A3B's o
+//     [2048 x 4096] is 128 blocks of 2x2, one an SM, 8.03 us (0.69). Split four ways it is 512
+//     blocks: 4x2x4 5.61 (0.99), 2x4x2 5.99, 2x2x4 6.54. Likewise Llama-3-8B o [4096 x 4096]
+//     12.64 -> 11.22 (4x2x4), qkv [6144 x 4096] 17.97 (4x2) -> 16.56, down [4096 x 14336] 38.68
+//     (2x4) -> 37.60, gate_up [28672 x 4096] 75.80 -> 74.18; Gemma 2 9B o 11.24 -> 10.14, qkv
+//     19.86 -> 18.82, down 35.48 -> 33.35; Llama-3-70B's 1-4% (qkv 55.71 -> 53.07). k = 2048
+//     has half the chunks: two slices, Qwen3-30B-A3B qkv [5120 x 2048] 8.83 (4x2) -> 8.37
+//     (4x2x2; 4x2x4 9.36), its lm_head 196.5 -> 195.8; the lm_heads at k 3584-8192 within 1%.
+//   Few rows: the Qwen3-30B-A3B router [128 x 2048] 2.17 (2x2) -> 1.27 (2x2x4, 32 blocks), 1.21
+//     (2x2x8); moe_bench's chained layer takes 2x2x4 (-1.75 us a layer against -0.88).
+// gemv_norm_tile(): the fused norm runs in every block before its loads and is taken only where
+// the grid is one wave (gemv_add_rms_norm_one_wave); split grids are not, or (qkv 4x2x2 in three
+// blocks an SM) were slower in the chain (+1.2 us a layer), so it keeps whole rows but for few
+// rows (the router).
 // Tiles other than 2x2 load through ldg_stream (ordered asm loads: the R x D loads issue before
 // the first is used; measured equal to __ldg on the shapes above but the router).
 // With 2 or 4 rows of x (the same loop over them) it lost to cuBLASLt (qkv 11.1 / 13.7 us, o
@@ -98,14 +104,20 @@ __device__ void add_rms_norm_row(const T* __restrict__ x, const NormArgs<T>& a, 
   __syncthreads();
 }
 
-template <typename T, typename O, int R, int D, bool NORM = false>
+// S: the warps that share a row group's k (split-K inside the block). Warp w takes rows of group
+// w / S and the chunks c of k with c % S == w % S; the S partial sums meet in shared memory and
+// are added in slice order. S = 1 is the whole row per warp (the bits of every S = 1 tile).
+template <typename T, typename O, int R, int D, bool NORM = false, int S = 1>
 __global__ void __launch_bounds__(kWarps * 32)
     gemv_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
                 O* __restrict__ out, int n, int k, NormArgs<T> nrm) {
+  static_assert(S >= 1 && kWarps % S == 0, "S divides the block's warps");
   constexpr int M = 1;
-  constexpr bool kStream = R != 2 || D != 2;
+  constexpr bool kStream = R != 2 || D != 2 || S != 1;
+  constexpr int kStride = S * kChunk;  // elements between a warp's consecutive chunks
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * kWarps + warp) * R;
+  const int group = warp / S, slice = warp % S;
+  const int row0 = (blockIdx.x * (kWarps / S) + group) * R;
   const T* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) wr[r] = w + static_cast<int64_t>(min(row0 + r, n - 1)) * k;
@@ -115,15 +127,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int c = 0; c < D; ++c) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        wv[c][r] = kStream ? dev::ldg_stream(wr[r] + at + c * kChunk)
-                           : __ldg(reinterpret_cast<const uint4*>(wr[r] + at + c * kChunk));
+        wv[c][r] = kStream ? dev::ldg_stream(wr[r] + at + c * kStride)
+                           : __ldg(reinterpret_cast<const uint4*>(wr[r] + at + c * kStride));
       }
     }
   };
-  int i = lane * dev::kHalfVec;
+  int i = slice * kChunk + lane * dev::kHalfVec;
   // The first chunks' weights are requested before the wait: they do not depend on the kernel
   // before, so their latency overlaps its tail (the loop requests the later ones as before).
-  if (i + (D - 1) * kChunk < k) load_w(i);
+  if (i + (D - 1) * kStride < k) load_w(i);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   // NORM: the normed row (the x every warp multiplies), then the residual sum (k / 8 each).
@@ -158,15 +170,19 @@ __global__ void __launch_bounds__(kWarps * 32)
       return __ldcg(reinterpret_cast<const uint4*>(x) + v);
     }
   };
-  if (row0 >= n) return;
+  if constexpr (S == 1) {
+    if (row0 >= n) return;
+  }
   float acc[M][R] = {};
-  for (bool first = true; i + (D - 1) * kChunk < k; i += D * kChunk, first = false) {
+  for (bool first = true; i + (D - 1) * kStride < k; i += D * kStride, first = false) {
     if (!first) load_w(i);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       uint4 xv[D];
 #pragma unroll
-      for (int c = 0; c < D; ++c) xv[c] = x_vec((static_cast<int64_t>(m) * k + i + c * kChunk) / 8);
+      for (int c = 0; c < D; ++c) {
+        xv[c] = x_vec((static_cast<int64_t>(m) * k + i + c * kStride) / 8);
+      }
 #pragma unroll
       for (int c = 0; c < D; ++c) {
         float b[dev::kHalfVec];
@@ -181,7 +197,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
   }
-  for (; i < k; i += kChunk) {
+  for (; i < k; i += kStride) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float a[dev::kHalfVec];
@@ -200,6 +216,22 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = dev::warp_sum(acc[m][r]);
   }
+  if constexpr (S > 1) {  // the group's first warp adds the slices' sums in slice order
+    __shared__ float part[kWarps][R];
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) part[warp][r] = acc[0][r];
+    }
+    __syncthreads();
+    if (slice != 0 || row0 >= n) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float sum = part[warp][r];
+#pragma unroll
+      for (int j = 1; j < S; ++j) sum += part[warp + j][r];
+      acc[0][r] = sum;
+    }
+  }
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -213,31 +245,52 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// Blocks of a call with R rows per warp (the launch and gemv_add_rms_norm_one_wave agree on it).
-int64_t grid_blocks(int64_t n, int rows_per_warp) {
-  const int64_t rows = int64_t{kWarps} * rows_per_warp;
+// Blocks of a call with this tile (the launch and gemv_add_rms_norm_one_wave agree on it).
+int64_t grid_blocks(int64_t n, const GemvTile& t) {
+  const int64_t rows = int64_t{kWarps} / t.slices * t.rows;
   return (n + rows - 1) / rows;
 }
 
-template <typename T, typename O, int R, int D>
-cudaError_t launch(int64_t n, int64_t k, const void* x, const void* w, const void* bias, void* y,
-                   cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(grid_blocks(n, R)));
-  return launch_pdl(gemv_kernel<T, O, R, D>, grid, dim3(kWarps * 32), 0, stream,
-                    static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias),
-                    static_cast<O*>(y), static_cast<int>(n), static_cast<int>(k), NormArgs<T>{});
+// The tiles gemv_with() has kernels for, as rows x depth x slices (gemv.h's GemvTile).
+template <int R, int D, int S>
+struct TileOf {
+  static constexpr int kR = R, kD = D, kS = S;
+};
+using Tiles =
+    std::tuple<TileOf<2, 2, 1>, TileOf<1, 4, 1>, TileOf<2, 4, 1>, TileOf<4, 2, 1>, TileOf<2, 2, 2>,
+               TileOf<2, 4, 2>, TileOf<4, 2, 2>, TileOf<2, 2, 4>, TileOf<4, 2, 4>, TileOf<2, 2, 8>>;
+
+// Calls f(TileOf<...>{}) for the kernel of `t`; cudaErrorNotSupported for a tile with none.
+template <typename F, size_t I = 0>
+cudaError_t with_tile(const GemvTile& t, F&& f) {
+  if constexpr (I == std::tuple_size_v<Tiles>) {
+    return cudaErrorNotSupported;
+  } else {
+    using Tl = std::tuple_element_t<I, Tiles>;
+    if (t.rows == Tl::kR && t.depth == Tl::kD && t.slices == Tl::kS) return f(Tl{});
+    return with_tile<F, I + 1>(t, std::forward<F>(f));
+  }
 }
 
-template <int R, int D>
-cudaError_t launch_tile(int64_t n, int64_t k, DType in, DType out, const void* x, const void* w,
-                        const void* bias, void* y, cudaStream_t stream) {
-  if (in == DType::kBF16) {
-    return out == DType::kF32
-               ? launch<__nv_bfloat16, float, R, D>(n, k, x, w, bias, y, stream)
-               : launch<__nv_bfloat16, __nv_bfloat16, R, D>(n, k, x, w, bias, y, stream);
-  }
-  return out == DType::kF32 ? launch<__half, float, R, D>(n, k, x, w, bias, y, stream)
-                            : launch<__half, __half, R, D>(n, k, x, w, bias, y, stream);
+std::string tile_list() {
+  std::string out;
+  std::apply(
+      [&](auto... t) {
+        ((out += (out.empty() ? "" : ", ") + std::to_string(decltype(t)::kR) + "x" +
+                 std::to_string(decltype(t)::kD) + "x" + std::to_string(decltype(t)::kS)),
+         ...);
+      },
+      Tiles{});
+  return out;
+}
+
+template <typename T, typename O, int R, int D, int S>
+cudaError_t launch(const GemvTile& tile, int64_t n, int64_t k, const void* x, const void* w,
+                   const void* bias, void* y, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(grid_blocks(n, tile)));
+  return launch_pdl(gemv_kernel<T, O, R, D, false, S>, grid, dim3(kWarps * 32), 0, stream,
+                    static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias),
+                    static_cast<O*>(y), static_cast<int>(n), static_cast<int>(k), NormArgs<T>{});
 }
 
 Status check_call(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x,
@@ -252,34 +305,21 @@ Status check_call(int64_t m, int64_t n, int64_t k, DType in, DType out, const vo
   return Status::ok();
 }
 
-// Calls f(kernel, std::pair<T, O>{}) with the NORM kernel of gemv_tile(n, k)'s tile for these
-// types; cudaErrorNotSupported for a tile it has no kernel for.
+// Calls f(kernel, std::pair<T, O>{}) with the NORM kernel of `tile` for these types;
+// cudaErrorNotSupported for a tile it has no kernel for.
 template <typename F>
-cudaError_t with_norm_kernel(int64_t n, int64_t k, DType dtype, DType out, F&& f) {
-  auto by_types = [&](auto r, auto d) {
-    constexpr int R = decltype(r)::value, D = decltype(d)::value;
+cudaError_t with_norm_kernel(const GemvTile& tile, DType dtype, DType out, F&& f) {
+  return with_tile(tile, [&](auto t) {
+    constexpr int R = decltype(t)::kR, D = decltype(t)::kD, S = decltype(t)::kS;
     if (dtype == DType::kBF16) {
       using T = __nv_bfloat16;
-      return out == DType::kF32 ? f(gemv_kernel<T, float, R, D, true>, std::pair<T, float>{})
-                                : f(gemv_kernel<T, T, R, D, true>, std::pair<T, T>{});
+      return out == DType::kF32 ? f(gemv_kernel<T, float, R, D, true, S>, std::pair<T, float>{})
+                                : f(gemv_kernel<T, T, R, D, true, S>, std::pair<T, T>{});
     }
     using T = __half;
-    return out == DType::kF32 ? f(gemv_kernel<T, float, R, D, true>, std::pair<T, float>{})
-                              : f(gemv_kernel<T, T, R, D, true>, std::pair<T, T>{});
-  };
-  using I2 = std::integral_constant<int, 2>;
-  using I4 = std::integral_constant<int, 4>;
-  const GemvTile tile = gemv_tile(n, k);
-  switch (tile.rows * 100 + tile.depth) {
-    case 202:
-      return by_types(I2{}, I2{});
-    case 402:
-      return by_types(I4{}, I2{});
-    case 204:
-      return by_types(I2{}, I4{});
-    default:
-      return cudaErrorNotSupported;
-  }
+    return out == DType::kF32 ? f(gemv_kernel<T, float, R, D, true, S>, std::pair<T, float>{})
+                              : f(gemv_kernel<T, T, R, D, true, S>, std::pair<T, T>{});
+  });
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -297,6 +337,11 @@ bool gemv_add_rms_norm_takes(int64_t n, int64_t k, DType dtype, DType out, const
 }
 
 bool gemv_add_rms_norm_one_wave(int64_t n, int64_t k, DType dtype, DType out) {
+  return gemv_add_rms_norm_one_wave_with(gemv_norm_tile(n, k), n, k, dtype, out);
+}
+
+bool gemv_add_rms_norm_one_wave_with(const GemvTile& tile, int64_t n, int64_t k, DType dtype,
+                                     DType out) {
   if (!gemv_takes(1, n, k, dtype, out, nullptr, nullptr) || norm::vec_shape(k).v <= 0) {
     return false;
   }
@@ -305,6 +350,7 @@ bool gemv_add_rms_norm_one_wave(int64_t n, int64_t k, DType dtype, DType out) {
   struct Known {
     int device;
     int64_t n, k;
+    GemvTile tile;
     DType dtype, out;
     int64_t blocks;
   };
@@ -312,15 +358,17 @@ bool gemv_add_rms_norm_one_wave(int64_t n, int64_t k, DType dtype, DType out) {
   static std::vector<Known> known;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const int64_t grid = grid_blocks(n, gemv_tile(n, k).rows);
+  const int64_t grid = grid_blocks(n, tile);
   std::lock_guard<std::mutex> lock(mu);
   for (const Known& e : known) {
-    if (e.device == device && e.n == n && e.k == k && e.dtype == dtype && e.out == out) {
+    if (e.device == device && e.n == n && e.k == k && e.tile.rows == tile.rows &&
+        e.tile.depth == tile.depth && e.tile.slices == tile.slices && e.dtype == dtype &&
+        e.out == out) {
       return grid <= e.blocks;
     }
   }
   int per_sm = 0;
-  const cudaError_t err = with_norm_kernel(n, k, dtype, out, [&](auto kernel, auto) {
+  const cudaError_t err = with_norm_kernel(tile, dtype, out, [&](auto kernel, auto) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32,
                                                          gemv_add_rms_norm_smem(k));
   });
@@ -329,12 +377,18 @@ bool gemv_add_rms_norm_one_wave(int64_t n, int64_t k, DType dtype, DType out) {
     return false;
   }
   const int64_t blocks = int64_t{per_sm} * current_sm_count();
-  known.push_back({device, n, k, dtype, out, blocks});
+  known.push_back({device, n, k, tile, dtype, out, blocks});
   return grid <= blocks;
 }
 
 Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const GemvAddRmsNorm& a,
                          const void* w, const void* bias, void* y, cudaStream_t stream) {
+  return gemv_add_rms_norm_with(gemv_norm_tile(n, k), n, k, dtype, out, a, w, bias, y, stream);
+}
+
+Status gemv_add_rms_norm_with(const GemvTile& tile, int64_t n, int64_t k, DType dtype, DType out,
+                              const GemvAddRmsNorm& a, const void* w, const void* bias, void* y,
+                              cudaStream_t stream) {
   if (!gemv_add_rms_norm_takes(n, k, dtype, out, a, w) || y == nullptr ||
       (bias != nullptr && out == DType::kF32)) {
     return invalid_argument("gemv_add_rms_norm: n " + std::to_string(n) + " k " +
@@ -343,10 +397,10 @@ Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const Gem
                             "memory <= 48 KiB, 16-byte aligned buffers, an arrivals counter, "
                             "proj, residual and normed apart, no bias with fp32 out)");
   }
-  const cudaError_t err = with_norm_kernel(n, k, dtype, out, [&](auto kernel, auto t) {
+  const cudaError_t err = with_norm_kernel(tile, dtype, out, [&](auto kernel, auto t) {
     using T = typename decltype(t)::first_type;
     using O = typename decltype(t)::second_type;
-    const dim3 grid(static_cast<unsigned>(grid_blocks(n, gemv_tile(n, k).rows)));
+    const dim3 grid(static_cast<unsigned>(grid_blocks(n, tile)));
     NormArgs<T> nrm;
     nrm.residual = static_cast<T*>(a.residual);
     nrm.weight = static_cast<const T*>(a.weight);
@@ -360,7 +414,9 @@ Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const Gem
                       static_cast<int>(k), nrm);
   });
   if (err == cudaErrorNotSupported) {
-    return internal_error("gemv_add_rms_norm: gemv_tile chose a tile it has no kernel for");
+    return invalid_argument("gemv_add_rms_norm: no kernel for tile " + std::to_string(tile.rows) +
+                            "x" + std::to_string(tile.depth) + "x" + std::to_string(tile.slices) +
+                            " (it has " + tile_list() + ")");
   }
   TESSERA_CUDA_RETURN_IF_ERROR(err, "gemv_add_rms_norm");
   return launch_status("gemv_add_rms_norm");
@@ -378,6 +434,14 @@ bool gemv_takes(int64_t m, int64_t n, int64_t k, DType in, DType out, const void
 }
 
 GemvTile gemv_tile(int64_t n, int64_t k) {
+  if (n <= 1024) return {2, 2, 4};
+  if (k >= 3072) return {4, 2, 4};
+  if (k >= 1024) return {4, 2, 2};
+  return {4, 2, 1};
+}
+
+GemvTile gemv_norm_tile(int64_t n, int64_t k) {
+  if (n <= 1024) return {2, 2, 4};
   if (k > 4096) return {2, 4};
   if (n > 4096) return {4, 2};
   return {2, 2};
@@ -391,34 +455,20 @@ Status gemv(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x,
 Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in, DType out,
                  const void* x, const void* w, const void* bias, void* y, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(check_call(m, n, k, in, out, x, w, bias, y));
-  cudaError_t err = cudaSuccess;
-  const int rd = tile.rows * 100 + tile.depth;
-  switch (rd) {
-    case 202:
-      err = launch_tile<2, 2>(n, k, in, out, x, w, bias, y, stream);
-      break;
-    case 104:
-      err = launch_tile<1, 4>(n, k, in, out, x, w, bias, y, stream);
-      break;
-    case 108:
-      err = launch_tile<1, 8>(n, k, in, out, x, w, bias, y, stream);
-      break;
-    case 204:
-      err = launch_tile<2, 4>(n, k, in, out, x, w, bias, y, stream);
-      break;
-    case 208:
-      err = launch_tile<2, 8>(n, k, in, out, x, w, bias, y, stream);
-      break;
-    case 402:
-      err = launch_tile<4, 2>(n, k, in, out, x, w, bias, y, stream);
-      break;
-    case 404:
-      err = launch_tile<4, 4>(n, k, in, out, x, w, bias, y, stream);
-      break;
-    default:
-      return invalid_argument("gemv_with: no kernel for " + std::to_string(tile.rows) + " rows x " +
-                              std::to_string(tile.depth) +
-                              " chunks deep (it has 2x2, 1x4, 1x8, 2x4, 2x8, 4x2, 4x4)");
+  const cudaError_t err = with_tile(tile, [&](auto t) {
+    constexpr int R = decltype(t)::kR, D = decltype(t)::kD, S = decltype(t)::kS;
+    if (in == DType::kBF16) {
+      using B = __nv_bfloat16;
+      return out == DType::kF32 ? launch<B, float, R, D, S>(tile, n, k, x, w, bias, y, stream)
+                                : launch<B, B, R, D, S>(tile, n, k, x, w, bias, y, stream);
+    }
+    return out == DType::kF32 ? launch<__half, float, R, D, S>(tile, n, k, x, w, bias, y, stream)
+                              : launch<__half, __half, R, D, S>(tile, n, k, x, w, bias, y, stream);
+  });
+  if (err == cudaErrorNotSupported) {
+    return invalid_argument("gemv_with: no kernel for tile " + std::to_string(tile.rows) + "x" +
+                            std::to_string(tile.depth) + "x" + std::to_string(tile.slices) +
+                            " (rows x chunks deep x k slices; it has " + tile_list() + ")");
   }
   TESSERA_CUDA_RETURN_IF_ERROR(err, "gemv");
   return launch_status("gemv");

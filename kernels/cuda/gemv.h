@@ -28,14 +28,20 @@ inline constexpr int64_t kGemvMaxRows = 1;
 // fp32, k a multiple of 8, x and w 16-byte aligned.
 bool gemv_takes(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x, const void* w);
 
-// The kernel's tile: output rows per warp, and 512-byte chunks of each row a warp has in flight.
-// gemv_with() runs 2x2, 1x4, 1x8, 2x4, 2x8, 4x2 and 4x4 (kernel_bench compares them).
+// The kernel's tile: output rows per group of warps, 512-byte chunks of each row a warp has in
+// flight, and the warps of a group that split k between them (1: a warp reads whole rows).
+// gemv_with() runs 2x2, 1x4, 2x4, 4x2 (whole rows), 2x2x2, 2x4x2, 4x2x2, 2x2x4, 4x2x4 and 2x2x8
+// (kernel_bench compares them). Tiles of one slice count give the same bits; another slice count
+// adds in another order.
 struct GemvTile {
   int rows = 2;
   int depth = 2;
+  int slices = 1;
 };
-// The tile `gemv` takes for [n, k] (gemv.cu says what each was measured against).
+// The tile `gemv` takes for [n, k], and the one gemv_add_rms_norm takes (gemv.cu says what each
+// was measured against).
 GemvTile gemv_tile(int64_t n, int64_t k);
+GemvTile gemv_norm_tile(int64_t n, int64_t k);
 
 //   x: [m, k] in;  w: [n, k] in;  bias: [n] in or null (not with out = fp32);  out: [m, n] out.
 // The first chunks of w are read before the kernel waits for the one launched before it
@@ -43,8 +49,8 @@ GemvTile gemv_tile(int64_t n, int64_t k);
 // INVALID_ARGUMENT for a shape gemv_takes() refuses. Runs gemv_tile(n, k).
 Status gemv(int64_t m, int64_t n, int64_t k, DType in, DType out, const void* x, const void* w,
             const void* bias, void* y, cudaStream_t stream);
-// The same with another tile (the bits are the same: a lane sums the same elements in the same
-// order whatever the tile).
+// The same with another tile (the bits are gemv's where the slice count is gemv_tile's: a lane
+// sums the same elements in the same order whatever the rows and the depth).
 Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in, DType out,
                  const void* x, const void* w, const void* bias, void* y, cudaStream_t stream);
 
@@ -52,7 +58,8 @@ Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in
 // add_rms_norm) in its prologue, for one row: every block normalises the row itself into shared
 // memory, reducing as add_rms_norm's kernel does at width k (the same bits), and the block that
 // gets there last writes residual and normed (what add_rms_norm writes): one launch instead of
-// two. out: the input's dtype or fp32 (a router's logits); bias as gemv's.
+// two, the bits of add_rms_norm then gemv_with(gemv_norm_tile(n, k)). out: the input's dtype or
+// fp32 (a router's logits); bias as gemv's.
 //   proj, residual (in/out), weight, normed: [k] dtype, 16-byte aligned, apart
 //   arrivals: one int32, 0 before the first call; every call leaves it 0
 struct GemvAddRmsNorm {
@@ -74,5 +81,11 @@ Status gemv_add_rms_norm(int64_t n, int64_t k, DType dtype, DType out, const Gem
 // that latency once, and each further wave pays it again: the model fuses the norm only then
 // (decode, H100: Llama-3-8B's gate_up [28672 x 4096], 896 blocks, made a step slower fused).
 bool gemv_add_rms_norm_one_wave(int64_t n, int64_t k, DType dtype, DType out);
+// The same two with another tile than gemv_norm_tile(n, k)'s.
+bool gemv_add_rms_norm_one_wave_with(const GemvTile& tile, int64_t n, int64_t k, DType dtype,
+                                     DType out);
+Status gemv_add_rms_norm_with(const GemvTile& tile, int64_t n, int64_t k, DType dtype, DType out,
+                              const GemvAddRmsNorm& a, const void* w, const void* bias, void* y,
+                              cudaStream_t stream);
 
 }  // namespace tessera::cuda

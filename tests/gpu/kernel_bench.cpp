@@ -72,7 +72,7 @@ constexpr int64_t bs = 16;
 
 struct Args {
   int64_t B = 1, ctx = 256, max_len = 8192;
-  int64_t window = 0;  // --window: also time a sliding-window decode
+  int64_t window = 0;       // --window: also time a sliding-window decode
   bool gemv_tiles = false;  // --gemv-tiles: the GEMV tile table (batch 1)
 };
 
@@ -337,7 +337,17 @@ void time_gemv_tiles(cudaStream_t st, Gemm& gemm, double copy_bw) {
                           {"Llama-3-70B down", 8192, 28672, bf},
                           {"Llama-3-70B gate_up", 57344, 8192, bf},
                           {"Llama-3-70B lm_head", V, 8192, DType::kF32}};
-  const GemvTile tiles[] = {{2, 2}, {1, 4}, {1, 8}, {2, 4}, {2, 8}, {4, 2}, {4, 4}};
+  const GemvTile tiles[] = {{2, 2},    {1, 4},    {2, 4},    {4, 2},    {2, 2, 2},
+                            {2, 4, 2}, {4, 2, 2}, {2, 2, 4}, {4, 2, 4}, {2, 2, 8}};
+  auto tile_name = [](const GemvTile& t) {
+    char buf[32];
+    if (t.slices == 1) {
+      std::snprintf(buf, sizeof buf, "%dx%d", t.rows, t.depth);
+    } else {
+      std::snprintf(buf, sizeof buf, "%dx%dx%d", t.rows, t.depth, t.slices);
+    }
+    return std::string(buf);
+  };
   int64_t most = 0;
   for (const Shape& s : shapes) most = std::max(most, s.n * s.k * 2);
   const int64_t pool_bytes = std::max<int64_t>(2 * most, int64_t{1} << 30);
@@ -346,7 +356,7 @@ void time_gemv_tiles(cudaStream_t st, Gemm& gemm, double copy_bw) {
   void* y = dalloc(256000 * 4);
   std::printf(
       "batch-1 linears, weights from HBM: us and fraction of the copy bandwidth; gemv RxD = %s\n",
-      "rows per warp x 512-byte chunks in flight per row");
+      "rows per group x 512-byte chunks in flight per row [x warps splitting k]");
   for (const Shape& s : shapes) {
     const int64_t bytes = s.n * s.k * 2, stride = (bytes + 255) / 256 * 256;
     const int64_t copies = std::max<int64_t>(1, pool_bytes / stride);
@@ -357,26 +367,22 @@ void time_gemv_tiles(cudaStream_t st, Gemm& gemm, double copy_bw) {
       return gemm.linear_cublaslt({1, s.n, s.k, bf, s.out, false}, x, weights(), nullptr, y, st);
     });
     const GemvTile chosen = gemv_tile(s.n, s.k);
-    std::printf("  %-34s [1 x %6ld x %5ld] %7.1f MB, gemv takes %dx%d: cuBLASLt %7.2f us (%.2f)",
-                s.name, static_cast<long>(s.n), static_cast<long>(s.k), bytes / 1e6, chosen.rows,
-                chosen.depth, lt_us, frac(lt_us));
+    std::printf("  %-34s [1 x %6ld x %5ld] %7.1f MB, gemv takes %s: cuBLASLt %7.2f us (%.2f)",
+                s.name, static_cast<long>(s.n), static_cast<long>(s.k), bytes / 1e6,
+                tile_name(chosen).c_str(), lt_us, frac(lt_us));
     double best = lt_us;
     GemvTile best_tile{0, 0};
     for (const GemvTile& t : tiles) {
       const double us = time_op(
           st, [&] { return gemv_with(t, 1, s.n, s.k, bf, s.out, x, weights(), nullptr, y, st); });
-      std::printf(", %dx%d %.2f (%.2f)", t.rows, t.depth, us, frac(us));
+      std::printf(", %s %.2f (%.2f)", tile_name(t).c_str(), us, frac(us));
       if (us < best) {
         best = us;
         best_tile = t;
       }
     }
-    std::printf(
-        "; best %s %.2f us\n",
-        best_tile.rows == 0
-            ? "linear"
-            : (std::to_string(best_tile.rows) + "x" + std::to_string(best_tile.depth)).c_str(),
-        best);
+    std::printf("; best %s %.2f us\n",
+                best_tile.rows == 0 ? "linear" : tile_name(best_tile).c_str(), best);
   }
   cudaFree(pool);
   cudaFree(x);

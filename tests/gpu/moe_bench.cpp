@@ -22,6 +22,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
 #include "kernels/cuda/moe.h"
 #include "tests/gpu/bench_util.h"
 
@@ -148,8 +149,8 @@ int run(int argc, char** argv) {
   check(cudaMemcpy(sinb, cs.data(), cs.size() * 4, cudaMemcpyHostToDevice), "upload");
   const SplitPlan sp =
       plan_attention_splits(static_cast<int>(B), kvh, max_len, prop.multiProcessorCount);
-  void* attn_ws =
-      dalloc(std::max<size_t>(256, attention_workspace_bytes(B, heads, hd, sp.num_splits)));
+  void* attn_ws = dalloc(
+      std::max<size_t>(256, attention_workspace_bytes(B, heads, hd, std::max(sp.num_splits, 4))));
   const uint64_t moe_ws_bytes = moe_workspace_bytes(bf, B, E, K, E, H, I, 0);
   void* moe_ws = dalloc(moe_ws_bytes);
   // The MoE workspace's first regions (moe.cu's Carve): logits, ids, weights.
@@ -361,6 +362,152 @@ int run(int argc, char** argv) {
     ml.experts = experts(l);
     return moe_forward(ml, gemm, st);
   });
+  // Batch 1: the layer exactly as the CUDA model runs it (the input norm in qkv's GEMV, the
+  // post-attention norm in the router's, the MoE block's four kernels), then the same chain with
+  // one op left out (its cost in the chain: the launch and the wait it adds, not only its time
+  // alone) and with other GEMV / MoE tiles.
+  struct Chain {
+    std::string name;
+    bool qkv = true, rope = true, attention = true, o = true, router = true, route = true,
+         gate_up = true, down = true;
+    GemvTile qkv_tile, o_tile, router_tile;
+    MoeGemvTiles moe;
+    int attn_splits = 0;  // 0: the planned split (sp); 1: none
+  };
+  std::vector<std::pair<std::string, double>> chain_rows;
+  if (B == 1) {
+    void* proj = dalloc(H * 2);
+    int32_t* arrivals = nullptr;
+    check(cudaMalloc(&arrivals, 4), "cudaMalloc");
+    check(cudaMemset(arrivals, 0, 4), "memset");
+    const Chain model{"model",
+                      true,
+                      true,
+                      true,
+                      true,
+                      true,
+                      true,
+                      true,
+                      true,
+                      gemv_norm_tile(qkv_n, H),
+                      gemv_tile(H, heads * hd),
+                      gemv_norm_tile(E, H),
+                      {}};
+    std::vector<Chain> chains{model};
+    auto without = [&](const char* what, bool Chain::*field) {
+      Chain c = model;
+      c.name = std::string("without ") + what;
+      c.*field = false;
+      chains.push_back(c);
+    };
+    without("qkv", &Chain::qkv);
+    without("rope", &Chain::rope);
+    without("attention", &Chain::attention);
+    without("o", &Chain::o);
+    without("router", &Chain::router);
+    without("route", &Chain::route);
+    without("gate_up", &Chain::gate_up);
+    without("down", &Chain::down);
+    {
+      Chain c = model;
+      c.name = "without rope, attention";
+      c.rope = c.attention = false;
+      chains.push_back(c);
+      c = model;
+      c.name = "without router, route";
+      c.router = c.route = false;
+      chains.push_back(c);
+      c = model;
+      c.name = "only qkv, o, gate_up, down";
+      c.rope = c.attention = c.router = c.route = false;
+      chains.push_back(c);
+    }
+    auto tile_name = [](const GemvTile& t) {
+      return std::to_string(t.rows) + "x" + std::to_string(t.depth) + "x" +
+             std::to_string(t.slices);
+    };
+    for (GemvTile t : {GemvTile{2, 2, 1}, GemvTile{2, 4, 2}, GemvTile{4, 2, 2}, GemvTile{2, 2, 4},
+                       GemvTile{2, 2, 8}}) {
+      Chain c = model;
+      c.name = "o " + tile_name(t);
+      c.o_tile = t;
+      chains.push_back(c);
+    }
+    for (GemvTile t : {GemvTile{4, 2, 2}, GemvTile{2, 2, 2}, GemvTile{4, 2, 4}}) {
+      Chain c = model;
+      c.name = "qkv " + tile_name(t) +
+               (gemv_add_rms_norm_one_wave_with(t, qkv_n, H, bf, bf) ? "" : " (not one wave)");
+      c.qkv_tile = t;
+      chains.push_back(c);
+    }
+    for (GemvTile t : {GemvTile{2, 2, 1}, GemvTile{2, 2, 8}}) {
+      Chain c = model;
+      c.name = "router " + tile_name(t);
+      c.router_tile = t;
+      chains.push_back(c);
+    }
+    for (int splits : {1, 2}) {
+      Chain c = model;
+      c.name = "attention " + std::to_string(splits) + " split" + (splits > 1 ? "s" : "");
+      c.attn_splits = splits;
+      chains.push_back(c);
+    }
+    for (auto [gu, dn] : {std::pair{std::pair{2, 2}, std::pair{8, 2}},
+                          {{2, 4}, {8, 2}},
+                          {{2, 4}, {8, 3}},
+                          {{2, 1}, {8, 3}}}) {
+      Chain c = model;
+      c.moe.gate_up_outs = gu.first;
+      c.moe.gate_up_unroll = gu.second;
+      c.moe.down_rows = dn.first;
+      c.moe.down_unroll = dn.second;
+      c.name = "moe gate_up " + std::to_string(gu.first) + "x" + std::to_string(gu.second) +
+               ", down " + std::to_string(dn.first) + "x" + std::to_string(dn.second);
+      chains.push_back(c);
+    }
+    for (const Chain& c : chains) {
+      const double us = time_op(st, [&](int l) {
+        const Layer& w = layers[l];
+        const GemvAddRmsNorm in_norm{out, resid, w.norm, 1e-6f, x, arrivals};
+        const GemvAddRmsNorm post_norm{proj, resid, w.norm, 1e-6f, x, arrivals};
+        Status s;
+        if (c.qkv) {
+          s = gemv_add_rms_norm_with(c.qkv_tile, qkv_n, H, bf, bf, in_norm, w.qkv, nullptr, y, st);
+        }
+        RopeCacheArgs rl = r;
+        rl.q_norm = w.q_norm;
+        rl.k_norm = w.k_norm;
+        if (s.is_ok() && c.rope) s = rope_and_cache(rl, st);
+        AttentionArgs al = a;
+        if (c.attn_splits != 0) {
+          al.num_splits = c.attn_splits;
+          al.split_size =
+              c.attn_splits > 1
+                  ? static_cast<int>((max_len + c.attn_splits - 1) / c.attn_splits + 63) / 64 * 64
+                  : 0;
+          al.workspace = c.attn_splits > 1 ? attn_ws : nullptr;
+        }
+        if (s.is_ok() && c.attention) s = paged_attention(al, st);
+        if (s.is_ok() && c.o) {
+          s = gemv_with(c.o_tile, 1, H, heads * hd, bf, bf, attn, w.o, nullptr, proj, st);
+        }
+        if (s.is_ok() && c.router) {
+          s = gemv_add_rms_norm_with(c.router_tile, E, H, bf, DType::kF32, post_norm, w.router,
+                                     nullptr, r_logits, st);
+        }
+        if (s.is_ok() && c.route) s = moe_route(r_logits, bf, 1, E, K, true, r_ids, r_weights, st);
+        if (s.is_ok() && c.gate_up) {
+          s = moe_gemv_gate_up(bf, x, r_ids, 1, K, experts(l), act, st, c.moe);
+        }
+        if (s.is_ok() && c.down) {
+          s = moe_gemv_down_combine(bf, act, r_ids, r_weights, 1, K, experts(l), x, nullptr,
+                                    nullptr, out, st, c.moe);
+        }
+        return s;
+      });
+      chain_rows.emplace_back(c.name, us);
+    }
+  }
   const double lm_us = time_op(st, [&](int) {
     return gemm.linear({B, V, H, bf, DType::kF32, false}, x, lm_head, nullptr, logits, st);
   });
@@ -405,6 +552,13 @@ int run(int argc, char** argv) {
       "layer %.2f us x %d + lm_head = %.1f us per step (%.0f tok/s per sequence); %.2f GB read "
       "= %.2f of the copy bandwidth's roofline\n",
       layer_us, kSteps, step_us, 1e6 / step_us, step_bytes / 1e9, step_bytes / step_us / 1e3 / bw);
+  if (!chain_rows.empty()) {
+    const double base = chain_rows.front().second;
+    std::printf("the model's layer chained (batch 1), and variants (us a layer, - the model's):\n");
+    for (const auto& [name, us] : chain_rows) {
+      std::printf("  chain %-40s %8.2f us  %+7.2f\n", name.c_str(), us, us - base);
+    }
+  }
   const double chain_step_us = chain_us * kSteps + lm_us;
   std::printf(
       "layer chained %.2f us x %d + lm_head = %.1f us per step (%.0f tok/s per sequence) = %.2f "

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -407,14 +408,17 @@ TEST(GemvTest, DecodeShapesTrackTheReference) {
   EXPECT_EQ(gemm->cached_shapes(), 0u);  // none went to cuBLASLt
 }
 
-// Every tile gemv_with() runs gives gemv's bits: a lane sums the same elements in the same order
-// whatever the rows per warp and the chunks in flight. Shapes with a tail past the deepest tile's
-// loop, a row count no tile divides, fp32 out and a bias; and the tiles it has no kernel for are
-// refused.
-TEST(GemvTest, EveryTileGivesTheSameBits) {
+// Every tile gemv_with() runs matches the CPU reference, and every tile of one slice count gives
+// the same bits (a lane's slice is the same chunks in the same order whatever the rows and the
+// chunks in flight; the slices add in one order), gemv's among them. Shapes with a tail past the
+// deepest tile's loop, a row count no tile divides, k shorter than the slices' chunks, fp32 out
+// and a bias; and the tiles it has no kernel for are refused, naming those it has.
+TEST(GemvTest, EveryTileGivesItsSliceCountsBits) {
   REQUIRE_CUDA_DEVICE();
-  const int64_t nk[][2] = {{5120, 2048}, {2048, 4096}, {1000, 1032}, {7, 2056}, {333, 4104}};
-  const GemvTile tiles[] = {{2, 2}, {1, 4}, {1, 8}, {2, 4}, {2, 8}, {4, 2}, {4, 4}};
+  const int64_t nk[][2] = {{5120, 2048}, {2048, 4096}, {1000, 1032}, {7, 2056},
+                           {333, 4104},  {128, 2048},  {65, 512}};
+  const GemvTile tiles[] = {{2, 2},    {1, 4},    {2, 4},    {4, 2},    {2, 2, 2},
+                            {2, 4, 2}, {4, 2, 2}, {2, 2, 4}, {4, 2, 4}, {2, 2, 8}};
   for (DType dt : {DType::kBF16, DType::kF16}) {
     for (const auto& [n, k] : nk) {
       Operand w, x, bias;
@@ -422,30 +426,45 @@ TEST(GemvTest, EveryTileGivesTheSameBits) {
       make_operand(&x, k, dt, 31 + k, true);
       make_operand(&bias, n, dt, 5 + n, false);
       for (DType out : {dt, DType::kF32}) {
-        const GemmShape s{1, n, k, dt, out, false};
-        DeviceBuffer want = alloc_out(s), got = alloc_out(s);
+        const GemmShape s{1, n, k, dt, out, out == dt};
+        DeviceBuffer got = alloc_out(s);
         const void* b = out == dt ? bias.dev.get() : nullptr;
-        ASSERT_TRUE(
-            gemv(1, n, k, dt, out, x.dev.get(), w.dev.get(), b, want.get(), nullptr).is_ok());
+        const std::vector<float> want = reference(s, x, w, out == dt ? &bias : nullptr);
         const size_t bytes = static_cast<size_t>(n) * dtype_size(out);
-        std::vector<char> ref(bytes), mine(bytes);
-        ASSERT_EQ(cudaMemcpy(ref.data(), want.get(), bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+        std::map<int, std::vector<char>> first_of_slices;  // slices -> the first tile's bits
+        ASSERT_EQ(cudaMemset(got.get(), 0xff, bytes), cudaSuccess);
+        ASSERT_TRUE(
+            gemv(1, n, k, dt, out, x.dev.get(), w.dev.get(), b, got.get(), nullptr).is_ok());
+        std::vector<char>& gemv_bits = first_of_slices[gemv_tile(n, k).slices];
+        gemv_bits.resize(bytes);
+        ASSERT_EQ(cudaMemcpy(gemv_bits.data(), got.get(), bytes, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
         for (const GemvTile& t : tiles) {
-          SCOPED_TRACE(std::to_string(t.rows) + "x" + std::to_string(t.depth) + " " + name(s));
+          SCOPED_TRACE(std::to_string(t.rows) + "x" + std::to_string(t.depth) + "x" +
+                       std::to_string(t.slices) + " " + name(s));
           ASSERT_EQ(cudaMemset(got.get(), 0xff, bytes), cudaSuccess);
           Status st =
               gemv_with(t, 1, n, k, dt, out, x.dev.get(), w.dev.get(), b, got.get(), nullptr);
           ASSERT_TRUE(st.is_ok()) << st.to_string();
+          std::vector<char> mine(bytes);
           ASSERT_EQ(cudaMemcpy(mine.data(), got.get(), bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-          EXPECT_EQ(mine, ref);
+          expect_close(s, download(s, got.get()), want, name(s));
+          auto [at, fresh] = first_of_slices.emplace(t.slices, mine);
+          if (!fresh) {
+            EXPECT_EQ(mine, at->second);
+          }
         }
       }
     }
   }
   auto* p = reinterpret_cast<const void*>(uintptr_t{256});
-  EXPECT_FALSE(gemv_with({3, 2}, 1, 64, 64, DType::kBF16, DType::kBF16, p, p, nullptr,
-                         const_cast<void*>(p), nullptr)
-                   .is_ok());
+  for (const GemvTile& bad :
+       {GemvTile{3, 2}, GemvTile{1, 8}, GemvTile{2, 2, 3}, GemvTile{2, 2, 16}}) {
+    const Status st = gemv_with(bad, 1, 64, 64, DType::kBF16, DType::kBF16, p, p, nullptr,
+                                const_cast<void*>(p), nullptr);
+    EXPECT_FALSE(st.is_ok());
+    EXPECT_NE(st.to_string().find("2x2x1"), std::string::npos) << st.to_string();
+  }
 }
 
 // What it refuses goes to cuBLASLt: two rows, a depth not a multiple of 8, fp32 in, a misaligned
@@ -469,9 +488,9 @@ TEST(GemvTest, TakesOnlyItsShapes) {
 // y2 = y1 · w2ᵀ, y3 = y2 · w3ᵀ, replayed twice; each against the reference of its GPU input.
 // gemv_add_rms_norm gives add_rms_norm + gemv's bits: the residual sum, the normed row and the
 // output, at widths whose norm kernel runs 32 .. 512 threads with 1 or 2 vectors each (k 64 ..
-// 8192), on the three tiles gemv_tile picks, bf16 and fp16, out in the dtype (with and without a
-// bias) and fp32 (a router's logits); captured in
-// a graph and replayed twice (the arrivals counter goes back to 0 each time).
+// 8192), on the tile gemv_norm_tile picks and three split-K tiles, bf16 and fp16, out in the dtype
+// (with and without a bias) and fp32 (a router's logits); captured in a graph and replayed twice
+// (the arrivals counter goes back to 0 each time).
 TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
   REQUIRE_CUDA_DEVICE();
   const int64_t nk[][2] = {{40, 64},   {5120, 2048}, {2048, 4096}, {1000, 3584},
@@ -496,57 +515,64 @@ TEST(GemvTest, AddRmsNormInTheGemvGivesTheTwoKernelsBits) {
         const void* b = with_bias ? bias.dev.get() : nullptr;
         const size_t row = static_cast<size_t>(k) * 2;
         const size_t outb = static_cast<size_t>(n) * dtype_size(out);
-        // The two kernels.
-        auto res1 = DeviceBuffer::allocate(row, "residual");
-        auto normed1 = DeviceBuffer::allocate(row, "normed");
-        auto out1 = DeviceBuffer::allocate(outb, "out");
-        ASSERT_TRUE(res1 && normed1 && out1);
-        ASSERT_EQ(cudaMemcpy(res1->get(), residual.dev.get(), row, cudaMemcpyDeviceToDevice),
-                  cudaSuccess);
-        ASSERT_TRUE(add_rms_norm(dt, proj.dev.get(), res1->get(), weight.dev.get(), 1, k, 1e-5f,
-                                 normed1->get(), stream)
-                        .is_ok());
-        ASSERT_TRUE(
-            gemv(1, n, k, dt, out, normed1->get(), w.dev.get(), b, out1->get(), stream).is_ok());
-        // The one kernel, twice through a graph from the same inputs.
-        auto res2 = DeviceBuffer::allocate(row, "residual");
-        auto normed2 = DeviceBuffer::allocate(row, "normed");
-        auto out2 = DeviceBuffer::allocate(outb, "out");
-        ASSERT_TRUE(res2 && normed2 && out2);
-        const GemvAddRmsNorm a{proj.dev.get(), res2->get(),    weight.dev.get(),
-                               1e-5f,          normed2->get(), arrivals->as<int32_t>()};
-        ASSERT_TRUE(gemv_add_rms_norm_takes(n, k, dt, out, a, w.dev.get()));
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-        const Status st = gemv_add_rms_norm(n, k, dt, out, a, w.dev.get(), b, out2->get(), stream);
-        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-        ASSERT_TRUE(st.is_ok()) << st.to_string();
-        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-        for (int replay = 0; replay < 2; ++replay) {
-          ASSERT_EQ(cudaMemcpy(res2->get(), residual.dev.get(), row, cudaMemcpyDeviceToDevice),
+        for (const GemvTile& tile :
+             {gemv_norm_tile(n, k), GemvTile{2, 2, 4}, GemvTile{4, 2, 2}, GemvTile{2, 2, 8}}) {
+          SCOPED_TRACE(std::to_string(tile.rows) + "x" + std::to_string(tile.depth) + "x" +
+                       std::to_string(tile.slices));
+          // The two kernels.
+          auto res1 = DeviceBuffer::allocate(row, "residual");
+          auto normed1 = DeviceBuffer::allocate(row, "normed");
+          auto out1 = DeviceBuffer::allocate(outb, "out");
+          ASSERT_TRUE(res1 && normed1 && out1);
+          ASSERT_EQ(cudaMemcpy(res1->get(), residual.dev.get(), row, cudaMemcpyDeviceToDevice),
                     cudaSuccess);
-          for (DeviceBuffer* d : {&*normed2, &*out2}) {
-            ASSERT_EQ(cudaMemset(d->get(), 0xff, d->bytes()), cudaSuccess);
-          }
-          ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-          for (const auto& [want, got, bytes] : {std::tuple{&*res1, &*res2, row},
-                                                 {&*normed1, &*normed2, row},
-                                                 {&*out1, &*out2, outb}}) {
-            std::vector<char> h1(bytes), h2(bytes);
-            ASSERT_EQ(cudaMemcpy(h1.data(), want->get(), bytes, cudaMemcpyDeviceToHost),
+          ASSERT_TRUE(add_rms_norm(dt, proj.dev.get(), res1->get(), weight.dev.get(), 1, k, 1e-5f,
+                                   normed1->get(), stream)
+                          .is_ok());
+          ASSERT_TRUE(
+              gemv_with(tile, 1, n, k, dt, out, normed1->get(), w.dev.get(), b, out1->get(), stream)
+                  .is_ok());
+          // The one kernel, twice through a graph from the same inputs.
+          auto res2 = DeviceBuffer::allocate(row, "residual");
+          auto normed2 = DeviceBuffer::allocate(row, "normed");
+          auto out2 = DeviceBuffer::allocate(outb, "out");
+          ASSERT_TRUE(res2 && normed2 && out2);
+          const GemvAddRmsNorm a{proj.dev.get(), res2->get(),    weight.dev.get(),
+                                 1e-5f,          normed2->get(), arrivals->as<int32_t>()};
+          ASSERT_TRUE(gemv_add_rms_norm_takes(n, k, dt, out, a, w.dev.get()));
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+          const Status st =
+              gemv_add_rms_norm_with(tile, n, k, dt, out, a, w.dev.get(), b, out2->get(), stream);
+          ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+          ASSERT_TRUE(st.is_ok()) << st.to_string();
+          ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+          for (int replay = 0; replay < 2; ++replay) {
+            ASSERT_EQ(cudaMemcpy(res2->get(), residual.dev.get(), row, cudaMemcpyDeviceToDevice),
                       cudaSuccess);
-            ASSERT_EQ(cudaMemcpy(h2.data(), got->get(), bytes, cudaMemcpyDeviceToHost),
-                      cudaSuccess);
-            EXPECT_EQ(h1, h2) << "replay " << replay;
+            for (DeviceBuffer* d : {&*normed2, &*out2}) {
+              ASSERT_EQ(cudaMemset(d->get(), 0xff, d->bytes()), cudaSuccess);
+            }
+            ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+            ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+            for (const auto& [want, got, bytes] : {std::tuple{&*res1, &*res2, row},
+                                                   {&*normed1, &*normed2, row},
+                                                   {&*out1, &*out2, outb}}) {
+              std::vector<char> h1(bytes), h2(bytes);
+              ASSERT_EQ(cudaMemcpy(h1.data(), want->get(), bytes, cudaMemcpyDeviceToHost),
+                        cudaSuccess);
+              ASSERT_EQ(cudaMemcpy(h2.data(), got->get(), bytes, cudaMemcpyDeviceToHost),
+                        cudaSuccess);
+              EXPECT_EQ(h1, h2) << "replay " << replay;
+            }
+            int32_t left = -1;
+            ASSERT_EQ(cudaMemcpy(&left, arrivals->get(), 4, cudaMemcpyDeviceToHost), cudaSuccess);
+            EXPECT_EQ(left, 0) << "the arrivals counter was left set";
           }
-          int32_t left = -1;
-          ASSERT_EQ(cudaMemcpy(&left, arrivals->get(), 4, cudaMemcpyDeviceToHost), cudaSuccess);
-          EXPECT_EQ(left, 0) << "the arrivals counter was left set";
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(graph);
         }
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
       }
     }
   }
