@@ -380,19 +380,11 @@ int run(int argc, char** argv) {
     int32_t* arrivals = nullptr;
     check(cudaMalloc(&arrivals, 4), "cudaMalloc");
     check(cudaMemset(arrivals, 0, 4), "memset");
-    const Chain model{"model",
-                      true,
-                      true,
-                      true,
-                      true,
-                      true,
-                      true,
-                      true,
-                      true,
-                      gemv_norm_tile(qkv_n, H),
-                      gemv_tile(H, heads * hd),
-                      gemv_norm_tile(E, H),
-                      {}};
+    Chain model;
+    model.name = "model";
+    model.qkv_tile = gemv_norm_tile(qkv_n, H);
+    model.o_tile = gemv_tile(H, heads * hd);
+    model.router_tile = gemv_norm_tile(E, H);
     std::vector<Chain> chains{model};
     auto without = [&](const char* what, bool Chain::*field) {
       Chain c = model;
