@@ -342,7 +342,11 @@ bool gemv_add_rms_norm_one_wave(int64_t n, int64_t k, DType dtype, DType out) {
 
 bool gemv_add_rms_norm_one_wave_with(const GemvTile& tile, int64_t n, int64_t k, DType dtype,
                                      DType out) {
-  if (!gemv_takes(1, n, k, dtype, out, nullptr, nullptr) || norm::vec_shape(k).v <= 0) {
+  // A tile with no kernel (slices 0 or 3 would also break grid_blocks' division) is never one.
+  const bool has_kernel =
+      with_tile(tile, [](auto) { return cudaSuccess; }) != cudaErrorNotSupported;
+  if (!has_kernel || !gemv_takes(1, n, k, dtype, out, nullptr, nullptr) ||
+      norm::vec_shape(k).v <= 0) {
     return false;
   }
   // Blocks a multiprocessor holds at once, per (device, shape, types): the query is a host call,

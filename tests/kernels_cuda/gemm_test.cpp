@@ -604,6 +604,10 @@ TEST(GemvTest, OneWaveOfTheNormsGemvGrowsWithTheGrid) {
   EXPECT_FALSE(gemv_add_rms_norm_one_wave(int64_t{1} << 20, 4096, DType::kBF16, DType::kBF16));
   EXPECT_FALSE(gemv_add_rms_norm_one_wave(128, 2047, DType::kBF16, DType::kBF16));
   EXPECT_FALSE(gemv_add_rms_norm_one_wave(128, 2048, DType::kF32, DType::kF32));
+  // A tile with no kernel is never one wave (and does not divide by its slice count).
+  EXPECT_FALSE(gemv_add_rms_norm_one_wave_with({2, 2, 0}, 128, 2048, DType::kBF16, DType::kF32));
+  EXPECT_FALSE(gemv_add_rms_norm_one_wave_with({2, 2, 3}, 128, 2048, DType::kBF16, DType::kF32));
+  EXPECT_TRUE(gemv_add_rms_norm_one_wave_with({2, 2, 4}, 128, 2048, DType::kBF16, DType::kF32));
   for (const int64_t k : {2048, 4096}) {
     int changes = 0;
     bool before = true;
