@@ -61,6 +61,7 @@ using namespace attn;  // NOLINT(google-build-using-namespace): the shared PTX w
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerCta = kWarps * 16;
+constexpr int kAllKeys = 0, kOldKeys = 1, kNewKeys = 2;  // load_kv_keys' key sets
 constexpr int kSplitAlign = 64;     // split_size must be a multiple of this (>= every kBlockN)
 constexpr int kMinSplitSize = 256;  // plan_attention_splits never cuts finer than this
 constexpr int kMaxPlannedSplits = 64;
@@ -379,6 +380,73 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
     return regs_path ? (2 * tig + e) * (HD / 8) + j : 8 * j + 2 * tig + e;
   };
 
+  // f(row, chunk) for this thread's chunks of a K or V tile (split keys: each warp its own 16
+  // rows; rows: the CTA's threads over the tile).
+  auto for_my_kv_chunks = [&](auto split_c, auto&& f) {
+    if constexpr (decltype(split_c)::value) {
+      constexpr int kWarpChunks = 16 * kKvChunks;
+      constexpr int kPerLane = (kWarpChunks + 31) / 32;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + i * 32;
+        if (kPerLane * 32 != kWarpChunks && c >= kWarpChunks) break;
+        f(warp * 16 + c / kKvChunks, c % kKvChunks);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kKvPerThread; ++i) {
+        const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+        if (kKvPerThread * kThreads != kBlockN * kKvChunks && c >= kBlockN * kKvChunks) break;
+        f(c / kKvChunks, c % kKvChunks);
+      }
+    }
+  };
+  // Copies of tile `tile`'s K and V rows into stage `stage`: every key (kAllKeys; past kv_end
+  // zeros), those before the step's own (kOldKeys: the cache as earlier steps left it, and the
+  // zeros), or the step's own keys [first_pos, kv_end) (kNewKeys: the kernel before writes them).
+  auto load_kv_keys = [&](auto split_c, int tile, int stage, int which) {
+    const int n0 = kv_begin + tile * kBlockN;
+    const uint32_t k_dst = smem_base + stage * kStageBytes;
+    const uint32_t v_dst = smem_base + (kStages + stage) * kStageBytes;
+    const auto* k_bytes = static_cast<const char*>(p.k_cache);
+    const auto* v_bytes = static_cast<const char*>(p.v_cache);
+    for_my_kv_chunks(split_c, [&](int row, int chunk) {
+      const int key = n0 + row;
+      const bool is_new = key >= first_pos && key < kv_end;
+      if ((which == kOldKeys && is_new) || (which == kNewKeys && !is_new)) return;
+      const uint32_t off = stage_offset(row, chunk);
+      if (key < kv_end) {
+        const int64_t slot = paged_slot(p, table, key);
+        const int64_t src = (slot * p.num_kv_heads + kv_head) * HD * kKvElemBytes + chunk * 16;
+        cp_async_16(k_dst + off, k_bytes + src, true);
+        cp_async_16(v_dst + off, v_bytes + src, true);
+      } else {
+        cp_async_16(k_dst + off, k_bytes, false);
+        cp_async_16(v_dst + off, v_bytes, false);
+      }
+    });
+  };
+  // The first stages' keys from earlier steps stream in while the kernel before finishes (they
+  // are committed with the step's own keys after the wait, run_tiles' first group).
+  auto early_kv = [&](auto split_c) {
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < n_tiles) load_kv_keys(split_c, st, st, kOldKeys);
+    }
+  };
+  if (n_tiles > 0) {
+    if constexpr (DECODE) {
+      early_kv(std::true_type{});
+    } else if constexpr (C::kCanSplitKeys) {
+      if (split_keys) {
+        early_kv(std::true_type{});
+      } else {
+        early_kv(std::false_type{});
+      }
+    } else {
+      early_kv(std::false_type{});
+    }
+  }
   dev::pdl_wait();  // q and the cache are written by the kernel before
   // Q fragments in registers (head_dim <= 128): rows past the sequence are zero.
   uint32_t q_frag[kQInSmem ? 1 : kQkSteps][4];
@@ -664,53 +732,15 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
         __syncthreads();
       }
     };
-    // f(row, chunk) for this thread's chunks of a K or V tile.
-    auto for_my_kv_chunks = [&](auto&& f) {
-      if constexpr (kSplit) {
-        constexpr int kWarpChunks = 16 * kKvChunks;
-        constexpr int kPerLane = (kWarpChunks + 31) / 32;
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          const int c = lane + i * 32;
-          if (kPerLane * 32 != kWarpChunks && c >= kWarpChunks) break;
-          f(warp * 16 + c / kKvChunks, c % kKvChunks);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < kKvPerThread; ++i) {
-          const int c = static_cast<int>(threadIdx.x) + i * kThreads;
-          if (kKvPerThread * kThreads != kBlockN * kKvChunks && c >= kBlockN * kKvChunks) break;
-          f(c / kKvChunks, c % kKvChunks);
-        }
-      }
-    };
-    auto load_kv = [&](int tile, int stage) {
-      const int n0 = kv_begin + tile * kBlockN;
-      const uint32_t k_dst = smem_base + stage * kStageBytes;
-      const uint32_t v_dst = smem_base + (kStages + stage) * kStageBytes;
-      const auto* k_bytes = static_cast<const char*>(p.k_cache);
-      const auto* v_bytes = static_cast<const char*>(p.v_cache);
-      for_my_kv_chunks([&](int row, int chunk) {
-        const int key = n0 + row;
-        const uint32_t off = stage_offset(row, chunk);
-        if (key < kv_end) {
-          const int64_t slot = paged_slot(p, table, key);
-          const int64_t src = (slot * p.num_kv_heads + kv_head) * HD * kKvElemBytes + chunk * 16;
-          cp_async_16(k_dst + off, k_bytes + src, true);
-          cp_async_16(v_dst + off, v_bytes + src, true);
-        } else {
-          cp_async_16(k_dst + off, k_bytes, false);
-          cp_async_16(v_dst + off, v_bytes, false);
-        }
-      });
-    };
+    auto load_kv = [&](int tile, int stage) { load_kv_keys(split_c, tile, stage, kAllKeys); };
 
     if (n_tiles > 0) {
       // Group s holds tile s (Q joins group 0); a group may be empty, which keeps the count of
-      // groups the main loop waits on the same for every tile.
+      // groups the main loop waits on the same for every tile. The keys before the kernel
+      // before's were asked for before the wait (early_kv): they join group 0.
 #pragma unroll
       for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n_tiles) load_kv(st, st);
+        if (st < n_tiles) load_kv_keys(split_c, st, st, kNewKeys);
         cp_async_commit();
       }
     }
