@@ -68,6 +68,7 @@ constexpr int kMaxPlannedSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kCombineThreads = 128;
+constexpr int kCombineAtOnce = 8;  // splits the combine reads in one round trip (more: two)
 
 // FP8 (an E4M3 cache): K/V tiles stream through shared memory as bytes (half the traffic of
 // a bf16 cache); decode reads them into registers (compute_tile_regs), prefill widens each
@@ -936,23 +937,50 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t index = static_cast<int64_t>(q_start + token) * p.num_heads + head;
   const int64_t split_stride = p.total_q * p.num_heads;
   const int d = (static_cast<int>(threadIdx.x) % kThreadsPerRow) * 4;
-
-  float lse_max = neg_inf();
-  for (int s = 0; s < n_used; ++s) lse_max = fmaxf(lse_max, p.ws_lse[s * split_stride + index]);
+  auto lse_of = [&](int s) { return p.ws_lse[s * split_stride + index]; };
+  auto o_of = [&](int s) {
+    return *reinterpret_cast<const float4*>(p.ws_o + (s * split_stride + index) * HD + d);
+  };
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float weight_sum = 0.0f;
-  if (lse_max != neg_inf()) {
-    for (int s = 0; s < n_used; ++s) {
-      const float lse = p.ws_lse[s * split_stride + index];
-      if (lse == neg_inf()) continue;  // the split saw no key of this row; its O is 0
-      const float w = expf(lse - lse_max);
-      const float4 v =
-          *reinterpret_cast<const float4*>(p.ws_o + (s * split_stride + index) * HD + d);
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
-      weight_sum += w;
+  // Adds split s's O weighted by exp(its lse - the max) (a split that saw no key of this row
+  // has lse -inf and O 0: skipped), in split order.
+  auto add = [&](float lse, float4 v, float lse_max) {
+    if (lse == neg_inf()) return;
+    const float w = expf(lse - lse_max);
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
+    weight_sum += w;
+  };
+  if (n_used <= kCombineAtOnce) {
+    // Every split's lse and O asked for at once: one round trip to L2 instead of two.
+    float lse[kCombineAtOnce];
+    float4 v[kCombineAtOnce];
+#pragma unroll
+    for (int s = 0; s < kCombineAtOnce; ++s) {
+      if (s < n_used) {
+        lse[s] = lse_of(s);
+        v[s] = o_of(s);
+      }
+    }
+    float lse_max = neg_inf();
+#pragma unroll
+    for (int s = 0; s < kCombineAtOnce; ++s) {
+      if (s < n_used) lse_max = fmaxf(lse_max, lse[s]);
+    }
+    if (lse_max != neg_inf()) {
+#pragma unroll
+      for (int s = 0; s < kCombineAtOnce; ++s) {
+        if (s < n_used) add(lse[s], v[s], lse_max);
+      }
+    }
+  } else {
+    float lse_max = neg_inf();
+    for (int s = 0; s < n_used; ++s) lse_max = fmaxf(lse_max, lse_of(s));
+    if (lse_max != neg_inf()) {
+      for (int s = 0; s < n_used; ++s) add(lse_of(s), o_of(s), lse_max);
     }
   }
   const float inv = weight_sum > 0.0f ? 1.0f / weight_sum : 0.0f;
