@@ -7,7 +7,9 @@
 // fragments (registers for head_dim <= 128, shared memory for 256), walks the keys of its split
 // in tiles of kBlockN (K and V in a kStages-deep cp.async pipeline in shared memory, each key's
 // address looked up in the block table, keys past the end zero-filled), computes S = Q K^T,
-// an online softmax in the log2 domain and O += P V with P rounded to the input dtype.
+// an online softmax in the log2 domain and O += P V with P rounded to the input dtype. The first
+// stages' copies of the keys earlier steps wrote are issued before the PDL wait (they stream in
+// while the kernel before, rope, finishes); only the step's own keys, which rope writes, after it.
 // A CTA with at most 16 rows (decode: one token x G heads) splits keys instead of rows: every
 // warp holds the same rows and takes 16 keys of each 64-key tile (loading, awaiting and reading
 // only those, with __syncwarp instead of CTA barriers), and warp 0 merges the four softmax
@@ -35,7 +37,8 @@
 // uses n_used = ceil(keys / that) of them, computed on the device from context_lens
 // (graphs replay one num_splits with varying lengths); splits past n_used do nothing and the
 // combine reads only the first n_used. When n_used == 1 the single split writes `out` directly and
-// the combine skips the sequence.
+// the combine skips the sequence. The combine asks for a row's lse and O of up to
+// kCombineAtOnce splits at once (one round trip to L2; more splits: the lse's, then the O's).
 #include "kernels/cuda/attention.h"
 
 #include <cuda_bf16.h>
