@@ -1,0 +1,41 @@
+"""scripts/gpu-check's failure digest, without a GPU: its decode-ab part run on binaries that fail
+(a made-up kernel_bench printing a googletest failure among many lines, and no tessera at all).
+A device run returns only the end of its output, so the failed steps' first failure messages and
+their names must come last."""
+
+import os
+import subprocess
+from pathlib import Path
+
+GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
+
+
+def test_failed_steps_and_their_first_failures_come_last(tmp_path):
+    bin_dir, tests_dir, out = tmp_path / "bin", tmp_path / "tests", tmp_path / "out"
+    bin_dir.mkdir()
+    tests_dir.mkdir()
+    bench = tests_dir / "kernel_bench"
+    # A failure message followed by more lines than a step's log tail shows.
+    bench.write_text("#!/bin/sh\necho '[ RUN      ] Kernel.Case'\n"
+                     "echo 'kernel_test.cpp:12: Failure'\necho 'Expected equality: 1 and 2'\n"
+                     "i=0; while [ $i -lt 60 ]; do echo \"filler $i\"; i=$((i+1)); done\n"
+                     "exit 1\n")
+    bench.chmod(0o755)
+    env = dict(os.environ, OLD_BIN_DIR=str(tmp_path / "old"), GPU_CHECK_PARTS="decode-ab",
+               DECODE_AB_PRESETS="llama3-8b", DECODE_AB_ROUNDS="1", DECODE_AB_ASYNC="0",
+               WORK_DIR=str(tmp_path / "work"))
+    r = subprocess.run(["bash", str(GPU_CHECK), str(bin_dir), str(tests_dir), str(out)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    steps = ("kernel_bench_bw decode_ab_llama3-8b_old_1 decode_ab_llama3-8b_new_1 "
+             "decode_ab_summary")
+    assert lines[-1].startswith(f"gpu-check: 4 failure(s) ({steps})"), lines[-1]
+    first = next(i for i, line in enumerate(lines)
+                 if line.startswith("--- kernel_bench_bw failed"))
+    digest = "\n".join(lines[first:])
+    # The googletest failure, though 60 lines before the log's end, and each step's own error.
+    assert "kernel_test.cpp:12: Failure" in digest and "Expected equality: 1 and 2" in digest
+    assert "filler 59" not in digest
+    assert digest.count("tessera: No such file or directory") == 2
+    assert "decode_ab.py: no reports" in digest
