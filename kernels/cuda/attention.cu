@@ -384,6 +384,21 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
     return regs_path ? (2 * tig + e) * (HD / 8) + j : 8 * j + 2 * tig + e;
   };
 
+  // f(std::true_type{}) when the CTA splits keys between its warps (split_keys), else
+  // f(std::false_type{}): each instance compiles only the paths it can take.
+  auto by_split_keys = [&](auto&& f) {
+    if constexpr (DECODE) {
+      f(std::true_type{});
+    } else if constexpr (C::kCanSplitKeys) {
+      if (split_keys) {
+        f(std::true_type{});
+      } else {
+        f(std::false_type{});
+      }
+    } else {
+      f(std::false_type{});
+    }
+  };
   // f(row, chunk) for this thread's chunks of a K or V tile (split keys: each warp its own 16
   // rows; rows: the CTA's threads over the tile).
   auto for_my_kv_chunks = [&](auto split_c, auto&& f) {
@@ -438,19 +453,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       if (st < n_tiles) load_kv_keys(split_c, st, st, kOldKeys);
     }
   };
-  if (n_tiles > 0) {
-    if constexpr (DECODE) {
-      early_kv(std::true_type{});
-    } else if constexpr (C::kCanSplitKeys) {
-      if (split_keys) {
-        early_kv(std::true_type{});
-      } else {
-        early_kv(std::false_type{});
-      }
-    } else {
-      early_kv(std::false_type{});
-    }
-  }
+  if (n_tiles > 0) by_split_keys(early_kv);
   dev::pdl_wait();  // q and the cache are written by the kernel before
   // Q fragments in registers (head_dim <= 128): rows past the sequence are zero.
   uint32_t q_frag[kQInSmem ? 1 : kQkSteps][4];
@@ -795,17 +798,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       sync_tile();  // the next iteration's prefetch overwrites this stage
     }
   };
-  if constexpr (DECODE) {
-    run_tiles(std::true_type{});
-  } else if constexpr (C::kCanSplitKeys) {
-    if (split_keys) {
-      run_tiles(std::true_type{});
-    } else {
-      run_tiles(std::false_type{});
-    }
-  } else {
-    run_tiles(std::false_type{});
-  }
+  by_split_keys(run_tiles);
   cp_async_wait<0>();  // no copy may still target shared memory (only empty groups remain)
 
   // Full row denominators.
