@@ -140,15 +140,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   dev::pdl_launch_dependents();
   // NORM: the normed row (the x every warp multiplies), then the residual sum (k / 8 each).
   extern __shared__ uint4 row_smem[];
+  int arrival = 0;  // NORM, thread 0: the block's place among those done reading the residual
   if constexpr (NORM) {
     __shared__ float scratch[32];
-    __shared__ int last;
     add_rms_norm_row<T>(x, nrm, k, row_smem, row_smem + k / dev::kHalfVec, scratch);
-    // The block that finishes the norm last writes the residual and the normed row (every other
-    // one has read the residual by then), and sets the arrivals back to 0.
+    // The block has read the residual (its values are in the row). The count's answer is needed
+    // only after the dot products (written_by_last_block), so its round trip overlaps them.
+    if (threadIdx.x == 0) arrival = atomicAdd(nrm.arrivals, 1);
+  }
+  // NORM: the block counted last writes the residual and the normed row (every other one has
+  // read the residual by then) and sets the arrivals back to 0. Every thread calls it.
+  auto written_by_last_block = [&]() {
+    __shared__ int last;
     if (threadIdx.x == 0) {
-      __threadfence();
-      last = atomicAdd(nrm.arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+      last = arrival == static_cast<int>(gridDim.x) - 1;
       if (last) atomicExch(nrm.arrivals, 0);
     }
     __syncthreads();
@@ -160,7 +165,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         nor[j] = row_smem[j];
       }
     }
-  }
+  };
   // The row of x: 16-byte vector v of it (through L2: the kernel before wrote it; or the block's
   // normed row).
   auto x_vec = [&](int64_t v) {
@@ -170,8 +175,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       return __ldcg(reinterpret_cast<const uint4*>(x) + v);
     }
   };
-  if constexpr (S == 1) {
-    if (row0 >= n) return;
+  if constexpr (S == 1 && !NORM) {
+    if (row0 >= n) return;  // (NORM: every thread reaches written_by_last_block; the rows past n
+                            // read row n - 1 and are not stored)
   }
   float acc[M][R] = {};
   for (bool first = true; i + (D - 1) * kStride < k; i += D * kStride, first = false) {
@@ -211,6 +217,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
   }
+  if constexpr (NORM) written_by_last_block();
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll

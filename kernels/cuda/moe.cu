@@ -422,13 +422,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   const int p = blockIdx.y;
+  // The pair's expert and the input row are asked for together (one round trip to L2): the
+  // input row once per block into shared memory (every warp of every pair of the token reads it:
+  // from L2 that was a quarter of the weights' bytes, all from the same few lines).
   const int e = ids[p] - expert_begin;
-  if (e < 0 || e >= local_experts) return;
-  // The input row once per block into shared memory (every warp of every pair of the token
-  // reads it: from L2 that was a quarter of the weights' bytes, all from the same few lines).
   const int vecs = k_dim / dev::kHalfVec;
   const uint4* xr = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(p / top_k) * k_dim);
   for (int v = static_cast<int>(threadIdx.x); v < vecs; v += blockDim.x) x_smem[v] = __ldcg(xr + v);
+  if (e < 0 || e >= local_experts) return;  // the whole block: e is the pair's
   __syncthreads();
   const T* we = w + static_cast<int64_t>(e) * 2 * n_dim * k_dim;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
