@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace tessera::cuda {
 
 namespace {
 
-constexpr int kCandidates = 8;  // heuristic results timed on a shape's first eager call
 constexpr int kWarmupRuns = 2;
 constexpr int kTimedRuns = 8;
 constexpr uint32_t kMaxAlignment = 16;  // what the fastest kernels ask of a pointer
@@ -107,6 +107,39 @@ Status validate(const GemmShape& s, const void* x, const void* w, const void* bi
     return invalid_argument(where + ": out overlaps an input");
   }
   return Status::ok();
+}
+
+// A call's alignment class (PlanKey): the largest of 2, 4, 8, 16 bytes all its pointers share.
+uint32_t alignment_class(const void* x, const void* w, const void* bias, const void* out) {
+  uint32_t alignment = std::min({alignment_of(x), alignment_of(w), alignment_of(out)});
+  if (bias != nullptr) alignment = std::min(alignment, alignment_of(bias));
+  return alignment;
+}
+
+// An algorithm's configuration in words, for test failures: "id 66 tile 18 splitK 1 ...".
+std::string algo_config(const cublasLtMatmulAlgo_t& algo) {
+  const std::tuple<cublasLtMatmulAlgoConfigAttributes_t, const char*, size_t> attrs[] = {
+      {CUBLASLT_ALGO_CONFIG_ID, "id", 4},
+      {CUBLASLT_ALGO_CONFIG_TILE_ID, "tile", 4},
+      {CUBLASLT_ALGO_CONFIG_SPLITK_NUM, "splitK", 4},
+      {CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, "reduction", 4},
+      {CUBLASLT_ALGO_CONFIG_STAGES_ID, "stages", 4},
+      {CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, "swizzle", 4},
+      {CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, "custom", 4},
+      {CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, "inner", 2},
+      {CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, "cluster", 2}};
+  std::string out;
+  for (const auto& [attr, label, bytes] : attrs) {
+    uint32_t value = 0;  // little-endian: a 2-byte attribute fills the low half
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, bytes, &written) !=
+        CUBLAS_STATUS_SUCCESS) {
+      continue;
+    }
+    if (!out.empty()) out += ' ';
+    out += std::string(label) + ' ' + std::to_string(value);
+  }
+  return out;
 }
 
 // Destroys a heuristic preference at the end of a scope.
@@ -212,8 +245,8 @@ cublasStatus_t Gemm::matmul(const Plan& p, const cublasLtMatmulAlgo_t& algo, con
                         workspace_.get(), workspace_.bytes(), stream);
 }
 
-Status Gemm::select_algo(Plan& p, const GemmShape& shape, uint32_t alignment, bool time,
-                         cudaStream_t stream, const void* x, const void* w, void* out) {
+Expected<int> Gemm::heuristic(const Plan& p, const GemmShape& shape, uint32_t alignment,
+                              cublasLtMatmulHeuristicResult_t (&results)[kCandidates]) {
   const std::string shape_str = describe(shape);
   const std::string heuristic_what = "cublasLtMatmulAlgoGetHeuristic " + shape_str;
   PreferenceGuard guard;
@@ -238,7 +271,6 @@ Status Gemm::select_algo(Plan& p, const GemmShape& shape, uint32_t alignment, bo
         heuristic_what));
   }
 
-  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
   TESSERA_RETURN_IF_ERROR(
       lt_status(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, guard.pref,
@@ -255,6 +287,14 @@ Status Gemm::select_algo(Plan& p, const GemmShape& shape, uint32_t alignment, bo
                                                       std::to_string(alignment) +
                                                       "-byte aligned pointers)");
   }
+  return usable;
+}
+
+Status Gemm::select_algo(Plan& p, const GemmShape& shape, uint32_t alignment, bool time,
+                         cudaStream_t stream, const void* x, const void* w, void* out) {
+  const std::string shape_str = describe(shape);
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+  TESSERA_ASSIGN_OR_RETURN(const int usable, heuristic(p, shape, alignment, results));
 
   if (!time || usable == 1) {  // capturing: the heuristic's best guess, timed when next eager
     p.algo = results[0].algo;
@@ -304,8 +344,7 @@ Status Gemm::select_algo(Plan& p, const GemmShape& shape, uint32_t alignment, bo
 
 Expected<Gemm::Plan*> Gemm::plan(const GemmShape& shape, cudaStream_t stream, const void* x,
                                  const void* w, const void* bias, void* out) {
-  uint32_t alignment = std::min({alignment_of(x), alignment_of(w), alignment_of(out)});
-  if (bias != nullptr) alignment = std::min(alignment, alignment_of(bias));
+  const uint32_t alignment = alignment_class(x, w, bias, out);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   TESSERA_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
   const bool capturing = capture != cudaStreamCaptureStatusNone;
@@ -342,6 +381,25 @@ Status Gemm::linear_cublaslt(const GemmShape& shape, const void* x, const void* 
                              void* out, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(validate(shape, x, w, bias, out));
   return planned_matmul(shape, x, w, bias, out, stream);
+}
+
+Expected<int> Gemm::linear_candidate(const GemmShape& shape, int index, const void* x,
+                                     const void* w, const void* bias, void* out,
+                                     cudaStream_t stream, std::string* config) {
+  TESSERA_RETURN_IF_ERROR(validate(shape, x, w, bias, out));
+  TESSERA_ASSIGN_OR_RETURN(Plan * p, plan(shape, stream, x, w, bias, out));
+  const uint32_t alignment = alignment_class(x, w, bias, out);
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+  TESSERA_ASSIGN_OR_RETURN(const int usable, heuristic(*p, shape, alignment, results));
+  if (index < 0 || index >= usable) {
+    return invalid_argument("gemm: candidate " + std::to_string(index) + " of " +
+                            std::to_string(usable) + " for " + describe(shape));
+  }
+  if (config != nullptr) *config = algo_config(results[index].algo);
+  TESSERA_RETURN_IF_ERROR(
+      lt_status(matmul(*p, results[index].algo, x, w, out, stream),
+                "cublasLtMatmul " + describe(shape) + " candidate " + std::to_string(index)));
+  return usable;
 }
 
 Status Gemm::planned_matmul(const GemmShape& shape, const void* x, const void* w, const void* bias,

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 
 #include "common/status.h"
@@ -59,6 +60,14 @@ class Gemm {
   Status linear_cublaslt(const GemmShape& shape, const void* x, const void* w, const void* bias,
                          void* out, cudaStream_t stream);
 
+  // The heuristic's candidate `index` for this call (0: its first, what autotune = false takes;
+  // autotune = true takes the fastest of them all), whatever the shape: returns how many there
+  // are (an index past them is INVALID_ARGUMENT). For tests and benchmarks of every algorithm.
+  // `config`, when given, gets the algorithm's configuration in words (tile, split-K, ...).
+  Expected<int> linear_candidate(const GemmShape& shape, int index, const void* x, const void* w,
+                                 const void* bias, void* out, cudaStream_t stream,
+                                 std::string* config = nullptr);
+
   // Shapes whose algorithm is cached (for logs and tests; the GEMV's shapes have none): one plan
   // per shape and alignment class of the pointers it was called with (see PlanKey).
   size_t cached_shapes() const;
@@ -84,6 +93,11 @@ class Gemm {
   // as needed, with the bias pointer set.
   Expected<Plan*> plan(const GemmShape& shape, cudaStream_t stream, const void* x, const void* w,
                        const void* bias, void* out);
+  static constexpr int kCandidates = 8;  // heuristic results timed on a shape's first eager call
+  // The heuristic's usable candidates for the plan (those within the workspace), first in
+  // `results`; NOT_SUPPORTED when there are none.
+  Expected<int> heuristic(const Plan& plan, const GemmShape& shape, uint32_t alignment,
+                          cublasLtMatmulHeuristicResult_t (&results)[kCandidates]);
   // Asks the heuristic for candidates and keeps the fastest (or, when `time` is false, the
   // heuristic's first) in plan.algo.
   Status select_algo(Plan& plan, const GemmShape& shape, uint32_t alignment, bool time,
