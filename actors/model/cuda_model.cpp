@@ -595,6 +595,17 @@ class CudaModel::Ops {
            cuda::gemv_add_rms_norm_one_wave(n, H_, dt_, dt_);
   }
 
+  // Decode (one token a sequence): rope_and_cache's work runs inside the attention kernel
+  // (cuda::AttentionRope), one launch fewer a layer. TESSERA_ROPE_IN_ATTENTION=0 turns it off.
+  bool rope_in_attention() const {
+    static const bool on = [] {
+      const char* env = std::getenv("TESSERA_ROPE_IN_ATTENTION");
+      return env == nullptr || std::string(env) != "0";
+    }();
+    return on && (r_.rotary_dim == 0 || r_.rotary_dim == r_.head_dim) &&
+           cuda::attention_rope_applies(a_);
+  }
+
   Status rope_cache(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
     r_.q_norm = w.q_norm;
@@ -606,6 +617,7 @@ class CudaModel::Ops {
         m_.rope_local_cos_.get() != nullptr && m_.config_.local_rope(m_.plan_.layer_begin + i);
     r_.cos = local ? m_.rope_local_cos_.as<float>() : m_.rope_cos_.as<float>();
     r_.sin = local ? m_.rope_local_sin_.as<float>() : m_.rope_sin_.as<float>();
+    if (rope_in_attention()) return Status::ok();  // attention(i) does it
     return cuda::rope_and_cache(r_, st_);
   }
 
@@ -613,6 +625,17 @@ class CudaModel::Ops {
     a_.scoring = m_.config_.attention_scoring(m_.plan_.layer_begin + i);  // global layer index
     a_.k_cache = m_.k_cache_[i];
     a_.v_cache = m_.v_cache_[i];
+    a_.rope = {};
+    if (rope_in_attention()) {  // rope_cache(i) left layer i's tables and norms in r_
+      a_.rope.qkv = r_.qkv;
+      a_.rope.q_norm = r_.q_norm;
+      a_.rope.k_norm = r_.k_norm;
+      a_.rope.norm_unit_offset = r_.norm_unit_offset;
+      a_.rope.eps = r_.eps;
+      a_.rope.cos = r_.cos;
+      a_.rope.sin = r_.sin;
+      a_.rope.max_position = r_.max_position;
+    }
     return cuda::paged_attention(a_, st_);
   }
 

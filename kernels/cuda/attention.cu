@@ -10,6 +10,12 @@
 // an online softmax in the log2 domain and O += P V with P rounded to the input dtype. The first
 // stages' copies of the keys earlier steps wrote are issued before the PDL wait (they stream in
 // while the kernel before, rope, finishes); only the step's own keys, which rope writes, after it.
+// Decode with AttentionRope (the ROPE instance, 16-bit cache, head_dim 64 / 128) has no rope
+// kernel before it: the CTA applies rope_and_cache's head norms and rotation (rope_math.cuh, the
+// same bits) to its rows' q into shared memory, and the warp whose keys hold the step's own key
+// computes that k and v, stores them in the cache and writes them into the tile's stage (no copy
+// of them); the tables and norm weights are read before the wait (Qwen3-30B-A3B batch-1 decode
+// 1.014x on an H100).
 // A CTA with at most 16 rows (decode: one token x G heads) splits keys instead of rows: every
 // warp holds the same rows and takes 16 keys of each 64-key tile (loading, awaiting and reading
 // only those, with __syncwarp instead of CTA barriers), and warp 0 merges the four softmax
@@ -54,6 +60,7 @@
 #include "kernels/cuda/attention_sm90.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/rope_math.cuh"
 
 namespace tessera::cuda {
 
@@ -250,7 +257,14 @@ __device__ __forceinline__ int splits_used(const Params& p, int keys) {
 //   C 16x8:  c0,c1 (row gid, cols 2tig..+1), c2,c3 (row gid+8, same cols)
 // ldmatrix.x4: lanes 8j..8j+7 give the row addresses of matrix j, register j receives it.
 
-template <typename T, int HD, bool FP8, bool DECODE>
+// ROPE (decode, AttentionRope): q, k and v come raw from p.qkv; the kernel applies the head norms
+// and the rotation (rope_math.cuh, rope_and_cache's bits) to its rows' q, into shared memory after
+// the stages (kRopeQBytes), and the warp whose keys hold the step's own key computes its k and v,
+// stores them in the cache and into that tile's stage (no copy of them from the cache).
+template <int HD>
+constexpr size_t kRopeQBytes = static_cast<size_t>(16 * (HD + 8)) * 2;
+
+template <typename T, int HD, bool FP8, bool DECODE, bool ROPE = false>
 __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPerSm))
     paged_attention_kernel(const __grid_constant__ Params p) {
   // The sequences' lengths and block tables are the host's (copied before the step's kernels),
@@ -269,6 +283,8 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
   constexpr int kChunksPerRow = HD / 8;  // 16-byte chunks per Q row
   constexpr uint32_t kStageBytes = static_cast<uint32_t>(C::kStageTileBytes);
   static_assert((kRowsPerCta * kChunksPerRow) % kThreads == 0, "Q load must split evenly");
+  static_assert(!ROPE || (DECODE && !FP8 && (HD == 64 || HD == 128)),
+                "the rope runs in the 16-bit decode instance, head_dim 64 or 128");
 
   const int seq = blockIdx.y;
   const int ctx = p.context_lens[seq];
@@ -433,6 +449,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       const int key = n0 + row;
       const bool is_new = key >= first_pos && key < kv_end;
       if ((which == kOldKeys && is_new) || (which == kNewKeys && !is_new)) return;
+      if (ROPE && is_new) return;  // put_new_key writes it
       const uint32_t off = stage_offset(row, chunk);
       if (key < kv_end) {
         const int64_t slot = paged_slot(p, table, key);
@@ -454,14 +471,139 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
     }
   };
   if (n_tiles > 0) by_split_keys(early_kv);
+  constexpr int kP = HD >= 64 ? HD / 64 : 1;  // rotation pairs a lane holds (ROPE: HD 64, 128)
+  // ROPE: the rotation tables at the sequence's position and the head norms' weights (the
+  // model's constants; the position is the host's context length) before the wait.
+  float cs[kP] = {}, sn[kP] = {}, qw1[kP] = {}, qw2[kP] = {}, kw1[kP] = {}, kw2[kP] = {};
+  const bool norm = ROPE && p.q_norm != nullptr;
+  if constexpr (ROPE) {
+    constexpr int kHalf = HD / 2;
+    const int i0 = lane * kP;
+    const int pos = ctx - 1;  // the one query token's position
+    if (pos < p.max_position) {
+#pragma unroll
+      for (int i = 0; i < kP; ++i) {
+        cs[i] = p.cos[static_cast<int64_t>(pos) * kHalf + i0 + i];
+        sn[i] = p.sin[static_cast<int64_t>(pos) * kHalf + i0 + i];
+      }
+    }
+    if (norm) {
+#pragma unroll
+      for (int i = 0; i < kP; ++i) {
+        qw1[i] = dev::to_float(static_cast<const T*>(p.q_norm)[i0 + i]);
+        qw2[i] = dev::to_float(static_cast<const T*>(p.q_norm)[i0 + kHalf + i]);
+        kw1[i] = dev::to_float(static_cast<const T*>(p.k_norm)[i0 + i]);
+        kw2[i] = dev::to_float(static_cast<const T*>(p.k_norm)[i0 + kHalf + i]);
+      }
+    }
+  }
   dev::pdl_wait();  // q and the cache are written by the kernel before
+  // ROPE: the rows' q normed and rotated into sq; the step's own key and value (the warp whose
+  // keys hold it) into knew / vnew and the cache.
+  T* sq = reinterpret_cast<T*>(smem_raw + C::kSmemBytes);  // [16][kStride], ROPE only
+  T knew[2 * kP], vnew[2 * kP];
+  const int new_off = ctx - 1 - kv_begin;  // the step's key, from the CTA's first key
+  const bool own_new = ROPE && new_off >= 0 && ctx - 1 < kv_end && warp == new_off % kBlockN / 16;
+  if constexpr (ROPE) {
+    constexpr int kHalf = HD / 2;
+    const int i0 = lane * kP;
+    const T* row = static_cast<const T*>(p.qkv) +
+                   static_cast<int64_t>(q_start) * (p.num_heads + 2 * p.num_kv_heads) * HD;
+    // Every raw value this warp needs asked for at once (one round trip to L2): its q rows (rr =
+    // warp + kWarps j), and (the owning warp) the step's k and v.
+    constexpr int kRowsPerWarp = 16 / kWarps;
+    float q1[kRowsPerWarp][kP], q2[kRowsPerWarp][kP], k1[kP], k2[kP];
+#pragma unroll
+    for (int j = 0; j < kRowsPerWarp; ++j) {
+      const int r = tile_row0 + warp + kWarps * j;
+      const T* src = row + (kv_head * group + r % group) * HD;
+#pragma unroll
+      for (int i = 0; i < kP; ++i) {
+        q1[j][i] = r < rows_valid ? dev::to_float(src[i0 + i]) : 0.0f;
+        q2[j][i] = r < rows_valid ? dev::to_float(src[i0 + kHalf + i]) : 0.0f;
+      }
+    }
+    if (own_new) {
+      const T* ksrc = row + (p.num_heads + kv_head) * HD;
+      const T* vsrc = row + (p.num_heads + p.num_kv_heads + kv_head) * HD + 2 * i0;
+#pragma unroll
+      for (int i = 0; i < kP; ++i) {
+        k1[i] = dev::to_float(ksrc[i0 + i]);
+        k2[i] = dev::to_float(ksrc[i0 + kHalf + i]);
+        vnew[2 * i] = vsrc[2 * i];
+        vnew[2 * i + 1] = vsrc[2 * i + 1];
+      }
+    }
+    // rope_and_cache_kernel's arithmetic on a head's pairs.
+    auto roped = [&](float(&f1)[kP], float(&f2)[kP], const float(&w1)[kP], const float(&w2)[kP],
+                     float(&lo)[kP], float(&hi)[kP]) {
+      if (norm) rope::head_norm<T, kP>(f1, f2, w1, w2, HD, p.eps, p.norm_unit_offset);
+      rope::rotate<T, kP>(f1, f2, cs, sn, lo, hi);
+    };
+#pragma unroll
+    for (int j = 0; j < kRowsPerWarp; ++j) {
+      const int rr = warp + kWarps * j;
+      if (tile_row0 + rr >= rows_valid) break;  // the same for the whole warp
+      float lo[kP], hi[kP];
+      roped(q1[j], q2[j], qw1, qw2, lo, hi);
+#pragma unroll
+      for (int i = 0; i < kP; ++i) {
+        sq[rr * kStride + i0 + i] = dev::from_float<T>(lo[i]);
+        sq[rr * kStride + i0 + kHalf + i] = dev::from_float<T>(hi[i]);
+      }
+    }
+    if (own_new) {
+      float lo[kP], hi[kP];
+      roped(k1, k2, kw1, kw2, lo, hi);
+#pragma unroll
+      for (int i = 0; i < kP; ++i) {
+        knew[i] = dev::from_float<T>(lo[i]);
+        knew[kP + i] = dev::from_float<T>(hi[i]);
+      }
+      const int64_t slot = paged_slot(p, table, ctx - 1);
+      const int64_t base = (slot * p.num_kv_heads + kv_head) * HD;
+      T* kd = static_cast<T*>(p.k_store) + base;
+      T* vd = static_cast<T*>(p.v_store) + base + 2 * i0;
+#pragma unroll
+      for (int i = 0; i < kP; ++i) {
+        kd[i0 + i] = knew[i];
+        kd[i0 + kHalf + i] = knew[kP + i];
+        vd[2 * i] = vnew[2 * i];
+        vd[2 * i + 1] = vnew[2 * i + 1];
+      }
+    }
+    __syncthreads();  // sq is read by every warp
+  }
+  // ROPE: the step's key and value into stage `stage` once tile `tile` (the one holding them)
+  // is being loaded there (only the warp that owns those keys reads them).
+  auto put_new_key = [&](int tile, int stage) {
+    if constexpr (ROPE) {
+      if (!own_new || tile != new_off / kBlockN) return;
+      constexpr int kHalf = HD / 2;
+      const int i0 = lane * kP;
+      T* ks = reinterpret_cast<T*>(smem_raw + stage * kStageBytes) + (new_off % kBlockN) * kStride;
+      T* vs = reinterpret_cast<T*>(smem_raw + (kStages + stage) * kStageBytes) +
+              (new_off % kBlockN) * kStride + 2 * i0;
+#pragma unroll
+      for (int i = 0; i < kP; ++i) {
+        ks[i0 + i] = knew[i];
+        ks[i0 + kHalf + i] = knew[kP + i];
+        vs[2 * i] = vnew[2 * i];
+        vs[2 * i + 1] = vnew[2 * i + 1];
+      }
+    }
+  };
   // Q fragments in registers (head_dim <= 128): rows past the sequence are zero.
   uint32_t q_frag[kQInSmem ? 1 : kQkSteps][4];
   if constexpr (!kQInSmem) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint32_t* src =
-          row_index[r] >= 0 ? reinterpret_cast<const uint32_t*>(q + row_index[r] * HD) : nullptr;
+      const uint32_t* src = nullptr;
+      if (row_index[r] >= 0) {
+        src = ROPE ? reinterpret_cast<const uint32_t*>(sq + (warp_row0 + gid + 8 * r - tile_row0) *
+                                                                kStride)
+                   : reinterpret_cast<const uint32_t*>(q + row_index[r] * HD);
+      }
 #pragma unroll
       for (int kk = 0; kk < kQkSteps; ++kk) {
         if (regs_path) {
@@ -747,7 +889,10 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       // before's were asked for before the wait (early_kv): they join group 0.
 #pragma unroll
       for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n_tiles) load_kv_keys(split_c, st, st, kNewKeys);
+        if (st < n_tiles) {
+          load_kv_keys(split_c, st, st, kNewKeys);
+          put_new_key(st, st);
+        }
         cp_async_commit();
       }
     }
@@ -757,7 +902,10 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       // iteration's closing sync); then wait until at most kStages - 1 groups are pending,
       // i.e. tile t has landed.
       const int next = t + kStages - 1;
-      if (next < n_tiles) load_kv(next, next % kStages);
+      if (next < n_tiles) {
+        load_kv(next, next % kStages);
+        put_new_key(next, next % kStages);
+      }
       cp_async_commit();
       cp_async_wait<kStages - 1>();
       sync_tile();
@@ -1089,19 +1237,20 @@ Status dispatch_generic(const Params& params, const AttentionArgs& args, cudaStr
 }
 
 // The main kernel's instance DECODE (Config) on `grid`.
-template <typename T, int HD, bool FP8, bool DECODE>
+template <typename T, int HD, bool FP8, bool DECODE, bool ROPE = false>
 Status launch_main(const Params& params, dim3 grid, cudaStream_t stream) {
   using C = Config<HD, FP8, DECODE>;
-  auto* kernel = paged_attention_kernel<T, HD, FP8, DECODE>;
-  if constexpr (C::kSmemBytes > 48 * 1024) {
+  auto* kernel = paged_attention_kernel<T, HD, FP8, DECODE, ROPE>;
+  constexpr size_t kSmem = C::kSmemBytes + (ROPE ? kRopeQBytes<HD> : 0);
+  if constexpr (kSmem > 48 * 1024) {
     // Per launch rather than once: the attribute is per device, and it is a host-side call
     // that is legal during stream capture.
     TESSERA_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(C::kSmemBytes)),
+                             static_cast<int>(kSmem)),
         "paged_attention: raising the dynamic shared memory limit");
   }
-  launch_pdl(kernel, grid, kThreads, C::kSmemBytes, stream, params);
+  launch_pdl(kernel, grid, kThreads, kSmem, stream, params);
   return launch_status("paged_attention");
 }
 
@@ -1128,7 +1277,15 @@ Status launch(const Params& params, const AttentionArgs& args, cudaStream_t stre
   if constexpr (Config<HD, FP8>::kCanSplitKeys) {
     const int64_t ctas = static_cast<int64_t>(grid.y) * grid.z;
     if (rows <= 16 && take_decode_instance(FP8, ctas)) {
-      TESSERA_RETURN_IF_ERROR((launch_main<T, HD, FP8, true>(params, grid, stream)));
+      if constexpr (!FP8 && (HD == 64 || HD == 128)) {
+        if (params.qkv != nullptr) {
+          TESSERA_RETURN_IF_ERROR((launch_main<T, HD, FP8, true, true>(params, grid, stream)));
+        } else {
+          TESSERA_RETURN_IF_ERROR((launch_main<T, HD, FP8, true>(params, grid, stream)));
+        }
+      } else {
+        TESSERA_RETURN_IF_ERROR((launch_main<T, HD, FP8, true>(params, grid, stream)));
+      }
     } else {
       TESSERA_RETURN_IF_ERROR((launch_main<T, HD, FP8, false>(params, grid, stream)));
     }
@@ -1271,8 +1428,31 @@ SplitPlan plan_attention_splits(int num_seqs, int num_kv_heads, int64_t max_cont
   return plan;
 }
 
+bool attention_rope_applies(const AttentionArgs& args) {
+  return args.max_query_len == 1 && args.kv_cache_dtype != KvCacheDtype::kFp8E4M3 &&
+         (args.head_dim == 64 || args.head_dim == 128) && args.num_kv_heads > 0 &&
+         args.num_heads % args.num_kv_heads == 0 && args.num_heads / args.num_kv_heads <= 16 &&
+         args.kernel != AttentionKernel::kHopper;
+}
+
 Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(check_args(args));
+  if (args.rope.qkv != nullptr) {
+    const AttentionRope& r = args.rope;
+    if (!attention_rope_applies(args)) {
+      return invalid_argument(
+          "paged_attention: the rope inside the attention takes one query token per sequence, a "
+          "16-bit cache, head_dim 64 or 128 and at most 16 query heads per KV head (got "
+          "max_query_len " +
+          std::to_string(args.max_query_len) + ", head_dim " + std::to_string(args.head_dim) + ")");
+    }
+    if (r.cos == nullptr || r.sin == nullptr || r.max_position <= 0 ||
+        (r.q_norm == nullptr) != (r.k_norm == nullptr)) {
+      return invalid_argument(
+          "paged_attention: the rope needs its cos / sin tables, max_position > 0, and both head "
+          "norms or neither");
+    }
+  }
   const bool hopper = hopper_prefill_applies(args);
   if (args.kernel == AttentionKernel::kHopper && !hopper) {
     return invalid_argument(
@@ -1311,6 +1491,20 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   params.num_splits = args.num_splits;
   params.split_size = args.num_splits > 1 ? args.split_size : 0;
   params.total_q = args.total_q;
+  if (args.rope.qkv != nullptr) {
+    params.qkv = args.rope.qkv;
+    params.q_norm = args.rope.q_norm;
+    params.k_norm = args.rope.k_norm;
+    params.norm_unit_offset = args.rope.norm_unit_offset;
+    params.eps = args.rope.eps;
+    params.cos = args.rope.cos;
+    params.sin = args.rope.sin;
+    params.max_position = args.rope.max_position;
+    // The kernel stores the step's keys: the caller's cache, which AttentionArgs types const
+    // for every other launch.
+    params.k_store = const_cast<void*>(args.k_cache);
+    params.v_store = const_cast<void*>(args.v_cache);
+  }
   if (args.num_splits > 1) {
     params.ws_o = static_cast<float*>(args.workspace);
     params.ws_lse =

@@ -52,6 +52,23 @@ enum class AttentionKernel { kAuto, kTiles, kHopper };
 // VLLM_ATTENTION_BACKEND, for comparing the kernels end to end); INVALID_ARGUMENT otherwise.
 Expected<AttentionKernel> parse_attention_kernel(std::string_view name);
 
+// Decode with the rotary embedding inside the attention (rope_and_cache's work, its bits): the
+// kernel reads q, k and v as projected from `qkv` ([tokens, (num_heads + 2 num_kv_heads) *
+// head_dim], the q|k|v GEMV's output), applies the q/k head norms (when given) and the rotation at
+// each sequence's position context_len - 1, and stores the step's k and v in the cache itself,
+// so no rope_and_cache launch comes before it. Only where attention_rope_applies() (one query
+// token per sequence, a 16-bit cache, head_dim 64 or 128, the rotation over the whole head).
+struct AttentionRope {
+  const void* qkv = nullptr;     // null: off (q is rope_and_cache's q_out)
+  const void* q_norm = nullptr;  // [head_dim] each, or both null (no head norms)
+  const void* k_norm = nullptr;
+  bool norm_unit_offset = false;  // q_norm / k_norm hold w of Gemma's 1 + w
+  float eps = 1e-6f;
+  const float* cos = nullptr;  // [max_position, head_dim / 2] each, as rope_and_cache's
+  const float* sin = nullptr;
+  int64_t max_position = 0;
+};
+
 struct AttentionArgs {
   AttentionKernel kernel = AttentionKernel::kAuto;
   DType dtype = DType::kBF16;  // of q and out (and the cache unless it is FP8): kBF16 or kF16
@@ -107,7 +124,14 @@ struct AttentionArgs {
   //   log-sum-exps (-inf for a split that saw no key of that row).
   void* workspace = nullptr;
   int64_t total_q = 0;  // rows of q (>= cu_query_lens[num_seqs]); sizes the workspace indexing
+  // With rope.qkv set, q is ignored and the step's keys are stored into k_cache / v_cache by the
+  // kernel (AttentionRope).
+  AttentionRope rope;
 };
+
+// Whether `args` (its rope.qkv aside) can take AttentionRope: max_query_len 1, a 16-bit cache,
+// head_dim 64 or 128, at most 16 query heads per KV head.
+bool attention_rope_applies(const AttentionArgs& args);
 
 // Whether the Hopper prefill kernel (sm_90a: wgmma, a producer warpgroup streaming 128-key K/V
 // tiles through an mbarrier pipeline, two consumer warpgroups of 64 rows each) can run `args`:

@@ -59,6 +59,18 @@ struct Params {
   float* ws_o;
   float* ws_lse;
   int64_t total_q;
+  // AttentionRope (the ROPE instance only): the projection row's q, k, v; the head norms; the
+  // rotation tables; the cache the step's k and v go to.
+  const void* qkv;
+  const void* q_norm;
+  const void* k_norm;
+  bool norm_unit_offset;
+  float eps;
+  const float* cos;
+  const float* sin;
+  int64_t max_position;
+  void* k_store;
+  void* v_store;
 };
 
 // The first key a query at `pos` reads (its window's start; 0 without a window).

@@ -13,6 +13,7 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/rms_norm.cuh"
+#include "kernels/cuda/rope_math.cuh"
 
 namespace tessera::cuda {
 
@@ -385,33 +386,12 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
       }
 
       if constexpr (QK_NORM) {  // Qwen3 q_norm / k_norm: RMSNorm over the head, as rms_norm
-        float ss = 0.0f;
-#pragma unroll
-        for (int p = 0; p < P; ++p) ss += f1[p] * f1[p] + f2[p] * f2[p];
-        const float inv = rsqrtf(dev::warp_sum(ss) * (1.0f / static_cast<float>(hd)) + a.eps);
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-          if (a.norm_unit_offset) {  // Gemma 3: (1 + w) * (h * inv) in fp32, rounded once
-            f1[p] = dev::round_to<T>((1.0f + nw1[p]) * (f1[p] * inv));
-            f2[p] = dev::round_to<T>((1.0f + nw2[p]) * (f2[p] * inv));
-          } else {
-            f1[p] = dev::round_to<T>(nw1[p] * dev::round_to<T>(f1[p] * inv));
-            f2[p] = dev::round_to<T>(nw2[p] * dev::round_to<T>(f2[p] * inv));
-          }
-        }
+        rope::head_norm<T, P>(f1, f2, nw1, nw2, hd, a.eps, a.norm_unit_offset);
       }
       if (!holds) continue;
 
-      // q * cos + rotate_half(q) * sin in the dtype: cos/sin rounded, each product and sum
-      // rounded.
       float lo[P], hi[P];
-#pragma unroll
-      for (int p = 0; p < P; ++p) {
-        const float c = dev::round_to<T>(cs[u][p]);
-        const float s = dev::round_to<T>(sn[u][p]);
-        lo[p] = dev::round_to<T>(f1[p] * c) + dev::round_to<T>(-f2[p] * s);
-        hi[p] = dev::round_to<T>(f2[p] * c) + dev::round_to<T>(f1[p] * s);
-      }
+      rope::rotate<T, P>(f1, f2, cs[u], sn[u], lo, hi);
       if (is_q) {
         alignas(16) T q1[P], q2[P];
 #pragma unroll

@@ -373,6 +373,7 @@ int run(int argc, char** argv) {
     GemvTile qkv_tile, o_tile, router_tile;
     MoeGemvTiles moe;
     int attn_splits = 0;  // 0: the planned split (sp); 1: none
+    bool rope_inside = false;  // the attention applies the rope (AttentionRope), no rope kernel
   };
   std::vector<std::pair<std::string, double>> chain_rows;
   if (B == 1) {
@@ -444,6 +445,12 @@ int run(int argc, char** argv) {
       c.attn_splits = splits;
       chains.push_back(c);
     }
+    {
+      Chain c = model;
+      c.name = "rope inside the attention";
+      c.rope_inside = true;
+      chains.push_back(c);
+    }
     for (auto [gu, dn] : {std::pair{std::pair{2, 2}, std::pair{8, 2}},
                           {{2, 4}, {8, 2}},
                           {{2, 4}, {8, 3}},
@@ -469,7 +476,7 @@ int run(int argc, char** argv) {
         RopeCacheArgs rl = r;
         rl.q_norm = w.q_norm;
         rl.k_norm = w.k_norm;
-        if (s.is_ok() && c.rope) s = rope_and_cache(rl, st);
+        if (s.is_ok() && c.rope && !c.rope_inside) s = rope_and_cache(rl, st);
         AttentionArgs al = a;
         if (c.attn_splits != 0) {
           al.num_splits = c.attn_splits;
@@ -478,6 +485,15 @@ int run(int argc, char** argv) {
                   ? static_cast<int>((max_len + c.attn_splits - 1) / c.attn_splits + 63) / 64 * 64
                   : 0;
           al.workspace = c.attn_splits > 1 ? attn_ws : nullptr;
+        }
+        if (c.rope_inside) {
+          al.rope.qkv = rl.qkv;
+          al.rope.q_norm = rl.q_norm;
+          al.rope.k_norm = rl.k_norm;
+          al.rope.eps = rl.eps;
+          al.rope.cos = rl.cos;
+          al.rope.sin = rl.sin;
+          al.rope.max_position = rl.max_position;
         }
         if (s.is_ok() && c.attention) s = paged_attention(al, st);
         if (s.is_ok() && c.o) {

@@ -34,6 +34,7 @@
 #include "kernels/cpu/paged_kv_cache.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
 
 namespace tessera::cuda {
 namespace {
@@ -409,6 +410,161 @@ TEST(CudaPagedAttention, DecodeBatchMatchesCpu) {
       check_problem(p, ctx, {{9, 256}, {12, 256}, {2, 1088}}, "decode " + describe(sh));
     }
   }
+}
+
+// The decode attention with the rotary embedding inside it (AttentionRope) gives rope_and_cache
+// followed by paged_attention's bits: the output and every byte of both caches (the step's k and
+// v stored at their slots), for bf16 and fp16, head_dim 64 and 128, groups 1 to 16, with the
+// head norms, Gemma's 1 + w and none, split keys or not, the step's key in its split's first tile
+// or a later one (a 300-key split streams five), and a padding sequence (context 0: nothing
+// written).
+TEST(CudaPagedAttention, RopeInsideTheDecodeAttentionGivesRopeThenAttentionsBits) {
+  REQUIRE_CUDA_DEVICE();
+  struct Case {
+    DType dtype;
+    int heads, kv_heads, head_dim;
+    bool norm, unit_offset;
+    int num_splits, split_size;
+  };
+  const Case cases[] = {{DType::kBF16, 32, 4, 128, true, false, 16, 256},
+                        {DType::kBF16, 32, 4, 128, true, false, 1, 0},
+                        {DType::kBF16, 16, 16, 64, false, false, 4, 768},
+                        {DType::kF16, 16, 1, 128, true, true, 3, 1024},
+                        {DType::kBF16, 8, 2, 64, true, false, 2, 1536}};
+  const std::vector<int> ctx = {300, 1, 0, 64, 65, 2049};
+  const std::vector<int> capacity = {300, 1, 16, 64, 65, 2049};
+  const std::vector<int> ones(ctx.size(), 1);
+  const int max_position = 4096;
+  uint32_t seed = 5;
+  for (const Case& c : cases) {
+    Shape sh;
+    sh.dtype = c.dtype;
+    sh.num_heads = c.heads;
+    sh.num_kv_heads = c.kv_heads;
+    sh.head_dim = c.head_dim;
+    const Problem p = make_problem(sh, ones, capacity, seed++);
+    const int S = p.num_seqs(), hd = c.head_dim, half = hd / 2;
+    const int64_t row = int64_t{c.heads + 2 * c.kv_heads} * hd;
+    std::mt19937 rng(seed++);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    std::vector<uint16_t> qkv(static_cast<size_t>(S * row)), q_norm(hd), k_norm(hd);
+    for (auto& x : qkv) x = to_half_bits(2.0f * unit(rng), c.dtype);
+    for (auto& x : q_norm) x = to_half_bits(1.0f + 0.5f * unit(rng), c.dtype);
+    for (auto& x : k_norm) x = to_half_bits(1.0f + 0.5f * unit(rng), c.dtype);
+    std::vector<float> cos(static_cast<size_t>(max_position) * half), sin(cos.size());
+    for (int pos = 0; pos < max_position; ++pos) {
+      for (int i = 0; i < half; ++i) {
+        const double angle = pos * std::pow(10000.0, -2.0 * i / hd);
+        cos[pos * half + i] = static_cast<float>(std::cos(angle));
+        sin[pos * half + i] = static_cast<float>(std::sin(angle));
+      }
+    }
+    std::vector<int32_t> positions(S);
+    std::vector<int64_t> slots(S);
+    for (int s = 0; s < S; ++s) {
+      positions[s] = std::max(ctx[s] - 1, 0);
+      slots[s] = ctx[s] == 0
+                     ? -1
+                     : int64_t{p.block_tables[s * p.table_stride + (ctx[s] - 1) / sh.block_size]} *
+                               sh.block_size +
+                           (ctx[s] - 1) % sh.block_size;
+    }
+    DeviceBuffer d_qkv, d_qn, d_kn, d_cos, d_sin, d_pos, d_slots;
+    ASSERT_NO_FATAL_FAILURE(upload(&d_qkv, qkv, "qkv"));
+    ASSERT_NO_FATAL_FAILURE(upload(&d_qn, q_norm, "q_norm"));
+    ASSERT_NO_FATAL_FAILURE(upload(&d_kn, k_norm, "k_norm"));
+    ASSERT_NO_FATAL_FAILURE(upload(&d_cos, cos, "cos"));
+    ASSERT_NO_FATAL_FAILURE(upload(&d_sin, sin, "sin"));
+    ASSERT_NO_FATAL_FAILURE(upload(&d_pos, positions, "positions"));
+    ASSERT_NO_FATAL_FAILURE(upload(&d_slots, slots, "slots"));
+    const std::string what = describe(sh) + (c.norm ? (c.unit_offset ? " 1+w" : " norm") : "") +
+                             ", " + std::to_string(c.num_splits) + " splits";
+
+    // Either way on a fresh copy of the problem: out, then both caches.
+    auto run = [&](bool inside, std::vector<uint16_t>* out, std::vector<uint16_t>* k,
+                   std::vector<uint16_t>* v) {
+      DeviceProblem d;
+      ASSERT_NO_FATAL_FAILURE(upload_problem(p, &d));
+      ASSERT_NO_FATAL_FAILURE(upload(&d.ctx, ctx, "context_lens"));
+      const size_t ws = attention_workspace_bytes(p.total_q, c.heads, hd, c.num_splits);
+      if (ws > 0)
+        ASSERT_NO_FATAL_FAILURE(upload(&d.workspace, std::vector<uint32_t>(ws / 4), "ws"));
+      AttentionArgs a = make_args(p, d, c.num_splits, c.split_size);
+      if (inside) {
+        a.rope.qkv = d_qkv.get();
+        a.rope.q_norm = c.norm ? d_qn.get() : nullptr;
+        a.rope.k_norm = c.norm ? d_kn.get() : nullptr;
+        a.rope.norm_unit_offset = c.unit_offset;
+        a.rope.cos = d_cos.as<float>();
+        a.rope.sin = d_sin.as<float>();
+        a.rope.max_position = max_position;
+        ASSERT_TRUE(attention_rope_applies(a)) << what;
+      } else {
+        RopeCacheArgs r;
+        r.dtype = c.dtype;
+        r.qkv = d_qkv.get();
+        r.q_norm = c.norm ? d_qn.get() : nullptr;
+        r.k_norm = c.norm ? d_kn.get() : nullptr;
+        r.norm_unit_offset = c.unit_offset;
+        r.cos = d_cos.as<float>();
+        r.sin = d_sin.as<float>();
+        r.max_position = max_position;
+        r.positions = d_pos.as<int32_t>();
+        r.slots = d_slots.as<int64_t>();
+        r.num_tokens = S;
+        r.num_heads = c.heads;
+        r.num_kv_heads = c.kv_heads;
+        r.head_dim = hd;
+        r.q_out = d.q.get();
+        r.k_cache = d.k.get();
+        r.v_cache = d.v.get();
+        r.num_blocks = p.num_blocks;
+        r.block_size = sh.block_size;
+        const Status rs = rope_and_cache(r, nullptr);
+        ASSERT_TRUE(rs.is_ok()) << rs.to_string();
+      }
+      const Status st = paged_attention(a, nullptr);
+      ASSERT_TRUE(st.is_ok()) << what << ": " << st.to_string();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+      ASSERT_NO_FATAL_FAILURE(download(d.out, p.q.size(), out));
+      ASSERT_NO_FATAL_FAILURE(download(d.k, p.k.size(), k));
+      ASSERT_NO_FATAL_FAILURE(download(d.v, p.v.size(), v));
+    };
+    std::vector<uint16_t> out_a, k_a, v_a, out_b, k_b, v_b;
+    ASSERT_NO_FATAL_FAILURE(run(false, &out_a, &k_a, &v_a));
+    ASSERT_NO_FATAL_FAILURE(run(true, &out_b, &k_b, &v_b));
+    auto first_diff = [](const std::vector<uint16_t>& x, const std::vector<uint16_t>& y) {
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (x[i] != y[i]) return static_cast<int64_t>(i);
+      }
+      return int64_t{-1};
+    };
+    EXPECT_EQ(first_diff(out_a, out_b), -1) << what << ": output (element index)";
+    EXPECT_EQ(first_diff(k_a, k_b), -1) << what << ": k cache (element index)";
+    EXPECT_EQ(first_diff(v_a, v_b), -1) << what << ": v cache (element index)";
+    // The rope wrote the step's keys: the cache differs from the problem's at those slots.
+    EXPECT_NE(first_diff(k_a, p.k), -1) << what;
+  }
+}
+
+// Where AttentionRope does not apply, paged_attention refuses it rather than run without it.
+TEST(CudaPagedAttention, RopeInsideTheAttentionIsRefusedWhereItDoesNotApply) {
+  AttentionArgs a;
+  a.max_query_len = 2;
+  a.head_dim = 128;
+  a.num_heads = 8;
+  a.num_kv_heads = 2;
+  EXPECT_FALSE(attention_rope_applies(a));  // a prefill chunk
+  a.max_query_len = 1;
+  EXPECT_TRUE(attention_rope_applies(a));
+  a.head_dim = 96;
+  EXPECT_FALSE(attention_rope_applies(a));
+  a.head_dim = 128;
+  a.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
+  EXPECT_FALSE(attention_rope_applies(a));
+  a.kv_cache_dtype = KvCacheDtype::kAuto;
+  a.num_heads = 64;  // 32 query heads a KV head
+  EXPECT_FALSE(attention_rope_applies(a));
 }
 
 TEST(CudaPagedAttention, DecodeOtherBlockSizesAndGroups) {
