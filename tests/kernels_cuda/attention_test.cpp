@@ -487,8 +487,9 @@ TEST(CudaPagedAttention, RopeInsideTheDecodeAttentionGivesRopeThenAttentionsBits
       ASSERT_NO_FATAL_FAILURE(upload_problem(p, &d));
       ASSERT_NO_FATAL_FAILURE(upload(&d.ctx, ctx, "context_lens"));
       const size_t ws = attention_workspace_bytes(p.total_q, c.heads, hd, c.num_splits);
-      if (ws > 0)
+      if (ws > 0) {
         ASSERT_NO_FATAL_FAILURE(upload(&d.workspace, std::vector<uint32_t>(ws / 4), "ws"));
+      }
       AttentionArgs a = make_args(p, d, c.num_splits, c.split_size);
       if (inside) {
         a.rope.qkv = d_qkv.get();
