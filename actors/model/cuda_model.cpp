@@ -435,11 +435,11 @@ class CudaModel::Ops {
     r_.dtype = dt_;
     r_.kv_cache_dtype = m.engine_.kv_cache_dtype;
     r_.qkv = m.qkv_.get();
-    r_.eps = eps_;
-    r_.norm_unit_offset = c.norm_unit_offset;
-    r_.cos = m.rope_cos_.as<float>();
-    r_.sin = m.rope_sin_.as<float>();
-    r_.max_position = m.engine_.max_model_len;
+    r_.constants.eps = eps_;
+    r_.constants.norm_unit_offset = c.norm_unit_offset;
+    r_.constants.cos = m.rope_cos_.as<float>();
+    r_.constants.sin = m.rope_sin_.as<float>();
+    r_.constants.max_position = m.engine_.max_model_len;
     r_.positions = reinterpret_cast<const int32_t*>(meta + ml.positions);
     r_.slots = reinterpret_cast<const int64_t*>(meta + ml.slots);
     r_.num_tokens = T_;
@@ -608,15 +608,15 @@ class CudaModel::Ops {
 
   Status rope_cache(int64_t i) {
     const CudaLayer& w = m_.weights_->layer(i);
-    r_.q_norm = w.q_norm;
-    r_.k_norm = w.k_norm;
+    r_.constants.q_norm = w.q_norm;
+    r_.constants.k_norm = w.k_norm;
     r_.k_cache = m_.k_cache_[i];
     r_.v_cache = m_.v_cache_[i];
     // Gemma 3's sliding layers rotate with their own table (rope_local_theta, no scaling).
     const bool local =
         m_.rope_local_cos_.get() != nullptr && m_.config_.local_rope(m_.plan_.layer_begin + i);
-    r_.cos = local ? m_.rope_local_cos_.as<float>() : m_.rope_cos_.as<float>();
-    r_.sin = local ? m_.rope_local_sin_.as<float>() : m_.rope_sin_.as<float>();
+    r_.constants.cos = local ? m_.rope_local_cos_.as<float>() : m_.rope_cos_.as<float>();
+    r_.constants.sin = local ? m_.rope_local_sin_.as<float>() : m_.rope_sin_.as<float>();
     if (rope_in_attention()) return Status::ok();  // attention(i) does it
     return cuda::rope_and_cache(r_, st_);
   }
@@ -628,13 +628,7 @@ class CudaModel::Ops {
     a_.rope = {};
     if (rope_in_attention()) {  // rope_cache(i) left layer i's tables and norms in r_
       a_.rope.qkv = r_.qkv;
-      a_.rope.q_norm = r_.q_norm;
-      a_.rope.k_norm = r_.k_norm;
-      a_.rope.norm_unit_offset = r_.norm_unit_offset;
-      a_.rope.eps = r_.eps;
-      a_.rope.cos = r_.cos;
-      a_.rope.sin = r_.sin;
-      a_.rope.max_position = r_.max_position;
+      a_.rope.constants = r_.constants;
     }
     return cuda::paged_attention(a_, st_);
   }

@@ -475,25 +475,25 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
   // ROPE: the rotation tables at the sequence's position and the head norms' weights (the
   // model's constants; the position is the host's context length) before the wait.
   float cs[kP] = {}, sn[kP] = {}, qw1[kP] = {}, qw2[kP] = {}, kw1[kP] = {}, kw2[kP] = {};
-  const bool norm = ROPE && p.q_norm != nullptr;
+  const bool norm = ROPE && p.rope.q_norm != nullptr;
   if constexpr (ROPE) {
     constexpr int kHalf = HD / 2;
     const int i0 = lane * kP;
     const int pos = ctx - 1;  // the one query token's position
-    if (pos < p.max_position) {
+    if (pos < p.rope.max_position) {
 #pragma unroll
       for (int i = 0; i < kP; ++i) {
-        cs[i] = p.cos[static_cast<int64_t>(pos) * kHalf + i0 + i];
-        sn[i] = p.sin[static_cast<int64_t>(pos) * kHalf + i0 + i];
+        cs[i] = p.rope.cos[static_cast<int64_t>(pos) * kHalf + i0 + i];
+        sn[i] = p.rope.sin[static_cast<int64_t>(pos) * kHalf + i0 + i];
       }
     }
     if (norm) {
 #pragma unroll
       for (int i = 0; i < kP; ++i) {
-        qw1[i] = dev::to_float(static_cast<const T*>(p.q_norm)[i0 + i]);
-        qw2[i] = dev::to_float(static_cast<const T*>(p.q_norm)[i0 + kHalf + i]);
-        kw1[i] = dev::to_float(static_cast<const T*>(p.k_norm)[i0 + i]);
-        kw2[i] = dev::to_float(static_cast<const T*>(p.k_norm)[i0 + kHalf + i]);
+        qw1[i] = dev::to_float(static_cast<const T*>(p.rope.q_norm)[i0 + i]);
+        qw2[i] = dev::to_float(static_cast<const T*>(p.rope.q_norm)[i0 + kHalf + i]);
+        kw1[i] = dev::to_float(static_cast<const T*>(p.rope.k_norm)[i0 + i]);
+        kw2[i] = dev::to_float(static_cast<const T*>(p.rope.k_norm)[i0 + kHalf + i]);
       }
     }
   }
@@ -537,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
     // rope_and_cache_kernel's arithmetic on a head's pairs.
     auto roped = [&](float(&f1)[kP], float(&f2)[kP], const float(&w1)[kP], const float(&w2)[kP],
                      float(&lo)[kP], float(&hi)[kP]) {
-      if (norm) rope::head_norm<T, kP>(f1, f2, w1, w2, HD, p.eps, p.norm_unit_offset);
+      if (norm) rope::head_norm<T, kP>(f1, f2, w1, w2, HD, p.rope.eps, p.rope.norm_unit_offset);
       rope::rotate<T, kP>(f1, f2, cs, sn, lo, hi);
     };
 #pragma unroll
@@ -1438,7 +1438,7 @@ bool attention_rope_applies(const AttentionArgs& args) {
 Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   TESSERA_RETURN_IF_ERROR(check_args(args));
   if (args.rope.qkv != nullptr) {
-    const AttentionRope& r = args.rope;
+    const RopeConstants& r = args.rope.constants;
     if (!attention_rope_applies(args)) {
       return invalid_argument(
           "paged_attention: the rope inside the attention takes one query token per sequence, a "
@@ -1493,13 +1493,7 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   params.total_q = args.total_q;
   if (args.rope.qkv != nullptr) {
     params.qkv = args.rope.qkv;
-    params.q_norm = args.rope.q_norm;
-    params.k_norm = args.rope.k_norm;
-    params.norm_unit_offset = args.rope.norm_unit_offset;
-    params.eps = args.rope.eps;
-    params.cos = args.rope.cos;
-    params.sin = args.rope.sin;
-    params.max_position = args.rope.max_position;
+    params.rope = args.rope.constants;
     // The kernel stores the step's keys: the caller's cache, which AttentionArgs types const
     // for every other launch.
     params.k_store = const_cast<void*>(args.k_cache);

@@ -37,6 +37,7 @@
 #include "common/kv_cache_dtype.h"
 #include "common/status.h"
 #include "common/tensor.h"
+#include "kernels/cuda/rope.h"
 
 namespace tessera::cuda {
 
@@ -59,14 +60,8 @@ Expected<AttentionKernel> parse_attention_kernel(std::string_view name);
 // so no rope_and_cache launch comes before it. Only where attention_rope_applies() (one query
 // token per sequence, a 16-bit cache, head_dim 64 or 128, the rotation over the whole head).
 struct AttentionRope {
-  const void* qkv = nullptr;     // null: off (q is rope_and_cache's q_out)
-  const void* q_norm = nullptr;  // [head_dim] each, or both null (no head norms)
-  const void* k_norm = nullptr;
-  bool norm_unit_offset = false;  // q_norm / k_norm hold w of Gemma's 1 + w
-  float eps = 1e-6f;
-  const float* cos = nullptr;  // [max_position, head_dim / 2] each, as rope_and_cache's
-  const float* sin = nullptr;
-  int64_t max_position = 0;
+  const void* qkv = nullptr;  // null: off (q is rope_and_cache's q_out)
+  RopeConstants constants;    // the layer's, as rope_and_cache takes them
 };
 
 struct AttentionArgs {

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cuda/rope.h"
+
 namespace tessera::cuda::attn {
 
 // key / block_size == (key * magic) >> shift for every key < 2^31: a runtime integer division
@@ -59,16 +61,10 @@ struct Params {
   float* ws_o;
   float* ws_lse;
   int64_t total_q;
-  // AttentionRope (the ROPE instance only): the projection row's q, k, v; the head norms; the
-  // rotation tables; the cache the step's k and v go to.
+  // AttentionRope (the ROPE instance only): the projection row's q, k, v; the layer's head
+  // norms and rotation tables; the cache the step's k and v go to.
   const void* qkv;
-  const void* q_norm;
-  const void* k_norm;
-  bool norm_unit_offset;
-  float eps;
-  const float* cos;
-  const float* sin;
-  int64_t max_position;
+  RopeConstants rope;
   void* k_store;
   void* v_store;
 };

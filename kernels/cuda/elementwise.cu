@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
   float nw1[P] = {}, nw2[P] = {};  // the head norm's weights of this lane's pairs
   if constexpr (QK_NORM) {
     if (holds) {
-      const T* norm_w = static_cast<const T*>(is_q ? a.q_norm : a.k_norm);
+      const T* norm_w = static_cast<const T*>(is_q ? a.constants.q_norm : a.constants.k_norm);
       alignas(16) T w1[P], w2[P];
       copy_elems<P>(w1, norm_w + i0, vec, n);
       copy_elems<P>(w2, norm_w + i0 + half, vec, n);
@@ -345,15 +345,15 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
       if (!ok[u]) continue;
       const int64_t pos = a.positions[t];
       // pos out of range is a caller bug: never read past the table.
-      ok[u] = pos >= 0 && pos < a.max_position;
+      ok[u] = pos >= 0 && pos < a.constants.max_position;
       if (!is_q) {
         slot[u] = a.slots[t];
         // -1: not stored (and k feeds nothing else)
         ok[u] = ok[u] && slot[u] >= 0 && slot[u] < num_slots;
       }
       if (!ok[u] || !holds) continue;
-      copy_elems<P>(cs[u], a.cos + pos * half + i0, vec, n);
-      copy_elems<P>(sn[u], a.sin + pos * half + i0, vec, n);
+      copy_elems<P>(cs[u], a.constants.cos + pos * half + i0, vec, n);
+      copy_elems<P>(sn[u], a.constants.sin + pos * half + i0, vec, n);
     }
     if (!waited) {
       dev::pdl_wait();
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32)
       }
 
       if constexpr (QK_NORM) {  // Qwen3 q_norm / k_norm: RMSNorm over the head, as rms_norm
-        rope::head_norm<T, P>(f1, f2, nw1, nw2, hd, a.eps, a.norm_unit_offset);
+        rope::head_norm<T, P>(f1, f2, nw1, nw2, hd, a.constants.eps, a.constants.norm_unit_offset);
       }
       if (!holds) continue;
 
@@ -436,7 +436,7 @@ void launch_rope_variant(const RopeCacheArgs& a, dim3 grid, int threads, bool ve
                          cudaStream_t stream) {
   constexpr int U = kRopeTokens<P>;
   const bool fp8 = a.kv_cache_dtype == KvCacheDtype::kFp8E4M3;
-  if (a.q_norm != nullptr) {
+  if (a.constants.q_norm != nullptr) {
     if (fp8) {
       launch_pdl(rope_and_cache_kernel<T, __nv_fp8_e4m3, P, true, U>, grid, threads, 0, stream, a,
                  vec);
@@ -461,8 +461,8 @@ Status launch_rope_p(const RopeCacheArgs& a, cudaStream_t stream) {
   // Vector accesses: every run starts at a multiple of P elements (half % P == 0), from buffers
   // aligned to 16 bytes (every run is at most 16 bytes or a multiple of 16).
   bool vec = half % P == 0;
-  for (const void* p : {a.qkv, a.q_norm, a.k_norm, static_cast<const void*>(a.cos),
-                        static_cast<const void*>(a.sin), static_cast<const void*>(a.q_out),
+  for (const void* p : {a.qkv, a.constants.q_norm, a.constants.k_norm, static_cast<const void*>(a.constants.cos),
+                        static_cast<const void*>(a.constants.sin), static_cast<const void*>(a.q_out),
                         static_cast<const void*>(a.k_cache), static_cast<const void*>(a.v_cache)}) {
     vec = vec && aligned(p, 16);
   }
@@ -488,7 +488,7 @@ __global__ void __launch_bounds__(128) rope_partial_kernel(RopeCacheArgs a) {
   const T* qkv = static_cast<const T*>(a.qkv);
   for (int64_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
     const int64_t pos = a.positions[t];
-    if (pos < 0 || pos >= a.max_position) continue;
+    if (pos < 0 || pos >= a.constants.max_position) continue;
     int64_t slot = -1;
     if (!is_q) {
       slot = a.slots[t];
@@ -500,8 +500,8 @@ __global__ void __launch_bounds__(128) rope_partial_kernel(RopeCacheArgs a) {
       float y;
       if (d < rot) {
         const int64_t i = d < rh ? d : d - rh;
-        const float c = dev::round_to<T>(a.cos[pos * rh + i]);
-        const float s = dev::round_to<T>(a.sin[pos * rh + i]);
+        const float c = dev::round_to<T>(a.constants.cos[pos * rh + i]);
+        const float s = dev::round_to<T>(a.constants.sin[pos * rh + i]);
         const float x = dev::to_float(src[d]);
         const float other = dev::to_float(src[d < rh ? d + rh : d - rh]);
         y = dev::round_to<T>(x * c) + dev::round_to<T>((d < rh ? -other : other) * s);
@@ -947,10 +947,10 @@ Status rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
     return invalid_argument("rope_and_cache: num_heads + num_kv_heads = " +
                             std::to_string(a.num_heads + a.num_kv_heads) + " is too large");
   }
-  TESSERA_RETURN_IF_ERROR(check_positive(a.max_position, kOp, "max_position"));
+  TESSERA_RETURN_IF_ERROR(check_positive(a.constants.max_position, kOp, "max_position"));
   TESSERA_RETURN_IF_ERROR(check_positive(a.num_blocks, kOp, "num_blocks"));
   TESSERA_RETURN_IF_ERROR(check_positive(a.block_size, kOp, "block_size"));
-  if ((a.q_norm == nullptr) != (a.k_norm == nullptr)) {
+  if ((a.constants.q_norm == nullptr) != (a.constants.k_norm == nullptr)) {
     return invalid_argument("rope_and_cache: q_norm and k_norm must be both set or both null");
   }
   if (a.rotary_dim != 0 && a.rotary_dim != a.head_dim) {
@@ -959,18 +959,18 @@ Status rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
                               std::to_string(a.head_dim) + "], got " +
                               std::to_string(a.rotary_dim));
     }
-    if (a.q_norm != nullptr) {
+    if (a.constants.q_norm != nullptr) {
       return invalid_argument(
           "rope_and_cache: q/k norms with partial rotary embeddings are not implemented");
     }
   }
-  if (!(a.eps >= 0.0f)) {
-    return invalid_argument("rope_and_cache: eps must be >= 0, got " + std::to_string(a.eps));
+  if (!(a.constants.eps >= 0.0f)) {
+    return invalid_argument("rope_and_cache: eps must be >= 0, got " + std::to_string(a.constants.eps));
   }
   if (a.num_tokens == 0) return Status::ok();
   TESSERA_RETURN_IF_ERROR(check_not_null(a.qkv, kOp, "qkv"));
-  TESSERA_RETURN_IF_ERROR(check_not_null(a.cos, kOp, "cos"));
-  TESSERA_RETURN_IF_ERROR(check_not_null(a.sin, kOp, "sin"));
+  TESSERA_RETURN_IF_ERROR(check_not_null(a.constants.cos, kOp, "cos"));
+  TESSERA_RETURN_IF_ERROR(check_not_null(a.constants.sin, kOp, "sin"));
   TESSERA_RETURN_IF_ERROR(check_not_null(a.positions, kOp, "positions"));
   TESSERA_RETURN_IF_ERROR(check_not_null(a.slots, kOp, "slots"));
   TESSERA_RETURN_IF_ERROR(check_not_null(a.q_out, kOp, "q_out"));

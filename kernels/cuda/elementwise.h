@@ -16,6 +16,7 @@
 #include "common/kv_cache_dtype.h"
 #include "common/status.h"
 #include "common/tensor.h"
+#include "kernels/cuda/rope.h"
 
 namespace tessera::cuda {
 
@@ -101,13 +102,7 @@ struct RopeCacheArgs {
   // saturating at +-448).
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   const void* qkv = nullptr;
-  const void* q_norm = nullptr;
-  const void* k_norm = nullptr;
-  bool norm_unit_offset = false;  // q_norm / k_norm hold w of Gemma's 1 + w
-  float eps = 1e-6f;
-  const float* cos = nullptr;
-  const float* sin = nullptr;
-  int64_t max_position = 0;
+  RopeConstants constants;  // the layer's head norms and rotation tables
   const int32_t* positions = nullptr;
   const int64_t* slots = nullptr;
   int64_t num_tokens = 0;

@@ -210,9 +210,9 @@ AttentionArgs time_decode_ops(cudaStream_t st, const Args& args, const Buffers& 
   RopeCacheArgs r;
   r.dtype = bf;
   r.qkv = b.x;
-  r.cos = b.cosb;
-  r.sin = b.sinb;
-  r.max_position = max_len;
+  r.constants.cos = b.cosb;
+  r.constants.sin = b.sinb;
+  r.constants.max_position = max_len;
   r.positions = b.d_pos;
   r.slots = b.d_slots;
   r.num_tokens = B;

@@ -190,9 +190,9 @@ int run(int argc, char** argv) {
   RopeCacheArgs r;
   r.dtype = bf;
   r.qkv = y;
-  r.cos = cosb;
-  r.sin = sinb;
-  r.max_position = ctx;
+  r.constants.cos = cosb;
+  r.constants.sin = sinb;
+  r.constants.max_position = ctx;
   r.positions = d_pos;
   r.slots = d_slots;
   r.num_tokens = B;
@@ -208,8 +208,8 @@ int run(int argc, char** argv) {
                   time_op(st,
                           [&](int l) {
                             RopeCacheArgs rl = r;
-                            rl.q_norm = layers[l].q_norm;
-                            rl.k_norm = layers[l].k_norm;
+                            rl.constants.q_norm = layers[l].q_norm;
+                            rl.constants.k_norm = layers[l].k_norm;
                             return rope_and_cache(rl, st);
                           }),
                   0, 1});
@@ -348,8 +348,8 @@ int run(int argc, char** argv) {
     Status s = add_rms_norm(bf, out, resid, w.norm, B, H, 1e-6f, x, st);
     if (s.is_ok()) s = gemm.linear({B, qkv_n, H, bf, bf, false}, x, w.qkv, nullptr, y, st);
     RopeCacheArgs rl = r;
-    rl.q_norm = w.q_norm;
-    rl.k_norm = w.k_norm;
+    rl.constants.q_norm = w.q_norm;
+    rl.constants.k_norm = w.k_norm;
     if (s.is_ok()) s = rope_and_cache(rl, st);
     if (s.is_ok()) s = paged_attention(a, st);
     if (s.is_ok()) {
@@ -474,8 +474,8 @@ int run(int argc, char** argv) {
           s = gemv_add_rms_norm_with(c.qkv_tile, qkv_n, H, bf, bf, in_norm, w.qkv, nullptr, y, st);
         }
         RopeCacheArgs rl = r;
-        rl.q_norm = w.q_norm;
-        rl.k_norm = w.k_norm;
+        rl.constants.q_norm = w.q_norm;
+        rl.constants.k_norm = w.k_norm;
         if (s.is_ok() && c.rope && !c.rope_inside) s = rope_and_cache(rl, st);
         AttentionArgs al = a;
         if (c.attn_splits != 0) {
@@ -488,12 +488,7 @@ int run(int argc, char** argv) {
         }
         if (c.rope_inside) {
           al.rope.qkv = rl.qkv;
-          al.rope.q_norm = rl.q_norm;
-          al.rope.k_norm = rl.k_norm;
-          al.rope.eps = rl.eps;
-          al.rope.cos = rl.cos;
-          al.rope.sin = rl.sin;
-          al.rope.max_position = rl.max_position;
+          al.rope.constants = rl.constants;
         }
         if (s.is_ok() && c.attention) s = paged_attention(al, st);
         if (s.is_ok() && c.o) {

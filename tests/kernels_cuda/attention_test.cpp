@@ -493,23 +493,23 @@ TEST(CudaPagedAttention, RopeInsideTheDecodeAttentionGivesRopeThenAttentionsBits
       AttentionArgs a = make_args(p, d, c.num_splits, c.split_size);
       if (inside) {
         a.rope.qkv = d_qkv.get();
-        a.rope.q_norm = c.norm ? d_qn.get() : nullptr;
-        a.rope.k_norm = c.norm ? d_kn.get() : nullptr;
-        a.rope.norm_unit_offset = c.unit_offset;
-        a.rope.cos = d_cos.as<float>();
-        a.rope.sin = d_sin.as<float>();
-        a.rope.max_position = max_position;
+        a.rope.constants.q_norm = c.norm ? d_qn.get() : nullptr;
+        a.rope.constants.k_norm = c.norm ? d_kn.get() : nullptr;
+        a.rope.constants.norm_unit_offset = c.unit_offset;
+        a.rope.constants.cos = d_cos.as<float>();
+        a.rope.constants.sin = d_sin.as<float>();
+        a.rope.constants.max_position = max_position;
         ASSERT_TRUE(attention_rope_applies(a)) << what;
       } else {
         RopeCacheArgs r;
         r.dtype = c.dtype;
         r.qkv = d_qkv.get();
-        r.q_norm = c.norm ? d_qn.get() : nullptr;
-        r.k_norm = c.norm ? d_kn.get() : nullptr;
-        r.norm_unit_offset = c.unit_offset;
-        r.cos = d_cos.as<float>();
-        r.sin = d_sin.as<float>();
-        r.max_position = max_position;
+        r.constants.q_norm = c.norm ? d_qn.get() : nullptr;
+        r.constants.k_norm = c.norm ? d_kn.get() : nullptr;
+        r.constants.norm_unit_offset = c.unit_offset;
+        r.constants.cos = d_cos.as<float>();
+        r.constants.sin = d_sin.as<float>();
+        r.constants.max_position = max_position;
         r.positions = d_pos.as<int32_t>();
         r.slots = d_slots.as<int64_t>();
         r.num_tokens = S;

@@ -509,13 +509,13 @@ RopeRun run_rope(DType d, const RopeCase& c, std::vector<int32_t> positions,
   a.dtype = d;
   a.kv_cache_dtype = fp8_cache ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
   a.qkv = d_qkv.get();
-  a.q_norm = d_qn.get();
-  a.k_norm = d_kn.get();
-  a.norm_unit_offset = unit_offset;
-  a.eps = eps;
-  a.cos = d_cos.as<float>();
-  a.sin = d_sin.as<float>();
-  a.max_position = max_position;
+  a.constants.q_norm = d_qn.get();
+  a.constants.k_norm = d_kn.get();
+  a.constants.norm_unit_offset = unit_offset;
+  a.constants.eps = eps;
+  a.constants.cos = d_cos.as<float>();
+  a.constants.sin = d_sin.as<float>();
+  a.constants.max_position = max_position;
   a.positions = d_pos.as<int32_t>();
   a.slots = d_slots.as<int64_t>();
   a.num_tokens = n;
@@ -1043,9 +1043,9 @@ TEST(CudaElementwise, BadArgumentsAreInvalidArgumentWithoutLaunching) {
   RopeCacheArgs good;
   good.dtype = bf16;
   good.qkv = x.get();
-  good.cos = trig.as<float>();
-  good.sin = trig.as<float>();
-  good.max_position = 16;
+  good.constants.cos = trig.as<float>();
+  good.constants.sin = trig.as<float>();
+  good.constants.max_position = 16;
   good.positions = ids.as<int32_t>();
   good.slots = slots.as<int64_t>();
   good.num_tokens = 1;
@@ -1069,11 +1069,11 @@ TEST(CudaElementwise, BadArgumentsAreInvalidArgumentWithoutLaunching) {
   bad([](RopeCacheArgs& a) { a.num_heads = 0; }, "num_heads 0");
   bad([](RopeCacheArgs& a) { a.num_kv_heads = -1; }, "num_kv_heads -1");
   bad([](RopeCacheArgs& a) { a.num_tokens = -1; }, "num_tokens -1");
-  bad([](RopeCacheArgs& a) { a.max_position = 0; }, "max_position 0");
+  bad([](RopeCacheArgs& a) { a.constants.max_position = 0; }, "max_position 0");
   bad([](RopeCacheArgs& a) { a.num_blocks = 0; }, "num_blocks 0");
   bad([](RopeCacheArgs& a) { a.block_size = 0; }, "block_size 0");
-  bad([&](RopeCacheArgs& a) { a.q_norm = w.get(); }, "q_norm without k_norm");
-  bad([](RopeCacheArgs& a) { a.cos = nullptr; }, "cos null");
+  bad([&](RopeCacheArgs& a) { a.constants.q_norm = w.get(); }, "q_norm without k_norm");
+  bad([](RopeCacheArgs& a) { a.constants.cos = nullptr; }, "cos null");
   bad([](RopeCacheArgs& a) { a.slots = nullptr; }, "slots null");
 
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
@@ -1373,9 +1373,9 @@ TEST(CudaRopeAndCache, PartialRotaryIsTransformersRoundingBitForBit) {
       RopeCacheArgs a;
       a.dtype = d;
       a.qkv = d_qkv.get();
-      a.cos = d_cos.as<float>();
-      a.sin = d_sin.as<float>();
-      a.max_position = max_pos;
+      a.constants.cos = d_cos.as<float>();
+      a.constants.sin = d_sin.as<float>();
+      a.constants.max_position = max_pos;
       a.positions = d_pos.as<int32_t>();
       a.slots = d_slots.as<int64_t>();
       a.num_tokens = n;
@@ -1420,7 +1420,7 @@ TEST(CudaRopeAndCache, PartialRotaryIsTransformersRoundingBitForBit) {
       bad.rotary_dim = hd + 2;
       EXPECT_FALSE(rope_and_cache(bad, nullptr).is_ok()) << what << " rotary_dim > head_dim";
       bad = a;
-      bad.q_norm = bad.k_norm = d_qkv.get();
+      bad.constants.q_norm = bad.constants.k_norm = d_qkv.get();
       EXPECT_FALSE(rope_and_cache(bad, nullptr).is_ok()) << what << " qk norm";
     }
   }
