@@ -461,9 +461,10 @@ Status launch_rope_p(const RopeCacheArgs& a, cudaStream_t stream) {
   // Vector accesses: every run starts at a multiple of P elements (half % P == 0), from buffers
   // aligned to 16 bytes (every run is at most 16 bytes or a multiple of 16).
   bool vec = half % P == 0;
-  for (const void* p : {a.qkv, a.constants.q_norm, a.constants.k_norm, static_cast<const void*>(a.constants.cos),
-                        static_cast<const void*>(a.constants.sin), static_cast<const void*>(a.q_out),
-                        static_cast<const void*>(a.k_cache), static_cast<const void*>(a.v_cache)}) {
+  for (const void* p :
+       {a.qkv, a.constants.q_norm, a.constants.k_norm, static_cast<const void*>(a.constants.cos),
+        static_cast<const void*>(a.constants.sin), static_cast<const void*>(a.q_out),
+        static_cast<const void*>(a.k_cache), static_cast<const void*>(a.v_cache)}) {
     vec = vec && aligned(p, 16);
   }
   launch_rope_variant<T, P>(a, grid, kRopeWarps * 32, vec, stream);
@@ -965,7 +966,8 @@ Status rope_and_cache(const RopeCacheArgs& a, cudaStream_t stream) {
     }
   }
   if (!(a.constants.eps >= 0.0f)) {
-    return invalid_argument("rope_and_cache: eps must be >= 0, got " + std::to_string(a.constants.eps));
+    return invalid_argument("rope_and_cache: eps must be >= 0, got " +
+                            std::to_string(a.constants.eps));
   }
   if (a.num_tokens == 0) return Status::ok();
   TESSERA_RETURN_IF_ERROR(check_not_null(a.qkv, kOp, "qkv"));

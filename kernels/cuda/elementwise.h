@@ -81,8 +81,9 @@ Status norm_add_rms_norm(DType dtype, void* x, const void* x_weight, void* resid
 // convention, cos/sin rounded to dtype and each product and sum rounded to dtype, as
 // transformers' apply_rotary_pos_emb in bf16), write q to q_out and k, v into the paged cache.
 //   qkv:       [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] dtype: q | k | v
-//   q_norm, k_norm: [head_dim] dtype, or both null (no qk norm);  eps: their epsilon
-//   cos, sin:  [max_position, rotary_dim / 2] fp32 (cpu::RopeTable's tables, copied to the GPU)
+//   constants (RopeConstants, rope.h): q_norm, k_norm [head_dim] dtype or both null (no qk
+//              norm), their eps; cos, sin [max_position, rotary_dim / 2] fp32 (cpu::RopeTable's
+//              tables, copied to the GPU)
 //   rotary_dim: 0 (= head_dim), or even < head_dim: only the first rotary_dim dimensions of each
 //              q and k head rotate (rotate_half over them; Phi-3's partial_rotary_factor), the
 //              rest are stored as projected; no q/k norms then
