@@ -320,6 +320,10 @@ void ActorService::step_loop() {
     return;
   }
   std::vector<std::byte> buffer(reader->slot_bytes());
+  // When the last output went back: without async scheduling the driver's next step follows it
+  // within its own bookkeeping (tens of microseconds), so the ring is polled from then on
+  // (RingReader::read's poll_from) rather than slept on (a futex wake-up costs as much again).
+  auto handed_back_at = std::chrono::steady_clock::time_point::min();
   // Hands back the oldest running step's output (or its error); false when that fails.
   auto hand_back = [&]() -> bool {
     const uint64_t step_id = runner_->oldest_step_id();
@@ -348,6 +352,7 @@ void ActorService::step_loop() {
       spdlog::error("actor {}: cannot hand back step {}: {}", identity_.actor_id, result.step_id,
                     st.message());
     }
+    handed_back_at = std::chrono::steady_clock::now();
     return st.is_ok();
   };
   auto submit = [&](const StepInput& step) {
@@ -386,7 +391,7 @@ void ActorService::step_loop() {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
     } else {
-      auto n = reader->read(buffer, std::chrono::milliseconds(100));
+      auto n = reader->read(buffer, std::chrono::milliseconds(100), handed_back_at);
       if (!n) {
         if (n.status().code() == Code::kDeadlineExceeded) continue;
         if (n.status().code() != Code::kUnavailable) {

@@ -73,6 +73,10 @@ using Clock = std::chrono::steady_clock;
 // polling a little longer than one such wake-up catches a peer that answers at once, and bounds
 // the CPU a waiter burns when it does not.
 constexpr std::chrono::microseconds kSpinFor{25};
+// A reader told when its message should come (RingReader::read's poll_from) polls from then on
+// for up to this long instead of sleeping: a futex wake-up after a sleep of milliseconds took
+// ~30-60 us on the GPU machines (the driver's collect of a 3 ms decode step), a poll ~1 us.
+constexpr std::chrono::milliseconds kPollFor{2};
 // Waits longer than this are clamped, so deadline arithmetic cannot overflow.
 constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
 
@@ -132,32 +136,42 @@ void wake_all(std::atomic<uint32_t>& gen, std::atomic<uint32_t>& waiters) {
   if (waiters.load(std::memory_order_relaxed) != 0) futex_wake_all(&gen);
 }
 
-// Waits until ready() or the deadline; returns whether ready() held. Spins briefly (unless
-// `spin` is false), then sleeps on `gen` (see the header, point 4).
+// Polls ready() until it holds (true) or `end` (false).
 template <typename Ready>
-bool block_until(std::atomic<uint32_t>& gen, std::atomic<uint32_t>& waiters,
-                 Clock::time_point deadline, bool spin, const Ready& ready) {
-  if (spin) {
-    const Clock::time_point spin_end = std::min(deadline, Clock::now() + kSpinFor);
-    for (int i = 1;; ++i) {
-      if (ready()) return true;
-      cpu_relax();
-      if (i % 32 == 0) {
-        if (Clock::now() >= spin_end) break;
-        // Past the first stretch, let a peer that shares this core run (more processes than
-        // cores: a driver and two actors on two cores otherwise spin against each other).
-        if (i >= 256) sched_yield();
-      }
+bool poll_until(Clock::time_point end, const Ready& ready) {
+  for (int i = 1;; ++i) {
+    if (ready()) return true;
+    cpu_relax();
+    if (i % 32 == 0) {
+      if (Clock::now() >= end) return false;
+      // Past the first stretch, let a peer that shares this core run (more processes than
+      // cores: a driver and two actors on two cores otherwise spin against each other).
+      if (i >= 256) sched_yield();
     }
   }
+}
+
+// Waits until ready() or the deadline; returns whether ready() held. Spins briefly (unless
+// `spin` is false), then sleeps on `gen` (see the header, point 4); from `poll_from` on, for
+// kPollFor, it polls instead of sleeping.
+template <typename Ready>
+bool block_until(std::atomic<uint32_t>& gen, std::atomic<uint32_t>& waiters,
+                 Clock::time_point deadline, bool spin, Clock::time_point poll_from,
+                 const Ready& ready) {
+  if (spin && poll_until(std::min(deadline, Clock::now() + kSpinFor), ready)) return true;
   for (;;) {
     if (ready()) return true;
     Clock::time_point now = Clock::now();
     if (now >= deadline) return false;
+    if (now >= poll_from && now < poll_from + kPollFor) {
+      if (poll_until(std::min(deadline, poll_from + kPollFor), ready)) return true;
+      continue;
+    }
+    const Clock::time_point wake = now < poll_from ? std::min(deadline, poll_from) : deadline;
     waiters.fetch_add(1, std::memory_order_seq_cst);
     uint32_t seen_gen = gen.load(std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (!ready()) futex_wait(&gen, seen_gen, deadline - now);
+    if (!ready()) futex_wait(&gen, seen_gen, wake - now);
     waiters.fetch_sub(1, std::memory_order_seq_cst);
   }
 }
@@ -345,7 +359,7 @@ Status RingWriter::write(std::span<const std::byte> msg, std::chrono::millisecon
       return ok;
     };
     bool ok = block_until(header_->space_gen, header_->space_waiters, deadline_after(timeout),
-                          timeout.count() > 0, ready);
+                          timeout.count() > 0, Clock::time_point::min(), ready);
     if (!ok) {
       auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
       return timeout_status(seq, waited, seen, since);
@@ -420,7 +434,8 @@ Expected<RingReader> RingReader::attach(void* mem, size_t bytes, uint32_t reader
   return r;
 }
 
-Status RingReader::wait_for_message(std::chrono::milliseconds timeout) {
+Status RingReader::wait_for_message(std::chrono::milliseconds timeout,
+                                    Clock::time_point poll_from) {
   const uint64_t seq = next_seq_;
   auto ready = [&] {
     return header_->write_seq.load(std::memory_order_acquire) > seq ||
@@ -428,7 +443,7 @@ Status RingReader::wait_for_message(std::chrono::milliseconds timeout) {
   };
   const Clock::time_point start = Clock::now();
   if (!block_until(header_->data_gen, header_->data_waiters, deadline_after(timeout),
-                   timeout.count() > 0, ready)) {
+                   timeout.count() > 0, poll_from, ready)) {
     return deadline_exceeded(label_ + ": reader " + std::to_string(index_) + " waited " +
                              std::to_string(ms_since(start)) + " ms for message #" +
                              std::to_string(seq) + " but the writer has published only " +
@@ -450,8 +465,9 @@ Status RingReader::wait_for_message(std::chrono::milliseconds timeout) {
                      " messages; reader " + std::to_string(index_) + " has read them all");
 }
 
-Expected<size_t> RingReader::read(std::span<std::byte> out, std::chrono::milliseconds timeout) {
-  TESSERA_RETURN_IF_ERROR(wait_for_message(timeout));
+Expected<size_t> RingReader::read(std::span<std::byte> out, std::chrono::milliseconds timeout,
+                                  Clock::time_point poll_from) {
+  TESSERA_RETURN_IF_ERROR(wait_for_message(timeout, poll_from));
   SlotHeader* slot = slot_at(slots_base_, stride_, slots_, next_seq_);
   const size_t length = slot->length;
   if (length > slot_bytes_) {
@@ -472,7 +488,7 @@ Expected<size_t> RingReader::read(std::span<std::byte> out, std::chrono::millise
 }
 
 Expected<std::vector<std::byte>> RingReader::read(std::chrono::milliseconds timeout) {
-  TESSERA_RETURN_IF_ERROR(wait_for_message(timeout));
+  TESSERA_RETURN_IF_ERROR(wait_for_message(timeout, Clock::time_point::min()));
   // Size the buffer from the slot's length (clamped here, validated by the span overload).
   const size_t length =
       std::min<size_t>(slot_at(slots_base_, stride_, slots_, next_seq_)->length, slot_bytes_);

@@ -167,7 +167,12 @@ class RingReader {
   //  INVALID_ARGUMENT   `out` is smaller than the message (both sizes named); the message is
   //                     NOT consumed, so a retry with a buffer of slot_bytes() succeeds;
   //  INTERNAL           the region is corrupt (a length above slot_bytes, inconsistent cursors).
-  Expected<size_t> read(std::span<std::byte> out, std::chrono::milliseconds timeout);
+  // poll_from: when the caller expects the message (the driver: its last step's round trip
+  // after this step's submission); from then on the reader polls for up to 2 ms instead of
+  // sleeping on the futex, whose wake-up after a long sleep costs tens of microseconds.
+  Expected<size_t> read(std::span<std::byte> out, std::chrono::milliseconds timeout,
+                        std::chrono::steady_clock::time_point poll_from =
+                            std::chrono::steady_clock::time_point::min());
   // As above, returning the message in a new vector.
   Expected<std::vector<std::byte>> read(std::chrono::milliseconds timeout);
 
@@ -180,7 +185,8 @@ class RingReader {
  private:
   RingReader() = default;
   // Waits for message next_seq_ to be published; OK, DEADLINE_EXCEEDED, UNAVAILABLE or INTERNAL.
-  Status wait_for_message(std::chrono::milliseconds timeout);
+  Status wait_for_message(std::chrono::milliseconds timeout,
+                          std::chrono::steady_clock::time_point poll_from);
 
   ring_internal::RingHeader* header_ = nullptr;
   ring_internal::ReaderCursor* cursor_ = nullptr;

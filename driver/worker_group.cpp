@@ -20,6 +20,9 @@ namespace {
 // --actor-step-timeout), a dead one or a dead daemon by its connection; a legal step may be long
 // (a 16k-token chunk at a 100k context on the cpu backend takes minutes).
 constexpr auto kStepTimeout = std::chrono::hours(1);
+// How much earlier than the last step's round trip (less 2% of it) the driver starts polling a
+// step's output rings: a futex sleep with a timeout may end up to the timer slack (50 us) late.
+constexpr auto kPollLead = std::chrono::microseconds(60);
 
 // Waits for all `promises`, each turned into an Expected (no early exit, no exception).
 template <typename T>
@@ -703,12 +706,19 @@ Expected<StepOutput> WorkerGroup::collect_until(std::chrono::steady_clock::time_
   };
   StepOutput result;
   bool have_result = false;
+  // The output is expected about one round trip (the last step's) after the submission: the
+  // rings are polled from a little before then (RingReader::read), not slept on, so a decode
+  // step's answer is read at once rather than after a futex wake-up (tens of microseconds).
+  const auto expected = std::chrono::microseconds(last_times_.call_us);
+  const auto poll_from = last_times_.call_us > 0
+                             ? p->submitted + expected - expected / 50 - kPollLead
+                             : std::chrono::steady_clock::time_point::min();
   for (auto& rank : ranks_) {
     StepOutput out;
     if (rank->node->local) {
       std::vector<std::byte>& buf = rank->out_buffer;
       while (true) {
-        auto n = rank->reader->read(buf, std::chrono::milliseconds(20));
+        auto n = rank->reader->read(buf, std::chrono::milliseconds(20), poll_from);
         if (n) {
           auto decoded = decode_step_output(std::span<const std::byte>(buf.data(), *n));
           if (!decoded) return decoded.status().with_context(rank->describe());

@@ -318,6 +318,42 @@ TEST(ShmRingTest, CloseWakesABlockedReader) {
   EXPECT_LT(Clock::now() - start, milliseconds(5000));
 }
 
+// A reader told when its message should come (read's poll_from) gets it whether it comes long
+// before then (the futex sleep until poll_from still wakes on it), within the polling window,
+// or long after it (the reader sleeps again once its polling ends); a poll_from long past is a
+// plain read. Each message is read intact, and none waits for its poll_from.
+TEST(ShmRingTest, AReaderToldWhenToPollGetsEveryMessageOnTime) {
+  auto ring = ShmRing::create(unique_name("pollfrom"), 64, 4, 1);
+  ASSERT_TRUE(ring.has_value());
+  auto writer = ring->writer();
+  auto reader = ring->reader(0);
+  ASSERT_TRUE(writer.has_value() && reader.has_value());
+  struct Case {
+    milliseconds poll_in;   // poll_from, from the read's start (negative: in the past)
+    milliseconds write_in;  // when the message is written
+  };
+  const Case cases[] = {{milliseconds(3000), milliseconds(20)},
+                        {milliseconds(30), milliseconds(31)},
+                        {milliseconds(10), milliseconds(60)},
+                        {milliseconds(-5000), milliseconds(20)}};
+  uint64_t seq = 0;
+  for (const Case& c : cases) {
+    std::vector<std::byte> buf(writer->slot_bytes());
+    Expected<size_t> got = Status::ok();
+    const auto start = Clock::now();
+    std::thread r([&] { got = reader->read(buf, milliseconds(20000), start + c.poll_in); });
+    std::this_thread::sleep_until(start + c.write_in);
+    ASSERT_TRUE(write_message(*writer, seq).is_ok());
+    r.join();
+    const auto took = Clock::now() - start;
+    ASSERT_TRUE(got.has_value()) << got.status().to_string();
+    EXPECT_EQ(check_message(seq, writer->slot_bytes(), std::span(buf.data(), *got)), "");
+    // Long before poll_from: woken by the message, not by the clock (3 s away).
+    EXPECT_LT(took, c.write_in + milliseconds(1500)) << "case " << seq;
+    ++seq;
+  }
+}
+
 TEST(ShmRingTest, ReaderResumesFromItsCursor) {
   auto ring = ShmRing::create(unique_name("resume"), 64, 4, 1);
   ASSERT_TRUE(ring.has_value());
