@@ -472,13 +472,13 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
   };
   if (n_tiles > 0) by_split_keys(early_kv);
   constexpr int kP = HD >= 64 ? HD / 64 : 1;  // rotation pairs a lane holds (ROPE: HD 64, 128)
+  constexpr int kHalf = HD / 2;
+  const int i0 = lane * kP;  // the lane's first pair (i0 + i, i0 + kHalf + i); v: 2 i0 + [0, 2kP)
   // ROPE: the rotation tables at the sequence's position and the head norms' weights (the
   // model's constants; the position is the host's context length) before the wait.
   float cs[kP] = {}, sn[kP] = {}, qw1[kP] = {}, qw2[kP] = {}, kw1[kP] = {}, kw2[kP] = {};
   const bool norm = ROPE && p.rope.q_norm != nullptr;
   if constexpr (ROPE) {
-    constexpr int kHalf = HD / 2;
-    const int i0 = lane * kP;
     const int pos = ctx - 1;  // the one query token's position
     if (pos < p.rope.max_position) {
 #pragma unroll
@@ -504,9 +504,17 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
   T knew[2 * kP], vnew[2 * kP];
   const int new_off = ctx - 1 - kv_begin;  // the step's key, from the CTA's first key
   const bool own_new = ROPE && new_off >= 0 && ctx - 1 < kv_end && warp == new_off % kBlockN / 16;
+  // The lane's k and v of the step's key into a K row and a V row (the cache's or a stage's).
+  auto store_new_kv = [&](T* k_row, T* v_row) {
+#pragma unroll
+    for (int i = 0; i < kP; ++i) {
+      k_row[i0 + i] = knew[i];
+      k_row[i0 + kHalf + i] = knew[kP + i];
+      v_row[2 * i0 + 2 * i] = vnew[2 * i];
+      v_row[2 * i0 + 2 * i + 1] = vnew[2 * i + 1];
+    }
+  };
   if constexpr (ROPE) {
-    constexpr int kHalf = HD / 2;
-    const int i0 = lane * kP;
     const T* row = static_cast<const T*>(p.qkv) +
                    static_cast<int64_t>(q_start) * (p.num_heads + 2 * p.num_kv_heads) * HD;
     // Every raw value this warp needs asked for at once (one round trip to L2): its q rows (rr =
@@ -560,17 +568,8 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
         knew[i] = dev::from_float<T>(lo[i]);
         knew[kP + i] = dev::from_float<T>(hi[i]);
       }
-      const int64_t slot = paged_slot(p, table, ctx - 1);
-      const int64_t base = (slot * p.num_kv_heads + kv_head) * HD;
-      T* kd = static_cast<T*>(p.k_store) + base;
-      T* vd = static_cast<T*>(p.v_store) + base + 2 * i0;
-#pragma unroll
-      for (int i = 0; i < kP; ++i) {
-        kd[i0 + i] = knew[i];
-        kd[i0 + kHalf + i] = knew[kP + i];
-        vd[2 * i] = vnew[2 * i];
-        vd[2 * i + 1] = vnew[2 * i + 1];
-      }
+      const int64_t base = (paged_slot(p, table, ctx - 1) * p.num_kv_heads + kv_head) * HD;
+      store_new_kv(static_cast<T*>(p.k_store) + base, static_cast<T*>(p.v_store) + base);
     }
     __syncthreads();  // sq is read by every warp
   }
@@ -579,18 +578,9 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
   auto put_new_key = [&](int tile, int stage) {
     if constexpr (ROPE) {
       if (!own_new || tile != new_off / kBlockN) return;
-      constexpr int kHalf = HD / 2;
-      const int i0 = lane * kP;
-      T* ks = reinterpret_cast<T*>(smem_raw + stage * kStageBytes) + (new_off % kBlockN) * kStride;
-      T* vs = reinterpret_cast<T*>(smem_raw + (kStages + stage) * kStageBytes) +
-              (new_off % kBlockN) * kStride + 2 * i0;
-#pragma unroll
-      for (int i = 0; i < kP; ++i) {
-        ks[i0 + i] = knew[i];
-        ks[i0 + kHalf + i] = knew[kP + i];
-        vs[2 * i] = vnew[2 * i];
-        vs[2 * i + 1] = vnew[2 * i + 1];
-      }
+      const int row = (new_off % kBlockN) * kStride;
+      store_new_kv(reinterpret_cast<T*>(smem_raw + stage * kStageBytes) + row,
+                   reinterpret_cast<T*>(smem_raw + (kStages + stage) * kStageBytes) + row);
     }
   };
   // Q fragments in registers (head_dim <= 128): rows past the sequence are zero.
@@ -1444,13 +1434,17 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
           "paged_attention: the rope inside the attention takes one query token per sequence, a "
           "16-bit cache, head_dim 64 or 128 and at most 16 query heads per KV head (got "
           "max_query_len " +
-          std::to_string(args.max_query_len) + ", head_dim " + std::to_string(args.head_dim) + ")");
+          std::to_string(args.max_query_len) + ", head_dim " + std::to_string(args.head_dim) +
+          "; check attention_rope_applies first, or run rope_and_cache and leave rope.qkv null)");
     }
     if (r.cos == nullptr || r.sin == nullptr || r.max_position <= 0 ||
         (r.q_norm == nullptr) != (r.k_norm == nullptr)) {
       return invalid_argument(
           "paged_attention: the rope needs its cos / sin tables, max_position > 0, and both head "
-          "norms or neither");
+          "norms or neither (got cos " +
+          std::string(r.cos != nullptr ? "set" : "null") + ", max_position " +
+          std::to_string(r.max_position) + ", q_norm " + (r.q_norm != nullptr ? "set" : "null") +
+          ", k_norm " + (r.k_norm != nullptr ? "set" : "null") + ")");
     }
   }
   const bool hopper = hopper_prefill_applies(args);

@@ -548,8 +548,9 @@ TEST(CudaPagedAttention, RopeInsideTheDecodeAttentionGivesRopeThenAttentionsBits
   }
 }
 
-// Where AttentionRope does not apply, paged_attention refuses it rather than run without it.
-TEST(CudaPagedAttention, RopeInsideTheAttentionIsRefusedWhereItDoesNotApply) {
+// AttentionRope applies to one-token decode on a 16-bit cache at head_dim 64 / 128 with at most
+// 16 query heads a KV head, and nowhere else (paged_attention refuses it there, naming why).
+TEST(CudaPagedAttention, RopeInsideTheAttentionAppliesOnlyToOneTokenDecode) {
   AttentionArgs a;
   a.max_query_len = 2;
   a.head_dim = 128;
