@@ -363,7 +363,8 @@ int run(int argc, char** argv) {
     return moe_forward(ml, gemm, st);
   });
   // Batch 1: the layer exactly as the CUDA model runs it (the input norm in qkv's GEMV, the
-  // post-attention norm in the router's, the MoE block's four kernels), then the same chain with
+  // post-attention norm in the router's, the rope inside the attention, the MoE block's four
+  // kernels), then the same chain with
   // one op left out (its cost in the chain: the launch and the wait it adds, not only its time
   // alone) and with other GEMV / MoE tiles.
   struct Chain {
@@ -372,8 +373,8 @@ int run(int argc, char** argv) {
          gate_up = true, down = true;
     GemvTile qkv_tile, o_tile, router_tile;
     MoeGemvTiles moe;
-    int attn_splits = 0;  // 0: the planned split (sp); 1: none
-    bool rope_inside = false;  // the attention applies the rope (AttentionRope), no rope kernel
+    int attn_splits = 0;      // 0: the planned split (sp); 1: none
+    bool rope_inside = true;  // the attention applies the rope (AttentionRope), as the model does
   };
   std::vector<std::pair<std::string, double>> chain_rows;
   if (B == 1) {
@@ -394,8 +395,7 @@ int run(int argc, char** argv) {
       chains.push_back(c);
     };
     without("qkv", &Chain::qkv);
-    without("rope", &Chain::rope);
-    without("attention", &Chain::attention);
+    without("attention (and its rope)", &Chain::attention);
     without("o", &Chain::o);
     without("router", &Chain::router);
     without("route", &Chain::route);
@@ -403,10 +403,6 @@ int run(int argc, char** argv) {
     without("down", &Chain::down);
     {
       Chain c = model;
-      c.name = "without rope, attention";
-      c.rope = c.attention = false;
-      chains.push_back(c);
-      c = model;
       c.name = "without router, route";
       c.router = c.route = false;
       chains.push_back(c);
@@ -447,8 +443,8 @@ int run(int argc, char** argv) {
     }
     {
       Chain c = model;
-      c.name = "rope inside the attention";
-      c.rope_inside = true;
+      c.name = "rope kernel before the attention";
+      c.rope_inside = false;
       chains.push_back(c);
     }
     for (auto [gu, dn] : {std::pair{std::pair{2, 2}, std::pair{8, 2}},
