@@ -27,10 +27,16 @@ constexpr uint64_t kGraphReserve = 512 * kMiB;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 double gib(uint64_t b) { return static_cast<double>(b) / static_cast<double>(kGiB); }
 
-// Offsets of the step metadata inside one device block (and its pinned mirror).
+// Offsets of the step metadata inside one device block (and its pinned mirror). Two layouts share
+// the block: every step's (capacity max_tokens), then, at `base`, decode's (one token a sequence,
+// capacity max_num_seqs) with the per-sequence arrays first and the block tables last, so that a
+// decode step's metadata is one short span: one copy to the device instead of eight (each a
+// few microseconds of the step's critical path).
 struct MetaLayout {
   size_t ids = 0, positions = 0, slots = 0, cu_q = 0, ctx = 0, logit_rows = 0, tables = 0,
          fills = 0, bytes = 0;
+  size_t base = 0;      // of this layout in the block
+  bool decode = false;  // the decode layout (copied as spans, see span_bytes)
   static MetaLayout make(int64_t tokens, int64_t seqs, int64_t blocks_per_seq) {
     MetaLayout m;
     size_t at = 0;
@@ -50,7 +56,70 @@ struct MetaLayout {
     m.bytes = at;
     return m;
   }
+  // The layout a step's kernels read: decode's (after every step's) or every step's.
+  static MetaLayout of(bool decode, int64_t max_tokens, int64_t max_seqs, int64_t blocks_per_seq) {
+    const MetaLayout all = make(max_tokens, max_seqs, blocks_per_seq);
+    if (!decode) return all;
+    MetaLayout m;
+    m.base = all.bytes;
+    m.decode = true;
+    size_t at = 0;
+    auto take = [&](size_t bytes, size_t align) {
+      size_t o = (at + align - 1) / align * align;
+      at = o + bytes;
+      return o;
+    };
+    m.cu_q = take(sizeof(int32_t) * (max_seqs + 1), 4);
+    m.ctx = take(sizeof(int32_t) * max_seqs, 4);
+    m.logit_rows = take(sizeof(int32_t) * max_seqs, 4);
+    m.fills = take(sizeof(int32_t) * 2 * max_seqs, 4);
+    m.ids = take(sizeof(int32_t) * max_seqs, 4);
+    m.positions = take(sizeof(int32_t) * max_seqs, 4);
+    m.slots = take(sizeof(int64_t) * max_seqs, 8);
+    m.tables = take(sizeof(int32_t) * max_seqs * blocks_per_seq, kAlign);
+    m.bytes = align_up(at);
+    return m;
+  }
+  // Both layouts' bytes: the block's size.
+  static size_t block_bytes(int64_t max_tokens, int64_t max_seqs, int64_t blocks_per_seq) {
+    const MetaLayout d = of(true, max_tokens, max_seqs, blocks_per_seq);
+    return d.base + d.bytes;
+  }
 };
+
+// Bytes [offset, offset + bytes) of a step's host image `h` to the device image `d`.
+Status copy_meta(const char* h, char* d, size_t offset, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return Status::ok();
+  TESSERA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(d + offset, h + offset, bytes, cudaMemcpyHostToDevice, stream),
+      "copying the step metadata");
+  return Status::ok();
+}
+
+// A step's host image `h` to the device `d` in every step's layout: only the used prefix of
+// each array (t tokens, S sequences, r logit rows, `fills` pairs; capacity max_tokens), the
+// block tables' first table_width columns.
+Status copy_every_array(const MetaLayout& m, int64_t t, int64_t S, int64_t r, int64_t fills,
+                        int64_t table_width, size_t pitch, const char* h, char* d,
+                        cudaStream_t stream) {
+  auto copy = [&](size_t offset, size_t bytes) { return copy_meta(h, d, offset, bytes, stream); };
+  TESSERA_RETURN_IF_ERROR(copy(m.slots, sizeof(int64_t) * t));
+  TESSERA_RETURN_IF_ERROR(copy(m.ids, sizeof(int32_t) * t));
+  TESSERA_RETURN_IF_ERROR(copy(m.positions, sizeof(int32_t) * t));
+  TESSERA_RETURN_IF_ERROR(copy(m.cu_q, sizeof(int32_t) * (S + 1)));
+  TESSERA_RETURN_IF_ERROR(copy(m.ctx, sizeof(int32_t) * S));
+  TESSERA_RETURN_IF_ERROR(copy(m.logit_rows, sizeof(int32_t) * r));
+  // Block tables: only the columns some sequence uses (a long max-model-len makes the rows
+  // long: 8,192 blocks at 131,072 tokens, 16 MB for 512 sequences, against 256 KB used).
+  if (S > 0) {
+    TESSERA_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy2DAsync(d + m.tables, pitch, h + m.tables, pitch,
+                          sizeof(int32_t) * static_cast<size_t>(table_width),
+                          static_cast<size_t>(S), cudaMemcpyHostToDevice, stream),
+        "copying the block tables");
+  }
+  return copy(m.fills, sizeof(int32_t) * 2 * fills);
+}
 
 }  // namespace
 
@@ -72,6 +141,7 @@ struct CudaModel::StepPlan {
   int max_query_len = 0;
   int num_splits = 1;
   int split_size = 0;
+  bool decode_meta = false;  // the metadata in MetaLayout's decode layout
 };
 
 CudaModel::CudaModel(const ModelConfig& config, const LayerPlan& plan, StageComms comms,
@@ -181,12 +251,12 @@ Status CudaModel::allocate_buffers() {
       TESSERA_RETURN_IF_ERROR(alloc(expert_counts_, bytes, "expert counts"));
     }
   }
-  MetaLayout m = MetaLayout::make(T, S, max_blocks_per_seq_);
-  TESSERA_RETURN_IF_ERROR(alloc(meta_, m.bytes, "step metadata"));
+  const size_t meta_bytes = MetaLayout::block_bytes(T, S, max_blocks_per_seq_);
+  TESSERA_RETURN_IF_ERROR(alloc(meta_, meta_bytes, "step metadata"));
   for (void*& host : meta_host_) {
-    TESSERA_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host, m.bytes, cudaHostAllocDefault),
+    TESSERA_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host, meta_bytes, cudaHostAllocDefault),
                                  "allocating pinned step metadata");
-    std::memset(host, 0, m.bytes);
+    std::memset(host, 0, meta_bytes);
   }
   // The RoPE tables, computed on the host exactly as the CPU backend does (rope_spec.h: llama3,
   // linear or Phi-3's LongRoPE scaling, whose table holds the short factors' angles below
@@ -274,9 +344,11 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
   const int64_t bs = engine_.block_size;
   const int64_t S_real = static_cast<int64_t>(batch.size());
   const int64_t S = std::max(pad_to, S_real);
-  MetaLayout m = MetaLayout::make(max_tokens_, engine_.max_num_seqs, max_blocks_per_seq_);
+  // Decode steps (padded to a graph's size) use the decode layout, which the graphs read.
+  const MetaLayout m =
+      MetaLayout::of(pad_to > 0, max_tokens_, engine_.max_num_seqs, max_blocks_per_seq_);
   // The two host images in turn: the copies of the step before may not have run yet.
-  char* h = static_cast<char*>(meta_host_[meta_turn_]);
+  char* h = static_cast<char*>(meta_host_[meta_turn_]) + m.base;
   meta_turn_ ^= 1;
   std::vector<int32_t> fill_row(static_cast<size_t>(S_real), -1);
   for (const TokenFill& f : fills) fill_row[f.seq] = static_cast<int32_t>(f.row);
@@ -335,64 +407,66 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
   plan.tokens = t;
   plan.seqs = S;
   plan.rows = r;
-  // Copy only the used prefix of each array (the device layout is fixed for the graphs).
-  char* d = meta_.as<char>();
-  auto copy = [&](size_t offset, size_t bytes) -> Status {
-    if (bytes == 0) return Status::ok();
-    TESSERA_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(d + offset, h + offset, bytes, cudaMemcpyHostToDevice, stream_),
-        "copying the step metadata");
-    return Status::ok();
-  };
-  TESSERA_RETURN_IF_ERROR(copy(m.slots, sizeof(int64_t) * t));
-  TESSERA_RETURN_IF_ERROR(copy(m.ids, sizeof(int32_t) * t));
-  TESSERA_RETURN_IF_ERROR(copy(m.positions, sizeof(int32_t) * t));
-  TESSERA_RETURN_IF_ERROR(copy(m.cu_q, sizeof(int32_t) * (S + 1)));
-  TESSERA_RETURN_IF_ERROR(copy(m.ctx, sizeof(int32_t) * S));
-  TESSERA_RETURN_IF_ERROR(copy(m.logit_rows, sizeof(int32_t) * r));
-  // Block tables: only the columns some sequence uses (a long max-model-len makes the rows
-  // long: 8,192 blocks at 131,072 tokens, 16 MB for 512 sequences, against 256 KB used).
+  plan.decode_meta = m.decode;
+  char* d = meta_.as<char>() + m.base;
+  auto copy = [&](size_t offset, size_t bytes) { return copy_meta(h, d, offset, bytes, stream_); };
   const size_t pitch = sizeof(int32_t) * static_cast<size_t>(max_blocks_per_seq_);
-  if (S > 0) {
-    TESSERA_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy2DAsync(d + m.tables, pitch, h + m.tables, pitch,
-                          sizeof(int32_t) * static_cast<size_t>(table_width),
-                          static_cast<size_t>(S), cudaMemcpyHostToDevice, stream_),
-        "copying the block tables");
+  const size_t row_bytes = sizeof(int32_t) * static_cast<size_t>(table_width);
+  if (m.decode) {
+    // The per-sequence arrays (unused tails included: a few KB) and the block tables in one copy,
+    // or two where the tables' rows are long (a long max-model-len) and several are used.
+    const size_t tables_span = S > 0 ? static_cast<size_t>(S - 1) * pitch + row_bytes : 0;
+    if (tables_span <= 64 * 1024) {
+      TESSERA_RETURN_IF_ERROR(copy(0, m.tables + tables_span));
+    } else {
+      TESSERA_RETURN_IF_ERROR(copy(0, m.tables));
+      TESSERA_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy2DAsync(d + m.tables, pitch, h + m.tables, pitch, row_bytes,
+                            static_cast<size_t>(S), cudaMemcpyHostToDevice, stream_),
+          "copying the block tables");
+    }
+  } else {
+    TESSERA_RETURN_IF_ERROR(copy_every_array(m, plan.tokens, plan.seqs, plan.rows, plan.fills,
+                                             table_width, pitch, h, d, stream_));
   }
-  TESSERA_RETURN_IF_ERROR(copy(m.fills, sizeof(int32_t) * 2 * plan.fills));
   if (plan.fills > 0) {
-    // The samples of the step before: the sampler's own, or with tensor parallelism its rank's,
-    // gathered (every rank fills the same tokens: the same step has the same fills everywhere).
-    int stride = 1;
-    const int32_t* tokens = sampler_ != nullptr ? sampler_->tokens(&stride) : nullptr;
-    if (comms_.tp != nullptr) {
-      const int64_t S_max = engine_.max_num_seqs;
-      int32_t* packed = sampled_tokens_.as<int32_t>();
-      int32_t* gathered = packed + S_max;
-      if (tokens != nullptr) {
-        TESSERA_RETURN_IF_ERROR(
-            cuda::pack_tokens(tokens, stride, static_cast<int>(S_max), packed, stream_));
-      } else {
-        TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(packed, 0, sizeof(int32_t) * S_max, stream_),
-                                     "sampled tokens");
-      }
-      // Bits copied as they are (a gather does no arithmetic on them).
-      TESSERA_RETURN_IF_ERROR(comms_.tp->all_gather(packed, S_max, DType::kF32, gathered, stream_));
-      const int sampler_rank = 0;  // the last stage's tensor-parallel rank 0 samples
-      tokens = gathered + sampler_rank * S_max;
-      stride = 1;
-    }
-    if (tokens == nullptr) {
-      return failed_precondition(
-          "a step takes sampled tokens on a rank with no sampler and no "
-          "tensor-parallel peer that has one");
-    }
-    TESSERA_RETURN_IF_ERROR(cuda::fill_tokens(
-        reinterpret_cast<int32_t*>(d + m.ids), reinterpret_cast<int32_t*>(d + m.fills),
-        static_cast<int>(plan.fills), tokens, stride, stream_));
+    TESSERA_RETURN_IF_ERROR(fill_sampled_tokens(plan, d + m.ids, d + m.fills));
   }
   return plan;
+}
+
+// The tokens sampled in the step before, written into the step's ids at the fill pairs.
+Status CudaModel::fill_sampled_tokens(const StepPlan& plan, char* ids, char* fills) {
+  // The samples of the step before: the sampler's own, or with tensor parallelism its rank's,
+  // gathered (every rank fills the same tokens: the same step has the same fills everywhere).
+  int stride = 1;
+  const int32_t* tokens = sampler_ != nullptr ? sampler_->tokens(&stride) : nullptr;
+  if (comms_.tp != nullptr) {
+    const int64_t S_max = engine_.max_num_seqs;
+    int32_t* packed = sampled_tokens_.as<int32_t>();
+    int32_t* gathered = packed + S_max;
+    if (tokens != nullptr) {
+      TESSERA_RETURN_IF_ERROR(
+          cuda::pack_tokens(tokens, stride, static_cast<int>(S_max), packed, stream_));
+    } else {
+      TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(packed, 0, sizeof(int32_t) * S_max, stream_),
+                                   "sampled tokens");
+    }
+    // Bits copied as they are (a gather does no arithmetic on them).
+    TESSERA_RETURN_IF_ERROR(comms_.tp->all_gather(packed, S_max, DType::kF32, gathered, stream_));
+    const int sampler_rank = 0;  // the last stage's tensor-parallel rank 0 samples
+    tokens = gathered + sampler_rank * S_max;
+    stride = 1;
+  }
+  if (tokens == nullptr) {
+    return failed_precondition(
+        "a step takes sampled tokens on a rank with no sampler and no "
+        "tensor-parallel peer that has one");
+  }
+  TESSERA_RETURN_IF_ERROR(cuda::fill_tokens(reinterpret_cast<int32_t*>(ids),
+                                            reinterpret_cast<int32_t*>(fills),
+                                            static_cast<int>(plan.fills), tokens, stride, stream_));
+  return Status::ok();
 }
 
 // layer_loop.h's operations over the model's device buffers, on its stream.
@@ -407,8 +481,9 @@ class CudaModel::Ops {
     eps_ = static_cast<float>(c.rms_norm_eps);
     unit_ = c.norm_unit_offset;
     st_ = m.stream_;
-    MetaLayout ml = MetaLayout::make(m.max_tokens_, m.engine_.max_num_seqs, m.max_blocks_per_seq_);
-    char* meta = m.meta_.as<char>();
+    const MetaLayout ml = MetaLayout::of(plan.decode_meta, m.max_tokens_, m.engine_.max_num_seqs,
+                                         m.max_blocks_per_seq_);
+    char* meta = m.meta_.as<char>() + ml.base;
     ids_ = reinterpret_cast<const int32_t*>(meta + ml.ids);
     slots_ = reinterpret_cast<const int64_t*>(meta + ml.slots);
     lrows_ = reinterpret_cast<const int32_t*>(meta + ml.logit_rows);

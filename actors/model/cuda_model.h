@@ -112,6 +112,8 @@ class CudaModel {
   // Fills a host staging area for a step and copies it to the device (then the sampler fills).
   Expected<StepPlan> stage(std::span<const ForwardSeq> batch, int64_t pad_to,
                            std::span<const TokenFill> fills = {});
+  // The step before's samples into the staged ids (device) at the staged fill pairs.
+  Status fill_sampled_tokens(const StepPlan& plan, char* ids, char* fills);
   // One forward pass on the stream; `timer` (TESSERA_PROFILE_STEPS) marks each op.
   Status run(const StepPlan& plan, StepTimer* timer = nullptr);
 

@@ -431,6 +431,19 @@ __device__ int draw(const Fn& fn, int vocab, u64 r, SelectShared& sm) {
 
 // ---- kernels ---------------------------------------------------------------------------------
 
+// The rank of logit x at id v for the greedy argmax: NaN below -inf, -0 as +0, ties to the lower
+// id (the larger word wins).
+__device__ __forceinline__ u64 argmax_rank(float x, int v) {
+  return rank_word(isnan(x) ? 0u : float_key(x == 0.0f ? 0.0f : x), v);
+}
+
+// A greedy argmax_kernel's row result from its best rank word.
+__device__ __forceinline__ RowResult argmax_result(u64 best) {
+  const int32_t token = static_cast<int32_t>(~static_cast<uint32_t>(best));
+  const bool ok = static_cast<uint32_t>(best >> 32) > kNegInfKey;
+  return RowResult{token, ok ? kRowOk : kRowNoFiniteLogit, 0.0f, 0};
+}
+
 // Greedy argmax per row (NaN below -inf, ties to the lowest id: cpu::greedy_argmax). With params,
 // rows without kGreedy are skipped. Writes ids[row] and/or results[row] (status: no logit above
 // -inf).
@@ -443,10 +456,7 @@ __global__ void __launch_bounds__(kThreads)
   if (params != nullptr && !(params[row].flags & kGreedy)) return;
   const float* l = logits + static_cast<size_t>(row) * vocab;
   u64 best = 0;
-  auto consider = [&best](float x, int v) {
-    const uint32_t key = isnan(x) ? 0u : float_key(x == 0.0f ? 0.0f : x);
-    best = max(best, rank_word(key, v));
-  };
+  auto consider = [&best](float x, int v) { best = max(best, argmax_rank(x, v)); };
   if (vec) {
     const float4* l4 = reinterpret_cast<const float4*>(l);
     const int n4 = vocab / 4;
@@ -463,12 +473,54 @@ __global__ void __launch_bounds__(kThreads)
   }
   best = block_max(best, scratch);
   if (threadIdx.x == 0) {
-    const int32_t token = static_cast<int32_t>(~static_cast<uint32_t>(best));
-    if (ids != nullptr) ids[row] = token;
-    if (results != nullptr) {
-      const bool ok = static_cast<uint32_t>(best >> 32) > kNegInfKey;
-      results[row] = RowResult{token, ok ? kRowOk : kRowNoFiniteLogit, 0.0f, 0};
+    const RowResult r = argmax_result(best);
+    if (ids != nullptr) ids[row] = r.token;
+    if (results != nullptr) results[row] = r;
+  }
+}
+
+// The greedy argmax of a call with few rows (kSplitArgmaxRows): one block a row read 600 KB of
+// logits alone (a 152k vocabulary), ~38 rounds of loads on one SM. Grid (slices, rows) of
+// kSplitThreads: each block the best rank word of kSplitSlice logits, merged into best[row] by
+// atomicMax; the row's last block (done[row]) writes its result and leaves best and done zero
+// for the next call. The same ranks as argmax_kernel.
+constexpr int kSplitThreads = 256;
+constexpr int kSplitSlice = 4096;  // a multiple of 4
+constexpr int kSplitArgmaxRows = 16;
+__global__ void __launch_bounds__(kSplitThreads)
+    argmax_split_kernel(const float* __restrict__ logits, int vocab, bool vec, u64* best,
+                        unsigned* done, RowResult* __restrict__ results) {
+  __shared__ u64 scratch[kSplitThreads / 32];
+  const int row = blockIdx.y;
+  const float* l = logits + static_cast<size_t>(row) * vocab;
+  const int begin = static_cast<int>(blockIdx.x) * kSplitSlice;
+  const int end = min(vocab, begin + kSplitSlice);
+  u64 b = 0;
+  if (vec) {  // vocab % 4 == 0: the slice is whole float4s
+    const float4* l4 = reinterpret_cast<const float4*>(l);
+#pragma unroll 4
+    for (int i = begin / 4 + static_cast<int>(threadIdx.x); i < end / 4; i += kSplitThreads) {
+      const float4 f = __ldg(l4 + i);
+      b = max(b, argmax_rank(f.x, 4 * i));
+      b = max(b, argmax_rank(f.y, 4 * i + 1));
+      b = max(b, argmax_rank(f.z, 4 * i + 2));
+      b = max(b, argmax_rank(f.w, 4 * i + 3));
     }
+  } else {
+    for (int v = begin + static_cast<int>(threadIdx.x); v < end; v += kSplitThreads) {
+      b = max(b, argmax_rank(__ldg(l + v), v));
+    }
+  }
+  b = warp_max(b);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = b;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kSplitThreads / 32; ++w) b = max(b, scratch[w]);
+  atomicMax(best + row, b);
+  __threadfence();  // this block's max is in before its count
+  if (atomicAdd(done + row, 1u) == gridDim.x - 1) {
+    results[row] = argmax_result(atomicExch(best + row, u64{0}));
+    atomicExch(done + row, 0u);
   }
 }
 
@@ -754,6 +806,9 @@ struct GpuSampler::Impl {
   DeviceBuffer results;      // RowResult[max_rows], then TopEntry[max_rows * max_logprobs]
   DeviceBuffer lse;          // double[max_rows]
   DeviceBuffer top_scratch;  // u64[max_rows * max_logprobs]
+  // The split argmax's merge state: u64 best[kSplitArgmaxRows], then unsigned done[...]; zero
+  // between calls.
+  DeviceBuffer split_argmax;
   // Two of each host image, used in turn: two calls may be outstanding (enqueue() twice, then
   // finish() the first), and a copy reads or writes its pinned buffer when it runs, not when it
   // is enqueued.
@@ -957,7 +1012,15 @@ Status GpuSampler::Impl::enqueue_rows(float* logits, std::span<const SampleRow> 
   const int n = static_cast<int>(rows.size());
   const bool vec = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   size_t back_bytes = sizeof(RowResult) * n;
-  if (!shape.any_logprobs && !shape.any_penalties && !shape.any_sampled) {
+  if (!shape.any_logprobs && !shape.any_penalties && !shape.any_sampled && n <= kSplitArgmaxRows) {
+    // All greedy, few rows: the split argmax, no upload.
+    auto* best = split_argmax.as<u64>();
+    auto* done = reinterpret_cast<unsigned*>(best + kSplitArgmaxRows);
+    const dim3 grid((vocab + kSplitSlice - 1) / kSplitSlice, n);
+    argmax_split_kernel<<<grid, kSplitThreads, 0, stream>>>(logits, vocab, vec, best, done,
+                                                            results.as<RowResult>());
+    TESSERA_RETURN_IF_ERROR(launch_status("argmax_split_kernel"));
+  } else if (!shape.any_logprobs && !shape.any_penalties && !shape.any_sampled) {
     // All greedy: one argmax, no upload.
     argmax_kernel<<<n, kThreads, 0, stream>>>(logits, vocab, vec, nullptr, results.as<RowResult>(),
                                               nullptr);
@@ -998,6 +1061,10 @@ Expected<std::unique_ptr<GpuSampler>> GpuSampler::create(int max_rows, int64_t v
                            DeviceBuffer::allocate(cells * sizeof(int32_t), "sampler counts"));
   TESSERA_ASSIGN_OR_RETURN(m.results, DeviceBuffer::allocate(m.results_bytes(), "sampler results"));
   TESSERA_ASSIGN_OR_RETURN(m.lse, DeviceBuffer::allocate(sizeof(double) * max_rows, "sampler lse"));
+  const size_t split_bytes = (sizeof(u64) + sizeof(unsigned)) * kSplitArgmaxRows;
+  TESSERA_ASSIGN_OR_RETURN(m.split_argmax, DeviceBuffer::allocate(split_bytes, "sampler argmax"));
+  TESSERA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(m.split_argmax.get(), 0, split_bytes, stream),
+                               "zeroing the sampler's argmax");
   if (max_logprobs > 0) {
     TESSERA_ASSIGN_OR_RETURN(
         m.top_scratch,

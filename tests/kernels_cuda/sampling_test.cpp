@@ -232,6 +232,50 @@ TEST(GpuSampling, GreedySampleMatchesCpuSampler) {
   }
 }
 
+// A greedy call of at most 16 rows takes the split argmax (blocks of 4096 logits merged by
+// atomics, the last block of a row writing it and clearing the merge state): the CPU sampler's
+// token for 1, 2, 5 and 16 rows of ties, NaN, -inf and +-0 across the slices' edges, vectorised
+// and misaligned logits, the same sampler called again and again (the merge state is clean
+// after each call), and a row with no finite logit failing that call only.
+TEST(GpuSampling, GreedyCallOfFewRowsMatchesCpuSampler) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(3);
+  for (int64_t vocab : {3, 4096, 4097, 12289, 151936}) {
+    auto sampler = make_sampler(16, vocab);
+    ASSERT_NE(sampler, nullptr);
+    for (int rows : {1, 2, 5, 16, 1}) {
+      const std::vector<float> host = tricky_rows(rng, rows, vocab, /*allow_nonfinite_rows=*/false);
+      Rows batch;
+      for (int r = 0; r < rows; ++r) batch.add(greedy_params());
+      for (size_t offset : {size_t{0}, size_t{1}}) {
+        DeviceLogits d(host, offset);
+        auto got = sampler->sample(d.get(offset), batch.rows);
+        ASSERT_TRUE(got.has_value()) << got.status().to_string();
+        ASSERT_EQ(got->size(), static_cast<size_t>(rows));
+        for (int r = 0; r < rows; ++r) {
+          EXPECT_EQ((*got)[r].token, cpu::greedy_argmax(host.data() + r * vocab, vocab))
+              << "vocab " << vocab << ", " << rows << " rows, row " << r << ", offset " << offset;
+        }
+      }
+    }
+    // A row with no finite logit fails its call; the next call is right.
+    std::vector<float> bad = tricky_rows(rng, 2, vocab, false);
+    std::fill(bad.begin() + vocab, bad.end(), -kInf);
+    Rows two;
+    two.add(greedy_params());
+    two.add(greedy_params());
+    auto failed = gpu_sample(*sampler, bad, two.rows);
+    ASSERT_FALSE(failed.has_value());
+    EXPECT_EQ(failed.status().code(), Code::kFailedPrecondition);
+    const std::vector<float> good = tricky_rows(rng, 2, vocab, false);
+    auto again = gpu_sample(*sampler, good, two.rows);
+    ASSERT_TRUE(again.has_value()) << again.status().to_string();
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ((*again)[r].token, cpu::greedy_argmax(good.data() + r * vocab, vocab)) << vocab;
+    }
+  }
+}
+
 // ---- (b) raw logprobs ------------------------------------------------------------------------
 
 TEST(GpuSampling, RawLogprobsAndTopLogprobsMatchCpu) {
