@@ -36,7 +36,7 @@ struct MetaLayout {
   size_t ids = 0, positions = 0, slots = 0, cu_q = 0, ctx = 0, logit_rows = 0, tables = 0,
          fills = 0, bytes = 0;
   size_t base = 0;      // of this layout in the block
-  bool decode = false;  // the decode layout (copied as spans, see span_bytes)
+  bool decode = false;  // the decode layout (CudaModel::stage copies it at once)
   static MetaLayout make(int64_t tokens, int64_t seqs, int64_t blocks_per_seq) {
     MetaLayout m;
     size_t at = 0;
