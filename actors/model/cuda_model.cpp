@@ -96,6 +96,20 @@ Status copy_meta(const char* h, char* d, size_t offset, size_t bytes, cudaStream
   return Status::ok();
 }
 
+// The block tables' first table_width columns of S rows: only the columns some sequence uses (a
+// long max-model-len makes the rows long: 8,192 blocks at 131,072 tokens, 16 MB for 512
+// sequences, against 256 KB used).
+Status copy_tables(const MetaLayout& m, int64_t S, int64_t table_width, size_t pitch, const char* h,
+                   char* d, cudaStream_t stream) {
+  if (S <= 0) return Status::ok();
+  TESSERA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy2DAsync(d + m.tables, pitch, h + m.tables, pitch,
+                        sizeof(int32_t) * static_cast<size_t>(table_width), static_cast<size_t>(S),
+                        cudaMemcpyHostToDevice, stream),
+      "copying the block tables");
+  return Status::ok();
+}
+
 // A step's host image `h` to the device `d` in every step's layout: only the used prefix of
 // each array (t tokens, S sequences, r logit rows, `fills` pairs; capacity max_tokens), the
 // block tables' first table_width columns.
@@ -109,15 +123,7 @@ Status copy_every_array(const MetaLayout& m, int64_t t, int64_t S, int64_t r, in
   TESSERA_RETURN_IF_ERROR(copy(m.cu_q, sizeof(int32_t) * (S + 1)));
   TESSERA_RETURN_IF_ERROR(copy(m.ctx, sizeof(int32_t) * S));
   TESSERA_RETURN_IF_ERROR(copy(m.logit_rows, sizeof(int32_t) * r));
-  // Block tables: only the columns some sequence uses (a long max-model-len makes the rows
-  // long: 8,192 blocks at 131,072 tokens, 16 MB for 512 sequences, against 256 KB used).
-  if (S > 0) {
-    TESSERA_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy2DAsync(d + m.tables, pitch, h + m.tables, pitch,
-                          sizeof(int32_t) * static_cast<size_t>(table_width),
-                          static_cast<size_t>(S), cudaMemcpyHostToDevice, stream),
-        "copying the block tables");
-  }
+  TESSERA_RETURN_IF_ERROR(copy_tables(m, S, table_width, pitch, h, d, stream));
   return copy(m.fills, sizeof(int32_t) * 2 * fills);
 }
 
@@ -411,19 +417,16 @@ Expected<CudaModel::StepPlan> CudaModel::stage(std::span<const ForwardSeq> batch
   char* d = meta_.as<char>() + m.base;
   auto copy = [&](size_t offset, size_t bytes) { return copy_meta(h, d, offset, bytes, stream_); };
   const size_t pitch = sizeof(int32_t) * static_cast<size_t>(max_blocks_per_seq_);
-  const size_t row_bytes = sizeof(int32_t) * static_cast<size_t>(table_width);
   if (m.decode) {
     // The per-sequence arrays (unused tails included: a few KB) and the block tables in one copy,
     // or two where the tables' rows are long (a long max-model-len) and several are used.
-    const size_t tables_span = S > 0 ? static_cast<size_t>(S - 1) * pitch + row_bytes : 0;
+    const size_t tables_span =
+        S > 0 ? static_cast<size_t>(S - 1) * pitch + sizeof(int32_t) * table_width : 0;
     if (tables_span <= 64 * 1024) {
       TESSERA_RETURN_IF_ERROR(copy(0, m.tables + tables_span));
     } else {
       TESSERA_RETURN_IF_ERROR(copy(0, m.tables));
-      TESSERA_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy2DAsync(d + m.tables, pitch, h + m.tables, pitch, row_bytes,
-                            static_cast<size_t>(S), cudaMemcpyHostToDevice, stream_),
-          "copying the block tables");
+      TESSERA_RETURN_IF_ERROR(copy_tables(m, S, table_width, pitch, h, d, stream_));
     }
   } else {
     TESSERA_RETURN_IF_ERROR(copy_every_array(m, plan.tokens, plan.seqs, plan.rows, plan.fills,

@@ -1012,7 +1012,8 @@ Status GpuSampler::Impl::enqueue_rows(float* logits, std::span<const SampleRow> 
   const int n = static_cast<int>(rows.size());
   const bool vec = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   size_t back_bytes = sizeof(RowResult) * n;
-  if (!shape.any_logprobs && !shape.any_penalties && !shape.any_sampled && n <= kSplitArgmaxRows) {
+  const bool all_greedy = !shape.any_logprobs && !shape.any_penalties && !shape.any_sampled;
+  if (all_greedy && n <= kSplitArgmaxRows) {
     // All greedy, few rows: the split argmax, no upload.
     auto* best = split_argmax.as<u64>();
     auto* done = reinterpret_cast<unsigned*>(best + kSplitArgmaxRows);
@@ -1020,7 +1021,7 @@ Status GpuSampler::Impl::enqueue_rows(float* logits, std::span<const SampleRow> 
     argmax_split_kernel<<<grid, kSplitThreads, 0, stream>>>(logits, vocab, vec, best, done,
                                                             results.as<RowResult>());
     TESSERA_RETURN_IF_ERROR(launch_status("argmax_split_kernel"));
-  } else if (!shape.any_logprobs && !shape.any_penalties && !shape.any_sampled) {
+  } else if (all_greedy) {
     // All greedy: one argmax, no upload.
     argmax_kernel<<<n, kThreads, 0, stream>>>(logits, vocab, vec, nullptr, results.as<RowResult>(),
                                               nullptr);
