@@ -416,7 +416,7 @@ int run(int argc, char** argv) {
              std::to_string(t.slices);
     };
     for (GemvTile t : {GemvTile{2, 2, 1}, GemvTile{2, 4, 2}, GemvTile{4, 2, 2}, GemvTile{2, 2, 4},
-                       GemvTile{2, 2, 8}}) {
+                       GemvTile{2, 2, 8}, GemvTile{4, 2, 4}}) {
       Chain c = model;
       c.name = "o " + tile_name(t);
       c.o_tile = t;
