@@ -38,9 +38,10 @@ namespace {
 //   Up to 2048 rows of k 3072-4096 (Qwen3-30B-A3B's o [2048 x 4096]): 4x4x4, whose warps ask for
 //     their whole slice of the row (four 512-byte chunks of four rows) before the wait, so more
 //     of the weights are in flight while the attention's combine finishes: moe_bench's chained
-//     layer -0.53 us on an H200 (47.52 -> 46.99), -0.37 on an H100 (55.35 -> 54.98), the same
-//     bits as 4x2x4 (one slice count). Llama-3-8B's o [4096 x 4096] keeps 4x2x4 (4x4x4: twice
-//     the blocks that fit at once; its decode 0.99x on the H100, 0.98x on the H200).
+//     layer -0.53 us on an H200 (47.52 -> 46.99); on an H100 -0.37 in one call, +0.14 in
+//     another, its decode ~1.009x there; the same bits as 4x2x4 (one slice count). Llama-3-8B's
+//     o [4096 x 4096] keeps 4x2x4 (4x4x4: twice the blocks that fit at once; its decode 0.99x
+//     on the H100).
 // gemv_norm_tile(): the fused norm runs in every block before its loads and is taken only where
 // the grid is one wave (gemv_add_rms_norm_one_wave); split grids are not, or (qkv 4x2x2 in three
 // blocks an SM) were slower in the chain (+1.2 us a layer), so it keeps whole rows but for few
