@@ -270,10 +270,9 @@ template <int R, int D, int S>
 struct TileOf {
   static constexpr int kR = R, kD = D, kS = S;
 };
-using Tiles =
-    std::tuple<TileOf<2, 2, 1>, TileOf<1, 4, 1>, TileOf<2, 4, 1>, TileOf<4, 2, 1>, TileOf<2, 2, 2>,
-               TileOf<2, 4, 2>, TileOf<4, 2, 2>, TileOf<2, 2, 4>, TileOf<4, 2, 4>, TileOf<2, 2, 8>,
-               TileOf<4, 4, 4>>;
+using Tiles = std::tuple<TileOf<2, 2, 1>, TileOf<1, 4, 1>, TileOf<2, 4, 1>, TileOf<4, 2, 1>,
+                         TileOf<2, 2, 2>, TileOf<2, 4, 2>, TileOf<4, 2, 2>, TileOf<2, 2, 4>,
+                         TileOf<4, 2, 4>, TileOf<2, 2, 8>, TileOf<4, 4, 4>>;
 
 // Calls f(TileOf<...>{}) for the kernel of `t`; cudaErrorNotSupported for a tile with none.
 template <typename F, size_t I = 0>
