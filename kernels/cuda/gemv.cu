@@ -288,13 +288,10 @@ cudaError_t with_tile(const GemvTile& t, F&& f) {
 
 std::string tile_list() {
   std::string out;
-  std::apply(
-      [&](auto... t) {
-        ((out += (out.empty() ? "" : ", ") + std::to_string(decltype(t)::kR) + "x" +
-                 std::to_string(decltype(t)::kD) + "x" + std::to_string(decltype(t)::kS)),
-         ...);
-      },
-      Tiles{});
+  for (const GemvTile& t : gemv_tiles()) {
+    out += (out.empty() ? "" : ", ") + std::to_string(t.rows) + "x" + std::to_string(t.depth) +
+           "x" + std::to_string(t.slices);
+  }
   return out;
 }
 
@@ -339,6 +336,15 @@ cudaError_t with_norm_kernel(const GemvTile& tile, DType dtype, DType out, F&& f
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
+
+std::vector<GemvTile> gemv_tiles() {
+  return std::apply(
+      [](auto... t) {
+        return std::vector<GemvTile>{
+            GemvTile{decltype(t)::kR, decltype(t)::kD, decltype(t)::kS}...};
+      },
+      Tiles{});
+}
 
 size_t gemv_add_rms_norm_smem(int64_t k) { return static_cast<size_t>(k) * 4; }
 

@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common/status.h"
 #include "common/tensor.h"
@@ -30,14 +31,16 @@ bool gemv_takes(int64_t m, int64_t n, int64_t k, DType in, DType out, const void
 
 // The kernel's tile: output rows per group of warps, 512-byte chunks of each row a warp has in
 // flight, and the warps of a group that split k between them (1: a warp reads whole rows).
-// gemv_with() runs 2x2, 1x4, 2x4, 4x2 (whole rows), 2x2x2, 2x4x2, 4x2x2, 2x2x4, 4x2x4, 2x2x8 and
-// 4x4x4 (kernel_bench compares them). Tiles of one slice count give the same bits; another slice
-// count adds in another order.
+// gemv_with() runs the tiles gemv_tiles() lists (kernel_bench compares them). Tiles of one slice
+// count give the same bits; another slice count adds in another order.
 struct GemvTile {
   int rows = 2;
   int depth = 2;
   int slices = 1;
 };
+// The tiles gemv_with() has kernels for: 2x2, 1x4, 2x4, 4x2 (whole rows), 2x2x2, 2x4x2, 4x2x2,
+// 2x2x4, 4x2x4, 2x2x8 and 4x4x4.
+std::vector<GemvTile> gemv_tiles();
 // The tile `gemv` takes for [n, k], and the one gemv_add_rms_norm takes (gemv.cu says what each
 // was measured against).
 GemvTile gemv_tile(int64_t n, int64_t k);

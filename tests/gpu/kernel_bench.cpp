@@ -337,8 +337,7 @@ void time_gemv_tiles(cudaStream_t st, Gemm& gemm, double copy_bw) {
                           {"Llama-3-70B down", 8192, 28672, bf},
                           {"Llama-3-70B gate_up", 57344, 8192, bf},
                           {"Llama-3-70B lm_head", V, 8192, DType::kF32}};
-  const GemvTile tiles[] = {{2, 2},    {1, 4},    {2, 4},    {4, 2},    {2, 2, 2}, {2, 4, 2},
-                            {4, 2, 2}, {2, 2, 4}, {4, 2, 4}, {2, 2, 8}, {4, 4, 4}};
+  const std::vector<GemvTile> tiles = gemv_tiles();
   auto tile_name = [](const GemvTile& t) {
     char buf[32];
     if (t.slices == 1) {

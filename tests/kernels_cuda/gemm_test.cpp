@@ -473,8 +473,7 @@ TEST(GemvTest, EveryTileGivesItsSliceCountsBits) {
   // {1500, 3080}: gemv_tile's 4x4x4 with a row count it does not divide and chunks past its loop.
   const int64_t nk[][2] = {{5120, 2048}, {2048, 4096}, {1500, 3080}, {1000, 1032},
                            {7, 2056},    {333, 4104},  {128, 2048},  {65, 512}};
-  const GemvTile tiles[] = {{2, 2},    {1, 4},    {2, 4},    {4, 2},    {2, 2, 2}, {2, 4, 2},
-                            {4, 2, 2}, {2, 2, 4}, {4, 2, 4}, {2, 2, 8}, {4, 4, 4}};
+  const std::vector<GemvTile> tiles = gemv_tiles();
   for (DType dt : {DType::kBF16, DType::kF16}) {
     for (const auto& [n, k] : nk) {
       Operand w, x, bias;
