@@ -38,8 +38,7 @@ struct GemvTile {
   int depth = 2;
   int slices = 1;
 };
-// The tiles gemv_with() has kernels for: 2x2, 1x4, 2x4, 4x2 (whole rows), 2x2x2, 2x4x2, 4x2x2,
-// 2x2x4, 4x2x4, 2x2x8 and 4x4x4.
+// The tiles gemv_with() has kernels for (gemv.cu's Tiles tuple, in its order).
 std::vector<GemvTile> gemv_tiles();
 // The tile `gemv` takes for [n, k], and the one gemv_add_rms_norm takes (gemv.cu says what each
 // was measured against).
