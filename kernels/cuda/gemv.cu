@@ -65,15 +65,37 @@ struct NormArgs {
   norm::VecShape shape;  // rms_norm's kernel at this width, whose reduction order is copied
 };
 
+// The norm weight's vectors a thread holds before the PDL wait (vector tid + i * blockDim.x for
+// i < kNormWeightVecs: a row of up to 4096 bf16 at 256 threads); a wider row reads the rest after.
+constexpr int kNormWeightVecs = 2;
+
+// Thread tid's vectors of the norm weight: read before the wait, as rms_norm_vec_kernel reads its
+// own (the weight is constant), not after the sum of squares. On an H100 within the noise
+// (moe_bench's chain 55.21 -> 55.13 us a layer; Qwen3-30B-A3B decode 1.003x, async 1.006x,
+// Llama-3-8B 1.006x / 1.004x, with the routing's early reads in moe.cu); 18 registers more in
+// the 4x2 kernels, still two blocks an SM.
+template <typename T>
+__device__ __forceinline__ void load_norm_weight(const NormArgs<T>& a, int k,
+                                                 uint4 (&w)[kNormWeightVecs]) {
+  const int nvec = k / dev::kHalfVec;
+  const uint4* wv = reinterpret_cast<const uint4*>(a.weight);
+#pragma unroll
+  for (int i = 0; i < kNormWeightVecs; ++i) {
+    const int j = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+    w[i] = j < nvec ? __ldg(wv + j) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // The block's copy of add_rms_norm on one row of k elements (x = proj): sum[j] = round(residual +
 // x) and normed[j] = the normed row, 16-byte vectors in shared memory. The sum of squares is
 // reduced as rms_norm_vec_kernel reduces it with a.shape's threads and vectors per thread (each
 // of this block's threads plays those threads t, t + blockDim.x, ...; a warp of them sums as a
-// warp of that kernel does), so the row has add_rms_norm's bits. Every thread calls it; it ends
-// with a barrier.
+// warp of that kernel does), so the row has add_rms_norm's bits. w: the thread's vectors of the
+// norm weight (load_norm_weight). Every thread calls it; it ends with a barrier.
 template <typename T>
 __device__ void add_rms_norm_row(const T* __restrict__ x, const NormArgs<T>& a, int k,
-                                 uint4* normed, uint4* sum, float* scratch) {
+                                 const uint4 (&w)[kNormWeightVecs], uint4* normed, uint4* sum,
+                                 float* scratch) {
   const int nvec = k / dev::kHalfVec;
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -102,7 +124,17 @@ __device__ void add_rms_norm_row(const T* __restrict__ x, const NormArgs<T>& a, 
   total = dev::warp_sum(total);
   const float inv = rsqrtf(total * inv_hidden + a.eps);
   const uint4* wv = reinterpret_cast<const uint4*>(a.weight);
-  for (int j = tid; j < nvec; j += static_cast<int>(blockDim.x)) {
+#pragma unroll
+  for (int i = 0; i < kNormWeightVecs; ++i) {
+    const int j = tid + i * static_cast<int>(blockDim.x);
+    if (j >= nvec) break;
+    float h[dev::kHalfVec];
+    dev::unpack8<T>(sum[j], h);
+    norm::weigh<T, false>(h, w[i], inv);
+    normed[j] = dev::pack8<T>(h);
+  }
+  for (int j = tid + kNormWeightVecs * static_cast<int>(blockDim.x); j < nvec;
+       j += static_cast<int>(blockDim.x)) {
     float h[dev::kHalfVec];
     dev::unpack8<T>(sum[j], h);
     norm::weigh<T, false>(h, __ldg(wv + j), inv);
@@ -143,6 +175,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   // The first chunks' weights are requested before the wait: they do not depend on the kernel
   // before, so their latency overlaps its tail (the loop requests the later ones as before).
   if (i + (D - 1) * kStride < k) load_w(i);
+  uint4 norm_w[kNormWeightVecs];  // NORM: the norm weight's vectors of this thread
+  if constexpr (NORM) load_norm_weight<T>(nrm, k, norm_w);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   // NORM: the normed row (the x every warp multiplies), then the residual sum (k / 8 each).
@@ -150,7 +184,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   int arrival = 0;  // NORM, thread 0: the block's place among those done reading the residual
   if constexpr (NORM) {
     __shared__ float scratch[32];
-    add_rms_norm_row<T>(x, nrm, k, row_smem, row_smem + k / dev::kHalfVec, scratch);
+    add_rms_norm_row<T>(x, nrm, k, norm_w, row_smem, row_smem + k / dev::kHalfVec, scratch);
     // The block has read the residual (its values are in the row). The count's answer is needed
     // only after the dot products (written_by_last_block), so its round trip overlaps them.
     if (threadIdx.x == 0) arrival = atomicAdd(nrm.arrivals, 1);
@@ -183,8 +217,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   };
   if constexpr (S == 1 && !NORM) {
-    if (row0 >= n) return;  // (NORM: every thread reaches written_by_last_block; the rows past n
-                            // read row n - 1 and are not stored)
+    // (NORM: every thread reaches written_by_last_block; the rows past n read row n - 1 and are
+    // not stored)
+    if (row0 >= n) return;
   }
   float acc[M][R] = {};
   for (bool first = true; i + (D - 1) * kStride < k; i += D * kStride, first = false) {

@@ -30,6 +30,29 @@ __device__ __forceinline__ void count_routing(const MoeCount& c, int t, int e) {
   atomicAdd(c.counts + e, 1ull);
 }
 
+// The same, with whether token t's row is live read already (count_live_row).
+__device__ __forceinline__ void count_routing_of(const MoeCount& c, bool live, int e) {
+  if (!live) return;
+  if (e - c.expert_begin < 0 || e - c.expert_begin >= c.local_experts) return;
+  atomicAdd(c.counts + e, 1ull);
+}
+
+// Whether token t's row is counted (c.rows is the host's, copied before the step's kernels, so it
+// is read before the PDL wait, not after the top-k), and the warp asks L2 for the counters' lines
+// (last touched a step ago) so that the adds at the routing's end, which the layer's later
+// kernels wait for, find them there.
+__device__ __forceinline__ bool count_live_row(const MoeCount& c, int t, int lane) {
+  if (c.counts == nullptr) return false;
+  // The lines of counts[expert_begin, expert_begin + local_experts): one more than the bytes
+  // fill, as the range need not start at a line.
+  const int lines = static_cast<int>(c.local_experts * sizeof(unsigned long long) / 128) + 1;
+  const unsigned long long* first = c.counts + c.expert_begin;
+  for (int i = lane; i < lines; i += 32) {
+    dev::prefetch_l2(first + min(static_cast<int64_t>(i) * 16, c.local_experts - 1));
+  }
+  return c.rows == nullptr || c.rows[t] >= 0;
+}
+
 // One warp per token, its probabilities in registers: lane l holds experts l, l + 32, ...
 // (kPerLane of them). R: the type the logits are rounded to first (float: none). Launched with
 // launch_pdl.
@@ -38,10 +61,11 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     route_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
                  bool renormalize, int32_t* __restrict__ ids, float* __restrict__ weights,
                  MoeCount count) {
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + warp;
+  const bool live = t < tokens && count_live_row(count, t, lane);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   if (t >= tokens) return;
   const float* l = logits + static_cast<int64_t>(t) * experts;
   float v[kPerLane];
@@ -108,7 +132,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   if (lane < top_k) {
     ids[static_cast<int64_t>(t) * top_k + lane] = my_e;
     weights[static_cast<int64_t>(t) * top_k + lane] = renormalize ? my_p / top : my_p;
-    if (count.counts != nullptr) count_routing(count, t, my_e);
+    if (count.counts != nullptr) count_routing_of(count, live, my_e);
   }
 }
 

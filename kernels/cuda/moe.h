@@ -56,7 +56,9 @@ enum class MoePath { kAuto, kGrouped, kGemv };
 // synchronisation.
 struct MoeCount {
   unsigned long long* counts = nullptr;  // [num_experts] (global expert index); null: none
-  const int64_t* rows = nullptr;         // [tokens] or null
+  // [tokens] or null; the host's (copied before the step's kernels: the routing reads it before
+  // its PDL wait); a row < 0 is not counted.
+  const int64_t* rows = nullptr;
   int64_t expert_begin = 0;
   int64_t local_experts = 0;
 };
