@@ -6,6 +6,7 @@
 // 50 MB L2. Prints a line per op with its bytes and fraction of the copy bandwidth, and the
 // per-step sum. A benchmark, not a test: gpu-check runs it.
 //   moe_bench [--batch 1] [--context 256] [--max-model-len 4096]
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -460,7 +461,13 @@ int run(int argc, char** argv) {
                ", down " + std::to_string(dn.first) + "x" + std::to_string(dn.second);
       chains.push_back(c);
     }
+    // MOE_BENCH_PROFILE=1: the model's chain (its capture and replays) between
+    // cudaProfilerStart and Stop, for `nsys profile --capture-range=cudaProfilerApi` (a timeline
+    // of that chain alone; scripts/bench/chain_trace.py reads it).
+    const bool profile = std::getenv("MOE_BENCH_PROFILE") != nullptr;
     for (const Chain& c : chains) {
+      const bool traced = profile && &c == &chains.front();
+      if (traced) check(cudaProfilerStart(), "cudaProfilerStart");
       const double us = time_op(st, [&](int l) {
         const Layer& w = layers[l];
         const GemvAddRmsNorm in_norm{out, resid, w.norm, 1e-6f, x, arrivals};
@@ -504,6 +511,7 @@ int run(int argc, char** argv) {
         }
         return s;
       });
+      if (traced) check(cudaProfilerStop(), "cudaProfilerStop");
       chain_rows.emplace_back(c.name, us);
     }
   }
