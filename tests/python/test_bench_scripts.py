@@ -1,7 +1,9 @@
 """scripts/bench/roofline.py and decode_ab.py (gpu-check's models and decode-ab parts) on made-up
 `tessera bench report` JSONs: the roofline's bytes (sliding layers read at most their window),
-the fraction against the target and its exit status, and decode-ab's medians and ratios."""
+the fraction against the target and its exit status, and decode-ab's medians and ratios; and
+chain_trace.py on a made-up nsys kernel trace."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -90,3 +92,48 @@ def test_decode_ab_without_async_runs_is_complete(tmp_path):
     (runs / "llama3-8b-new-1-async.json").unlink()
     (runs / "llama3-8b-new-1.json").unlink()
     assert run(SCRIPTS / "decode_ab.py", runs, work, 0, out).returncode == 1
+
+
+# A made-up `nsys stats -r cuda_gpu_trace -f csv` of moe_bench's chain: per layer the eight
+# kernels, each placed 1 us before the previous one ends (PDL) and ending `cost` us after it.
+CHAIN = [("qkv", "gemv_kernel<__nv_bfloat16, __nv_bfloat16, 4, 2, true, 1>", 6.0),
+         ("attention", "paged_attention_kernel<__nv_bfloat16, 128, false, true, true>", 5.0),
+         ("combine", "attention_combine_kernel<__nv_bfloat16, 128>", 1.5),
+         ("o", "gemv_kernel<__nv_bfloat16, __nv_bfloat16, 4, 4, false, 4>", 5.5),
+         ("router", "gemv_kernel<__nv_bfloat16, float, 2, 2, true, 4>", 2.0),
+         ("route", "route_kernel<float, 128>", 1.75),
+         ("gate_up", "gemv_gate_up_kernel<__nv_bfloat16, 2, 1>", 18.0),
+         ("down", "gemv_down_combine_kernel<__nv_bfloat16, 8, 2>", 6.25)]
+
+
+def chain_csv(path, layers, drop=None):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Start (ns)", "Duration (ns)", "CorrId", "Strm", "Name"])
+        end = 1_000_000
+        w.writerow([end - 5000, 2000, 0, 7, "void memcpy_kernel()"])  # not the chain's
+        for layer in range(layers):
+            for label, name, cost in CHAIN:
+                if (layer, label) == drop:
+                    continue
+                start, end = end - 1000, end + int(cost * 1000)
+                w.writerow([start, end - start, 0, 7, f"void tessera::cuda::{name}(Params)"])
+
+
+def test_chain_trace_gives_each_kernels_cost_on_the_critical_path(tmp_path):
+    trace, out = tmp_path / "chain_cuda_gpu_trace.csv", tmp_path / "chain.json"
+    chain_csv(trace, 60, drop=(30, "combine"))  # a layer out of shape is left out
+    r = run(SCRIPTS / "chain_trace.py", trace, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(out.read_text())
+    assert got["layers"] == 58  # 59 layers follow a down; the one without its combine is out
+    for label, _, cost in CHAIN:
+        k = got["kernels"][label]
+        assert abs(k["end_after_previous_end_us"] - cost) < 1e-9, label
+        assert abs(k["start_after_previous_end_us"] + 1.0) < 1e-9, label
+        assert abs(k["duration_us"] - (cost + 1.0)) < 1e-9, label
+    assert abs(got["period_us"] - sum(c for _, _, c in CHAIN)) < 1e-9
+    # Too few whole layers for a step: an error, not a table.
+    chain_csv(trace, 20)
+    r = run(SCRIPTS / "chain_trace.py", trace, out)
+    assert r.returncode != 0 and "whole layers" in r.stdout + r.stderr
