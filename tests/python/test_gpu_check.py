@@ -1,11 +1,14 @@
-"""scripts/gpu-check's failure digest, without a GPU: its decode-ab part run on binaries that fail
-(a made-up kernel_bench printing a googletest failure among many lines, and no tessera at all).
-A device run returns only the end of its output, so the failed steps' first failure messages and
-their names must come last."""
+"""scripts/gpu-check without a GPU: its failure digest, from the decode-ab part run on binaries that
+fail (a made-up kernel_bench printing a googletest failure among many lines, and no tessera at
+all; a device run returns only the end of its output, so the failed steps' first failure
+messages and their names must come last); and its trace part on a made-up nsys."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
+
+from test_bench_scripts import CHAIN, chain_csv
 
 GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
 
@@ -39,3 +42,43 @@ def test_failed_steps_and_their_first_failures_come_last(tmp_path):
     assert "filler 59" not in digest
     assert digest.count("tessera: No such file or directory") == 2
     assert "decode_ab.py: no reports" in digest
+
+
+def test_trace_part_reads_the_chains_timeline_and_names_a_missing_nsys(tmp_path):
+    tests_dir, out, work = tmp_path / "tests", tmp_path / "out", tmp_path / "work"
+    tests_dir.mkdir()
+    trace = tmp_path / "made-up.csv"
+    chain_csv(trace, 60)
+    # The made-up nsys: `profile` checks what gpu-check asks for (moe_bench's chain alone, graph
+    # nodes traced) and writes the report; `stats` writes the kernels' CSV where it is told to.
+    nsys = tmp_path / "nsys"
+    nsys.write_text(f"""#!/bin/bash
+set -e
+case $1 in
+  profile)
+    [[ $MOE_BENCH_PROFILE == 1 && " $* " == *" --capture-range=cudaProfilerApi "* &&
+       " $* " == *" --cuda-graph-trace=node "* && " $* " == *"/moe_bench --batch 1 "* ]]
+    while [[ $1 != -o ]]; do shift; done
+    touch "$2.nsys-rep" ;;
+  stats)
+    while [[ $1 != -o ]]; do shift; done
+    [[ -f $3 ]]
+    cp {trace} "$2_cuda_gpu_trace.csv" ;;
+  *) exit 2 ;;
+esac
+""")
+    nsys.chmod(0o755)
+    env = dict(os.environ, GPU_CHECK_PARTS="trace", WORK_DIR=str(work), NSYS=str(nsys))
+    args = ["bash", str(GPU_CHECK), str(tmp_path / "bin"), str(tests_dir), str(out)]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1].startswith("gpu-check: 0 failure(s)")
+    got = json.loads((out / "bench" / "chain-trace.json").read_text())
+    assert got["layers"] == 59
+    assert abs(got["period_us"] - sum(cost for _, _, cost in CHAIN)) < 1e-9
+    # No nsys where NSYS points: the step fails and says what to do.
+    env["NSYS"] = str(tmp_path / "no-nsys")
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1
+    assert "install Nsight Systems or set NSYS" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("gpu-check: 1 failure(s) (chain_trace)")
