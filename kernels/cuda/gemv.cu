@@ -123,23 +123,19 @@ __device__ void add_rms_norm_row(const T* __restrict__ x, const NormArgs<T>& a, 
   float total = lane < (a.shape.threads >> 5) ? scratch[lane] : 0.0f;
   total = dev::warp_sum(total);
   const float inv = rsqrtf(total * inv_hidden + a.eps);
-  const uint4* wv = reinterpret_cast<const uint4*>(a.weight);
+  auto weigh = [&](int j, uint4 weight) {
+    float h[dev::kHalfVec];
+    dev::unpack8<T>(sum[j], h);
+    norm::weigh<T, false>(h, weight, inv);
+    normed[j] = dev::pack8<T>(h);
+  };
+  const int step = static_cast<int>(blockDim.x);
 #pragma unroll
   for (int i = 0; i < kNormWeightVecs; ++i) {
-    const int j = tid + i * static_cast<int>(blockDim.x);
-    if (j >= nvec) break;
-    float h[dev::kHalfVec];
-    dev::unpack8<T>(sum[j], h);
-    norm::weigh<T, false>(h, w[i], inv);
-    normed[j] = dev::pack8<T>(h);
+    if (tid + i * step < nvec) weigh(tid + i * step, w[i]);
   }
-  for (int j = tid + kNormWeightVecs * static_cast<int>(blockDim.x); j < nvec;
-       j += static_cast<int>(blockDim.x)) {
-    float h[dev::kHalfVec];
-    dev::unpack8<T>(sum[j], h);
-    norm::weigh<T, false>(h, __ldg(wv + j), inv);
-    normed[j] = dev::pack8<T>(h);
-  }
+  const uint4* wv = reinterpret_cast<const uint4*>(a.weight);  // a row wider than w holds
+  for (int j = tid + kNormWeightVecs * step; j < nvec; j += step) weigh(j, __ldg(wv + j));
   __syncthreads();
 }
 

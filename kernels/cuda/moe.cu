@@ -23,24 +23,22 @@ constexpr int kMaxTopK = 32;
 
 constexpr int kRouteWarps = 4;
 
-// Counts expert e's routing of token t (MoeCount: a live row, a local expert).
-__device__ __forceinline__ void count_routing(const MoeCount& c, int t, int e) {
-  if (c.rows != nullptr && c.rows[t] < 0) return;
-  if (e - c.expert_begin < 0 || e - c.expert_begin >= c.local_experts) return;
-  atomicAdd(c.counts + e, 1ull);
+// Whether token t's row is counted (MoeCount::rows: the host's, a row < 0 is padding).
+__device__ __forceinline__ bool counted_row(const MoeCount& c, int t) {
+  return c.rows == nullptr || c.rows[t] >= 0;
 }
 
-// The same, with whether token t's row is live read already (count_live_row).
-__device__ __forceinline__ void count_routing_of(const MoeCount& c, bool live, int e) {
+// Counts a routing to expert e of a token whose row is `live` (counted_row) if e is local.
+__device__ __forceinline__ void count_routing(const MoeCount& c, bool live, int e) {
   if (!live) return;
   if (e - c.expert_begin < 0 || e - c.expert_begin >= c.local_experts) return;
   atomicAdd(c.counts + e, 1ull);
 }
 
-// Whether token t's row is counted (c.rows is the host's, copied before the step's kernels, so it
-// is read before the PDL wait, not after the top-k), and the warp asks L2 for the counters' lines
-// (last touched a step ago) so that the adds at the routing's end, which the layer's later
-// kernels wait for, find them there.
+// The routing kernel's counting, before its PDL wait: whether token t's row is counted (rows are
+// the host's, copied before the step's kernels, so they are read before the wait, not after the
+// top-k), and the warp asks L2 for the counters' lines (last touched a step ago) so that the
+// adds at the routing's end, which the layer's later kernels wait for, find them there.
 __device__ __forceinline__ bool count_live_row(const MoeCount& c, int t, int lane) {
   if (c.counts == nullptr) return false;
   // The lines of counts[expert_begin, expert_begin + local_experts): one more than the bytes
@@ -50,7 +48,7 @@ __device__ __forceinline__ bool count_live_row(const MoeCount& c, int t, int lan
   for (int i = lane; i < lines; i += 32) {
     dev::prefetch_l2(first + min(static_cast<int64_t>(i) * 16, c.local_experts - 1));
   }
-  return c.rows == nullptr || c.rows[t] >= 0;
+  return counted_row(c, t);
 }
 
 // One warp per token, its probabilities in registers: lane l holds experts l, l + 32, ...
@@ -132,7 +130,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   if (lane < top_k) {
     ids[static_cast<int64_t>(t) * top_k + lane] = my_e;
     weights[static_cast<int64_t>(t) * top_k + lane] = renormalize ? my_p / top : my_p;
-    if (count.counts != nullptr) count_routing_of(count, live, my_e);
+    if (count.counts != nullptr) count_routing(count, live, my_e);
   }
 }
 
@@ -146,7 +144,7 @@ __global__ void __launch_bounds__(kCountThreads)
   dev::pdl_launch_dependents();
   const int p = blockIdx.x * kCountThreads + static_cast<int>(threadIdx.x);
   if (p >= pairs) return;
-  count_routing(count, p / top_k, ids[p]);
+  count_routing(count, counted_row(count, p / top_k), ids[p]);
 }
 
 // ---- permutation ----

@@ -62,7 +62,7 @@ def main():
             layers.append(window)
     if len(layers) < 48:
         raise SystemExit(f"chain_trace.py: {len(layers)} whole layers in the trace (want >= 48)")
-    layers = layers[-min(len(layers), 480):]  # the last replays (the first may be cold)
+    layers = layers[-480:]  # the last ten replays (the first may be cold)
     table = {}
     for at, label in enumerate(LAYER, start=1):
         cost = [w[at][1] - w[at - 1][1] for w in layers]
