@@ -1,7 +1,8 @@
 """scripts/gpu-check without a GPU: its failure digest, from the decode-ab part run on binaries that
 fail (a made-up kernel_bench printing a googletest failure among many lines, and no tessera at
 all; a device run returns only the end of its output, so the failed steps' first failure
-messages and their names must come last); and its trace part on a made-up nsys."""
+messages and their names must come last); and its trace part on a made-up nsys and a made-up
+CUPTI run."""
 
 import json
 import os
@@ -44,7 +45,7 @@ def test_failed_steps_and_their_first_failures_come_last(tmp_path):
     assert "decode_ab.py: no reports" in digest
 
 
-def test_trace_part_reads_the_chains_timeline_and_names_a_missing_nsys(tmp_path):
+def test_trace_part_reads_the_chains_timeline_by_nsys_or_cupti(tmp_path):
     tests_dir, out, work = tmp_path / "tests", tmp_path / "out", tmp_path / "work"
     tests_dir.mkdir()
     trace = tmp_path / "made-up.csv"
@@ -76,9 +77,31 @@ esac
     got = json.loads((out / "bench" / "chain-trace.json").read_text())
     assert got["layers"] == 59
     assert abs(got["period_us"] - sum(cost for _, _, cost in CHAIN)) < 1e-9
-    # No nsys where NSYS points: the step fails and says what to do.
+    # No nsys where NSYS points and no CUPTI library: the step fails and says what to do.
     env["NSYS"] = str(tmp_path / "no-nsys")
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1
-    assert "install Nsight Systems or set NSYS" in r.stdout
+    assert "install Nsight Systems, set NSYS to its path, or build with CUPTI" in r.stdout
     assert r.stdout.splitlines()[-1].startswith("gpu-check: 1 failure(s) (chain_trace)")
+    # No nsys but the CUPTI library beside the tests: moe_bench runs with the library injected
+    # and writes the same CSV where KERNEL_TRACE_CSV says (here a made-up moe_bench does).
+    (tests_dir / "libkernel_trace.so").write_bytes(b"")
+    moe_bench = tests_dir / "moe_bench"
+    moe_bench.write_text(f"""#!/bin/bash
+set -e
+[[ $MOE_BENCH_PROFILE == 1 && $CUDA_INJECTION64_PATH == {tests_dir}/libkernel_trace.so &&
+   "$*" == "--batch 1" ]]
+[[ -z $NO_TRACE ]] && cp {trace} "$KERNEL_TRACE_CSV"
+exit 0
+""")
+    moe_bench.chmod(0o755)
+    (out / "bench" / "chain-trace.json").unlink()
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the kernel timeline comes from CUPTI" in r.stdout
+    assert json.loads((out / "bench" / "chain-trace.json").read_text())["layers"] == 59
+    # The library wrote nothing (CUPTI refused): a failure that says so, not a stale CSV read.
+    env["NO_TRACE"] = "1"
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1
+    assert "CUPTI wrote no kernel trace" in r.stdout
