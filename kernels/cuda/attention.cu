@@ -58,6 +58,7 @@
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/attention_sm90.h"
+#include "kernels/cuda/block_trace.cuh"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/rope_math.cuh"
@@ -267,6 +268,7 @@ constexpr size_t kRopeQBytes = static_cast<size_t>(16 * (HD + 8)) * 2;
 template <typename T, int HD, bool FP8, bool DECODE, bool ROPE = false>
 __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPerSm))
     paged_attention_kernel(const __grid_constant__ Params p) {
+  block_trace::Mark mark;
   // The sequences' lengths and block tables are the host's (copied before the step's kernels),
   // so everything up to the first read of q or the cache runs before the wait, while the kernel
   // before (RoPE, which writes them) finishes.
@@ -498,6 +500,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
     }
   }
   dev::pdl_wait();  // q and the cache are written by the kernel before
+  mark.wait_returned();
   // ROPE: the rows' q normed and rotated into sq; the step's own key and value (the warp whose
   // keys hold it) into knew / vnew and the cache.
   T* sq = reinterpret_cast<T*>(smem_raw + C::kSmemBytes);  // [16][kStride], ROPE only
@@ -1041,6 +1044,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       if (tig == 0) p.ws_lse[ws_row] = l[r] > 0.0f ? (m[r] + __log2f(l[r])) * kLn2 : neg_inf();
     }
   }
+  mark.end(block_trace::Kernel::kAttention);
 }
 
 // Merges the splits of every (query token, head) row of sequences that used more than one.
@@ -1049,6 +1053,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
 template <typename T, int HD>
 __global__ void __launch_bounds__(kCombineThreads)
     attention_combine_kernel(const __grid_constant__ Params p) {
+  block_trace::Mark mark;
   dev::pdl_launch_dependents();
   constexpr int kThreadsPerRow = HD / 4;
   constexpr int kRowsPerCtaCombine = kCombineThreads / kThreadsPerRow;
@@ -1060,6 +1065,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   // one with nothing to merge: this grid must not complete before the attention kernel, whose
   // `out` the kernel after it reads once this one is complete.
   dev::pdl_wait();
+  mark.wait_returned();
   if (ctx <= 0) return;
   const int n_used = splits_used(p, ctx - window_start(p, ctx - qlen));
   if (n_used <= 1) return;  // the attention kernel wrote `out` itself
@@ -1122,6 +1128,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   packed.x = HalfOps<T>::pack(acc.x * inv, acc.y * inv);
   packed.y = HalfOps<T>::pack(acc.z * inv, acc.w * inv);
   *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + index * HD + d) = packed;
+  mark.end(block_trace::Kernel::kCombine);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1506,5 +1513,9 @@ Status paged_attention(const AttentionArgs& args, cudaStream_t stream) {
   if (args.dtype == DType::kBF16) return dispatch_head_dim<__nv_bfloat16>(params, args, stream);
   return dispatch_head_dim<__half>(params, args, stream);
 }
+
+namespace block_trace {
+TESSERA_BLOCK_TRACE_ATTACH(attention)
+}  // namespace block_trace
 
 }  // namespace tessera::cuda

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cuda/block_trace.cuh"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/rms_norm.cuh"
@@ -150,6 +151,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int M = 1;
   constexpr bool kStream = R != 2 || D != 2 || S != 1;
   constexpr int kStride = S * kChunk;  // elements between a warp's consecutive chunks
+  block_trace::Mark mark;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int group = warp / S, slice = warp % S;
   const int row0 = (blockIdx.x * (kWarps / S) + group) * R;
@@ -174,6 +176,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   uint4 norm_w[kNormWeightVecs];  // NORM: the norm weight's vectors of this thread
   if constexpr (NORM) load_norm_weight<T>(nrm, k, norm_w);
   dev::pdl_wait();
+  mark.wait_returned();
   dev::pdl_launch_dependents();
   // NORM: the normed row (the x every warp multiplies), then the residual sum (k / 8 each).
   extern __shared__ uint4 row_smem[];
@@ -288,6 +291,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       out[static_cast<int64_t>(m) * n + row] = dev::from_float<O>(acc[m][r] + bv);
     }
   }
+  mark.end(!NORM                       ? block_trace::Kernel::kGemv
+           : std::is_same_v<O, float> ? block_trace::Kernel::kNormGemvF32
+                                      : block_trace::Kernel::kNormGemv);
 }
 
 // Blocks of a call with this tile (the launch and gemv_add_rms_norm_one_wave agree on it).
@@ -529,5 +535,9 @@ Status gemv_with(const GemvTile& tile, int64_t m, int64_t n, int64_t k, DType in
   TESSERA_CUDA_RETURN_IF_ERROR(err, "gemv");
   return launch_status("gemv");
 }
+
+namespace block_trace {
+TESSERA_BLOCK_TRACE_ATTACH(gemv)
+}  // namespace block_trace
 
 }  // namespace tessera::cuda

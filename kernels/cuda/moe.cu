@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "common/checkpoint/moe_carve.h"
+#include "kernels/cuda/block_trace.cuh"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/elementwise.h"
@@ -59,10 +60,12 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     route_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
                  bool renormalize, int32_t* __restrict__ ids, float* __restrict__ weights,
                  MoeCount count) {
+  block_trace::Mark mark;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + warp;
   const bool live = t < tokens && count_live_row(count, t, lane);
   dev::pdl_wait();
+  mark.wait_returned();
   dev::pdl_launch_dependents();
   if (t >= tokens) return;
   const float* l = logits + static_cast<int64_t>(t) * experts;
@@ -132,6 +135,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     weights[static_cast<int64_t>(t) * top_k + lane] = renormalize ? my_p / top : my_p;
     if (count.counts != nullptr) count_routing(count, live, my_e);
   }
+  mark.end(block_trace::Kernel::kRoute);
 }
 
 // ---- expert counts ----
@@ -441,7 +445,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                         int n_dim, T* __restrict__ out) {
   constexpr int kRowsPerWarp = 2 * O;
   extern __shared__ uint4 x_smem[];  // the pair's input row
+  block_trace::Mark mark;
   dev::pdl_wait();
+  mark.wait_returned();
   dev::pdl_launch_dependents();
   const int p = blockIdx.y;
   // The pair's expert and the input row are asked for together (one round trip to L2): the
@@ -500,6 +506,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     const float gv = dev::round_to<T>(s[o]), uv = dev::round_to<T>(s[O + o]);
     out[static_cast<int64_t>(p) * n_dim + n] = dev::from_float<T>(dev::round_to<T>(silu(gv)) * uv);
   }
+  mark.end(block_trace::Kernel::kGateUp);
 }
 
 // SR: output rows of one expert a warp reads; U: the lane's 16-byte pieces of each row loaded
@@ -512,6 +519,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                              const T* __restrict__ x, const T* __restrict__ shared_gate,
                              const T* __restrict__ shared_out, T* __restrict__ out,
                              int prefetch_bytes) {
+  block_trace::Mark mark;
   extern __shared__ uint4 act_smem[];
   __shared__ int32_t slot_ids[kMaxTopK];
   __shared__ int32_t order[kMaxTopK];
@@ -550,6 +558,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     }
   }
   dev::pdl_wait();
+  mark.wait_returned();
   dev::pdl_launch_dependents();
   const int vecs = inter / dev::kHalfVec;
   for (int v = tid; v < nl * vecs; v += blockDim.x) {
@@ -615,6 +624,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     acc = acc + dev::round_to<T>(gate * sv);
   }
   out[static_cast<int64_t>(t) * hidden + n] = dev::from_float<T>(acc);
+  mark.end(block_trace::Kernel::kDown);
 }
 
 // ---- combine ----
@@ -1098,5 +1108,9 @@ Status moe_forward(const MoeArgs& a, Gemm& gemm, cudaStream_t stream) {
   return moe_combine(a.dtype, y, perm.pos, ids, weights, T, K, H, w.expert_begin, w.local_experts,
                      a.x, a.shared_expert_gate, sh_out, a.out, stream);
 }
+
+namespace block_trace {
+TESSERA_BLOCK_TRACE_ATTACH(moe)
+}  // namespace block_trace
 
 }  // namespace tessera::cuda

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/block_trace.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemv.h"
@@ -64,6 +65,76 @@ double time_op(cudaStream_t st, const std::function<Status(int)>& op) {
   cudaGraphDestroy(g);
   return ms * 1000.0 / (kReplays * kSteps);
 }
+
+// The per-block records of the kernels run between start() and write() (block_trace.h).
+class BlockRecorder {
+ public:
+  BlockRecorder() = default;
+  BlockRecorder(const BlockRecorder&) = delete;
+  BlockRecorder& operator=(const BlockRecorder&) = delete;
+  ~BlockRecorder() {
+    if (buf_.records != nullptr) {
+      block_trace::attach({});
+      cudaFree(buf_.records);
+      cudaFree(buf_.next);
+    }
+  }
+  bool on() const { return buf_.records != nullptr; }
+  void start() {
+    using block_trace::kCounterStride;
+    using block_trace::kMaxSms;
+    buf_.per_sm = kPerSm;
+    check(cudaMalloc(&buf_.records, kMaxSms * kPerSm * sizeof(block_trace::Record)), "cudaMalloc");
+    check(cudaMalloc(&buf_.next, kMaxSms * kCounterStride * sizeof(unsigned long long)),
+          "cudaMalloc");
+    check(cudaMemset(buf_.next, 0, kMaxSms * kCounterStride * sizeof(unsigned long long)),
+          "memset");
+    if (block_trace::attach(buf_) == cudaErrorNotSupported) {
+      std::fprintf(stderr,
+                   "moe_bench: MOE_BENCH_BLOCKS needs a build with -DTESSERA_BLOCK_TRACE=ON\n");
+      std::exit(2);
+    }
+  }
+  void write(const char* path) {
+    using block_trace::kCounterStride;
+    using block_trace::kMaxSms;
+    check(cudaDeviceSynchronize(), "sync");
+    check(block_trace::attach({}), "detach");
+    std::vector<unsigned long long> counts(kMaxSms * kCounterStride);
+    check(cudaMemcpy(counts.data(), buf_.next, counts.size() * sizeof(unsigned long long),
+                     cudaMemcpyDeviceToHost),
+          "copy");
+    std::vector<block_trace::Record> rec(kMaxSms * kPerSm);
+    check(cudaMemcpy(rec.data(), buf_.records, rec.size() * sizeof(block_trace::Record),
+                     cudaMemcpyDeviceToHost),
+          "copy");
+    std::FILE* f = std::fopen(path, "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "moe_bench: cannot write %s\n", path);
+      std::exit(2);
+    }
+    std::fprintf(f, "kernel,sm,block,start,waited,end\n");
+    unsigned long long n = 0, dropped = 0;
+    for (unsigned sm = 0; sm < kMaxSms; ++sm) {
+      const unsigned long long count = counts[sm * kCounterStride];
+      dropped += count > kPerSm ? count - kPerSm : 0;
+      for (unsigned long long i = 0; i < std::min(count, kPerSm); ++i, ++n) {
+        const block_trace::Record& r = rec[sm * kPerSm + i];
+        std::fprintf(f, "%u,%u,%u,%llu,%llu,%llu\n", r.kernel_sm & 0xffffu, r.kernel_sm >> 16,
+                     r.block, static_cast<unsigned long long>(r.start),
+                     static_cast<unsigned long long>(r.waited),
+                     static_cast<unsigned long long>(r.end));
+      }
+    }
+    std::fclose(f);
+    std::fprintf(stderr, "moe_bench: %llu block records in %s (%llu past the buffer)\n", n, path,
+                 dropped);
+  }
+
+ private:
+  static constexpr unsigned long long kPerSm = 16384;  // a chain's 12 x 48 layers take ~5000
+  block_trace::Buffer buf_;
+};
 
 struct Layer {
   void *qkv, *o, *router, *gate_up, *down, *norm, *q_norm, *k_norm;
@@ -465,9 +536,14 @@ int run(int argc, char** argv) {
     // cudaProfilerStart and Stop, for `nsys profile --capture-range=cudaProfilerApi` (a timeline
     // of that chain alone; scripts/bench/chain_trace.py reads it).
     const bool profile = std::getenv("MOE_BENCH_PROFILE") != nullptr;
+    // MOE_BENCH_BLOCKS=FILE: the model chain's blocks (a build with TESSERA_BLOCK_TRACE) into
+    // FILE, a CSV scripts/bench/block_trace.py reads.
+    const char* blocks_csv = std::getenv("MOE_BENCH_BLOCKS");
     for (const Chain& c : chains) {
       const bool traced = profile && &c == &chains.front();
       if (traced) check(cudaProfilerStart(), "cudaProfilerStart");
+      BlockRecorder blocks;
+      if (blocks_csv != nullptr && &c == &chains.front()) blocks.start();
       const double us = time_op(st, [&](int l) {
         const Layer& w = layers[l];
         const GemvAddRmsNorm in_norm{out, resid, w.norm, 1e-6f, x, arrivals};
@@ -512,6 +588,7 @@ int run(int argc, char** argv) {
         return s;
       });
       if (traced) check(cudaProfilerStop(), "cudaProfilerStop");
+      if (blocks.on()) blocks.write(blocks_csv);
       chain_rows.emplace_back(c.name, us);
     }
   }

@@ -1,7 +1,7 @@
 """scripts/bench/roofline.py and decode_ab.py (gpu-check's models and decode-ab parts) on made-up
 `tessera bench report` JSONs: the roofline's bytes (sliding layers read at most their window),
 the fraction against the target and its exit status, and decode-ab's medians and ratios; and
-chain_trace.py on a made-up nsys kernel trace."""
+chain_trace.py on a made-up nsys kernel trace; block_trace.py on made-up block records."""
 
 import csv
 import json
@@ -136,4 +136,53 @@ def test_chain_trace_gives_each_kernels_cost_on_the_critical_path(tmp_path):
     # Too few whole layers for a step: an error, not a table.
     chain_csv(trace, 20)
     r = run(SCRIPTS / "chain_trace.py", trace, out)
+    assert r.returncode != 0 and "whole layers" in r.stdout + r.stderr
+
+
+# The layer's kernels as block_trace.h numbers them: (label, id, blocks, cost in us after the
+# previous kernel's end).
+BLOCKS = [("qkv", 1, 4, 6.0), ("attention", 4, 2, 4.0), ("combine", 5, 2, 2.0), ("o", 3, 4, 2.5),
+          ("router", 2, 2, 3.0), ("route", 6, 1, 2.5), ("gate_up", 7, 6, 18.0),
+          ("down", 8, 4, 10.0)]
+
+
+def blocks_csv(path, layers, drop=None):
+    """Made-up block records: in each launch half the blocks (rounded down) start 3 us before the
+    kernel before ends, the rest 1 us after; every wait returns 0.5 us after that end; block b
+    ends b x 100 ns before the launch's end; block b of a launch runs on SM b (two per SM past
+    the third)."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kernel", "sm", "block", "start", "waited", "end"])
+        prev_end = 1_000_000
+        for layer in range(layers):
+            for label, kid, n, cost in BLOCKS:
+                if (layer, label) == drop:
+                    continue
+                end = prev_end + int(cost * 1000)
+                for b in range(n):
+                    start = prev_end - 3000 if b < n // 2 else prev_end + 1000
+                    w.writerow([kid, b % 3, b, start, prev_end + 500, end - 100 * b])
+                prev_end = end
+
+
+def test_block_trace_places_each_block_against_the_kernel_before(tmp_path):
+    records, out = tmp_path / "blocks.csv", tmp_path / "blocks.json"
+    blocks_csv(records, 60, drop=(30, "router"))  # a layer out of shape is left out
+    r = run(SCRIPTS / "block_trace.py", records, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(out.read_text())
+    assert got["layers"] == 58  # 59 follow a down; the router-less one is out
+    assert abs(got["period_us"] - sum(c for *_, c in BLOCKS)) < 1e-9
+    for label, _, n, cost in BLOCKS:
+        k = got["kernels"][label]
+        assert k["blocks"] == n and k["placed_early"] == n // 2, label
+        assert k["start_first"] == (-3.0 if n > 1 else 1.0), label
+        assert abs(k["wait_median"] - 0.5) < 1e-9, label
+        assert abs(k["end_last"] - cost) < 1e-9, label
+        assert abs(k["end_first"] - (cost - 0.1 * (n - 1))) < 1e-9, label
+        assert k["sms"] == min(n, 3) and k["most_on_one_sm"] == (n + 2) // 3, label
+    # Too few whole layers: an error, not a table.
+    blocks_csv(records, 20)
+    r = run(SCRIPTS / "block_trace.py", records, out)
     assert r.returncode != 0 and "whole layers" in r.stdout + r.stderr
