@@ -1,15 +1,15 @@
 """scripts/gpu-check without a GPU: its failure digest, from the decode-ab part run on binaries that
 fail (a made-up kernel_bench printing a googletest failure among many lines, and no tessera at
 all; a device run returns only the end of its output, so the failed steps' first failure
-messages and their names must come last); and its trace part on a made-up nsys and a made-up
-CUPTI run."""
+messages and their names must come last); its trace part on a made-up nsys and a made-up CUPTI
+run; and its blocks part on a made-up moe_bench_blocks."""
 
 import json
 import os
 import subprocess
 from pathlib import Path
 
-from test_bench_scripts import CHAIN, chain_csv
+from test_bench_scripts import BLOCKS, CHAIN, blocks_csv, chain_csv
 
 GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
 
@@ -105,3 +105,30 @@ exit 0
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1
     assert "CUPTI wrote no kernel trace" in r.stdout
+
+
+def test_blocks_part_reads_the_chains_blocks_or_says_how_to_build_them(tmp_path):
+    tests_dir, out, work = tmp_path / "tests", tmp_path / "out", tmp_path / "work"
+    tests_dir.mkdir()
+    env = dict(os.environ, GPU_CHECK_PARTS="blocks", WORK_DIR=str(work))
+    args = ["bash", str(GPU_CHECK), str(tmp_path / "bin"), str(tests_dir), str(out)]
+    # No block-trace build packed: the step fails and says how to make one.
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1
+    assert "-DTESSERA_BLOCK_TRACE=ON" in r.stdout and "BLOCK_TRACE_BUILD" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("gpu-check: 1 failure(s) (chain_blocks)")
+    # A made-up moe_bench_blocks writes its records where MOE_BENCH_BLOCKS says.
+    records = tmp_path / "made-up-blocks.csv"
+    blocks_csv(records, 60)
+    fake = tests_dir / "moe_bench_blocks"
+    fake.write_text(f"""#!/bin/bash
+set -e
+[[ -n $MOE_BENCH_BLOCKS && "$*" == "--batch 1" ]]
+cp {records} "$MOE_BENCH_BLOCKS"
+""")
+    fake.chmod(0o755)
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads((out / "bench" / "blocks.json").read_text())
+    assert got["layers"] == 59
+    assert abs(got["period_us"] - sum(c for *_, c in BLOCKS)) < 1e-9
