@@ -576,6 +576,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
     }
     __syncthreads();  // sq is read by every warp
   }
+  mark.at(0);  // q normed and rotated, the step's k and v stored
   // ROPE: the step's key and value into stage `stage` once tile `tile` (the one holding them)
   // is being loaded there (only the warp that owns those keys reads them).
   auto put_new_key = [&](int tile, int stage) {
@@ -1011,6 +1012,7 @@ __global__ void __launch_bounds__(kThreads, (Config<HD, FP8, DECODE>::kMinCtasPe
       }
     }
   }
+  mark.at(1);  // the keys' scores, softmax and values done, the warps' parts merged
   if (!warp_active) return;
 
   // f(x, y, d) for each pair of row r's O values that sit at adjacent head dims d, d + 1.

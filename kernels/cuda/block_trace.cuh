@@ -34,9 +34,9 @@ __device__ __forceinline__ uint32_t sm_id() {
 // Thread 0 of the block takes the times and its record's slot at the start, from its SM's own
 // counter (one counter for every block of the chain serialised their atomics in one L2 slice and
 // slowed the chain by a tenth; at the end the atomic's round trip would delay the block's exit);
-// end() writes the record.
+// end() writes the record. The marks still cost the chain ~7%, the attention's wait the most.
 struct Mark {
-  uint64_t start = 0, waited = 0;
+  uint64_t start = 0, waited = 0, at_[2] = {0, 0};
   Record* slot = nullptr;
   __device__ __forceinline__ Mark() {
     if (threadIdx.x != 0) return;
@@ -49,10 +49,19 @@ struct Mark {
   __device__ __forceinline__ void wait_returned() {
     if (threadIdx.x == 0) waited = now();
   }
+  // A point between the wait and the end (i: 0 or 1), for a kernel's phases.
+  __device__ __forceinline__ void at(int i) {
+    if (threadIdx.x == 0) at_[i] = now();
+  }
   __device__ __forceinline__ void end(Kernel kernel) {
     if (threadIdx.x != 0 || slot == nullptr) return;
     const uint32_t block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    *slot = {static_cast<uint32_t>(kernel) | (sm_id() << 16), block, start, waited, now()};
+    *slot = {static_cast<uint32_t>(kernel) | (sm_id() << 16),
+             block,
+             start,
+             waited,
+             now(),
+             {at_[0], at_[1]}};
   }
 };
 
@@ -63,6 +72,7 @@ struct Mark {
 #else
 struct Mark {
   __device__ __forceinline__ void wait_returned() {}
+  __device__ __forceinline__ void at(int) {}
   __device__ __forceinline__ void end(Kernel) {}
 };
 

@@ -22,11 +22,13 @@ enum class Kernel : uint32_t {
 };
 
 // One block: kernel | sm << 16, its linear index, and the global timer (ns) at its start, when
-// its PDL wait returned (0 for a kernel without one) and at its end (thread 0's).
+// its PDL wait returned (0 for a kernel without one), at two marks between (0 where the kernel
+// has none) and at its end (thread 0's).
 struct Record {
   uint32_t kernel_sm;
   uint32_t block;
   uint64_t start, waited, end;
+  uint64_t at[2];
 };
 
 // Each SM's records go to its own part of the buffer, counted by its own counter (next[sm *

@@ -10,7 +10,9 @@ kernel's end is its last block's. For each kernel of the layer this prints the m
 last layers, against the end of the kernel before it ("prev"): how many blocks it has and how
 many started before prev ended (placed early), its first / median / last block's start, its
 median wait return (the PDL boundary as the blocks see it), and its first / median / last block's
-end (the spread of its tail); then the most blocks one SM held.
+end (the spread of its tail); then the most blocks one SM held. A kernel that marks points
+between its wait and its end (Mark::at: the attention after its q is ready and after its keys)
+gets their medians too ("at0", "at1").
 """
 import csv
 import json
@@ -85,6 +87,10 @@ def main():
             stats["end_first"].append(ends[0])
             stats["end_median"].append(ends[len(ends) // 2])
             stats["end_last"].append(ends[-1])
+            for i in (0, 1):
+                marks = sorted(r[f"at{i}"] - prev_end for r in blocks if r.get(f"at{i}"))
+                if marks:
+                    stats[f"at{i}_median"].append(marks[len(marks) // 2])
             stats["sms"].append(len(per_sm))
             stats["most_on_one_sm"].append(max(per_sm.values()))
         table[label] = {k: statistics.median(v) / (1 if k in ("blocks", "placed_early", "sms",
@@ -103,6 +109,9 @@ def main():
               f"{t['start_first']:7.2f}/{t['start_median']:6.2f}/{t['start_last']:<6.2f} {w} "
               f"{t['end_first']:6.2f}/{t['end_median']:6.2f}/{t['end_last']:<6.2f} "
               f"{t['sms']:4.0f} {t['most_on_one_sm']:6.0f}")
+        if "at0_median" in t or "at1_median" in t:
+            print(f"{'':9} marks between: " + ", ".join(
+                f"at{i} {t[f'at{i}_median']:.2f}" for i in (0, 1) if f"at{i}_median" in t))
     if len(sys.argv) > 2:
         json.dump({"layers": len(found), "period_us": period, "kernels": table},
                   open(sys.argv[2], "w"), indent=1)

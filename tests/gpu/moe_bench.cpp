@@ -113,17 +113,18 @@ class BlockRecorder {
       std::fprintf(stderr, "moe_bench: cannot write %s\n", path);
       std::exit(2);
     }
-    std::fprintf(f, "kernel,sm,block,start,waited,end\n");
+    std::fprintf(f, "kernel,sm,block,start,waited,end,at0,at1\n");
     unsigned long long n = 0, dropped = 0;
     for (unsigned sm = 0; sm < kMaxSms; ++sm) {
       const unsigned long long count = counts[sm * kCounterStride];
       dropped += count > kPerSm ? count - kPerSm : 0;
       for (unsigned long long i = 0; i < std::min(count, kPerSm); ++i, ++n) {
         const block_trace::Record& r = rec[sm * kPerSm + i];
-        std::fprintf(f, "%u,%u,%u,%llu,%llu,%llu\n", r.kernel_sm & 0xffffu, r.kernel_sm >> 16,
-                     r.block, static_cast<unsigned long long>(r.start),
-                     static_cast<unsigned long long>(r.waited),
-                     static_cast<unsigned long long>(r.end));
+        std::fprintf(
+            f, "%u,%u,%u,%llu,%llu,%llu,%llu,%llu\n", r.kernel_sm & 0xffffu, r.kernel_sm >> 16,
+            r.block, static_cast<unsigned long long>(r.start),
+            static_cast<unsigned long long>(r.waited), static_cast<unsigned long long>(r.end),
+            static_cast<unsigned long long>(r.at[0]), static_cast<unsigned long long>(r.at[1]));
       }
     }
     std::fclose(f);

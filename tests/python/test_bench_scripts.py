@@ -153,7 +153,7 @@ def blocks_csv(path, layers, drop=None):
     the third)."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["kernel", "sm", "block", "start", "waited", "end"])
+        w.writerow(["kernel", "sm", "block", "start", "waited", "end", "at0", "at1"])
         prev_end = 1_000_000
         for layer in range(layers):
             for label, kid, n, cost in BLOCKS:
@@ -162,7 +162,9 @@ def blocks_csv(path, layers, drop=None):
                 end = prev_end + int(cost * 1000)
                 for b in range(n):
                     start = prev_end - 3000 if b < n // 2 else prev_end + 1000
-                    w.writerow([kid, b % 3, b, start, prev_end + 500, end - 100 * b])
+                    # The attention marks two points: 1 and 2 us after the kernel before ends.
+                    marks = [prev_end + 1000, prev_end + 2000] if label == "attention" else [0, 0]
+                    w.writerow([kid, b % 3, b, start, prev_end + 500, end - 100 * b] + marks)
                 prev_end = end
 
 
@@ -182,6 +184,9 @@ def test_block_trace_places_each_block_against_the_kernel_before(tmp_path):
         assert abs(k["end_last"] - cost) < 1e-9, label
         assert abs(k["end_first"] - (cost - 0.1 * (n - 1))) < 1e-9, label
         assert k["sms"] == min(n, 3) and k["most_on_one_sm"] == (n + 2) // 3, label
+        assert ("at0_median" in k) == (label == "attention"), label
+    assert got["kernels"]["attention"]["at0_median"] == 1.0
+    assert got["kernels"]["attention"]["at1_median"] == 2.0
     # Too few whole layers: an error, not a table.
     blocks_csv(records, 20)
     r = run(SCRIPTS / "block_trace.py", records, out)
