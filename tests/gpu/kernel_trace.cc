@@ -86,14 +86,14 @@ std::string quoted(const std::string& s) {
 // Writes the kernels that started after cudaProfilerStart returned.
 void write_csv() {
   Trace& t = trace();
-  const char* path = std::getenv("KERNEL_TRACE_CSV");
+  const char* env = std::getenv("KERNEL_TRACE_CSV");
+  const char* path = env != nullptr ? env : "kernel_trace.csv";
   const std::lock_guard<std::mutex> lock(t.mu);
   if (t.written) return;
   t.written = true;
-  std::FILE* f = std::fopen(path != nullptr ? path : "kernel_trace.csv", "w");
+  std::FILE* f = std::fopen(path, "w");
   if (f == nullptr) {
-    std::fprintf(stderr, "kernel_trace: cannot write %s\n",
-                 path != nullptr ? path : "kernel_trace.csv");
+    std::fprintf(stderr, "kernel_trace: cannot write %s (KERNEL_TRACE_CSV)\n", path);
     return;
   }
   std::fprintf(f, "Start (ns),Duration (ns),Name\n");
@@ -106,7 +106,7 @@ void write_csv() {
   }
   std::fclose(f);
   std::fprintf(stderr, "kernel_trace: %zu kernels between cudaProfilerStart and Stop in %s\n", n,
-               path != nullptr ? path : "kernel_trace.csv");
+               path);
 }
 
 void CUPTIAPI on_api(void*, CUpti_CallbackDomain domain, CUpti_CallbackId id, const void* data) {
