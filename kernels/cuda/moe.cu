@@ -407,9 +407,6 @@ __global__ void __launch_bounds__(kGemmThreads)
 // follows only for down: in two calls, 36.41 / 35.98 us with gate_up 2x1 and down 8x2 against
 // 36.72 / 36.26 with 2x1 and 8x1, but 36.86 / 36.41 with gate_up 2x4 and 37.15 / 36.66 with 2x4
 // and 8x1. So gate_up takes 2x1 and down 8x2 (moe_bench times the whole block with each set).
-// Down 8x3 where three pieces a lane cover the row (inter <= 768, one pass, no piece loaded past
-// it): moe_bench's chained layer (Qwen3-30B-A3B) -0.15 us, the median of 23 runs on H100s (20
-// faster), -0.27 on an H200; alone the same time as 8x2 (10.35 / 10.34 us).
 //
 // Down's blocks also ask L2 for their experts' rows before they wait (dev::warp_prefetch_l2, the
 // first l2_prefetch_budget() / rows bytes of each: all of them at batch 1), so the rows stream in
@@ -936,11 +933,6 @@ Status moe_gemv_gate_up(DType dtype, const void* x, const int32_t* ids, int64_t 
   return launch_status("moe_gemv_gate_up");
 }
 
-int moe_down_unroll(int64_t inter, int rows) {
-  if (inter / dev::kHalfVec <= 32 * 3) return 3;
-  return rows == 8 ? 2 : 1;
-}
-
 Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, const float* weights,
                              int64_t tokens, int64_t top_k, const MoeExperts& w, const void* x,
                              const void* shared_gate, const void* shared_out, void* out,
@@ -963,8 +955,6 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
                             std::to_string(kMaxGemvSmem) + " bytes of shared memory");
   }
   const dim3 grid_y(1, static_cast<unsigned>(tokens));
-  const int unroll =
-      tiles.down_unroll != 0 ? tiles.down_unroll : moe_down_unroll(w.inter, tiles.down_rows);
   cudaError_t err = cudaSuccess;
   bool known = true;
   dispatch(dtype, [&](auto tag) {
@@ -978,7 +968,7 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
     using I3 = std::integral_constant<int, 3>;
     using I4 = std::integral_constant<int, 4>;
     using I8 = std::integral_constant<int, 8>;
-    switch (tiles.down_rows * 100 + unroll) {
+    switch (tiles.down_rows * 100 + tiles.down_unroll) {
       case 801:
         err = go(I8{}, I1{});
         break;
@@ -999,9 +989,9 @@ Status moe_gemv_down_combine(DType dtype, const void* act, const int32_t* ids, c
     }
   });
   if (!known) {
-    return invalid_argument("moe_gemv_down_combine: no kernel for " +
-                            std::to_string(tiles.down_rows) + " rows x " + std::to_string(unroll) +
-                            " pieces per warp (it has 8x1, 8x2, 8x3, 4x1, 4x3)");
+    return invalid_argument(
+        "moe_gemv_down_combine: no kernel for " + std::to_string(tiles.down_rows) + " rows x " +
+        std::to_string(tiles.down_unroll) + " pieces per warp (it has 8x1, 8x2, 8x3, 4x1, 4x3)");
   }
   TESSERA_CUDA_RETURN_IF_ERROR(err, "moe_gemv_down_combine");
   return launch_status("moe_gemv_down_combine");

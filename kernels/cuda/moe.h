@@ -120,20 +120,15 @@ Status moe_grouped_down(DType dtype, const void* act, const MoeExperts& w,
 
 // The GEMV path's tiles: gate_up's outputs per warp (each a gate and an up row) and the 16-byte
 // pieces of each row a lane loads before it uses the first; down's rows of one expert per warp
-// and its pieces likewise (0: by the layer's width, moe_down_unroll). moe_forward takes
-// MoeArgs::gemv_tiles (the defaults: moe.cu says why); moe_bench compares the others (gate_up
-// 2x1, 2x2, 2x4, 1x4, 1x8; down 8x1, 8x2, 8x3, 4x1, 4x3). Every tile gives the same bits.
+// and its pieces likewise. moe_forward takes MoeArgs::gemv_tiles (the defaults: moe.cu says
+// why); moe_bench compares the others (gate_up 2x1, 2x2, 2x4, 1x4, 1x8; down 8x1, 8x2,
+// 8x3, 4x1, 4x3). Every tile gives the same bits.
 struct MoeGemvTiles {
   int gate_up_outs = 2;
   int gate_up_unroll = 1;
   int down_rows = 8;
-  int down_unroll = 0;
+  int down_unroll = 2;
 };
-
-// Down's pieces a lane loads at once for `rows` rows a warp of an expert `inter` wide: 3 where
-// they cover a lane's share of the row in one pass (inter <= 768: Qwen3-30B-A3B), else 2 (8
-// rows) or 1 (4 rows).
-int moe_down_unroll(int64_t inter, int rows);
 
 // The decode path. gate_up: pair p = t * top_k + k computes with expert ids[p] only (a pair
 // whose expert is not local is skipped).

@@ -523,7 +523,6 @@ int run(int argc, char** argv) {
     for (auto [gu, dn] : {std::pair{std::pair{2, 2}, std::pair{8, 2}},
                           {{2, 4}, {8, 2}},
                           {{2, 4}, {8, 3}},
-                          {{2, 1}, {8, 2}},
                           {{2, 1}, {8, 3}}}) {
       Chain c = model;
       c.moe.gate_up_outs = gu.first;

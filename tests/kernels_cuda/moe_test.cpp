@@ -711,7 +711,7 @@ TEST_P(MoeLayerTest, EveryGemvTileGivesTheDefaultBits) {
     EXPECT_EQ(got_act, want_act);
     EXPECT_EQ(got_out, want_out);
   }
-  for (const auto& [rows, unroll] : {std::pair{8, 1}, {8, 2}, {8, 3}, {4, 1}, {4, 3}}) {
+  for (const auto& [rows, unroll] : {std::pair{8, 1}, {8, 3}, {4, 1}, {4, 3}}) {
     SCOPED_TRACE("down " + std::to_string(rows) + "x" + std::to_string(unroll));
     MoeGemvTiles t;
     t.down_rows = rows;
