@@ -533,6 +533,11 @@ int run(int argc, char** argv) {
                ", down " + std::to_string(dn.first) + "x" + std::to_string(dn.second);
       chains.push_back(c);
     }
+    // The model's chain once more, last: how far a row drifts from the first by its place alone
+    // (on an H100, rows the same as the model's read -0.25 to +0.27 us from it).
+    Chain again = model;
+    again.name = "the model again (the rows' drift)";
+    chains.push_back(again);
     // MOE_BENCH_PROFILE=1: the model's chain (its capture and replays) between
     // cudaProfilerStart and Stop, for `nsys profile --capture-range=cudaProfilerApi` (a timeline
     // of that chain alone; scripts/bench/chain_trace.py reads it).
