@@ -534,7 +534,7 @@ int run(int argc, char** argv) {
       chains.push_back(c);
     }
     // The model's chain once more, last: how far a row drifts from the first by its place alone
-    // (on an H100, rows the same as the model's read -0.25 to +0.27 us from it).
+    // (on an H100 the model's kernels as the last row read 0.25 us below the first).
     Chain again = model;
     again.name = "the model again (the rows' drift)";
     chains.push_back(again);
