@@ -534,7 +534,8 @@ int run(int argc, char** argv) {
       chains.push_back(c);
     }
     // The model's chain once more, last: how far a row drifts from the first by its place alone
-    // (on an H100 the model's kernels as the last row read 0.25 us below the first).
+    // (on an H100 the model's kernels as the last row read 0.29 us below to 0.18 us above the
+    // first: records 2026-12-07-h100-down-8x3-and-row-drift and -resident-qkv).
     Chain again = model;
     again.name = "the model again (the rows' drift)";
     chains.push_back(again);
