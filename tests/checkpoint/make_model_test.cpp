@@ -587,6 +587,23 @@ TEST(MakeModelTest, RealShapeMoePresets) {
   Expected<ModelConfig> cfg = parse_model_config(*text);
   ASSERT_TRUE(cfg.has_value()) << cfg.status().to_string();
   EXPECT_EQ(cfg->moe.expert_intermediate, 768);
+  o.preset = "qwen1.5-moe-a2.7b";
+  text = make_model_config_json(o);
+  ASSERT_TRUE(text.has_value()) << text.status().to_string();
+  j = json::parse(*text);
+  EXPECT_EQ(j["architectures"], json::array({"Qwen2MoeForCausalLM"}));
+  EXPECT_EQ(j["num_experts"], 60);
+  EXPECT_EQ(j["num_experts_per_tok"], 4);
+  EXPECT_EQ(j["moe_intermediate_size"], 1408);
+  EXPECT_EQ(j["shared_expert_intermediate_size"], 5632);
+  EXPECT_EQ(j["norm_topk_prob"], false);
+  EXPECT_EQ(j["num_key_value_heads"], 16);
+  EXPECT_EQ(j["num_hidden_layers"], 24);
+  EXPECT_EQ(j["vocab_size"], 151936);
+  cfg = parse_model_config(*text);
+  ASSERT_TRUE(cfg.has_value()) << cfg.status().to_string();
+  EXPECT_EQ(cfg->moe.expert_intermediate, 1408);
+  EXPECT_EQ(cfg->moe.shared_intermediate, 5632);
 }
 
 // The tiny Gemma 2, Gemma 3 (text) and Phi-3 models exercise each feature: windows shorter than

@@ -45,6 +45,23 @@ def test_failed_steps_and_their_first_failures_come_last(tmp_path):
     assert "decode_ab.py: no reports" in digest
 
 
+def test_steps_filter_runs_only_the_named_steps(tmp_path):
+    # GPU_CHECK_STEPS picks steps by name within the parts: the decode-ab part on binaries that
+    # do not exist runs only its summary, which fails alone; the others say they were skipped.
+    env = dict(os.environ, OLD_BIN_DIR=str(tmp_path / "old"), GPU_CHECK_PARTS="decode-ab",
+               DECODE_AB_PRESETS="llama3-8b", DECODE_AB_ROUNDS="1", DECODE_AB_ASYNC="0",
+               WORK_DIR=str(tmp_path / "work"), GPU_CHECK_STEPS="decode_ab_summ.*")
+    args = ["bash", str(GPU_CHECK), str(tmp_path / "bin"), str(tmp_path / "tests"),
+            str(tmp_path / "out")]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1].startswith("gpu-check: 1 failure(s) (decode_ab_summary)"), lines[-1]
+    for name in ("kernel_bench_bw", "decode_ab_llama3-8b_old_1", "decode_ab_llama3-8b_new_1"):
+        assert f"--- {name}: skipped (not in GPU_CHECK_STEPS)" in lines, r.stdout
+        assert not (tmp_path / "out" / f"{name}.log").exists()
+
+
 def test_trace_part_reads_the_chains_timeline_by_nsys_or_cupti(tmp_path):
     tests_dir, out, work = tmp_path / "tests", tmp_path / "out", tmp_path / "work"
     tests_dir.mkdir()
