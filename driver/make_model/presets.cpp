@@ -190,6 +190,7 @@ constexpr Shape kShapes[] = {
      true},
     // Qwen2MoeForCausalLM at its published widths: 60 experts of 1408, top 4 not renormalised,
     // a shared expert of 5632 with its sigmoid gate, q/k/v biases, 16 KV heads (no GQA).
+    // max_position_embeddings (8192) is from a public copy of the config, not the Hub's file.
     {.name = "qwen1.5-moe-a2.7b",
      .arch = Architecture::kQwen2Moe,
      .source = "Qwen/Qwen1.5-MoE-A2.7B",

@@ -60,6 +60,12 @@ def test_steps_filter_runs_only_the_named_steps(tmp_path):
     for name in ("kernel_bench_bw", "decode_ab_llama3-8b_old_1", "decode_ab_llama3-8b_new_1"):
         assert f"--- {name}: skipped (not in GPU_CHECK_STEPS)" in lines, r.stdout
         assert not (tmp_path / "out" / f"{name}.log").exists()
+    # Not a regular expression: refused before any step, naming it (it would skip every step).
+    env["GPU_CHECK_STEPS"] = "decode_ab_(summary"
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "GPU_CHECK_STEPS='decode_ab_(summary' is not an extended regular expression" in r.stderr
+    assert "===" not in r.stdout
 
 
 def test_trace_part_reads_the_chains_timeline_by_nsys_or_cupti(tmp_path):
