@@ -308,6 +308,16 @@ def test_multi_part_gathers_issue_31s_figures_and_fails_a_missed_target(tmp_path
     assert r.stdout.splitlines()[-1].startswith("gpu-check: 1 failure(s) (multi_summary)")
     assert "MISSED       llama3-8b TP=2 batch-1 decode over TP=1: 1.5" in r.stdout
 
+    # The slice gpu-check's header gives as an example: the llama3-8b parity and the two nodes.
+    env.update(FAKE_TP2_SPEEDUP="1.9", GPU_CHECK_STEPS=(
+        "make_llama3_8b|multi_(gpu_count|parity_llama3-8b_.*|two_nodes|summary)"))
+    r = subprocess.run(args[:-1] + [str(tmp_path / "slice")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads((tmp_path / "slice" / "bench" / "multi-gpu.json").read_text())
+    assert list(got["parity"]) == ["llama3-8b"] and got["decode"] == {}
+    assert sorted(got["parity"]["llama3-8b"]) == ["pp2", "tp1", "tp2", "two_nodes"]
+
     # One GPU: the part says what it needs and runs nothing else.
     env.update(FAKE_GPUS="1", GPU_CHECK_STEPS="multi_gpu_count")
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
