@@ -88,8 +88,9 @@ def main():
 
     # Parity: each plan against transformers, and its tokens against TP=1's.
     for f in sorted(d.glob("parity_*.json")):
-        model, plan = f.stem[len("parity_"):].rsplit("_", 1) if "two_nodes" not in f.stem else \
-            (f.stem[len("parity_"):-len("_two_nodes")], "two_nodes")
+        name = f.stem[len("parity_"):]
+        model, plan = ((name.removesuffix("_two_nodes"), "two_nodes")
+                       if name.endswith("_two_nodes") else name.rsplit("_", 1))
         r = load(f)
         if r is None:
             continue

@@ -16,7 +16,7 @@ a token; then QUEUED more are sent, and wait behind them. One of the server's ac
   (a request that had streamed may fail: its client has seen part of an answer);
 - a request sent after the restart completes.
 Exit status 0 iff every check passes. scripts/gpu-check's `multi` part runs it at -tp 2 on two
-GPUs; tests/python/test_bench_scripts.py runs it on the CPU backend.
+GPUs; tests/python/test_rank_kill.py runs it on the CPU backend.
 """
 import argparse
 import json
@@ -34,12 +34,10 @@ import urllib.request
 NAMED = re.compile(r"an actor of the served model died: (rank \d+)")
 
 
-def http(url, body=None, timeout=30.0):
-    """(status, text) of a GET, or of a POST of the JSON body; (0, why) when nothing answered."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def http(url, timeout=30.0):
+    """(status, text) of a GET; (0, why) when nothing answered."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
@@ -195,7 +193,6 @@ def main():
                              "--max-tokens")
 
         victim = actors_below(server.pid)[-1]
-        log.flush()
         offset = os.path.getsize(log_path)
         t_kill = time.monotonic()
         os.kill(victim, signal.SIGKILL)

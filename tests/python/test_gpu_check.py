@@ -254,7 +254,7 @@ def multi_fixture(tmp_path, gpus):
     env = dict(os.environ, GPU_CHECK_PARTS="multi", WORK_DIR=str(tmp_path / "work"),
                GPU_PARITY=str(fake / "parity.py"), FAKE_LOG=str(tmp_path / "calls.log"),
                FAKE_GPUS=str(gpus), PATH=f"{fake}:{os.environ['PATH']}", MULTI_PROMPTS="10",
-               # rank_kill.py needs a real server: tests/python/test_bench_scripts.py runs it.
+               # rank_kill.py needs a real server: tests/python/test_rank_kill.py runs it.
                GPU_CHECK_STEPS="make_.*|multi_(gpu_count|allreduce|parity_.*|report_.*|"
                                "throughput_.*|serve_ready_tp2|two_nodes|doctor|summary)")
     args = ["bash", str(GPU_CHECK), str(bin_dir), str(tests_dir), str(tmp_path / "out")]
